@@ -1,0 +1,90 @@
+"""Array interop and argument validation at the API boundary.
+
+On the ``nvshmem`` backend the runtime takes CuPy arrays, any object with
+``__cuda_array_interface__``, or DLPack producers (PyTorch tensors), without copying; on the
+``sim`` backend it takes NumPy arrays. bfloat16 data may come as bfloat16 (ml_dtypes,
+torch.bfloat16) or as its uint16 bit pattern; the kernels see uint16. Validation happens
+here, before any launch, and never adjusts an input silently.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import EPInputError
+
+_BF16_NAMES = ("bfloat16",)
+
+
+def _is_torch(x) -> bool:
+    return type(x).__module__.split(".")[0] == "torch"
+
+
+def to_backend(x, backend: str, call: str, name: str):
+    """``x`` as the backend's array type (NumPy on sim, CuPy on nvshmem), sharing memory.
+
+    bfloat16 arrays are viewed as uint16 (their bit pattern).
+    """
+    if backend == "sim":
+        if not isinstance(x, np.ndarray):
+            raise EPInputError(f"{call}: {name} must be a NumPy array on the 'sim' backend; got "
+                               f"{type(x).__name__}. Pass numpy arrays (or use the 'nvshmem' backend).")
+        return x.view(np.uint16) if x.dtype.name in _BF16_NAMES else x
+    import cupy
+
+    if _is_torch(x):
+        import torch
+
+        if not x.is_cuda:
+            raise EPInputError(f"{call}: {name} is a CPU tensor; move it to this rank's GPU first "
+                               f"(tensor.cuda()).")
+        if x.dtype == torch.bfloat16:
+            x = x.view(torch.int16)
+        arr = cupy.from_dlpack(x)
+        return arr.view(cupy.uint16) if arr.dtype == cupy.int16 else arr
+    if isinstance(x, cupy.ndarray):
+        return x
+    if hasattr(x, "__cuda_array_interface__"):
+        return cupy.asarray(x)
+    if hasattr(x, "__dlpack__"):
+        return cupy.from_dlpack(x)
+    raise EPInputError(f"{call}: {name} must be a device array (CuPy, __cuda_array_interface__ or DLPack, "
+                       f"e.g. a CUDA torch tensor); got {type(x).__name__}. Host NumPy arrays must be "
+                       f"copied to the GPU first (cupy.asarray(x)).")
+
+
+def check_array(x, call: str, name: str, dtype, shape: tuple, fix: str) -> None:
+    """Require dtype, shape (``None`` entries match any size) and C-contiguity."""
+    dt = np.dtype(dtype)
+    if np.dtype(x.dtype) != dt:
+        want = "bfloat16 (or its uint16 bit pattern)" if dt == np.uint16 else dt.name
+        raise EPInputError(f"{call}: {name} must have dtype {want}; got {x.dtype}. {fix}")
+    if len(x.shape) != len(shape) or any(w is not None and w != s for w, s in zip(shape, x.shape)):
+        want = "[" + ", ".join("*" if w is None else str(w) for w in shape) + "]"
+        raise EPInputError(f"{call}: {name} must have shape {want}; got {list(x.shape)}. {fix}")
+    contiguous = x.flags.c_contiguous if hasattr(x, "flags") else True
+    if not contiguous:
+        raise EPInputError(f"{call}: {name} must be C-contiguous; pass a contiguous copy "
+                           f"(ascontiguousarray).")
+
+
+def check_routing(ids: np.ndarray, weights: np.ndarray, n_experts: int, call: str) -> None:
+    """Host-side routing checks (debug mode and the simulator): ids in range and unique per
+    token, weights finite. ``ids`` [T, K] int, ``weights`` [T, K] float32 (host arrays)."""
+    if ids.size == 0:
+        return
+    bad = (ids < 0) | (ids >= n_experts)
+    if bad.any():
+        t, k = map(int, np.argwhere(bad)[0])
+        raise EPInputError(f"{call}: topk_ids[{t}, {k}] = {int(ids[t, k])} is outside [0, n_experts="
+                           f"{n_experts}); {int(bad.sum())} ids are out of range. Check the router's output.")
+    srt = np.sort(ids, axis=1)
+    dup = (srt[:, 1:] == srt[:, :-1]).any(axis=1)
+    if dup.any():
+        t = int(np.argmax(dup))
+        raise EPInputError(f"{call}: token {t} lists an expert twice in topk_ids ({ids[t].tolist()}); "
+                           f"each token's top-k ids must be distinct ({int(dup.sum())} tokens affected).")
+    if not np.isfinite(weights).all():
+        t, k = map(int, np.argwhere(~np.isfinite(weights))[0])
+        raise EPInputError(f"{call}: topk_weights[{t}, {k}] = {weights[t, k]} is not finite; "
+                           f"router weights must be finite numbers.")

@@ -1,0 +1,349 @@
+"""Compile-and-link gate: every NVSHMEM-calling kernel must build for sm_90 on a CPU-only machine.
+
+``python -m ep_runtime.compile_gate [--json] [--entries SPEC] [--only NAME ...] [--jobs N]``
+
+Each entry ``(name, kernel, argtypes)`` is compiled the way ``Dispatcher.compile`` does it on a
+GPU (``_Kernel(py_func, argtypes, **targetoptions)``; LTO on, as numba-cuda picks when nvJitLink is
+present) and then linked to a cubin for the compute capability numba-cuda 0.30.4 uses on an
+sm_90 device, ``(9, 0, "a")``. The link runs NVRTC over NVSHMEM's headers (nvshmem4py's shim)
+and nvJitLink over everything, so typing errors against nvshmem4py's overloads, lowering
+errors and unresolved device symbols all show up here, without a GPU and without a driver.
+
+Entries come from ``ep_runtime.kernels.signatures.gate_entries()`` unless ``--entries`` names
+another module (dotted name or ``.py`` path) with a ``gate_entries()`` function; the tests use
+that for the negative control, which must FAIL.
+
+Exit status: 0 every entry compiled and linked; 1 some entry failed; 2 the gate could not run
+(simulator on, nvshmem4py's Numba bindings missing, no entries, bad arguments).
+
+Private numba-cuda API
+----------------------
+numba-cuda asks the CUDA driver for the compute capability, and there is none here. Two
+attributes are patched, only while :func:`compile_for_sm90` runs and only in this process
+(see :func:`_fixed_compute_capability`, the ``WAR:`` comments). Both exist in
+numba-cuda==0.30.4, which pyproject pins; a different version gets a warning, and the negative
+control (tests/gate_negative.py) shows the gate still rejects bad kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib
+import importlib.util
+import json
+import os
+import sys
+import time
+import traceback
+from types import SimpleNamespace
+
+#: What the gate builds for: the compute capability numba-cuda 0.30.4 derives for an sm_90 device
+#: in ``CUDACodeLibrary._ensure_cc`` (arch-specific "a" for cc >= 9.0), i.e. what
+#: ``get_cufunc`` links on an H100/H200.
+TARGET_CC = (9, 0, "a")
+#: The numba-cuda release whose private API the patches below target (pinned in pyproject.toml).
+PINNED_NUMBA_CUDA = "0.30.4"
+#: Module whose ``gate_entries()`` lists the project's kernels.
+DEFAULT_ENTRIES = "ep_runtime.kernels.signatures"
+
+
+class GateSetupError(RuntimeError):
+    """The gate cannot run in this environment (not a kernel failure)."""
+
+
+@dataclasses.dataclass
+class CompileResult:
+    name: str
+    ok: bool
+    seconds: float
+    cubin_bytes: int = 0
+    #: "compile" (typing, lowering, NVVM) or "link" (NVRTC shim + nvJitLink); None when ok.
+    stage: str | None = None
+    error: str | None = None
+    #: numba-cuda will launch it cooperatively (grid must be co-resident). None when not built.
+    cooperative: bool | None = None
+
+    def line(self) -> str:
+        size = f"{self.cubin_bytes / 1024:8.1f} KB" if self.ok else "       - KB"
+        text = f"{self.name:<44} {'OK' if self.ok else 'FAIL':<4} {self.seconds:7.2f} s {size}"
+        if not self.ok:
+            text += f"  [{self.stage}]"
+            detail = (self.error or "").strip().splitlines()
+            text += "".join(f"\n    {ln}" for ln in detail[:12])
+            if len(detail) > 12:
+                text += f"\n    ... ({len(detail) - 12} more lines; --json has all)"
+        return text
+
+
+# --------------------------------------------------------------------------------------------
+# environment checks
+
+
+def _simulator_requested() -> bool:
+    # Same rule as numba's config: an int, 0 (or unset/empty) means off.
+    value = os.environ.get("NUMBA_ENABLE_CUDASIM", "").strip()
+    return value not in ("", "0")
+
+
+def check_environment() -> None:
+    """Raise :class:`GateSetupError` unless the real compiler and nvshmem4py's bindings are here."""
+    if _simulator_requested():
+        raise GateSetupError(
+            "NUMBA_ENABLE_CUDASIM is set: the compile gate needs the real CUDA compiler "
+            "(the simulator type-checks nothing). Unset it for this process.")
+    if os.environ.get("NUMBA_FORCE_CUDA_CC"):
+        raise GateSetupError(
+            "NUMBA_FORCE_CUDA_CC is set: it would override the gate's target sm_90a. Unset it.")
+    from numba.cuda import config as cuda_config
+    if cuda_config.ENABLE_CUDASIM:
+        raise GateSetupError("numba.cuda is running its simulator; the gate needs the real compiler.")
+    if not nvshmem_numba_bindings_installed():
+        raise GateSetupError(
+            "nvshmem4py's Numba device bindings are not installed (need nvshmem4py-cu13[numba] "
+            "and cffi; e.g. pip install -e '.[test]').")
+
+
+def nvshmem_numba_bindings_installed() -> bool:
+    """Whether nvshmem4py's Numba device bindings and their undeclared dependency cffi are present.
+
+    Looks at files only (imports nothing of numba or nvshmem): nvshmem4py ships stubs and warns
+    "Numba device bindings are not enabled" when ``rma.py`` / ``_numbast.py`` are absent.
+    """
+    try:
+        spec = importlib.util.find_spec("nvshmem")
+    except (ImportError, ValueError):
+        return False
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    root = list(spec.submodule_search_locations)[0]
+    needed = [os.path.join(root, "core", "device", "numba", "rma.py"),
+              os.path.join(root, "bindings", "device", "numba", "_numbast.py")]
+    return (all(os.path.exists(p) for p in needed)
+            and importlib.util.find_spec("cffi") is not None
+            and importlib.util.find_spec("numba_cuda") is not None)
+
+
+def _numba_cuda_version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("numba-cuda")
+    except Exception:  # pragma: no cover - metadata missing
+        return "unknown"
+
+
+# --------------------------------------------------------------------------------------------
+# compiling
+
+
+@contextlib.contextmanager
+def _fixed_compute_capability(cc=TARGET_CC):
+    """Answer numba-cuda's two compute-capability questions with ``cc`` instead of the driver.
+
+    Scope: the ``with`` block, this process. Restores the originals on exit.
+    """
+    from numba.cuda import codegen, dispatcher
+
+    lib_cls = codegen.CUDACodeLibrary
+    if not hasattr(dispatcher, "get_current_device") or not hasattr(lib_cls, "_ensure_cc"):
+        raise GateSetupError(
+            f"numba-cuda {_numba_cuda_version()} lacks dispatcher.get_current_device or "
+            f"CUDACodeLibrary._ensure_cc; the gate targets numba-cuda=={PINNED_NUMBA_CUDA}.")
+    saved_device = dispatcher.get_current_device
+    saved_ensure = lib_cls.__dict__["_ensure_cc"]
+
+    # WAR: _Kernel.__init__ (numba/cuda/dispatcher.py) starts with
+    # `cc = get_current_device().compute_capability`, a driver call that fails without a GPU.
+    # It reads only `.compute_capability`. Patch the name numba.cuda.dispatcher imported, not
+    # numba.cuda.api.get_current_device, so nothing outside kernel compilation sees a fake device.
+    fake_device = SimpleNamespace(compute_capability=tuple(cc[:2]))
+    dispatcher.get_current_device = lambda: fake_device
+
+    # WAR: _Kernel.__init__ then calls lib.get_asm_str() with cc=None (to find cooperative
+    # launch and NRT use), and CUDACodeLibrary._ensure_cc(None) reads the compute capability
+    # from the current driver context. Return what it would return on an sm_90 device;
+    # explicit ccs pass through unchanged, as in the original.
+    def _ensure_cc(self, want):
+        return want if want is not None else cc
+
+    lib_cls._ensure_cc = _ensure_cc
+    try:
+        yield
+    finally:
+        dispatcher.get_current_device = saved_device
+        lib_cls._ensure_cc = saved_ensure
+
+
+def _kernel_parts(func):
+    """(py_func, targetoptions) for a ``@cuda.jit`` dispatcher or a plain Python function."""
+    from numba.cuda.dispatcher import CUDADispatcher
+
+    if isinstance(func, CUDADispatcher):
+        # Exactly what CUDADispatcher.compile passes to _Kernel.
+        return func.py_func, dict(func.targetoptions)
+    if callable(func) and hasattr(func, "__code__"):
+        from numba.cuda.cudadrv.driver import _have_nvjitlink
+        # @cuda.jit's default: LTO when nvJitLink is present (debug off).
+        return func, {"lto": _have_nvjitlink()}
+    raise TypeError(f"not a @cuda.jit kernel or Python function: {func!r}")
+
+
+def compile_for_sm90(py_func, argtypes, name: str | None = None) -> CompileResult:
+    """Compile ``py_func`` (a ``@cuda.jit`` kernel or plain function) for ``argtypes`` and link
+    it to an sm_90a cubin, as a launch on an H100/H200 would. Never raises for kernel errors:
+    they come back as ``ok=False`` with the error text.
+    """
+    if _simulator_requested():
+        raise GateSetupError("NUMBA_ENABLE_CUDASIM is set: the compile gate needs the real compiler.")
+    from numba.cuda.dispatcher import _Kernel
+
+    name = name or getattr(py_func, "__name__", repr(py_func))
+    start = time.perf_counter()
+    stage = "compile"
+    try:
+        func, options = _kernel_parts(py_func)
+        with _fixed_compute_capability():
+            kernel = _Kernel(func, tuple(argtypes), **options)
+            stage = "link"
+            cubin = kernel.library.get_cubin(cc=TARGET_CC)
+        data = getattr(cubin, "code", cubin)  # cuda.core ObjectCode in 0.30.4; bytes before
+        size = len(bytes(data))
+        if size == 0:
+            raise RuntimeError("linker returned an empty cubin")
+        return CompileResult(name, True, time.perf_counter() - start, size,
+                             cooperative=bool(kernel.cooperative))
+    except GateSetupError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - every kernel error is a gate FAIL
+        text = f"{type(exc).__name__}: {exc}"
+        if not str(exc).strip():
+            text += "\n" + traceback.format_exc()
+        return CompileResult(name, False, time.perf_counter() - start, stage=stage, error=text)
+
+
+def run_gate(entries) -> list[CompileResult]:
+    """Compile and link each ``(name, kernel, argtypes)`` entry in this process, in order."""
+    return [compile_for_sm90(func, argtypes, name=name) for name, func, argtypes in entries]
+
+
+# --------------------------------------------------------------------------------------------
+# entries
+
+
+def _load_module(spec: str):
+    if spec.endswith(".py") or os.sep in spec:
+        path = os.path.abspath(spec)
+        mod_name = "_ep_gate_entries_" + os.path.splitext(os.path.basename(path))[0]
+        if mod_name in sys.modules:
+            return sys.modules[mod_name]
+        file_spec = importlib.util.spec_from_file_location(mod_name, path)
+        if file_spec is None or file_spec.loader is None:
+            raise GateSetupError(f"cannot load entries from {spec}")
+        module = importlib.util.module_from_spec(file_spec)
+        sys.modules[mod_name] = module
+        file_spec.loader.exec_module(module)
+        return module
+    return importlib.import_module(spec)
+
+
+def load_entries(spec: str = DEFAULT_ENTRIES) -> list[tuple]:
+    """``gate_entries()`` of module ``spec`` (dotted name or .py path), checked."""
+    if spec == DEFAULT_ENTRIES and importlib.util.find_spec(spec) is None:
+        return []
+    entries = list(_load_module(spec).gate_entries())
+    seen = set()
+    for entry in entries:
+        if not (isinstance(entry, tuple) and len(entry) == 3 and isinstance(entry[0], str)
+                and isinstance(entry[2], tuple)):
+            raise GateSetupError(f"bad gate entry (want (name, kernel, argtypes tuple)): {entry!r}")
+        if entry[0] in seen:
+            raise GateSetupError(f"duplicate gate entry name {entry[0]!r}")
+        seen.add(entry[0])
+    return entries
+
+
+def gate_entries() -> list[tuple]:
+    """The project's gate entries: ``ep_runtime.kernels.signatures.gate_entries()`` if present."""
+    return load_entries(DEFAULT_ENTRIES)
+
+
+_WORKER_ENTRIES: dict = {}
+
+
+def _compile_in_worker(spec: str, name: str) -> CompileResult:
+    if spec not in _WORKER_ENTRIES:
+        _WORKER_ENTRIES[spec] = {e[0]: e for e in load_entries(spec)}
+    _, func, argtypes = _WORKER_ENTRIES[spec][name]
+    return compile_for_sm90(func, argtypes, name=name)
+
+
+def _run_parallel(spec: str, names: list[str], jobs: int) -> list[CompileResult]:
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    ctx = multiprocessing.get_context("spawn")  # fresh interpreters: no forked compiler state
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+        futures = [pool.submit(_compile_in_worker, spec, n) for n in names]
+        return [f.result() for f in futures]
+
+
+# --------------------------------------------------------------------------------------------
+# command line
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ep_runtime.compile_gate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object (last stdout line)")
+    parser.add_argument("--entries", default=DEFAULT_ENTRIES,
+                        help=f"module or .py file with gate_entries() (default {DEFAULT_ENTRIES})")
+    parser.add_argument("--only", action="append", metavar="NAME", help="compile only these entries")
+    parser.add_argument("--jobs", "-j", type=int, default=1, help="compile in N processes (default 1)")
+    args = parser.parse_args(argv)
+
+    version = _numba_cuda_version()
+    started = time.perf_counter()
+    try:
+        check_environment()
+        # Keep stdout for our report: numba/nvshmem chatter during import and compile goes to stderr.
+        with contextlib.redirect_stdout(sys.stderr):
+            entries = load_entries(args.entries)
+            if args.only:
+                unknown = set(args.only) - {e[0] for e in entries}
+                if unknown:
+                    raise GateSetupError(f"unknown entries: {sorted(unknown)}")
+                entries = [e for e in entries if e[0] in args.only]
+            if not entries:
+                raise GateSetupError(f"no gate entries from {args.entries}")
+            if version != PINNED_NUMBA_CUDA:
+                print(f"warning: numba-cuda {version}, the gate's patches target "
+                      f"{PINNED_NUMBA_CUDA}", file=sys.stderr)
+            if args.jobs > 1 and len(entries) > 1:
+                results = _run_parallel(args.entries, [e[0] for e in entries], args.jobs)
+            else:
+                results = run_gate(entries)
+    except GateSetupError as exc:
+        if args.json:
+            print(json.dumps({"ok": False, "setup_error": str(exc), "results": []}))
+        else:
+            print(f"compile gate: cannot run: {exc}", file=sys.stderr)
+        return 2
+
+    ok = all(r.ok for r in results)
+    wall = time.perf_counter() - started
+    if args.json:
+        print(json.dumps({
+            "ok": ok, "target": "sm_%d%d%s" % TARGET_CC, "numba_cuda": version,
+            "seconds": round(wall, 2), "results": [dataclasses.asdict(r) for r in results],
+        }))
+    else:
+        for r in results:
+            print(r.line())
+        n_ok = sum(r.ok for r in results)
+        print(f"compile gate: {n_ok}/{len(results)} OK for sm_{TARGET_CC[0]}{TARGET_CC[1]}{TARGET_CC[2]} "
+              f"(numba-cuda {version}) in {wall:.1f} s")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""`EPConfig`: the frozen, validated description of one expert-parallel layer.
+
+Every rank must build the same config (the runtime checks it at construction). Invalid
+values raise :class:`~ep_runtime.errors.EPConfigError` naming the field, the value, the rule
+and a fix.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass, fields
+
+from .errors import EPConfigError
+
+#: Token formats the kernels move today (bf16 travels as its 16-bit pattern).
+TOKEN_DTYPES = ("bfloat16",)
+#: Wire formats of combine partials.
+COMBINE_DTYPES = ("bfloat16",)
+#: combine_wait keeps the set of ranks a token went to in a 64-bit mask.
+MAX_RANKS = 64
+#: Row indices of the expert batch are int32.
+MAX_ROWS = 2**31 - 1
+#: Default bound on a device-side wait: long enough for a slow peer's first-call compile to be
+#: excluded (the runtime compiles before the first call), short enough to surface a hang.
+DEFAULT_WAIT_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class EPConfig:
+    """One expert-parallel layer: sizes, formats and limits.
+
+    Parameters
+    ----------
+    n_ranks : int
+        Ranks (PEs) in the expert-parallel group; 1 <= n_ranks <= 64.
+    n_experts : int
+        Global experts, a multiple of ``n_ranks``; rank r holds experts
+        ``[r * n_local_experts, (r + 1) * n_local_experts)``.
+    top_k : int
+        Experts per token, 1 <= top_k <= n_experts (ids unique within a token).
+    hidden : int
+        Elements per token row.
+    max_tokens_per_rank : int
+        Upper bound on the tokens any rank passes to one dispatch; sizes every buffer.
+    token_dtype : str
+        Format of token rows on the wire and in the expert batch: ``"bfloat16"``.
+    combine_dtype : str
+        Format of the per-rank partial sums sent back by combine: ``"bfloat16"``.
+    n_sms : int or None
+        Thread blocks per kernel (persistent grid); ``None`` lets the runtime choose.
+    wait_timeout_s : float
+        Bound on every device-side wait, in seconds; ``0`` waits forever.
+    pad_multiple : int
+        Each expert's segment of the expert batch starts at a multiple of this (grouped
+        GEMM tiles); padding rows are zero with source rank -1.
+    max_recv_rows : int or None
+        Capacity of the expert batch in rows; ``None`` = the worst case
+        (:attr:`worst_case_recv_rows`). A smaller capacity saves memory; a call that needs more
+        raises :class:`~ep_runtime.errors.EPCapacityError` with the count it needed.
+    """
+
+    n_ranks: int
+    n_experts: int
+    top_k: int
+    hidden: int
+    max_tokens_per_rank: int
+    token_dtype: str = "bfloat16"
+    combine_dtype: str = "bfloat16"
+    n_sms: int | None = None
+    wait_timeout_s: float = DEFAULT_WAIT_TIMEOUT_S
+    pad_multiple: int = 1
+    max_recv_rows: int | None = None
+
+    def __post_init__(self):
+        for f in ("n_ranks", "n_experts", "top_k", "hidden", "max_tokens_per_rank", "pad_multiple"):
+            _require_int(f, getattr(self, f))
+        for f in ("n_sms", "max_recv_rows"):
+            if getattr(self, f) is not None:
+                _require_int(f, getattr(self, f))
+        _check(self.n_ranks >= 1, "n_ranks", self.n_ranks, "must be >= 1", "use the size of the expert-parallel group")
+        _check(self.n_ranks <= MAX_RANKS, "n_ranks", self.n_ranks,
+               f"must be <= {MAX_RANKS} (combine keeps a 64-bit mask of destination ranks)",
+               "split the group into expert-parallel groups of at most 64 ranks")
+        _check(self.n_experts >= 1, "n_experts", self.n_experts, "must be >= 1", "use the model's expert count")
+        if self.n_experts % self.n_ranks:
+            lo = self.n_experts // self.n_ranks * self.n_ranks
+            hi = lo + self.n_ranks
+            fix = f"use {lo} or {hi}" if lo > 0 else f"use {hi}"
+            raise EPConfigError(
+                f"EPConfig.n_experts={self.n_experts}: n_experts must be a multiple of n_ranks "
+                f"({self.n_ranks}) so every rank holds the same number of experts; {fix}")
+        _check(1 <= self.top_k <= self.n_experts, "top_k", self.top_k,
+               f"must be in [1, n_experts={self.n_experts}]", "use the router's k")
+        _check(self.hidden >= 1, "hidden", self.hidden, "must be >= 1", "use the model's hidden size")
+        _check(self.max_tokens_per_rank >= 1, "max_tokens_per_rank", self.max_tokens_per_rank,
+               "must be >= 1", "use the largest batch one rank passes to dispatch")
+        _check(isinstance(self.token_dtype, str) and self.token_dtype in TOKEN_DTYPES, "token_dtype",
+               self.token_dtype, f"must be one of the strings {TOKEN_DTYPES}", "use 'bfloat16'")
+        _check(isinstance(self.combine_dtype, str) and self.combine_dtype in COMBINE_DTYPES, "combine_dtype",
+               self.combine_dtype, f"must be one of the strings {COMBINE_DTYPES}", "use 'bfloat16'")
+        if self.n_sms is not None:
+            _check(self.n_sms >= 1, "n_sms", self.n_sms, "must be >= 1 or None", "use None to let the runtime choose")
+        _check(isinstance(self.wait_timeout_s, numbers.Real) and not isinstance(self.wait_timeout_s, bool)
+               and math.isfinite(self.wait_timeout_s) and self.wait_timeout_s >= 0,
+               "wait_timeout_s", self.wait_timeout_s, "must be a finite number of seconds >= 0",
+               f"use {DEFAULT_WAIT_TIMEOUT_S} (or 0 to wait forever)")
+        _check(self.pad_multiple >= 1, "pad_multiple", self.pad_multiple, "must be >= 1",
+               "use 1 for no padding, or the grouped GEMM's row tile (e.g. 64 or 128)")
+        if self.max_recv_rows is not None:
+            _check(self.max_recv_rows >= 1, "max_recv_rows", self.max_recv_rows, "must be >= 1 or None",
+                   "use None for the worst case")
+        _check(self.recv_rows_capacity <= MAX_ROWS, "max_recv_rows" if self.max_recv_rows else "max_tokens_per_rank",
+               self.max_recv_rows or self.max_tokens_per_rank,
+               f"gives {self.recv_rows_capacity} expert-batch rows, more than int32 row indices allow",
+               "set max_recv_rows to a smaller capacity")
+
+    # -- derived sizes -----------------------------------------------------------------------
+    @property
+    def n_local_experts(self) -> int:
+        """Experts per rank (``L``)."""
+        return self.n_experts // self.n_ranks
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of one token row on the wire (``hidden`` bf16 values)."""
+        return self.hidden * 2
+
+    @property
+    def routing_bytes(self) -> int:
+        """Bytes of one token's routing entry (``top_k`` int32 ids + ``top_k`` float32 weights)."""
+        return self.top_k * 8
+
+    @property
+    def bytes_per_message(self) -> int:
+        """Bytes dispatch moves per (token, destination rank): the row plus its routing entry."""
+        return self.token_bytes + self.routing_bytes
+
+    @property
+    def worst_case_recv_tokens(self) -> int:
+        """Most tokens one rank can receive in one dispatch (every token of every rank)."""
+        return self.n_ranks * self.max_tokens_per_rank
+
+    @property
+    def worst_case_recv_rows(self) -> int:
+        """Most expert-batch rows one rank can need: every received token hits
+        ``min(top_k, L)`` local experts, plus the padding of every segment."""
+        return (self.worst_case_recv_tokens * min(self.top_k, self.n_local_experts)
+                + self.n_local_experts * (self.pad_multiple - 1))
+
+    @property
+    def recv_rows_capacity(self) -> int:
+        """Rows of the expert batch (``max_recv_rows`` or the worst case)."""
+        return self.max_recv_rows if self.max_recv_rows is not None else self.worst_case_recv_rows
+
+    def rank_of_expert(self, expert: int) -> int:
+        """The rank holding global expert ``expert``."""
+        return expert // self.n_local_experts
+
+    def as_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _require_int(field: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise EPConfigError(
+            f"EPConfig.{field}={value!r}: must be an int, got {type(value).__name__}; pass int({field})")
+
+
+def _check(ok: bool, field: str, value, rule: str, fix: str) -> None:
+    if not ok:
+        raise EPConfigError(f"EPConfig.{field}={value!r}: {field} {rule}; {fix}")

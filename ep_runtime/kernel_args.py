@@ -1,0 +1,69 @@
+"""The argument list of each kernel, named once.
+
+The runtime builds launch arguments from these lists, and the compile-and-link gate builds
+the Numba signatures the runtime will launch from the same lists, so the two cannot drift.
+A name is either a :class:`~ep_runtime.layout.BufferLayout` region, a caller's array
+(:data:`CALLER_ARRAYS`: dtype and rank), or an int64 scalar (:data:`SCALARS`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .layout import BufferLayout
+
+#: Arrays the caller passes (after conversion to the kernels' dtypes), as (dtype, ndim).
+CALLER_ARRAYS = {
+    "tokens": (np.uint16, 2),
+    "topk_ids": (np.int32, 2),
+    "topk_weights": (np.float32, 2),
+    "expert_out": (np.uint16, 2),
+    "out": (np.uint16, 2),
+    "out_partials": (np.uint16, 3),
+    "aux": (np.float32, 1),
+}
+#: int64 scalar arguments.
+SCALARS = ("pad_multiple", "timeout_ns", "mode")
+
+KERNEL_ARGS = {
+    "dispatch_async": (
+        "tokens", "topk_ids", "topk_weights", "dispatch_tokens", "dispatch_topk_ids",
+        "dispatch_topk_weights", "dispatch_counts", "dispatch_signal", "dispatch_async_sync",
+        "dispatch_send_hist", "dispatch_send_counts", "status"),
+    "dispatch_wait": (
+        "dispatch_tokens", "dispatch_topk_ids", "dispatch_topk_weights", "dispatch_counts",
+        "dispatch_signal", "dispatch_async_sync", "expert_x", "row_offsets", "expert_counts",
+        "row_src_rank", "row_src_token", "row_src_k", "row_weight", "token_rows", "status",
+        "pad_multiple", "timeout_ns"),
+    "combine_async": (
+        "expert_out", "dispatch_topk_ids", "dispatch_counts", "combine_partials", "combine_signal",
+        "dispatch_async_sync", "token_rows", "row_weight", "combine_stage", "combine_async_sync",
+        "status"),
+    "combine_wait": (
+        "out", "out_partials", "dispatch_topk_ids", "dispatch_counts", "combine_partials",
+        "combine_signal", "dispatch_async_sync", "status", "mode", "timeout_ns", "aux"),
+}
+
+
+def build_args(kernel: str, regions: dict, values: dict) -> tuple:
+    """Launch arguments of ``kernel``: each name from ``values`` if given there, else from
+    ``regions`` (the runtime's kernel-ready region arrays)."""
+    return tuple(values[n] if n in values else regions[n] for n in KERNEL_ARGS[kernel])
+
+
+def argtypes(kernel: str, layout: BufferLayout) -> tuple:
+    """The Numba signature the runtime launches ``kernel`` with (C-contiguous arrays)."""
+    from numba import from_dtype, types
+
+    out = []
+    for n in KERNEL_ARGS[kernel]:
+        if n in SCALARS:
+            out.append(types.int64)
+            continue
+        if n in CALLER_ARRAYS:
+            dtype, ndim = CALLER_ARRAYS[n]
+        else:
+            r = layout.region(n)
+            dtype, ndim = r.dtype, len(r.shape)
+        out.append(types.Array(from_dtype(np.dtype(dtype)), ndim, "C"))
+    return tuple(out)

@@ -1,0 +1,160 @@
+"""`BufferLayout`: the single source of every buffer's size, type, owner and offset.
+
+Pure and CPU-testable. The runtime allocates one symmetric block and one device-local block
+of the sizes given here and carves every region out of them at the offsets given here, by
+looping over this table (so no region can be forgotten or leak). ``docs/protocol.md`` mirrors
+the table; :meth:`BufferLayout.describe` prints it.
+
+Symbols: ``R`` ranks, ``E`` experts, ``L = E / R`` local experts, ``K`` top-k, ``H`` hidden,
+``T = max_tokens_per_rank``, ``C`` expert-batch capacity in rows, ``G = 2`` buffer groups
+(call ``n`` uses group ``n % 2``; see docs/protocol.md for why two are needed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .config import EPConfig
+
+#: Buffer groups that alternate between calls.
+N_GROUPS = 2
+#: Byte alignment of every region (a multiple of every dtype and of 16-byte vector access).
+ALIGN = 256
+
+# Indices into the int64 status (error record) region.
+STATUS_CODE, STATUS_KERNEL, STATUS_RANK, STATUS_PEER, STATUS_COUNTER, STATUS_EXPECTED, \
+    STATUS_OBSERVED, STATUS_CALL = range(8)
+STATUS_LEN = 8
+
+# Indices into dispatch_async_sync (int64).
+SYNC_TICKET = 0   # blocks of the current launch that finished; the last block resets it to 0
+SYNC_CALLS = 1    # completed dispatch calls: call n (0-based) sets it to n + 1
+
+
+@dataclass(frozen=True)
+class Region:
+    """One buffer.
+
+    ``shape`` and ``dtype`` are what kernels see; ``init`` is the value it holds at
+    allocation; ``writer`` / ``readers`` name kernels (``dispatch_async``, ``dispatch_wait``,
+    ``combine_async``, ``combine_wait``, ``peers`` for remote writes, ``user`` for the
+    caller); ``offset`` is its byte offset in its block (symmetric or local).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    init: int | float
+    symmetric: bool
+    writer: str
+    readers: tuple[str, ...]
+    doc: str
+    offset: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+class BufferLayout:
+    """Every symmetric and device-local region of an :class:`EPConfig`, with offsets."""
+
+    def __init__(self, cfg: EPConfig):
+        self.cfg = cfg
+        regions = _regions(cfg)
+        placed, offsets = [], {True: 0, False: 0}
+        for r in regions:
+            off = offsets[r.symmetric]
+            placed.append(Region(**{**r.__dict__, "offset": off}))
+            offsets[r.symmetric] = _align(off + r.nbytes)
+        self.regions: tuple[Region, ...] = tuple(placed)
+        self.symmetric_bytes = offsets[True]
+        self.local_bytes = offsets[False]
+
+    def region(self, name: str) -> Region:
+        for r in self.regions:
+            if r.name == name:
+                return r
+        raise KeyError(f"no region named {name!r}; regions: {[r.name for r in self.regions]}")
+
+    @property
+    def symmetric_regions(self) -> tuple[Region, ...]:
+        return tuple(r for r in self.regions if r.symmetric)
+
+    @property
+    def local_regions(self) -> tuple[Region, ...]:
+        return tuple(r for r in self.regions if not r.symmetric)
+
+    def describe(self) -> str:
+        """The region table with per-region and total MiB."""
+        mib = 1 << 20
+        rows = [f"BufferLayout for {self.cfg}", f"{'region':24} {'heap':9} {'shape':28} {'dtype':8} "
+                f"{'init':>5} {'offset':>14} {'MiB':>10}  writer -> readers"]
+        for r in self.regions:
+            rows.append(f"{r.name:24} {'symmetric' if r.symmetric else 'local':9} {str(r.shape):28} "
+                        f"{r.dtype.name:8} {r.init!s:>5} {r.offset:>14} {r.nbytes / mib:>10.3f}  "
+                        f"{r.writer} -> {', '.join(r.readers)}")
+        rows.append(f"symmetric total {self.symmetric_bytes / mib:.3f} MiB; "
+                    f"local total {self.local_bytes / mib:.3f} MiB")
+        return "\n".join(rows)
+
+
+def _regions(cfg: EPConfig) -> list[Region]:
+    R, E, L, K, H = cfg.n_ranks, cfg.n_experts, cfg.n_local_experts, cfg.top_k, cfg.hidden
+    T, C, G = cfg.max_tokens_per_rank, cfg.recv_rows_capacity, N_GROUPS
+    u16, i32, i64, u64, f32 = (np.dtype(t) for t in ("uint16", "int32", "int64", "uint64", "float32"))
+    DA, DW, CA, CW = "dispatch_async", "dispatch_wait", "combine_async", "combine_wait"
+    S, Lc = True, False
+    return [
+        # -- symmetric: written by peers (and by this rank to itself) -----------------------------
+        Region("dispatch_tokens", (G, R, T, H), u16, 0, S, f"{DA} (peers)", (DW,),
+               "[g, src, t]: token t of rank src (bf16 bits), sent once per destination rank"),
+        Region("dispatch_topk_ids", (G, R, T, K), i32, -1, S, f"{DA} (peers)", (DW, CA, CW),
+               "[g, src, t]: global expert ids of token t of rank src (every token, sent to every rank)"),
+        Region("dispatch_topk_weights", (G, R, T, K), f32, 0, S, f"{DA} (peers)", (DW,),
+               "[g, src, t]: router weights of token t of rank src"),
+        Region("dispatch_counts", (G, R, L + 1), i32, 0, S, f"{DA} (peers, last block)", (DW, CA, CW),
+               "[g, src, :L]: tokens of src per local expert; [g, src, L]: tokens src dispatched"),
+        Region("dispatch_signal", (G, R), u64, 0, S, f"{DA} (peers, last block)", (DW,),
+               "[g, src]: n + 1 once everything of call n from src has arrived (monotonic)"),
+        Region("combine_partials", (G, R, T, H), u16, 0, S, f"{CA} (peers)", (CW,),
+               "[g, r, t]: weighted partial sum over rank r's experts for my token t (bf16 bits)"),
+        Region("combine_signal", (G, R), u64, 0, S, f"{CA} (peers, last block)", (CW,),
+               "[g, r]: n + 1 once rank r's partials of call n have arrived (monotonic)"),
+        # -- local: counters of dispatch_async -----------------------------------------------------
+        Region("dispatch_async_sync", (2,), i64, 0, Lc, DA, (DA, DW, CA, CW),
+               "[0] ticket: finished blocks of the launch (reset by the last block); "
+               "[1] calls: completed dispatch calls (call n sets n + 1)"),
+        Region("dispatch_send_hist", (E,), i32, 0, Lc, DA, (DA,),
+               "tokens of this rank per global expert in the current call (zeroed by the last block)"),
+        Region("dispatch_send_counts", (R, L + 1), i32, 0, Lc, DA, (DA,),
+               "staging of the per-destination counts put with the signal"),
+        # -- local: shared by dispatch_wait and combine_async --------------------------------------
+        Region("token_rows", (R, T, K), i32, -1, Lc, DW, (CA,),
+               "[src, t, j]: expert-batch row of the j-th local expert (ascending) of token (src, t)"),
+        Region("combine_async_sync", (1,), i64, 0, Lc, CA, (CA,),
+               "[0] ticket: finished blocks of the launch (reset by the last block)"),
+        # -- local: staging of combine_async -------------------------------------------------------
+        Region("combine_stage", (R, T, H), u16, 0, Lc, CA, (CA,),
+               "[dst, t]: partial sum for token t of rank dst, staged before the put"),
+        # -- local: the expert batch (output of dispatch_wait) -------------------------------------
+        Region("expert_x", (C, H), u16, 0, Lc, DW, ("user", CA),
+               "rows grouped by local expert, then source rank, then source token (bf16 bits)"),
+        Region("row_offsets", (L + 1,), i32, 0, Lc, DW, ("user",),
+               "segment e of the batch is rows [row_offsets[e], row_offsets[e + 1])"),
+        Region("expert_counts", (L,), i32, 0, Lc, DW, ("user",),
+               "real (unpadded) rows per local expert"),
+        Region("row_src_rank", (C,), i32, -1, Lc, DW, ("user",), "source rank of each row (-1: padding)"),
+        Region("row_src_token", (C,), i32, -1, Lc, DW, ("user",), "source token index of each row"),
+        Region("row_src_k", (C,), i32, -1, Lc, DW, ("user",), "top-k slot of each row"),
+        Region("row_weight", (C,), f32, 0, Lc, DW, ("user", CA), "router weight of each row"),
+        # -- local: error record --------------------------------------------------------------------
+        Region("status", (STATUS_LEN,), i64, 0, Lc, "any kernel", ("host",),
+               "first device error: code, kernel, rank, peer/expert, counter, expected, observed, call"),
+    ]

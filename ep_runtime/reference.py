@@ -1,0 +1,169 @@
+"""The pure-NumPy oracle: dispatch and combine for all ranks, in one process.
+
+These functions define what the kernels must produce (docs/protocol.md states the same):
+
+Dispatch (exact)
+    Rank ``r``'s expert batch holds one row per (source token, local expert of ``r`` in its
+    top-k), grouped by local expert ``e`` (ascending), then source rank ``s`` (ascending),
+    then source token ``t`` (ascending). Segment ``e`` starts at ``row_offsets[e]``, a multiple
+    of ``pad_multiple``; padding rows are zero with source rank/token/k ``-1`` and weight 0.
+
+Combine (fixed order, float32)
+    Rank ``r`` computes, for each token ``(s, t)`` it received, the partial
+    ``p_r = sum over its local experts e of t in ascending e: w(t, e) * f32(y_e(t))``
+    accumulated sequentially in float32 from 0, and rounds it to ``combine_dtype`` (the wire).
+    The home rank ``s`` sums the partials of the ranks token ``t`` went to, in rank order, in
+    float32 from 0, and rounds to bfloat16. Kernels may differ from this only by fused
+    multiply-add contraction; :func:`combine_tolerance` bounds that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+from .config import EPConfig
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+@dataclass
+class ExpertBatchRef:
+    """One rank's expert-major batch.
+
+    Attributes
+    ----------
+    x : [rows, hidden] bfloat16
+    row_offsets : [L + 1] int32
+    expert_counts : [L] int32 (unpadded)
+    src_rank, src_token, src_k : [rows] int32 (-1 on padding rows)
+    weight : [rows] float32 (0 on padding rows)
+    """
+
+    x: np.ndarray
+    row_offsets: np.ndarray
+    expert_counts: np.ndarray
+    src_rank: np.ndarray
+    src_token: np.ndarray
+    src_k: np.ndarray
+    weight: np.ndarray
+
+    @property
+    def n_rows(self) -> int:
+        return int(self.row_offsets[-1])
+
+
+def as_bf16(x: np.ndarray) -> np.ndarray:
+    """View a uint16 array of bf16 bits as bfloat16 (or round a float array to bfloat16)."""
+    x = np.asarray(x)
+    if x.dtype == np.uint16:
+        return x.view(BF16)
+    return x.astype(BF16)
+
+
+def dispatch(inputs_per_rank, topk_ids_per_rank, topk_weights_per_rank, cfg: EPConfig) -> list[ExpertBatchRef]:
+    """Expert batches of every rank.
+
+    Parameters
+    ----------
+    inputs_per_rank : list of [T_r, hidden] bfloat16 (or uint16 bf16 bits)
+    topk_ids_per_rank : list of [T_r, top_k] int
+    topk_weights_per_rank : list of [T_r, top_k] float32
+    """
+    R, L, H, pad = cfg.n_ranks, cfg.n_local_experts, cfg.hidden, cfg.pad_multiple
+    xs = [as_bf16(x) for x in inputs_per_rank]
+    batches = []
+    for r in range(R):
+        rows_x, ranks, tokens, ks, ws = [], [], [], [], []
+        offsets = np.zeros(L + 1, np.int32)
+        counts = np.zeros(L, np.int32)
+        n = 0
+        for e_local in range(L):
+            e = r * L + e_local
+            offsets[e_local] = n
+            for s in range(R):
+                ids = np.asarray(topk_ids_per_rank[s])
+                t_hit, k_hit = np.nonzero(ids == e)
+                order = np.argsort(t_hit, kind="stable")
+                t_hit, k_hit = t_hit[order], k_hit[order]
+                rows_x.append(xs[s][t_hit])
+                ranks.append(np.full(len(t_hit), s, np.int32))
+                tokens.append(t_hit.astype(np.int32))
+                ks.append(k_hit.astype(np.int32))
+                ws.append(np.asarray(topk_weights_per_rank[s], np.float32)[t_hit, k_hit])
+                counts[e_local] += len(t_hit)
+                n += len(t_hit)
+            n_pad = -n % pad
+            rows_x.append(np.zeros((n_pad, H), BF16))
+            ranks.append(np.full(n_pad, -1, np.int32))
+            tokens.append(np.full(n_pad, -1, np.int32))
+            ks.append(np.full(n_pad, -1, np.int32))
+            ws.append(np.zeros(n_pad, np.float32))
+            n += n_pad
+        offsets[L] = n
+        batches.append(ExpertBatchRef(
+            x=np.concatenate(rows_x) if rows_x else np.zeros((0, H), BF16), row_offsets=offsets,
+            expert_counts=counts, src_rank=np.concatenate(ranks), src_token=np.concatenate(tokens),
+            src_k=np.concatenate(ks), weight=np.concatenate(ws)))
+    return batches
+
+
+def combine(expert_out_per_rank, batches: list[ExpertBatchRef], topk_ids_per_rank, cfg: EPConfig,
+            reduce: bool = True):
+    """Each token's router-weighted sum of its experts' outputs, back on its home rank.
+
+    Parameters
+    ----------
+    expert_out_per_rank : list of [>= rows_r, hidden] bfloat16 (or uint16 bits), row-aligned
+        with ``batches[r]``.
+    batches : the output of :func:`dispatch`.
+    topk_ids_per_rank : list of [T_s, top_k] int (the routing passed to dispatch).
+    reduce : if False, return per home rank the unreduced partials ``[R, T_s, hidden]``
+        (bfloat16; zero where the token did not go to that rank).
+
+    Returns
+    -------
+    list of [T_s, hidden] bfloat16, one per home rank ``s`` (or the partials, see ``reduce``).
+    """
+    R, L, H = cfg.n_ranks, cfg.n_local_experts, cfg.hidden
+    wire = BF16  # combine_dtype "bfloat16"
+    n_tokens = [np.asarray(ids).shape[0] for ids in topk_ids_per_rank]
+    # partials[r][s]: rank r's partial sums for the tokens of home rank s
+    partials = [[np.zeros((n_tokens[s], H), np.float32) for s in range(R)] for _ in range(R)]
+    for r, b in enumerate(batches):
+        y = as_bf16(expert_out_per_rank[r]).astype(np.float32)
+        for e_local in range(L):
+            lo, hi = int(b.row_offsets[e_local]), int(b.row_offsets[e_local + 1])
+            rows = np.arange(lo, hi)[b.src_rank[lo:hi] >= 0]
+            for s in range(R):
+                mine = rows[b.src_rank[rows] == s]
+                t = b.src_token[mine]
+                partials[r][s][t] = partials[r][s][t] + b.weight[mine][:, None] * y[mine]
+    outs = []
+    for s in range(R):
+        ids = np.asarray(topk_ids_per_rank[s])
+        went = [np.any(ids // L == r, axis=1) for r in range(R)]
+        if not reduce:
+            outs.append(np.stack([np.where(went[r][:, None], partials[r][s], 0).astype(wire)
+                                  for r in range(R)]) if R else None)
+            continue
+        acc = np.zeros((n_tokens[s], H), np.float32)
+        for r in range(R):
+            p = partials[r][s].astype(wire).astype(np.float32)
+            acc = np.where(went[r][:, None], acc + p, acc)
+        outs.append(acc.astype(BF16))
+    return outs
+
+
+def combine_tolerance(topk_weights: np.ndarray, expert_out_abs_max: float) -> np.ndarray:
+    """Per-token absolute tolerance of a kernel's combine against :func:`combine`.
+
+    The kernel and the reference add the same terms in the same order; they may differ by
+    fused multiply-add contraction (one float32 rounding per term), which can flip a bf16
+    rounding of the partial and of the output: at most 2 bf16 ulps of the largest magnitude,
+    i.e. ``2 * 2**-7 * sum_k |w_k| * max|y|``. Shape ``[T, 1]``, float32.
+    """
+    w = np.abs(np.asarray(topk_weights, np.float32)).sum(axis=1, keepdims=True)
+    return (2.0 * 2.0**-7 * w * np.float32(expert_out_abs_max)).astype(np.float32)

@@ -1,0 +1,336 @@
+"""`EPRuntime`: owns the buffers of one expert-parallel layer and sequences its four kernels.
+
+``dispatch_async`` / ``dispatch_wait`` and ``combine_async`` / ``combine_wait`` are MAX's
+split: each async call returns as soon as its kernel is enqueued (sends issued), so the
+caller can overlap compute; each wait call enqueues the kernel that completes the exchange.
+All four are **collective** (every rank makes the same calls in the same order) and enqueue
+on the session's stream (``session.stream``); none synchronizes the host on the GPU, and all
+per-call state (call numbers, counts) lives in device memory, so the four calls can be
+captured in a CUDA graph. Errors detected on the device (a wait past its timeout, too many
+rows) are raised by :meth:`EPRuntime.synchronize` (and by every call on the simulator, which
+runs synchronously), after which the runtime refuses calls until :meth:`reset`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from enum import Enum
+
+import numpy as np
+
+from . import arrays
+from .config import EPConfig
+from .kernel_args import SCALARS, argtypes, build_args
+from .errors import EPConfigError, EPStateError
+from .handles import CombineHandle, DispatchHandle, ExpertBatch
+from .layout import BufferLayout, SYNC_CALLS
+from .shmem.session import Session
+from .status import error_from_status
+
+_owner_ids = itertools.count(1)
+
+#: Threads per block on a GPU: 8 warps keep a 14 KB row copy to a few iterations per thread.
+GPU_THREADS = 256
+#: Threads per block in the simulator: one warp; each simulated thread is a Python thread.
+SIM_THREADS = 32
+#: Blocks per kernel in the simulator when EPConfig.n_sms is None (more than one, so the
+#: block scheduling and the last-block ticket are exercised).
+SIM_BLOCKS = 2
+
+
+class _State(Enum):
+    IDLE = "idle"                    # next: dispatch_async
+    DISPATCH_SENT = "dispatch sent"  # next: dispatch_wait
+    DISPATCHED = "dispatched"        # next: combine_async (or dispatch_async, skipping combine)
+    COMBINE_SENT = "combine sent"    # next: combine_wait
+
+
+class EPRuntime:
+    """Buffers, counters and kernels of one expert-parallel layer on one rank.
+
+    Parameters
+    ----------
+    cfg : EPConfig
+        Must be identical on every rank (checked here, collectively).
+    session : Session
+        The SHMEM session (``nvshmem`` or ``sim``) of this rank; its heap must hold
+        ``BufferLayout(cfg).symmetric_bytes``.
+    debug : bool
+        Check routing on the host before each dispatch (ids in range and unique per token,
+        weights finite; a device-to-host copy on GPUs) and synchronize after each call to
+        raise device errors at once. Always on for the simulator.
+
+    Construction and :meth:`close` are collective. Use as a context manager.
+    """
+
+    def __init__(self, cfg: EPConfig, session: Session, debug: bool = False):
+        if cfg.n_ranks != session.n_ranks:
+            raise EPConfigError(f"EPConfig.n_ranks={cfg.n_ranks} but the session has {session.n_ranks} ranks; "
+                                f"build the config with n_ranks={session.n_ranks}.")
+        _check_same_config_everywhere(cfg, session)
+        self.cfg, self.session = cfg, session
+        self.layout = BufferLayout(cfg)
+        self.rank = session.rank
+        self.debug = debug or session.backend == "sim"
+        self._owner = next(_owner_ids)
+        self._threads = SIM_THREADS if session.backend == "sim" else GPU_THREADS
+        self._grid = cfg.n_sms or (SIM_BLOCKS if session.backend == "sim" else session.sm_count())
+        self._timeout_ns = np.int64(round(cfg.wait_timeout_s * 1e9))
+        self._sym = session.alloc_symmetric("ep_runtime.symmetric", (self.layout.symmetric_bytes,), np.uint8)
+        self._local = session.alloc_local("ep_runtime.local", (self.layout.local_bytes,), np.uint8)
+        self.buffers = {}
+        for r in self.layout.regions:
+            block = self._sym if r.symmetric else self._local
+            view = block[r.offset:r.offset + r.nbytes].view(r.dtype).reshape(r.shape)
+            view[...] = r.init
+            self.buffers[r.name] = view
+        self._arg = {name: session.as_kernel_arg(v) for name, v in self.buffers.items()}
+        self._kernels = _kernels_for(self._threads)
+        for name, kernel in self._kernels.items():  # compile now, not inside a timed wait
+            session.precompile(kernel, argtypes(name, self.layout))
+        # stand-ins for the combine_wait arrays a call does not use (allocated once: graph-safe)
+        self._no_out = session.alloc_local("unused out", (0, 0), np.uint16)
+        self._no_partials = session.alloc_local("unused out_partials", (0, 0, 0), np.uint16)
+        self._no_aux = session.alloc_local("unused aux", (1,), np.float32)
+        self._calls = 0
+        self._state = _State.IDLE
+        self._failed: Exception | None = None
+        self._closed = False
+        session.barrier()
+
+    # -- dispatch -----------------------------------------------------------------------------
+    def dispatch_async(self, tokens, topk_ids, topk_weights) -> DispatchHandle:
+        """Start sending this rank's tokens to the ranks of their experts. Collective.
+
+        Parameters
+        ----------
+        tokens : [T, hidden] bfloat16 (or uint16 bits), T <= max_tokens_per_rank (T may be 0)
+        topk_ids : [T, top_k] int32, global expert ids, distinct per token
+        topk_weights : [T, top_k] float32
+
+        The inputs must stay unmodified until :meth:`dispatch_wait` of this call has run on
+        the stream. Returns the handle for :meth:`dispatch_wait`.
+        """
+        self._require(_State.IDLE, _State.DISPATCHED, call="dispatch_async")
+        cfg, be, c = self.cfg, self.session.backend, "dispatch_async"
+        tokens = arrays.to_backend(tokens, be, c, "tokens")
+        topk_ids = arrays.to_backend(topk_ids, be, c, "topk_ids")
+        topk_weights = arrays.to_backend(topk_weights, be, c, "topk_weights")
+        T = tokens.shape[0] if len(tokens.shape) == 2 else -1
+        if not 0 <= T <= cfg.max_tokens_per_rank:
+            arrays.check_array(tokens, c, "tokens", np.uint16, (None, cfg.hidden), "")
+            raise arrays.EPInputError(
+                f"{c}: tokens has {T} rows but EPConfig.max_tokens_per_rank is {cfg.max_tokens_per_rank}; "
+                f"split the batch or build the runtime with a larger max_tokens_per_rank.")
+        arrays.check_array(tokens, c, "tokens", np.uint16, (T, cfg.hidden),
+                           f"Expected [T, hidden={cfg.hidden}] with T <= {cfg.max_tokens_per_rank}.")
+        arrays.check_array(topk_ids, c, "topk_ids", np.int32, (T, cfg.top_k),
+                           f"Expected [T={T}, top_k={cfg.top_k}] int32 (convert with .astype(int32)).")
+        arrays.check_array(topk_weights, c, "topk_weights", np.float32, (T, cfg.top_k),
+                           f"Expected [T={T}, top_k={cfg.top_k}] float32.")
+        if self.debug:
+            arrays.check_routing(self.session.to_host(topk_ids), self.session.to_host(topk_weights),
+                                 cfg.n_experts, c)
+        self._launch("dispatch_async", tokens=tokens, topk_ids=topk_ids, topk_weights=topk_weights)
+        handle = DispatchHandle(owner=self._owner, call=self._calls, n_tokens=T)
+        self._calls += 1
+        self._state = _State.DISPATCH_SENT
+        return handle
+
+    def dispatch_wait(self, handle: DispatchHandle) -> ExpertBatch:
+        """Complete the dispatch of ``handle``: wait for every rank's tokens and lay them out
+        expert-major. Collective; enqueued on the stream. Returns views valid until the next
+        ``dispatch_wait``."""
+        self._require(_State.DISPATCH_SENT, call="dispatch_wait", handle=handle, handle_type=DispatchHandle)
+        self._launch("dispatch_wait", pad_multiple=np.int64(self.cfg.pad_multiple), timeout_ns=self._timeout_ns)
+        self._state = _State.DISPATCHED
+        b = self.buffers
+        return ExpertBatch(x=b["expert_x"], row_offsets=b["row_offsets"], expert_counts=b["expert_counts"],
+                           src_rank=b["row_src_rank"], src_token=b["row_src_token"], src_k=b["row_src_k"],
+                           weight=b["row_weight"], handle=handle)
+
+    def dispatch(self, tokens, topk_ids, topk_weights) -> ExpertBatch:
+        """``dispatch_async`` then ``dispatch_wait``, then :meth:`synchronize`. Collective."""
+        batch = self.dispatch_wait(self.dispatch_async(tokens, topk_ids, topk_weights))
+        self.synchronize()
+        return batch
+
+    # -- combine ------------------------------------------------------------------------------
+    def combine_async(self, expert_out, handle: DispatchHandle) -> CombineHandle:
+        """Start sending the weighted expert outputs of the batch of ``handle`` home. Collective.
+
+        Parameters
+        ----------
+        expert_out : [rows, hidden] bfloat16 (or uint16 bits), row-aligned with the batch
+            (``rows >= row_offsets[L]``; e.g. the batch's full capacity). Must stay unmodified
+            until :meth:`combine_wait` has run on the stream.
+        handle : the dispatch's handle (``batch.handle``).
+        """
+        self._require(_State.DISPATCHED, call="combine_async", handle=handle, handle_type=DispatchHandle)
+        c = "combine_async"
+        expert_out = arrays.to_backend(expert_out, self.session.backend, c, "expert_out")
+        arrays.check_array(expert_out, c, "expert_out", np.uint16, (None, self.cfg.hidden),
+                           f"Expected [rows, hidden={self.cfg.hidden}], row-aligned with the expert batch.")
+        if self.debug:
+            needed = int(self.session.to_host(self.buffers["row_offsets"])[-1])
+            if expert_out.shape[0] < needed:
+                raise arrays.EPInputError(f"{c}: expert_out has {expert_out.shape[0]} rows but the expert "
+                                          f"batch has {needed}; pass one output row per batch row.")
+        self._launch("combine_async", expert_out=expert_out)
+        self._state = _State.COMBINE_SENT
+        return CombineHandle(owner=self._owner, call=handle.call, n_tokens=handle.n_tokens)
+
+    def combine_wait(self, handle: CombineHandle, out=None, epilogue=None, aux=None, reduce: bool = True):
+        """Complete the combine of ``handle``. Collective; enqueued on the stream.
+
+        Returns ``out`` [T, hidden] uint16 (bf16 bits): for each token, the sum over the ranks
+        it went to (rank order, float32) of their partials, through ``epilogue`` (a Numba
+        device function ``f(value, token, col, aux) -> float32``, e.g. a residual add reading
+        ``aux``) and rounded to bf16. With ``reduce=False`` returns the per-rank partials
+        ``[n_ranks, T, hidden]`` instead (zero where the token did not go).
+        """
+        self._require(_State.COMBINE_SENT, call="combine_wait", handle=handle, handle_type=CombineHandle)
+        cfg, s, T = self.cfg, self.session, handle.n_tokens
+        shape = (T, cfg.hidden) if reduce else (cfg.n_ranks, T, cfg.hidden)
+        if out is None:
+            out = s.alloc_local("combine_out", shape, np.uint16)
+        else:
+            out = arrays.to_backend(out, s.backend, "combine_wait", "out")
+            arrays.check_array(out, "combine_wait", "out", np.uint16, shape, "Pass None to allocate it.")
+        unused = self._no_partials if reduce else self._no_out
+        aux = self._no_aux if aux is None else arrays.to_backend(aux, s.backend, "combine_wait", "aux")
+        self._launch("combine_wait", epilogue=epilogue, out=out if reduce else unused,
+                     out_partials=unused if reduce else out, mode=np.int64(0 if reduce else 1),
+                     timeout_ns=self._timeout_ns, aux=aux)
+        self._state = _State.IDLE
+        return out
+
+    def combine(self, expert_out, handle: DispatchHandle, **kwargs):
+        """``combine_async`` then ``combine_wait``, then :meth:`synchronize`. Collective."""
+        out = self.combine_wait(self.combine_async(expert_out, handle), **kwargs)
+        self.synchronize()
+        return out
+
+    # -- errors and lifetime -------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Wait for this rank's stream and raise any error a kernel recorded (not collective)."""
+        self.session.synchronize()
+        self._raise_device_error()
+
+    def reset(self) -> None:
+        """Collective: wait for every rank's kernels, clear the error record, counters and
+        signals on every rank, and make the runtime usable again (call numbers restart at 0)."""
+        self.session.synchronize()
+        self.session.barrier()
+        for r in self.layout.regions:
+            self.buffers[r.name][...] = r.init
+        self.session.synchronize()
+        self.session.barrier()
+        self._calls, self._state, self._failed = 0, _State.IDLE, None
+
+    def close(self) -> None:
+        """Collective: free the symmetric buffers. Idempotent; the session stays open."""
+        if self._closed:
+            return
+        self._closed = True
+        self.session.synchronize()
+        self.session.barrier()
+        self.buffers.clear()
+        self._arg.clear()
+        self.session.free_symmetric(self._sym)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    @property
+    def calls(self) -> int:
+        """Dispatch calls issued so far (host count; the device keeps its own)."""
+        return self._calls
+
+    def device_calls(self) -> int:
+        """The device's count of completed dispatch calls (synchronizes)."""
+        return int(self.session.to_host(self.buffers["dispatch_async_sync"])[SYNC_CALLS])
+
+    # -- internals ------------------------------------------------------------------------------
+    def _require(self, *states, call, handle=None, handle_type=None):
+        if self._closed:
+            raise EPStateError(f"rank {self.rank}: {call} on a closed runtime; build a new EPRuntime.")
+        if self._failed is not None:
+            raise EPStateError(f"rank {self.rank}: {call} refused: the runtime failed earlier "
+                               f"({type(self._failed).__name__}: {self._failed}). Call reset() on every "
+                               f"rank (collective) or close() it.")
+        if handle is not None:
+            if not isinstance(handle, handle_type):
+                raise EPStateError(f"rank {self.rank}: {call} needs a {handle_type.__name__}; got "
+                                   f"{type(handle).__name__}.")
+            if handle.owner != self._owner:
+                raise EPStateError(f"rank {self.rank}: {call} got a handle from another EPRuntime; pass the "
+                                   f"handle this runtime returned.")
+            if handle.call != self._calls - 1 or self._state not in states:
+                raise EPStateError(f"rank {self.rank}: {call} got the handle of call {handle.call}, but that "
+                                   f"call is finished or not the current one (current call "
+                                   f"{self._calls - 1}, state '{self._state.value}'); each handle is used "
+                                   f"once, in order dispatch_async -> dispatch_wait -> combine_async -> "
+                                   f"combine_wait.")
+        if self._state not in states:
+            nxt = {_State.IDLE: "dispatch_async", _State.DISPATCH_SENT: "dispatch_wait",
+                   _State.DISPATCHED: "combine_async or dispatch_async",
+                   _State.COMBINE_SENT: "combine_wait"}[self._state]
+            raise EPStateError(f"rank {self.rank}: {call} called out of order: the runtime is in state "
+                               f"'{self._state.value}' and expects {nxt} next.")
+
+    def _launch(self, name, epilogue=None, **values):
+        """Enqueue kernel ``name`` with the region arrays and the given ``values``."""
+        if epilogue is None:
+            kernel = self._kernels[name]
+        else:  # combine_wait with a caller's epilogue, built on first use
+            kernel = self._kernels.get((name, epilogue))
+            if kernel is None:
+                kernel = self._kernels[(name, epilogue)] = _combine_wait_with(self._threads, epilogue)
+        values = {k: v if k in SCALARS else self.session.as_kernel_arg(v)
+                  for k, v in values.items()}
+        self.session.launch(kernel, self._grid, self._threads, build_args(name, self._arg, values))
+        if self.debug:
+            self.synchronize()
+
+    def _raise_device_error(self):
+        err = error_from_status(self.session.to_host(self.buffers["status"]), self.cfg.wait_timeout_s)
+        if err is not None:
+            self._failed = err
+            raise err
+
+
+def _check_same_config_everywhere(cfg: EPConfig, session: Session) -> None:
+    mine = cfg.as_dict()
+    for rank, theirs in enumerate(session.allgather_object(mine)):
+        if theirs != mine:
+            diff = {k: (mine[k], theirs[k]) for k in mine if mine[k] != theirs.get(k)}
+            raise EPConfigError(f"rank {session.rank}: EPConfig differs from rank {rank}'s "
+                                f"(field: (this rank, rank {rank})): {diff}; every rank must build the same "
+                                f"config.")
+
+
+_KERNEL_CACHE: dict = {}
+
+
+def _kernels_for(threads: int) -> dict:
+    """The four kernels for a block size (built once per process)."""
+    if threads not in _KERNEL_CACHE:
+        from .kernels.combine import make_combine_kernels
+        from .kernels.dispatch import make_dispatch_kernels
+
+        da, dw = make_dispatch_kernels(threads)
+        ca, cw = make_combine_kernels(threads)
+        _KERNEL_CACHE[threads] = {"dispatch_async": da, "dispatch_wait": dw, "combine_async": ca,
+                                  "combine_wait": cw}
+    return dict(_KERNEL_CACHE[threads])
+
+
+def _combine_wait_with(threads: int, epilogue):
+    from .kernels.combine import make_combine_kernels
+
+    return make_combine_kernels(threads, epilogue)[1]

@@ -1,0 +1,150 @@
+"""The ``nvshmem`` backend of :class:`~ep_runtime.shmem.session.Session`: real GPUs.
+
+Bring-up (collective, under mpirun): bind this process to GPU ``local_rank``, set NVSHMEM's
+environment (:func:`ep_runtime.shmem.env.configure_nvshmem_env`), broadcast NVSHMEM's unique
+id from rank 0 with mpi4py and initialize with ``initializer_method="uid"`` (this works with
+Open MPI and MPICH alike; NVSHMEM's own MPI plugin is linked against Open MPI only).
+Symmetric arrays are CuPy arrays from ``nvshmem.core.array``; kernels run on one
+non-blocking stream created with cuda.core and shared with CuPy and Numba.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from ..errors import ShmemError
+from .env import configure_nvshmem_env
+from .session import Session
+
+log = logging.getLogger("ep_runtime.shmem")
+
+
+def _cuda_core_device(index: int):
+    try:
+        from cuda.core import Device
+    except ImportError:  # cuda.core < 1.0
+        from cuda.core.experimental import Device
+    return Device(index)
+
+
+class NvshmemSession(Session):
+    """One PE on NVSHMEM. Build with :meth:`open`."""
+
+    backend = "nvshmem"
+
+    @classmethod
+    def open(cls, heap_bytes: int, comm=None) -> "NvshmemSession":
+        """Collective: join the NVSHMEM job of ``comm`` (default MPI.COMM_WORLD) with a symmetric
+        heap of at least ``heap_bytes`` per PE."""
+        import cupy
+        import nvshmem.core as nvshmem
+        from mpi4py import MPI
+        from numba import cuda as numba_cuda
+
+        self = cls.__new__(cls)
+        self._comm = comm or MPI.COMM_WORLD
+        self.rank, self.n_ranks = self._comm.Get_rank(), self._comm.Get_size()
+        self.local_rank = self._comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
+        configure_nvshmem_env(heap_bytes)
+        self._device = _cuda_core_device(self.local_rank)
+        self._device.set_current()
+        cupy.cuda.Device(self.local_rank).use()
+        uid = nvshmem.get_unique_id(empty=self.rank != 0)
+        self._comm.Bcast(uid._data.view(np.int8), root=0)
+        nvshmem.init(device=self._device, uid=uid, rank=self.rank, nranks=self.n_ranks,
+                     initializer_method="uid")
+        self._nvshmem = nvshmem
+        self._core_stream = self._device.create_stream()
+        handle = int(self._core_stream.handle)
+        self._cupy_stream = cupy.cuda.ExternalStream(handle)
+        self._numba_stream = numba_cuda.external_stream(handle)
+        self._symmetric = []
+        self._closed = False
+        log.info("rank %d/%d: NVSHMEM initialized on GPU %d", self.rank, self.n_ranks, self.local_rank)
+        return self
+
+    # -- memory ---------------------------------------------------------------------------------
+    def alloc_symmetric(self, name, shape, dtype, fill=0):
+        arr = self._nvshmem.array(tuple(shape), dtype=np.dtype(dtype))
+        with self._cupy_stream:
+            arr.fill(fill)
+        self._symmetric.append(arr)
+        return arr
+
+    def free_symmetric(self, array):
+        for i, a in enumerate(self._symmetric):
+            if a is array:
+                del self._symmetric[i]
+                self.synchronize()
+                self._nvshmem.free_array(array)
+                return
+        raise ShmemError(f"rank {self.rank}: free_symmetric got an array this session did not allocate "
+                         f"(or freed already)")
+
+    def alloc_local(self, name, shape, dtype, fill=0):
+        import cupy
+
+        with self._cupy_stream:
+            return cupy.full(tuple(shape), fill, dtype=np.dtype(dtype))
+
+    def peer_view(self, array, pe):
+        return self._nvshmem.get_peer_array(array, pe)
+
+    def to_device(self, host):
+        import cupy
+
+        with self._cupy_stream:
+            return cupy.asarray(host)
+
+    def to_host(self, array):
+        import cupy
+
+        out = cupy.asnumpy(array, stream=self._cupy_stream)
+        self._cupy_stream.synchronize()
+        return out
+
+    # -- kernels --------------------------------------------------------------------------------
+    def as_kernel_arg(self, array):
+        from numba import cuda as numba_cuda
+
+        return numba_cuda.as_cuda_array(array, sync=False)
+
+    def launch(self, kernel, grid, block, args):
+        kernel[grid, block, self._numba_stream](*args)
+
+    def precompile(self, kernel, argtypes):
+        kernel.compile(argtypes)
+
+    def sm_count(self):
+        import cupy
+
+        return int(cupy.cuda.Device(self.local_rank).attributes["MultiProcessorCount"])
+
+    # -- ordering -------------------------------------------------------------------------------
+    @property
+    def stream(self):
+        return self._cupy_stream
+
+    def synchronize(self):
+        self._cupy_stream.synchronize()
+
+    def barrier(self):
+        self._nvshmem.barrier_all(stream=self._core_stream)
+        self._core_stream.sync()
+
+    def allgather_object(self, obj):
+        return self._comm.allgather(obj)
+
+    # -- lifetime -------------------------------------------------------------------------------
+    def close(self):
+        if self._closed:
+            return
+        self._closed = True
+        self.synchronize()
+        self.barrier()
+        for arr in self._symmetric:
+            self._nvshmem.free_array(arr)
+        self._symmetric.clear()
+        self._nvshmem.finalize()

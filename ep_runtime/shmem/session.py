@@ -1,0 +1,127 @@
+"""The host-side SHMEM session: one interface, two backends.
+
+A :class:`Session` is one processing element (PE, a rank) of a job. It owns the symmetric
+heap of this PE and the stream the runtime orders its kernels on. Two backends implement
+it:
+
+- ``nvshmem`` (:mod:`ep_runtime.shmem.nvshmem_session`): CuPy arrays from
+  ``nvshmem.core.array`` on the NVSHMEM symmetric heap, bring-up under mpirun;
+- ``sim`` (:mod:`ep_runtime.shmem.sim_session`): NumPy arrays wrapping a simulated heap in
+  /dev/shm shared by one OS process per PE, for Numba's CUDA simulator on a CPU.
+
+Collective calls (every PE must make them, in the same order, with the same arguments):
+``alloc_symmetric``, ``free_symmetric``, ``barrier``, ``close``.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+import numpy as np
+
+
+class Session(abc.ABC):
+    """One PE of a SHMEM job.
+
+    Attributes
+    ----------
+    backend : str
+        ``"nvshmem"`` or ``"sim"``.
+    rank : int
+        This PE's index in ``[0, n_ranks)``.
+    n_ranks : int
+        Number of PEs in the job.
+    """
+
+    backend: str
+    rank: int
+    n_ranks: int
+
+    # -- memory ---------------------------------------------------------------------------
+    @abc.abstractmethod
+    def alloc_symmetric(self, name: str, shape: tuple[int, ...], dtype: Any, fill: int | float = 0):
+        """Allocate ``shape``/``dtype`` on the symmetric heap, filled with ``fill``.
+
+        Collective: every PE calls it in the same order with the same shape and dtype, so the
+        same heap offset names the same object on every PE. ``name`` is used in error
+        messages (a timed-out wait names the region it waited on). Returns a device array
+        (CuPy on ``nvshmem``, a NumPy view of the heap on ``sim``), C-contiguous.
+        """
+
+    @abc.abstractmethod
+    def free_symmetric(self, array) -> None:
+        """Free an array from :meth:`alloc_symmetric`. Collective, same order on every PE."""
+
+    @abc.abstractmethod
+    def alloc_local(self, name: str, shape: tuple[int, ...], dtype: Any, fill: int | float = 0):
+        """Allocate device-local (not symmetric) memory, filled with ``fill``. Not collective."""
+
+    @abc.abstractmethod
+    def peer_view(self, array, pe: int):
+        """A view of PE ``pe``'s copy of the symmetric ``array`` that kernels can store into
+        directly (NVLink peers on ``nvshmem``; the peer's mapping on ``sim``).
+
+        Stores through a peer view are plain stores: fence (``shmem.fence()``) before the
+        signal that publishes them.
+        """
+
+    # -- host/device transfer ---------------------------------------------------------------
+    @abc.abstractmethod
+    def to_device(self, host: np.ndarray):
+        """Copy a host NumPy array to a new device-local array (ordered on :attr:`stream`)."""
+
+    @abc.abstractmethod
+    def to_host(self, array) -> np.ndarray:
+        """Copy a device array to a new NumPy array; synchronizes :attr:`stream`."""
+
+    # -- kernels ----------------------------------------------------------------------------
+    @abc.abstractmethod
+    def as_kernel_arg(self, array):
+        """``array`` as a kernel argument that shares its memory (no copy in or out): a Numba
+        device array on ``nvshmem``, a simulator FakeCUDAArray on ``sim``."""
+
+    @abc.abstractmethod
+    def launch(self, kernel, grid: int, block: int, args: tuple) -> None:
+        """Enqueue ``kernel[grid, block]`` on :attr:`stream` (runs to completion on ``sim``)."""
+
+    @abc.abstractmethod
+    def precompile(self, kernel, argtypes: tuple) -> None:
+        """Compile ``kernel`` for ``argtypes`` now (a no-op on ``sim``), so no first launch
+        compiles while a peer waits for it."""
+
+    @abc.abstractmethod
+    def sm_count(self) -> int:
+        """Streaming multiprocessors of this PE's GPU (the default persistent grid size)."""
+
+    # -- ordering ---------------------------------------------------------------------------
+    @property
+    @abc.abstractmethod
+    def stream(self):
+        """The stream kernels are launched on (a CuPy stream; ``0`` on ``sim``)."""
+
+    @abc.abstractmethod
+    def synchronize(self) -> None:
+        """Wait until everything issued on :attr:`stream` finished."""
+
+    @abc.abstractmethod
+    def barrier(self) -> None:
+        """Collective: all PEs' prior work on their streams is complete and their puts are
+        delivered before any PE returns."""
+
+    @abc.abstractmethod
+    def allgather_object(self, obj) -> list:
+        """Collective: every PE's ``obj`` (picklable), in rank order (host-side, for
+        construction-time checks such as configs that differ between ranks)."""
+
+    # -- lifetime ---------------------------------------------------------------------------
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Collective: free what is left and leave the job. Idempotent."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False

@@ -1,0 +1,63 @@
+"""The device error record: codes the kernels write and the host's translation into errors.
+
+Any kernel that fails (a wait past its timeout, a capacity overflow) claims the int64
+``status`` region once (compare-and-swap of the code from 0) and fills the fields indexed
+by ``ep_runtime.layout.STATUS_*``. The first error wins. Later kernels of every call see a
+non-zero code and return without sending or signalling, so the failure reaches every peer
+as a timeout that names this rank, instead of as silently wrong data.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import EPCapacityError, EPError, EPTimeoutError
+from .layout import (STATUS_CALL, STATUS_CODE, STATUS_COUNTER, STATUS_EXPECTED, STATUS_KERNEL,
+                     STATUS_OBSERVED, STATUS_PEER, STATUS_RANK)
+
+# Error codes (status[STATUS_CODE]).
+ERR_NONE = 0
+ERR_TIMEOUT = 1
+ERR_CAPACITY = 2
+
+# Kernel ids (status[STATUS_KERNEL]).
+KERNEL_DISPATCH_ASYNC = 1
+KERNEL_DISPATCH_WAIT = 2
+KERNEL_COMBINE_ASYNC = 3
+KERNEL_COMBINE_WAIT = 4
+KERNEL_NAMES = {KERNEL_DISPATCH_ASYNC: "dispatch_async", KERNEL_DISPATCH_WAIT: "dispatch_wait",
+                KERNEL_COMBINE_ASYNC: "combine_async", KERNEL_COMBINE_WAIT: "combine_wait"}
+
+# Counter ids (status[STATUS_COUNTER]).
+COUNTER_DISPATCH_SIGNAL = 1
+COUNTER_COMBINE_SIGNAL = 2
+COUNTER_RECV_ROWS = 3
+COUNTER_NAMES = {COUNTER_DISPATCH_SIGNAL: "dispatch_signal", COUNTER_COMBINE_SIGNAL: "combine_signal",
+                 COUNTER_RECV_ROWS: "expert-batch rows"}
+
+
+def error_from_status(status: np.ndarray, timeout_s: float) -> EPError | None:
+    """The error a host-side copy of the ``status`` region describes, or None."""
+    code = int(status[STATUS_CODE])
+    if code == ERR_NONE:
+        return None
+    kernel = KERNEL_NAMES.get(int(status[STATUS_KERNEL]), f"kernel {int(status[STATUS_KERNEL])}")
+    rank, peer = int(status[STATUS_RANK]), int(status[STATUS_PEER])
+    counter = COUNTER_NAMES.get(int(status[STATUS_COUNTER]), f"counter {int(status[STATUS_COUNTER])}")
+    expected, observed = int(status[STATUS_EXPECTED]), int(status[STATUS_OBSERVED])
+    call = int(status[STATUS_CALL])
+    if code == ERR_TIMEOUT:
+        group = (call - 1) % 2
+        return EPTimeoutError(
+            f"rank {rank}: {kernel} of call {call - 1} timed out after {timeout_s:g} s waiting for rank "
+            f"{peer}: {counter}[{group}][{peer}] expected >= {expected}, observed {observed}. "
+            f"Likely causes: rank {peer} did not make this call (every rank must call dispatch and "
+            f"combine the same number of times, in the same order), rank {peer} failed earlier (see its "
+            f"own error), or the ranks were built with different configs. The runtime refuses further "
+            f"calls until reset() or close().")
+    if code == ERR_CAPACITY:
+        return EPCapacityError(
+            f"rank {rank}: {kernel} of call {call - 1} needed {observed} expert-batch rows but the "
+            f"capacity is {expected} (EPConfig.max_recv_rows); no row was written. Raise max_recv_rows "
+            f"to at least {observed}, or use None for the worst case.")
+    return EPError(f"rank {rank}: {kernel} reported unknown error code {code} (status {list(status)})")

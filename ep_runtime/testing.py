@@ -1,0 +1,90 @@
+"""Test data for every rank, generated identically on every rank from a seed.
+
+Token rows encode their origin: column 0 holds the source rank, column 1 ``t // 128`` and
+column 2 ``t % 128`` (small integers, exact in bfloat16), the rest random bf16 values; so a
+misplaced row says where it came from. Routing scenarios cover the awkward cases.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .config import EPConfig
+from .reference import BF16
+
+#: Routing scenarios: name -> what it exercises.
+SCENARIOS = {
+    "random": "distinct random experts per token, random positive weights",
+    "zero_rank": "rank 0 sends no tokens (T=0) while the others send",
+    "empty_expert": "random routing that avoids expert 0 and the last expert entirely",
+    "one_expert": "every token picks the same top-k experts (expert 0 gets every token)",
+}
+
+
+def applicable_scenarios(cfg: EPConfig) -> list[str]:
+    """The scenarios a config can express ('empty_expert' needs n_experts - 2 >= top_k)."""
+    return [s for s in SCENARIOS if s != "empty_expert" or cfg.n_experts - 2 >= cfg.top_k]
+
+
+def make_tokens(rank: int, n_tokens: int, hidden: int, rng: np.random.Generator) -> np.ndarray:
+    """[n_tokens, hidden] bfloat16 rows that encode (rank, token) in their first columns."""
+    x = rng.standard_normal((n_tokens, hidden)).astype(np.float32)
+    t = np.arange(n_tokens)
+    for col, val in enumerate((np.full(n_tokens, rank), t // 128, t % 128)):
+        if col < hidden:
+            x[:, col] = val
+    return x.astype(BF16)
+
+
+def make_routing(cfg: EPConfig, n_tokens: int, scenario: str, rng: np.random.Generator):
+    """``(topk_ids [T, K] int32, topk_weights [T, K] float32)`` for one rank."""
+    E, K = cfg.n_experts, cfg.top_k
+    if scenario == "one_expert":
+        ids = np.tile(np.arange(K, dtype=np.int32), (n_tokens, 1))
+    else:
+        pool = np.arange(E)
+        if scenario == "empty_expert":
+            if E - 2 < K:
+                raise ValueError(f"scenario 'empty_expert' needs n_experts - 2 >= top_k; got {E} and {K}")
+            pool = pool[1:-1]
+        ids = np.stack([rng.choice(pool, size=K, replace=False) for _ in range(n_tokens)]).astype(np.int32) \
+            if n_tokens else np.zeros((0, K), np.int32)
+    w = rng.random((n_tokens, K)).astype(np.float32) + np.float32(0.05)
+    w /= w.sum(axis=1, keepdims=True)
+    return ids.reshape(n_tokens, K), w.astype(np.float32)
+
+
+def make_inputs(cfg: EPConfig, scenario: str, seed: int, n_tokens=None):
+    """Inputs of every rank: lists of tokens [T_r, H] bf16, ids [T_r, K] int32, weights
+    [T_r, K] float32. ``n_tokens``: per-rank token counts (default: random in [1, max])."""
+    if scenario not in SCENARIOS:
+        raise ValueError(f"unknown scenario {scenario!r}; choose from {sorted(SCENARIOS)}")
+    rng = np.random.default_rng(seed)
+    R, T = cfg.n_ranks, cfg.max_tokens_per_rank
+    counts = list(n_tokens) if n_tokens is not None else [int(rng.integers(1, T + 1)) for _ in range(R)]
+    if scenario == "zero_rank":
+        counts[0] = 0
+    xs, ids, ws = [], [], []
+    for r in range(R):
+        xs.append(make_tokens(r, counts[r], cfg.hidden, rng))
+        i, w = make_routing(cfg, counts[r], scenario, rng)
+        ids.append(i)
+        ws.append(w)
+    return xs, ids, ws
+
+
+def linear_experts(batch_x: np.ndarray, row_offsets: np.ndarray, n_local: int, rank: int) -> np.ndarray:
+    """A small per-expert map on the host: row of global expert e -> x * (1 + e / 64) - e / 8,
+    in float32, rounded to bf16. ``batch_x`` [rows, H] bf16; returns the same shape."""
+    y = batch_x.astype(np.float32).copy()
+    for e_local in range(n_local):
+        lo, hi = int(row_offsets[e_local]), int(row_offsets[e_local + 1])
+        e = rank * n_local + e_local
+        y[lo:hi] = y[lo:hi] * np.float32(1 + e / 64) - np.float32(e / 8)
+    return y.astype(BF16)
+
+
+def describe_row(x_row: np.ndarray) -> str:
+    """Where a token row came from, read from its encoded columns."""
+    v = x_row[:3].astype(np.float32)
+    return f"row encoding rank {int(v[0])}, token {int(v[1]) * 128 + int(v[2])}" if len(v) >= 3 else "row"

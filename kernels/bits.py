@@ -1,0 +1,71 @@
+"""bfloat16 <-> float32 conversions on 16-bit patterns (NVSHMEM moves bf16 as uint16).
+
+``bf16_to_f32(bits)`` widens exactly; ``f32_to_bf16(x)`` rounds to nearest even, keeps
+infinities, and maps NaN to a quiet NaN with the input's sign: the same results as
+``ml_dtypes.bfloat16`` for every finite input, which the reference uses.
+On a GPU the bit casts are LLVM bitcasts; in the simulator they are NumPy scalar views.
+"""
+
+import numpy as np
+from numba import cuda as _numba_cuda, types
+from numba.cuda import config as _config
+
+if _config.ENABLE_CUDASIM:
+
+    def bf16_to_f32(bits):
+        """float32 value of the bf16 pattern ``bits`` (uint16)."""
+        return np.uint32(int(bits) << 16).view(np.float32)
+
+    def f32_to_bf16(x):
+        """bf16 pattern (uint16) of float32 ``x``, rounded to nearest even."""
+        u = int(np.float32(x).view(np.uint32))
+        if (u & 0x7FFFFFFF) > 0x7F800000:
+            return np.uint16(((u >> 16) & 0x8000) | 0x7FC0)
+        return np.uint16(((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF)
+
+else:
+    from llvmlite import ir
+    from numba import uint16, uint32
+    from numba.core.extending import intrinsic
+
+    @intrinsic
+    def _u32_bits_as_f32(typingctx, u):
+        """Reinterpret the low 32 bits of an integer as float32."""
+        if not isinstance(u, types.Integer):
+            return None
+
+        def codegen(context, builder, signature, args):
+            v = args[0]
+            if v.type.width > 32:
+                v = builder.trunc(v, ir.IntType(32))
+            elif v.type.width < 32:
+                v = builder.zext(v, ir.IntType(32))
+            return builder.bitcast(v, ir.FloatType())
+
+        return types.float32(u), codegen
+
+    @intrinsic
+    def _f32_as_u32_bits(typingctx, x):
+        """Reinterpret a float32 as uint32."""
+        if x != types.float32:
+            return None
+
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], ir.IntType(32))
+
+        return types.uint32(x), codegen
+
+    @_numba_cuda.jit(device=True)
+    def bf16_to_f32(bits):
+        """float32 value of the bf16 pattern ``bits`` (uint16)."""
+        return _u32_bits_as_f32(uint32(bits) << uint32(16))
+
+    @_numba_cuda.jit(device=True)
+    def f32_to_bf16(x):
+        """bf16 pattern (uint16) of float32 ``x``, rounded to nearest even."""
+        u = _f32_as_u32_bits(x)
+        if (u & uint32(0x7FFFFFFF)) > uint32(0x7F800000):
+            return uint16(((u >> uint32(16)) & uint32(0x8000)) | uint32(0x7FC0))
+        return uint16((u + uint32(0x7FFF) + ((u >> uint32(16)) & uint32(1))) >> uint32(16))
+
+__all__ = ["bf16_to_f32", "f32_to_bf16"]

@@ -1,0 +1,112 @@
+"""Block-level device helpers shared by the EP kernels.
+
+Every helper here is called by *every thread of the block* (they contain ``syncthreads``),
+with ``blockDim.x`` threads in a 1-D block.
+
+- the static tile scheduler (grid size, initial state, advance);
+- ``last_block_ticket``: the "last block done" pattern that lets async kernels signal once
+  after all blocks' sends are complete, without any block waiting for another;
+- ``block_exclusive_scan`` / ``block_sum``: shared-memory scans for deterministic placement;
+- ``record_error``: claims the device error record (first error wins).
+"""
+
+from numba import int32, int64
+
+from ep_runtime.kernels import shmem
+from ep_runtime.kernels.cuda_api import cuda
+from ep_runtime.layout import (STATUS_CALL, STATUS_CODE, STATUS_COUNTER, STATUS_EXPECTED, STATUS_KERNEL,
+                               STATUS_OBSERVED, STATUS_PEER, STATUS_RANK)
+
+
+# -- static tile scheduler (MAX's MHATileScheduler role) ------------------------------------------
+# Work items 0..n-1 are dealt round-robin: block b takes b, b + grid, b + 2 * grid, ...
+# Items never depend on each other, so any grid size and any block order is correct.
+@cuda.jit(device=True)
+def sched_initial(block):
+    """First work item of block ``block``."""
+    return block
+
+
+@cuda.jit(device=True)
+def sched_advance(item, grid):
+    """Next work item after ``item`` for a grid of ``grid`` blocks."""
+    return item + grid
+
+
+# -- synchronization -------------------------------------------------------------------------------
+@cuda.jit(device=True)
+def last_block_ticket(ticket, flag):
+    """Complete this block's puts, take a ticket, and tell whether this block finished last.
+
+    ``ticket``: int64 device array; ``ticket[0]`` counts finished blocks of the launch.
+    ``flag``: int32 shared array of one element (scratch). Every thread calls it; every
+    thread gets the same answer. The last block must reset ``ticket[0]`` to 0 when done.
+    Each thread quiets its own puts (a system-scope fence on NVLink) before the barrier, so
+    when the last block sees the final ticket every block's data has been delivered.
+    """
+    shmem.quiet()
+    cuda.threadfence_system()
+    cuda.syncthreads()
+    if cuda.threadIdx.x == 0:
+        done = cuda.atomic.add(ticket, 0, int64(1))
+        flag[0] = int32(1) if done == cuda.gridDim.x - 1 else int32(0)
+        cuda.threadfence()
+    cuda.syncthreads()
+    return flag[0] == 1
+
+
+@cuda.jit(device=True)
+def block_exclusive_scan(buf, value):
+    """Exclusive prefix sum of ``value`` over the threads of the block, in thread order.
+
+    ``buf``: int32 shared array of ``blockDim.x`` elements (scratch). Returns
+    ``(prefix, total)``; deterministic (no atomics).
+    """
+    tid = cuda.threadIdx.x
+    n = cuda.blockDim.x
+    buf[tid] = value
+    cuda.syncthreads()
+    offset = 1
+    while offset < n:
+        v = buf[tid - offset] if tid >= offset else 0
+        cuda.syncthreads()
+        buf[tid] += v
+        cuda.syncthreads()
+        offset *= 2
+    total = buf[n - 1]
+    prefix = buf[tid] - value
+    cuda.syncthreads()
+    return prefix, total
+
+
+@cuda.jit(device=True)
+def block_sum(buf, value):
+    """Sum of ``value`` over the threads of the block. ``buf``: int64 shared scratch of
+    ``blockDim.x`` elements. Every thread gets the total."""
+    tid = cuda.threadIdx.x
+    buf[tid] = value
+    cuda.syncthreads()
+    half = cuda.blockDim.x // 2
+    while half > 0:
+        if tid < half:
+            buf[tid] += buf[tid + half]
+        cuda.syncthreads()
+        half //= 2
+    total = buf[0]
+    cuda.syncthreads()
+    return total
+
+
+# -- error record -----------------------------------------------------------------------------------
+@cuda.jit(device=True)
+def record_error(status, code, kernel, rank, peer, counter, expected, observed, call):
+    """Claim the int64 error record ``status`` (first error wins) and fill it. One thread."""
+    if cuda.atomic.cas(status, STATUS_CODE, int64(0), int64(code)) == 0:
+        status[STATUS_KERNEL] = kernel
+        status[STATUS_RANK] = rank
+        status[STATUS_PEER] = peer
+        status[STATUS_COUNTER] = counter
+        status[STATUS_EXPECTED] = expected
+        status[STATUS_OBSERVED] = observed
+        status[STATUS_CALL] = call
+        cuda.threadfence()

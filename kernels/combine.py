@@ -1,0 +1,151 @@
+"""The combine kernels: ``combine_async`` (weight, pre-reduce, send) and ``combine_wait``
+(wait, sum in rank order, epilogue, store).
+
+Built by :func:`make_combine_kernels` for a block size and an epilogue. Symbols as in
+:mod:`ep_runtime.layout`; docs/protocol.md has the timeline and the summation order.
+"""
+
+from numba import float32, int32, int64, uint64
+
+from ep_runtime.kernels import shmem
+from ep_runtime.kernels.bits import bf16_to_f32, f32_to_bf16
+from ep_runtime.kernels.block import last_block_ticket, record_error, sched_advance, sched_initial
+from ep_runtime.kernels.cuda_api import cuda
+from ep_runtime.layout import STATUS_CODE, SYNC_CALLS
+from ep_runtime.status import COUNTER_COMBINE_SIGNAL, ERR_TIMEOUT, KERNEL_COMBINE_WAIT
+
+#: combine_wait modes
+MODE_REDUCE = 0      # out [T, H]: sum of the partials, epilogue, bf16
+MODE_PARTIALS = 1    # out [R, T, H]: each rank's partial (zero where the token did not go)
+
+
+@cuda.jit(device=True)
+def identity_epilogue(value, token, col, aux):
+    """The default epilogue: returns ``value`` (float32) unchanged."""
+    return value
+
+
+def make_combine_kernels(threads: int, epilogue=identity_epilogue):
+    """Build ``(combine_async, combine_wait)`` for blocks of ``threads`` threads.
+
+    ``epilogue(value: float32, token: int, col: int, aux: array) -> float32`` is a Numba
+    device function applied to each reduced element before the bf16 store (e.g. a residual
+    add reading ``aux[token, col]``).
+    """
+
+    @cuda.jit
+    def combine_async(expert_out, d_ids, d_counts, c_partials, c_signal,
+                      sync, token_rows, row_weight, stage, ticket, status):
+        """Weight and pre-reduce the expert outputs per token, send each partial home, signal.
+
+        expert_out [>= rows, H] uint16 (bf16 bits), row-aligned with the last expert batch.
+        Symmetric: d_ids [G, R, Tmax, K], d_counts [G, R, L + 1] (group g of the last call),
+        c_partials [G, R, Tmax, H] uint16, c_signal [G, R] uint64. Local: sync (calls),
+        token_rows [R, Tmax, K], row_weight [C] float32, stage [R, Tmax, H] uint16,
+        ticket [1] int64, status [8] int64.
+
+        One block, per token item (src, t) it owns: partial = sum over the token's local
+        experts in ascending order of weight * output, in float32 from 0; rounds it to bf16
+        into stage[src, t] and puts it to slot [g, me, t] of rank src. Tokens that hit no
+        local expert send nothing. The last block (ticket) signals n + 1 to every rank after
+        every block's puts completed.
+        """
+        flag = cuda.shared.array(1, int32)
+        if status[STATUS_CODE] != 0:
+            return
+        me = shmem.my_pe()
+        R = d_counts.shape[1]
+        L = d_counts.shape[2] - 1
+        K = d_ids.shape[3]
+        H = stage.shape[2]
+        tid = cuda.threadIdx.x
+        n = sync[SYNC_CALLS] - 1
+        g = n % 2
+
+        for s in range(R):
+            T_s = d_counts[g, s, L]
+            t = sched_initial(cuda.blockIdx.x)
+            while t < T_s:
+                n_local = 0
+                for k in range(K):
+                    if d_ids[g, s, t, k] // L == me:
+                        n_local += 1
+                if n_local > 0:
+                    for h in range(tid, H, threads):
+                        acc = float32(0.0)
+                        for j in range(n_local):
+                            r = token_rows[s, t, j]
+                            acc += row_weight[r] * bf16_to_f32(expert_out[r, h])
+                        stage[s, t, h] = f32_to_bf16(acc)
+                    cuda.syncthreads()
+                    shmem.put_nbi_block(c_partials[g, me, t], stage[s, t], s)
+                t = sched_advance(t, cuda.gridDim.x)
+
+        if last_block_ticket(ticket, flag):
+            for d in range(tid, R, threads):
+                shmem.signal_op(c_signal[g, me:me + 1], uint64(n + 1), shmem.SIGNAL_SET, d)
+            cuda.syncthreads()
+            if tid == 0:
+                ticket[0] = 0
+
+    @cuda.jit
+    def combine_wait(out, out_partials, d_ids, d_counts, c_partials, c_signal, sync, status, mode,
+                     timeout_ns, aux):
+        """Wait for every rank's partials, then reduce them per token in rank order.
+
+        MODE_REDUCE: out [T, H] uint16 = bf16(epilogue(sum over ranks r that token t went to,
+        in ascending r, of f32(partial_r), from 0)). MODE_PARTIALS: out_partials [R, T, H]
+        uint16 = partial_r (zero where the token did not go to r). The array of the other
+        mode is not touched (pass any array of the right rank). aux: the epilogue's array.
+
+        One block: waits for all R signals itself, then handles its token items (static
+        schedule). A wait past timeout_ns records an error and writes nothing.
+        """
+        flag = cuda.shared.array(1, int32)
+        if status[STATUS_CODE] != 0:
+            return
+        me = shmem.my_pe()
+        R = d_counts.shape[1]
+        L = d_counts.shape[2] - 1
+        K = d_ids.shape[3]
+        H = c_partials.shape[3]
+        tid = cuda.threadIdx.x
+        n = sync[SYNC_CALLS] - 1
+        g = n % 2
+
+        if tid == 0:
+            flag[0] = 0
+        cuda.syncthreads()
+        for r in range(tid, R, threads):
+            seen = shmem.wait_signal_ge(c_signal[g, r:r + 1], n + 1, timeout_ns)
+            if seen < uint64(n + 1):
+                record_error(status, ERR_TIMEOUT, KERNEL_COMBINE_WAIT, me, r, COUNTER_COMBINE_SIGNAL,
+                             n + 1, int64(seen), n + 1)
+                flag[0] = 1
+        cuda.threadfence_system()
+        cuda.syncthreads()
+        if flag[0] != 0:
+            return
+
+        T = d_counts[g, me, L]
+        t = sched_initial(cuda.blockIdx.x)
+        while t < T:
+            went = uint64(0)  # bit r: token t went to rank r
+            for k in range(K):
+                went |= uint64(1) << uint64(d_ids[g, me, t, k] // L)
+            for h in range(tid, H, threads):
+                if mode == MODE_REDUCE:
+                    acc = float32(0.0)
+                    for r in range(R):
+                        if (went >> uint64(r)) & uint64(1):
+                            acc += bf16_to_f32(c_partials[g, r, t, h])
+                    out[t, h] = f32_to_bf16(epilogue(acc, t, h, aux))
+                else:
+                    for r in range(R):
+                        if (went >> uint64(r)) & uint64(1):
+                            out_partials[r, t, h] = c_partials[g, r, t, h]
+                        else:
+                            out_partials[r, t, h] = 0
+            t = sched_advance(t, cuda.gridDim.x)
+
+    return combine_async, combine_wait

@@ -1,0 +1,44 @@
+"""Kernel signatures checked by the compile-and-link gate (``python -m ep_runtime.compile_gate``).
+
+One entry per (kernel, argument types) that host code launches: ``(name, kernel, argtypes)``,
+where ``kernel`` is the ``@cuda.jit`` function and ``argtypes`` a tuple of Numba types. Arrays
+are C-contiguous (``"C"``), as NVSHMEM needs. The gate links each entry to an sm_90a cubin on a
+CPU-only machine.
+"""
+
+from numba import types
+
+from . import gate_probe
+
+
+def _c(dtype, ndim=1):
+    """A C-contiguous device array type."""
+    return types.Array(dtype, ndim, "C")
+
+
+u16, u64, i32, i64 = types.uint16, types.uint64, types.int32, types.int64
+
+GATE_ENTRIES = [
+    # (dst_tokens, src_tokens, dst_meta, src_meta, sig, pe)
+    ("probe_put_fence_signal", gate_probe.probe_put_fence_signal,
+     (_c(u16, 2), _c(u16, 2), _c(u64), _c(u64), _c(u64), i32)),
+    # (dst, src, sig, counter, out, want, timeout_ns)
+    ("probe_signal_wait_atomics", gate_probe.probe_signal_wait_atomics,
+     (_c(i64), _c(i64), _c(u64), _c(i64), _c(i64), u64, u64)),
+]
+
+
+def ep_kernel_entries():
+    """The four EP kernels, at the GPU block size, with the exact signatures the runtime
+    launches (from ``ep_runtime.kernel_args``, the lists the runtime builds its arguments from)."""
+    from ep_runtime.config import EPConfig
+    from ep_runtime.kernel_args import argtypes
+    from ep_runtime.layout import BufferLayout
+    from ep_runtime.runtime import GPU_THREADS, _kernels_for
+
+    layout = BufferLayout(EPConfig(n_ranks=2, n_experts=8, top_k=2, hidden=64, max_tokens_per_rank=16))
+    return [(name, kernel, argtypes(name, layout)) for name, kernel in _kernels_for(GPU_THREADS).items()]
+
+
+def gate_entries():
+    return list(GATE_ENTRIES) + ep_kernel_entries()

@@ -1,0 +1,160 @@
+"""GPU acceptance of the four EP kernels (run on the GPU machine, one rank per GPU):
+
+    mpirun -np 2 -x PYTHONPATH python3 tests/gpu/ep_check.py [--tokens 4096 128] [--calls 100]
+
+For each token count T: dispatch exact against the NumPy reference, combine within the
+stated tolerance, ``--calls`` back-to-back round trips bit-identical to the first, a CUDA
+graph of the four calls replayed ``--replays`` times with correct results, and per-call
+times (CUDA events, median of ``--samples`` after warm-up, barrier before each sample).
+Prints a table last; exits non-zero on any failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import numpy as np
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 128])
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--calls", type=int, default=100)
+    ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--samples", type=int, default=50)
+    ap.add_argument("--seed", type=int, default=1)
+    args = ap.parse_args()
+
+    import cupy
+    from mpi4py import MPI
+
+    from ep_runtime import EPConfig, EPRuntime, reference
+    from ep_runtime.layout import BufferLayout
+    from ep_runtime.shmem import open_session
+    from ep_runtime.testing import linear_experts, make_inputs
+
+    comm = MPI.COMM_WORLD
+    R = comm.Get_size()
+    cfg = EPConfig(n_ranks=R, n_experts=args.experts, top_k=args.top_k, hidden=args.hidden,
+                   max_tokens_per_rank=max(args.tokens))
+    t0 = time.perf_counter()
+    session = open_session("nvshmem", heap_bytes=BufferLayout(cfg).symmetric_bytes)
+    t_init = time.perf_counter() - t0
+    me = session.rank
+    rows, failures = [], []
+    t0 = time.perf_counter()
+    rt = EPRuntime(cfg, session)
+    t_build = time.perf_counter() - t0
+    stream = session.stream
+
+    def check(cond, what):
+        if not cond:
+            failures.append(f"rank {me}: {what}")
+
+    for T in args.tokens:
+        xs, ids, ws = make_inputs(cfg, "random", args.seed + T, n_tokens=[T] * R)
+        ref_b = reference.dispatch(xs, ids, ws, cfg)
+        ys = [linear_experts(b.x, b.row_offsets, cfg.n_local_experts, r) for r, b in enumerate(ref_b)]
+        ref_out = reference.combine(ys, ref_b, ids, cfg)
+        n = ref_b[me].n_rows
+        tok = cupy.asarray(xs[me].view(np.uint16))
+        tid = cupy.asarray(ids[me])
+        tw = cupy.asarray(ws[me])
+        y = cupy.zeros((cfg.recv_rows_capacity, cfg.hidden), cupy.uint16)
+        y[:n] = cupy.asarray(ys[me].view(np.uint16))
+        out = cupy.empty((T, cfg.hidden), cupy.uint16)
+
+        # 1. correctness against the reference
+        batch = rt.dispatch(tok, tid, tw)
+        got_x = cupy.asnumpy(batch.x[:n])
+        check(np.array_equal(cupy.asnumpy(batch.row_offsets), ref_b[me].row_offsets), f"T={T} row_offsets")
+        check(np.array_equal(got_x, ref_b[me].x.view(np.uint16)), f"T={T} expert_x rows")
+        for k in ("src_rank", "src_token", "src_k", "weight"):
+            check(np.array_equal(cupy.asnumpy(getattr(batch, k)[:n]), getattr(ref_b[me], k)), f"T={T} {k}")
+        rt.combine(y, batch.handle, out=out)
+        got = cupy.asnumpy(out).view(reference.BF16).astype(np.float32)
+        want = ref_out[me].astype(np.float32)
+        tol = reference.combine_tolerance(ws[me], float(np.abs(ys[me].astype(np.float32)).max()))
+        err = np.abs(got - want)
+        check(bool((err <= tol).all()), f"T={T} combine error {err.max():.3g} above tolerance")
+        exact_frac = float((err == 0).mean())
+        first_x, first_out = batch.x[:n].copy(), out.copy()
+
+        # 2. back-to-back calls, bit-identical to the first
+        same = 0
+        for _ in range(args.calls):
+            b = rt.dispatch_wait(rt.dispatch_async(tok, tid, tw))
+            rt.combine_wait(rt.combine_async(y, b.handle), out=out)
+            same += int(bool(cupy.array_equal(b.x[:n], first_x)) and bool(cupy.array_equal(out, first_out)))
+        rt.synchronize()
+        check(same == args.calls, f"T={T} {args.calls - same} of {args.calls} back-to-back calls differ")
+
+        # 3. CUDA graph of the four calls, replayed
+        session.barrier()
+        stream.begin_capture()
+        b = rt.dispatch_wait(rt.dispatch_async(tok, tid, tw))
+        rt.combine_wait(rt.combine_async(y, b.handle), out=out)
+        graph = stream.end_capture()
+        calls_before = rt.device_calls()
+        good = 0
+        for _ in range(args.replays):
+            out.fill(0)
+            graph.launch(stream)
+            stream.synchronize()
+            good += int(bool(cupy.array_equal(batch.x[:n], first_x)) and bool(cupy.array_equal(out, first_out)))
+        rt.synchronize()
+        check(good == args.replays, f"T={T} {args.replays - good} of {args.replays} graph replays wrong")
+        check(rt.device_calls() == calls_before + args.replays, f"T={T} device call counter after replays")
+
+        # 4. per-call times (CUDA events, median; barrier before each sample)
+        state = {}
+
+        def run_dispatch():
+            state["b"] = rt.dispatch_wait(rt.dispatch_async(tok, tid, tw))
+
+        def run_combine():
+            rt.combine_wait(rt.combine_async(y, state["b"].handle), out=out)
+
+        disp = []
+        comb = []
+        for i in range(args.samples + 5):
+            e = [cupy.cuda.Event() for _ in range(4)]
+            session.barrier()
+            e[0].record(stream)
+            run_dispatch()
+            e[1].record(stream)
+            session.barrier()
+            e[2].record(stream)
+            run_combine()
+            e[3].record(stream)
+            e[3].synchronize()
+            if i >= 5:
+                disp.append(cupy.cuda.get_elapsed_time(e[0], e[1]) * 1e3)
+                comb.append(cupy.cuda.get_elapsed_time(e[2], e[3]) * 1e3)
+        rt.synchronize()
+        rows.append((T, n, exact_frac, float(err.max()), same, good, float(np.median(disp)), float(np.median(comb))))
+
+    rt.close()
+    session.close()
+    all_rows = comm.gather(rows, root=0)
+    all_fail = comm.gather(failures, root=0)
+    if me == 0:
+        print(f"init {t_init:.2f} s, runtime build (4 kernels compiled) {t_build:.2f} s")
+        for f in sum(all_fail, []):
+            print("FAIL:", f)
+        print(f"{'rank':>4} {'T':>5} {'rows':>6} {'combine exact':>13} {'max err':>8} {'b2b same':>8} "
+              f"{'graph ok':>8} {'dispatch us':>11} {'combine us':>10}")
+        for r, rr in enumerate(all_rows):
+            for T, n, ex, me_, same, good, d, c in rr:
+                print(f"{r:>4} {T:>5} {n:>6} {ex:>13.4f} {me_:>8.3g} {same:>8} {good:>8} {d:>11.1f} {c:>10.1f}")
+        print("PASS" if not sum(all_fail, []) else "FAIL")
+    return 1 if comm.allreduce(len(failures)) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

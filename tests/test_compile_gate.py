@@ -1,0 +1,110 @@
+"""The compile-and-link gate, run as CI runs it: in separate processes, on a CPU-only machine.
+
+Every kernel in ep_runtime.kernels.signatures must link to a non-empty sm_90a cubin against
+nvshmem4py's real device API, and every negative control (tests/gate_negative.py) must fail.
+Skipped only where nvshmem4py's Numba bindings (nvshmem4py-cu13[numba] + cffi) are missing.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ep_runtime import compile_gate
+
+pytestmark = pytest.mark.skipif(
+    not compile_gate.nvshmem_numba_bindings_installed(),
+    reason="nvshmem4py's Numba device bindings are not installed "
+           "(pip install 'nvshmem4py-cu13[numba]==0.4.1' cffi, or pip install -e '.[test]')")
+
+REPO = Path(__file__).resolve().parents[1]
+NEGATIVE = Path(__file__).with_name("gate_negative.py")
+TIMEOUT_S = 540
+
+# name -> a piece of the error it must fail with (a failure for another reason is not a pass).
+EXPECTED_ERRORS = {
+    "neg_put_signal_int64_signal": "No implementation of function",  # typing: int64 signal
+    "neg_put_mixed_dtypes": "No implementation of function",         # typing: uint16 <- int16
+    "neg_unresolved_extern": "ep_gate_no_such_symbol",               # link: nvJitLink
+}
+
+
+def _start(*args, **env_overrides):
+    env = dict(os.environ)
+    # The gate needs the real compiler, whatever the rest of the test session simulates.
+    env.pop("NUMBA_ENABLE_CUDASIM", None)
+    env.pop("NUMBA_FORCE_CUDA_CC", None)
+    env.update(env_overrides)
+    return subprocess.Popen([sys.executable, "-m", "ep_runtime.compile_gate", "--json", *args],
+                            cwd=REPO, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _finish(proc):
+    try:
+        stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    lines = [ln for ln in stdout.splitlines() if ln.strip()]
+    try:
+        report = json.loads(lines[-1])
+    except (IndexError, json.JSONDecodeError):
+        pytest.fail(f"gate printed no JSON report (rc={proc.returncode})\n"
+                    f"stdout:\n{stdout[-3000:]}\nstderr:\n{stderr[-6000:]}")
+    return proc.returncode, report, stderr
+
+
+@pytest.fixture(scope="module")
+def gate_runs():
+    # Both gates at once (CI has 2 cores; the negative run is mostly interpreter start-up).
+    procs = {
+        "positive": _start("--jobs", str(min(2, os.cpu_count() or 1))),
+        "negative": _start("--entries", str(NEGATIVE)),
+    }
+    try:
+        return {key: _finish(proc) for key, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def _failures(report):
+    return "\n\n".join(f"{r['name']} [{r['stage']}]: {r['error']}"
+                       for r in report["results"] if not r["ok"])
+
+
+def test_every_kernel_compiles_and_links_for_sm90(gate_runs):
+    rc, report, stderr = gate_runs["positive"]
+    assert "setup_error" not in report, report["setup_error"] + "\n" + stderr[-3000:]
+    assert rc == 0 and report["ok"], _failures(report)
+    assert report["target"] == "sm_90a"
+    names = [r["name"] for r in report["results"]]
+    assert {"probe_put_fence_signal", "probe_signal_wait_atomics"} <= set(names)
+    assert len(names) == len(set(names))
+    for r in report["results"]:
+        assert r["ok"] and r["cubin_bytes"] > 0, r
+
+
+def test_negative_control_fails_for_the_right_reason(gate_runs):
+    rc, report, stderr = gate_runs["negative"]
+    assert "setup_error" not in report, report["setup_error"] + "\n" + stderr[-3000:]
+    assert rc == 1 and not report["ok"]
+    results = {r["name"]: r for r in report["results"]}
+    assert set(results) == set(EXPECTED_ERRORS)
+    for name, needle in EXPECTED_ERRORS.items():
+        r = results[name]
+        assert not r["ok"], f"{name} compiled: the gate no longer rejects bad SHMEM calls"
+        assert needle in (r["error"] or ""), f"{name} failed for another reason:\n{r['error']}"
+    assert results["neg_unresolved_extern"]["stage"] == "link"
+
+
+def test_gate_refuses_the_simulator():
+    rc, report, _ = _finish(_start(NUMBA_ENABLE_CUDASIM="1"))
+    assert rc == 2 and "NUMBA_ENABLE_CUDASIM" in report["setup_error"]

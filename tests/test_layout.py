@@ -1,0 +1,265 @@
+"""`BufferLayout`: every region's shape, dtype, size and offset against figures worked out by
+hand (the arithmetic is written out below, never taken from the layout's own formulas), for a
+DeepSeek-V3-like layer and a small padded one; plus alignment, non-overlap, totals, the group
+dimension, `describe()`, owners and `region()`'s error.
+"""
+
+import numpy as np
+import pytest
+
+from ep_runtime.config import EPConfig
+from ep_runtime.layout import BufferLayout
+
+MiB = 1 << 20
+
+#: (a) DeepSeek-V3-like: R=8, E=256 (L=32), K=8, H=7168, T=4096, pad 1, C = worst case.
+DSV3 = EPConfig(n_ranks=8, n_experts=256, top_k=8, hidden=7168, max_tokens_per_rank=4096)
+#: (b) small: R=2, E=8 (L=4), K=2, H=64, T=16, pad 4, C = 50 (worst case would be 76).
+SMALL = EPConfig(n_ranks=2, n_experts=8, top_k=2, hidden=64, max_tokens_per_rank=16, pad_multiple=4,
+                 max_recv_rows=50)
+
+u16, i32, i64, u64, f32 = (np.dtype(t) for t in ("uint16", "int32", "int64", "uint64", "float32"))
+
+# Expected tables: name -> (shape, dtype, nbytes, offset), in allocation order.
+# Offsets: each region starts at the end of the previous one rounded up to 256 bytes.
+
+# (a) C = 8 ranks * 4096 tokens * min(8, 32) = 262144 rows.
+DSV3_SYMMETRIC = {
+    # [G, R, T, H] u16: 2 * 8 * 4096 * 7168 * 2 B = 939,524,096 B (896 MiB)
+    "dispatch_tokens": ((2, 8, 4096, 7168), u16, 939_524_096, 0),
+    # [G, R, T, K] i32: 2 * 8 * 4096 * 8 * 4 B = 2,097,152 B; starts at 939,524,096
+    "dispatch_topk_ids": ((2, 8, 4096, 8), i32, 2_097_152, 939_524_096),
+    # [G, R, T, K] f32: 2,097,152 B; 939,524,096 + 2,097,152 = 941,621,248
+    "dispatch_topk_weights": ((2, 8, 4096, 8), f32, 2_097_152, 941_621_248),
+    # [G, R, L + 1] i32: 2 * 8 * 33 * 4 B = 2112 B; 941,621,248 + 2,097,152 = 943,718,400
+    "dispatch_counts": ((2, 8, 33), i32, 2112, 943_718_400),
+    # [G, R] u64: 2 * 8 * 8 B = 128 B; 943,718,400 + 2112 -> round up to 256: + 2304 = 943,720,704
+    "dispatch_signal": ((2, 8), u64, 128, 943_720_704),
+    # [G, R, T, H] u16: 939,524,096 B; 943,720,704 + 128 -> + 256 = 943,720,960
+    "combine_partials": ((2, 8, 4096, 7168), u16, 939_524_096, 943_720_960),
+    # [G, R] u64: 128 B; 943,720,960 + 939,524,096 = 1,883,245,056
+    "combine_signal": ((2, 8), u64, 128, 1_883_245_056),
+}
+# 1,883,245,056 + 128 -> round up to 256 = 1,883,245,312
+DSV3_SYMMETRIC_BYTES = 1_883_245_312
+
+DSV3_LOCAL = {
+    # [2] i64: 16 B at 0
+    "dispatch_async_sync": ((2,), i64, 16, 0),
+    # [E] i32: 256 * 4 = 1024 B; 16 -> 256
+    "dispatch_send_hist": ((256,), i32, 1024, 256),
+    # [R, L + 1] i32: 8 * 33 * 4 = 1056 B; 256 + 1024 = 1280
+    "dispatch_send_counts": ((8, 33), i32, 1056, 1280),
+    # [R, T, K] i32: 8 * 4096 * 8 * 4 = 1,048,576 B; 1280 + 1056 = 2336 -> 2560
+    "token_rows": ((8, 4096, 8), i32, 1_048_576, 2560),
+    # [1] i64: 8 B; 2560 + 1,048,576 = 1,051,136
+    "combine_async_sync": ((1,), i64, 8, 1_051_136),
+    # [R, T, H] u16: 8 * 4096 * 7168 * 2 = 469,762,048 B; 1,051,136 + 8 -> 1,051,392
+    "combine_stage": ((8, 4096, 7168), u16, 469_762_048, 1_051_392),
+    # [C, H] u16: 262144 * 7168 * 2 = 3,758,096,384 B (3584 MiB); 1,051,392 + 469,762,048 = 470,813,440
+    "expert_x": ((262144, 7168), u16, 3_758_096_384, 470_813_440),
+    # [L + 1] i32: 33 * 4 = 132 B; 470,813,440 + 3,758,096,384 = 4,228,909,824
+    "row_offsets": ((33,), i32, 132, 4_228_909_824),
+    # [L] i32: 32 * 4 = 128 B; 4,228,909,824 + 132 -> + 256 = 4,228,910,080
+    "expert_counts": ((32,), i32, 128, 4_228_910_080),
+    # [C] i32: 262144 * 4 = 1,048,576 B; 4,228,910,080 + 128 -> + 256 = 4,228,910,336
+    "row_src_rank": ((262144,), i32, 1_048_576, 4_228_910_336),
+    # + 1,048,576 = 4,229,958,912
+    "row_src_token": ((262144,), i32, 1_048_576, 4_229_958_912),
+    # + 1,048,576 = 4,231,007,488
+    "row_src_k": ((262144,), i32, 1_048_576, 4_231_007_488),
+    # [C] f32; + 1,048,576 = 4,232,056,064
+    "row_weight": ((262144,), f32, 1_048_576, 4_232_056_064),
+    # [8] i64: 64 B; + 1,048,576 = 4,233,104,640
+    "status": ((8,), i64, 64, 4_233_104_640),
+}
+# 4,233,104,640 + 64 -> round up to 256 = 4,233,104,896
+DSV3_LOCAL_BYTES = 4_233_104_896
+
+SMALL_SYMMETRIC = {
+    # [G, R, T, H] u16: 2 * 2 * 16 * 64 * 2 = 8192 B at 0
+    "dispatch_tokens": ((2, 2, 16, 64), u16, 8192, 0),
+    # [G, R, T, K] i32: 2 * 2 * 16 * 2 * 4 = 512 B at 8192
+    "dispatch_topk_ids": ((2, 2, 16, 2), i32, 512, 8192),
+    # f32, 512 B; 8192 + 512 = 8704
+    "dispatch_topk_weights": ((2, 2, 16, 2), f32, 512, 8704),
+    # [G, R, L + 1] i32: 2 * 2 * 5 * 4 = 80 B; 8704 + 512 = 9216
+    "dispatch_counts": ((2, 2, 5), i32, 80, 9216),
+    # [G, R] u64: 2 * 2 * 8 = 32 B; 9216 + 80 -> 9472
+    "dispatch_signal": ((2, 2), u64, 32, 9472),
+    # 8192 B; 9472 + 32 -> 9728
+    "combine_partials": ((2, 2, 16, 64), u16, 8192, 9728),
+    # 32 B; 9728 + 8192 = 17920
+    "combine_signal": ((2, 2), u64, 32, 17920),
+}
+SMALL_SYMMETRIC_BYTES = 18176  # 17920 + 32 -> 18176
+
+SMALL_LOCAL = {
+    "dispatch_async_sync": ((2,), i64, 16, 0),
+    # [E] i32: 8 * 4 = 32 B; 16 -> 256
+    "dispatch_send_hist": ((8,), i32, 32, 256),
+    # [R, L + 1] i32: 2 * 5 * 4 = 40 B; 256 + 32 -> 512
+    "dispatch_send_counts": ((2, 5), i32, 40, 512),
+    # [R, T, K] i32: 2 * 16 * 2 * 4 = 256 B; 512 + 40 -> 768
+    "token_rows": ((2, 16, 2), i32, 256, 768),
+    # 8 B; 768 + 256 = 1024
+    "combine_async_sync": ((1,), i64, 8, 1024),
+    # [R, T, H] u16: 2 * 16 * 64 * 2 = 4096 B; 1024 + 8 -> 1280
+    "combine_stage": ((2, 16, 64), u16, 4096, 1280),
+    # [C, H] u16 with C = max_recv_rows = 50: 50 * 64 * 2 = 6400 B; 1280 + 4096 = 5376
+    "expert_x": ((50, 64), u16, 6400, 5376),
+    # [L + 1] i32: 5 * 4 = 20 B; 5376 + 6400 = 11776
+    "row_offsets": ((5,), i32, 20, 11776),
+    # [L] i32: 16 B; 11776 + 20 -> 12032
+    "expert_counts": ((4,), i32, 16, 12032),
+    # [C] i32: 50 * 4 = 200 B; 12032 + 16 -> 12288
+    "row_src_rank": ((50,), i32, 200, 12288),
+    # 12288 + 200 -> 12544
+    "row_src_token": ((50,), i32, 200, 12544),
+    # 12544 + 200 -> 12800
+    "row_src_k": ((50,), i32, 200, 12800),
+    # [C] f32; 12800 + 200 -> 13056
+    "row_weight": ((50,), f32, 200, 13056),
+    # [8] i64: 64 B; 13056 + 200 -> 13312
+    "status": ((8,), i64, 64, 13312),
+}
+SMALL_LOCAL_BYTES = 13568  # 13312 + 64 -> 13568
+
+CASES = {
+    "dsv3": (DSV3, DSV3_SYMMETRIC, DSV3_SYMMETRIC_BYTES, DSV3_LOCAL, DSV3_LOCAL_BYTES),
+    "small": (SMALL, SMALL_SYMMETRIC, SMALL_SYMMETRIC_BYTES, SMALL_LOCAL, SMALL_LOCAL_BYTES),
+}
+CASE_IDS = list(CASES)
+
+
+@pytest.fixture(params=CASE_IDS)
+def case(request):
+    cfg, sym, sym_bytes, loc, loc_bytes = CASES[request.param]
+    return BufferLayout(cfg), sym, sym_bytes, loc, loc_bytes
+
+
+def test_hand_tables_are_self_consistent():
+    """Guard the hand-written tables themselves: nbytes = prod(shape) * itemsize."""
+    for _, sym, _, loc, _ in CASES.values():
+        for name, (shape, dtype, nbytes, _) in {**sym, **loc}.items():
+            assert int(np.prod(shape, dtype=np.int64)) * dtype.itemsize == nbytes, name
+
+
+def test_region_names_and_order(case):
+    layout, sym, _, loc, _ = case
+    assert [r.name for r in layout.symmetric_regions] == list(sym)
+    assert [r.name for r in layout.local_regions] == list(loc)
+    assert len(layout.regions) == len(sym) + len(loc)
+
+
+def test_region_shape_dtype_nbytes_offset(case):
+    layout, sym, _, loc, _ = case
+    for heap, table, symmetric in (("symmetric", sym, True), ("local", loc, False)):
+        for name, (shape, dtype, nbytes, offset) in table.items():
+            r = layout.region(name)
+            got = (r.shape, r.dtype, r.nbytes, r.offset, r.symmetric)
+            assert got == (shape, dtype, nbytes, offset, symmetric), f"{heap} region {name}: {got}"
+
+
+def test_totals(case):
+    layout, _, sym_bytes, _, loc_bytes = case
+    assert layout.symmetric_bytes == sym_bytes
+    assert layout.local_bytes == loc_bytes
+
+
+def test_dsv3_totals_in_mib():
+    # Two groups of [R, T, H] bf16 each way: 2 * 896 MiB, plus 4 MiB of routing and a few KiB.
+    layout = BufferLayout(DSV3)
+    assert 1792 < layout.symmetric_bytes / MiB < 1797
+    # combine_stage 448 MiB + expert_x 3584 MiB + token_rows 1 MiB + 4 row arrays of 1 MiB.
+    assert 4037 < layout.local_bytes / MiB < 4038
+
+
+@pytest.mark.parametrize("heap", ["symmetric", "local"])
+def test_offsets_aligned_and_disjoint(case, heap):
+    layout, *_ = case
+    regions = layout.symmetric_regions if heap == "symmetric" else layout.local_regions
+    total = layout.symmetric_bytes if heap == "symmetric" else layout.local_bytes
+    assert total % 256 == 0
+    spans = sorted((r.offset, r.offset + r.nbytes, r.name) for r in regions)
+    for lo, hi, name in spans:
+        assert lo % 256 == 0, f"{name} at {lo} is not 256-byte aligned"
+        assert 0 <= lo < hi <= total, f"{name} [{lo}, {hi}) outside [0, {total})"
+    for (_, hi, a), (lo, _, b) in zip(spans, spans[1:]):
+        assert hi <= lo, f"{a} ends at {hi}, after {b} starts at {lo}"
+
+
+def test_symmetric_regions_have_leading_group_dimension(case):
+    layout, *_ = case
+    assert layout.symmetric_regions, "no symmetric regions"
+    for r in layout.symmetric_regions:
+        assert r.shape[0] == 2, f"{r.name} {r.shape}: no leading group dimension 2"
+        assert r.shape[1] == layout.cfg.n_ranks, f"{r.name} {r.shape}: second dimension is not the source rank"
+
+
+def test_every_region_has_writer_readers_and_doc(case):
+    layout, *_ = case
+    for r in layout.regions:
+        assert isinstance(r.writer, str) and r.writer, f"{r.name}: no writer"
+        assert isinstance(r.readers, tuple) and r.readers and all(r.readers), f"{r.name}: no readers"
+        assert r.doc, f"{r.name}: no doc"
+
+
+def test_symmetric_regions_are_written_by_peers(case):
+    layout, *_ = case
+    for r in layout.symmetric_regions:
+        assert "peers" in r.writer, f"{r.name}: writer {r.writer!r}"
+
+
+def test_sentinel_inits():
+    layout = BufferLayout(SMALL)
+    # -1 marks "no expert id" / "no row" / "padding"; everything else starts at 0.
+    minus_one = {"dispatch_topk_ids", "token_rows", "row_src_rank", "row_src_token", "row_src_k"}
+    for r in layout.regions:
+        assert r.init == (-1 if r.name in minus_one else 0), f"{r.name} init {r.init}"
+
+
+def test_describe_lists_every_region_and_totals(case):
+    layout, _, sym_bytes, _, loc_bytes = case
+    text = layout.describe()
+    lines = text.splitlines()
+    for r in layout.regions:
+        matching = [ln for ln in lines if ln.split()[:1] == [r.name]]
+        assert len(matching) == 1, f"describe() has {len(matching)} lines for {r.name}"
+        ln = matching[0]
+        assert ("symmetric" if r.symmetric else "local") in ln
+        assert str(r.shape) in ln and r.dtype.name in ln and str(r.offset) in ln
+        assert f"{r.nbytes / MiB:.3f}" in ln, f"{r.name}: MiB missing in {ln!r}"
+        assert r.writer in ln and all(reader in ln for reader in r.readers)
+    assert f"symmetric total {sym_bytes / MiB:.3f} MiB" in text
+    assert f"local total {loc_bytes / MiB:.3f} MiB" in text
+
+
+def test_describe_dsv3_figures():
+    text = BufferLayout(DSV3).describe()
+    assert "896.000" in text          # dispatch_tokens and combine_partials
+    assert "3584.000" in text         # expert_x
+    assert "symmetric total 1796.003 MiB" in text   # 1,883,245,312 / 2**20 = 1796.0027
+    assert "local total 4037.003 MiB" in text       # 4,233,104,896 / 2**20 = 4037.0034
+
+
+def test_region_unknown_name_raises_key_error():
+    layout = BufferLayout(SMALL)
+    with pytest.raises(KeyError) as info:
+        layout.region("expert_y")
+    assert "expert_y" in str(info.value)
+    assert "expert_x" in str(info.value)   # lists the regions that exist
+
+
+def test_capacity_follows_max_recv_rows_only_in_row_regions():
+    """Changing max_recv_rows resizes exactly the [C]-shaped regions, nothing symmetric."""
+    a = BufferLayout(SMALL)
+    b = BufferLayout(EPConfig(**{**SMALL.as_dict(), "max_recv_rows": 76}))
+    changed = {r.name for r in a.regions if r.shape != b.region(r.name).shape}
+    assert changed == {"expert_x", "row_src_rank", "row_src_token", "row_src_k", "row_weight"}
+    assert a.symmetric_bytes == b.symmetric_bytes
+    assert b.region("expert_x").shape == (76, 64)   # 2 * 16 * 2 + 4 * 3
+
+
+def test_layout_is_pure():
+    assert BufferLayout(SMALL).regions == BufferLayout(SMALL).regions
