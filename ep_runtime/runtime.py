@@ -32,7 +32,7 @@ _owner_ids = itertools.count(1)
 #: Threads per block on a GPU: 8 warps keep a 14 KB row copy to a few iterations per thread.
 GPU_THREADS = 256
 #: Threads per block in the simulator: one warp; each simulated thread is a Python thread.
-SIM_THREADS = 32
+SIM_THREADS = 8
 #: Blocks per kernel in the simulator when EPConfig.n_sms is None (more than one, so the
 #: block scheduling and the last-block ticket are exercised).
 SIM_BLOCKS = 2

@@ -8,7 +8,7 @@ CPU-only machine.
 
 from numba import types
 
-from . import gate_probe
+from . import gate_probe, selftest
 
 
 def _c(dtype, ndim=1):
@@ -16,7 +16,7 @@ def _c(dtype, ndim=1):
     return types.Array(dtype, ndim, "C")
 
 
-u16, u64, i32, i64 = types.uint16, types.uint64, types.int32, types.int64
+u16, u64, i32, i64, f32 = types.uint16, types.uint64, types.int32, types.int64, types.float32
 
 GATE_ENTRIES = [
     # (dst_tokens, src_tokens, dst_meta, src_meta, sig, pe)
@@ -25,6 +25,17 @@ GATE_ENTRIES = [
     # (dst, src, sig, counter, out, want, timeout_ns)
     ("probe_signal_wait_atomics", gate_probe.probe_signal_wait_atomics,
      (_c(i64), _c(i64), _c(u64), _c(i64), _c(i64), u64, u64)),
+    # the SHMEM layer's exchange kernels (kernels/selftest.py), as the tests launch them
+    ("ring_put_signal", selftest.ring_put_signal, (_c(i32, 2), _c(i32), _c(u64), i64, _c(i32, 2))),
+    ("ring_put_quiet_signal", selftest.ring_put_quiet_signal, (_c(i32, 2), _c(i32), _c(u64), i64, _c(i32, 2))),
+    ("alltoall_put_nbi_fence", selftest.alltoall_put_nbi_fence, (_c(u16, 2), _c(u16, 2), _c(u64), i64)),
+    ("alltoall_put_nbi_no_fence", selftest.alltoall_put_nbi_no_fence, (_c(f32, 2), _c(f32, 2), _c(u64), i64)),
+    ("wait_all_copy_out", selftest.wait_all_copy_out, (_c(i32, 2), _c(u64), i64, _c(i32, 2))),
+    ("count_on_pe0", selftest.count_on_pe0, (_c(u64), _c(u64))),
+    ("put_pattern", selftest.put_pattern, (_c(u16), _c(u16), i32)),
+    ("alltoall_put_signal_warp", selftest.alltoall_put_signal_warp, (_c(f32, 2), _c(f32, 2), _c(u64))),
+    ("wait_ge_copy_out", selftest.wait_ge_copy_out, (_c(f32, 2), _c(u64), i64, i64, _c(f32, 2), _c(u64))),
+    ("atomic_mix", selftest.atomic_mix, (_c(u64), _c(u64))),
 ]
 
 

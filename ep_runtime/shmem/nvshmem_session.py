@@ -5,7 +5,8 @@ environment (:func:`ep_runtime.shmem.env.configure_nvshmem_env`), broadcast NVSH
 id from rank 0 with mpi4py and initialize with ``initializer_method="uid"`` (this works with
 Open MPI and MPICH alike; NVSHMEM's own MPI plugin is linked against Open MPI only).
 Symmetric arrays are CuPy arrays from ``nvshmem.core.array``; kernels run on one
-non-blocking stream created with cuda.core and shared with CuPy and Numba.
+non-blocking stream created with cuda.core, shared with Numba and made CuPy's current stream
+in this thread (so CuPy work on runtime buffers orders with the kernels).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class NvshmemSession(Session):
         self._core_stream = self._device.create_stream()
         handle = int(self._core_stream.handle)
         self._cupy_stream = cupy.cuda.ExternalStream(handle)
+        self._cupy_stream.use()  # CuPy work of this thread (fills, copies) orders with the kernels
         self._numba_stream = numba_cuda.external_stream(handle)
         self._symmetric = []
         self._closed = False

@@ -1,0 +1,341 @@
+"""Start the PEs of a job: simulated PEs as local processes, and rank discovery under MPI.
+
+- :func:`run_pes` runs ``target(session, *args, **kwargs)`` on ``n_ranks`` fresh processes,
+  one :class:`~ep_runtime.shmem.sim_session.SimSession` each, and returns their results. It
+  never hangs: a PE that raises, exits early or runs past ``timeout_s`` stops the whole job
+  with :class:`~ep_runtime.errors.PEFailure` (its traceback, or the Python stacks of the PEs
+  still running).
+- :func:`mpi_rank_size` and :func:`local_rank` read the MPI launcher's environment;
+  :func:`open_sim_session_from_mpi` opens a simulated session in a script started with
+  ``mpiexec -n N`` (the script must be started with ``NUMBA_ENABLE_CUDASIM=1``).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import importlib
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..errors import EPInputError, PEFailure
+from .sim_heap import DEFAULT_HEAP_BYTES, WAIT_TIMEOUT_ENV, job_path, remove_job_files
+
+# A PE's own barriers time out this much later than the launcher, so a hang is reported by
+# the launcher, which sees every PE and can dump their stacks.
+_PE_TIMEOUT_MARGIN_S = 10.0
+# Time a PE gets to write its stacks after SIGUSR1, and to exit after SIGTERM.
+_STACK_DUMP_WAIT_S = 0.5
+_TERMINATE_WAIT_S = 2.0
+
+# (rank variable, size variable) set by MPI launchers: Open MPI, MPICH/Intel MPI (Hydra),
+# MVAPICH. PMIx gives only the rank (PMIX_RANK): its size comes from mpi4py.
+_RANK_SIZE_VARS = (
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+    ("PMI_RANK", "PMI_SIZE"),
+    ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE"),
+)
+_LOCAL_RANK_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK")
+
+
+@dataclass(frozen=True)
+class _PESpec:
+    """What one PE process needs (pickled to the child)."""
+
+    rank: int
+    n_ranks: int
+    job: str
+    heap_bytes: int
+    session_timeout_s: float
+    target: tuple[str, str]
+    args: tuple
+    kwargs: dict
+
+
+def new_job_id() -> str:
+    """A fresh job id (16 hex digits) naming a job's /dev/shm files."""
+    return uuid.uuid4().hex[:16]
+
+
+def run_pes(target: Callable, n_ranks: int, args: tuple = (), kwargs: dict | None = None,
+            timeout_s: float = 120.0, backend: str = "sim", heap_bytes: int = DEFAULT_HEAP_BYTES,
+            wait_timeout_s: float | None = None) -> list:
+    """Run ``target(session, *args, **kwargs)`` on ``n_ranks`` simulated PEs; their results.
+
+    Parameters
+    ----------
+    target : callable
+        A module-level function (imported by name in each PE, after the PE's environment
+        has ``NUMBA_ENABLE_CUDASIM=1``, so numba starts in simulator mode there). PEs are
+        spawned: a script calling run_pes needs the ``if __name__ == "__main__":`` guard.
+    n_ranks : int
+        Number of PEs, one spawned OS process each.
+    args, kwargs
+        Picklable extra arguments, the same for every PE.
+    timeout_s : float
+        Limit of the whole job, start-up included.
+    backend : str
+        ``"sim"`` (the only backend that runs on local processes).
+    heap_bytes : int
+        Symmetric heap per PE (a sparse /dev/shm file).
+    wait_timeout_s : float, optional
+        Limit of each simulated signal wait (``EP_SIM_WAIT_TIMEOUT`` in the PEs).
+
+    Returns
+    -------
+    list
+        ``target``'s (picklable) return value of each PE, in rank order.
+
+    Raises
+    ------
+    PEFailure
+        A PE raised (its traceback), exited before reporting, or did not finish within
+        ``timeout_s`` (the Python stacks of the PEs still running). Every PE is stopped and
+        the job's /dev/shm files are removed before it is raised.
+    """
+    ref = _check_run_args(target, n_ranks, timeout_s, backend)
+    job = new_job_id()
+    what = f"run_pes({ref[0]}.{ref[1]}, n_ranks={n_ranks}, job={job})"
+    env = {"NUMBA_ENABLE_CUDASIM": "1"}
+    if wait_timeout_s is not None:
+        env[WAIT_TIMEOUT_ENV] = str(wait_timeout_s)
+    specs = [_PESpec(rank, n_ranks, job, heap_bytes, timeout_s + _PE_TIMEOUT_MARGIN_S, ref,
+                     tuple(args), dict(kwargs or {})) for rank in range(n_ranks)]
+    procs, conns = [], []
+    try:
+        _start_pes(specs, env, procs, conns)
+        return _collect(procs, conns, job, timeout_s, what)
+    finally:
+        _stop(procs, conns)
+        remove_job_files(job)
+
+
+def mpi_rank_size() -> tuple[int, int] | None:
+    """``(rank, size)`` of this process in its MPI job, or ``None`` if no MPI launcher
+    started it.
+
+    Read from the launcher's environment (Open MPI, MPICH/Intel MPI Hydra, MVAPICH); under
+    PMIx (``PMIX_RANK`` only) or once mpi4py has initialized MPI, from ``COMM_WORLD``. Never
+    initializes MPI in a process that no launcher started.
+    """
+    for rank_var, size_var in _RANK_SIZE_VARS:
+        if rank_var in os.environ and size_var in os.environ:
+            return int(os.environ[rank_var]), int(os.environ[size_var])
+    if "PMIX_RANK" in os.environ or _mpi_initialized():
+        from mpi4py import MPI
+
+        return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    return None
+
+
+def local_rank() -> int:
+    """This process's rank among the job's processes on its node (it picks the GPU): from
+    the launcher's environment, else from mpi4py under MPI, else 0."""
+    for var in _LOCAL_RANK_VARS:
+        if var in os.environ:
+            return int(os.environ[var])
+    if mpi_rank_size() is None:
+        return 0
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
+
+
+def open_sim_session_from_mpi(heap_bytes: int = DEFAULT_HEAP_BYTES, timeout_s: float = 60.0):
+    """Open a :class:`~ep_runtime.shmem.sim_session.SimSession` in a script started with
+    ``mpiexec -n N`` (and ``NUMBA_ENABLE_CUDASIM=1``), one PE per rank. Collective.
+
+    Rank 0 makes the job id and mpi4py broadcasts it. All ranks must run on one node
+    (the heaps are /dev/shm files). Files of a job whose ranks crashed stay in /dev/shm:
+    remove them with :func:`ep_runtime.shmem.sim_heap.remove_job_files`.
+    """
+    from mpi4py import MPI
+
+    from .sim_session import SimSession
+
+    comm = MPI.COMM_WORLD
+    job = comm.bcast(new_job_id() if comm.Get_rank() == 0 else None, root=0)
+    return SimSession.open(comm.Get_rank(), comm.Get_size(), job, heap_bytes, timeout_s)
+
+
+def _mpi_initialized() -> bool:
+    """Whether this process imported mpi4py.MPI and MPI is initialized."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    return mpi is not None and mpi.Is_initialized()
+
+
+# -- parent side -------------------------------------------------------------------------------
+def _check_run_args(target, n_ranks: int, timeout_s: float, backend: str) -> tuple[str, str]:
+    """Validate run_pes's arguments; ``target`` as ``(module, qualified name)``."""
+    if backend != "sim":
+        raise EPInputError(f"run_pes: backend={backend!r}: only 'sim' runs on local processes; "
+                           "start nvshmem jobs with mpirun")
+    if not isinstance(n_ranks, int) or n_ranks < 1:
+        raise EPInputError(f"run_pes: n_ranks={n_ranks!r} must be a positive int")
+    if timeout_s <= 0:
+        raise EPInputError(f"run_pes: timeout_s={timeout_s} must be positive")
+    module = getattr(target, "__module__", None)
+    qualname = getattr(target, "__qualname__", "")
+    if not callable(target) or module is None or "<" in qualname:
+        raise EPInputError(f"run_pes: target {target!r} must be a module-level function (the "
+                           "PEs import it by name; lambdas and nested functions cannot be)")
+    return module, qualname
+
+
+@contextmanager
+def _environment(env: dict[str, str]):
+    """Set ``env`` in os.environ for the block: spawned PEs inherit it from their first
+    instruction, before any module (numba included) is imported there."""
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _start_pes(specs: list[_PESpec], env: dict[str, str], procs: list, conns: list) -> None:
+    # 'spawn': a fresh interpreter per PE (numba must start in simulator mode; no forked
+    # threads or locks). Its preparation data carries the parent's sys.path, so test
+    # modules import in the PEs.
+    context = multiprocessing.get_context("spawn")
+    with _environment(env):
+        for spec in specs:
+            receiver, sender = context.Pipe(duplex=False)
+            proc = context.Process(target=_pe_main, args=(spec, sender),
+                                   name=f"ep_sim_pe{spec.rank}", daemon=True)
+            try:
+                proc.start()
+            finally:
+                sender.close()
+            procs.append(proc)
+            conns.append(receiver)
+
+
+def _collect(procs: list, conns: list, job: str, timeout_s: float, what: str) -> list:
+    """Wait for every PE's report; the results in rank order, or :class:`PEFailure`."""
+    results: list[Any] = [None] * len(procs)
+    pending = set(range(len(procs)))
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise PEFailure(_hang_message(procs, pending, job, timeout_s, what))
+        multiprocessing.connection.wait(
+            [conns[r] for r in pending] + [procs[r].sentinel for r in pending], remaining)
+        for rank in sorted(pending):
+            report = _report(procs[rank], conns[rank], rank, what)
+            if report is not None:
+                results[rank] = report[0]
+                pending.discard(rank)
+    return results
+
+
+def _report(proc, conn, rank: int, what: str):
+    """``(value,)`` if PE ``rank`` reported success, ``None`` if it still runs; raises
+    :class:`PEFailure` if it raised or exited without a report."""
+    if conn.poll():
+        try:
+            status, payload = conn.recv()
+        except EOFError:
+            proc.join(_TERMINATE_WAIT_S)
+            raise PEFailure(_early_exit_message(proc, rank, what)) from None
+        if status == "error":
+            raise PEFailure(f"{what}: PE {rank} raised:\n{payload}")
+        return (payload,)
+    if not proc.is_alive():
+        raise PEFailure(_early_exit_message(proc, rank, what))
+    return None
+
+
+def _early_exit_message(proc, rank: int, what: str) -> str:
+    return (f"{what}: PE {rank} exited with code {proc.exitcode} before reporting (killed, "
+            "os._exit, a crash of the interpreter, or a failed start: see its stderr; a script "
+            "that calls run_pes needs the `if __name__ == '__main__':` guard)")
+
+
+def _hang_message(procs: list, pending: set[int], job: str, timeout_s: float, what: str) -> str:
+    done = sorted(set(range(len(procs))) - pending)
+    running = sorted(pending)
+    for rank in running:
+        if procs[rank].is_alive():
+            os.kill(procs[rank].pid, signal.SIGUSR1)
+    time.sleep(_STACK_DUMP_WAIT_S)
+    stacks = []
+    for rank in running:
+        try:
+            with open(job_path(job, f"stack_{rank}")) as f:
+                stacks.append(f"--- Python stacks of PE {rank} ---\n{f.read()}")
+        except FileNotFoundError:
+            stacks.append(f"--- PE {rank}: no stacks (it had not started) ---")
+    return (f"{what}: PE(s) {running} did not finish within {timeout_s} s (finished: {done}); "
+            "a deadlock (a wait nobody signals, a skipped collective) or too short a timeout.\n"
+            + "\n".join(stacks))
+
+
+def _stop(procs: list, conns: list) -> None:
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    for proc in procs:
+        proc.join(_TERMINATE_WAIT_S)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    for conn in conns:
+        conn.close()
+
+
+# -- PE side -----------------------------------------------------------------------------------
+def _pe_main(spec: _PESpec, conn) -> None:
+    """Entry point of a PE process: run the target in a session, report to the launcher."""
+    # SIGUSR1 dumps every thread's stack to a job file (open for the process's life): the
+    # launcher asks for it on a hang.
+    stacks = open(job_path(spec.job, f"stack_{spec.rank}"), "w")
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    threading.Thread(target=_exit_with_launcher, args=(spec.job,), daemon=True).start()
+    try:
+        conn.send(("ok", _run_pe(spec)))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        conn.close()
+
+
+def _exit_with_launcher(job: str) -> None:
+    """Leave (removing the job's files) as soon as the launcher is gone, killed or not, so
+    no PE outlives it."""
+    multiprocessing.connection.wait([multiprocessing.parent_process().sentinel])
+    remove_job_files(job)
+    os._exit(1)
+
+
+def _run_pe(spec: _PESpec):
+    # NUMBA_ENABLE_CUDASIM=1 came with the environment at spawn, so the target's module and
+    # numba are imported in simulator mode.
+    from .sim_session import SimSession
+
+    module_name, qualname = spec.target
+    target = importlib.import_module(module_name)
+    for name in qualname.split("."):
+        target = getattr(target, name)
+    session = SimSession.open(spec.rank, spec.n_ranks, spec.job, spec.heap_bytes,
+                              spec.session_timeout_s)
+    # If the target raises, the session is not closed: close is collective and the other PEs
+    # may be stuck; the launcher stops them all and removes the job's files.
+    value = target(session, *spec.args, **spec.kwargs)
+    session.close()
+    return value

@@ -1,0 +1,487 @@
+"""The simulated symmetric heap: one OS process per PE, every PE's heap mapped by every PE.
+
+Numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``) runs kernels as Python threads, one
+kernel per process, so each PE of a simulated job is an OS process. PE ``p``'s heap is the
+file ``/dev/shm/ep_sim_<job>_<p>`` which every PE maps, so PE ``q`` reads and writes PE
+``p``'s copy of an object by the same offset.
+
+File layout (every PE, ``CONTROL_BYTES + heap_bytes`` bytes)::
+
+    [0, CONTROL_BYTES)                         control area; uint64 word 0 = this PE's barrier
+                                               arrival epoch (written only by its owner)
+    [CONTROL_BYTES, CONTROL_BYTES+heap_bytes)  allocatable range (bump allocator, 256-byte
+                                               aligned, identical on every PE)
+
+Offsets are counted from the start of the file, so the first allocation is at heap offset
+``CONTROL_BYTES``. The barrier is an arrival-epoch barrier (the monotonic form of a
+sense-reversing one): barrier ``k`` publishes ``k`` in the caller's word 0 and waits until
+every PE's word is ``>= k``, so nothing is ever reset and a timeout names the PEs that did not
+arrive. Other job files: ``ep_sim_<job>_lock`` (the one cross-process lock, an ``fcntl.flock``
+taken together with a ``threading.Lock`` because the simulator's threads share the
+descriptor) and ``ep_sim_<job>_obj<parity>_<p>`` (pickled objects of
+:meth:`SimHeap.allgather`); the launcher adds ``ep_sim_<job>_stack_<p>`` (stack dumps).
+:func:`remove_job_files` removes them all.
+
+Limits of the simulator (what a passing simulated test does not prove)
+-----------------------------------------------------------------------
+- Blocks run one at a time, in blockIdx order, their threads as Python threads: a block that
+  waits for a later block of the same kernel on the same PE never gets it (the wait times out
+  with :class:`~ep_runtime.errors.ShmemTimeoutError`). ``grid.sync()`` is only a block
+  barrier and ``max_cooperative_grid_blocks`` is 1.
+- One kernel per process at a time, so PEs are processes, never threads. Streams are ignored:
+  a launch returns when the kernel has finished.
+- ``cuda.threadfence*`` do nothing; ``cuda.syncwarp`` and ``cuda.nanosleep`` do not exist.
+  Lanes of a warp are not in lockstep and the ``_warp`` SHMEM variants do not synchronize
+  them: lane 0 copies ``src`` when it calls, so publish ``src`` with ``cuda.syncthreads()``.
+- Plain and ``_nbi`` puts are queued per process and delivered only at ``quiet()``,
+  ``fence()`` or a session barrier, never at kernel end; ``put_signal*`` delivers its own data
+  at once, then the signal. A missing fence between puts and a ``signal_op`` therefore shows
+  as wrong data. Stores through peer views are visible at once: a missing fence after them
+  is *not* detected.
+- One lock serializes every atomic and signal update and read of the whole job: there is
+  no weak ordering, no torn word and no lost update to discover.
+- Nothing is type-checked: the facade checks dtypes, contiguity and heap placement of its
+  own arguments at run time; everything else the GPU compiler rejects runs here.
+- NumPy arrays passed to a simulated kernel are copied in and out by the simulator: pass
+  heap arrays through ``SimSession.as_kernel_arg``/``SimSession.launch`` (``FakeCUDAArray``,
+  no copy), or the kernel works on a copy and its copy-out overwrites what peers wrote.
+- Bring-up, barriers and every /dev/shm file assume all PEs on one machine.
+- Timing says nothing about the GPU.
+"""
+
+from __future__ import annotations
+
+import bisect
+import fcntl
+import glob
+import mmap
+import os
+import pickle
+import re
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from ..errors import EPInputError, EPStateError, ShmemError, ShmemTimeoutError, SymmetricAddressError
+
+SHM_DIR = "/dev/shm"
+# Control area before the allocatable range; one page keeps the first allocation page-aligned.
+CONTROL_BYTES = 4096
+# Allocation alignment (bytes): what nvshmem_malloc guarantees, and enough for any dtype.
+ALIGN = 256
+# Files are sparse: only pages that are written use memory.
+DEFAULT_HEAP_BYTES = 64 << 20
+# Poll backoff: start short (a signal usually arrives within milliseconds), cap the sleep so
+# a waiter reacts within ~2 ms and other processes get the CPU.
+_POLL_MIN_S = 50e-6
+_POLL_MAX_S = 2e-3
+# Limit (seconds) of the simulated device-side waits of the PEs (ep_runtime.kernels._shmem_sim).
+WAIT_TIMEOUT_ENV = "EP_SIM_WAIT_TIMEOUT"
+_JOB_RE = re.compile(r"^[A-Za-z0-9-]+$")
+_ARRIVAL_WORD = 0
+
+_current: SimHeap | None = None
+
+
+def set_current_heap(heap: SimHeap | None) -> None:
+    """Make ``heap`` the one the device facade (:mod:`ep_runtime.kernels._shmem_sim`) uses.
+
+    Called by :class:`~ep_runtime.shmem.sim_session.SimSession`; the simulator runs one kernel
+    per process, so one heap per process is enough.
+    """
+    global _current
+    _current = heap
+
+
+def current_heap() -> SimHeap:
+    """The heap of the session open in this process; :class:`EPStateError` if none is."""
+    if _current is None:
+        raise EPStateError(
+            "no simulated SHMEM session is open in this process: open one with "
+            "SimSession.open (ep_runtime.shmem.launch.run_pes does this for each PE) before "
+            "launching kernels that call shmem.*")
+    return _current
+
+
+def job_path(job: str, suffix: str) -> str:
+    """Path of the job's file ``/dev/shm/ep_sim_<job>_<suffix>``."""
+    return os.path.join(SHM_DIR, f"ep_sim_{job}_{suffix}")
+
+
+def remove_job_files(job: str) -> None:
+    """Remove every /dev/shm file of ``job`` (heaps, lock, scratch); tolerates missing ones."""
+    for path in glob.glob(job_path(job, "*")):
+        _unlink(path)
+
+
+def poll(check: Callable[[], bool], timeout_s: float) -> bool:
+    """Call ``check()`` until it returns True or ``timeout_s`` passed.
+
+    Sleeps between calls with exponential backoff (50 us to 2 ms). Returns whether ``check``
+    succeeded.
+    """
+    deadline = time.monotonic() + timeout_s
+    pause = _POLL_MIN_S
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(pause)
+        pause = min(2 * pause, _POLL_MAX_S)
+    return True
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(frozen=True)
+class Region:
+    """One symmetric allocation: the same ``offset`` on every PE."""
+
+    name: str
+    offset: int
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.nbytes
+
+    def label(self, offset: int) -> str:
+        """``'name'[i, j]``: the element of this region at heap ``offset``."""
+        if not self.shape:
+            return f"'{self.name}'"
+        flat = (offset - self.offset) // self.dtype.itemsize
+        index = np.unravel_index(flat, self.shape)
+        return f"'{self.name}'[{', '.join(str(int(i)) for i in index)}]"
+
+
+class _JobLock:
+    """The job's one cross-process lock: ``flock`` on a /dev/shm file plus a thread lock
+    (``flock`` is per open file, and the simulator's threads share this process's file)."""
+
+    def __init__(self, path: str):
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        self._threads = threading.Lock()
+
+    def __enter__(self):
+        self._threads.acquire()
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        self._threads.release()
+        return False
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+class SimHeap:
+    """This PE's view of the job's simulated symmetric heaps.
+
+    Collective calls (every PE, same order, same arguments): :meth:`open`, :meth:`alloc`,
+    :meth:`free`, :meth:`barrier`, :meth:`allgather`, :meth:`close`.
+
+    Attributes
+    ----------
+    rank, n_ranks : int
+        This PE and the number of PEs.
+    job : str
+        The job id naming the /dev/shm files.
+    heap_bytes : int
+        Size of the allocatable range of each PE.
+    timeout_s : float
+        Limit of bring-up and of each barrier (:class:`ShmemTimeoutError` past it).
+    """
+
+    def __init__(self, rank: int, n_ranks: int, job: str, heap_bytes: int, timeout_s: float,
+                 lock: _JobLock, maps: list[np.ndarray]):
+        """Use :meth:`open`."""
+        self.rank = rank
+        self.n_ranks = n_ranks
+        self.job = job
+        self.heap_bytes = heap_bytes
+        self.timeout_s = timeout_s
+        self.lock = lock
+        self._maps = maps
+        self._bases = [m.__array_interface__["data"][0] for m in maps]
+        self._words = [m[:CONTROL_BYTES].view(np.uint64) for m in maps]
+        self._regions: list[Region] = []
+        self._top = CONTROL_BYTES
+        self._epoch = 0
+        self._gathers = 0
+        self._pending: list[tuple[np.ndarray, np.ndarray]] = []
+        self._pending_lock = threading.Lock()
+        self._closed = False
+
+    # -- bring-up and teardown --------------------------------------------------------------
+    @classmethod
+    def open(cls, rank: int, n_ranks: int, job: str, heap_bytes: int = DEFAULT_HEAP_BYTES,
+             timeout_s: float = 60.0) -> SimHeap:
+        """Create this PE's heap file, wait for all ``n_ranks`` files, map them. Collective.
+
+        Raises :class:`ShmemTimeoutError` naming the PEs whose files did not appear within
+        ``timeout_s``, and :class:`ShmemError` if a peer's file has another size.
+        """
+        _check_open_args(rank, n_ranks, job, heap_bytes, timeout_s)
+        file_bytes = CONTROL_BYTES + heap_bytes
+        # The lock is opened before this PE's heap file appears, so by the time every heap
+        # file exists every PE holds the same lock file open (rank 0 may unlink it at close).
+        lock = _JobLock(job_path(job, "lock"))
+        _publish_heap_file(job_path(job, str(rank)), file_bytes)
+        paths = [job_path(job, str(pe)) for pe in range(n_ranks)]
+        _wait_for_files(paths, file_bytes, rank, job, timeout_s)
+        heap = cls(rank, n_ranks, job, heap_bytes, timeout_s, lock,
+                   [_map_file(path, file_bytes) for path in paths])
+        heap.barrier("open")
+        return heap
+
+    def close(self) -> None:
+        """Deliver queued puts, final barrier, unlink this PE's files, stop being the current
+        heap. Collective, idempotent.
+
+        The mappings stay valid while arrays returned by :meth:`alloc` are alive.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.deliver_puts()
+            self.barrier("close")
+        finally:
+            for suffix in (str(self.rank), f"obj0_{self.rank}", f"obj1_{self.rank}"):
+                _unlink(job_path(self.job, suffix))
+            if self.rank == 0:
+                _unlink(job_path(self.job, "lock"))
+            self.lock.close()
+            if _current is self:
+                set_current_heap(None)
+
+    # -- allocation -------------------------------------------------------------------------
+    def alloc(self, name: str, shape: tuple[int, ...], dtype, fill=0) -> np.ndarray:
+        """Allocate ``shape``/``dtype`` at the same offset on every PE, filled with ``fill``.
+
+        Collective: ends with a barrier, so no peer writes into the region before its owner
+        filled it, and checks that every PE allocated the same size at the same offset.
+        Returns this PE's copy (C-contiguous ndarray on the heap).
+        """
+        dtype = np.dtype(dtype)
+        shape = (int(shape),) if np.ndim(shape) == 0 else tuple(int(s) for s in shape)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        offset = self._top
+        if offset + nbytes > CONTROL_BYTES + self.heap_bytes:
+            raise ShmemError(
+                f"PE {self.rank}: alloc_symmetric('{name}', shape={shape}, dtype={dtype}) needs "
+                f"{nbytes} bytes but only {CONTROL_BYTES + self.heap_bytes - offset} of "
+                f"heap_bytes={self.heap_bytes} are left: open the session with a larger heap_bytes")
+        region = Region(name, offset, nbytes, shape, dtype)
+        self._regions.append(region)
+        self._top = _align(offset + max(nbytes, 1))
+        array = np.ndarray(shape, dtype, buffer=self._maps[self.rank], offset=offset)
+        array[...] = fill
+        self._check_same_everywhere("alloc_symmetric", dict(name=name, offset=offset, nbytes=nbytes,
+                                                            shape=shape, dtype=dtype.str))
+        return array
+
+    def free(self, array: np.ndarray) -> None:
+        """Free an array returned by :meth:`alloc`. Collective: every PE frees the same region
+        (checked). Space is reused once every region above it is freed too."""
+        offset, label = self.locate(array, "free_symmetric")
+        region = self._region_at(offset)
+        if offset != region.offset or array.nbytes != region.nbytes:
+            raise SymmetricAddressError(
+                f"PE {self.rank}: free_symmetric got a view ({array.nbytes} bytes from {label}) "
+                f"of '{region.name}', not the array alloc_symmetric returned: free that array")
+        self._check_same_everywhere("free_symmetric", dict(name=region.name, offset=region.offset))
+        self._regions.remove(region)
+        self._top = _align(self._regions[-1].end) if self._regions else CONTROL_BYTES
+
+    # -- address translation ----------------------------------------------------------------
+    def locate(self, array: np.ndarray, op: str) -> tuple[int, str]:
+        """``(heap offset, region label)`` of ``array``'s first element, e.g.
+        ``(4104, "'dispatch_signal'[1]")``.
+
+        Raises :class:`SymmetricAddressError` naming ``op`` unless the whole array lies
+        inside one live allocation of this PE's heap.
+        """
+        address = array.__array_interface__["data"][0]
+        offset = address - self._bases[self.rank]
+        if not CONTROL_BYTES <= offset <= offset + array.nbytes <= len(self._maps[self.rank]):
+            raise SymmetricAddressError(self._off_heap_message(op, address, array.nbytes))
+        region = self._region_at(offset)
+        if region is None:
+            raise SymmetricAddressError(
+                f"PE {self.rank}: {op}: the array ({array.nbytes} bytes at heap offset {offset}) "
+                "is not inside a live symmetric allocation (freed, or between allocations). "
+                f"Live: {self.describe()}")
+        if offset + array.nbytes > region.end:
+            raise SymmetricAddressError(
+                f"PE {self.rank}: {op}: the array ({array.nbytes} bytes from {region.label(offset)} "
+                f"at heap offset {offset}) runs past the end of '{region.name}' "
+                f"[{region.offset}, {region.end})")
+        return offset, region.label(offset)
+
+    def peer_view(self, array: np.ndarray, pe: int, op: str = "peer_view") -> np.ndarray:
+        """PE ``pe``'s copy of the symmetric ``array``: same shape, dtype and strides."""
+        self._check_pe(pe, op)
+        offset, _ = self.locate(array, op)
+        return np.ndarray(array.shape, array.dtype, buffer=self._maps[pe], offset=offset,
+                          strides=array.strides)
+
+    def describe(self) -> str:
+        """The live regions as ``'name' [offset, end)`` text, for error messages."""
+        return ", ".join(f"'{r.name}' [{r.offset}, {r.end})" for r in self._regions) or "none"
+
+    # -- queued puts --------------------------------------------------------------------------
+    def enqueue_put(self, dst: np.ndarray, data: np.ndarray) -> None:
+        """Queue the copy of ``data`` into ``dst`` (1-D, same size; ``dst`` a peer view)."""
+        with self._pending_lock:
+            self._pending.append((dst, data))
+
+    def deliver_puts(self) -> None:
+        """Deliver every put this process queued (``quiet``/``fence``/barrier semantics)."""
+        with self._pending_lock:
+            for dst, data in self._pending:
+                dst[...] = data
+            self._pending.clear()
+
+    # -- collectives ------------------------------------------------------------------------
+    def barrier(self, what: str = "barrier") -> None:
+        """Wait until every PE reached this barrier. Collective; does not deliver puts.
+
+        ``what`` names the calling operation in the timeout message.
+        """
+        self._epoch += 1
+        epoch = self._epoch
+        with self.lock:
+            self._words[self.rank][_ARRIVAL_WORD] = epoch
+        if not poll(lambda: not self._missing(epoch), self.timeout_s):
+            missing = self._missing(epoch)
+            raise ShmemTimeoutError(
+                f"PE {self.rank}: barrier #{epoch} ({what}) timed out after {self.timeout_s} s "
+                f"waiting for PE(s) {missing} of {self.n_ranks} (job {self.job}): they failed, "
+                "hang in a kernel, or skipped a collective call (alloc_symmetric, "
+                "free_symmetric, barrier, allgather_object and close must be called by every "
+                "PE in the same order)")
+
+    def allgather(self, obj, what: str = "allgather_object") -> list:
+        """Every PE's picklable ``obj`` in rank order, through /dev/shm files. Collective;
+        does not deliver puts."""
+        # Two file sets used alternately: a PE rewrites set k % 2 only after the barrier of
+        # call k + 1, which every PE enters after reading the files of call k.
+        parity = self._gathers % 2
+        self._gathers += 1
+        path = job_path(self.job, f"obj{parity}_{self.rank}")
+        with open(path + ".tmp", "wb") as f:
+            pickle.dump(obj, f)
+        os.replace(path + ".tmp", path)
+        self.barrier(what)
+        objs = []
+        for pe in range(self.n_ranks):
+            with open(job_path(self.job, f"obj{parity}_{pe}"), "rb") as f:
+                objs.append(pickle.load(f))
+        return objs
+
+    # -- helpers ----------------------------------------------------------------------------
+    def _missing(self, epoch: int) -> list[int]:
+        with self.lock:
+            return [pe for pe in range(self.n_ranks) if self._words[pe][_ARRIVAL_WORD] < epoch]
+
+    def _check_same_everywhere(self, op: str, record: dict) -> None:
+        """Collective: raise :class:`ShmemError` unless every PE passed an equal ``record``."""
+        for pe, other in enumerate(self.allgather(record, op)):
+            if other != record:
+                raise ShmemError(
+                    f"PE {self.rank}: {op} differs between PEs: PE {self.rank} did {record}, "
+                    f"PE {pe} did {other}. Every PE must allocate and free the same regions in "
+                    "the same order")
+
+    def _region_at(self, offset: int) -> Region | None:
+        i = bisect.bisect_right([r.offset for r in self._regions], offset) - 1
+        if i >= 0 and offset < max(self._regions[i].end, self._regions[i].offset + 1):
+            return self._regions[i]
+        return None
+
+    def _off_heap_message(self, op: str, address: int, nbytes: int) -> str:
+        base = self._bases[self.rank]
+        message = (
+            f"PE {self.rank}: {op}: the array at address {address:#x} ({nbytes} bytes) is not on "
+            f"this PE's symmetric heap (allocatable range {base + CONTROL_BYTES:#x}-"
+            f"{base + len(self._maps[self.rank]):#x}). Allocate it with Session.alloc_symmetric; "
+            "if it was, pass it to the kernel through Session.launch or Session.as_kernel_arg "
+            "(the simulator copies NumPy arguments)")
+        for pe, peer_base in enumerate(self._bases):
+            if pe != self.rank and peer_base <= address < peer_base + len(self._maps[pe]):
+                message += (f"; it is inside PE {pe}'s copy (a peer view): pass the local "
+                            f"symmetric array and pe={pe} instead")
+        return message
+
+    def _check_pe(self, pe: int, op: str) -> None:
+        if not 0 <= pe < self.n_ranks:
+            raise EPInputError(f"PE {self.rank}: {op}: pe={pe} is not in [0, {self.n_ranks})")
+
+
+def _check_open_args(rank: int, n_ranks: int, job: str, heap_bytes: int, timeout_s: float) -> None:
+    if not 0 <= rank < n_ranks:
+        raise EPInputError(f"SimHeap.open: rank={rank} is not in [0, n_ranks={n_ranks})")
+    if not _JOB_RE.match(job):
+        raise EPInputError(f"SimHeap.open: job={job!r} must be letters, digits and '-' only")
+    if heap_bytes <= 0:
+        raise EPInputError(f"SimHeap.open: heap_bytes={heap_bytes} must be positive")
+    if timeout_s <= 0:
+        raise EPInputError(f"SimHeap.open: timeout_s={timeout_s} must be positive")
+
+
+def _publish_heap_file(path: str, file_bytes: int) -> None:
+    """Create the file at full size under a temporary name, then rename: peers never see it
+    partly sized."""
+    fd = os.open(path + ".tmp", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.ftruncate(fd, file_bytes)
+    finally:
+        os.close(fd)
+    os.replace(path + ".tmp", path)
+
+
+def _wait_for_files(paths: list[str], file_bytes: int, rank: int, job: str, timeout_s: float) -> None:
+    def sizes() -> list[int | None]:
+        out = []
+        for path in paths:
+            try:
+                out.append(os.stat(path).st_size)
+            except FileNotFoundError:
+                out.append(None)
+        return out
+
+    if not poll(lambda: None not in sizes(), timeout_s):
+        missing = [pe for pe, size in enumerate(sizes()) if size is None]
+        raise ShmemTimeoutError(
+            f"PE {rank}: simulated heap bring-up of job {job} timed out after {timeout_s} s: "
+            f"PE(s) {missing} never created their heap file in {SHM_DIR} (not started, "
+            "crashed, or given another job id)")
+    wrong = {pe: size for pe, size in enumerate(sizes()) if size != file_bytes}
+    if wrong:
+        raise ShmemError(
+            f"PE {rank}: heap files of PE(s) {sorted(wrong)} have {sorted(set(wrong.values()))} "
+            f"bytes, this PE's has {file_bytes}: every PE must open with the same heap_bytes")
+
+
+def _map_file(path: str, file_bytes: int) -> np.ndarray:
+    fd = os.open(path, os.O_RDWR)
+    try:
+        return np.frombuffer(mmap.mmap(fd, file_bytes), dtype=np.uint8)
+    finally:
+        os.close(fd)

@@ -1,0 +1,783 @@
+"""Acceptance tests of `EPRuntime` on the CPU simulator: the real kernels, one process per rank.
+
+Every case is checked against the NumPy oracle (:mod:`ep_runtime.reference`): dispatch exactly
+(row bits, offsets, counts, sources, weight bits), combine within
+``reference.combine_tolerance`` and, on the simulator (no FMA contraction), bit for bit.
+Token rows encode their origin (:func:`ep_runtime.testing.make_tokens`), so a wrong row is
+reported with the place it came from (:func:`ep_runtime.testing.describe_row`).
+
+A simulated round trip costs about a second of process start-up plus a fraction of a second
+per call, so the cases of a world size run together: one :func:`run_pes` call per (suite,
+world size), made lazily and cached for the module. Each case builds its own `EPRuntime`,
+closes it, and returns host copies of everything; the many small tests below assert on the
+cached results. The per-rank bodies (``*_pe``) live here so that the PE processes import them
+by name; they catch the errors a case expects and return ``(type name, message)``.
+
+Suites:
+
+- ``correctness``: routing scenarios and awkward shapes (``CORRECTNESS_CASES``), repeated
+  runs, back-to-back calls, skipped combines, unreduced partials, an epilogue;
+- ``failures``: handle misuse, bad inputs, a capacity overflow and a rank that skips a
+  dispatch (device-side timeouts of ``FAIL_WAIT_TIMEOUT_S``), each followed by a good round
+  trip.
+"""
+
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+from ep_runtime import reference
+from ep_runtime.config import EPConfig
+from ep_runtime.reference import BF16
+from ep_runtime.shmem.launch import run_pes
+from ep_runtime.testing import describe_row, linear_experts, make_inputs
+
+WORLD_SIZES = (2, 4)
+#: Limit of one run_pes call (a suite takes ~5-20 s on a 2-core CI machine).
+RUN_TIMEOUT_S = 240
+#: wait_timeout_s of the cases that provoke device-side timeouts: short, so CI stays fast.
+FAIL_WAIT_TIMEOUT_S = 1.0
+#: bf16 bits written into expert-output rows that combine must never read (padding rows and
+#: rows past the batch): a quiet NaN, so reading one poisons the output.
+POISON_BF16 = 0x7FC0
+#: Rows of a mismatching batch listed in a failure message.
+MAX_REPORTED_ROWS = 8
+BATCH_FIELDS = ("x", "row_offsets", "expert_counts", "src_rank", "src_token", "src_k", "weight")
+
+
+# -- cases --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Case:
+    """One configuration and routing of a world size (picklable: sent to the PEs)."""
+
+    name: str
+    cfg: dict
+    scenario: str = "random"
+    seed: int = 0
+    n_tokens: tuple | None = None  # per-rank token counts; None: random in [1, max]
+
+    def config(self) -> EPConfig:
+        return EPConfig(**self.cfg)
+
+    def inputs(self):
+        return make_inputs(self.config(), self.scenario, self.seed,
+                           None if self.n_tokens is None else list(self.n_tokens))
+
+
+def base_cfg(n_ranks: int, **changes) -> dict:
+    """2 local experts per rank, top-2, hidden 16, up to 6 tokens per rank."""
+    return {**dict(n_ranks=n_ranks, n_experts=2 * n_ranks, top_k=2, hidden=16, max_tokens_per_rank=6),
+            **changes}
+
+
+def correctness_cases(R: int) -> list[Case]:
+    """Single round trips; the simulator's block has 8 threads (``runtime.SIM_THREADS``)."""
+    return [
+        Case("random", base_cfg(R), seed=1),
+        Case("random_3_local_experts_top3", base_cfg(R, n_experts=3 * R, top_k=3), seed=2),
+        Case("zero_rank", base_cfg(R), "zero_rank", seed=3),
+        Case("empty_expert", base_cfg(R), "empty_expert", seed=4),
+        Case("one_expert", base_cfg(R), "one_expert", seed=5),
+        Case("top_k_1", base_cfg(R, top_k=1), seed=6),
+        Case("top_k_all_experts", base_cfg(R, top_k=2 * R), seed=7),
+        Case("one_local_expert", base_cfg(R, n_experts=R, top_k=min(2, R)), seed=8),
+        Case("pad_4", base_cfg(R, pad_multiple=4), seed=9),
+        Case("pad_3_empty_expert", base_cfg(R, pad_multiple=3), "empty_expert", seed=10),
+        Case("pad_4_zero_rank", base_cfg(R, pad_multiple=4), "zero_rank", seed=11),
+        Case("hidden_20", base_cfg(R, hidden=20), seed=12),
+        Case("hidden_5", base_cfg(R, hidden=5), seed=13),
+        Case("n_sms_1", base_cfg(R, n_sms=1), seed=14),
+        Case("n_sms_3", base_cfg(R, n_sms=3), seed=15),
+        # several scan chunks and routing chunks per source (19 tokens > 2 blocks of 8 threads)
+        Case("many_tokens_n_sms_3", base_cfg(R, hidden=8, max_tokens_per_rank=19, n_sms=3), seed=16,
+             n_tokens=(19,) * R),
+        Case("no_tokens_anywhere", base_cfg(R), seed=17, n_tokens=(0,) * R),
+    ]
+
+
+def repeat_case(R: int) -> Case:
+    return Case("repeat", base_cfg(R, n_experts=3 * R, top_k=3, hidden=12), seed=21)
+
+
+#: Back-to-back calls on one runtime.
+N_CALLS = 5
+
+
+def call_token_counts(R: int, T: int) -> list[tuple]:
+    """Tokens per rank of each of N_CALLS calls: varying by rank and by call, 0 for some rank
+    in some calls (call 2 has rank 0 at 0 for every world size)."""
+    return [tuple((3 * c + 2 * r + 1) % (T + 1) for r in range(R)) for c in range(N_CALLS)]
+
+
+def back_to_back_cases(R: int) -> list[Case]:
+    cfg = base_cfg(R)
+    return [Case(f"call{c}", cfg, seed=100 + c, n_tokens=counts)
+            for c, counts in enumerate(call_token_counts(R, cfg["max_tokens_per_rank"]))]
+
+
+#: Which calls of the skip-combine run also combine (the others dispatch only).
+SKIP_COMBINE_PATTERN = (True, False, False, True, False, True)
+
+
+def skip_combine_cases(R: int) -> list[Case]:
+    cfg = base_cfg(R, pad_multiple=2)
+    return [Case(f"call{c}", cfg, seed=200 + c) for c in range(len(SKIP_COMBINE_PATTERN))]
+
+
+def partials_case(R: int) -> Case:
+    return Case("partials", base_cfg(R, n_experts=3 * R, top_k=3), seed=31)
+
+
+def epilogue_case(R: int) -> Case:
+    return Case("epilogue", base_cfg(R, n_experts=3 * R, top_k=3, hidden=20), seed=41)
+
+
+def aux_for(rank: int, n_tokens: int, hidden: int) -> np.ndarray:
+    """The epilogue's residual of rank ``rank``: [T, H] float32."""
+    return np.random.default_rng(1000 + rank).standard_normal((n_tokens, hidden)).astype(np.float32)
+
+
+def residual_add(value, token, col, aux):
+    """Epilogue body (made a Numba device function in the PEs): value + aux[token, col]."""
+    return value + aux[token, col]
+
+
+def misuse_case(R: int) -> Case:
+    return Case("misuse", base_cfg(R), seed=51, n_tokens=(4,) * R)
+
+
+def capacity_case(R: int) -> Case:
+    """Every token goes to experts 0 and 1 (both on rank 0): rank 0 needs 2 * 2R rows, more
+    than the capacity 2R; the other ranks receive nothing."""
+    return Case("capacity", base_cfg(R, max_recv_rows=2 * R, wait_timeout_s=FAIL_WAIT_TIMEOUT_S),
+                "one_expert", seed=61, n_tokens=(2,) * R)
+
+
+def capacity_recovery_case(R: int) -> Case:
+    """Fits in the capacity 2R: each rank receives at most R tokens x 2 local experts."""
+    c = capacity_case(R)
+    return Case("capacity_recovery", c.cfg, seed=62, n_tokens=(1,) * R)
+
+
+def skip_case(R: int) -> Case:
+    return Case("skip", base_cfg(R, wait_timeout_s=FAIL_WAIT_TIMEOUT_S), seed=71)
+
+
+def skip_recovery_case(R: int) -> Case:
+    return Case("skip_recovery", skip_case(R).cfg, seed=72)
+
+
+#: The rank that overflows in capacity_case, and the rank that skips a dispatch.
+OVERFLOW_RANK = 0
+SKIPPING_RANK = 1
+
+
+# -- shared by the PEs and the parent -----------------------------------------------------------
+def expert_outputs(cfg: EPConfig, ref: reference.ExpertBatchRef, rank: int) -> np.ndarray:
+    """The expert outputs a rank passes to combine: [capacity, H] uint16, the linear experts of
+    ``testing`` on the batch's rows, POISON_BF16 on padding rows and rows past the batch."""
+    y = np.full((cfg.recv_rows_capacity, cfg.hidden), POISON_BF16, np.uint16)
+    n = ref.n_rows
+    y[:n] = linear_experts(ref.x, ref.row_offsets, cfg.n_local_experts, rank).view(np.uint16)
+    y[:n][ref.src_rank < 0] = POISON_BF16
+    return y
+
+
+# -- per-rank bodies (run in the PE processes) ------------------------------------------------
+def _host_batch(session, batch) -> dict:
+    return {k: session.to_host(getattr(batch, k)) for k in BATCH_FIELDS}
+
+
+def _caught(call) -> tuple | None:
+    """Run ``call``; ``(type name, message)`` of what it raised, or None."""
+    try:
+        call()
+    except Exception as err:  # noqa: BLE001 - the type is part of the result
+        return type(err).__name__, str(err)
+    return None
+
+
+def _round_trip(session, rt, case: Case, **combine_kwargs) -> dict:
+    """One dispatch + combine of ``case`` on ``rt``; host copies of the batch and output."""
+    cfg, r = case.config(), session.rank
+    xs, ids, ws = case.inputs()
+    batch = rt.dispatch(session.to_device(xs[r].view(np.uint16)), session.to_device(ids[r]),
+                        session.to_device(ws[r]))
+    got = _host_batch(session, batch)
+    y = expert_outputs(cfg, reference.dispatch(xs, ids, ws, cfg)[r], r)
+    out = rt.combine(session.to_device(y), batch.handle, **combine_kwargs)
+    return {"batch": got, "out": session.to_host(out)}
+
+
+def _run_cases(cases: dict, run_one) -> dict:
+    """``{name: run_one(case) or {"error": traceback}}``: one broken case does not hide the
+    results of the others."""
+    results = {}
+    for name, case in cases.items():
+        try:
+            results[name] = run_one(case)
+        except Exception:  # noqa: BLE001 - reported by the parent, case by case
+            results[name] = {"error": traceback.format_exc()}
+    return results
+
+
+def correctness_pe(session, R: int) -> dict:
+    """Every correctness case of world size ``R`` on this rank."""
+    from numba import cuda
+
+    from ep_runtime.runtime import EPRuntime
+
+    def single(case):
+        with EPRuntime(case.config(), session) as rt:
+            return _round_trip(session, rt, case)
+
+    def repeat(case):
+        runs = []
+        for _ in range(3):
+            with EPRuntime(case.config(), session) as rt:
+                runs.append(_round_trip(session, rt, case))
+        return {"runs": runs}
+
+    def sequence(cases, combine_pattern):
+        calls = []
+        with EPRuntime(cases[0].config(), session) as rt:
+            for case, combine in zip(cases, combine_pattern):
+                if combine:
+                    calls.append(_round_trip(session, rt, case))
+                else:
+                    xs, ids, ws = case.inputs()
+                    r = session.rank
+                    batch = rt.dispatch(xs[r].view(np.uint16), ids[r], ws[r])
+                    calls.append({"batch": _host_batch(session, batch), "out": None})
+            return {"calls": calls, "host_calls": rt.calls, "device_calls": rt.device_calls()}
+
+    def partials(case):
+        cfg, r = case.config(), session.rank
+        xs, ids, ws = case.inputs()
+        with EPRuntime(cfg, session) as rt:
+            handle = rt.dispatch_async(xs[r], ids[r], ws[r])  # bfloat16 accepted as is
+            batch = rt.dispatch_wait(handle)
+            got = _host_batch(session, batch)
+            y = expert_outputs(cfg, reference.dispatch(xs, ids, ws, cfg)[r], r)
+            chandle = rt.combine_async(y, batch.handle)
+            out = np.full((R, len(xs[r]), cfg.hidden), 0xBEEF, np.uint16)  # zeros must be written
+            returned = rt.combine_wait(chandle, out=out, reduce=False)
+            rt.synchronize()
+            return {"batch": got, "out": session.to_host(out), "returned_is_out": returned is out}
+
+    def epilogue(case):
+        cfg, r = case.config(), session.rank
+        xs = case.inputs()[0]
+        aux = aux_for(r, len(xs[r]), cfg.hidden)
+        with EPRuntime(cfg, session) as rt:
+            return _round_trip(session, rt, case, epilogue=cuda.jit(device=True)(residual_add), aux=aux)
+
+    out = _run_cases({c.name: c for c in correctness_cases(R)}, single)
+    out.update(_run_cases({"repeat": repeat_case(R)}, repeat))
+    out.update(_run_cases({"back_to_back": back_to_back_cases(R)},
+                          lambda cases: sequence(cases, [True] * len(cases))))
+    out.update(_run_cases({"skip_combine": skip_combine_cases(R)},
+                          lambda cases: sequence(cases, SKIP_COMBINE_PATTERN)))
+    out.update(_run_cases({"partials": partials_case(R)}, partials))
+    out.update(_run_cases({"epilogue": epilogue_case(R)}, epilogue))
+    return out
+
+
+def misuse_pe(session, case: Case) -> dict:
+    """Handle misuse and bad inputs, every rank making the same (mis)calls; then good round
+    trips. Returns ``{misuse name: (type name, message) or None}`` and the good results."""
+    from ep_runtime.runtime import EPRuntime
+
+    cfg, r, T, H = case.config(), session.rank, case.n_tokens[session.rank], case.cfg["hidden"]
+    xs, ids, ws = case.inputs()
+    x, i, w = xs[r].view(np.uint16), ids[r], ws[r]
+    y = expert_outputs(cfg, reference.dispatch(xs, ids, ws, cfg)[r], r)
+    errors, res = {}, {}
+    with EPRuntime(cfg, session) as rt, EPRuntime(cfg, session) as other:
+        # -- bad inputs: rejected before any launch --------------------------------------------
+        too_many = T + cfg.max_tokens_per_rank  # > max_tokens_per_rank
+        wide = np.zeros((T, 2 * H), np.uint16)
+        dup, out_of_range, negative, nan_w = i.copy(), i.copy(), i.copy(), w.copy()
+        dup[2, 1] = dup[2, 0]
+        out_of_range[1, 0] = cfg.n_experts
+        negative[3, 1] = -1
+        nan_w[0, 1] = np.nan
+        bad_dispatch = {
+            "tokens_float32": (x.astype(np.float32), i, w),
+            "tokens_wrong_hidden": (np.zeros((T, H + 1), np.uint16), i, w),
+            "tokens_over_max_tokens": (np.zeros((too_many, H), np.uint16), np.zeros((too_many, 2), np.int32),
+                                       np.full((too_many, 2), 0.5, np.float32)),
+            "tokens_not_contiguous": (wide[:, :H], i, w),
+            "tokens_not_numpy": (x.tolist(), i, w),
+            "ids_int64": (x, i.astype(np.int64), w),
+            "ids_wrong_rows": (x, i[:-1], w[:-1]),
+            "ids_out_of_range": (x, out_of_range, w),
+            "ids_negative": (x, negative, w),
+            "ids_duplicate": (x, dup, w),
+            "weights_nan": (x, i, nan_w),
+            "weights_float64": (x, i, w.astype(np.float64)),
+        }
+        for name, args in bad_dispatch.items():
+            errors[name] = _caught(lambda: rt.dispatch_async(*args))
+        res["device_calls_after_bad_inputs"] = rt.device_calls()
+        res["host_calls_after_bad_inputs"] = rt.calls
+
+        # -- handle misuse around a good call ---------------------------------------------------
+        handle = rt.dispatch_async(x, i, w)
+        errors["dispatch_async_twice"] = _caught(lambda: rt.dispatch_async(x, i, w))
+        errors["combine_async_before_dispatch_wait"] = _caught(lambda: rt.combine_async(y, handle))
+        errors["foreign_handle"] = _caught(lambda: other.dispatch_wait(handle))
+        batch = rt.dispatch_wait(handle)
+        errors["dispatch_wait_twice"] = _caught(lambda: rt.dispatch_wait(handle))
+        errors["expert_out_wrong_hidden"] = _caught(lambda: rt.combine_async(np.zeros((len(y), H + 1), np.uint16),
+                                                                             handle))
+        n_rows = int(batch.row_offsets[-1])
+        errors["expert_out_too_few_rows"] = _caught(lambda: rt.combine_async(y[:n_rows - 1], handle)) \
+            if n_rows > 0 else None
+        chandle = rt.combine_async(y, handle)
+        errors["dispatch_wait_with_combine_handle"] = _caught(lambda: rt.dispatch_wait(chandle))
+        errors["combine_wait_with_dispatch_handle"] = _caught(lambda: rt.combine_wait(handle))
+        errors["combine_async_twice"] = _caught(lambda: rt.combine_async(y, handle))
+        errors["combine_wait_out_wrong_shape"] = _caught(
+            lambda: rt.combine_wait(chandle, out=np.zeros((T + 1, H), np.uint16)))
+        res["first"] = {"batch": _host_batch(session, batch), "out": session.to_host(rt.combine_wait(chandle))}
+        rt.synchronize()
+        errors["combine_wait_twice"] = _caught(lambda: rt.combine_wait(chandle))
+        errors["dispatch_wait_after_combine"] = _caught(lambda: rt.dispatch_wait(handle))
+        # a stale handle: call 0's, while call 1 is in flight
+        handle1 = rt.dispatch_async(x, i, w)
+        errors["stale_handle"] = _caught(lambda: rt.dispatch_wait(handle))
+        batch = rt.dispatch_wait(handle1)
+        res["second"] = {"batch": _host_batch(session, batch),
+                         "out": session.to_host(rt.combine(y, batch.handle))}
+        res["device_calls"] = rt.device_calls()
+        other.close()
+        errors["closed_runtime"] = _caught(lambda: other.dispatch_async(x, i, w))
+    res["errors"] = errors
+    return res
+
+
+def capacity_pe(session, case: Case, recovery: Case) -> dict:
+    """The overflow call (every rank: dispatch, then combine if dispatch returned), a refused
+    call, reset(), and a good round trip."""
+    from ep_runtime.runtime import EPRuntime
+
+    cfg, r = case.config(), session.rank
+    xs, ids, ws = case.inputs()
+    res = {}
+    with EPRuntime(cfg, session) as rt:
+        def overflow():
+            batch = rt.dispatch(xs[r], ids[r], ws[r])
+            res["dispatched"] = True
+            rt.combine(np.zeros((cfg.recv_rows_capacity, cfg.hidden), np.uint16), batch.handle)
+
+        res["dispatched"] = False
+        start = time.monotonic()
+        res["error"] = _caught(overflow)
+        res["error_s"] = time.monotonic() - start
+        res["refused"] = _caught(lambda: rt.dispatch(xs[r], ids[r], ws[r]))
+        rt.reset()
+        res["after_reset"] = _round_trip(session, rt, recovery)
+        res["device_calls"] = rt.device_calls()
+    return res
+
+
+def skip_pe(session, case: Case, recovery: Case) -> dict:
+    """Rank SKIPPING_RANK skips one dispatch; the others dispatch (and time out). Then a
+    refused call, reset() everywhere, and a good round trip."""
+    from ep_runtime.runtime import EPRuntime
+
+    cfg, r = case.config(), session.rank
+    xs, ids, ws = case.inputs()
+    res = {"error": None, "error_s": None, "refused": None}
+    with EPRuntime(cfg, session) as rt:
+        if r != SKIPPING_RANK:
+            start = time.monotonic()
+            res["error"] = _caught(lambda: rt.dispatch(xs[r], ids[r], ws[r]))
+            res["error_s"] = time.monotonic() - start
+            res["refused"] = _caught(lambda: rt.dispatch(xs[r], ids[r], ws[r]))
+        rt.reset()
+        res["after_reset"] = _round_trip(session, rt, recovery)
+    return res
+
+
+# -- parent side: run each suite once per world size ------------------------------------------
+@pytest.fixture(scope="module")
+def sim():
+    """``sim(suite, n_ranks)``: the per-rank results of a suite, run on first use."""
+    cache = {}
+
+    def get(suite: str, R: int):
+        if (suite, R) not in cache:
+            if suite == "correctness":
+                cache[suite, R] = run_pes(correctness_pe, R, args=(R,), timeout_s=RUN_TIMEOUT_S)
+            elif suite == "misuse":
+                cache[suite, R] = run_pes(misuse_pe, R, args=(misuse_case(R),), timeout_s=RUN_TIMEOUT_S)
+            elif suite == "capacity":
+                cache[suite, R] = run_pes(capacity_pe, R, args=(capacity_case(R), capacity_recovery_case(R)),
+                                          timeout_s=RUN_TIMEOUT_S)
+            elif suite == "skip":
+                cache[suite, R] = run_pes(skip_pe, R, args=(skip_case(R), skip_recovery_case(R)),
+                                          timeout_s=RUN_TIMEOUT_S)
+            else:
+                raise KeyError(suite)
+        return cache[suite, R]
+
+    return get
+
+
+def case_results(sim, R: int, name: str) -> list:
+    """The per-rank results of correctness case ``name``; fails with a PE's traceback."""
+    per_rank = [res[name] for res in sim("correctness", R)]
+    for r, res in enumerate(per_rank):
+        if "error" in res:
+            pytest.fail(f"{name}, {R} ranks: rank {r} raised:\n{res['error']}")
+    return per_rank
+
+
+# -- checks -----------------------------------------------------------------------------------
+def bits32(a) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(a, np.float32)).view(np.uint32)
+
+
+def _row_story(x_bits, src_rank, src_token, src_k, weight) -> str:
+    where = "padding" if src_rank < 0 else describe_row(x_bits.view(BF16))
+    return f"{where} (src_rank {src_rank}, src_token {src_token}, k {src_k}, weight {float(weight):.9g})"
+
+
+def dispatch_mismatches(got: dict, ref: reference.ExpertBatchRef, cfg: EPConfig, rank: int) -> list[str]:
+    """Human-readable differences between a kernel batch and the reference batch."""
+    L, n = cfg.n_local_experts, ref.n_rows
+    msgs = []
+    if not np.array_equal(got["row_offsets"], ref.row_offsets):
+        msgs.append(f"rank {rank}: row_offsets {got['row_offsets'].tolist()}, want {ref.row_offsets.tolist()}")
+    if not np.array_equal(got["expert_counts"], ref.expert_counts):
+        msgs.append(f"rank {rank}: expert_counts {got['expert_counts'].tolist()}, "
+                    f"want {ref.expert_counts.tolist()}")
+    if n > len(got["x"]):
+        return msgs + [f"rank {rank}: the reference needs {n} rows, the batch holds {len(got['x'])}"]
+    ref_x = ref.x.view(np.uint16)
+    bad = ~(got["x"][:n] == ref_x).all(axis=1)
+    bad |= got["src_rank"][:n] != ref.src_rank
+    bad |= got["src_token"][:n] != ref.src_token
+    bad |= got["src_k"][:n] != ref.src_k
+    bad |= bits32(got["weight"][:n]) != bits32(ref.weight)
+    rows = np.flatnonzero(bad)
+    for row in rows[:MAX_REPORTED_ROWS]:
+        e = rank * L + int(np.searchsorted(ref.row_offsets, row, side="right")) - 1
+        msgs.append(f"rank {rank}, row {row} (segment of expert {e}): got "
+                    f"{_row_story(got['x'][row], *(got[k][row] for k in ('src_rank', 'src_token', 'src_k', 'weight')))}"
+                    f", want {_row_story(ref_x[row], ref.src_rank[row], ref.src_token[row], ref.src_k[row], ref.weight[row])}")
+    if len(rows) > MAX_REPORTED_ROWS:
+        msgs.append(f"rank {rank}: {len(rows) - MAX_REPORTED_ROWS} more wrong rows of {n}")
+    return msgs
+
+
+def assert_dispatch_exact(per_rank_batches: list, case: Case, what: str = "") -> None:
+    cfg = case.config()
+    refs = reference.dispatch(*case.inputs(), cfg)
+    msgs = [m for r, got in enumerate(per_rank_batches) for m in dispatch_mismatches(got, refs[r], cfg, r)]
+    assert not msgs, f"{case.name}{what}: dispatch differs from reference.dispatch:\n" + "\n".join(msgs)
+
+
+def reference_outputs(case: Case, reduce: bool = True) -> list:
+    cfg = case.config()
+    xs, ids, ws = case.inputs()
+    refs = reference.dispatch(xs, ids, ws, cfg)
+    ys = [expert_outputs(cfg, b, r) for r, b in enumerate(refs)]
+    return reference.combine(ys, refs, ids, cfg, reduce=reduce)
+
+
+def expert_out_abs_max(case: Case) -> float:
+    """Largest |expert output| of any real row of any rank (the scale of combine_tolerance)."""
+    cfg = case.config()
+    refs = reference.dispatch(*case.inputs(), cfg)
+    return max([float(np.abs(expert_outputs(cfg, b, r)[:b.n_rows][b.src_rank >= 0].view(BF16)
+                             .astype(np.float32)).max(initial=0)) for r, b in enumerate(refs)])
+
+
+def combine_mismatches(got_bits: np.ndarray, want: np.ndarray, rank: int) -> str:
+    """Where a combine output differs bitwise: count, first positions and values."""
+    want_bits = want.view(np.uint16)
+    diff = np.argwhere(got_bits != want_bits)
+    first = "; ".join(f"{tuple(map(int, p))}: got {got_bits[tuple(p)].view(BF16)!r} want {want[tuple(p)]!r}"
+                      for p in diff[:MAX_REPORTED_ROWS])
+    return f"rank {rank}: {len(diff)} of {want.size} values differ ({first})"
+
+
+def assert_combine_exact(per_rank_outs: list, case: Case, what: str = "") -> None:
+    want = reference_outputs(case)
+    msgs = []
+    for r, got in enumerate(per_rank_outs):
+        assert got.shape == want[r].shape, f"{case.name}{what}: rank {r} out shape {got.shape}, want {want[r].shape}"
+        if not np.array_equal(got, want[r].view(np.uint16)):
+            msgs.append(combine_mismatches(got, want[r], r))
+    assert not msgs, (f"{case.name}{what}: combine is not bit-identical to reference.combine on the "
+                      f"simulator (no FMA there):\n" + "\n".join(msgs))
+
+
+# -- correctness: one round trip per case -----------------------------------------------------
+CASE_NAMES = [c.name for c in correctness_cases(2)]
+
+
+@pytest.mark.parametrize("name", CASE_NAMES)
+@pytest.mark.parametrize("R", WORLD_SIZES)
+def test_dispatch_equals_reference_exactly(sim, R, name):
+    case = next(c for c in correctness_cases(R) if c.name == name)
+    assert_dispatch_exact([res["batch"] for res in case_results(sim, R, name)], case)
+
+
+@pytest.mark.parametrize("name", CASE_NAMES)
+@pytest.mark.parametrize("R", WORLD_SIZES)
+def test_dispatch_leaves_rows_past_the_batch_at_their_initial_values(sim, R, name):
+    for r, res in enumerate(case_results(sim, R, name)):
+        b, n = res["batch"], int(res["batch"]["row_offsets"][-1])
+        assert not b["x"][n:].any(), f"rank {r}: expert_x written past row {n}"
+        for k in ("src_rank", "src_token", "src_k"):
+            assert (b[k][n:] == -1).all(), f"rank {r}: {k} written past row {n}"
+        assert (bits32(b["weight"][n:]) == 0).all(), f"rank {r}: weight written past row {n}"
+
+
+@pytest.mark.parametrize("name", CASE_NAMES)
+@pytest.mark.parametrize("R", WORLD_SIZES)
+def test_combine_within_reference_tolerance(sim, R, name):
+    case = next(c for c in correctness_cases(R) if c.name == name)
+    want = reference_outputs(case)
+    _, _, ws = case.inputs()
+    for r, res in enumerate(case_results(sim, R, name)):
+        got = res["out"].view(BF16).astype(np.float32)
+        assert got.shape == want[r].shape
+        assert not np.isnan(got).any(), f"rank {r}: NaN in the output (a padding row or a row past the batch was read)"
+        tol = reference.combine_tolerance(ws[r], expert_out_abs_max(case))
+        err = np.abs(got - want[r].astype(np.float32))
+        assert (err <= tol).all(), f"rank {r}: max error {err.max()} beyond tolerance"
+
+
+@pytest.mark.parametrize("name", CASE_NAMES)
+@pytest.mark.parametrize("R", WORLD_SIZES)
+def test_combine_bit_identical_to_reference_on_simulator(sim, R, name):
+    case = next(c for c in correctness_cases(R) if c.name == name)
+    assert_combine_exact([res["out"] for res in case_results(sim, R, name)], case)
+
+
+# -- correctness: repeated runs, call sequences, partials, epilogue ---------------------------------
+@pytest.mark.parametrize("R", WORLD_SIZES)
+def test_combine_bit_identical_across_three_runtimes(sim, R):
+    runs = [res["runs"] for res in case_results(sim, R, "repeat")]
+    for r, rank_runs in enumerate(runs):
+        for i, run in enumerate(rank_runs[1:], start=1):
+            assert np.array_equal(run["out"], rank_runs[0]["out"]), f"rank {r}: run {i} differs from run 0"
+            for k in BATCH_FIELDS:
+                assert np.array_equal(run["batch"][k], rank_runs[0]["batch"][k]), f"rank {r}: run {i} {k}"
+    assert_combine_exact([rank_runs[0]["out"] for rank_runs in runs], repeat_case(R))
+
+
+@pytest.mark.parametrize("R", WORLD_SIZES)
+def test_back_to_back_calls_on_one_runtime(sim, R):
+    per_rank = case_results(sim, R, "back_to_back")
+    cases = back_to_back_cases(R)
+    assert any(0 in c.n_tokens for c in cases) and len({c.n_tokens for c in cases}) == N_CALLS
+    for c, case in enumerate(cases):
+        calls = [res["calls"][c] for res in per_rank]
+        assert_dispatch_exact([call["batch"] for call in calls], case, f" (call {c} of {N_CALLS})")
+        assert_combine_exact([call["out"] for call in calls], case, f" (call {c} of {N_CALLS})")
+    for r, res in enumerate(per_rank):
+        assert (res["host_calls"], res["device_calls"]) == (N_CALLS, N_CALLS), f"rank {r}"
+
+
+@pytest.mark.parametrize("R", WORLD_SIZES)
+def test_dispatch_without_combine_then_round_trips(sim, R):
+    per_rank = case_results(sim, R, "skip_combine")
+    for c, (case, combined) in enumerate(zip(skip_combine_cases(R), SKIP_COMBINE_PATTERN)):
+        calls = [res["calls"][c] for res in per_rank]
+        assert_dispatch_exact([call["batch"] for call in calls], case, f" (call {c})")
+        if combined:
+            assert_combine_exact([call["out"] for call in calls], case, f" (call {c})")
+    n = len(SKIP_COMBINE_PATTERN)
+    assert [(res["host_calls"], res["device_calls"]) for res in per_rank] == [(n, n)] * R
+
+
+@pytest.mark.parametrize("R", WORLD_SIZES)
+def test_combine_wait_reduce_false_returns_the_reference_partials(sim, R):
+    case = partials_case(R)
+    per_rank = case_results(sim, R, "partials")
+    assert_dispatch_exact([res["batch"] for res in per_rank], case)
+    want = reference_outputs(case, reduce=False)
+    for r, res in enumerate(per_rank):
+        assert res["returned_is_out"], f"rank {r}: combine_wait(out=...) must return out"
+        assert res["out"].shape == want[r].shape
+        assert np.array_equal(res["out"], want[r].view(np.uint16)), combine_mismatches(res["out"], want[r], r)
+
+
+@pytest.mark.parametrize("R", WORLD_SIZES)
+def test_epilogue_residual_add(sim, R):
+    case = epilogue_case(R)
+    cfg = case.config()
+    xs, ids, _ = case.inputs()
+    partials = reference_outputs(case, reduce=False)
+    L = cfg.n_local_experts
+    for r, res in enumerate(case_results(sim, R, "epilogue")):
+        # as the kernel: float32 sum from 0 over the ranks the token went to, ascending, + aux, bf16
+        acc = np.zeros((len(xs[r]), cfg.hidden), np.float32)
+        for q in range(R):
+            went = np.any(ids[r] // L == q, axis=1)[:, None]
+            acc = np.where(went, acc + partials[r][q].astype(np.float32), acc)
+        want = (acc + aux_for(r, len(xs[r]), cfg.hidden)).astype(BF16)
+        assert np.array_equal(res["out"], want.view(np.uint16)), combine_mismatches(res["out"], want, r)
+
+
+# -- failures: handle misuse and bad inputs ---------------------------------------------------
+#: misuse name -> (error type, fragments its message must contain)
+MISUSE = {
+    "dispatch_async_twice": ("EPStateError", ["dispatch_async called out of order", "state 'dispatch sent'",
+                                              "expects dispatch_wait next"]),
+    "combine_async_before_dispatch_wait": ("EPStateError", ["combine_async", "state 'dispatch sent'",
+                                                            "dispatch_async -> dispatch_wait -> combine_async"]),
+    "foreign_handle": ("EPStateError", ["dispatch_wait got a handle from another EPRuntime"]),
+    "dispatch_wait_twice": ("EPStateError", ["dispatch_wait got the handle of call 0",
+                                             "each handle is used once"]),
+    "dispatch_wait_with_combine_handle": ("EPStateError", ["dispatch_wait needs a DispatchHandle; got CombineHandle"]),
+    "combine_wait_with_dispatch_handle": ("EPStateError", ["combine_wait needs a CombineHandle; got DispatchHandle"]),
+    "combine_async_twice": ("EPStateError", ["combine_async got the handle of call 0", "each handle is used once"]),
+    "combine_wait_twice": ("EPStateError", ["combine_wait got the handle of call 0", "each handle is used once"]),
+    "dispatch_wait_after_combine": ("EPStateError", ["dispatch_wait got the handle of call 0"]),
+    "stale_handle": ("EPStateError", ["dispatch_wait got the handle of call 0", "current call 1"]),
+    "closed_runtime": ("EPStateError", ["dispatch_async on a closed runtime"]),
+}
+#: bad input -> fragments the EPInputError's message must contain
+BAD_INPUTS = {
+    "tokens_float32": ["dispatch_async: tokens must have dtype bfloat16", "got float32"],
+    "tokens_wrong_hidden": ["dispatch_async: tokens must have shape [4, 16]", "got [4, 17]"],
+    "tokens_over_max_tokens": ["dispatch_async: tokens has 10 rows", "max_tokens_per_rank is 6"],
+    "tokens_not_contiguous": ["dispatch_async: tokens must be C-contiguous"],
+    "tokens_not_numpy": ["dispatch_async: tokens must be a NumPy array", "got list"],
+    "ids_int64": ["dispatch_async: topk_ids must have dtype int32", "got int64"],
+    "ids_wrong_rows": ["dispatch_async: topk_ids must have shape [4, 2]", "got [3, 2]"],
+    "ids_out_of_range": ["topk_ids[1, 0] = {E} is outside [0, n_experts={E})"],
+    "ids_negative": ["topk_ids[3, 1] = -1 is outside [0, n_experts={E})"],
+    "ids_duplicate": ["token 2 lists an expert twice", "must be distinct"],
+    "weights_nan": ["topk_weights[0, 1] = nan is not finite"],
+    "weights_float64": ["dispatch_async: topk_weights must have dtype float32", "got float64"],
+    "expert_out_wrong_hidden": ["combine_async: expert_out must have shape [*, 16]", "got ["],
+    "expert_out_too_few_rows": ["combine_async: expert_out has", "rows but the expert batch has"],
+    "combine_wait_out_wrong_shape": ["combine_wait: out must have shape [4, 16]", "got [5, 16]"],
+}
+
+
+def misuse_results(sim, R: int) -> list:
+    return sim("misuse", R)
+
+
+@pytest.mark.parametrize("misuse", sorted(MISUSE))
+@pytest.mark.parametrize("R", WORLD_SIZES)
+def test_handle_misuse_raises_state_error(sim, R, misuse):
+    kind, fragments = MISUSE[misuse]
+    for r, res in enumerate(misuse_results(sim, R)):
+        caught = res["errors"][misuse]
+        assert caught is not None, f"rank {r}: {misuse} raised nothing"
+        assert caught[0] == kind, f"rank {r}: {misuse} raised {caught}"
+        for frag in [f"rank {r}: "] + fragments:
+            assert frag in caught[1], f"rank {r}: {misuse}: {frag!r} not in {caught[1]!r}"
+
+
+@pytest.mark.parametrize("bad", sorted(BAD_INPUTS))
+@pytest.mark.parametrize("R", WORLD_SIZES)
+def test_bad_input_raises_input_error(sim, R, bad):
+    E = misuse_case(R).cfg["n_experts"]
+    for r, res in enumerate(misuse_results(sim, R)):
+        caught = res["errors"][bad]
+        if bad == "expert_out_too_few_rows" and caught is None and not res["first"]["batch"]["row_offsets"][-1]:
+            continue  # this rank received no rows: nothing is too few
+        assert caught is not None and caught[0] == "EPInputError", f"rank {r}: {bad} raised {caught}"
+        for frag in fragments_for(bad, E):
+            assert frag in caught[1], f"rank {r}: {bad}: {frag!r} not in {caught[1]!r}"
+
+
+def fragments_for(bad: str, E: int) -> list:
+    return [f.format(E=E) for f in BAD_INPUTS[bad]]
+
+
+@pytest.mark.parametrize("R", WORLD_SIZES)
+def test_bad_inputs_launch_nothing_and_the_runtime_still_works(sim, R):
+    case = misuse_case(R)
+    per_rank = misuse_results(sim, R)
+    assert [(res["device_calls_after_bad_inputs"], res["host_calls_after_bad_inputs"]) for res in per_rank] \
+        == [(0, 0)] * R
+    for which in ("first", "second"):
+        assert_dispatch_exact([res[which]["batch"] for res in per_rank], case, f" ({which} good call)")
+        assert_combine_exact([res[which]["out"] for res in per_rank], case, f" ({which} good call)")
+    assert [res["device_calls"] for res in per_rank] == [2] * R
+
+
+# -- failures: capacity overflow, a rank that skips a dispatch ---------------------------------------
+@pytest.mark.parametrize("R", WORLD_SIZES)
+def test_capacity_overflow_raises_on_the_overflowing_rank(sim, R):
+    case = capacity_case(R)
+    needed = reference.dispatch(*case.inputs(), case.config())[OVERFLOW_RANK].n_rows
+    capacity = case.cfg["max_recv_rows"]
+    assert needed > capacity
+    res = sim("capacity", R)[OVERFLOW_RANK]
+    assert not res["dispatched"], "dispatch() returned on the overflowing rank"
+    kind, message = res["error"]
+    assert kind == "EPCapacityError", res["error"]
+    for frag in (f"rank {OVERFLOW_RANK}: dispatch_wait of call 0 needed {needed} expert-batch rows",
+                 f"capacity is {capacity} (EPConfig.max_recv_rows)", f"at least {needed}"):
+        assert frag in message, f"{frag!r} not in {message!r}"
+
+
+@pytest.mark.parametrize("R", WORLD_SIZES)
+def test_capacity_overflow_times_out_the_peers_combine_naming_the_rank(sim, R):
+    for r, res in enumerate(sim("capacity", R)):
+        if r == OVERFLOW_RANK:
+            continue
+        assert res["dispatched"], f"rank {r}: dispatch failed: {res['error']}"
+        kind, message = res["error"]
+        assert kind == "EPTimeoutError", f"rank {r}: {res['error']}"
+        frag = (f"rank {r}: combine_wait of call 0 timed out after {FAIL_WAIT_TIMEOUT_S:g} s waiting for rank "
+                f"{OVERFLOW_RANK}: combine_signal[0][{OVERFLOW_RANK}] expected >= 1, observed 0")
+        assert frag in message, f"{frag!r} not in {message!r}"
+
+
+@pytest.mark.parametrize("R", WORLD_SIZES)
+def test_capacity_failure_refuses_calls_until_reset(sim, R):
+    recovery = capacity_recovery_case(R)
+    per_rank = sim("capacity", R)
+    for r, res in enumerate(per_rank):
+        kind, message = res["refused"]
+        assert kind == "EPStateError", f"rank {r}: {res['refused']}"
+        first = "EPCapacityError" if r == OVERFLOW_RANK else "EPTimeoutError"
+        for frag in (f"rank {r}: dispatch_async refused: the runtime failed earlier ({first}", "reset()"):
+            assert frag in message, f"rank {r}: {frag!r} not in {message!r}"
+        assert res["device_calls"] == 1, f"rank {r}: call numbers restart at 0 after reset()"
+    assert_dispatch_exact([res["after_reset"]["batch"] for res in per_rank], recovery, " (after reset)")
+    assert_combine_exact([res["after_reset"]["out"] for res in per_rank], recovery, " (after reset)")
+
+
+@pytest.mark.parametrize("R", WORLD_SIZES)
+def test_skipped_dispatch_times_out_the_peers_naming_the_rank(sim, R):
+    per_rank = sim("skip", R)
+    for r, res in enumerate(per_rank):
+        if r == SKIPPING_RANK:
+            continue
+        kind, message = res["error"]
+        assert kind == "EPTimeoutError", f"rank {r}: {res['error']}"
+        frag = (f"rank {r}: dispatch_wait of call 0 timed out after {FAIL_WAIT_TIMEOUT_S:g} s waiting for rank "
+                f"{SKIPPING_RANK}: dispatch_signal[0][{SKIPPING_RANK}] expected >= 1, observed 0")
+        assert frag in message, f"{frag!r} not in {message!r}"
+        assert f"rank {SKIPPING_RANK} did not make this call" in message
+        # the first block to time out records the error, later blocks see it and return at once;
+        # allow CI slack for the rest of the call
+        assert FAIL_WAIT_TIMEOUT_S <= res["error_s"] < FAIL_WAIT_TIMEOUT_S + 3, f"rank {r}: {res['error_s']:.2f} s"
+        kind, message = res["refused"]
+        assert kind == "EPStateError" and "refused: the runtime failed earlier (EPTimeoutError" in message
+
+
+@pytest.mark.parametrize("R", WORLD_SIZES)
+def test_skipped_dispatch_then_reset_then_good_round_trip(sim, R):
+    recovery = skip_recovery_case(R)
+    per_rank = sim("skip", R)
+    assert_dispatch_exact([res["after_reset"]["batch"] for res in per_rank], recovery, " (after reset)")
+    assert_combine_exact([res["after_reset"]["out"] for res in per_rank], recovery, " (after reset)")
