@@ -66,25 +66,3 @@ def check_array(x, call: str, name: str, dtype, shape: tuple, fix: str) -> None:
     if not contiguous:
         raise EPInputError(f"{call}: {name} must be C-contiguous; pass a contiguous copy "
                            f"(ascontiguousarray).")
-
-
-def check_routing(ids: np.ndarray, weights: np.ndarray, n_experts: int, call: str) -> None:
-    """Host-side routing checks (debug mode and the simulator): ids in range and unique per
-    token, weights finite. ``ids`` [T, K] int, ``weights`` [T, K] float32 (host arrays)."""
-    if ids.size == 0:
-        return
-    bad = (ids < 0) | (ids >= n_experts)
-    if bad.any():
-        t, k = map(int, np.argwhere(bad)[0])
-        raise EPInputError(f"{call}: topk_ids[{t}, {k}] = {int(ids[t, k])} is outside [0, n_experts="
-                           f"{n_experts}); {int(bad.sum())} ids are out of range. Check the router's output.")
-    srt = np.sort(ids, axis=1)
-    dup = (srt[:, 1:] == srt[:, :-1]).any(axis=1)
-    if dup.any():
-        t = int(np.argmax(dup))
-        raise EPInputError(f"{call}: token {t} lists an expert twice in topk_ids ({ids[t].tolist()}); "
-                           f"each token's top-k ids must be distinct ({int(dup.sum())} tokens affected).")
-    if not np.isfinite(weights).all():
-        t, k = map(int, np.argwhere(~np.isfinite(weights))[0])
-        raise EPInputError(f"{call}: topk_weights[{t}, {k}] = {weights[t, k]} is not finite; "
-                           f"router weights must be finite numbers.")

@@ -58,6 +58,9 @@ class EPConfig:
         Capacity of the expert batch in rows; ``None`` = the worst case
         (:attr:`worst_case_recv_rows`). A smaller capacity saves memory; a call that needs more
         raises :class:`~ep_runtime.errors.EPCapacityError` with the count it needed.
+    allow_negative_weights : bool
+        Whether the debug-mode routing check accepts negative router weights (NaN and
+        infinities are always rejected).
     """
 
     n_ranks: int
@@ -71,6 +74,7 @@ class EPConfig:
     wait_timeout_s: float = DEFAULT_WAIT_TIMEOUT_S
     pad_multiple: int = 1
     max_recv_rows: int | None = None
+    allow_negative_weights: bool = True
 
     def __post_init__(self):
         for f in ("n_ranks", "n_experts", "top_k", "hidden", "max_tokens_per_rank", "pad_multiple"):
@@ -107,6 +111,8 @@ class EPConfig:
                f"use {DEFAULT_WAIT_TIMEOUT_S} (or 0 to wait forever)")
         _check(self.pad_multiple >= 1, "pad_multiple", self.pad_multiple, "must be >= 1",
                "use 1 for no padding, or the grouped GEMM's row tile (e.g. 64 or 128)")
+        _check(isinstance(self.allow_negative_weights, bool), "allow_negative_weights", self.allow_negative_weights,
+               "must be a bool", "pass True or False")
         if self.max_recv_rows is not None:
             _check(self.max_recv_rows >= 1, "max_recv_rows", self.max_recv_rows, "must be >= 1 or None",
                    "use None for the worst case")

@@ -20,12 +20,13 @@ CALLER_ARRAYS = {
     "expert_out": (np.uint16, 2),
     "out": (np.uint16, 2),
     "out_partials": (np.uint16, 3),
-    "aux": (np.float32, 1),
+    "aux": (np.float32, 2),
 }
 #: int64 scalar arguments.
-SCALARS = ("pad_multiple", "timeout_ns", "mode")
+SCALARS = ("pad_multiple", "timeout_ns", "mode", "n_experts", "allow_negative")
 
 KERNEL_ARGS = {
+    "validate_routing": ("topk_ids", "topk_weights", "n_experts", "allow_negative", "status"),
     "dispatch_async": (
         "tokens", "topk_ids", "topk_weights", "dispatch_tokens", "dispatch_topk_ids",
         "dispatch_topk_weights", "dispatch_counts", "dispatch_signal", "dispatch_async_sync",

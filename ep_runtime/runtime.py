@@ -45,6 +45,10 @@ class _State(Enum):
     COMBINE_SENT = "combine sent"    # next: combine_wait
 
 
+#: Position of each state within one call, to tell a reused handle from a premature one.
+_STEP = {_State.DISPATCH_SENT: 1, _State.DISPATCHED: 2, _State.COMBINE_SENT: 3, _State.IDLE: 4}
+
+
 class EPRuntime:
     """Buffers, counters and kernels of one expert-parallel layer on one rank.
 
@@ -56,9 +60,10 @@ class EPRuntime:
         The SHMEM session (``nvshmem`` or ``sim``) of this rank; its heap must hold
         ``BufferLayout(cfg).symmetric_bytes``.
     debug : bool
-        Check routing on the host before each dispatch (ids in range and unique per token,
-        weights finite; a device-to-host copy on GPUs) and synchronize after each call to
-        raise device errors at once. Always on for the simulator.
+        Check routing on the device before each dispatch (ids in range and distinct per token,
+        weights finite; one small kernel, no host synchronization) and synchronize after each
+        call so device errors are raised by the call that caused them. Always on for the
+        simulator.
 
     Construction and :meth:`close` are collective. Use as a context manager.
     """
@@ -91,7 +96,7 @@ class EPRuntime:
         # stand-ins for the combine_wait arrays a call does not use (allocated once: graph-safe)
         self._no_out = session.alloc_local("unused out", (0, 0), np.uint16)
         self._no_partials = session.alloc_local("unused out_partials", (0, 0, 0), np.uint16)
-        self._no_aux = session.alloc_local("unused aux", (1,), np.float32)
+        self._no_aux = session.alloc_local("unused aux", (0, 0), np.float32)
         self._calls = 0
         self._state = _State.IDLE
         self._failed: Exception | None = None
@@ -129,13 +134,34 @@ class EPRuntime:
         arrays.check_array(topk_weights, c, "topk_weights", np.float32, (T, cfg.top_k),
                            f"Expected [T={T}, top_k={cfg.top_k}] float32.")
         if self.debug:
-            arrays.check_routing(self.session.to_host(topk_ids), self.session.to_host(topk_weights),
-                                 cfg.n_experts, c)
+            self._check_routing(topk_ids, topk_weights)
         self._launch("dispatch_async", tokens=tokens, topk_ids=topk_ids, topk_weights=topk_weights)
         handle = DispatchHandle(owner=self._owner, call=self._calls, n_tokens=T)
         self._calls += 1
         self._state = _State.DISPATCH_SENT
         return handle
+
+    def check_routing(self, topk_ids, topk_weights) -> None:
+        """Enqueue the device-side routing check (debug mode runs it before every dispatch).
+
+        Checks expert ids in ``[0, n_experts)`` and distinct per token, and weights finite (and
+        non-negative unless ``EPConfig.allow_negative_weights``). Not collective; enqueued on the
+        stream; a violation is raised as :class:`~ep_runtime.errors.EPInputError` by the next
+        :meth:`synchronize` and blocks this rank's next dispatch (see docs/failure_modes.md).
+        ``topk_ids`` [T, top_k] int32, ``topk_weights`` [T, top_k] float32.
+        """
+        cfg, be, c = self.cfg, self.session.backend, "check_routing"
+        topk_ids = arrays.to_backend(topk_ids, be, c, "topk_ids")
+        topk_weights = arrays.to_backend(topk_weights, be, c, "topk_weights")
+        T = topk_ids.shape[0]
+        arrays.check_array(topk_ids, c, "topk_ids", np.int32, (None, cfg.top_k), f"Expected [T, top_k={cfg.top_k}].")
+        arrays.check_array(topk_weights, c, "topk_weights", np.float32, (T, cfg.top_k), f"Expected [T={T}, top_k].")
+        self._check_routing(topk_ids, topk_weights)
+
+    def _check_routing(self, topk_ids, topk_weights) -> None:
+        self._launch("validate_routing", topk_ids=topk_ids, topk_weights=topk_weights,
+                     n_experts=np.int64(self.cfg.n_experts),
+                     allow_negative=np.int64(self.cfg.allow_negative_weights))
 
     def dispatch_wait(self, handle: DispatchHandle) -> ExpertBatch:
         """Complete the dispatch of ``handle``: wait for every rank's tokens and lay them out
@@ -186,7 +212,7 @@ class EPRuntime:
         Returns ``out`` [T, hidden] uint16 (bf16 bits): for each token, the sum over the ranks
         it went to (rank order, float32) of their partials, through ``epilogue`` (a Numba
         device function ``f(value, token, col, aux) -> float32``, e.g. a residual add reading
-        ``aux``) and rounded to bf16. With ``reduce=False`` returns the per-rank partials
+        ``aux``, a [T, hidden] float32 array) and rounded to bf16. With ``reduce=False`` returns the per-rank partials
         ``[n_ranks, T, hidden]`` instead (zero where the token did not go).
         """
         self._require(_State.COMBINE_SENT, call="combine_wait", handle=handle, handle_type=CombineHandle)
@@ -198,7 +224,12 @@ class EPRuntime:
             out = arrays.to_backend(out, s.backend, "combine_wait", "out")
             arrays.check_array(out, "combine_wait", "out", np.uint16, shape, "Pass None to allocate it.")
         unused = self._no_partials if reduce else self._no_out
-        aux = self._no_aux if aux is None else arrays.to_backend(aux, s.backend, "combine_wait", "aux")
+        if aux is None:
+            aux = self._no_aux
+        else:
+            aux = arrays.to_backend(aux, s.backend, "combine_wait", "aux")
+            arrays.check_array(aux, "combine_wait", "aux", np.float32, (T, cfg.hidden),
+                               f"aux is the epilogue's [T={T}, hidden={cfg.hidden}] float32 input.")
         self._launch("combine_wait", epilogue=epilogue, out=out if reduce else unused,
                      out_partials=unused if reduce else out, mode=np.int64(0 if reduce else 1),
                      timeout_ns=self._timeout_ns, aux=aux)
@@ -270,12 +301,12 @@ class EPRuntime:
             if handle.owner != self._owner:
                 raise EPStateError(f"rank {self.rank}: {call} got a handle from another EPRuntime; pass the "
                                    f"handle this runtime returned.")
-            if handle.call != self._calls - 1 or self._state not in states:
-                raise EPStateError(f"rank {self.rank}: {call} got the handle of call {handle.call}, but that "
-                                   f"call is finished or not the current one (current call "
-                                   f"{self._calls - 1}, state '{self._state.value}'); each handle is used "
-                                   f"once, in order dispatch_async -> dispatch_wait -> combine_async -> "
-                                   f"combine_wait.")
+            used = self._state not in states and _STEP[self._state] > min(_STEP[x] for x in states)
+            if handle.call != self._calls - 1 or used:
+                raise EPStateError(f"rank {self.rank}: {call} got the handle of call {handle.call}, which "
+                                   f"{'already went through ' + call if used else 'is finished'} (current call "
+                                   f"{self._calls - 1}, state '{self._state.value}'); each handle is used once, "
+                                   f"in order dispatch_async -> dispatch_wait -> combine_async -> combine_wait.")
         if self._state not in states:
             nxt = {_State.IDLE: "dispatch_async", _State.DISPATCH_SENT: "dispatch_wait",
                    _State.DISPATCHED: "combine_async or dispatch_async",
@@ -318,15 +349,17 @@ _KERNEL_CACHE: dict = {}
 
 
 def _kernels_for(threads: int) -> dict:
-    """The four kernels for a block size (built once per process)."""
+    """The four kernels (and the debug-mode routing check) for a block size, built once per process."""
     if threads not in _KERNEL_CACHE:
         from .kernels.combine import make_combine_kernels
         from .kernels.dispatch import make_dispatch_kernels
 
+        from .kernels.validate import validate_routing
+
         da, dw = make_dispatch_kernels(threads)
         ca, cw = make_combine_kernels(threads)
         _KERNEL_CACHE[threads] = {"dispatch_async": da, "dispatch_wait": dw, "combine_async": ca,
-                                  "combine_wait": cw}
+                                  "combine_wait": cw, "validate_routing": validate_routing}
     return dict(_KERNEL_CACHE[threads])
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .errors import EPCapacityError, EPError, EPTimeoutError
+from .errors import EPCapacityError, EPError, EPInputError, EPTimeoutError
 from .layout import (STATUS_CALL, STATUS_CODE, STATUS_COUNTER, STATUS_EXPECTED, STATUS_KERNEL,
                      STATUS_OBSERVED, STATUS_PEER, STATUS_RANK)
 
@@ -19,14 +19,19 @@ from .layout import (STATUS_CALL, STATUS_CODE, STATUS_COUNTER, STATUS_EXPECTED, 
 ERR_NONE = 0
 ERR_TIMEOUT = 1
 ERR_CAPACITY = 2
+ERR_BAD_EXPERT_ID = 3
+ERR_DUPLICATE_EXPERT = 4
+ERR_BAD_WEIGHT = 5
 
 # Kernel ids (status[STATUS_KERNEL]).
 KERNEL_DISPATCH_ASYNC = 1
 KERNEL_DISPATCH_WAIT = 2
 KERNEL_COMBINE_ASYNC = 3
 KERNEL_COMBINE_WAIT = 4
+KERNEL_VALIDATE_ROUTING = 5
 KERNEL_NAMES = {KERNEL_DISPATCH_ASYNC: "dispatch_async", KERNEL_DISPATCH_WAIT: "dispatch_wait",
-                KERNEL_COMBINE_ASYNC: "combine_async", KERNEL_COMBINE_WAIT: "combine_wait"}
+                KERNEL_COMBINE_ASYNC: "combine_async", KERNEL_COMBINE_WAIT: "combine_wait",
+                KERNEL_VALIDATE_ROUTING: "validate_routing"}
 
 # Counter ids (status[STATUS_COUNTER]).
 COUNTER_DISPATCH_SIGNAL = 1
@@ -60,4 +65,17 @@ def error_from_status(status: np.ndarray, timeout_s: float) -> EPError | None:
             f"rank {rank}: {kernel} of call {call - 1} needed {observed} expert-batch rows but the "
             f"capacity is {expected} (EPConfig.max_recv_rows); no row was written. Raise max_recv_rows "
             f"to at least {observed}, or use None for the worst case.")
+    after = (f"(checked on the device before dispatch_async; nothing was sent, so the other ranks' waits "
+             f"time out naming rank {rank}). Fix the router's output, then call reset() on every rank.")
+    if code == ERR_BAD_EXPERT_ID:
+        return EPInputError(f"rank {rank}: topk_ids[{peer}, {int(status[STATUS_COUNTER])}] = {observed} is outside "
+                            f"[0, n_experts={expected}) {after}")
+    if code == ERR_DUPLICATE_EXPERT:
+        return EPInputError(f"rank {rank}: token {peer} lists expert {observed} twice in topk_ids (slots "
+                            f"{int(status[STATUS_COUNTER])} and {expected}); top-k ids must be distinct {after}")
+    if code == ERR_BAD_WEIGHT:
+        w = float(np.uint32(observed & 0xFFFFFFFF).view(np.float32))
+        rule = "finite" if expected else "finite and >= 0 (EPConfig.allow_negative_weights=False)"
+        return EPInputError(f"rank {rank}: topk_weights[{peer}, {int(status[STATUS_COUNTER])}] = {w} must be "
+                            f"{rule} {after}")
     return EPError(f"rank {rank}: {kernel} reported unknown error code {code} (status {list(status)})")

@@ -16,6 +16,10 @@ if _config.ENABLE_CUDASIM:
         """float32 value of the bf16 pattern ``bits`` (uint16)."""
         return np.uint32(int(bits) << 16).view(np.float32)
 
+    def f32_bits(x):
+        """The IEEE bit pattern (uint32) of float32 ``x``."""
+        return np.float32(x).view(np.uint32)
+
     def f32_to_bf16(x):
         """bf16 pattern (uint16) of float32 ``x``, rounded to nearest even."""
         u = int(np.float32(x).view(np.uint32))
@@ -61,6 +65,11 @@ else:
         return _u32_bits_as_f32(uint32(bits) << uint32(16))
 
     @_numba_cuda.jit(device=True)
+    def f32_bits(x):
+        """The IEEE bit pattern (uint32) of float32 ``x``."""
+        return _f32_as_u32_bits(x)
+
+    @_numba_cuda.jit(device=True)
     def f32_to_bf16(x):
         """bf16 pattern (uint16) of float32 ``x``, rounded to nearest even."""
         u = _f32_as_u32_bits(x)
@@ -68,4 +77,4 @@ else:
             return uint16(((u >> uint32(16)) & uint32(0x8000)) | uint32(0x7FC0))
         return uint16((u + uint32(0x7FFF) + ((u >> uint32(16)) & uint32(1))) >> uint32(16))
 
-__all__ = ["bf16_to_f32", "f32_to_bf16"]
+__all__ = ["bf16_to_f32", "f32_to_bf16", "f32_bits"]

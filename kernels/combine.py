@@ -28,7 +28,7 @@ def identity_epilogue(value, token, col, aux):
 def make_combine_kernels(threads: int, epilogue=identity_epilogue):
     """Build ``(combine_async, combine_wait)`` for blocks of ``threads`` threads.
 
-    ``epilogue(value: float32, token: int, col: int, aux: array) -> float32`` is a Numba
+    ``epilogue(value: float32, token: int, col: int, aux: [T, H] float32) -> float32`` is a Numba
     device function applied to each reduced element before the bf16 store (e.g. a residual
     add reading ``aux[token, col]``).
     """
@@ -96,7 +96,8 @@ def make_combine_kernels(threads: int, epilogue=identity_epilogue):
         MODE_REDUCE: out [T, H] uint16 = bf16(epilogue(sum over ranks r that token t went to,
         in ascending r, of f32(partial_r), from 0)). MODE_PARTIALS: out_partials [R, T, H]
         uint16 = partial_r (zero where the token did not go to r). The array of the other
-        mode is not touched (pass any array of the right rank). aux: the epilogue's array.
+        mode is not touched (pass any array of the right rank). aux [T, H] float32: the
+        epilogue's input.
 
         One block: waits for all R signals itself, then handles its token items (static
         schedule). A wait past timeout_ns records an error and writes nothing.

@@ -13,18 +13,27 @@ closes it, and returns host copies of everything; the many small tests below ass
 cached results. The per-rank bodies (``*_pe``) live here so that the PE processes import them
 by name; they catch the errors a case expects and return ``(type name, message)``.
 
-Suites:
+Suites (``sim(suite, R)``):
 
-- ``correctness``: routing scenarios and awkward shapes (``CORRECTNESS_CASES``), repeated
+- ``correctness``: routing scenarios and awkward shapes (:func:`correctness_cases`), a
+  summation-order probe (:func:`probe_routing`: bit equality alone rarely notices another
+  summation order, wider precision or an FMA, because bf16 rounding hides them), repeated
   runs, back-to-back calls, skipped combines, unreduced partials, an epilogue;
-- ``failures``: handle misuse, bad inputs, a capacity overflow and a rank that skips a
-  dispatch (device-side timeouts of ``FAIL_WAIT_TIMEOUT_S``), each followed by a good round
-  trip.
+- ``misuse``: bad arguments (EPInputError before any launch, the runtime stays usable),
+  routing faults (EPInputError from the device-side check of debug mode, always on for the
+  simulator: the runtime refuses calls until reset()), handle misuse (EPStateError), between
+  good calls;
+- ``capacity``: one rank overflows ``max_recv_rows``; its peers time out in combine; reset();
+- ``skip``: one rank skips a dispatch, then one rank's routing check fails; each time its
+  peers time out in dispatch naming it; reset().
+
+The failure suites use ``wait_timeout_s = FAIL_WAIT_TIMEOUT_S`` and end with a good round
+trip, checked like the others.
 """
 
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -58,19 +67,62 @@ class Case:
     scenario: str = "random"
     seed: int = 0
     n_tokens: tuple | None = None  # per-rank token counts; None: random in [1, max]
+    probe: bool = False  # summation-order probe: probe_routing and PROBE_SCALES experts
 
     def config(self) -> EPConfig:
         return EPConfig(**self.cfg)
 
     def inputs(self):
-        return make_inputs(self.config(), self.scenario, self.seed,
-                           None if self.n_tokens is None else list(self.n_tokens))
+        cfg = self.config()
+        xs, ids, ws = make_inputs(cfg, self.scenario, self.seed,
+                                  None if self.n_tokens is None else list(self.n_tokens))
+        if self.probe:
+            ids, ws = map(list, zip(*(probe_routing(cfg, s, len(x)) for s, x in enumerate(xs))))
+        return xs, ids, ws
 
 
 def base_cfg(n_ranks: int, **changes) -> dict:
     """2 local experts per rank, top-2, hidden 16, up to 6 tokens per rank."""
     return {**dict(n_ranks=n_ranks, n_experts=2 * n_ranks, top_k=2, hidden=16, max_tokens_per_rank=6),
             **changes}
+
+
+#: Summation-order probe: local expert i of every rank multiplies its rows by PROBE_SCALES[i]
+#: (powers of two: exact in bf16). With equal weights, a token's terms come in exactly
+#: cancelling pairs next to a small term, so float32 sums in another order than the documented
+#: one (ascending expert, then ascending rank), in higher precision, or with a fused
+#: multiply-add change the bf16 result by far more than an ulp.
+PROBE_SCALES = (2.0**25, -(2.0**25), 1.0, -(2.0**25))
+PROBE_LOCAL_EXPERTS = len(PROBE_SCALES)
+#: A weight whose products with bf16 values are inexact in float32 (an FMA would show).
+PROBE_INEXACT_WEIGHT = np.float32(0.1)
+
+
+def probe_routing(cfg: EPConfig, s: int, n_tokens: int):
+    """``(ids [T, 3] int32, weights [T, 3] float32)`` of rank ``s`` for the probe. Token kinds,
+    by ``t % 5`` (``t % 3`` below 3 ranks), with target rank ``q = (s + t) % R``, listing each
+    token's terms in the documented order (ids are stored in descending order: the order is by
+    expert, not by k slot); B is 2**25 x / 4, 1 is x / 4:
+
+    0. experts 0, 1, 2 of q, weights 1/4: (+B, -B, 1) in one partial: wrong order loses the 1;
+    1. experts 0, 2, 3 of q, weights 1/4: (+B, 1, -B): float32 loses the 1, wider precision keeps it;
+    2. experts 0, 1, 2 of q, weights 0.1: an FMA leaves the rounding error of 0.1 * B x;
+    3. (R >= 3) expert 0, 1, 2 of three ranks q0 < q1 < q2: (+B, -B, 1) across ranks;
+    4. (R >= 3) expert 0, 2, 3 of ranks q0 < q1 < q2: (+B, 1, -B) across ranks.
+    """
+    R, L = cfg.n_ranks, cfg.n_local_experts
+    assert L == PROBE_LOCAL_EXPERTS and cfg.top_k == 3
+    ids = np.zeros((n_tokens, 3), np.int32)
+    ws = np.full((n_tokens, 3), 0.25, np.float32)
+    for t in range(n_tokens):
+        kind = t % 5 if R >= 3 else t % 3
+        q = (s + t) % R
+        local = (0, 1, 2) if kind in (0, 2, 3) else (0, 2, 3)
+        ranks = sorted((q + i) % R for i in range(3)) if kind >= 3 else [q] * 3
+        ids[t] = [rank * L + i for rank, i in zip(ranks, local)][::-1]
+        if kind == 2:
+            ws[t] = PROBE_INEXACT_WEIGHT
+    return ids, ws
 
 
 def correctness_cases(R: int) -> list[Case]:
@@ -95,6 +147,13 @@ def correctness_cases(R: int) -> list[Case]:
         Case("many_tokens_n_sms_3", base_cfg(R, hidden=8, max_tokens_per_rank=19, n_sms=3), seed=16,
              n_tokens=(19,) * R),
         Case("no_tokens_anywhere", base_cfg(R), seed=17, n_tokens=(0,) * R),
+        # experts 0 and 1 (rank 0) get 3R tokens each, padded to 4: exactly max_recv_rows rows
+        Case("one_expert_exactly_at_capacity",
+             base_cfg(R, pad_multiple=4, max_recv_rows=2 * (-(-3 * R // 4) * 4)), "one_expert", seed=19,
+             n_tokens=(3,) * R),
+        Case("summation_order_probe", base_cfg(R, n_experts=PROBE_LOCAL_EXPERTS * R, top_k=3,
+                                               max_tokens_per_rank=10), seed=18, n_tokens=(10,) * R,
+             probe=True),
     ]
 
 
@@ -163,25 +222,32 @@ def capacity_recovery_case(R: int) -> Case:
 
 
 def skip_case(R: int) -> Case:
-    return Case("skip", base_cfg(R, wait_timeout_s=FAIL_WAIT_TIMEOUT_S), seed=71)
+    return Case("skip", base_cfg(R, wait_timeout_s=FAIL_WAIT_TIMEOUT_S), seed=71, n_tokens=(4,) * R)
 
 
 def skip_recovery_case(R: int) -> Case:
     return Case("skip_recovery", skip_case(R).cfg, seed=72)
 
 
-#: The rank that overflows in capacity_case, and the rank that skips a dispatch.
+#: The rank that overflows in capacity_case, and the rank that skips a dispatch or sends bad
+#: routing in the ``skip`` suite.
 OVERFLOW_RANK = 0
-SKIPPING_RANK = 1
+FAULTY_RANK = 1
 
 
 # -- shared by the PEs and the parent -----------------------------------------------------------
-def expert_outputs(cfg: EPConfig, ref: reference.ExpertBatchRef, rank: int) -> np.ndarray:
+def expert_outputs(case: Case, ref: reference.ExpertBatchRef, rank: int) -> np.ndarray:
     """The expert outputs a rank passes to combine: [capacity, H] uint16, the linear experts of
-    ``testing`` on the batch's rows, POISON_BF16 on padding rows and rows past the batch."""
+    ``testing`` (or PROBE_SCALES) on the batch's rows, POISON_BF16 on padding rows and rows
+    past the batch."""
+    cfg = case.config()
     y = np.full((cfg.recv_rows_capacity, cfg.hidden), POISON_BF16, np.uint16)
     n = ref.n_rows
-    y[:n] = linear_experts(ref.x, ref.row_offsets, cfg.n_local_experts, rank).view(np.uint16)
+    if case.probe:
+        scale = np.repeat(np.array(PROBE_SCALES, np.float32), np.diff(ref.row_offsets))[:, None]
+        y[:n] = (ref.x.astype(np.float32) * scale).astype(BF16).view(np.uint16)
+    else:
+        y[:n] = linear_experts(ref.x, ref.row_offsets, cfg.n_local_experts, rank).view(np.uint16)
     y[:n][ref.src_rank < 0] = POISON_BF16
     return y
 
@@ -207,7 +273,7 @@ def _round_trip(session, rt, case: Case, **combine_kwargs) -> dict:
     batch = rt.dispatch(session.to_device(xs[r].view(np.uint16)), session.to_device(ids[r]),
                         session.to_device(ws[r]))
     got = _host_batch(session, batch)
-    y = expert_outputs(cfg, reference.dispatch(xs, ids, ws, cfg)[r], r)
+    y = expert_outputs(case, reference.dispatch(xs, ids, ws, cfg)[r], r)
     out = rt.combine(session.to_device(y), batch.handle, **combine_kwargs)
     return {"batch": got, "out": session.to_host(out)}
 
@@ -261,7 +327,7 @@ def correctness_pe(session, R: int) -> dict:
             handle = rt.dispatch_async(xs[r], ids[r], ws[r])  # bfloat16 accepted as is
             batch = rt.dispatch_wait(handle)
             got = _host_batch(session, batch)
-            y = expert_outputs(cfg, reference.dispatch(xs, ids, ws, cfg)[r], r)
+            y = expert_outputs(case, reference.dispatch(xs, ids, ws, cfg)[r], r)
             chandle = rt.combine_async(y, batch.handle)
             out = np.full((R, len(xs[r]), cfg.hidden), 0xBEEF, np.uint16)  # zeros must be written
             returned = rt.combine_wait(chandle, out=out, reduce=False)
@@ -286,26 +352,34 @@ def correctness_pe(session, R: int) -> dict:
     return out
 
 
+def bad_routing(cfg: EPConfig, ids: np.ndarray, ws: np.ndarray) -> dict:
+    """``{name: (ids, weights)}``: one routing fault each (the tokens need T >= 4)."""
+    out_of_range, negative, dup, nan_w, inf_w = ids.copy(), ids.copy(), ids.copy(), ws.copy(), ws.copy()
+    out_of_range[1, 0] = cfg.n_experts
+    negative[3, 1] = -1
+    dup[2, 1] = dup[2, 0]
+    nan_w[0, 1] = np.nan
+    inf_w[1, 0] = -np.inf
+    return {"ids_out_of_range": (out_of_range, ws), "ids_negative": (negative, ws), "ids_duplicate": (dup, ws),
+            "weights_nan": (ids, nan_w), "weights_inf": (ids, inf_w)}
+
+
 def misuse_pe(session, case: Case) -> dict:
-    """Handle misuse and bad inputs, every rank making the same (mis)calls; then good round
-    trips. Returns ``{misuse name: (type name, message) or None}`` and the good results."""
+    """Bad inputs and handle misuse, every rank making the same (mis)calls, between good
+    round trips. Returns ``errors`` ``{name: (type name, message) or None}``, what followed
+    the routing faults, and the good calls' results."""
     from ep_runtime.runtime import EPRuntime
 
     cfg, r, T, H = case.config(), session.rank, case.n_tokens[session.rank], case.cfg["hidden"]
     xs, ids, ws = case.inputs()
     x, i, w = xs[r].view(np.uint16), ids[r], ws[r]
-    y = expert_outputs(cfg, reference.dispatch(xs, ids, ws, cfg)[r], r)
-    errors, res = {}, {}
+    y = expert_outputs(case, reference.dispatch(xs, ids, ws, cfg)[r], r)
+    errors, res = {}, {"after_routing_fault": {}}
     with EPRuntime(cfg, session) as rt, EPRuntime(cfg, session) as other:
-        # -- bad inputs: rejected before any launch --------------------------------------------
+        # -- bad arguments: rejected at the boundary, before any launch --------------------------
         too_many = T + cfg.max_tokens_per_rank  # > max_tokens_per_rank
         wide = np.zeros((T, 2 * H), np.uint16)
-        dup, out_of_range, negative, nan_w = i.copy(), i.copy(), i.copy(), w.copy()
-        dup[2, 1] = dup[2, 0]
-        out_of_range[1, 0] = cfg.n_experts
-        negative[3, 1] = -1
-        nan_w[0, 1] = np.nan
-        bad_dispatch = {
+        bad_arguments = {
             "tokens_float32": (x.astype(np.float32), i, w),
             "tokens_wrong_hidden": (np.zeros((T, H + 1), np.uint16), i, w),
             "tokens_over_max_tokens": (np.zeros((too_many, H), np.uint16), np.zeros((too_many, 2), np.int32),
@@ -314,16 +388,19 @@ def misuse_pe(session, case: Case) -> dict:
             "tokens_not_numpy": (x.tolist(), i, w),
             "ids_int64": (x, i.astype(np.int64), w),
             "ids_wrong_rows": (x, i[:-1], w[:-1]),
-            "ids_out_of_range": (x, out_of_range, w),
-            "ids_negative": (x, negative, w),
-            "ids_duplicate": (x, dup, w),
-            "weights_nan": (x, i, nan_w),
             "weights_float64": (x, i, w.astype(np.float64)),
         }
-        for name, args in bad_dispatch.items():
+        for name, args in bad_arguments.items():
             errors[name] = _caught(lambda: rt.dispatch_async(*args))
-        res["device_calls_after_bad_inputs"] = rt.device_calls()
-        res["host_calls_after_bad_inputs"] = rt.calls
+        res["device_calls_after_bad_arguments"] = rt.device_calls()
+        res["host_calls_after_bad_arguments"] = rt.calls
+
+        # -- routing faults: the device-side check (debug mode, always on the simulator) ---------
+        for name, (bad_ids, bad_ws) in bad_routing(cfg, i, w).items():
+            errors[name] = _caught(lambda: rt.dispatch_async(x, bad_ids, bad_ws))
+            res["after_routing_fault"][name] = {"refused": _caught(lambda: rt.dispatch_async(x, i, w)),
+                                                "device_calls": rt.device_calls()}
+            rt.reset()
 
         # -- handle misuse around a good call ---------------------------------------------------
         handle = rt.dispatch_async(x, i, w)
@@ -332,8 +409,8 @@ def misuse_pe(session, case: Case) -> dict:
         errors["foreign_handle"] = _caught(lambda: other.dispatch_wait(handle))
         batch = rt.dispatch_wait(handle)
         errors["dispatch_wait_twice"] = _caught(lambda: rt.dispatch_wait(handle))
-        errors["expert_out_wrong_hidden"] = _caught(lambda: rt.combine_async(np.zeros((len(y), H + 1), np.uint16),
-                                                                             handle))
+        wide_out = np.zeros((len(y), H + 1), np.uint16)
+        errors["expert_out_wrong_hidden"] = _caught(lambda: rt.combine_async(wide_out, handle))
         n_rows = int(batch.row_offsets[-1])
         errors["expert_out_too_few_rows"] = _caught(lambda: rt.combine_async(y[:n_rows - 1], handle)) \
             if n_rows > 0 else None
@@ -386,21 +463,32 @@ def capacity_pe(session, case: Case, recovery: Case) -> dict:
 
 
 def skip_pe(session, case: Case, recovery: Case) -> dict:
-    """Rank SKIPPING_RANK skips one dispatch; the others dispatch (and time out). Then a
-    refused call, reset() everywhere, and a good round trip."""
+    """Two faults of one rank (FAULTY_RANK), each followed by a refused call on the others,
+    reset() everywhere and a good round trip:
+
+    - ``skip``: it skips a dispatch; the others dispatch (and time out);
+    - ``bad_routing``: its routing has an expert id out of range (the device-side check
+      raises there, nothing is sent); the others dispatch (and time out).
+    """
     from ep_runtime.runtime import EPRuntime
 
     cfg, r = case.config(), session.rank
     xs, ids, ws = case.inputs()
-    res = {"error": None, "error_s": None, "refused": None}
+    res = {}
     with EPRuntime(cfg, session) as rt:
-        if r != SKIPPING_RANK:
-            start = time.monotonic()
-            res["error"] = _caught(lambda: rt.dispatch(xs[r], ids[r], ws[r]))
-            res["error_s"] = time.monotonic() - start
-            res["refused"] = _caught(lambda: rt.dispatch(xs[r], ids[r], ws[r]))
-        rt.reset()
-        res["after_reset"] = _round_trip(session, rt, recovery)
+        for fault in ("skip", "bad_routing"):
+            out = res[fault] = {"error": None, "error_s": None, "refused": None}
+            if r == FAULTY_RANK and fault == "bad_routing":
+                bad_ids, bad_ws = bad_routing(cfg, ids[r], ws[r])["ids_out_of_range"]
+                out["error"] = _caught(lambda: rt.dispatch(xs[r], bad_ids, bad_ws))
+            elif r != FAULTY_RANK:
+                start = time.monotonic()
+                out["error"] = _caught(lambda: rt.dispatch(xs[r], ids[r], ws[r]))
+                out["error_s"] = time.monotonic() - start
+            out["refused"] = _caught(lambda: rt.dispatch(xs[r], ids[r], ws[r])) if out["error"] else None
+            rt.reset()
+            out["after_reset"] = _round_trip(session, rt, recovery)
+            rt.reset()  # call numbers restart at 0 for the next fault
     return res
 
 
@@ -443,13 +531,18 @@ def bits32(a) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(a, np.float32)).view(np.uint32)
 
 
+ROW_FIELDS = ("src_rank", "src_token", "src_k", "weight")
+
+
 def _row_story(x_bits, src_rank, src_token, src_k, weight) -> str:
     where = "padding" if src_rank < 0 else describe_row(x_bits.view(BF16))
     return f"{where} (src_rank {src_rank}, src_token {src_token}, k {src_k}, weight {float(weight):.9g})"
 
 
 def dispatch_mismatches(got: dict, ref: reference.ExpertBatchRef, cfg: EPConfig, rank: int) -> list[str]:
-    """Human-readable differences between a kernel batch and the reference batch."""
+    """Human-readable differences between a kernel batch and the reference batch: per wrong
+    row, its expert segment, the fields that differ, and where the row got and the row wanted
+    came from."""
     L, n = cfg.n_local_experts, ref.n_rows
     msgs = []
     if not np.array_equal(got["row_offsets"], ref.row_offsets):
@@ -459,18 +552,18 @@ def dispatch_mismatches(got: dict, ref: reference.ExpertBatchRef, cfg: EPConfig,
                     f"want {ref.expert_counts.tolist()}")
     if n > len(got["x"]):
         return msgs + [f"rank {rank}: the reference needs {n} rows, the batch holds {len(got['x'])}"]
-    ref_x = ref.x.view(np.uint16)
-    bad = ~(got["x"][:n] == ref_x).all(axis=1)
-    bad |= got["src_rank"][:n] != ref.src_rank
-    bad |= got["src_token"][:n] != ref.src_token
-    bad |= got["src_k"][:n] != ref.src_k
-    bad |= bits32(got["weight"][:n]) != bits32(ref.weight)
-    rows = np.flatnonzero(bad)
+    want = {"x": ref.x.view(np.uint16), "src_rank": ref.src_rank, "src_token": ref.src_token,
+            "src_k": ref.src_k, "weight": ref.weight}
+    differs = {"x": (got["x"][:n] != want["x"]).any(axis=1),
+               "weight": bits32(got["weight"][:n]) != bits32(ref.weight)}
+    differs.update({k: got[k][:n] != want[k] for k in ("src_rank", "src_token", "src_k")})
+    rows = np.flatnonzero(np.any(list(differs.values()), axis=0)) if n else []
     for row in rows[:MAX_REPORTED_ROWS]:
         e = rank * L + int(np.searchsorted(ref.row_offsets, row, side="right")) - 1
-        msgs.append(f"rank {rank}, row {row} (segment of expert {e}): got "
-                    f"{_row_story(got['x'][row], *(got[k][row] for k in ('src_rank', 'src_token', 'src_k', 'weight')))}"
-                    f", want {_row_story(ref_x[row], ref.src_rank[row], ref.src_token[row], ref.src_k[row], ref.weight[row])}")
+        fields = ", ".join(k for k, d in differs.items() if d[row])
+        msgs.append(f"rank {rank}, row {row} (segment of expert {e}; {fields} differ): got "
+                    f"{_row_story(got['x'][row], *(got[k][row] for k in ROW_FIELDS))}, want "
+                    f"{_row_story(want['x'][row], *(want[k][row] for k in ROW_FIELDS))}")
     if len(rows) > MAX_REPORTED_ROWS:
         msgs.append(f"rank {rank}: {len(rows) - MAX_REPORTED_ROWS} more wrong rows of {n}")
     return msgs
@@ -487,7 +580,7 @@ def reference_outputs(case: Case, reduce: bool = True) -> list:
     cfg = case.config()
     xs, ids, ws = case.inputs()
     refs = reference.dispatch(xs, ids, ws, cfg)
-    ys = [expert_outputs(cfg, b, r) for r, b in enumerate(refs)]
+    ys = [expert_outputs(case, b, r) for r, b in enumerate(refs)]
     return reference.combine(ys, refs, ids, cfg, reduce=reduce)
 
 
@@ -495,7 +588,7 @@ def expert_out_abs_max(case: Case) -> float:
     """Largest |expert output| of any real row of any rank (the scale of combine_tolerance)."""
     cfg = case.config()
     refs = reference.dispatch(*case.inputs(), cfg)
-    return max([float(np.abs(expert_outputs(cfg, b, r)[:b.n_rows][b.src_rank >= 0].view(BF16)
+    return max([float(np.abs(expert_outputs(case, b, r)[:b.n_rows][b.src_rank >= 0].view(BF16)
                              .astype(np.float32)).max(initial=0)) for r, b in enumerate(refs)])
 
 
@@ -512,7 +605,7 @@ def assert_combine_exact(per_rank_outs: list, case: Case, what: str = "") -> Non
     want = reference_outputs(case)
     msgs = []
     for r, got in enumerate(per_rank_outs):
-        assert got.shape == want[r].shape, f"{case.name}{what}: rank {r} out shape {got.shape}, want {want[r].shape}"
+        assert got.shape == want[r].shape, f"{case.name}{what}: rank {r}: out {got.shape}, want {want[r].shape}"
         if not np.array_equal(got, want[r].view(np.uint16)):
             msgs.append(combine_mismatches(got, want[r], r))
     assert not msgs, (f"{case.name}{what}: combine is not bit-identical to reference.combine on the "
@@ -527,6 +620,8 @@ CASE_NAMES = [c.name for c in correctness_cases(2)]
 @pytest.mark.parametrize("R", WORLD_SIZES)
 def test_dispatch_equals_reference_exactly(sim, R, name):
     case = next(c for c in correctness_cases(R) if c.name == name)
+    if case.cfg.get("max_recv_rows"):
+        assert reference.dispatch(*case.inputs(), case.config())[0].n_rows == case.cfg["max_recv_rows"]
     assert_dispatch_exact([res["batch"] for res in case_results(sim, R, name)], case)
 
 
@@ -550,7 +645,7 @@ def test_combine_within_reference_tolerance(sim, R, name):
     for r, res in enumerate(case_results(sim, R, name)):
         got = res["out"].view(BF16).astype(np.float32)
         assert got.shape == want[r].shape
-        assert not np.isnan(got).any(), f"rank {r}: NaN in the output (a padding row or a row past the batch was read)"
+        assert not np.isnan(got).any(), f"rank {r}: NaN in the output (a poisoned row was read)"
         tol = reference.combine_tolerance(ws[r], expert_out_abs_max(case))
         err = np.abs(got - want[r].astype(np.float32))
         assert (err <= tol).all(), f"rank {r}: max error {err.max()} beyond tolerance"
@@ -630,25 +725,25 @@ def test_epilogue_residual_add(sim, R):
 
 
 # -- failures: handle misuse and bad inputs ---------------------------------------------------
+STATE = "EPStateError"
 #: misuse name -> (error type, fragments its message must contain)
 MISUSE = {
-    "dispatch_async_twice": ("EPStateError", ["dispatch_async called out of order", "state 'dispatch sent'",
-                                              "expects dispatch_wait next"]),
-    "combine_async_before_dispatch_wait": ("EPStateError", ["combine_async", "state 'dispatch sent'",
-                                                            "dispatch_async -> dispatch_wait -> combine_async"]),
-    "foreign_handle": ("EPStateError", ["dispatch_wait got a handle from another EPRuntime"]),
-    "dispatch_wait_twice": ("EPStateError", ["dispatch_wait got the handle of call 0",
-                                             "each handle is used once"]),
-    "dispatch_wait_with_combine_handle": ("EPStateError", ["dispatch_wait needs a DispatchHandle; got CombineHandle"]),
-    "combine_wait_with_dispatch_handle": ("EPStateError", ["combine_wait needs a CombineHandle; got DispatchHandle"]),
-    "combine_async_twice": ("EPStateError", ["combine_async got the handle of call 0", "each handle is used once"]),
-    "combine_wait_twice": ("EPStateError", ["combine_wait got the handle of call 0", "each handle is used once"]),
-    "dispatch_wait_after_combine": ("EPStateError", ["dispatch_wait got the handle of call 0"]),
-    "stale_handle": ("EPStateError", ["dispatch_wait got the handle of call 0", "current call 1"]),
-    "closed_runtime": ("EPStateError", ["dispatch_async on a closed runtime"]),
+    "dispatch_async_twice": (STATE, ["dispatch_async called out of order", "state 'dispatch sent'",
+                                     "expects dispatch_wait next"]),
+    "combine_async_before_dispatch_wait": (STATE, ["combine_async called out of order",
+                                                   "state 'dispatch sent'", "expects dispatch_wait next"]),
+    "foreign_handle": (STATE, ["dispatch_wait got a handle from another EPRuntime"]),
+    "dispatch_wait_twice": (STATE, ["dispatch_wait got the handle of call 0", "each handle is used once"]),
+    "dispatch_wait_with_combine_handle": (STATE, ["dispatch_wait needs a DispatchHandle; got CombineHandle"]),
+    "combine_wait_with_dispatch_handle": (STATE, ["combine_wait needs a CombineHandle; got DispatchHandle"]),
+    "combine_async_twice": (STATE, ["combine_async got the handle of call 0", "each handle is used once"]),
+    "combine_wait_twice": (STATE, ["combine_wait got the handle of call 0", "each handle is used once"]),
+    "dispatch_wait_after_combine": (STATE, ["dispatch_wait got the handle of call 0"]),
+    "stale_handle": (STATE, ["dispatch_wait got the handle of call 0", "current call 1"]),
+    "closed_runtime": (STATE, ["dispatch_async on a closed runtime"]),
 }
-#: bad input -> fragments the EPInputError's message must contain
-BAD_INPUTS = {
+#: bad argument -> fragments of the EPInputError raised before any launch
+BAD_ARGUMENTS = {
     "tokens_float32": ["dispatch_async: tokens must have dtype bfloat16", "got float32"],
     "tokens_wrong_hidden": ["dispatch_async: tokens must have shape [4, 16]", "got [4, 17]"],
     "tokens_over_max_tokens": ["dispatch_async: tokens has 10 rows", "max_tokens_per_rank is 6"],
@@ -656,26 +751,28 @@ BAD_INPUTS = {
     "tokens_not_numpy": ["dispatch_async: tokens must be a NumPy array", "got list"],
     "ids_int64": ["dispatch_async: topk_ids must have dtype int32", "got int64"],
     "ids_wrong_rows": ["dispatch_async: topk_ids must have shape [4, 2]", "got [3, 2]"],
-    "ids_out_of_range": ["topk_ids[1, 0] = {E} is outside [0, n_experts={E})"],
-    "ids_negative": ["topk_ids[3, 1] = -1 is outside [0, n_experts={E})"],
-    "ids_duplicate": ["token 2 lists an expert twice", "must be distinct"],
-    "weights_nan": ["topk_weights[0, 1] = nan is not finite"],
     "weights_float64": ["dispatch_async: topk_weights must have dtype float32", "got float64"],
     "expert_out_wrong_hidden": ["combine_async: expert_out must have shape [*, 16]", "got ["],
     "expert_out_too_few_rows": ["combine_async: expert_out has", "rows but the expert batch has"],
     "combine_wait_out_wrong_shape": ["combine_wait: out must have shape [4, 16]", "got [5, 16]"],
 }
-
-
-def misuse_results(sim, R: int) -> list:
-    return sim("misuse", R)
+#: routing fault (bad_routing) -> fragments of the EPInputError of the device-side check
+#: ({r}: the rank, {E}: n_experts, {e}: the duplicated expert)
+ROUTING_FAULTS = {
+    "ids_out_of_range": ["rank {r}: topk_ids[1, 0] = {E} is outside [0, n_experts={E})"],
+    "ids_negative": ["rank {r}: topk_ids[3, 1] = -1 is outside [0, n_experts={E})"],
+    "ids_duplicate": ["rank {r}: token 2 lists expert {e} twice in topk_ids (slots 0 and 1)"],
+    "weights_nan": ["rank {r}: topk_weights[0, 1] = nan must be finite"],
+    "weights_inf": ["rank {r}: topk_weights[1, 0] = -inf must be finite"],
+}
+ROUTING_FAULT_TAIL = ["nothing was sent", "reset() on every rank"]
 
 
 @pytest.mark.parametrize("misuse", sorted(MISUSE))
 @pytest.mark.parametrize("R", WORLD_SIZES)
 def test_handle_misuse_raises_state_error(sim, R, misuse):
     kind, fragments = MISUSE[misuse]
-    for r, res in enumerate(misuse_results(sim, R)):
+    for r, res in enumerate(sim("misuse", R)):
         caught = res["errors"][misuse]
         assert caught is not None, f"rank {r}: {misuse} raised nothing"
         assert caught[0] == kind, f"rank {r}: {misuse} raised {caught}"
@@ -683,29 +780,43 @@ def test_handle_misuse_raises_state_error(sim, R, misuse):
             assert frag in caught[1], f"rank {r}: {misuse}: {frag!r} not in {caught[1]!r}"
 
 
-@pytest.mark.parametrize("bad", sorted(BAD_INPUTS))
+@pytest.mark.parametrize("bad", sorted(BAD_ARGUMENTS))
 @pytest.mark.parametrize("R", WORLD_SIZES)
-def test_bad_input_raises_input_error(sim, R, bad):
-    E = misuse_case(R).cfg["n_experts"]
-    for r, res in enumerate(misuse_results(sim, R)):
+def test_bad_argument_raises_input_error_before_launch(sim, R, bad):
+    for r, res in enumerate(sim("misuse", R)):
         caught = res["errors"][bad]
         if bad == "expert_out_too_few_rows" and caught is None and not res["first"]["batch"]["row_offsets"][-1]:
             continue  # this rank received no rows: nothing is too few
         assert caught is not None and caught[0] == "EPInputError", f"rank {r}: {bad} raised {caught}"
-        for frag in fragments_for(bad, E):
+        for frag in BAD_ARGUMENTS[bad]:
             assert frag in caught[1], f"rank {r}: {bad}: {frag!r} not in {caught[1]!r}"
 
 
-def fragments_for(bad: str, E: int) -> list:
-    return [f.format(E=E) for f in BAD_INPUTS[bad]]
+@pytest.mark.parametrize("fault", sorted(ROUTING_FAULTS))
+@pytest.mark.parametrize("R", WORLD_SIZES)
+def test_routing_fault_raises_input_error_and_refuses_calls_until_reset(sim, R, fault):
+    case = misuse_case(R)
+    cfg = case.config()
+    _, ids, ws = case.inputs()
+    for r, res in enumerate(sim("misuse", R)):
+        caught = res["errors"][fault]
+        assert caught is not None and caught[0] == "EPInputError", f"rank {r}: {fault} raised {caught}"
+        e = int(ids[r][2, 0])
+        for frag in [f.format(r=r, E=cfg.n_experts, e=e) for f in ROUTING_FAULTS[fault]] + ROUTING_FAULT_TAIL:
+            assert frag in caught[1], f"rank {r}: {fault}: {frag!r} not in {caught[1]!r}"
+        after = res["after_routing_fault"][fault]
+        assert after["device_calls"] == 0, f"rank {r}: dispatch_async ran after the routing check failed"
+        kind, message = after["refused"]
+        assert kind == "EPStateError" and "refused: the runtime failed earlier (EPInputError" in message, \
+            after["refused"]
 
 
 @pytest.mark.parametrize("R", WORLD_SIZES)
 def test_bad_inputs_launch_nothing_and_the_runtime_still_works(sim, R):
     case = misuse_case(R)
-    per_rank = misuse_results(sim, R)
-    assert [(res["device_calls_after_bad_inputs"], res["host_calls_after_bad_inputs"]) for res in per_rank] \
-        == [(0, 0)] * R
+    per_rank = sim("misuse", R)
+    assert [(res["device_calls_after_bad_arguments"], res["host_calls_after_bad_arguments"])
+            for res in per_rank] == [(0, 0)] * R
     for which in ("first", "second"):
         assert_dispatch_exact([res[which]["batch"] for res in per_rank], case, f" ({which} good call)")
         assert_combine_exact([res[which]["out"] for res in per_rank], case, f" ({which} good call)")
@@ -756,28 +867,38 @@ def test_capacity_failure_refuses_calls_until_reset(sim, R):
     assert_combine_exact([res["after_reset"]["out"] for res in per_rank], recovery, " (after reset)")
 
 
+@pytest.mark.parametrize("fault", ["skip", "bad_routing"])
 @pytest.mark.parametrize("R", WORLD_SIZES)
-def test_skipped_dispatch_times_out_the_peers_naming_the_rank(sim, R):
-    per_rank = sim("skip", R)
+def test_faulty_rank_times_out_the_peers_dispatch_naming_it(sim, R, fault):
+    """A rank that skips a dispatch, or whose routing check fails (it sends nothing): each peer's
+    dispatch raises EPTimeoutError after wait_timeout_s naming the rank, the kernel and the
+    counter; further calls are refused until reset()."""
+    per_rank = [res[fault] for res in sim("skip", R)]
     for r, res in enumerate(per_rank):
-        if r == SKIPPING_RANK:
+        if r == FAULTY_RANK:
+            if fault == "bad_routing":
+                assert res["error"][0] == "EPInputError", res["error"]
             continue
         kind, message = res["error"]
         assert kind == "EPTimeoutError", f"rank {r}: {res['error']}"
         frag = (f"rank {r}: dispatch_wait of call 0 timed out after {FAIL_WAIT_TIMEOUT_S:g} s waiting for rank "
-                f"{SKIPPING_RANK}: dispatch_signal[0][{SKIPPING_RANK}] expected >= 1, observed 0")
+                f"{FAULTY_RANK}: dispatch_signal[0][{FAULTY_RANK}] expected >= 1, observed 0")
         assert frag in message, f"{frag!r} not in {message!r}"
-        assert f"rank {SKIPPING_RANK} did not make this call" in message
+        assert f"rank {FAULTY_RANK} did not make this call" in message
         # the first block to time out records the error, later blocks see it and return at once;
         # allow CI slack for the rest of the call
-        assert FAIL_WAIT_TIMEOUT_S <= res["error_s"] < FAIL_WAIT_TIMEOUT_S + 3, f"rank {r}: {res['error_s']:.2f} s"
-        kind, message = res["refused"]
-        assert kind == "EPStateError" and "refused: the runtime failed earlier (EPTimeoutError" in message
+        elapsed = res["error_s"]
+        assert FAIL_WAIT_TIMEOUT_S <= elapsed < FAIL_WAIT_TIMEOUT_S + 3, f"rank {r}: {elapsed:.1f} s"
+    for r, res in enumerate(per_rank):
+        if res["error"] is not None:
+            kind, message = res["refused"]
+            assert kind == "EPStateError" and "refused: the runtime failed earlier" in message, f"rank {r}"
 
 
+@pytest.mark.parametrize("fault", ["skip", "bad_routing"])
 @pytest.mark.parametrize("R", WORLD_SIZES)
-def test_skipped_dispatch_then_reset_then_good_round_trip(sim, R):
+def test_faulty_rank_then_reset_then_good_round_trip(sim, R, fault):
     recovery = skip_recovery_case(R)
-    per_rank = sim("skip", R)
+    per_rank = [res[fault] for res in sim("skip", R)]
     assert_dispatch_exact([res["after_reset"]["batch"] for res in per_rank], recovery, " (after reset)")
     assert_combine_exact([res["after_reset"]["out"] for res in per_rank], recovery, " (after reset)")
