@@ -87,7 +87,7 @@ class EPRuntime:
         for r in self.layout.regions:
             block = self._sym if r.symmetric else self._local
             view = block[r.offset:r.offset + r.nbytes].view(r.dtype).reshape(r.shape)
-            view[...] = r.init
+            session.fill(view, r.init)
             self.buffers[r.name] = view
         self._arg = {name: session.as_kernel_arg(v) for name, v in self.buffers.items()}
         self._kernels = _kernels_for(self._threads)
@@ -254,7 +254,7 @@ class EPRuntime:
         self.session.synchronize()
         self.session.barrier()
         for r in self.layout.regions:
-            self.buffers[r.name][...] = r.init
+            self.session.fill(self.buffers[r.name], r.init)
         self.session.synchronize()
         self.session.barrier()
         self._calls, self._state, self._failed = 0, _State.IDLE, None

@@ -11,6 +11,7 @@ in this thread (so CuPy work on runtime buffers orders with the kernels).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import numpy as np
@@ -60,17 +61,35 @@ class NvshmemSession(Session):
         self._core_stream = self._device.create_stream()
         handle = int(self._core_stream.handle)
         self._cupy_stream = cupy.cuda.ExternalStream(handle)
-        self._cupy_stream.use()  # CuPy work of this thread (fills, copies) orders with the kernels
+        self._cupy_stream.use()  # the caller's CuPy work orders with the kernels by default
         self._numba_stream = numba_cuda.external_stream(handle)
         self._symmetric = []
         self._closed = False
         log.info("rank %d/%d: NVSHMEM initialized on GPU %d", self.rank, self.n_ranks, self.local_rank)
         return self
 
+    @contextlib.contextmanager
+    def _on_stream(self):
+        """Run CuPy work on the session stream, then restore the caller's current stream.
+
+        WAR: leaving CuPy's own ``with stream:`` block left the *null* stream current (seen on
+        the GPU machine with CuPy 14.2: after the runtime's construction, CuPy work the caller
+        enqueued after ``dispatch_wait`` ran concurrently with it). ``use()`` and an explicit
+        restore keep whatever was current, the session stream by default.
+        """
+        import cupy
+
+        prev = cupy.cuda.get_current_stream()
+        self._cupy_stream.use()
+        try:
+            yield
+        finally:
+            prev.use()
+
     # -- memory ---------------------------------------------------------------------------------
     def alloc_symmetric(self, name, shape, dtype, fill=0):
         arr = self._nvshmem.array(tuple(shape), dtype=np.dtype(dtype))
-        with self._cupy_stream:
+        with self._on_stream():
             arr.fill(fill)
         self._symmetric.append(arr)
         return arr
@@ -88,8 +107,12 @@ class NvshmemSession(Session):
     def alloc_local(self, name, shape, dtype, fill=0):
         import cupy
 
-        with self._cupy_stream:
+        with self._on_stream():
             return cupy.full(tuple(shape), fill, dtype=np.dtype(dtype))
+
+    def fill(self, array, value):
+        with self._on_stream():
+            array.fill(value)
 
     def peer_view(self, array, pe):
         return self._nvshmem.get_peer_array(array, pe)
@@ -97,13 +120,14 @@ class NvshmemSession(Session):
     def to_device(self, host):
         import cupy
 
-        with self._cupy_stream:
+        with self._on_stream():
             return cupy.asarray(host)
 
     def to_host(self, array):
         import cupy
 
-        out = cupy.asnumpy(array, stream=self._cupy_stream)
+        with self._on_stream():
+            out = cupy.asnumpy(array)
         self._cupy_stream.synchronize()
         return out
 

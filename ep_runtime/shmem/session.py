@@ -58,6 +58,10 @@ class Session(abc.ABC):
         """Allocate device-local (not symmetric) memory, filled with ``fill``. Not collective."""
 
     @abc.abstractmethod
+    def fill(self, array, value) -> None:
+        """Set every element of a device array to ``value``, ordered on :attr:`stream`."""
+
+    @abc.abstractmethod
     def peer_view(self, array, pe: int):
         """A view of PE ``pe``'s copy of the symmetric ``array`` that kernels can store into
         directly (NVLink peers on ``nvshmem``; the peer's mapping on ``sim``).

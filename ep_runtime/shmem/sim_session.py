@@ -112,6 +112,10 @@ class SimSession(Session):
         """A new ndarray of ``shape``/``dtype`` filled with ``fill``. Not collective."""
         return np.full(shape, fill, dtype=dtype)
 
+    def fill(self, array, value) -> None:
+        """Set every element of ``array`` (an ndarray or a heap view) to ``value``."""
+        _ndarray(array)[...] = value
+
     def peer_view(self, array, pe: int):
         """PE ``pe``'s copy of the symmetric ``array`` (ndarray, same shape and strides).
         Stores into it are visible to PE ``pe`` at once."""

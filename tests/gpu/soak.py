@@ -7,7 +7,7 @@ input sets with random token counts per rank (0 included) are checked once again
 reference (dispatch exact, combine within the stated tolerance); then ``--calls`` dispatch +
 combine round trips pick a set at random each call (the same on every rank) and must be
 bit-identical to that set's checked first run. Device memory (free bytes and CuPy's pool) is
-read before and after. Also times the debug-mode routing check. Prints a table last.
+read after a warm-up and at the end. Also times the debug-mode routing check. Prints a table last.
 """
 
 from __future__ import annotations
@@ -25,6 +25,10 @@ def main() -> int:
     ap.add_argument("--sets", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--seed", type=int, default=5)
+    ap.add_argument("--mode", choices=("plain", "sync", "barrier", "split"), default="plain",
+                    help="between calls: nothing (default), a host synchronize, or a barrier of all ranks; "
+                         "split: a barrier between dispatch_async and dispatch_wait")
+    ap.add_argument("--diagnose", type=int, default=0, help="print the first N differing calls (syncs each call)")
     args = ap.parse_args()
 
     import cupy
@@ -41,6 +45,7 @@ def main() -> int:
     session = open_session("nvshmem", heap_bytes=BufferLayout(cfg).symmetric_bytes)
     me = session.rank
     rt = EPRuntime(cfg, session)
+    current_is_session = cupy.cuda.get_current_stream().ptr == session.stream.ptr
     rng = np.random.default_rng(args.seed)
     sets, failures = [], []
     for i in range(args.sets):
@@ -64,25 +69,61 @@ def main() -> int:
         if not (np.abs(got - want.astype(np.float32)) <= tol).all():
             failures.append(f"set {i}: combine outside tolerance")
         s["x_first"], s["out_first"] = batch.x[:n].copy(), s["out"].copy()
+        if args.diagnose:
+            s.update(x_ref=ref[me].x.view(np.uint16), src_rank=ref[me].src_rank, src_token=ref[me].src_token,
+                     all_x=[x.view(np.uint16) for x in xs])
         sets.append(s)
 
     pool = cupy.get_default_memory_pool()
-    session.synchronize()
-    free_before, used_before = cupy.cuda.runtime.memGetInfo()[0], pool.used_bytes()
+    warmup = min(200, args.calls // 10)  # first calls load the comparison kernels; measure after them
     differ = cupy.zeros((), cupy.int64)
     picks = rng.integers(0, args.sets, args.calls)
     t0 = time.perf_counter()
+    shown = 0
     for call, i in enumerate(picks):
         s = sets[int(i)]
-        b = rt.dispatch_wait(rt.dispatch_async(s["tok"], s["ids"], s["w"]))
+        h = rt.dispatch_async(s["tok"], s["ids"], s["w"])
+        if args.mode == "split":
+            session.barrier()
+        b = rt.dispatch_wait(h)
+        x_bad = ~cupy.array_equal(b.x[:s["n"]], s["x_first"])
         rt.combine_wait(rt.combine_async(s["y"], b.handle), out=s["out"])
-        differ += (~cupy.array_equal(b.x[:s["n"]], s["x_first"])) | (~cupy.array_equal(s["out"], s["out_first"]))
+        out_bad = ~cupy.array_equal(s["out"], s["out_first"])
+        differ += x_bad | out_bad
+        if args.diagnose and shown < args.diagnose and bool(x_bad | out_bad):
+            shown += 1
+            prev = int(picks[call - 1]) if call else -1
+            nd = int((s["out"] != s["out_first"]).any(axis=1).sum())
+            got = cupy.asnumpy(b.x[:s["n"]])
+            bad_rows = np.nonzero((got != s["x_ref"]).any(axis=1))[0]
+            origin = ""
+            if len(bad_rows):
+                r0 = int(bad_rows[0])
+                src = (int(s["src_rank"][r0]), int(s["src_token"][r0]))
+                col3 = got[r0, 3]
+                owners = [j for j, o in enumerate(sets) if src[1] < o["all_x"][src[0]].shape[0]
+                          and o["all_x"][src[0]][src[1], 3] == col3]
+                origin = (f"; {len(bad_rows)} rows differ from the reference, first row {r0} from (rank, token) "
+                          f"{src}: its data matches that token in sets {owners}; first-run x equals reference "
+                          f"{bool(np.array_equal(cupy.asnumpy(s['x_first']), s['x_ref']))}")
+            print(f"rank {me} call {call} set {int(i)} (prev set {prev}, group {call % 2}): x differs "
+                  f"{bool(x_bad)}, out differs {bool(out_bad)} in {nd} of {s['out'].shape[0]} tokens{origin}",
+                  flush=True)
+        if args.mode == "sync":
+            rt.synchronize()
+        elif args.mode == "barrier":
+            session.barrier()
         if call % 1000 == 999:
             rt.synchronize()  # raises any device error
+        if call == warmup - 1:
+            rt.synchronize()
+            free_before, used_before = cupy.cuda.runtime.memGetInfo()[0], pool.used_bytes()
     rt.synchronize()
     soak_s = time.perf_counter() - t0
     free_after, used_after = cupy.cuda.runtime.memGetInfo()[0], pool.used_bytes()
     n_differ = int(differ)
+    if not current_is_session:
+        failures.append("CuPy's current stream is not the session stream after building the runtime")
     if n_differ:
         failures.append(f"{n_differ} of {args.calls} soak calls differ from their first run")
     if free_after < free_before or used_after > used_before:
