@@ -31,7 +31,8 @@ _owner_ids = itertools.count(1)
 
 #: Threads per block on a GPU: 8 warps keep a 14 KB row copy to a few iterations per thread.
 GPU_THREADS = 256
-#: Threads per block in the simulator: one warp; each simulated thread is a Python thread.
+#: Threads per block in the simulator: each simulated thread is a Python thread, so few; 8 still
+#: exercises multi-chunk scans (chunks of 8 tokens) and every block-level helper.
 SIM_THREADS = 8
 #: Blocks per kernel in the simulator when EPConfig.n_sms is None (more than one, so the
 #: block scheduling and the last-block ticket are exercised).
