@@ -153,6 +153,11 @@ class NvshmemSession(Session):
     def stream(self):
         return self._cupy_stream
 
+    @property
+    def core_stream(self):
+        """The session stream as a cuda.core Stream (what nvshmem.core host collectives take)."""
+        return self._core_stream
+
     def synchronize(self):
         self._cupy_stream.synchronize()
 

@@ -1,0 +1,86 @@
+"""``mpirun -np N python -m ep_runtime.bench [options]``: time dispatch and combine.
+
+Per configuration: dispatch (async + wait), combine (async + wait) and each half alone, with a
+barrier before every sample, CUDA events, warm-up, median and p10/p90; logical GB/s (every
+received token row, the rank's own included: DeepEP's definition); NVLink GB/s (bytes that
+crossed NVLink in the busier direction); the floor, the larger of NVLink bytes / NVLink ceiling
+and device-memory bytes / HBM ceiling, with both ceilings measured in this run, and the measured
+time as a fraction of it; baselines moving the same rows in the same run (NCCL
+``all_to_all_single`` when torch is importable, alone and with the permutation its users need
+to reach our layout; nvshmem4py's host ``alltoall``). Lists of values sweep their cartesian
+product. Outside mpirun (or with ``--backend sim``) it runs on the simulator, as a smoke test:
+no ceilings or baselines, host-clock times.
+
+Results print as a table (rank 0) and, with ``--json FILE``, as JSON with the configuration,
+git sha, devices and versions; ``--plot FILE.png`` draws time against tokens (matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..config import EPConfig
+from ..layout import BufferLayout
+from .run import bench_rank, configs, metadata, plot, table
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m ep_runtime.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backend", choices=("auto", "nvshmem", "sim"), default="auto",
+                   help="auto: nvshmem under mpirun with GPUs, else the simulator")
+    p.add_argument("--ranks", type=int, default=2, help="simulated ranks outside mpirun (default 2)")
+    p.add_argument("--tokens", type=int, nargs="+", default=[4096], help="tokens per rank (sweepable)")
+    p.add_argument("--hidden", type=int, nargs="+", default=[7168])
+    p.add_argument("--top-k", type=int, nargs="+", default=[8])
+    p.add_argument("--experts", type=int, nargs="+", default=[256])
+    p.add_argument("--n-sms", type=int, nargs="+", default=[0], help="blocks per kernel; 0 = all SMs")
+    p.add_argument("--samples", type=int, default=50, help="timed samples per configuration (>= 50 on GPUs)")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ceiling-mib", type=int, default=256, help="bytes copied to measure each ceiling")
+    p.add_argument("--no-baselines", action="store_true", help="skip NCCL and nvshmem alltoall")
+    p.add_argument("--json", metavar="FILE", help="write results as JSON")
+    p.add_argument("--plot", metavar="FILE", help="plot time against tokens (needs matplotlib)")
+    p.add_argument("--timeout", type=float, default=600.0, help="simulator: seconds before a stuck run fails")
+    return p
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    from ..shmem import gpu_visible, open_session
+    from ..shmem.launch import mpi_rank_size, run_pes
+
+    under_mpi = mpi_rank_size() is not None
+    backend = args.backend
+    if backend == "auto":
+        backend = "nvshmem" if under_mpi and gpu_visible() else "sim"
+    n_ranks = mpi_rank_size()[1] if under_mpi else args.ranks
+    heap = max(BufferLayout(EPConfig(n_ranks=n_ranks, **f)).symmetric_bytes for f in configs(args))
+    if backend != "sim":  # the NVLink ceiling's copy target and nvshmem alltoall's buffers
+        heap += 2 * (args.ceiling_mib << 20) + (64 << 20)
+    if under_mpi:
+        from mpi4py import MPI
+
+        with open_session(backend, heap_bytes=heap) as session:
+            per_rank = MPI.COMM_WORLD.gather(bench_rank(session, vars(args)), root=0)
+        if MPI.COMM_WORLD.Get_rank() != 0:
+            return 0
+    elif backend == "nvshmem":
+        print("--backend nvshmem needs mpirun: mpirun -np 2 python -m ep_runtime.bench", file=sys.stderr)
+        return 2
+    else:
+        per_rank = run_pes(bench_rank, n_ranks, args=(vars(args),), timeout_s=args.timeout, heap_bytes=heap)
+    print(table(per_rank))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": metadata(backend, n_ranks), "args": vars(args), "results": per_rank}, f, indent=1)
+    if args.plot:
+        plot(per_rank, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

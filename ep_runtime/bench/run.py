@@ -1,0 +1,157 @@
+"""One benchmark run: per-rank timing of every configuration, and the report (table, JSON,
+plot). The command line is :mod:`ep_runtime.bench.__main__`."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import subprocess
+import sys
+
+import numpy as np
+
+from ..config import EPConfig
+from ..testing import make_inputs
+from .measure import ceilings, nccl_all_to_all, nvshmem_alltoall, time_round_trips
+from .stats import gbps, summarize
+from .traffic import nccl_permutation, rank_traffic
+
+
+def configs(args):
+    """The EPConfig fields (less n_ranks) of every point of the sweep, in argument order."""
+    for tokens, hidden, top_k, experts, n_sms in itertools.product(args.tokens, args.hidden, args.top_k,
+                                                                   args.experts, args.n_sms):
+        yield dict(n_experts=experts, top_k=top_k, hidden=hidden, max_tokens_per_rank=tokens,
+                   n_sms=n_sms or None)
+
+
+def bench_rank(session, args_dict) -> list[dict]:
+    """One rank of the benchmark; returns this rank's result per configuration."""
+    from ..runtime import EPRuntime
+
+    args = argparse.Namespace(**args_dict)
+    gpu = session.backend != "sim"
+    results, ceil = [], {"nvlink_gbps": float("nan"), "hbm_gbps": float("nan")}
+    if gpu:
+        ceil = ceilings(session, args.ceiling_mib << 20, reps=10)
+    todo = list(configs(args))
+    for i, fields in enumerate(todo):
+        cfg = EPConfig(n_ranks=session.n_ranks, **fields)
+        if session.rank == 0:
+            print(f"\r[{'#' * (i + 1)}{'.' * (len(todo) - i - 1)}] {i + 1}/{len(todo)} {fields}", end="",
+                  file=sys.stderr, flush=True)
+        T = cfg.max_tokens_per_rank
+        xs, ids, ws = make_inputs(cfg, "random", args.seed, n_tokens=[T] * cfg.n_ranks)
+        r = session.rank
+        tr = rank_traffic(ids, r, cfg.n_local_experts, cfg.hidden)
+        with EPRuntime(cfg, session) as rt:
+            inputs = tuple(session.to_device(a) for a in (xs[r].view(np.uint16), ids[r], ws[r]))
+            y = session.alloc_local("bench.expert_out", (cfg.recv_rows_capacity, cfg.hidden), np.uint16)
+            out = session.alloc_local("bench.out", (T, cfg.hidden), np.uint16)
+            spans = time_round_trips(rt, session, inputs, y, out, args.samples, args.warmup)
+        base = {}
+        if gpu and not args.no_baselines:
+            base.update(_try(lambda: nccl_all_to_all(session, tr.sent, tr.recv, cfg.hidden,
+                                                     nccl_permutation(ids, r, cfg.n_local_experts),
+                                                     args.samples, args.warmup), "nccl"))
+            base.update(_try(lambda: nvshmem_alltoall(session, tr.sent, cfg.hidden, args.samples, args.warmup),
+                             "nvshmem_alltoall"))
+        results.append(_result(cfg, tr, spans, base, ceil))
+    if session.rank == 0:
+        print(file=sys.stderr)
+    return results
+
+
+def _try(fn, name) -> dict:
+    """A baseline's samples, or its error (an optional baseline never stops the benchmark)."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - reported in the results
+        return {name: f"error: {type(e).__name__}: {e}"}
+
+
+def _result(cfg, tr, spans, base, ceil) -> dict:
+    times = {k: summarize(v) for k, v in spans.items()}
+    d, c = times["dispatch"]["median"], times["combine"]["median"]
+    floor_d = max(tr.dispatch_nvlink_bytes / (ceil["nvlink_gbps"] * 1e3), tr.dispatch_hbm_bytes / (ceil["hbm_gbps"] * 1e3))
+    floor_c = max(tr.combine_nvlink_bytes / (ceil["nvlink_gbps"] * 1e3), tr.combine_hbm_bytes / (ceil["hbm_gbps"] * 1e3))
+    return {
+        "config": cfg.as_dict(), "traffic": tr.__dict__, "ceilings": ceil, "times_us": times,
+        "dispatch": {"logical_gbps": gbps(tr.logical_bytes, d), "nvlink_gbps": gbps(tr.dispatch_nvlink_bytes, d),
+                     "floor_us": floor_d, "of_floor": floor_d / d if d else float("nan")},
+        "combine": {"logical_gbps": gbps(tr.logical_bytes, c), "nvlink_gbps": gbps(tr.combine_nvlink_bytes, c),
+                    "floor_us": floor_c, "of_floor": floor_c / c if c else float("nan")},
+        "baselines_us": {k: (summarize(v) if isinstance(v, list) else v) for k, v in base.items()},
+    }
+
+
+def table(per_rank: list[list[dict]]) -> str:
+    """One line per (configuration, rank)."""
+    head = (f"{'rank':>4} {'T':>5} {'H':>5} {'K':>2} {'E':>4} {'sms':>4} | {'dispatch us (p10-p90)':>24} "
+            f"{'async':>7} {'wait':>7} {'GB/s log':>8} {'NVL':>6} {'floor':>7} {'%floor':>6} | "
+            f"{'combine us':>10} {'GB/s log':>8} {'floor':>7} {'%floor':>6} | baselines (median us)")
+    lines = [head]
+    for r, results in enumerate(per_rank):
+        for res in results:
+            cfg, t = res["config"], res["times_us"]
+            d, c = res["dispatch"], res["combine"]
+            bl = ", ".join(f"{k} {v['median']:.1f}" if isinstance(v, dict) else f"{k} {v}"
+                           for k, v in res["baselines_us"].items()) or "-"
+            lines.append(
+                f"{r:>4} {cfg['max_tokens_per_rank']:>5} {cfg['hidden']:>5} {cfg['top_k']:>2} {cfg['n_experts']:>4} "
+                f"{cfg['n_sms'] or 'all':>4} | {t['dispatch']['median']:>9.1f} ({t['dispatch']['p10']:.1f}-"
+                f"{t['dispatch']['p90']:.1f}) {t['dispatch_async']['median']:>7.1f} {t['dispatch_wait']['median']:>7.1f} "
+                f"{d['logical_gbps']:>8.1f} {d['nvlink_gbps']:>6.1f} {d['floor_us']:>7.1f} {100 * d['of_floor']:>5.1f}% | "
+                f"{t['combine']['median']:>10.1f} {c['logical_gbps']:>8.1f} {c['floor_us']:>7.1f} "
+                f"{100 * c['of_floor']:>5.1f}% | {bl}")
+    ceil = per_rank[0][0]["ceilings"] if per_rank and per_rank[0] else {}
+    lines.append(f"ceilings measured in this run: NVLink {ceil.get('nvlink_gbps', float('nan')):.1f} GB/s per "
+                 f"direction, HBM {ceil.get('hbm_gbps', float('nan')):.1f} GB/s read+write")
+    return "\n".join(lines)
+
+
+def metadata(backend: str, n_ranks: int) -> dict:
+    """Git sha, devices and versions for the JSON results."""
+    import platform
+
+    from .. import __version__
+
+    meta = {"ep_runtime": __version__, "backend": backend, "ranks": n_ranks, "python": platform.python_version(),
+            "numpy": np.__version__}
+    try:
+        meta["git_sha"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                         check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        meta["git_sha"] = "unknown"
+    for mod in ("numba_cuda", "cupy", "nvshmem", "torch"):
+        try:
+            meta[mod] = getattr(__import__(mod), "__version__", "?")
+        except ImportError:
+            pass
+    if backend != "sim":
+        import cupy
+
+        meta["device"] = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    return meta
+
+
+def plot(per_rank: list[list[dict]], path: str) -> None:
+    """Median dispatch/combine time and floor against tokens per rank (rank 0)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = sorted(per_rank[0], key=lambda r: r["config"]["max_tokens_per_rank"])
+    T = [r["config"]["max_tokens_per_rank"] for r in res]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name in ("dispatch", "combine"):
+        ax.plot(T, [r["times_us"][name]["median"] for r in res], marker="o", label=name)
+        ax.plot(T, [r[name]["floor_us"] for r in res], linestyle="--", label=f"{name} floor")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens per rank")
+    ax.set_ylabel("us (median)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)

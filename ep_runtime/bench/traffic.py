@@ -1,0 +1,89 @@
+"""Bytes one rank moves in one dispatch and one combine (pure NumPy, CPU-testable).
+
+From the routing of every rank, for rank ``r`` (``H`` hidden, 2-byte tokens, ``K`` top-k):
+
+- ``sent[d]``: tokens of ``r`` with at least one expert on rank ``d`` (one message each,
+  deduplicated per rank); ``recv[s]``: tokens of ``s`` with an expert on ``r``;
+  ``rows``: expert-batch rows of ``r`` (one per (token, local expert)).
+- **logical bytes** (DeepEP's definition): every received token row, the rank's own included,
+  ``sum(recv) * 2H``.
+- **NVLink bytes** per direction: rows to and from the other ranks, plus the routing tables
+  (``8K`` bytes per token to every other rank); the larger direction bounds the time.
+- **HBM bytes** (device-memory reads and writes of the expanded path):
+  dispatch: the sender reads its sent rows, the receive buffer is written (``sum(recv)`` rows),
+  dispatch_wait reads one received row and writes one batch row per batch row;
+  combine: reads the expert outputs (``rows``), writes and reads the staged partials
+  (``2 sum(recv)``), receives partials (``sum(sent)``) that combine_wait reads, and writes ``T``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Per-rank byte counts of one call (see the module docstring)."""
+
+    tokens: int
+    rows: int
+    sent: tuple[int, ...]
+    recv: tuple[int, ...]
+    logical_bytes: int
+    dispatch_nvlink_bytes: int
+    combine_nvlink_bytes: int
+    dispatch_hbm_bytes: int
+    combine_hbm_bytes: int
+
+
+def rank_traffic(ids_per_rank, rank: int, n_local_experts: int, hidden: int) -> Traffic:
+    """Byte counts for ``rank`` given every rank's ``[T_s, K]`` expert ids."""
+    R = len(ids_per_rank)
+    K = np.asarray(ids_per_rank[0]).shape[1] if R else 0
+    row = 2 * hidden
+
+    def hits(ids, d):  # tokens of a rank with an expert on rank d
+        ids = np.asarray(ids)
+        return int((ids // n_local_experts == d).any(axis=1).sum()) if ids.size else 0
+
+    sent = tuple(hits(ids_per_rank[rank], d) for d in range(R))
+    recv = tuple(hits(ids_per_rank[s], rank) for s in range(R))
+    rows = sum(int((np.asarray(ids) // n_local_experts == rank).sum()) for ids in ids_per_rank)
+    T = np.asarray(ids_per_rank[rank]).shape[0]
+    routing_out = (R - 1) * T * K * 8
+    routing_in = sum(np.asarray(ids_per_rank[s]).shape[0] * K * 8 for s in range(R) if s != rank)
+    out_rows = sum(sent) - sent[rank]
+    in_rows = sum(recv) - recv[rank]
+    return Traffic(
+        tokens=T, rows=rows, sent=sent, recv=recv,
+        logical_bytes=sum(recv) * row,
+        dispatch_nvlink_bytes=max(out_rows * row + routing_out, in_rows * row + routing_in),
+        combine_nvlink_bytes=max(in_rows, out_rows) * row,
+        dispatch_hbm_bytes=(sum(sent) + sum(recv) + 2 * rows) * row,
+        combine_hbm_bytes=(rows + 2 * sum(recv) + 2 * sum(sent) + T) * row,
+    )
+
+
+def nccl_permutation(ids_per_rank, rank: int, n_local_experts: int) -> np.ndarray:
+    """Rows of an all-to-all receive buffer (one row per (token, destination rank): source
+    ranks in order, each source's tokens that hit ``rank`` in token order) to gather, in
+    order, to build ``rank``'s expert-major batch (local expert, source rank, source token).
+    [rows] int64."""
+    R, L = len(ids_per_rank), n_local_experts
+    base, positions = 0, []
+    for s in range(R):
+        ids = np.asarray(ids_per_rank[s])
+        mine = ids // L == rank                       # [T_s, K]
+        hit = mine.any(axis=1) if ids.size else np.zeros(0, bool)
+        slot = np.cumsum(hit) - 1 + base              # buffer row of each hitting token
+        positions.append((ids, mine, slot))
+        base += int(hit.sum())
+    perm = []
+    for e_local in range(L):
+        e = rank * L + e_local
+        for ids, _, slot in positions:
+            t = np.nonzero((ids == e).any(axis=1))[0] if ids.size else np.zeros(0, np.int64)
+            perm.append(slot[t])
+    return np.concatenate(perm).astype(np.int64) if perm else np.zeros(0, np.int64)
