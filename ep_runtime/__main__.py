@@ -87,10 +87,14 @@ def _mpi_size() -> int:
 
 
 def main(argv=None) -> int:
+    from .errors import EPError
+
     args = _parser().parse_args(argv)
-    if args.command == "demo":
+    try:
         return demo(args)
-    return 2
+    except EPError as e:  # a clear message, not a traceback, for setup problems
+        print(f"ep_runtime demo: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

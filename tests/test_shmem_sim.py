@@ -429,3 +429,14 @@ def test_no_mpi_launcher_means_no_mpi_job(monkeypatch):
     monkeypatch.delitem(sys.modules, "mpi4py.MPI", raising=False)  # as if MPI never started
     assert launch.mpi_rank_size() is None
     assert launch.local_rank() == 0
+
+
+def test_run_pes_without_numba_says_what_to_install(monkeypatch):
+    import importlib.util
+
+    from ep_runtime.errors import ShmemError
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "numba" else real(name, *a))
+    with pytest.raises(ShmemError, match=r"numba-cuda is not installed; install it with pip install 'ep_runtime\[test\]'"):
+        run_pes(counter_pe, 2)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import faulthandler
 import importlib
+import importlib.util
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -27,7 +28,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..errors import EPInputError, PEFailure
+from ..errors import EPInputError, PEFailure, ShmemError
 from .sim_heap import DEFAULT_HEAP_BYTES, WAIT_TIMEOUT_ENV, job_path, remove_job_files
 
 # A PE's own barriers time out this much later than the launcher, so a hang is reported by
@@ -179,6 +180,10 @@ def _check_run_args(target, n_ranks: int, timeout_s: float, backend: str) -> tup
     if backend != "sim":
         raise EPInputError(f"run_pes: backend={backend!r}: only 'sim' runs on local processes; "
                            "start nvshmem jobs with mpirun")
+    if importlib.util.find_spec("numba") is None:
+        raise ShmemError("run_pes: the simulator runs kernels under Numba's CUDA simulator, and numba-cuda is not "
+                         "installed; install it with pip install 'ep_runtime[test]' (or run the demo with "
+                         "--backend reference, which needs only NumPy)")
     if not isinstance(n_ranks, int) or n_ranks < 1:
         raise EPInputError(f"run_pes: n_ranks={n_ranks!r} must be a positive int")
     if timeout_s <= 0:
