@@ -21,7 +21,7 @@ import numpy as np
 from . import arrays
 from .config import EPConfig
 from .kernel_args import SCALARS, argtypes, build_args
-from .errors import EPConfigError, EPStateError
+from .errors import EPConfigError, EPInputError, EPStateError
 from .handles import CombineHandle, DispatchHandle, ExpertBatch
 from .layout import BufferLayout, SYNC_CALLS
 from .shmem.session import Session
@@ -122,14 +122,13 @@ class EPRuntime:
         tokens = arrays.to_backend(tokens, be, c, "tokens")
         topk_ids = arrays.to_backend(topk_ids, be, c, "topk_ids")
         topk_weights = arrays.to_backend(topk_weights, be, c, "topk_weights")
-        T = tokens.shape[0] if len(tokens.shape) == 2 else -1
-        if not 0 <= T <= cfg.max_tokens_per_rank:
-            arrays.check_array(tokens, c, "tokens", np.uint16, (None, cfg.hidden), "")
-            raise arrays.EPInputError(
+        arrays.check_array(tokens, c, "tokens", np.uint16, (None, cfg.hidden),
+                           f"Expected [T, hidden={cfg.hidden}] with T <= {cfg.max_tokens_per_rank}.")
+        T = tokens.shape[0]
+        if T > cfg.max_tokens_per_rank:
+            raise EPInputError(
                 f"{c}: tokens has {T} rows but EPConfig.max_tokens_per_rank is {cfg.max_tokens_per_rank}; "
                 f"split the batch or build the runtime with a larger max_tokens_per_rank.")
-        arrays.check_array(tokens, c, "tokens", np.uint16, (T, cfg.hidden),
-                           f"Expected [T, hidden={cfg.hidden}] with T <= {cfg.max_tokens_per_rank}.")
         arrays.check_array(topk_ids, c, "topk_ids", np.int32, (T, cfg.top_k),
                            f"Expected [T={T}, top_k={cfg.top_k}] int32 (convert with .astype(int32)).")
         arrays.check_array(topk_weights, c, "topk_weights", np.float32, (T, cfg.top_k),
@@ -201,7 +200,7 @@ class EPRuntime:
         if self.debug:
             needed = int(self.session.to_host(self.buffers["row_offsets"])[-1])
             if expert_out.shape[0] < needed:
-                raise arrays.EPInputError(f"{c}: expert_out has {expert_out.shape[0]} rows but the expert "
+                raise EPInputError(f"{c}: expert_out has {expert_out.shape[0]} rows but the expert "
                                           f"batch has {needed}; pass one output row per batch row.")
         self._launch("combine_async", expert_out=expert_out)
         self._state = _State.COMBINE_SENT
@@ -270,6 +269,7 @@ class EPRuntime:
         self.buffers.clear()
         self._arg.clear()
         self.session.free_symmetric(self._sym)
+        self._sym = self._local = self._no_out = self._no_partials = self._no_aux = None
 
     def __enter__(self):
         return self

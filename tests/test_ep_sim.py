@@ -745,7 +745,7 @@ MISUSE = {
 #: bad argument -> fragments of the EPInputError raised before any launch
 BAD_ARGUMENTS = {
     "tokens_float32": ["dispatch_async: tokens must have dtype bfloat16", "got float32"],
-    "tokens_wrong_hidden": ["dispatch_async: tokens must have shape [4, 16]", "got [4, 17]"],
+    "tokens_wrong_hidden": ["dispatch_async: tokens must have shape [*, 16]; got [4, 17]", "got [4, 17]"],
     "tokens_over_max_tokens": ["dispatch_async: tokens has 10 rows", "max_tokens_per_rank is 6"],
     "tokens_not_contiguous": ["dispatch_async: tokens must be C-contiguous"],
     "tokens_not_numpy": ["dispatch_async: tokens must be a NumPy array", "got list"],
