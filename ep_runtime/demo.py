@@ -44,9 +44,10 @@ def demo_rank(session, cfg_fields: dict, scenario: str, seed: int) -> dict:
         got = {k: session.to_host(getattr(batch, k)) for k in
                ("x", "row_offsets", "expert_counts", "src_rank", "src_token", "src_k", "weight")}
         dispatch_ok = (np.array_equal(got["row_offsets"], ref.row_offsets)
+                       and np.array_equal(got["expert_counts"], ref.expert_counts)
                        and np.array_equal(got["x"][:n], ref.x.view(np.uint16))
                        and all(np.array_equal(got[k][:n], getattr(ref, k))
-                               for k in ("expert_counts", "src_rank", "src_token", "src_k", "weight")))
+                               for k in ("src_rank", "src_token", "src_k", "weight")))
         y = linear_experts(got["x"][:n].view(reference.BF16), got["row_offsets"], cfg.n_local_experts, r)
         t0 = time.perf_counter()
         out = rt.combine(session.to_device(y.view(np.uint16)), batch.handle)
