@@ -151,3 +151,22 @@ def atomic_mix(counters, results):
         results[1] = shmem.atomic_compare_swap(counters[3:4], 0, me + 1, 0)
         shmem.atomic_set(counters[4:5], me + 100, me)
         results[2] = shmem.atomic_fetch(counters[4:5], me)
+
+
+
+@cuda.jit
+def ring_peer_store_signal(peer_recv_row, recv, row, sig, epoch, out):
+    """(f) Ring with direct stores into an NVLink peer's copy: the block stores ``row`` through
+    ``peer_recv_row`` (a host-made peer view of PE ``me + 1``'s ``recv[me]``), every storing
+    thread fences at system scope, then thread 0 sets PE ``me + 1``'s ``sig[me]`` to ``epoch``;
+    then, as :func:`ring_put_signal`, copies this PE's ``recv[me - 1]`` out once it is
+    signalled. Launch with one block."""
+    me = shmem.my_pe()
+    npes = shmem.n_pes()
+    for i in range(cuda.threadIdx.x, row.shape[0], cuda.blockDim.x):
+        peer_recv_row[i] = row[i]
+    cuda.threadfence_system()
+    cuda.syncthreads()
+    if cuda.threadIdx.x == 0:
+        shmem.signal_op(sig[me:me + 1], epoch, shmem.SIGNAL_SET, (me + 1) % npes)
+    _copy_row_when_signalled(recv, sig, epoch, out, (me + npes - 1) % npes)

@@ -40,7 +40,7 @@ complete (delivered) only after ``quiet()``; ``fence()`` orders them before late
 signals to the same PE. A ``signal_op`` is *not* ordered after earlier puts without a fence.
 Direct stores into an NVLink peer's copy go through host-made peer views
 (:meth:`ep_runtime.shmem.session.Session.peer_view`) passed as kernel arguments; publish them with
-``fence()`` before the signal.
+``cuda.threadfence_system()`` in every storing thread, a barrier, then the signal.
 
 Constants: ``SIGNAL_SET``, ``SIGNAL_ADD``; ``CMP_EQ``, ``CMP_NE``, ``CMP_GT``, ``CMP_LE``,
 ``CMP_LT``, ``CMP_GE`` (NVSHMEM's values).

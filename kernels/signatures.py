@@ -36,6 +36,8 @@ GATE_ENTRIES = [
     ("alltoall_put_signal_warp", selftest.alltoall_put_signal_warp, (_c(f32, 2), _c(f32, 2), _c(u64))),
     ("wait_ge_copy_out", selftest.wait_ge_copy_out, (_c(f32, 2), _c(u64), i64, i64, _c(f32, 2), _c(u64))),
     ("atomic_mix", selftest.atomic_mix, (_c(u64), _c(u64))),
+    ("ring_peer_store_signal", selftest.ring_peer_store_signal,
+     (_c(i32), _c(i32, 2), _c(i32), _c(u64), i64, _c(i32, 2))),
 ]
 
 

@@ -75,6 +75,20 @@ def ring_pe(session, n):
     return received
 
 
+def peer_store_ring_pe(session, n):
+    """Ring by direct stores through a peer view (kernel (f)); what arrived."""
+    k = _selftest()
+    me, n_ranks = session.rank, session.n_ranks
+    recv = session.alloc_symmetric("peer_ring_recv", (n_ranks, n), np.int32)
+    sig = session.alloc_symmetric("peer_ring_sig", (n_ranks,), np.uint64)
+    out = session.alloc_local("out", (n_ranks, n), np.int32)
+    row = session.to_device(payload(me, (me + 1) % n_ranks, n, np.int32))
+    peer_row = session.peer_view(recv, (me + 1) % n_ranks)[me]
+    session.launch(k.ring_peer_store_signal, 1, THREADS, (peer_row, recv, row, sig, 1, out))
+    session.barrier()
+    return session.to_host(out)
+
+
 def alltoall_pe(session, n, dtype_name, fence):
     """All-to-all with put_nbi_block (+ fence unless ``fence`` is False), then signal_wait and
     copy-out. Returns (rows copied out after the signals, recv after a barrier)."""
@@ -248,6 +262,12 @@ def test_ring_put_signal_and_put_quiet_signal(n_ranks):
         for epoch, out in zip((1, 2), received):
             np.testing.assert_array_equal(out, ring_expected(me, n_ranks, N, epoch),
                                           err_msg=f"PE {me}, round {epoch}")
+
+
+@pytest.mark.parametrize("n_ranks", WORLD_SIZES)
+def test_ring_by_direct_stores_into_peer_views(n_ranks):
+    for me, out in enumerate(run_pes(peer_store_ring_pe, n_ranks, args=(N,), timeout_s=TIMEOUT_S)):
+        np.testing.assert_array_equal(out, ring_expected(me, n_ranks, N, 1), err_msg=f"PE {me}")
 
 
 @pytest.mark.parametrize("dtype", ["int32", "uint16", "float32"])

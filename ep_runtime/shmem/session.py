@@ -66,8 +66,9 @@ class Session(abc.ABC):
         """A view of PE ``pe``'s copy of the symmetric ``array`` that kernels can store into
         directly (NVLink peers on ``nvshmem``; the peer's mapping on ``sim``).
 
-        Stores through a peer view are plain stores: fence (``shmem.fence()``) before the
-        signal that publishes them.
+        Stores through a peer view are plain stores: every storing thread fences at system
+        scope (``cuda.threadfence_system()``), then a barrier, then the signal that publishes
+        them (see ``kernels/selftest.py``, ``ring_peer_store_signal``).
         """
 
     # -- host/device transfer ---------------------------------------------------------------

@@ -49,6 +49,7 @@ def main() -> int:
         ("atomic_fetch_add tickets on PE 0", lambda: tests.test_atomic_fetch_add_tickets_on_pe0(n)),
         ("atomics mix (add/inc/cswap/set/fetch)", lambda: tests.test_atomic_mix(n)),
         ("put argument order: dst first", lambda: tests.test_put_argument_order_dst_first(n)),
+        ("ring by direct stores into peer views", lambda: tests.test_ring_by_direct_stores_into_peer_views(n)),
     ]
     rows = []
     for name, check in checks:
