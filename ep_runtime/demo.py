@@ -56,7 +56,8 @@ def demo_rank(session, cfg_fields: dict, scenario: str, seed: int) -> dict:
     want = ref_outs[r].astype(np.float32)
     err = np.abs(out - want)
     tol = reference.combine_tolerance(ws[r], max(1.0, float(np.abs(ref.x.astype(np.float32)).max(initial=0)) * 5))
-    return {"rank": r, "tokens": len(xs[r]), "rows": n, "dispatch_exact": bool(dispatch_ok),
+    return {"rank": r, "tokens": len(xs[r]), "rows": n, "expert_counts": got["expert_counts"].tolist(),
+            "dispatch_exact": bool(dispatch_ok),
             "combine_max_err": float(err.max(initial=0.0)), "combine_ok": bool((err <= tol).all()),
             "dispatch_s": t_dispatch, "combine_s": t_combine}
 

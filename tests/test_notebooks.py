@@ -1,0 +1,24 @@
+"""Every notebook in examples/notebooks/ is executed and must finish without error (each runs
+on a CPU, checks itself against the reference and prints PASS)."""
+
+import pathlib
+
+import nbclient
+import nbformat
+import pytest
+
+NOTEBOOKS = sorted((pathlib.Path(__file__).resolve().parents[1] / "examples" / "notebooks").glob("*.ipynb"))
+
+
+def test_there_are_notebooks():
+    assert NOTEBOOKS
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_runs_and_passes(path):
+    nb = nbformat.read(path, as_version=4)
+    assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), "store notebooks without outputs"
+    nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
+                            resources={"metadata": {"path": str(path.parent)}}).execute()
+    printed = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    assert "PASS" in printed
