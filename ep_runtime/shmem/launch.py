@@ -48,6 +48,10 @@ _RANK_SIZE_VARS = (
 _LOCAL_RANK_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK")
 
 
+#: Marks a target module given as a script path (a function of the launching script's __main__).
+_SCRIPT_PREFIX = "script:"
+
+
 @dataclass(frozen=True)
 class _PESpec:
     """What one PE process needs (pickled to the child)."""
@@ -193,6 +197,12 @@ def _check_run_args(target, n_ranks: int, timeout_s: float, backend: str) -> tup
     if not callable(target) or module is None or "<" in qualname:
         raise EPInputError(f"run_pes: target {target!r} must be a module-level function (the "
                            "PEs import it by name; lambdas and nested functions cannot be)")
+    if module == "__main__":  # a script's own function: the PEs load the script by its path
+        path = getattr(sys.modules["__main__"], "__file__", None)
+        if path is None:
+            raise EPInputError(f"run_pes: target {qualname} is defined interactively; define it in a module "
+                               "(or a script file) the PEs can import")
+        module = _SCRIPT_PREFIX + os.path.abspath(path)
     return module, qualname
 
 
@@ -328,13 +338,26 @@ def _exit_with_launcher(job: str) -> None:
     os._exit(1)
 
 
+def _import_target_module(name: str):
+    """The target's module: by import name, or a script loaded from its path under a name
+    other than ``__main__`` (so its ``if __name__ == "__main__":`` block does not run again)."""
+    if not name.startswith(_SCRIPT_PREFIX):
+        return importlib.import_module(name)
+    path = name[len(_SCRIPT_PREFIX):]
+    spec = importlib.util.spec_from_file_location("ep_runtime_pe_script", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def _run_pe(spec: _PESpec):
     # NUMBA_ENABLE_CUDASIM=1 came with the environment at spawn, so the target's module and
     # numba are imported in simulator mode.
     from .sim_session import SimSession
 
     module_name, qualname = spec.target
-    target = importlib.import_module(module_name)
+    target = _import_target_module(module_name)
     for name in qualname.split("."):
         target = getattr(target, name)
     session = SimSession.open(spec.rank, spec.n_ranks, spec.job, spec.heap_bytes,
