@@ -32,6 +32,18 @@ def to_backend(x, backend: str, call: str, name: str):
         return x.view(np.uint16) if x.dtype.name in _BF16_NAMES else x
     import cupy
 
+    arr = _as_cupy(x, call, name)
+    if arr.device.id != cupy.cuda.Device().id:
+        raise EPInputError(f"{call}: {name} is on GPU {arr.device.id} but this rank's runtime uses GPU "
+                           f"{cupy.cuda.Device().id}; create it on this rank's device (cupy.cuda.Device(i).use(), "
+                           f"tensor.to(device)).")
+    return arr
+
+
+def _as_cupy(x, call: str, name: str):
+    """``x`` as a CuPy array sharing its memory (bfloat16 viewed as uint16)."""
+    import cupy
+
     if _is_torch(x):
         import torch
 

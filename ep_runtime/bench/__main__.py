@@ -59,8 +59,8 @@ def main(argv=None) -> int:
         backend = "nvshmem" if under_mpi and gpu_visible() else "sim"
     n_ranks = mpi_rank_size()[1] if under_mpi else args.ranks
     heap = max(BufferLayout(EPConfig(n_ranks=n_ranks, **f)).symmetric_bytes for f in configs(args))
-    if backend != "sim":  # the NVLink ceiling's copy target and nvshmem alltoall's buffers
-        heap += 2 * (args.ceiling_mib << 20) + (64 << 20)
+    if backend != "sim":  # the NVLink ceiling's copy target, and nvshmem alltoall's two buffers
+        heap += (args.ceiling_mib << 20) + 2 * n_ranks * max(args.tokens) * max(args.hidden) * 2
     if under_mpi:
         from mpi4py import MPI
 

@@ -148,14 +148,15 @@ def nccl_all_to_all(session, sent, recv, hidden: int, perm, samples: int, warmup
 
 
 def nvshmem_alltoall(session, sent, hidden: int, samples: int, warmup: int) -> dict:
-    """nvshmem4py's host ``alltoall`` (TEAM_WORLD) of equal blocks of ``max(sent)`` rows per
-    destination (its API needs equal blocks), on the session stream."""
+    """nvshmem4py's host ``alltoall`` (TEAM_WORLD) of equal blocks of ``max(sent)`` bf16 rows per
+    destination (its API needs equal blocks), on the session stream. Needs
+    ``2 * n_ranks * max(sent) * hidden * 2`` bytes of symmetric heap."""
     import nvshmem.core as nvshmem
 
     R = session.n_ranks
-    block = max(max(sent), 1) * hidden
-    src = session.alloc_symmetric("bench.a2a_src", (R * block,), np.uint16)
-    dst = session.alloc_symmetric("bench.a2a_dst", (R * block,), np.uint16)
+    block = max(max(sent), 1) * hidden * 2  # bytes: moved as uint8 (alltoallmem), whatever the dtype
+    src = session.alloc_symmetric("bench.a2a_src", (R * block,), np.uint8)
+    dst = session.alloc_symmetric("bench.a2a_dst", (R * block,), np.uint8)
     clock = EventClock(session)
     times = []
     for i in range(warmup + samples):
