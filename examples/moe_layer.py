@@ -2,7 +2,7 @@
 dense single-process reference of the same layer and weights.
 
     python examples/moe_layer.py                      # CPU: the simulator, 4 ranks
-    mpirun -np 2 python examples/moe_layer.py --hidden 7168 --ffn 2048 --experts 256 --top-k 8 --tokens 1024
+    mpirun -np 2 python examples/moe_layer.py --hidden 1024 --ffn 512 --experts 16 --top-k 4 --tokens 256
 
 Every rank builds the same weights from a seed: a router ``[H, E]`` and, per expert, SwiGLU
 matrices ``W1, W3 [H, F]`` and ``W2 [F, H]``. Each rank routes its own tokens (top-k of the

@@ -16,7 +16,7 @@ for s in "${sections[@]}"; do
     ep)        cmd="timeout 240 $run python3 tests/gpu/ep_check.py --calls 100" ;;
     soak)      cmd="timeout 150 $run python3 tests/gpu/soak.py --calls 10000" ;;
     stream)    cmd="timeout 120 $run python3 tests/gpu/stream_order_check.py" ;;
-    example)   cmd="timeout 150 $run python3 examples/moe_layer.py --hidden 7168 --ffn 2048 --experts 256 --top-k 8 --tokens 256" ;;
+    example)   cmd="timeout 150 $run python3 examples/moe_layer.py --hidden 1024 --ffn 512 --experts 16 --top-k 4 --tokens 256" ;;
     bench)     cmd="timeout 300 $run python3 -m ep_runtime.bench --tokens 128 4096 --json $out/bench.json" ;;
     racecheck) cmd="timeout 240 $run compute-sanitizer --tool racecheck --print-limit 5 python3 tests/gpu/ep_check.py --tokens 32 --calls 1 --replays 0 --samples 1" ;;
     memcheck)  cmd="timeout 420 $run compute-sanitizer --tool memcheck --print-limit 5 python3 tests/gpu/ep_check.py --tokens 32 --calls 1 --replays 0 --samples 1" ;;
