@@ -413,7 +413,8 @@ def test_sim_session_under_mpiexec():
                            "import test_shmem_sim as t; t.mpi_ring_main()"],
                           env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert done.returncode == 0, done.stdout + done.stderr
-    verdicts = sorted(line for line in done.stdout.splitlines() if line.startswith("PE "))
+    # the two ranks print at once, so their lines may interleave: find the verdicts anywhere
+    verdicts = sorted(re.findall(r"PE \d+ of 2: \w+", done.stdout))
     assert verdicts == ["PE 0 of 2: ok", "PE 1 of 2: ok"], done.stdout + done.stderr
 
 
