@@ -888,7 +888,8 @@ def test_faulty_rank_times_out_the_peers_dispatch_naming_it(sim, R, fault):
         # the first block to time out records the error, later blocks see it and return at once;
         # allow CI slack for the rest of the call
         elapsed = res["error_s"]
-        assert FAIL_WAIT_TIMEOUT_S <= elapsed < FAIL_WAIT_TIMEOUT_S + 3, f"rank {r}: {elapsed:.1f} s"
+        # raised after the timeout, not long after it (10 s of slack for a loaded CI machine)
+        assert FAIL_WAIT_TIMEOUT_S <= elapsed < FAIL_WAIT_TIMEOUT_S + 10, f"rank {r}: {elapsed:.1f} s"
     for r, res in enumerate(per_rank):
         if res["error"] is not None:
             kind, message = res["refused"]
