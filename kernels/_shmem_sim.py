@@ -103,19 +103,13 @@ def put_nbi_warp(dst, src, pe):
 def put_block(dst, src, pe):
     """:func:`put` by a block: every thread calls with the same arguments; thread 0 copies
     between two ``syncthreads()``."""
-    _syncthreads()
-    if _thread_id() == 0:
-        _queue_put("put_block", dst, src, pe)
-    _syncthreads()
+    _by_block(_queue_put, "put_block", dst, src, pe)
 
 
 def put_nbi_block(dst, src, pe):
     """:func:`put_nbi` by a block: every thread calls with the same arguments; thread 0 copies
     between two ``syncthreads()``."""
-    _syncthreads()
-    if _thread_id() == 0:
-        _queue_put("put_nbi_block", dst, src, pe)
-    _syncthreads()
+    _by_block(_queue_put, "put_nbi_block", dst, src, pe)
 
 
 def put_signal(dst, src, sig, value, sig_op, pe):
@@ -147,19 +141,13 @@ def put_signal_nbi_warp(dst, src, sig, value, sig_op, pe):
 def put_signal_block(dst, src, sig, value, sig_op, pe):
     """:func:`put_signal` by a block: every thread calls with the same arguments; thread 0
     copies and signals between two ``syncthreads()``."""
-    _syncthreads()
-    if _thread_id() == 0:
-        _put_signal_now("put_signal_block", dst, src, sig, value, sig_op, pe)
-    _syncthreads()
+    _by_block(_put_signal_now, "put_signal_block", dst, src, sig, value, sig_op, pe)
 
 
 def put_signal_nbi_block(dst, src, sig, value, sig_op, pe):
     """:func:`put_signal_nbi` by a block: every thread calls with the same arguments; thread 0
     copies and signals between two ``syncthreads()``."""
-    _syncthreads()
-    if _thread_id() == 0:
-        _put_signal_now("put_signal_nbi_block", dst, src, sig, value, sig_op, pe)
-    _syncthreads()
+    _by_block(_put_signal_now, "put_signal_nbi_block", dst, src, sig, value, sig_op, pe)
 
 
 def quiet():
@@ -315,6 +303,15 @@ def _syncthreads() -> None:
     thread = threading.current_thread()
     if hasattr(thread, "syncthreads"):
         thread.syncthreads()
+
+
+def _by_block(op, *args) -> None:
+    """A block-collective operation: every thread calls; thread 0 runs ``op(*args)`` between
+    two ``syncthreads()`` (so the source is complete before and the result visible after)."""
+    _syncthreads()
+    if _thread_id() == 0:
+        op(*args)
+    _syncthreads()
 
 
 def _abort_check() -> None:
