@@ -34,23 +34,12 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _under_mpirun() -> bool:
-    from .shmem.launch import mpi_rank_size
-
-    return mpi_rank_size() is not None
-
-
 def demo(args) -> int:
     from .demo import demo_rank, print_summary, reference_summary
+    from .shmem.launch import job_backend, job_ranks, run_job
 
-    backend = args.backend
-    if backend == "auto":
-        from .shmem import gpu_visible
-
-        backend = "nvshmem" if _under_mpirun() and gpu_visible() else "sim"
-    n_ranks = args.ranks
-    if backend in ("nvshmem", "sim") and _under_mpirun():
-        n_ranks = _mpi_size()
+    backend = args.backend if args.backend == "reference" else job_backend(args.backend)
+    n_ranks = args.ranks if backend == "reference" else job_ranks(args.ranks)
     cfg = EPConfig(n_ranks=n_ranks, n_experts=args.experts, top_k=args.top_k, hidden=args.hidden,
                    max_tokens_per_rank=args.tokens, n_sms=args.n_sms)
     if backend == "reference":
@@ -58,32 +47,13 @@ def demo(args) -> int:
                            reference_summary(cfg, args.scenario, args.seed))
         return 0 if ok else 1
     from .layout import BufferLayout
-    from .shmem import open_session
-    from .shmem.launch import run_pes
 
-    heap = BufferLayout(cfg).symmetric_bytes
-    if _under_mpirun():
-        from mpi4py import MPI
-
-        with open_session(backend, heap_bytes=heap) as session:
-            row = demo_rank(session, cfg.as_dict(), args.scenario, args.seed)
-        rows = MPI.COMM_WORLD.gather(row, root=0)
-        ok = print_summary(cfg, backend, args.scenario, rows) if MPI.COMM_WORLD.Get_rank() == 0 else True
-        ok = MPI.COMM_WORLD.allreduce(int(ok), op=MPI.MIN)
-        return 0 if ok else 1
-    if backend == "nvshmem":
-        print("--backend nvshmem needs mpirun (one rank per GPU): mpirun -np 2 python -m ep_runtime demo "
-              "--backend nvshmem", file=sys.stderr)
-        return 2
-    rows = run_pes(demo_rank, n_ranks, args=(cfg.as_dict(), args.scenario, args.seed), timeout_s=args.timeout,
-                   heap_bytes=heap)
-    return 0 if print_summary(cfg, "sim (Numba CUDA simulator, one process per rank)", args.scenario, rows) else 1
-
-
-def _mpi_size() -> int:
-    from .shmem.launch import mpi_rank_size
-
-    return mpi_rank_size()[1]
+    rows = run_job(demo_rank, n_ranks, args=(cfg.as_dict(), args.scenario, args.seed), backend=backend,
+                   heap_bytes=BufferLayout(cfg).symmetric_bytes, timeout_s=args.timeout)
+    if rows is None:  # a rank other than 0 under mpirun: rank 0 reports
+        return 0
+    name = "sim (Numba CUDA simulator, one process per rank)" if backend == "sim" else backend
+    return 0 if print_summary(cfg, name, args.scenario, rows) else 1
 
 
 def main(argv=None) -> int:

@@ -136,24 +136,15 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
-    from ep_runtime.shmem import gpu_visible, open_session
-    from ep_runtime.shmem.launch import mpi_rank_size, run_pes
+    from ep_runtime.shmem.launch import job_ranks, run_job
 
-    mpi = mpi_rank_size()
-    n_ranks = mpi[1] if mpi else args.ranks
+    n_ranks = job_ranks(args.ranks)
     cfg = EPConfig(n_ranks=n_ranks, n_experts=args.experts, top_k=args.top_k, hidden=args.hidden,
                    max_tokens_per_rank=args.tokens)
-    heap = BufferLayout(cfg).symmetric_bytes
-    call = (cfg.as_dict(), args.ffn, args.seed)
-    if mpi:
-        from mpi4py import MPI
-
-        with open_session("nvshmem" if gpu_visible() else "sim", heap_bytes=heap) as session:
-            rows = MPI.COMM_WORLD.gather(moe_rank(session, *call), root=0)
-        if MPI.COMM_WORLD.Get_rank() != 0:
-            return 0
-    else:
-        rows = run_pes(moe_rank, n_ranks, args=call, heap_bytes=heap, timeout_s=600)
+    rows = run_job(moe_rank, n_ranks, args=(cfg.as_dict(), args.ffn, args.seed),
+                   heap_bytes=BufferLayout(cfg).symmetric_bytes)
+    if rows is None:  # a rank other than 0 under mpirun: rank 0 reports
+        return 0
     print(f"MoE layer: {n_ranks} ranks, {cfg.n_experts} experts, top-{cfg.top_k}, hidden {cfg.hidden}, ffn {args.ffn}")
     print(f"{'rank':>4} {'tokens':>6} {'max err':>9} {'check':>5}  " + " ".join(f"{p + ' ms':>12}" for p in rows[0]["times"]))
     for row in rows:

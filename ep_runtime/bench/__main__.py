@@ -50,29 +50,21 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
-    from ..shmem import gpu_visible, open_session
-    from ..shmem.launch import mpi_rank_size, run_pes
+    from ..errors import EPError
+    from ..shmem.launch import job_backend, job_ranks, run_job
 
-    under_mpi = mpi_rank_size() is not None
-    backend = args.backend
-    if backend == "auto":
-        backend = "nvshmem" if under_mpi and gpu_visible() else "sim"
-    n_ranks = mpi_rank_size()[1] if under_mpi else args.ranks
+    backend, n_ranks = job_backend(args.backend), job_ranks(args.ranks)
     heap = max(BufferLayout(EPConfig(n_ranks=n_ranks, **f)).symmetric_bytes for f in configs(args))
     if backend != "sim":  # the NVLink ceiling's copy target, and nvshmem alltoall's two buffers
         heap += (args.ceiling_mib << 20) + 2 * n_ranks * max(args.tokens) * max(args.hidden) * 2
-    if under_mpi:
-        from mpi4py import MPI
-
-        with open_session(backend, heap_bytes=heap) as session:
-            per_rank = MPI.COMM_WORLD.gather(bench_rank(session, vars(args)), root=0)
-        if MPI.COMM_WORLD.Get_rank() != 0:
-            return 0
-    elif backend == "nvshmem":
-        print("--backend nvshmem needs mpirun: mpirun -np 2 python -m ep_runtime.bench", file=sys.stderr)
+    try:
+        per_rank = run_job(bench_rank, n_ranks, args=(vars(args),), backend=backend, heap_bytes=heap,
+                           timeout_s=args.timeout)
+    except EPError as e:
+        print(f"ep_runtime.bench: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
-    else:
-        per_rank = run_pes(bench_rank, n_ranks, args=(vars(args),), timeout_s=args.timeout, heap_bytes=heap)
+    if per_rank is None:  # a rank other than 0 under mpirun: rank 0 reports
+        return 0
     print(table(per_rank))
     if args.json:
         with open(args.json, "w") as f:

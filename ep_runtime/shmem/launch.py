@@ -124,6 +124,44 @@ def run_pes(target: Callable, n_ranks: int, args: tuple = (), kwargs: dict | Non
         remove_job_files(job)
 
 
+def job_backend(backend: str = "auto") -> str:
+    """``backend``, with ``"auto"`` resolved: ``"nvshmem"`` under mpirun when a GPU is visible,
+    else ``"sim"``."""
+    if backend != "auto":
+        return backend
+    from . import gpu_visible
+
+    return "nvshmem" if mpi_rank_size() is not None and gpu_visible() else "sim"
+
+
+def job_ranks(default: int) -> int:
+    """Ranks of the job: the MPI job's size under mpirun, else ``default`` (simulated PEs)."""
+    mpi = mpi_rank_size()
+    return mpi[1] if mpi is not None else default
+
+
+def run_job(target: Callable, n_ranks: int, args: tuple = (), backend: str = "auto",
+            heap_bytes: int = DEFAULT_HEAP_BYTES, timeout_s: float = 600.0) -> list | None:
+    """Run ``target(session, *args)`` on every rank of the job, the way the command-line tools do.
+
+    Under mpirun this process is one rank (collective: every rank calls) and rank 0 gets every
+    rank's result in rank order, the others ``None``; otherwise ``n_ranks`` simulated PEs run as
+    processes (:func:`run_pes`). ``backend`` as in :func:`job_backend`.
+    """
+    backend = job_backend(backend)
+    if mpi_rank_size() is None:
+        if backend != "sim":
+            raise EPInputError(f"backend {backend!r} needs mpirun (one rank per GPU): mpirun -np 2 python ...")
+        return run_pes(target, n_ranks, args=args, timeout_s=timeout_s, heap_bytes=heap_bytes)
+    from mpi4py import MPI
+
+    from . import open_session
+
+    with open_session(backend, heap_bytes=heap_bytes) as session:
+        result = target(session, *args)
+    return MPI.COMM_WORLD.gather(result, root=0)
+
+
 def mpi_rank_size() -> tuple[int, int] | None:
     """``(rank, size)`` of this process in its MPI job, or ``None`` if no MPI launcher
     started it.
