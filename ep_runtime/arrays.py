@@ -78,3 +78,16 @@ def check_array(x, call: str, name: str, dtype, shape: tuple, fix: str) -> None:
     if not contiguous:
         raise EPInputError(f"{call}: {name} must be C-contiguous; pass a contiguous copy "
                            f"(ascontiguousarray).")
+
+
+def word_view(x, word: np.dtype, call: str, name: str):
+    """The C-contiguous bf16 (uint16) array ``x`` viewed in the kernels' token word
+    (:func:`ep_runtime.layout.token_word`), sharing memory. Its data must be aligned to the
+    word: a misaligned start (e.g. a view beginning at an odd element) is refused."""
+    word = np.dtype(word)
+    ptr = x.data.ptr if hasattr(x.data, "ptr") else x.__array_interface__["data"][0]
+    if ptr % word.itemsize:
+        raise EPInputError(f"{call}: {name} starts at address {ptr:#x}, not {word.itemsize}-byte aligned; "
+                           f"the kernels move rows as {word.name} words. Pass an array whose data starts "
+                           f"on a {word.itemsize}-byte boundary (e.g. a fresh allocation or a copy).")
+    return x.view(word)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .layout import BufferLayout
+from .layout import BufferLayout, token_word
 
 #: Arrays the caller passes (after conversion to the kernels' dtypes), as (dtype, ndim).
 CALLER_ARRAYS = {
@@ -22,6 +22,10 @@ CALLER_ARRAYS = {
     "out_partials": (np.uint16, 3),
     "aux": (np.float32, 2),
 }
+#: bf16 arrays (caller's and regions) that kernels take as views in the token word
+#: (:func:`ep_runtime.layout.token_word`): the last axis has ``hidden * 2 / itemsize`` words.
+WORD_ARRAYS = frozenset({"tokens", "expert_out", "out", "out_partials", "dispatch_tokens",
+                         "combine_partials", "combine_stage", "expert_x"})
 #: int64 scalar arguments.
 SCALARS = ("pad_multiple", "timeout_ns", "mode", "n_experts", "allow_negative")
 
@@ -32,10 +36,12 @@ KERNEL_ARGS = {
         "dispatch_topk_weights", "dispatch_counts", "dispatch_signal", "dispatch_async_sync",
         "dispatch_send_hist", "dispatch_send_counts", "status"),
     "dispatch_wait": (
-        "dispatch_tokens", "dispatch_topk_ids", "dispatch_topk_weights", "dispatch_counts",
-        "dispatch_signal", "dispatch_async_sync", "expert_x", "row_offsets", "expert_counts",
-        "row_src_rank", "row_src_token", "row_src_k", "row_weight", "token_rows", "status",
-        "pad_multiple", "timeout_ns"),
+        "dispatch_topk_ids", "dispatch_topk_weights", "dispatch_counts", "dispatch_signal",
+        "dispatch_async_sync", "row_offsets", "expert_counts", "row_src_rank", "row_src_token",
+        "row_src_k", "row_weight", "token_rows", "status", "pad_multiple", "timeout_ns"),
+    "dispatch_copy": (
+        "dispatch_tokens", "dispatch_topk_ids", "dispatch_counts", "dispatch_async_sync",
+        "token_rows", "row_offsets", "expert_counts", "expert_x", "status"),
     "combine_async": (
         "expert_out", "dispatch_topk_ids", "dispatch_counts", "combine_partials", "combine_signal",
         "dispatch_async_sync", "token_rows", "row_weight", "combine_stage", "combine_async_sync",
@@ -66,5 +72,7 @@ def argtypes(kernel: str, layout: BufferLayout) -> tuple:
         else:
             r = layout.region(n)
             dtype, ndim = r.dtype, len(r.shape)
+        if n in WORD_ARRAYS:
+            dtype = token_word(layout.cfg.hidden)
         out.append(types.Array(from_dtype(np.dtype(dtype)), ndim, "C"))
     return tuple(out)

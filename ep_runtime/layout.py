@@ -33,6 +33,17 @@ SYNC_TICKET = 0   # blocks of the current launch that finished; the last block r
 SYNC_CALLS = 1    # completed dispatch calls: call n (0-based) sets it to n + 1
 
 
+def token_word(hidden: int) -> np.dtype:
+    """The word kernels move token rows in: the widest of uint64 / uint32 / uint16 that holds a
+    whole number of bf16 values of a row (4, 2 or 1 per word). Rows of ``hidden`` bf16 values
+    are ``hidden * 2 / itemsize`` words; every bf16 region keeps its uint16 shape and is
+    passed to kernels as a view in this word (:data:`ep_runtime.kernel_args.WORD_ARRAYS`)."""
+    for dtype in (np.uint64, np.uint32):
+        if (hidden * 2) % np.dtype(dtype).itemsize == 0:
+            return np.dtype(dtype)
+    return np.dtype(np.uint16)
+
+
 @dataclass(frozen=True)
 class Region:
     """One buffer.
@@ -109,17 +120,17 @@ def _regions(cfg: EPConfig) -> list[Region]:
     R, E, L, K, H = cfg.n_ranks, cfg.n_experts, cfg.n_local_experts, cfg.top_k, cfg.hidden
     T, C, G = cfg.max_tokens_per_rank, cfg.recv_rows_capacity, N_GROUPS
     u16, i32, i64, u64, f32 = (np.dtype(t) for t in ("uint16", "int32", "int64", "uint64", "float32"))
-    DA, DW, CA, CW = "dispatch_async", "dispatch_wait", "combine_async", "combine_wait"
+    DA, DW, DC, CA, CW = "dispatch_async", "dispatch_wait", "dispatch_copy", "combine_async", "combine_wait"
     S, Lc = True, False
     return [
         # -- symmetric: written by peers (and by this rank to itself) -----------------------------
-        Region("dispatch_tokens", (G, R, T, H), u16, 0, S, f"{DA} (peers)", (DW,),
+        Region("dispatch_tokens", (G, R, T, H), u16, 0, S, f"{DA} (peers)", (DC,),
                "[g, src, t]: token t of rank src (bf16 bits), sent once per destination rank"),
-        Region("dispatch_topk_ids", (G, R, T, K), i32, -1, S, f"{DA} (peers)", (DW, CA, CW),
+        Region("dispatch_topk_ids", (G, R, T, K), i32, -1, S, f"{DA} (peers)", (DW, DC, CA, CW),
                "[g, src, t]: global expert ids of token t of rank src (every token, sent to every rank)"),
         Region("dispatch_topk_weights", (G, R, T, K), f32, 0, S, f"{DA} (peers)", (DW,),
                "[g, src, t]: router weights of token t of rank src"),
-        Region("dispatch_counts", (G, R, L + 1), i32, 0, S, f"{DA} (peers, last block)", (DW, CA, CW),
+        Region("dispatch_counts", (G, R, L + 1), i32, 0, S, f"{DA} (peers, last block)", (DW, DC, CA, CW),
                "[g, src, :L]: tokens of src per local expert; [g, src, L]: tokens src dispatched"),
         Region("dispatch_signal", (G, R), u64, 0, S, f"{DA} (peers, last block)", (DW,),
                "[g, src]: n + 1 once everything of call n from src has arrived (monotonic)"),
@@ -136,7 +147,7 @@ def _regions(cfg: EPConfig) -> list[Region]:
         Region("dispatch_send_counts", (R, L + 1), i32, 0, Lc, DA, (DA,),
                "staging of the per-destination counts put with the signal"),
         # -- local: shared by dispatch_wait and combine_async --------------------------------------
-        Region("token_rows", (R, T, K), i32, -1, Lc, DW, (CA,),
+        Region("token_rows", (R, T, K), i32, -1, Lc, DW, (DC, CA),
                "[src, t, j]: expert-batch row of the j-th local expert (ascending) of token (src, t)"),
         Region("combine_async_sync", (1,), i64, 0, Lc, CA, (CA,),
                "[0] ticket: finished blocks of the launch (reset by the last block)"),
@@ -144,11 +155,11 @@ def _regions(cfg: EPConfig) -> list[Region]:
         Region("combine_stage", (R, T, H), u16, 0, Lc, CA, (CA,),
                "[dst, t]: partial sum for token t of rank dst, staged before the put"),
         # -- local: the expert batch (output of dispatch_wait) -------------------------------------
-        Region("expert_x", (C, H), u16, 0, Lc, DW, ("user", CA),
+        Region("expert_x", (C, H), u16, 0, Lc, DC, ("user",),
                "rows grouped by local expert, then source rank, then source token (bf16 bits)"),
-        Region("row_offsets", (L + 1,), i32, 0, Lc, DW, ("user",),
+        Region("row_offsets", (L + 1,), i32, 0, Lc, DW, ("user", DC),
                "segment e of the batch is rows [row_offsets[e], row_offsets[e + 1])"),
-        Region("expert_counts", (L,), i32, 0, Lc, DW, ("user",),
+        Region("expert_counts", (L,), i32, 0, Lc, DW, ("user", DC),
                "real (unpadded) rows per local expert"),
         Region("row_src_rank", (C,), i32, -1, Lc, DW, ("user",), "source rank of each row (-1: padding)"),
         Region("row_src_token", (C,), i32, -1, Lc, DW, ("user",), "source token index of each row"),

@@ -20,19 +20,21 @@ import numpy as np
 
 from . import arrays
 from .config import EPConfig
-from .kernel_args import SCALARS, argtypes, build_args
+from .kernel_args import SCALARS, WORD_ARRAYS, argtypes, build_args
 from .errors import EPConfigError, EPInputError, EPStateError
 from .handles import CombineHandle, DispatchHandle, ExpertBatch
-from .layout import BufferLayout, SYNC_CALLS
+from .layout import BufferLayout, SYNC_CALLS, token_word
 from .shmem.session import Session
 from .status import error_from_status
 
 _owner_ids = itertools.count(1)
 
-#: Threads per block on a GPU: 8 warps keep a 14 KB row copy to a few iterations per thread.
-GPU_THREADS = 256
+#: Threads per block on a GPU: 16 warps per block, each copying or reducing its own token row,
+#: keep enough loads in flight per SM to approach HBM bandwidth.
+GPU_THREADS = 512
 #: Threads per block in the simulator: each simulated thread is a Python thread, so few; 8 still
-#: exercises multi-chunk scans (chunks of 8 tokens) and every block-level helper.
+#: exercises multi-chunk scans (chunks of 32 tokens) and every block-level helper. At most 32:
+#: a simulated block is one warp (kernels/block.py, ``warp_geometry``).
 SIM_THREADS = 8
 #: Blocks per kernel in the simulator when EPConfig.n_sms is None (more than one, so the
 #: block scheduling and the last-block ticket are exercised).
@@ -80,6 +82,7 @@ class EPRuntime:
         self.debug = debug or session.backend == "sim"
         self._owner = next(_owner_ids)
         self._threads = SIM_THREADS if session.backend == "sim" else GPU_THREADS
+        self._word = token_word(cfg.hidden)
         self._grid = cfg.n_sms or (SIM_BLOCKS if session.backend == "sim" else session.sm_count())
         self._timeout_ns = np.int64(round(cfg.wait_timeout_s * 1e9))
         self._sym = session.alloc_symmetric("ep_runtime.symmetric", (self.layout.symmetric_bytes,), np.uint8)
@@ -90,8 +93,9 @@ class EPRuntime:
             view = block[r.offset:r.offset + r.nbytes].view(r.dtype).reshape(r.shape)
             session.fill(view, r.init)
             self.buffers[r.name] = view
-        self._arg = {name: session.as_kernel_arg(v) for name, v in self.buffers.items()}
-        self._kernels = _kernels_for(self._threads)
+        self._arg = {name: session.as_kernel_arg(v.view(self._word) if name in WORD_ARRAYS else v)
+                     for name, v in self.buffers.items()}
+        self._kernels = _kernels_for(self._threads, self._word)
         for name, kernel in self._kernels.items():  # compile now, not inside a timed wait
             session.precompile(kernel, argtypes(name, self.layout))
         # stand-ins for the combine_wait arrays a call does not use (allocated once: graph-safe)
@@ -165,10 +169,12 @@ class EPRuntime:
 
     def dispatch_wait(self, handle: DispatchHandle) -> ExpertBatch:
         """Complete the dispatch of ``handle``: wait for every rank's tokens and lay them out
-        expert-major. Collective; enqueued on the stream. Returns views valid until the next
-        ``dispatch_wait``."""
+        expert-major. Collective; enqueues two kernels on the stream (``dispatch_wait`` places
+        every row, ``dispatch_copy`` copies each received row to its expert rows). Returns
+        views valid until the next ``dispatch_wait``."""
         self._require(_State.DISPATCH_SENT, call="dispatch_wait", handle=handle, handle_type=DispatchHandle)
         self._launch("dispatch_wait", pad_multiple=np.int64(self.cfg.pad_multiple), timeout_ns=self._timeout_ns)
+        self._launch("dispatch_copy")
         self._state = _State.DISPATCHED
         b = self.buffers
         return ExpertBatch(x=b["expert_x"], row_offsets=b["row_offsets"], expert_counts=b["expert_counts"],
@@ -322,8 +328,9 @@ class EPRuntime:
         else:  # combine_wait with a caller's epilogue, built on first use
             kernel = self._kernels.get((name, epilogue))
             if kernel is None:
-                kernel = self._kernels[(name, epilogue)] = _combine_wait_with(self._threads, epilogue)
-        values = {k: v if k in SCALARS else self.session.as_kernel_arg(v)
+                kernel = self._kernels[(name, epilogue)] = _combine_wait_with(self._threads, self._word, epilogue)
+        values = {k: v if k in SCALARS else self.session.as_kernel_arg(
+                      arrays.word_view(v, self._word, name, k) if k in WORD_ARRAYS else v)
                   for k, v in values.items()}
         self.session.launch(kernel, self._grid, self._threads, build_args(name, self._arg, values))
         if self.debug:
@@ -349,22 +356,24 @@ def _check_same_config_everywhere(cfg: EPConfig, session: Session) -> None:
 _KERNEL_CACHE: dict = {}
 
 
-def _kernels_for(threads: int) -> dict:
-    """The four kernels (and the debug-mode routing check) for a block size, built once per process."""
-    if threads not in _KERNEL_CACHE:
+def _kernels_for(threads: int, word) -> dict:
+    """The EP kernels (and the debug-mode routing check) for a block size and token word
+    (:func:`ep_runtime.layout.token_word`), built once per process."""
+    key = (threads, np.dtype(word))
+    if key not in _KERNEL_CACHE:
         from .kernels.combine import make_combine_kernels
         from .kernels.dispatch import make_dispatch_kernels
 
         from .kernels.validate import validate_routing
 
-        da, dw = make_dispatch_kernels(threads)
-        ca, cw = make_combine_kernels(threads)
-        _KERNEL_CACHE[threads] = {"dispatch_async": da, "dispatch_wait": dw, "combine_async": ca,
-                                  "combine_wait": cw, "validate_routing": validate_routing}
-    return dict(_KERNEL_CACHE[threads])
+        da, dw, dc = make_dispatch_kernels(threads)
+        ca, cw = make_combine_kernels(threads, word)
+        _KERNEL_CACHE[key] = {"dispatch_async": da, "dispatch_wait": dw, "dispatch_copy": dc,
+                              "combine_async": ca, "combine_wait": cw, "validate_routing": validate_routing}
+    return dict(_KERNEL_CACHE[key])
 
 
-def _combine_wait_with(threads: int, epilogue):
+def _combine_wait_with(threads: int, word, epilogue):
     from .kernels.combine import make_combine_kernels
 
-    return make_combine_kernels(threads, epilogue)[1]
+    return make_combine_kernels(threads, word, epilogue)[1]

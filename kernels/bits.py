@@ -4,6 +4,11 @@
 infinities, and maps NaN to a quiet NaN with the input's sign: the same results as
 ``ml_dtypes.bfloat16`` for every finite input, which the reference uses.
 On a GPU the bit casts are LLVM bitcasts; in the simulator they are NumPy scalar views.
+
+Token rows travel as *words* of ``pack`` bf16 values (uint64: 4, uint32: 2, uint16: 1; see
+:func:`ep_runtime.layout.token_word`), element ``i`` of a word in bits ``16 i .. 16 i + 15``
+(little-endian: the same bytes as the bf16 row). ``word_f32(word, i)`` reads element ``i``;
+``bf16_bits_at(x, i)`` places the rounded ``x`` at element ``i`` of a uint64 to OR into a word.
 """
 
 import numpy as np
@@ -27,9 +32,17 @@ if _config.ENABLE_CUDASIM:
             return np.uint16(((u >> 16) & 0x8000) | 0x7FC0)
         return np.uint16(((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF)
 
+    def word_f32(word, i):
+        """float32 value of bf16 element ``i`` of ``word``."""
+        return bf16_to_f32((int(word) >> (16 * i)) & 0xFFFF)
+
+    def bf16_bits_at(x, i):
+        """uint64 with the bf16 rounding of float32 ``x`` at element ``i`` (bits 16 i ..)."""
+        return np.uint64(int(f32_to_bf16(x)) << (16 * i))
+
 else:
     from llvmlite import ir
-    from numba import uint16, uint32
+    from numba import uint16, uint32, uint64
     from numba.core.extending import intrinsic
 
     @intrinsic
@@ -77,4 +90,14 @@ else:
             return uint16(((u >> uint32(16)) & uint32(0x8000)) | uint32(0x7FC0))
         return uint16((u + uint32(0x7FFF) + ((u >> uint32(16)) & uint32(1))) >> uint32(16))
 
-__all__ = ["bf16_to_f32", "f32_to_bf16", "f32_bits"]
+    @_numba_cuda.jit(device=True)
+    def word_f32(word, i):
+        """float32 value of bf16 element ``i`` of ``word``."""
+        return bf16_to_f32((uint64(word) >> uint64(16 * i)) & uint64(0xFFFF))
+
+    @_numba_cuda.jit(device=True)
+    def bf16_bits_at(x, i):
+        """uint64 with the bf16 rounding of float32 ``x`` at element ``i`` (bits 16 i ..)."""
+        return uint64(f32_to_bf16(x)) << uint64(16 * i)
+
+__all__ = ["bf16_to_f32", "f32_to_bf16", "f32_bits", "word_f32", "bf16_bits_at"]

@@ -7,12 +7,13 @@ with ``blockDim.x`` threads in a 1-D block.
 - ``last_block_ticket``: the "last block done" pattern that lets async kernels signal once
   after all blocks' sends are complete, without any block waiting for another;
 - ``block_exclusive_scan`` / ``block_sum``: shared-memory scans for deterministic placement;
-- ``record_error``: claims the device error record (first error wins).
+- ``record_error``: claims the device error record (first error wins);
+- ``warp_geometry`` / ``warp_sync``: how kernels split a block into warps, and the warp barrier.
 """
 
 from numba import int32, int64
 
-from ep_runtime.kernels import shmem
+from ep_runtime.kernels import cuda_api, shmem
 from ep_runtime.kernels.cuda_api import cuda
 from ep_runtime.layout import (STATUS_CALL, STATUS_CODE, STATUS_COUNTER, STATUS_EXPECTED, STATUS_KERNEL,
                                STATUS_OBSERVED, STATUS_PEER, STATUS_RANK)
@@ -41,13 +42,16 @@ def last_block_ticket(ticket, flag):
     ``ticket``: int64 device array; ``ticket[0]`` counts finished blocks of the launch.
     ``flag``: int32 shared array of one element (scratch). Every thread calls it; every
     thread gets the same answer. The last block must reset ``ticket[0]`` to 0 when done.
-    Each thread quiets its own puts (a system-scope fence on NVLink) before the barrier, so
-    when the last block sees the final ticket every block's data has been delivered.
+    Every thread fences at system scope (its own NVLink stores, the lanes' share of warp and
+    block puts, are visible), the block meets, and then one thread calls ``quiet`` (completion
+    is PE-wide in NVSHMEM: whatever a transport still holds for this PE) before taking the
+    ticket, so when the last block sees the final ticket every block's data has been
+    delivered. One ``quiet`` per block, not per thread (docs/throughput.md, v2 -> v3).
     """
-    shmem.quiet()
     cuda.threadfence_system()
     cuda.syncthreads()
     if cuda.threadIdx.x == 0:
+        shmem.quiet()
         done = cuda.atomic.add(ticket, 0, int64(1))
         flag[0] = int32(1) if done == cuda.gridDim.x - 1 else int32(0)
         cuda.threadfence()
@@ -110,3 +114,29 @@ def record_error(status, code, kernel, rank, peer, counter, expected, observed, 
         status[STATUS_OBSERVED] = observed
         status[STATUS_CALL] = call
         cuda.threadfence()
+
+
+# -- warps -------------------------------------------------------------------------------------------
+def warp_geometry(threads: int) -> tuple[int, int]:
+    """``(warp_size, warps_per_block)`` the kernels divide work by, for blocks of ``threads``.
+
+    On a GPU a warp is 32 threads. The simulator's blocks are smaller than a warp (each simulated
+    thread is a Python thread), so there a "warp" is the whole block: ``min(32, threads)``.
+    """
+    size = min(32, threads)
+    return size, threads // size
+
+
+if cuda_api.SIMULATED:
+
+    def warp_sync():
+        """Barrier of the calling warp. Simulated blocks are one warp (``warp_geometry``), so
+        the block barrier is the warp barrier. A plain function: see kernels/cuda_api.py."""
+        cuda.syncthreads()
+
+else:
+
+    @cuda.jit(device=True)
+    def warp_sync():
+        """Barrier of the calling warp (``__syncwarp`` with every lane)."""
+        cuda.syncwarp(0xFFFFFFFF)

@@ -1,15 +1,18 @@
 """The combine kernels: ``combine_async`` (weight, pre-reduce, send) and ``combine_wait``
 (wait, sum in rank order, epilogue, store).
 
-Built by :func:`make_combine_kernels` for a block size and an epilogue. Symbols as in
-:mod:`ep_runtime.layout`; docs/protocol.md has the timeline and the summation order.
+Built by :func:`make_combine_kernels` for a block size, a token word type and an epilogue.
+Symbols as in :mod:`ep_runtime.layout`; rows move as ``W = H / pack`` words of ``pack`` bf16
+values (:func:`ep_runtime.layout.token_word`). docs/protocol.md has the timeline and the
+summation order. Both kernels give a warp to each token row; each lane handles whole words.
 """
 
-from numba import float32, int32, int64, uint64
+import numpy as np
+from numba import float32, from_dtype, int32, int64, uint64
 
 from ep_runtime.kernels import shmem
-from ep_runtime.kernels.bits import bf16_to_f32, f32_to_bf16
-from ep_runtime.kernels.block import last_block_ticket, record_error, sched_advance, sched_initial
+from ep_runtime.kernels.bits import bf16_bits_at, word_f32
+from ep_runtime.kernels.block import last_block_ticket, record_error, warp_geometry, warp_sync
 from ep_runtime.kernels.cuda_api import cuda
 from ep_runtime.layout import STATUS_CODE, SYNC_CALLS
 from ep_runtime.status import COUNTER_COMBINE_SIGNAL, ERR_TIMEOUT, KERNEL_COMBINE_WAIT
@@ -25,30 +28,35 @@ def identity_epilogue(value, token, col, aux):
     return value
 
 
-def make_combine_kernels(threads: int, epilogue=identity_epilogue):
-    """Build ``(combine_async, combine_wait)`` for blocks of ``threads`` threads.
+def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue):
+    """Build ``(combine_async, combine_wait)`` for blocks of ``threads`` threads and token
+    words of ``word_dtype`` (NumPy uint64, uint32 or uint16: 4, 2 or 1 bf16 values).
 
     ``epilogue(value: float32, token: int, col: int, aux: [T, H] float32) -> float32`` is a Numba
     device function applied to each reduced element before the bf16 store (e.g. a residual
     add reading ``aux[token, col]``).
     """
+    warp, warps = warp_geometry(threads)
+    word_t = from_dtype(np.dtype(word_dtype))
+    pack = np.dtype(word_dtype).itemsize // 2
 
     @cuda.jit
     def combine_async(expert_out, d_ids, d_counts, c_partials, c_signal,
                       sync, token_rows, row_weight, stage, ticket, status):
         """Weight and pre-reduce the expert outputs per token, send each partial home, signal.
 
-        expert_out [>= rows, H] uint16 (bf16 bits), row-aligned with the last expert batch.
+        expert_out [>= rows, W] words, row-aligned with the last expert batch.
         Symmetric: d_ids [G, R, Tmax, K], d_counts [G, R, L + 1] (group g of the last call),
-        c_partials [G, R, Tmax, H] uint16, c_signal [G, R] uint64. Local: sync (calls),
-        token_rows [R, Tmax, K], row_weight [C] float32, stage [R, Tmax, H] uint16,
+        c_partials [G, R, Tmax, W] words, c_signal [G, R] uint64. Local: sync (calls),
+        token_rows [R, Tmax, K], row_weight [C] float32, stage [R, Tmax, W] words,
         ticket [1] int64, status [8] int64.
 
-        One block, per token item (src, t) it owns: partial = sum over the token's local
-        experts in ascending order of weight * output, in float32 from 0; rounds it to bf16
-        into stage[src, t] and puts it to slot [g, me, t] of rank src. Tokens that hit no
-        local expert send nothing. The last block (ticket) signals n + 1 to every rank after
-        every block's puts completed.
+        A warp per token item (src, t): partial = sum over the token's local experts in
+        ascending order of weight * output, in float32 from 0, rounded to bf16. A partial for
+        this rank's own token is stored straight into its slot [g, me, t]; one for a peer is
+        staged in stage[src, t] and put (``put_nbi_warp``) to slot [g, me, t] of rank src.
+        Tokens that hit no local expert send nothing. The last block (ticket) signals n + 1 to
+        every rank after every block's puts and stores completed.
         """
         flag = cuda.shared.array(1, int32)
         if status[STATUS_CODE] != 0:
@@ -57,29 +65,40 @@ def make_combine_kernels(threads: int, epilogue=identity_epilogue):
         R = d_counts.shape[1]
         L = d_counts.shape[2] - 1
         K = d_ids.shape[3]
-        H = stage.shape[2]
+        W = stage.shape[2]
         tid = cuda.threadIdx.x
+        lane = tid % warp
         n = sync[SYNC_CALLS] - 1
         g = n % 2
+        acc = cuda.local.array(pack, float32)
 
         for s in range(R):
             T_s = d_counts[g, s, L]
-            t = sched_initial(cuda.blockIdx.x)
+            t = cuda.blockIdx.x * warps + tid // warp
             while t < T_s:
                 n_local = 0
                 for k in range(K):
                     if d_ids[g, s, t, k] // L == me:
                         n_local += 1
                 if n_local > 0:
-                    for h in range(tid, H, threads):
-                        acc = float32(0.0)
+                    dst = c_partials[g, me, t] if s == me else stage[s, t]
+                    for w in range(lane, W, warp):
+                        for i in range(pack):
+                            acc[i] = float32(0.0)
                         for j in range(n_local):
                             r = token_rows[s, t, j]
-                            acc += row_weight[r] * bf16_to_f32(expert_out[r, h])
-                        stage[s, t, h] = f32_to_bf16(acc)
-                    cuda.syncthreads()
-                    shmem.put_nbi_block(c_partials[g, me, t], stage[s, t], s)
-                t = sched_advance(t, cuda.gridDim.x)
+                            weight = row_weight[r]
+                            v = expert_out[r, w]
+                            for i in range(pack):
+                                acc[i] += weight * word_f32(v, i)
+                        packed = uint64(0)
+                        for i in range(pack):
+                            packed |= bf16_bits_at(acc[i], i)
+                        dst[w] = word_t(packed)
+                    if s != me:
+                        warp_sync()  # the whole staged row is written before the warp's put
+                        shmem.put_nbi_warp(c_partials[g, me, t], stage[s, t], s)
+                t += cuda.gridDim.x * warps
 
         if last_block_ticket(ticket, flag):
             for d in range(tid, R, threads):
@@ -93,14 +112,14 @@ def make_combine_kernels(threads: int, epilogue=identity_epilogue):
                      timeout_ns, aux):
         """Wait for every rank's partials, then reduce them per token in rank order.
 
-        MODE_REDUCE: out [T, H] uint16 = bf16(epilogue(sum over ranks r that token t went to,
-        in ascending r, of f32(partial_r), from 0)). MODE_PARTIALS: out_partials [R, T, H]
-        uint16 = partial_r (zero where the token did not go to r). The array of the other
+        MODE_REDUCE: out [T, W] words = bf16(epilogue(sum over ranks r that token t went to,
+        in ascending r, of f32(partial_r), from 0)). MODE_PARTIALS: out_partials [R, T, W]
+        words = partial_r (zero where the token did not go to r). The array of the other
         mode is not touched (pass any array of the right rank). aux [T, H] float32: the
         epilogue's input.
 
-        One block: waits for all R signals itself, then handles its token items (static
-        schedule). A wait past timeout_ns records an error and writes nothing.
+        One block: waits for all R signals itself, then a warp per token (grid-strided), each
+        lane whole words. A wait past timeout_ns records an error and writes nothing.
         """
         flag = cuda.shared.array(1, int32)
         if status[STATUS_CODE] != 0:
@@ -109,10 +128,12 @@ def make_combine_kernels(threads: int, epilogue=identity_epilogue):
         R = d_counts.shape[1]
         L = d_counts.shape[2] - 1
         K = d_ids.shape[3]
-        H = c_partials.shape[3]
+        W = c_partials.shape[3]
         tid = cuda.threadIdx.x
+        lane = tid % warp
         n = sync[SYNC_CALLS] - 1
         g = n % 2
+        acc = cuda.local.array(pack, float32)
 
         if tid == 0:
             flag[0] = 0
@@ -129,24 +150,30 @@ def make_combine_kernels(threads: int, epilogue=identity_epilogue):
             return
 
         T = d_counts[g, me, L]
-        t = sched_initial(cuda.blockIdx.x)
+        t = cuda.blockIdx.x * warps + tid // warp
         while t < T:
             went = uint64(0)  # bit r: token t went to rank r
             for k in range(K):
                 went |= uint64(1) << uint64(d_ids[g, me, t, k] // L)
-            for h in range(tid, H, threads):
+            for w in range(lane, W, warp):
                 if mode == MODE_REDUCE:
-                    acc = float32(0.0)
+                    for i in range(pack):
+                        acc[i] = float32(0.0)
                     for r in range(R):
                         if (went >> uint64(r)) & uint64(1):
-                            acc += bf16_to_f32(c_partials[g, r, t, h])
-                    out[t, h] = f32_to_bf16(epilogue(acc, t, h, aux))
+                            v = c_partials[g, r, t, w]
+                            for i in range(pack):
+                                acc[i] += word_f32(v, i)
+                    packed = uint64(0)
+                    for i in range(pack):
+                        packed |= bf16_bits_at(epilogue(acc[i], t, w * pack + i, aux), i)
+                    out[t, w] = word_t(packed)
                 else:
                     for r in range(R):
                         if (went >> uint64(r)) & uint64(1):
-                            out_partials[r, t, h] = c_partials[g, r, t, h]
+                            out_partials[r, t, w] = c_partials[g, r, t, w]
                         else:
-                            out_partials[r, t, h] = 0
-            t = sched_advance(t, cuda.gridDim.x)
+                            out_partials[r, t, w] = 0
+            t += cuda.gridDim.x * warps
 
     return combine_async, combine_wait

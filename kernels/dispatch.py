@@ -1,23 +1,40 @@
-"""The dispatch kernels: ``dispatch_async`` (send) and ``dispatch_wait`` (receive and lay out).
+"""The dispatch kernels: ``dispatch_async`` (send), ``dispatch_wait`` (receive, place) and
+``dispatch_copy`` (lay the received rows out expert-major).
 
-Both are built by :func:`make_dispatch_kernels` for a block size (a compile-time constant:
-shared-memory scans are sized by it). Symbols as in :mod:`ep_runtime.layout`; ``g = n % 2``
-is the buffer group of call ``n`` and ``me`` this rank. See docs/protocol.md for the timeline.
+Built by :func:`make_dispatch_kernels` for a block size (a compile-time constant: shared-memory
+scans are sized by it). Symbols as in :mod:`ep_runtime.layout`; ``g = n % 2`` is the buffer
+group of call ``n`` and ``me`` this rank; ``W = H / pack`` words per token row (token rows move
+as words of ``pack`` bf16 values: :func:`ep_runtime.layout.token_word`). See docs/protocol.md
+for the timeline. The host's ``dispatch_wait`` enqueues ``dispatch_wait`` then ``dispatch_copy``:
+the kernel boundary is the grid-wide barrier between "every row's position is known" and
+"copy each received row once to all its expert rows".
 """
 
 from numba import int32, int64, uint64
 
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.block import (block_exclusive_scan, block_sum, last_block_ticket, record_error,
-                                      sched_advance, sched_initial)
+                                      sched_advance, sched_initial, warp_geometry)
 from ep_runtime.kernels.cuda_api import cuda
 from ep_runtime.layout import STATUS_CODE, SYNC_CALLS, SYNC_TICKET
 from ep_runtime.status import (COUNTER_DISPATCH_SIGNAL, COUNTER_RECV_ROWS, ERR_CAPACITY, ERR_TIMEOUT,
                                KERNEL_DISPATCH_WAIT)
 
+#: Tokens each thread classifies per block scan in ``dispatch_wait`` (a chunk is
+#: ``threads * TOKENS_PER_THREAD`` tokens): fewer scans, each over a thread's run of tokens.
+TOKENS_PER_THREAD = 4
+#: Words each lane loads before storing in dispatch_copy (memory-level parallelism; the loop
+#: body is written out for 4).
+COPY_UNROLL = 4
+
 
 def make_dispatch_kernels(threads: int):
-    """Build ``(dispatch_async, dispatch_wait)`` for blocks of ``threads`` threads (a power of 2)."""
+    """Build ``(dispatch_async, dispatch_wait, dispatch_copy)`` for blocks of ``threads``
+    threads (a power of 2)."""
+    warp, warps = warp_geometry(threads)
+    chunk = threads * TOKENS_PER_THREAD
+    U = COPY_UNROLL
+    assert U == 4, "dispatch_copy's loop body loads 4 words per lane"
 
     @cuda.jit
     def dispatch_async(tokens, topk_ids, topk_weights,
@@ -25,17 +42,17 @@ def make_dispatch_kernels(threads: int):
                        sync, send_hist, send_counts, status):
         """Send this rank's tokens, once per destination rank, and signal each destination.
 
-        tokens [T, H] uint16 (bf16 bits), topk_ids [T, K] int32, topk_weights [T, K] float32:
-        this rank's batch. Symmetric: d_tokens [G, R, Tmax, H], d_ids/d_weights [G, R, Tmax, K],
+        tokens [T, W] words, topk_ids [T, K] int32, topk_weights [T, K] float32: this rank's
+        batch. Symmetric: d_tokens [G, R, Tmax, W], d_ids/d_weights [G, R, Tmax, K],
         d_counts [G, R, L + 1] int32, d_signal [G, R] uint64. Local: sync [2] int64,
         send_hist [E] int32 (zero on entry), send_counts [R, L + 1] int32, status [8] int64.
 
-        One block: (1) for each token item t it owns (static schedule), puts row t into slot
-        [g, me, t] of every rank that holds one of its experts; (2) for each chunk of
-        ``threads`` tokens it owns, puts the chunk's routing rows to every rank and counts
-        tokens per expert into send_hist; (3) takes a ticket. The last block puts each rank its
-        counts with a signal of n + 1 (data before signal), then resets the scratch and
-        advances the call counter. Nobody waits: the kernel returns once sends are issued.
+        (1) Each warp takes token items (grid-strided) and puts row t into slot [g, me, t] of
+        every rank that holds one of its experts (``put_nbi_warp``: a warp-wide vectorized
+        copy, several rows in flight per block). (2) Each block puts chunks of routing rows to
+        every rank and counts tokens per expert into send_hist. (3) The last block (ticket)
+        puts each rank its counts with a signal of n + 1 (every block quieted its puts first:
+        data before signal), resets the scratch and advances the call counter. Nobody waits.
         """
         flag = cuda.shared.array(1, int32)
         if status[STATUS_CODE] != 0:
@@ -49,22 +66,21 @@ def make_dispatch_kernels(threads: int):
         n = sync[SYNC_CALLS]
         g = n % 2
 
-        # (1) token rows, deduplicated per destination rank
-        t = sched_initial(cuda.blockIdx.x)
+        # (1) token rows, deduplicated per destination rank, a warp per token
+        t = cuda.blockIdx.x * warps + tid // warp
         while t < T:
-            for d in range(R):
-                hit = False
-                for k in range(K):
-                    if topk_ids[t, k] // L == d:
-                        hit = True
-                if hit:
-                    shmem.put_nbi_block(d_tokens[g, me, t], tokens[t], d)
-            t = sched_advance(t, cuda.gridDim.x)
+            sent = uint64(0)  # bit d: row t already went to rank d
+            for k in range(K):
+                d = topk_ids[t, k] // L
+                if (sent >> uint64(d)) & uint64(1) == uint64(0):
+                    sent |= uint64(1) << uint64(d)
+                    shmem.put_nbi_warp(d_tokens[g, me, t], tokens[t], d)
+            t += cuda.gridDim.x * warps
 
         # (2) routing rows to every rank, and the per-expert histogram
-        chunk = sched_initial(cuda.blockIdx.x)
-        while chunk * threads < T:
-            t0 = chunk * threads
+        c = sched_initial(cuda.blockIdx.x)
+        while c * threads < T:
+            t0 = c * threads
             t1 = min(t0 + threads, T)
             for d in range(R):
                 shmem.put_nbi_block(d_ids[g, me, t0:t1], topk_ids[t0:t1], d)
@@ -73,7 +89,7 @@ def make_dispatch_kernels(threads: int):
             if t < t1:
                 for k in range(K):
                     cuda.atomic.add(send_hist, topk_ids[t, k], int32(1))
-            chunk = sched_advance(chunk, cuda.gridDim.x)
+            c = sched_advance(c, cuda.gridDim.x)
 
         # (3) the last block publishes counts with the signal, then resets for the next call
         if last_block_ticket(sync[SYNC_TICKET:SYNC_TICKET + 1], flag):
@@ -93,25 +109,27 @@ def make_dispatch_kernels(threads: int):
                 sync[SYNC_CALLS] = n + 1
 
     @cuda.jit
-    def dispatch_wait(d_tokens, d_ids, d_weights, d_counts, d_signal, sync,
-                      expert_x, row_offsets, expert_counts, row_src_rank, row_src_token, row_src_k,
+    def dispatch_wait(d_ids, d_weights, d_counts, d_signal, sync,
+                      row_offsets, expert_counts, row_src_rank, row_src_token, row_src_k,
                       row_weight, token_rows, status, pad_multiple, timeout_ns):
-        """Wait for every source rank, then write the expert-major batch.
+        """Wait for every source rank, then place every received (token, local expert) pair.
 
         Symmetric inputs as in dispatch_async (group g of the last call). Outputs (local):
-        expert_x [C, H] uint16, row_offsets [L + 1] int32, expert_counts [L] int32,
-        row_src_rank / row_src_token / row_src_k [C] int32, row_weight [C] float32, and
-        token_rows [R, Tmax, K] int32 (for combine_async). pad_multiple, timeout_ns: int64.
+        row_offsets [L + 1] int32, expert_counts [L] int32, row_src_rank / row_src_token /
+        row_src_k [C] int32, row_weight [C] float32 (padding rows: -1, -1, -1, 0), and
+        token_rows [R, Tmax, K] int32 (row of the j-th local expert of token (src, t), for
+        dispatch_copy and combine_async). pad_multiple, timeout_ns: int64.
 
         One block: waits for all R signals itself (no block depends on another), computes
         every segment's offset from the received counts, and then, for each local expert it
-        owns, walks each source's routing rows in token order, placing hits with a block
-        scan (deterministic: rows by expert, source rank, source token) and copying them.
-        A wait past timeout_ns or more rows than C records an error and writes nothing.
+        owns, walks each source's routing rows in token order (chunks of ``threads *
+        TOKENS_PER_THREAD`` tokens, one block scan per chunk) and writes each hit's row
+        metadata. Deterministic: rows by expert, source rank, source token; no atomic decides
+        a position. A wait past timeout_ns or more rows than C records an error and writes
+        nothing (dispatch_copy then copies nothing).
         """
         flag = cuda.shared.array(1, int32)
         scan_buf = cuda.shared.array(threads, int32)
-        hit_tokens = cuda.shared.array(threads, int32)
         sum_buf = cuda.shared.array(threads, int64)
         if status[STATUS_CODE] != 0:
             return
@@ -119,8 +137,7 @@ def make_dispatch_kernels(threads: int):
         R = d_counts.shape[1]
         L = d_counts.shape[2] - 1
         K = d_ids.shape[3]
-        H = expert_x.shape[1]
-        C = expert_x.shape[0]
+        C = row_src_rank.shape[0]
         tid = cuda.threadIdx.x
         n = sync[SYNC_CALLS] - 1
         g = n % 2
@@ -170,46 +187,110 @@ def make_dispatch_kernels(threads: int):
             row = base
             for s in range(R):
                 T_s = d_counts[g, s, L]
-                for t0 in range(0, T_s, threads):
-                    t = t0 + tid
-                    k_hit = -1
-                    j = 0  # rank of e among the token's local experts (ascending)
-                    if t < T_s:
-                        for k in range(K):
-                            x = d_ids[g, s, t, k]
-                            if x == e_global:
-                                k_hit = k
-                            elif x // L == me and x < e_global:
-                                j += 1
-                    prefix, count = block_exclusive_scan(scan_buf, 1 if k_hit >= 0 else 0)
-                    if k_hit >= 0:
-                        r = row + prefix
-                        hit_tokens[prefix] = t
-                        row_src_rank[r] = s
-                        row_src_token[r] = t
-                        row_src_k[r] = k_hit
-                        row_weight[r] = d_weights[g, s, t, k_hit]
-                        token_rows[s, t, j] = r
-                    cuda.syncthreads()
-                    for i in range(count):
-                        src = hit_tokens[i]
-                        for h in range(tid, H, threads):
-                            expert_x[row + i, h] = d_tokens[g, s, src, h]
-                    cuda.syncthreads()
+                for t0 in range(0, T_s, chunk):
+                    # this thread's run of tokens: t0 + tid * TOKENS_PER_THREAD + i
+                    first = t0 + tid * TOKENS_PER_THREAD
+                    hits = 0
+                    for i in range(TOKENS_PER_THREAD):
+                        t = first + i
+                        if t < T_s:
+                            for k in range(K):
+                                if d_ids[g, s, t, k] == e_global:
+                                    hits += 1
+                    prefix, count = block_exclusive_scan(scan_buf, hits)
+                    r = row + prefix
+                    for i in range(TOKENS_PER_THREAD):
+                        t = first + i
+                        if t < T_s:
+                            k_hit = -1
+                            j = 0  # rank of e among the token's local experts (ascending)
+                            for k in range(K):
+                                x = d_ids[g, s, t, k]
+                                if x == e_global:
+                                    k_hit = k
+                                elif x // L == me and x < e_global:
+                                    j += 1
+                            if k_hit >= 0:
+                                row_src_rank[r] = s
+                                row_src_token[r] = t
+                                row_src_k[r] = k_hit
+                                row_weight[r] = d_weights[g, s, t, k_hit]
+                                token_rows[s, t, j] = r
+                                r += 1
                     row += count
+            # padding rows: source -1, weight 0 (dispatch_copy zeroes their data)
+            end = base + (row - base + pad_multiple - 1) // pad_multiple * pad_multiple
+            for r in range(row + tid, end, threads):
+                row_src_rank[r] = -1
+                row_src_token[r] = -1
+                row_src_k[r] = -1
+                row_weight[r] = 0.0
             if tid == 0:
                 row_offsets[e] = base
                 expert_counts[e] = row - base
-            # padding rows: zero, source -1
-            end = base + (row - base + pad_multiple - 1) // pad_multiple * pad_multiple
-            for r in range(row, end):
-                if tid == 0:
-                    row_src_rank[r] = -1
-                    row_src_token[r] = -1
-                    row_src_k[r] = -1
-                    row_weight[r] = 0.0
-                for h in range(tid, H, threads):
-                    expert_x[r, h] = 0
             e = sched_advance(e, cuda.gridDim.x)
 
-    return dispatch_async, dispatch_wait
+    @cuda.jit
+    def dispatch_copy(d_tokens, d_ids, d_counts, sync, token_rows, row_offsets, expert_counts,
+                      expert_x, status):
+        """Copy each received token row once to all its expert rows; zero the padding rows.
+
+        d_tokens [G, R, Tmax, W] words (symmetric, group g of the last call), d_ids
+        [G, R, Tmax, K], d_counts [G, R, L + 1]; token_rows, row_offsets, expert_counts as
+        dispatch_wait wrote them; expert_x [C, W] words (output). Runs after dispatch_wait on
+        the same stream (the launch boundary orders them) and reads only what it waited for.
+
+        Token-major: a warp per received token (src, t) reads each word of the row once and
+        stores it to the token's n_local expert rows, ``COPY_UNROLL`` words per lane in flight.
+        Then a warp per local expert zeroes its padding rows.
+        """
+        if status[STATUS_CODE] != 0:
+            return
+        me = shmem.my_pe()
+        R = d_counts.shape[1]
+        L = d_counts.shape[2] - 1
+        K = d_ids.shape[3]
+        W = expert_x.shape[1]
+        n = sync[SYNC_CALLS] - 1
+        g = n % 2
+        lane = cuda.threadIdx.x % warp
+        first_warp = cuda.blockIdx.x * warps + cuda.threadIdx.x // warp
+        all_warps = cuda.gridDim.x * warps
+
+        for s in range(R):
+            T_s = d_counts[g, s, L]
+            t = first_warp
+            while t < T_s:
+                n_local = 0
+                for k in range(K):
+                    if d_ids[g, s, t, k] // L == me:
+                        n_local += 1
+                src = d_tokens[g, s, t]
+                w = lane
+                while w + (U - 1) * warp < W:
+                    v0 = src[w]
+                    v1 = src[w + warp]
+                    v2 = src[w + 2 * warp]
+                    v3 = src[w + 3 * warp]
+                    for j in range(n_local):
+                        dst = expert_x[token_rows[s, t, j]]
+                        dst[w] = v0
+                        dst[w + warp] = v1
+                        dst[w + 2 * warp] = v2
+                        dst[w + 3 * warp] = v3
+                    w += U * warp
+                while w < W:
+                    v0 = src[w]
+                    for j in range(n_local):
+                        expert_x[token_rows[s, t, j], w] = v0
+                    w += warp
+                t += all_warps
+
+        e = first_warp
+        while e < L:
+            for r in range(row_offsets[e] + expert_counts[e], row_offsets[e + 1]):
+                for w in range(lane, W, warp):
+                    expert_x[r, w] = 0
+            e += all_warps
+
+    return dispatch_async, dispatch_wait, dispatch_copy

@@ -46,11 +46,12 @@ def ep_kernel_entries():
     launches (from ``ep_runtime.kernel_args``, the lists the runtime builds its arguments from)."""
     from ep_runtime.config import EPConfig
     from ep_runtime.kernel_args import argtypes
-    from ep_runtime.layout import BufferLayout
+    from ep_runtime.layout import BufferLayout, token_word
     from ep_runtime.runtime import GPU_THREADS, _kernels_for
 
     layout = BufferLayout(EPConfig(n_ranks=2, n_experts=8, top_k=2, hidden=64, max_tokens_per_rank=16))
-    return [(name, kernel, argtypes(name, layout)) for name, kernel in _kernels_for(GPU_THREADS).items()]
+    kernels = _kernels_for(GPU_THREADS, token_word(layout.cfg.hidden))
+    return [(name, kernel, argtypes(name, layout)) for name, kernel in kernels.items()]
 
 
 def gate_entries():

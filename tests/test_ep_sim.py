@@ -139,13 +139,19 @@ def correctness_cases(R: int) -> list[Case]:
         Case("pad_4", base_cfg(R, pad_multiple=4), seed=9),
         Case("pad_3_empty_expert", base_cfg(R, pad_multiple=3), "empty_expert", seed=10),
         Case("pad_4_zero_rank", base_cfg(R, pad_multiple=4), "zero_rank", seed=11),
+        # token words (layout.token_word): 16 -> uint64 (4 bf16), 6 -> uint32 (2), 5 -> uint16 (1)
         Case("hidden_20", base_cfg(R, hidden=20), seed=12),
+        Case("hidden_6_uint32_words", base_cfg(R, hidden=6), seed=22),
         Case("hidden_5", base_cfg(R, hidden=5), seed=13),
         Case("n_sms_1", base_cfg(R, n_sms=1), seed=14),
         Case("n_sms_3", base_cfg(R, n_sms=3), seed=15),
-        # several scan chunks and routing chunks per source (19 tokens > 2 blocks of 8 threads)
+        # several routing chunks per source (19 tokens > 2 blocks of 8 threads)
         Case("many_tokens_n_sms_3", base_cfg(R, hidden=8, max_tokens_per_rank=19, n_sms=3), seed=16,
              n_tokens=(19,) * R),
+        # several dispatch_wait scan chunks per source (70 tokens > 2 chunks of 8 threads x 4 tokens)
+        # and dispatch_copy's unrolled body and tail (hidden 136: 34 uint64 words = 32 + 2, lanes of 8)
+        Case("scan_chunks_unrolled_copy", base_cfg(R, hidden=136, max_tokens_per_rank=70, n_sms=2), seed=23,
+             n_tokens=(70,) * R),
         Case("no_tokens_anywhere", base_cfg(R), seed=17, n_tokens=(0,) * R),
         # experts 0 and 1 (rank 0) get 3R tokens each, padded to 4: exactly max_recv_rows rows
         Case("one_expert_exactly_at_capacity",

@@ -7,20 +7,37 @@ Open MPI and MPICH alike; NVSHMEM's own MPI plugin is linked against Open MPI on
 Symmetric arrays are CuPy arrays from ``nvshmem.core.array``; kernels run on one
 non-blocking stream created with cuda.core, shared with Numba and made CuPy's current stream
 in this thread (so CuPy work on runtime buffers orders with the kernels).
+
+Kernels: :meth:`NvshmemSession.precompile` takes a kernel's linked cubin from the on-disk kernel
+cache when it can (:mod:`ep_runtime.shmem.kernel_cache`; directory ``$EP_RUNTIME_KERNEL_CACHE``,
+``off`` disables it) and otherwise compiles and stores it; :meth:`NvshmemSession.launch` launches
+precompiled signatures through the driver (:mod:`ep_runtime.shmem.fast_launch`) and everything
+else through Numba. ``EP_RUNTIME_FAST_LAUNCH=0`` (read at :meth:`NvshmemSession.open`) or
+``session.fast_launch = False`` (at any time) sends every launch through Numba.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 
 import numpy as np
 
 from ..errors import ShmemError
 from .env import configure_nvshmem_env
+from .fast_launch import FastLauncher, Unsupported
+from .kernel_cache import KernelCache
 from .session import Session
 
 log = logging.getLogger("ep_runtime.shmem")
+
+#: Environment variable: ``0`` (or ``off``) sends every launch through Numba's dispatcher.
+FAST_LAUNCH_ENV = "EP_RUNTIME_FAST_LAUNCH"
+
+
+def _fast_launch_from_env() -> bool:
+    return os.environ.get(FAST_LAUNCH_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
 
 
 def _cuda_core_device(index: int):
@@ -65,6 +82,14 @@ class NvshmemSession(Session):
         self._numba_stream = numba_cuda.external_stream(handle)
         self._symmetric = []
         self._closed = False
+        #: Launch precompiled signatures through the driver (see the module docstring). With
+        #: EP_RUNTIME_FAST_LAUNCH=0 no fast launcher is built and this stays False.
+        self.fast_launch = self._build_launchers = _fast_launch_from_env()
+        #: The on-disk kernel cache, or None when disabled.
+        self.kernel_cache = KernelCache.from_env()
+        #: Launches so far by path: ``fast`` (driver) and ``numba`` (dispatcher).
+        self.launch_counts = {"fast": 0, "numba": 0}
+        self._fast = {}  # id(dispatcher) -> [(dispatcher, FastLauncher)]
         log.info("rank %d/%d: NVSHMEM initialized on GPU %d", self.rank, self.n_ranks, self.local_rank)
         return self
 
@@ -99,6 +124,7 @@ class NvshmemSession(Session):
             if a is array:
                 del self._symmetric[i]
                 self.synchronize()
+                self._forget_launch_args()  # no launcher keeps views of freed memory alive
                 self._nvshmem.free_array(array)
                 return
         raise ShmemError(f"rank {self.rank}: free_symmetric got an array this session did not allocate "
@@ -138,10 +164,37 @@ class NvshmemSession(Session):
         return numba_cuda.as_cuda_array(array, sync=False)
 
     def launch(self, kernel, grid, block, args):
+        if self.fast_launch:
+            for _, launcher in self._fast.get(id(kernel), ()):
+                if launcher.launch(grid, block, args):
+                    self.launch_counts["fast"] += 1
+                    return
+        self.launch_counts["numba"] += 1
         kernel[grid, block, self._numba_stream](*args)
 
     def precompile(self, kernel, argtypes):
-        kernel.compile(argtypes)
+        """Compile ``kernel`` for ``argtypes`` (or load it from the kernel cache), and prepare its
+        fast launcher unless ``EP_RUNTIME_FAST_LAUNCH=0`` was set at :meth:`open`."""
+        if self.kernel_cache is not None:
+            compiled = self.kernel_cache.load_or_compile(kernel, argtypes)
+        else:
+            compiled = kernel.compile(argtypes)
+        if not self._build_launchers:
+            return
+        entries = self._fast.setdefault(id(kernel), [])
+        if any(launcher.kernel is compiled for _, launcher in entries):
+            return
+        try:
+            entries.append((kernel, FastLauncher(compiled, int(self._core_stream.handle))))
+        except Unsupported as exc:
+            log.info("rank %d: %s launches through Numba: %s", self.rank,
+                     getattr(kernel, "__qualname__", kernel), exc)
+
+    def _forget_launch_args(self):
+        """Drop the argument objects the fast launchers keep for identity caching."""
+        for entries in self._fast.values():
+            for _, launcher in entries:
+                launcher.forget_args()
 
     def sm_count(self):
         import cupy
@@ -178,4 +231,5 @@ class NvshmemSession(Session):
         for arr in self._symmetric:
             self._nvshmem.free_array(arr)
         self._symmetric.clear()
+        self._fast.clear()
         self._nvshmem.finalize()
