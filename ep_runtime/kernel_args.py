@@ -17,6 +17,7 @@ CALLER_ARRAYS = {
     "tokens": (np.uint16, 2),
     "topk_ids": (np.int32, 2),
     "topk_weights": (np.float32, 2),
+    "valid_tokens": (np.int32, 1),
     "expert_out": (np.uint16, 2),
     "out": (np.uint16, 2),
     "out_partials": (np.uint16, 3),
@@ -27,12 +28,13 @@ CALLER_ARRAYS = {
 WORD_ARRAYS = frozenset({"tokens", "expert_out", "out", "out_partials", "dispatch_tokens",
                          "combine_partials", "combine_stage", "expert_x"})
 #: int64 scalar arguments.
-SCALARS = ("pad_multiple", "timeout_ns", "mode", "n_experts", "allow_negative")
+SCALARS = ("pad_multiple", "timeout_ns", "mode", "n_experts", "allow_negative", "use_valid")
 
 KERNEL_ARGS = {
-    "validate_routing": ("topk_ids", "topk_weights", "n_experts", "allow_negative", "status"),
+    "validate_routing": ("topk_ids", "topk_weights", "valid_tokens", "use_valid", "n_experts",
+                         "allow_negative", "status"),
     "dispatch_async": (
-        "tokens", "topk_ids", "topk_weights", "dispatch_tokens", "dispatch_topk_ids",
+        "tokens", "topk_ids", "topk_weights", "valid_tokens", "use_valid", "dispatch_tokens", "dispatch_topk_ids",
         "dispatch_topk_weights", "dispatch_counts", "dispatch_signal", "dispatch_async_sync",
         "dispatch_send_hist", "dispatch_send_counts", "status"),
     "dispatch_wait": (

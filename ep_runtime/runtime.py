@@ -102,6 +102,7 @@ class EPRuntime:
         self._no_out = session.alloc_local("unused out", (0, 0), np.uint16)
         self._no_partials = session.alloc_local("unused out_partials", (0, 0, 0), np.uint16)
         self._no_aux = session.alloc_local("unused aux", (0, 0), np.float32)
+        self._no_valid = session.alloc_local("unused valid_tokens", (1,), np.int32)
         self._calls = 0
         self._state = _State.IDLE
         self._failed: Exception | None = None
@@ -109,7 +110,7 @@ class EPRuntime:
         session.barrier()
 
     # -- dispatch -----------------------------------------------------------------------------
-    def dispatch_async(self, tokens, topk_ids, topk_weights) -> DispatchHandle:
+    def dispatch_async(self, tokens, topk_ids, topk_weights, n_tokens=None) -> DispatchHandle:
         """Start sending this rank's tokens to the ranks of their experts. Collective.
 
         Parameters
@@ -117,6 +118,12 @@ class EPRuntime:
         tokens : [T, hidden] bfloat16 (or uint16 bits), T <= max_tokens_per_rank (T may be 0)
         topk_ids : [T, top_k] int32, global expert ids, distinct per token
         topk_weights : [T, top_k] float32
+        n_tokens : optional [1] int32 device array (CuPy/DLPack on GPUs, NumPy on ``sim``):
+            the number of valid leading rows, read **on the device** when the kernel runs
+            (clamped to [0, T]). With it, one CUDA graph captured with capacity-sized inputs
+            serves every batch size: update the inputs and ``n_tokens`` in place, replay.
+            (pplx's ``bound_m``.) :meth:`combine_wait` then writes only the first
+            ``n_tokens`` rows of its ``[T, hidden]`` output.
 
         The inputs must stay unmodified until :meth:`dispatch_wait` of this call has run on
         the stream. Returns the handle for :meth:`dispatch_wait`.
@@ -137,13 +144,23 @@ class EPRuntime:
                            f"Expected [T={T}, top_k={cfg.top_k}] int32 (convert with .astype(int32)).")
         arrays.check_array(topk_weights, c, "topk_weights", np.float32, (T, cfg.top_k),
                            f"Expected [T={T}, top_k={cfg.top_k}] float32.")
+        valid = self._valid_tokens(n_tokens, c)
         if self.debug:
-            self._check_routing(topk_ids, topk_weights)
-        self._launch("dispatch_async", tokens=tokens, topk_ids=topk_ids, topk_weights=topk_weights)
+            self._check_routing(topk_ids, topk_weights, valid)
+        self._launch("dispatch_async", tokens=tokens, topk_ids=topk_ids, topk_weights=topk_weights, **valid)
         handle = DispatchHandle(owner=self._owner, call=self._calls, n_tokens=T)
         self._calls += 1
         self._state = _State.DISPATCH_SENT
         return handle
+
+    def _valid_tokens(self, n_tokens, call) -> dict:
+        """The ``valid_tokens`` / ``use_valid`` kernel arguments for ``n_tokens`` (see dispatch_async)."""
+        if n_tokens is None:
+            return {"valid_tokens": self._no_valid, "use_valid": np.int64(0)}
+        n_tokens = arrays.to_backend(n_tokens, self.session.backend, call, "n_tokens")
+        arrays.check_array(n_tokens, call, "n_tokens", np.int32, (1,),
+                           "Pass a one-element int32 device array holding the number of valid rows.")
+        return {"valid_tokens": n_tokens, "use_valid": np.int64(1)}
 
     def check_routing(self, topk_ids, topk_weights) -> None:
         """Enqueue the device-side routing check (debug mode runs it before every dispatch).
@@ -160,10 +177,10 @@ class EPRuntime:
         T = topk_ids.shape[0]
         arrays.check_array(topk_ids, c, "topk_ids", np.int32, (None, cfg.top_k), f"Expected [T, top_k={cfg.top_k}].")
         arrays.check_array(topk_weights, c, "topk_weights", np.float32, (T, cfg.top_k), f"Expected [T={T}, top_k].")
-        self._check_routing(topk_ids, topk_weights)
+        self._check_routing(topk_ids, topk_weights, self._valid_tokens(None, c))
 
-    def _check_routing(self, topk_ids, topk_weights) -> None:
-        self._launch("validate_routing", topk_ids=topk_ids, topk_weights=topk_weights,
+    def _check_routing(self, topk_ids, topk_weights, valid: dict) -> None:
+        self._launch("validate_routing", topk_ids=topk_ids, topk_weights=topk_weights, **valid,
                      n_experts=np.int64(self.cfg.n_experts),
                      allow_negative=np.int64(self.cfg.allow_negative_weights))
 
@@ -224,8 +241,8 @@ class EPRuntime:
         self._require(_State.COMBINE_SENT, call="combine_wait", handle=handle, handle_type=CombineHandle)
         cfg, s, T = self.cfg, self.session, handle.n_tokens
         shape = (T, cfg.hidden) if reduce else (cfg.n_ranks, T, cfg.hidden)
-        if out is None:
-            out = s.alloc_local("combine_out", shape, np.uint16)
+        if out is None:  # every element is written by the kernel (rows < n_tokens with n_tokens)
+            out = s.alloc_local("combine_out", shape, np.uint16, fill=None)
         else:
             out = arrays.to_backend(out, s.backend, "combine_wait", "out")
             arrays.check_array(out, "combine_wait", "out", np.uint16, shape, "Pass None to allocate it.")
@@ -275,7 +292,7 @@ class EPRuntime:
         self.buffers.clear()
         self._arg.clear()
         self.session.free_symmetric(self._sym)
-        self._sym = self._local = self._no_out = self._no_partials = self._no_aux = None
+        self._sym = self._local = self._no_out = self._no_partials = self._no_aux = self._no_valid = None
 
     def __enter__(self):
         return self
@@ -329,9 +346,8 @@ class EPRuntime:
             kernel = self._kernels.get((name, epilogue))
             if kernel is None:
                 kernel = self._kernels[(name, epilogue)] = _combine_wait_with(self._threads, self._word, epilogue)
-        values = {k: v if k in SCALARS else self.session.as_kernel_arg(
-                      arrays.word_view(v, self._word, name, k) if k in WORD_ARRAYS else v)
-                  for k, v in values.items()}
+        values = {k: arrays.word_view(v, self._word, name, k) if k in WORD_ARRAYS else v
+                  for k, v in values.items()}  # backend arrays: the session makes kernel args
         self.session.launch(kernel, self._grid, self._threads, build_args(name, self._arg, values))
         if self.debug:
             self.synchronize()

@@ -8,7 +8,9 @@ with ``blockDim.x`` threads in a 1-D block.
   after all blocks' sends are complete, without any block waiting for another;
 - ``block_exclusive_scan`` / ``block_sum``: shared-memory scans for deterministic placement;
 - ``record_error``: claims the device error record (first error wins);
-- ``warp_geometry`` / ``warp_sync``: how kernels split a block into warps, and the warp barrier.
+- ``warp_geometry`` / ``warp_sync``: how kernels split a block into warps, and the warp barrier;
+- ``row_parts`` / ``part_words``: how many warp items each token row is cut into, so that small
+  batches still give every warp work (a row is ``W`` words; a warp item is one part of one row).
 """
 
 from numba import int32, int64
@@ -140,3 +142,24 @@ else:
     def warp_sync():
         """Barrier of the calling warp (``__syncwarp`` with every lane)."""
         cuda.syncwarp(0xFFFFFFFF)
+
+
+# -- rows cut into warp items ----------------------------------------------------------------------
+@cuda.jit(device=True)
+def row_parts(n_rows, W, all_warps, warp):
+    """Parts to cut each of ``n_rows`` rows of ``W`` words into: the smallest power of two for
+    which ``n_rows * parts >= all_warps`` (every warp gets an item), but parts of at least one
+    word per lane. Large batches get 1 (a warp per row); a decode batch of 128 rows on 132 x 16
+    warps gets 16. Every thread computes the same value."""
+    parts = 1
+    while n_rows * parts < all_warps and parts * 2 * warp <= W:
+        parts *= 2
+    return parts
+
+
+@cuda.jit(device=True)
+def part_words(W, parts, warp):
+    """Words per part: ``ceil(W / parts)`` rounded up to a multiple of ``warp`` (so each lane's
+    words stay aligned to the warp); the last part of a row may be shorter or empty."""
+    span = (W + parts - 1) // parts
+    return (span + warp - 1) // warp * warp

@@ -12,7 +12,8 @@ from numba import float32, from_dtype, int32, int64, uint64
 
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.bits import bf16_bits_at, word_f32
-from ep_runtime.kernels.block import last_block_ticket, record_error, warp_geometry, warp_sync
+from ep_runtime.kernels.block import (last_block_ticket, part_words, record_error, row_parts, warp_geometry,
+                                      warp_sync)
 from ep_runtime.kernels.cuda_api import cuda
 from ep_runtime.layout import STATUS_CODE, SYNC_CALLS
 from ep_runtime.status import COUNTER_COMBINE_SIGNAL, ERR_TIMEOUT, KERNEL_COMBINE_WAIT
@@ -40,6 +41,41 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue):
     word_t = from_dtype(np.dtype(word_dtype))
     pack = np.dtype(word_dtype).itemsize // 2
 
+    @cuda.jit(device=True)
+    def partial_word(expert_out, row_weight, token_rows, s, t, n_local, w):
+        """Word ``w`` of token (s, t)'s partial: per bf16 element, the float32 sum from 0 over
+        its local experts j (ascending) of weight_j * output_j, rounded to bf16."""
+        acc = cuda.local.array(pack, float32)
+        for i in range(pack):
+            acc[i] = float32(0.0)
+        for j in range(n_local):
+            r = token_rows[s, t, j]
+            weight = row_weight[r]
+            v = expert_out[r, w]
+            for i in range(pack):
+                acc[i] += weight * word_f32(v, i)
+        packed = uint64(0)
+        for i in range(pack):
+            packed |= bf16_bits_at(acc[i], i)
+        return word_t(packed)
+
+    @cuda.jit(device=True)
+    def reduced_word(c_partials, g, went, t, w, aux):
+        """Word ``w`` of token t's result: per element, epilogue(float32 sum from 0 over the
+        ranks r it went to, ascending, of partial_r), rounded to bf16."""
+        acc = cuda.local.array(pack, float32)
+        for i in range(pack):
+            acc[i] = float32(0.0)
+        for r in range(c_partials.shape[1]):
+            if (went >> uint64(r)) & uint64(1):
+                v = c_partials[g, r, t, w]
+                for i in range(pack):
+                    acc[i] += word_f32(v, i)
+        packed = uint64(0)
+        for i in range(pack):
+            packed |= bf16_bits_at(epilogue(acc[i], t, w * pack + i, aux), i)
+        return word_t(packed)
+
     @cuda.jit
     def combine_async(expert_out, d_ids, d_counts, c_partials, c_signal,
                       sync, token_rows, row_weight, stage, ticket, status):
@@ -51,7 +87,8 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue):
         token_rows [R, Tmax, K], row_weight [C] float32, stage [R, Tmax, W] words,
         ticket [1] int64, status [8] int64.
 
-        A warp per token item (src, t): partial = sum over the token's local experts in
+        A warp per item, part of token (src, t)'s row (``row_parts``: whole rows for large
+        batches), two words per lane in flight: partial = sum over the token's local experts in
         ascending order of weight * output, in float32 from 0, rounded to bf16. A partial for
         this rank's own token is stored straight into its slot [g, me, t]; one for a peer is
         staged in stage[src, t] and put (``put_nbi_warp``) to slot [g, me, t] of rank src.
@@ -70,35 +107,36 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue):
         lane = tid % warp
         n = sync[SYNC_CALLS] - 1
         g = n % 2
-        acc = cuda.local.array(pack, float32)
+        all_warps = cuda.gridDim.x * warps
 
         for s in range(R):
             T_s = d_counts[g, s, L]
-            t = cuda.blockIdx.x * warps + tid // warp
-            while t < T_s:
+            parts = row_parts(T_s, W, all_warps, warp)
+            span = part_words(W, parts, warp)
+            i = cuda.blockIdx.x * warps + tid // warp
+            while i < T_s * parts:
+                t = i // parts
+                w0 = (i - t * parts) * span
+                w1 = min(W, w0 + span)
                 n_local = 0
                 for k in range(K):
                     if d_ids[g, s, t, k] // L == me:
                         n_local += 1
-                if n_local > 0:
+                if n_local > 0 and w0 < w1:
                     dst = c_partials[g, me, t] if s == me else stage[s, t]
-                    for w in range(lane, W, warp):
-                        for i in range(pack):
-                            acc[i] = float32(0.0)
-                        for j in range(n_local):
-                            r = token_rows[s, t, j]
-                            weight = row_weight[r]
-                            v = expert_out[r, w]
-                            for i in range(pack):
-                                acc[i] += weight * word_f32(v, i)
-                        packed = uint64(0)
-                        for i in range(pack):
-                            packed |= bf16_bits_at(acc[i], i)
-                        dst[w] = word_t(packed)
+                    w = w0 + lane
+                    while w + warp < w1:  # two words per lane in flight
+                        p0 = partial_word(expert_out, row_weight, token_rows, s, t, n_local, w)
+                        p1 = partial_word(expert_out, row_weight, token_rows, s, t, n_local, w + warp)
+                        dst[w] = p0
+                        dst[w + warp] = p1
+                        w += 2 * warp
+                    if w < w1:
+                        dst[w] = partial_word(expert_out, row_weight, token_rows, s, t, n_local, w)
                     if s != me:
-                        warp_sync()  # the whole staged row is written before the warp's put
-                        shmem.put_nbi_warp(c_partials[g, me, t], stage[s, t], s)
-                t += cuda.gridDim.x * warps
+                        warp_sync()  # the whole staged part is written before the warp's put
+                        shmem.put_nbi_warp(c_partials[g, me, t, w0:w1], stage[s, t, w0:w1], s)
+                i += all_warps
 
         if last_block_ticket(ticket, flag):
             for d in range(tid, R, threads):
@@ -118,8 +156,9 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue):
         mode is not touched (pass any array of the right rank). aux [T, H] float32: the
         epilogue's input.
 
-        One block: waits for all R signals itself, then a warp per token (grid-strided), each
-        lane whole words. A wait past timeout_ns records an error and writes nothing.
+        One block: waits for all R signals itself, then a warp per item, part of token t's row
+        (``row_parts``), grid-strided, two words per lane in flight. A wait past timeout_ns
+        records an error and writes nothing.
         """
         flag = cuda.shared.array(1, int32)
         if status[STATUS_CODE] != 0:
@@ -133,7 +172,6 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue):
         lane = tid % warp
         n = sync[SYNC_CALLS] - 1
         g = n % 2
-        acc = cuda.local.array(pack, float32)
 
         if tid == 0:
             flag[0] = 0
@@ -150,30 +188,34 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue):
             return
 
         T = d_counts[g, me, L]
-        t = cuda.blockIdx.x * warps + tid // warp
-        while t < T:
+        all_warps = cuda.gridDim.x * warps
+        parts = row_parts(T, W, all_warps, warp)
+        span = part_words(W, parts, warp)
+        i = cuda.blockIdx.x * warps + tid // warp
+        while i < T * parts:
+            t = i // parts
+            w0 = (i - t * parts) * span
+            w1 = min(W, w0 + span)
             went = uint64(0)  # bit r: token t went to rank r
             for k in range(K):
                 went |= uint64(1) << uint64(d_ids[g, me, t, k] // L)
-            for w in range(lane, W, warp):
-                if mode == MODE_REDUCE:
-                    for i in range(pack):
-                        acc[i] = float32(0.0)
-                    for r in range(R):
-                        if (went >> uint64(r)) & uint64(1):
-                            v = c_partials[g, r, t, w]
-                            for i in range(pack):
-                                acc[i] += word_f32(v, i)
-                    packed = uint64(0)
-                    for i in range(pack):
-                        packed |= bf16_bits_at(epilogue(acc[i], t, w * pack + i, aux), i)
-                    out[t, w] = word_t(packed)
-                else:
+            if mode == MODE_REDUCE:
+                w = w0 + lane
+                while w + warp < w1:  # two words per lane in flight
+                    p0 = reduced_word(c_partials, g, went, t, w, aux)
+                    p1 = reduced_word(c_partials, g, went, t, w + warp, aux)
+                    out[t, w] = p0
+                    out[t, w + warp] = p1
+                    w += 2 * warp
+                if w < w1:
+                    out[t, w] = reduced_word(c_partials, g, went, t, w, aux)
+            else:
+                for w in range(w0 + lane, w1, warp):
                     for r in range(R):
                         if (went >> uint64(r)) & uint64(1):
                             out_partials[r, t, w] = c_partials[g, r, t, w]
                         else:
                             out_partials[r, t, w] = 0
-            t += cuda.gridDim.x * warps
+            i += all_warps
 
     return combine_async, combine_wait

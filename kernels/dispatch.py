@@ -13,8 +13,8 @@ the kernel boundary is the grid-wide barrier between "every row's position is kn
 from numba import int32, int64, uint64
 
 from ep_runtime.kernels import shmem
-from ep_runtime.kernels.block import (block_exclusive_scan, block_sum, last_block_ticket, record_error,
-                                      sched_advance, sched_initial, warp_geometry)
+from ep_runtime.kernels.block import (block_exclusive_scan, block_sum, last_block_ticket, part_words,
+                                      record_error, row_parts, sched_advance, sched_initial, warp_geometry)
 from ep_runtime.kernels.cuda_api import cuda
 from ep_runtime.layout import STATUS_CODE, SYNC_CALLS, SYNC_TICKET
 from ep_runtime.status import (COUNTER_DISPATCH_SIGNAL, COUNTER_RECV_ROWS, ERR_CAPACITY, ERR_TIMEOUT,
@@ -37,19 +37,22 @@ def make_dispatch_kernels(threads: int):
     assert U == 4, "dispatch_copy's loop body loads 4 words per lane"
 
     @cuda.jit
-    def dispatch_async(tokens, topk_ids, topk_weights,
+    def dispatch_async(tokens, topk_ids, topk_weights, valid_tokens, use_valid,
                        d_tokens, d_ids, d_weights, d_counts, d_signal,
                        sync, send_hist, send_counts, status):
         """Send this rank's tokens, once per destination rank, and signal each destination.
 
-        tokens [T, W] words, topk_ids [T, K] int32, topk_weights [T, K] float32: this rank's
-        batch. Symmetric: d_tokens [G, R, Tmax, W], d_ids/d_weights [G, R, Tmax, K],
-        d_counts [G, R, L + 1] int32, d_signal [G, R] uint64. Local: sync [2] int64,
-        send_hist [E] int32 (zero on entry), send_counts [R, L + 1] int32, status [8] int64.
+        tokens [Tc, W] words, topk_ids [Tc, K] int32, topk_weights [Tc, K] float32: this rank's
+        batch; its first T rows are sent, T = Tc, or ``min(Tc, valid_tokens[0])`` when
+        use_valid (int64) is nonzero (valid_tokens [1] int32 on the device: one CUDA graph
+        captured at capacity serves any batch size). Symmetric: d_tokens [G, R, Tmax, W],
+        d_ids/d_weights [G, R, Tmax, K], d_counts [G, R, L + 1] int32, d_signal [G, R] uint64.
+        Local: sync [2] int64, send_hist [E] int32 (zero on entry), send_counts [R, L + 1]
+        int32, status [8] int64.
 
-        (1) Each warp takes token items (grid-strided) and puts row t into slot [g, me, t] of
-        every rank that holds one of its experts (``put_nbi_warp``: a warp-wide vectorized
-        copy, several rows in flight per block). (2) Each block puts chunks of routing rows to
+        (1) Each warp takes items (grid-strided): part of token row t (``row_parts``: whole rows
+        for large batches) and puts it into slot [g, me, t] of every rank that holds one of the
+        token's experts (``put_nbi_warp``: a warp-wide copy). (2) Each block puts chunks of routing rows to
         every rank and counts tokens per expert into send_hist. (3) The last block (ticket)
         puts each rank its counts with a signal of n + 1 (every block quieted its puts first:
         data before signal), resets the scratch and advances the call counter. Nobody waits.
@@ -61,21 +64,31 @@ def make_dispatch_kernels(threads: int):
         R = d_counts.shape[1]
         L = d_counts.shape[2] - 1
         K = topk_ids.shape[1]
+        W = tokens.shape[1]
         T = tokens.shape[0]
+        if use_valid != 0:
+            T = max(0, min(T, valid_tokens[0]))
         tid = cuda.threadIdx.x
         n = sync[SYNC_CALLS]
         g = n % 2
 
-        # (1) token rows, deduplicated per destination rank, a warp per token
-        t = cuda.blockIdx.x * warps + tid // warp
-        while t < T:
-            sent = uint64(0)  # bit d: row t already went to rank d
-            for k in range(K):
-                d = topk_ids[t, k] // L
-                if (sent >> uint64(d)) & uint64(1) == uint64(0):
-                    sent |= uint64(1) << uint64(d)
-                    shmem.put_nbi_warp(d_tokens[g, me, t], tokens[t], d)
-            t += cuda.gridDim.x * warps
+        # (1) token rows, deduplicated per destination rank, a warp per row part
+        all_warps = cuda.gridDim.x * warps
+        parts = row_parts(T, W, all_warps, warp)
+        span = part_words(W, parts, warp)
+        i = cuda.blockIdx.x * warps + tid // warp
+        while i < T * parts:
+            t = i // parts
+            w0 = (i - t * parts) * span
+            w1 = min(W, w0 + span)
+            if w0 < w1:
+                sent = uint64(0)  # bit d: this part already went to rank d
+                for k in range(K):
+                    d = topk_ids[t, k] // L
+                    if (sent >> uint64(d)) & uint64(1) == uint64(0):
+                        sent |= uint64(1) << uint64(d)
+                        shmem.put_nbi_warp(d_tokens[g, me, t, w0:w1], tokens[t, w0:w1], d)
+            i += all_warps
 
         # (2) routing rows to every rank, and the per-expert histogram
         c = sched_initial(cuda.blockIdx.x)
@@ -240,8 +253,9 @@ def make_dispatch_kernels(threads: int):
         dispatch_wait wrote them; expert_x [C, W] words (output). Runs after dispatch_wait on
         the same stream (the launch boundary orders them) and reads only what it waited for.
 
-        Token-major: a warp per received token (src, t) reads each word of the row once and
-        stores it to the token's n_local expert rows, ``COPY_UNROLL`` words per lane in flight.
+        Token-major: a warp per received row part (``row_parts``: whole rows for large batches)
+        reads each word once and stores it to the token's n_local expert rows, ``COPY_UNROLL``
+        words per lane in flight.
         Then a warp per local expert zeroes its padding rows.
         """
         if status[STATUS_CODE] != 0:
@@ -259,15 +273,19 @@ def make_dispatch_kernels(threads: int):
 
         for s in range(R):
             T_s = d_counts[g, s, L]
-            t = first_warp
-            while t < T_s:
+            parts = row_parts(T_s, W, all_warps, warp)
+            span = part_words(W, parts, warp)
+            i = first_warp
+            while i < T_s * parts:
+                t = i // parts
+                w1 = min(W, (i - t * parts) * span + span)
                 n_local = 0
                 for k in range(K):
                     if d_ids[g, s, t, k] // L == me:
                         n_local += 1
                 src = d_tokens[g, s, t]
-                w = lane
-                while w + (U - 1) * warp < W:
+                w = (i - t * parts) * span + lane
+                while w + (U - 1) * warp < w1:
                     v0 = src[w]
                     v1 = src[w + warp]
                     v2 = src[w + 2 * warp]
@@ -279,12 +297,12 @@ def make_dispatch_kernels(threads: int):
                         dst[w + 2 * warp] = v2
                         dst[w + 3 * warp] = v3
                     w += U * warp
-                while w < W:
+                while w < w1:
                     v0 = src[w]
                     for j in range(n_local):
                         expert_x[token_rows[s, t, j], w] = v0
                     w += warp
-                t += all_warps
+                i += all_warps
 
         e = first_warp
         while e < L:

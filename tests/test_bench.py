@@ -3,6 +3,7 @@ run on the simulator (the GPU numbers come from mpirun on the GPU machine)."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import subprocess
 import sys
@@ -10,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from ep_runtime import EPConfig, reference
+from ep_runtime import EPConfig, EPRuntime, reference
 from ep_runtime.bench.stats import gbps, summarize
 from ep_runtime.bench.traffic import nccl_permutation, rank_traffic
 from ep_runtime.testing import make_inputs
@@ -53,8 +54,115 @@ def test_stats():
 def test_help_documents_the_tool():
     out = subprocess.run([sys.executable, "-m", "ep_runtime.bench", "--help"], capture_output=True, text=True,
                          check=True).stdout
-    for word in ("--tokens", "--samples", "--json", "--plot", "floor", "NCCL", "logical GB/s"):
+    for word in ("--tokens", "--samples", "--json", "--plot", "floor", "NCCL", "logical GB/s", "--mode",
+                 "CUDA graphs", "n_tokens"):
         assert word in out
+
+
+def test_graph_mode_is_refused_on_the_simulator_before_anything_runs(monkeypatch, capsys):
+    import ep_runtime.shmem.launch as launch
+    from ep_runtime.bench.__main__ import main
+
+    def must_not_run(*a, **k):
+        raise AssertionError("run_job called: graph mode must be refused before anything runs")
+
+    monkeypatch.setattr(launch, "run_job", must_not_run)
+    with pytest.raises(SystemExit) as exc:
+        main(["--backend", "sim", "--mode", "eager", "graph", "--tokens", "4"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    for words in ("--mode graph", "CUDA graphs", "simulator", "mpirun", "--mode eager"):
+        assert words in err
+
+
+class _FakeGraph:
+    def __init__(self, log):
+        self.log = log
+
+    def launch(self, stream):
+        self.log.append("launch")
+
+
+class _FakeStream:
+    """Stands in for CuPy's stream on the simulator: there a "captured" call simply runs (the
+    simulator launches synchronously), and a "replay" does nothing."""
+
+    def __init__(self):
+        self.log = []
+
+    def begin_capture(self):
+        assert not self.log or self.log[-1] != "begin", "nested capture"
+        self.log.append("begin")
+
+    def end_capture(self):
+        assert self.log[-1] != "end"
+        self.log.append("end")
+        return _FakeGraph(self.log)
+
+
+def graph_mode_pe(session, cfg_dict, seed):
+    """The graph-mode timing's host side on the simulator (a fake stream): captures must follow
+    the runtime's call order and leave it usable; then an eager round trip, checked."""
+    from ep_runtime import EPRuntime, reference
+    from ep_runtime.bench.measure import takes_device_token_count, time_graph_round_trips
+
+    cfg = EPConfig(n_ranks=session.n_ranks, **cfg_dict)
+    T, r = cfg.max_tokens_per_rank, session.rank
+    xs, ids, ws = make_inputs(cfg, "random", seed, n_tokens=[T] * cfg.n_ranks)
+    with EPRuntime(cfg, session) as rt:
+        inputs = tuple(session.to_device(a) for a in (xs[r].view(np.uint16), ids[r], ws[r]))
+        y = session.alloc_local("y", (cfg.recv_rows_capacity, cfg.hidden), np.uint16)
+        out = session.alloc_local("out", (T, cfg.hidden), np.uint16)
+        n_tok = session.to_device(np.array([T], np.int32)) if takes_device_token_count(rt) else None
+        stream = _FakeStream()
+        spans = time_graph_round_trips(rt, session, inputs, y, out, samples=2, warmup=1, n_tokens=n_tok,
+                                       stream=stream)
+        calls_after_capture = rt.calls
+        batch = rt.dispatch(*inputs)
+        rt.combine(y, batch.handle, out=out)
+        ref = reference.dispatch(xs, ids, ws, cfg)[r]
+        n = ref.n_rows
+        exact = bool(np.array_equal(session.to_host(batch.x)[:n], ref.x.view(np.uint16)))
+    return {"spans": {k: len(v) for k, v in spans.items()}, "log": stream.log, "calls": calls_after_capture,
+            "exact": exact, "device_n_tokens": n_tok is not None}
+
+
+def test_graph_mode_captures_in_call_order_on_the_simulator():
+    from ep_runtime.bench.measure import GRAPH_ROUND_TRIPS
+    from ep_runtime.shmem.launch import run_pes
+
+    cfg = dict(n_experts=4, top_k=2, hidden=16, max_tokens_per_rank=3)
+    for res in run_pes(graph_mode_pe, 2, args=(cfg, 3), timeout_s=300):
+        assert res["spans"] == {k: 2 for k in ("dispatch", "dispatch_async", "dispatch_wait", "combine",
+                                                 "combine_async", "combine_wait")}
+        n_graphs = sum(len(phase) for rt in GRAPH_ROUND_TRIPS for phase in rt)
+        assert n_graphs == 6
+        assert res["log"][:2 * n_graphs] == ["begin", "end"] * n_graphs       # captured first, one at a time
+        assert res["log"][2 * n_graphs:] == ["launch"] * (n_graphs * 3)      # then replayed (1 warm-up + 2)
+        assert res["calls"] == 2  # two round trips captured: phase graphs, then one graph per call
+        assert res["exact"]       # the runtime is usable and correct after the captures
+        assert res["device_n_tokens"] == ("n_tokens" in inspect.signature(EPRuntime.dispatch_async).parameters)
+
+
+def test_table_and_results_carry_the_mode():
+    from ep_runtime.bench.measure import SPANS
+    from ep_runtime.bench.run import _result, table
+
+    cfg = EPConfig(n_ranks=2, n_experts=4, top_k=2, hidden=8, max_tokens_per_rank=3)
+    _, ids, _ = make_inputs(cfg, "random", 1, n_tokens=[3, 3])
+    tr = rank_traffic(ids, 0, cfg.n_local_experts, cfg.hidden)
+    spans = {k: [1.0, 2.0, 3.0] for k in SPANS}
+    ceil = {"nvlink_gbps": 100.0, "hbm_gbps": 1000.0}
+    graph = {"captured_rows": 3, "n_tokens": "device scalar", "replayed_round_trips": 6, "device_calls": 6}
+    res = [_result(cfg, tr, spans, {}, ceil, "eager"), _result(cfg, tr, spans, {}, ceil, "graph", graph)]
+    assert [r["mode"] for r in res] == ["eager", "graph"] and "graph" not in res[0] and res[1]["graph"] == graph
+    lines = table([res]).splitlines()
+    assert "mode" in lines[0].split("|")[0]
+    assert " eager |" in lines[1] and " graph |" in lines[2]
+    assert any(line.startswith("graph mode:") and "device scalar" in line for line in lines)
+    assert "WARNING" not in table([res])
+    res[1]["graph"]["device_calls"] = 4  # replays that did not run
+    assert "WARNING rank 0 T=3: the device counted 4 calls for 6" in table([res])
 
 
 def test_smoke_run_on_the_simulator(tmp_path):
@@ -64,7 +172,7 @@ def test_smoke_run_on_the_simulator(tmp_path):
          "--hidden", "16", "--experts", "4", "--top-k", "2", "--samples", "3", "--warmup", "1",
          "--json", str(path)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "dispatch us" in proc.stdout and "ceilings measured in this run" in proc.stdout
+    assert "dispatch us" in proc.stdout and "ceilings measured in this run" in proc.stdout and " eager |" in proc.stdout
     data = json.loads(path.read_text())
     assert data["meta"]["backend"] == "sim" and data["meta"]["ranks"] == 2 and data["meta"]["git_sha"]
     assert [len(rank) for rank in data["results"]] == [2, 2]
@@ -73,3 +181,5 @@ def test_smoke_run_on_the_simulator(tmp_path):
             for span in ("dispatch", "dispatch_async", "dispatch_wait", "combine", "combine_async", "combine_wait"):
                 assert res["times_us"][span]["n"] == 3 and res["times_us"][span]["median"] > 0
             assert res["traffic"]["tokens"] == res["config"]["max_tokens_per_rank"]
+            assert res["mode"] == "eager"
+    assert data["args"]["mode"] == ["eager"]

@@ -153,6 +153,10 @@ def correctness_cases(R: int) -> list[Case]:
         Case("scan_chunks_unrolled_copy", base_cfg(R, hidden=136, max_tokens_per_rank=70, n_sms=2), seed=23,
              n_tokens=(70,) * R),
         Case("no_tokens_anywhere", base_cfg(R), seed=17, n_tokens=(0,) * R),
+        # few rows, wide rows, many warps: rows cut into parts (kernels/block.py, row_parts):
+        # 3 rows x 4 parts of 16 words on 8 blocks of one 8-lane warp
+        Case("row_parts_small_batch_wide_rows", base_cfg(R, hidden=256, max_tokens_per_rank=3, n_sms=8),
+             seed=24, n_tokens=(3,) * R),
         # experts 0 and 1 (rank 0) get 3R tokens each, padded to 4: exactly max_recv_rows rows
         Case("one_expert_exactly_at_capacity",
              base_cfg(R, pad_multiple=4, max_recv_rows=2 * (-(-3 * R // 4) * 4)), "one_expert", seed=19,
@@ -181,6 +185,16 @@ def back_to_back_cases(R: int) -> list[Case]:
     cfg = base_cfg(R)
     return [Case(f"call{c}", cfg, seed=100 + c, n_tokens=counts)
             for c, counts in enumerate(call_token_counts(R, cfg["max_tokens_per_rank"]))]
+
+
+def device_count_cases(R: int) -> list[Case]:
+    """Calls whose token counts come from a device scalar; decoys come from a full-size case
+    (seed 300) prepended as the first entry (not itself a call)."""
+    cfg = base_cfg(R)
+    T = cfg["max_tokens_per_rank"]
+    return [Case("decoys", cfg, seed=300, n_tokens=(T,) * R)] + [
+        Case(f"call{c}", cfg, seed=310 + c, n_tokens=counts)
+        for c, counts in enumerate(call_token_counts(R, T))]
 
 
 #: Which calls of the skip-combine run also combine (the others dispatch only).
@@ -326,6 +340,33 @@ def correctness_pe(session, R: int) -> dict:
                     calls.append({"batch": _host_batch(session, batch), "out": None})
             return {"calls": calls, "host_calls": rt.calls, "device_calls": rt.device_calls()}
 
+    def device_count(all_cases):
+        """Back-to-back calls with capacity-sized inputs whose valid rows are counted by a
+        device scalar (dispatch_async(n_tokens=...)): rows past the count are decoys routed to
+        real experts, so sending one shows up; combine rows past the count must stay as set."""
+        cfg, r = all_cases[0].config(), session.rank
+        cap = cfg.max_tokens_per_rank
+        decoys = all_cases[0].inputs()  # full-size inputs of another seed: their rows are decoys
+        cases = all_cases[1:]
+        calls = []
+        with EPRuntime(cfg, session) as rt:
+            for case in cases:
+                xs, ids, ws = case.inputs()
+                n = len(xs[r])
+                x = session.to_device(np.concatenate([xs[r], decoys[0][r][:cap - n]]).view(np.uint16))
+                i = session.to_device(np.concatenate([ids[r], decoys[1][r][:cap - n]]))
+                w = session.to_device(np.concatenate([ws[r], decoys[2][r][:cap - n]]))
+                count = session.to_device(np.array([n], np.int32))
+                handle = rt.dispatch_async(x, i, w, n_tokens=count)
+                batch = rt.dispatch_wait(handle)
+                got = _host_batch(session, batch)
+                y = expert_outputs(case, reference.dispatch(xs, ids, ws, cfg)[r], r)
+                out = np.full((len(x), cfg.hidden), 0xBEEF, np.uint16)
+                rt.combine_wait(rt.combine_async(y, batch.handle), out=out)
+                rt.synchronize()
+                calls.append({"batch": got, "out": session.to_host(out)[:n], "tail": session.to_host(out)[n:]})
+        return {"calls": calls}
+
     def partials(case):
         cfg, r = case.config(), session.rank
         xs, ids, ws = case.inputs()
@@ -353,6 +394,7 @@ def correctness_pe(session, R: int) -> dict:
                           lambda cases: sequence(cases, [True] * len(cases))))
     out.update(_run_cases({"skip_combine": skip_combine_cases(R)},
                           lambda cases: sequence(cases, SKIP_COMBINE_PATTERN)))
+    out.update(_run_cases({"device_count": device_count_cases(R)}, device_count))
     out.update(_run_cases({"partials": partials_case(R)}, partials))
     out.update(_run_cases({"epilogue": epilogue_case(R)}, epilogue))
     return out
@@ -687,6 +729,24 @@ def test_back_to_back_calls_on_one_runtime(sim, R):
         assert_combine_exact([call["out"] for call in calls], case, f" (call {c} of {N_CALLS})")
     for r, res in enumerate(per_rank):
         assert (res["host_calls"], res["device_calls"]) == (N_CALLS, N_CALLS), f"rank {r}"
+
+
+@pytest.mark.parametrize("R", WORLD_SIZES)
+def test_token_count_from_a_device_scalar(sim, R):
+    """dispatch_async(n_tokens=device scalar) with capacity-sized inputs: exactly the first
+    n rows of each rank travel (decoy rows past n would add rows), combine writes exactly the
+    first n output rows (the rest keep their 0xBEEF), for counts that vary by rank and call,
+    0 included."""
+    per_rank = case_results(sim, R, "device_count")
+    cases = device_count_cases(R)
+    calls_cases = cases[1:]
+    assert any(0 in c.n_tokens for c in calls_cases)
+    for c, case in enumerate(calls_cases):
+        calls = [res["calls"][c] for res in per_rank]
+        assert_dispatch_exact([call["batch"] for call in calls], case, f" (call {c}, device count)")
+        assert_combine_exact([call["out"] for call in calls], case, f" (call {c}, device count)")
+        for r, call in enumerate(calls):
+            assert (call["tail"] == 0xBEEF).all(), f"call {c} rank {r}: combine wrote rows past n_tokens"
 
 
 @pytest.mark.parametrize("R", WORLD_SIZES)

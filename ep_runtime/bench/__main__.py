@@ -11,8 +11,19 @@ to reach our layout; nvshmem4py's host ``alltoall``). Lists of values sweep thei
 product. Outside mpirun (or with ``--backend sim``) it runs on the simulator, as a smoke test:
 no ceilings or baselines, host-clock times.
 
-Results print as a table (rank 0) and, with ``--json FILE``, as JSON with the configuration,
-git sha, devices and versions; ``--plot FILE.png`` draws time against tokens (matplotlib).
+Modes (``--mode``, one or both; default eager): **eager** times the four calls as a caller
+makes them. **graph** (GPUs only) captures CUDA graphs on the session stream, one per phase
+(dispatch = dispatch_async + dispatch_wait; combine = combine_async + combine_wait, captured
+right after, the runtime's legal call order), and times each replay with CUDA events recorded
+outside the graphs, a barrier before each phase; the async and wait columns come from graphs of
+one call each, captured and replayed the same way. Graphs are captured with all T rows; when
+the runtime's dispatch_async takes ``n_tokens=`` (a device scalar), T is passed that way, as a
+decode step serving a varying batch from one graph would. The simulator has no CUDA graphs:
+``--mode graph`` there is refused before anything runs.
+
+Results print as a table (rank 0; a ``mode`` column) and, with ``--json FILE``, as JSON with
+the configuration, mode, git sha, devices and versions; ``--plot FILE.png`` draws time against
+tokens (matplotlib).
 """
 
 from __future__ import annotations
@@ -37,7 +48,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, nargs="+", default=[8])
     p.add_argument("--experts", type=int, nargs="+", default=[256])
     p.add_argument("--n-sms", type=int, nargs="+", default=[0], help="blocks per kernel; 0 = all SMs")
-    p.add_argument("--samples", type=int, default=50, help="timed samples per configuration (>= 50 on GPUs)")
+    p.add_argument("--mode", nargs="+", choices=("eager", "graph"), default=["eager"],
+                   help="eager: the calls as made by a caller; graph: CUDA graph replay, one graph per phase "
+                        "(GPUs only); both: --mode eager graph (default: eager)")
+    p.add_argument("--samples", type=int, default=50,
+                   help="timed samples per configuration and mode (>= 50 on GPUs)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ceiling-mib", type=int, default=256, help="bytes copied to measure each ceiling")
@@ -49,11 +64,18 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     from ..errors import EPError
     from ..shmem.launch import job_backend, job_ranks, run_job
 
     backend, n_ranks = job_backend(args.backend), job_ranks(args.ranks)
+    if "graph" in args.mode and backend == "sim":
+        why = "" if args.backend == "sim" else " (--backend auto chose it: not under mpirun, or no GPU visible)"
+        parser.error(f"--mode graph needs CUDA graphs, and the simulator backend{why} has none (it runs each "
+                     f"kernel on the host as it is called). Run graph mode on GPUs under mpirun, e.g. "
+                     f"'mpirun -np 2 python -m ep_runtime.bench --mode eager graph ...', or use --mode eager "
+                     f"on the simulator.")
     heap = max(BufferLayout(EPConfig(n_ranks=n_ranks, **f)).symmetric_bytes for f in configs(args))
     if backend != "sim":  # the NVLink ceiling's copy target, and nvshmem alltoall's two buffers
         heap += (args.ceiling_mib << 20) + 2 * n_ranks * max(args.tokens) * max(args.hidden) * 2

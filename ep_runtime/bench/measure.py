@@ -1,12 +1,19 @@
-"""Timing of the four calls, the link and memory ceilings, and the baselines.
+"""Timing of the four calls (eager and CUDA-graph replay), the link and memory ceilings, and
+the baselines.
 
 Every sample starts with a barrier of all ranks. On GPUs times come from CUDA events on the
 session stream (so they include any host launch gap inside the measured span, as a caller
 would see it); on the simulator from the host clock (kernels run synchronously there).
+
+Graph mode (:func:`time_graph_round_trips`, GPUs only) captures CUDA graphs of the calls on the
+session stream, the way ``tests/gpu/ep_check.py`` (``replay_graph``) does, and times each replay
+with events recorded *outside* the graphs (events recorded during a capture become graph nodes,
+not timings).
 """
 
 from __future__ import annotations
 
+import inspect
 import time
 
 import numpy as np
@@ -75,6 +82,101 @@ def time_round_trips(rt, session, inputs, expert_out, out, samples: int, warmup:
             for name, (a, b) in SPANS.items():
                 spans[name].append(clock.elapsed_us(m[a], m[b]))
     rt.synchronize()
+    return spans
+
+
+#: Graph mode's CUDA graphs, in capture order: per round trip, its phases (a barrier before
+#: each), each phase a list of (span name, calls captured in that graph). The first round trip
+#: has one graph per phase (the ``dispatch`` and ``combine`` spans); the second one graph per
+#: call (the four halves). Each round trip walks the runtime's host state machine once, in the
+#: legal order (idle -> dispatch sent -> dispatched -> combine sent -> idle), so capturing
+#: them back to back is legal; a capture advances only the host state (nothing runs), and a
+#: replay advances only the device state (call numbers and signals live in device memory), so
+#: replaying a round trip's graphs in order is a complete call on the device.
+GRAPH_ROUND_TRIPS = (
+    ((("dispatch", ("dispatch_async", "dispatch_wait")),), (("combine", ("combine_async", "combine_wait")),)),
+    ((("dispatch_async", ("dispatch_async",)), ("dispatch_wait", ("dispatch_wait",))),
+     (("combine_async", ("combine_async",)), ("combine_wait", ("combine_wait",)))),
+)
+
+
+def takes_device_token_count(rt) -> bool:
+    """Whether ``rt.dispatch_async`` takes ``n_tokens=`` (a [1] int32 device array holding the
+    number of valid rows, read on the device: one graph captured at capacity serves any T)."""
+    return "n_tokens" in inspect.signature(rt.dispatch_async).parameters
+
+
+def _round_trip_calls(rt, inputs, expert_out, out, n_tokens) -> dict:
+    """The four calls of one round trip as argument-less functions, threading the handles."""
+    tokens, ids, weights = inputs
+    kw = {} if n_tokens is None else {"n_tokens": n_tokens}
+    st = {}
+
+    def dispatch_async():
+        st["h"] = rt.dispatch_async(tokens, ids, weights, **kw)
+
+    def dispatch_wait():
+        st["b"] = rt.dispatch_wait(st["h"])
+
+    def combine_async():
+        st["c"] = rt.combine_async(expert_out, st["b"].handle)
+
+    def combine_wait():
+        rt.combine_wait(st["c"], out=out)
+
+    return {"dispatch_async": dispatch_async, "dispatch_wait": dispatch_wait,
+            "combine_async": combine_async, "combine_wait": combine_wait}
+
+
+def _capture(stream, fns):
+    """One CUDA graph of ``fns`` on ``stream`` (CuPy ``begin_capture`` / ``end_capture``, as in
+    ep_check.py). The capture is ended even when a call raises, so the stream stays usable."""
+    stream.begin_capture()
+    try:
+        for fn in fns:
+            fn()
+    except BaseException:
+        try:
+            stream.end_capture()
+        except Exception:  # noqa: BLE001 - the call's error is the one to report
+            pass
+        raise
+    return stream.end_capture()
+
+
+def time_graph_round_trips(rt, session, inputs, expert_out, out, samples: int, warmup: int,
+                           n_tokens=None, stream=None) -> dict:
+    """Samples (us) of each span of :data:`SPANS`, from CUDA graph replays (GPUs only).
+
+    Captures the graphs of :data:`GRAPH_ROUND_TRIPS` on ``stream`` (default the session
+    stream), passing ``n_tokens`` (a [1] int32 device array, see :func:`takes_device_token_count`)
+    to ``dispatch_async`` when given. Then, per round trip of graphs, ``warmup + samples`` times:
+    for each phase a barrier, then per graph an event, the graph's launch, an event. The
+    ``dispatch`` and ``combine`` spans time one graph each; the halves one graph per call.
+    """
+    stream = session.stream if stream is None else stream
+    clock = clock_for(session)
+    rt.synchronize()  # eager work done, errors raised before capturing
+    session.barrier()
+    round_trips = []
+    for phases in GRAPH_ROUND_TRIPS:
+        calls = _round_trip_calls(rt, inputs, expert_out, out, n_tokens)
+        round_trips.append([[(name, _capture(stream, [calls[c] for c in captured])) for name, captured in phase]
+                            for phase in phases])
+    spans = {name: [] for name in SPANS}
+    for phases in round_trips:
+        for i in range(warmup + samples):
+            marks = []
+            for phase in phases:
+                session.barrier()
+                for name, graph in phase:
+                    a = clock.mark()
+                    graph.launch(stream)
+                    marks.append((name, a, clock.mark()))
+            if i >= warmup:
+                for name, a, b in marks:
+                    spans[name].append(clock.elapsed_us(a, b))
+    rt.synchronize()  # raise any error a replay recorded on the device
     return spans
 
 

@@ -12,7 +12,8 @@ import numpy as np
 
 from ..config import EPConfig
 from ..testing import make_inputs
-from .measure import ceilings, nccl_all_to_all, nvshmem_alltoall, time_round_trips
+from .measure import (GRAPH_ROUND_TRIPS, ceilings, nccl_all_to_all, nvshmem_alltoall, takes_device_token_count,
+                      time_graph_round_trips, time_round_trips)
 from .stats import gbps, summarize
 from .traffic import nccl_permutation, rank_traffic
 
@@ -25,8 +26,14 @@ def configs(args):
                    n_sms=n_sms or None)
 
 
+def modes(args) -> list[str]:
+    """The timing modes asked for (``--mode``), in order, each once; ``eager`` if none."""
+    return list(dict.fromkeys(getattr(args, "mode", None) or ["eager"]))
+
+
 def bench_rank(session, args_dict) -> list[dict]:
-    """One rank of the benchmark; returns this rank's result per configuration."""
+    """One rank of the benchmark; returns this rank's result per configuration and mode
+    (configurations in sweep order, each with its modes in ``--mode`` order)."""
     from ..runtime import EPRuntime
 
     args = argparse.Namespace(**args_dict)
@@ -48,7 +55,20 @@ def bench_rank(session, args_dict) -> list[dict]:
             inputs = tuple(session.to_device(a) for a in (xs[r].view(np.uint16), ids[r], ws[r]))
             y = session.alloc_local("bench.expert_out", (cfg.recv_rows_capacity, cfg.hidden), np.uint16)
             out = session.alloc_local("bench.out", (T, cfg.hidden), np.uint16)
-            spans = time_round_trips(rt, session, inputs, y, out, args.samples, args.warmup)
+            spans, graph = {}, None
+            for mode in modes(args):
+                if mode == "eager":
+                    spans[mode] = time_round_trips(rt, session, inputs, y, out, args.samples, args.warmup)
+                else:  # captured with all T rows; with n_tokens, T is also read on the device at replay
+                    dev_t = takes_device_token_count(rt)
+                    graph = {"captured_rows": T, "n_tokens": "device scalar" if dev_t else "none (static shape)"}
+                    n_tok = session.to_device(np.array([T], np.int32)) if dev_t else None
+                    before = rt.device_calls()
+                    spans[mode] = time_graph_round_trips(rt, session, inputs, y, out, args.samples, args.warmup,
+                                                         n_tokens=n_tok)
+                    # a replay that did not run would time as nothing: count the calls the device made
+                    graph["replayed_round_trips"] = len(GRAPH_ROUND_TRIPS) * (args.warmup + args.samples)
+                    graph["device_calls"] = rt.device_calls() - before
         base = {}
         if gpu and not args.no_baselines:
             base.update(_try(lambda: nccl_all_to_all(session, tr.sent, tr.recv, cfg.hidden,
@@ -56,7 +76,8 @@ def bench_rank(session, args_dict) -> list[dict]:
                                                      args.samples, args.warmup), "nccl"))
             base.update(_try(lambda: nvshmem_alltoall(session, tr.sent, cfg.hidden, args.samples, args.warmup),
                              "nvshmem_alltoall"))
-        results.append(_result(cfg, tr, spans, base, ceil))
+        for mode, mode_spans in spans.items():
+            results.append(_result(cfg, tr, mode_spans, base, ceil, mode, graph if mode == "graph" else None))
     if session.rank == 0:
         print(file=sys.stderr)
     return results
@@ -70,24 +91,28 @@ def _try(fn, name) -> dict:
         return {name: f"error: {type(e).__name__}: {e}"}
 
 
-def _result(cfg, tr, spans, base, ceil) -> dict:
+def _result(cfg, tr, spans, base, ceil, mode="eager", graph=None) -> dict:
     times = {k: summarize(v) for k, v in spans.items()}
     d, c = times["dispatch"]["median"], times["combine"]["median"]
     floor_d = max(tr.dispatch_nvlink_bytes / (ceil["nvlink_gbps"] * 1e3), tr.dispatch_hbm_bytes / (ceil["hbm_gbps"] * 1e3))
     floor_c = max(tr.combine_nvlink_bytes / (ceil["nvlink_gbps"] * 1e3), tr.combine_hbm_bytes / (ceil["hbm_gbps"] * 1e3))
-    return {
-        "config": cfg.as_dict(), "traffic": tr.__dict__, "ceilings": ceil, "times_us": times,
+    res = {
+        "mode": mode, "config": cfg.as_dict(), "traffic": tr.__dict__, "ceilings": ceil, "times_us": times,
         "dispatch": {"logical_gbps": gbps(tr.logical_bytes, d), "nvlink_gbps": gbps(tr.dispatch_nvlink_bytes, d),
                      "floor_us": floor_d, "of_floor": floor_d / d if d else float("nan")},
         "combine": {"logical_gbps": gbps(tr.logical_bytes, c), "nvlink_gbps": gbps(tr.combine_nvlink_bytes, c),
                     "floor_us": floor_c, "of_floor": floor_c / c if c else float("nan")},
         "baselines_us": {k: (summarize(v) if isinstance(v, list) else v) for k, v in base.items()},
     }
+    if graph is not None:  # how the graphs were captured: rows, and whether T came from a device scalar
+        res["graph"] = graph
+    return res
 
 
 def table(per_rank: list[list[dict]]) -> str:
-    """One line per (configuration, rank)."""
-    head = (f"{'rank':>4} {'T':>5} {'H':>5} {'K':>2} {'E':>4} {'sms':>4} | {'dispatch us (p10-p90)':>24} "
+    """One line per (configuration, mode, rank). In graph mode ``dispatch`` and ``combine`` are
+    one graph replay each; ``async`` and ``wait`` are replays of graphs of one call each."""
+    head = (f"{'rank':>4} {'T':>5} {'H':>5} {'K':>2} {'E':>4} {'sms':>4} {'mode':>5} | {'dispatch us (p10-p90)':>24} "
             f"{'async':>7} {'wait':>7} {'GB/s log':>8} {'NVL':>6} {'floor':>7} {'%floor':>6} | "
             f"{'combine us':>10} {'GB/s log':>8} {'floor':>7} {'%floor':>6} | baselines (median us)")
     lines = [head]
@@ -99,11 +124,22 @@ def table(per_rank: list[list[dict]]) -> str:
                            for k, v in res["baselines_us"].items()) or "-"
             lines.append(
                 f"{r:>4} {cfg['max_tokens_per_rank']:>5} {cfg['hidden']:>5} {cfg['top_k']:>2} {cfg['n_experts']:>4} "
-                f"{cfg['n_sms'] or 'all':>4} | {t['dispatch']['median']:>9.1f} ({t['dispatch']['p10']:.1f}-"
+                f"{cfg['n_sms'] or 'all':>4} {res.get('mode', 'eager'):>5} | {t['dispatch']['median']:>9.1f} ({t['dispatch']['p10']:.1f}-"
                 f"{t['dispatch']['p90']:.1f}) {t['dispatch_async']['median']:>7.1f} {t['dispatch_wait']['median']:>7.1f} "
                 f"{d['logical_gbps']:>8.1f} {d['nvlink_gbps']:>6.1f} {d['floor_us']:>7.1f} {100 * d['of_floor']:>5.1f}% | "
                 f"{t['combine']['median']:>10.1f} {c['logical_gbps']:>8.1f} {c['floor_us']:>7.1f} "
                 f"{100 * c['of_floor']:>5.1f}% | {bl}")
+    graphs = [(r, res) for r, results in enumerate(per_rank) for res in results if "graph" in res]
+    if graphs:
+        how = ", ".join(sorted({res["graph"]["n_tokens"] for _, res in graphs}))
+        lines.append(f"graph mode: CUDA graphs replayed (dispatch, combine: one graph each; async, wait: one graph "
+                     f"per call), captured with T rows; valid-token count: {how}")
+    for r, res in graphs:
+        g = res["graph"]
+        if g.get("device_calls") != g.get("replayed_round_trips"):
+            lines.append(f"WARNING rank {r} T={res['config']['max_tokens_per_rank']}: the device counted "
+                         f"{g.get('device_calls')} calls for {g.get('replayed_round_trips')} replayed round trips: "
+                         f"graph times are not valid")
     ceil = per_rank[0][0]["ceilings"] if per_rank and per_rank[0] else {}
     lines.append(f"ceilings measured in this run: NVLink {ceil.get('nvlink_gbps', float('nan')):.1f} GB/s per "
                  f"direction, HBM {ceil.get('hbm_gbps', float('nan')):.1f} GB/s read+write")
@@ -136,18 +172,24 @@ def metadata(backend: str, n_ranks: int) -> dict:
 
 
 def plot(per_rank: list[list[dict]], path: str) -> None:
-    """Median dispatch/combine time and floor against tokens per rank (rank 0)."""
+    """Median dispatch/combine time (per mode) and floor against tokens per rank (rank 0)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     res = sorted(per_rank[0], key=lambda r: r["config"]["max_tokens_per_rank"])
-    T = [r["config"]["max_tokens_per_rank"] for r in res]
+    modes_ = list(dict.fromkeys(r.get("mode", "eager") for r in res))
     fig, ax = plt.subplots(figsize=(7, 4))
     for name in ("dispatch", "combine"):
-        ax.plot(T, [r["times_us"][name]["median"] for r in res], marker="o", label=name)
-        ax.plot(T, [r[name]["floor_us"] for r in res], linestyle="--", label=f"{name} floor")
+        for mode in modes_:
+            mres = [r for r in res if r.get("mode", "eager") == mode]
+            T = [r["config"]["max_tokens_per_rank"] for r in mres]
+            label = name if len(modes_) == 1 else f"{name} ({mode})"
+            ax.plot(T, [r["times_us"][name]["median"] for r in mres], marker="o", label=label)
+        mres = [r for r in res if r.get("mode", "eager") == modes_[0]]
+        ax.plot([r["config"]["max_tokens_per_rank"] for r in mres], [r[name]["floor_us"] for r in mres],
+                linestyle="--", label=f"{name} floor")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("tokens per rank")

@@ -24,7 +24,7 @@ boolean                0 or 1 (one byte)
 =====================  =====================================================================
 
 An argument is accepted only if Numba would type it exactly as the compiled signature (a Numba
-device array of that dtype, ndim and layout; a scalar of that exact type; ``int`` for int64,
+device array, or a CuPy array, of that dtype, ndim and layout; a scalar of that exact type; ``int`` for int64,
 ``float`` for float64, ``bool`` for boolean); anything else makes :meth:`FastLauncher.launch`
 return False and the caller takes Numba's path. Kernels Numba launches with extra machinery
 (debug kernels, argument extensions, launch-config-sensitive kernels) get no fast launcher.
@@ -150,17 +150,38 @@ def _array_writer(s, off, dtype, ndim, layout):
     lo, hi = off + 2, off + 5 + 2 * ndim  # meminfo and parent (off, off + 1) stay 0
 
     def write(a):
-        if not isinstance(a, DeviceNDArrayBase) or a.ndim != ndim:
+        if isinstance(a, DeviceNDArrayBase):
+            if a.ndim != ndim:
+                return False
+            dt = a.dtype
+            if (dt is not dtype and dt != dtype) or _numba_layout(a) != layout:
+                return False
+            ptr = a.device_ctypes_pointer.value or 0
+        elif _is_cupy(a):  # the runtime's caller arrays: no Numba wrapper (tens of us) per call
+            if a.ndim != ndim or a.dtype != dtype or _cupy_layout(a) != layout:
+                return False
+            ptr = a.data.ptr
+        else:
             return False
-        dt = a.dtype
-        if (dt is not dtype and dt != dtype) or _numba_layout(a) != layout:
-            return False
-        ptr = a.device_ctypes_pointer.value or 0
         # nitems, itemsize, data, shape..., strides (bytes)...
         s[lo:hi] = (a.size, itemsize, ptr if ptr <= _I64_MAX else ptr - _2_64) + a.shape + a.strides
         return True
 
     return write
+
+
+def _is_cupy(a) -> bool:
+    return type(a).__module__.startswith("cupy")
+
+
+def _cupy_layout(a) -> str:
+    """The layout Numba would type a CuPy array with (as :func:`_numba_layout`)."""
+    broadcast = 0 in a.strides and a.size != 0
+    if a.flags.c_contiguous and not broadcast:
+        return "C"
+    if a.flags.f_contiguous and not broadcast:
+        return "F"
+    return "A"
 
 
 def _int_writer(s, off, accepted, mask):

@@ -36,6 +36,10 @@ log = logging.getLogger("ep_runtime.shmem")
 FAST_LAUNCH_ENV = "EP_RUNTIME_FAST_LAUNCH"
 
 
+def _is_cupy(a) -> bool:
+    return type(a).__module__.startswith("cupy")
+
+
 def _fast_launch_from_env() -> bool:
     return os.environ.get(FAST_LAUNCH_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
 
@@ -130,10 +134,12 @@ class NvshmemSession(Session):
         raise ShmemError(f"rank {self.rank}: free_symmetric got an array this session did not allocate "
                          f"(or freed already)")
 
-    def alloc_local(self, name, shape, dtype, fill=0):
+    def alloc_local(self, name, shape, dtype, fill=0):  # fill=None: uninitialized
         import cupy
 
         with self._on_stream():
+            if fill is None:
+                return cupy.empty(tuple(shape), dtype=np.dtype(dtype))
             return cupy.full(tuple(shape), fill, dtype=np.dtype(dtype))
 
     def fill(self, array, value):
@@ -170,7 +176,7 @@ class NvshmemSession(Session):
                     self.launch_counts["fast"] += 1
                     return
         self.launch_counts["numba"] += 1
-        kernel[grid, block, self._numba_stream](*args)
+        kernel[grid, block, self._numba_stream](*[self.as_kernel_arg(a) if _is_cupy(a) else a for a in args])
 
     def precompile(self, kernel, argtypes):
         """Compile ``kernel`` for ``argtypes`` (or load it from the kernel cache), and prepare its

@@ -54,8 +54,9 @@ class Session(abc.ABC):
         """Free an array from :meth:`alloc_symmetric`. Collective, same order on every PE."""
 
     @abc.abstractmethod
-    def alloc_local(self, name: str, shape: tuple[int, ...], dtype: Any, fill: int | float = 0):
-        """Allocate device-local (not symmetric) memory, filled with ``fill``. Not collective."""
+    def alloc_local(self, name: str, shape: tuple[int, ...], dtype: Any, fill: int | float | None = 0):
+        """Allocate device-local (not symmetric) memory, filled with ``fill`` (``None``: left
+        uninitialized, for outputs a kernel writes whole). Not collective."""
 
     @abc.abstractmethod
     def fill(self, array, value) -> None:
@@ -88,7 +89,9 @@ class Session(abc.ABC):
 
     @abc.abstractmethod
     def launch(self, kernel, grid: int, block: int, args: tuple) -> None:
-        """Enqueue ``kernel[grid, block]`` on :attr:`stream` (runs to completion on ``sim``)."""
+        """Enqueue ``kernel[grid, block]`` on :attr:`stream` (runs to completion on ``sim``).
+        ``args``: scalars, kernel args (:meth:`as_kernel_arg`) or the backend's own arrays
+        (CuPy / NumPy), which the session passes without a per-call wrapper where it can."""
 
     @abc.abstractmethod
     def precompile(self, kernel, argtypes: tuple) -> None:

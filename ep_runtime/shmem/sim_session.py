@@ -108,8 +108,14 @@ class SimSession(Session):
         self._check_open("free_symmetric")
         self.heap.free(_ndarray(array))
 
-    def alloc_local(self, name: str, shape: tuple[int, ...], dtype: Any, fill: int | float = 0):
-        """A new ndarray of ``shape``/``dtype`` filled with ``fill``. Not collective."""
+    def alloc_local(self, name: str, shape: tuple[int, ...], dtype: Any, fill: int | float | None = 0):
+        """A new ndarray of ``shape``/``dtype`` filled with ``fill``. Not collective.
+        ``fill=None`` ("uninitialized") fills every byte with 0xA5, so an element a kernel
+        should have written and did not shows up in tests as garbage, not as a lucky zero."""
+        if fill is None:
+            out = np.empty(shape, dtype=dtype)
+            out.view(np.uint8)[...] = 0xA5
+            return out
         return np.full(shape, fill, dtype=dtype)
 
     def fill(self, array, value) -> None:
