@@ -48,7 +48,7 @@ def last_block_ticket(ticket, flag):
     block puts, are visible), the block meets, and then one thread calls ``quiet`` (completion
     is PE-wide in NVSHMEM: whatever a transport still holds for this PE) before taking the
     ticket, so when the last block sees the final ticket every block's data has been
-    delivered. One ``quiet`` per block, not per thread (docs/throughput.md, v2 -> v3).
+    delivered. One ``quiet`` per block suffices (PE-wide completion); see docs/throughput.md.
     """
     cuda.threadfence_system()
     cuda.syncthreads()

@@ -31,6 +31,17 @@ def modes(args) -> list[str]:
     return list(dict.fromkeys(getattr(args, "mode", None) or ["eager"]))
 
 
+def close_baselines() -> None:
+    """Leave torch.distributed if a baseline joined it, so no rank's NCCL heartbeat outlives the
+    TCP store of rank 0 (which printed a c10d 'recvValue failed' traceback at exit)."""
+    if "torch.distributed" in sys.modules:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+
 def bench_rank(session, args_dict) -> list[dict]:
     """One rank of the benchmark; returns this rank's result per configuration and mode
     (configurations in sweep order, each with its modes in ``--mode`` order)."""
@@ -80,6 +91,8 @@ def bench_rank(session, args_dict) -> list[dict]:
             results.append(_result(cfg, tr, mode_spans, base, ceil, mode, graph if mode == "graph" else None))
     if session.rank == 0:
         print(file=sys.stderr)
+    if gpu:
+        close_baselines()
     return results
 
 
