@@ -9,8 +9,10 @@ with ``blockDim.x`` threads in a 1-D block.
 - ``block_exclusive_scan`` / ``block_sum``: shared-memory scans for deterministic placement;
 - ``record_error``: claims the device error record (first error wins);
 - ``warp_geometry`` / ``warp_sync``: how kernels split a block into warps, and the warp barrier;
-- ``row_parts`` / ``part_words``: how many warp items each token row is cut into, so that small
-  batches still give every warp work (a row is ``W`` words; a warp item is one part of one row).
+- ``row_parts`` / ``part_words`` / ``part_bounds``: how many warp items each token row is cut
+  into, so that small batches still give every warp work (a row is ``W`` words; a warp item is
+  one part of one row), and which words an item covers;
+- ``local_expert_count``: how many of a token's experts live on a rank.
 """
 
 from numba import int32, int64
@@ -163,3 +165,24 @@ def part_words(W, parts, warp):
     words stay aligned to the warp); the last part of a row may be shorter or empty."""
     span = (W + parts - 1) // parts
     return (span + warp - 1) // warp * warp
+
+
+@cuda.jit(device=True)
+def part_bounds(item, parts, span, W):
+    """Token and word range of warp item ``item`` when each row of ``W`` words is cut into
+    ``parts`` parts of ``span`` words: ``(t, w0, w1)``, words ``[w0, w1)`` of row ``t``
+    (empty when ``w0 >= w1``)."""
+    t = item // parts
+    w0 = (item - t * parts) * span
+    return t, w0, min(W, w0 + span)
+
+
+@cuda.jit(device=True)
+def local_expert_count(ids, L, me):
+    """How many of a token's expert ids (``ids`` [K] int32) belong to rank ``me`` (``L`` local
+    experts per rank)."""
+    n = 0
+    for k in range(ids.shape[0]):
+        if ids[k] // L == me:
+            n += 1
+    return n

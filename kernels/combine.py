@@ -12,8 +12,8 @@ from numba import float32, from_dtype, int32, int64, uint64
 
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.bits import bf16_bits_at, word_f32
-from ep_runtime.kernels.block import (last_block_ticket, part_words, record_error, row_parts, warp_geometry,
-                                      warp_sync)
+from ep_runtime.kernels.block import (last_block_ticket, local_expert_count, part_bounds, part_words,
+                                      record_error, row_parts, warp_geometry, warp_sync)
 from ep_runtime.kernels.cuda_api import cuda
 from ep_runtime.layout import STATUS_CODE, SYNC_CALLS
 from ep_runtime.status import COUNTER_COMBINE_SIGNAL, ERR_TIMEOUT, KERNEL_COMBINE_WAIT
@@ -101,7 +101,6 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue):
         me = shmem.my_pe()
         R = d_counts.shape[1]
         L = d_counts.shape[2] - 1
-        K = d_ids.shape[3]
         W = stage.shape[2]
         tid = cuda.threadIdx.x
         lane = tid % warp
@@ -115,13 +114,8 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue):
             span = part_words(W, parts, warp)
             i = cuda.blockIdx.x * warps + tid // warp
             while i < T_s * parts:
-                t = i // parts
-                w0 = (i - t * parts) * span
-                w1 = min(W, w0 + span)
-                n_local = 0
-                for k in range(K):
-                    if d_ids[g, s, t, k] // L == me:
-                        n_local += 1
+                t, w0, w1 = part_bounds(i, parts, span, W)
+                n_local = local_expert_count(d_ids[g, s, t], L, me)
                 if n_local > 0 and w0 < w1:
                     dst = c_partials[g, me, t] if s == me else stage[s, t]
                     w = w0 + lane
@@ -193,9 +187,7 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue):
         span = part_words(W, parts, warp)
         i = cuda.blockIdx.x * warps + tid // warp
         while i < T * parts:
-            t = i // parts
-            w0 = (i - t * parts) * span
-            w1 = min(W, w0 + span)
+            t, w0, w1 = part_bounds(i, parts, span, W)
             went = uint64(0)  # bit r: token t went to rank r
             for k in range(K):
                 went |= uint64(1) << uint64(d_ids[g, me, t, k] // L)

@@ -13,8 +13,9 @@ the kernel boundary is the grid-wide barrier between "every row's position is kn
 from numba import int32, int64, uint64
 
 from ep_runtime.kernels import shmem
-from ep_runtime.kernels.block import (block_exclusive_scan, block_sum, last_block_ticket, part_words,
-                                      record_error, row_parts, sched_advance, sched_initial, warp_geometry)
+from ep_runtime.kernels.block import (block_exclusive_scan, block_sum, last_block_ticket, local_expert_count,
+                                      part_bounds, part_words, record_error, row_parts, sched_advance,
+                                      sched_initial, warp_geometry)
 from ep_runtime.kernels.cuda_api import cuda
 from ep_runtime.layout import STATUS_CODE, SYNC_CALLS, SYNC_TICKET
 from ep_runtime.status import (COUNTER_DISPATCH_SIGNAL, COUNTER_RECV_ROWS, ERR_CAPACITY, ERR_TIMEOUT,
@@ -78,9 +79,7 @@ def make_dispatch_kernels(threads: int):
         span = part_words(W, parts, warp)
         i = cuda.blockIdx.x * warps + tid // warp
         while i < T * parts:
-            t = i // parts
-            w0 = (i - t * parts) * span
-            w1 = min(W, w0 + span)
+            t, w0, w1 = part_bounds(i, parts, span, W)
             if w0 < w1:
                 sent = uint64(0)  # bit d: this part already went to rank d
                 for k in range(K):
@@ -263,7 +262,6 @@ def make_dispatch_kernels(threads: int):
         me = shmem.my_pe()
         R = d_counts.shape[1]
         L = d_counts.shape[2] - 1
-        K = d_ids.shape[3]
         W = expert_x.shape[1]
         n = sync[SYNC_CALLS] - 1
         g = n % 2
@@ -277,14 +275,10 @@ def make_dispatch_kernels(threads: int):
             span = part_words(W, parts, warp)
             i = first_warp
             while i < T_s * parts:
-                t = i // parts
-                w1 = min(W, (i - t * parts) * span + span)
-                n_local = 0
-                for k in range(K):
-                    if d_ids[g, s, t, k] // L == me:
-                        n_local += 1
+                t, w0, w1 = part_bounds(i, parts, span, W)
+                n_local = local_expert_count(d_ids[g, s, t], L, me)
                 src = d_tokens[g, s, t]
-                w = (i - t * parts) * span + lane
+                w = w0 + lane
                 while w + (U - 1) * warp < w1:
                     v0 = src[w]
                     v1 = src[w + warp]
