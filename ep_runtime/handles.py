@@ -55,3 +55,40 @@ class ExpertBatch:
     src_k: Any
     weight: Any
     handle: DispatchHandle
+
+
+@dataclass(frozen=True)
+class CompactBatch:
+    """This rank's received tokens without the expansion copy (``dispatch_wait(layout="compact")``).
+
+    ``x`` is the receive buffer of the call: one row per (source rank, token slot), the rows
+    where the tokens landed. The rest lists, per local expert, which rows to gather, in the
+    expanded batch's order (local expert, then source rank, then source token), so a GEMM that
+    gathers ``x[gather[row_offsets[e]:row_offsets[e + 1]]]`` sees exactly expert e's segment of
+    the expanded batch, and writes its outputs in the expanded order that
+    ``combine_async(layout="expanded")`` takes.
+
+    Attributes
+    ----------
+    x : [n_ranks * max_tokens_per_rank, hidden] uint16 (bf16 bits); row ``s * T + t`` is token
+        t of rank s if that token has an expert on this rank and ``t < recv_tokens[s]`` (other
+        rows are stale). A view of the symmetric receive buffer: read it (in stream order)
+        before the next ``dispatch_async`` (peers may then write it again).
+    recv_tokens : [n_ranks] int32 (strided view), tokens each source rank dispatched in this call.
+    row_offsets, expert_counts, src_rank, src_token, src_k, weight : as :class:`ExpertBatch`
+        (valid until the next ``dispatch_wait``).
+    gather : [capacity] int32, the ``x`` row of each batch row (``src_rank * T + src_token``;
+        -1 on padding rows).
+    handle : the :class:`DispatchHandle` of the call, for ``combine_async``.
+    """
+
+    x: Any
+    recv_tokens: Any
+    row_offsets: Any
+    expert_counts: Any
+    gather: Any
+    src_rank: Any
+    src_token: Any
+    src_k: Any
+    weight: Any
+    handle: DispatchHandle

@@ -40,7 +40,7 @@ KERNEL_ARGS = {
     "dispatch_wait": (
         "dispatch_topk_ids", "dispatch_topk_weights", "dispatch_counts", "dispatch_signal",
         "dispatch_async_sync", "row_offsets", "expert_counts", "row_src_rank", "row_src_token",
-        "row_src_k", "row_weight", "token_rows", "status", "pad_multiple", "timeout_ns"),
+        "row_src_k", "row_weight", "row_gather", "token_rows", "status", "pad_multiple", "timeout_ns"),
     "dispatch_copy": (
         "dispatch_tokens", "dispatch_topk_ids", "dispatch_counts", "dispatch_async_sync",
         "token_rows", "row_offsets", "expert_counts", "expert_x", "status"),
@@ -48,6 +48,9 @@ KERNEL_ARGS = {
         "expert_out", "dispatch_topk_ids", "dispatch_counts", "combine_partials", "combine_signal",
         "dispatch_async_sync", "token_rows", "row_weight", "combine_stage", "combine_async_sync",
         "status"),
+    "combine_async_rows": (
+        "expert_out", "dispatch_topk_ids", "dispatch_counts", "combine_partials", "combine_signal",
+        "dispatch_async_sync", "combine_async_sync", "status"),
     "combine_wait": (
         "out", "out_partials", "dispatch_topk_ids", "dispatch_counts", "combine_partials",
         "combine_signal", "dispatch_async_sync", "status", "mode", "timeout_ns", "aux"),

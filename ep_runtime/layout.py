@@ -124,8 +124,9 @@ def _regions(cfg: EPConfig) -> list[Region]:
     S, Lc = True, False
     return [
         # -- symmetric: written by peers (and by this rank to itself) -----------------------------
-        Region("dispatch_tokens", (G, R, T, H), u16, 0, S, f"{DA} (peers)", (DC,),
-               "[g, src, t]: token t of rank src (bf16 bits), sent once per destination rank"),
+        Region("dispatch_tokens", (G, R, T, H), u16, 0, S, f"{DA} (peers)", (DC, "user (compact)"),
+               "[g, src, t]: token t of rank src (bf16 bits), sent once per destination rank; "
+               "the compact batch's x"),
         Region("dispatch_topk_ids", (G, R, T, K), i32, -1, S, f"{DA} (peers)", (DW, DC, CA, CW),
                "[g, src, t]: global expert ids of token t of rank src (every token, sent to every rank)"),
         Region("dispatch_topk_weights", (G, R, T, K), f32, 0, S, f"{DA} (peers)", (DW,),
@@ -165,6 +166,8 @@ def _regions(cfg: EPConfig) -> list[Region]:
         Region("row_src_token", (C,), i32, -1, Lc, DW, ("user",), "source token index of each row"),
         Region("row_src_k", (C,), i32, -1, Lc, DW, ("user",), "top-k slot of each row"),
         Region("row_weight", (C,), f32, 0, Lc, DW, ("user", CA), "router weight of each row"),
+        Region("row_gather", (C,), i32, -1, Lc, DW, ("user (compact)",),
+               "receive-buffer row of each batch row, src * T + t (-1: padding): the compact gather index"),
         # -- local: error record --------------------------------------------------------------------
         Region("status", (STATUS_LEN,), i64, 0, Lc, "any kernel", ("host",),
                "first device error: code, kernel, rank, peer/expert, counter, expected, observed, call"),

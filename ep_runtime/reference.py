@@ -157,6 +157,64 @@ def combine(expert_out_per_rank, batches: list[ExpertBatchRef], topk_ids_per_ran
     return outs
 
 
+def receive_rows(inputs_per_rank, topk_ids_per_rank, cfg: EPConfig):
+    """The compact layout: what each rank's receive buffer holds after dispatch.
+
+    Returns per rank ``r`` a pair ``(x, defined)``: ``x`` [R * T, hidden] bfloat16 (T =
+    ``max_tokens_per_rank``), row ``s * T + t`` = token t of rank s when that token has an
+    expert on ``r`` (``defined`` [R * T] bool marks those rows; the others are zero here and
+    unspecified on a device).
+    """
+    R, L, T, H = cfg.n_ranks, cfg.n_local_experts, cfg.max_tokens_per_rank, cfg.hidden
+    out = []
+    for r in range(R):
+        x = np.zeros((R * T, H), BF16)
+        defined = np.zeros(R * T, bool)
+        for s in range(R):
+            hit = np.flatnonzero(np.any(np.asarray(topk_ids_per_rank[s]) // L == r, axis=1))
+            x[s * T + hit] = as_bf16(inputs_per_rank[s])[hit]
+            defined[s * T + hit] = True
+        out.append((x, defined))
+    return out
+
+
+def gather_index(batch: ExpertBatchRef, cfg: EPConfig) -> np.ndarray:
+    """The compact batch's ``gather`` [rows] int32: the receive-buffer row of each expert-batch
+    row, ``src_rank * T + src_token`` (-1 on padding rows), so that
+    ``receive_rows(...)[r][0][gather] == batch.x`` on every real row."""
+    T = cfg.max_tokens_per_rank
+    return np.where(batch.src_rank >= 0, batch.src_rank * T + batch.src_token, -1).astype(np.int32)
+
+
+def combine_rows(rows_per_rank, topk_ids_per_rank, cfg: EPConfig):
+    """Combine in the compact layout: rank ``r`` returns, for each token it received, one row
+    (its own partial, already weighted and reduced over its experts, bf16).
+
+    Parameters
+    ----------
+    rows_per_rank : list of [R * T, hidden] bfloat16 (or uint16 bits); row ``s * T + t`` of
+        rank ``r`` is its partial for token t of rank s (read only where that token went to r).
+    topk_ids_per_rank : list of [T_s, top_k] int (the routing passed to dispatch).
+
+    Returns
+    -------
+    list of [T_s, hidden] bfloat16: per home rank, the float32 sum from 0, in rank order, of the
+    partials of the ranks each token went to, rounded to bfloat16.
+    """
+    R, L, T = cfg.n_ranks, cfg.n_local_experts, cfg.max_tokens_per_rank
+    outs = []
+    for s in range(R):
+        ids = np.asarray(topk_ids_per_rank[s])
+        n = ids.shape[0]
+        acc = np.zeros((n, cfg.hidden), np.float32)
+        for r in range(R):
+            went = np.any(ids // L == r, axis=1)
+            p = as_bf16(rows_per_rank[r])[s * T:s * T + n].astype(np.float32)
+            acc = np.where(went[:, None], acc + p, acc)
+        outs.append(acc.astype(BF16))
+    return outs
+
+
 def combine_tolerance(topk_weights: np.ndarray, expert_out_abs_max: float) -> np.ndarray:
     """Per-token absolute tolerance of a kernel's combine against :func:`combine`.
 

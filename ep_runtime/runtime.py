@@ -22,12 +22,15 @@ from . import arrays
 from .config import EPConfig
 from .kernel_args import SCALARS, WORD_ARRAYS, argtypes, build_args
 from .errors import EPConfigError, EPInputError, EPStateError
-from .handles import CombineHandle, DispatchHandle, ExpertBatch
+from .handles import CombineHandle, CompactBatch, DispatchHandle, ExpertBatch
 from .layout import BufferLayout, SYNC_CALLS, token_word
 from .shmem.session import Session
 from .status import error_from_status
 
 _owner_ids = itertools.count(1)
+
+#: The layouts of dispatch_wait's result and of combine_async's input.
+DISPATCH_LAYOUTS = ("expanded", "compact")
 
 #: Threads per block on a GPU: 16 warps per block, each copying or reducing its own token row,
 #: keep enough loads in flight per SM to approach HBM bandwidth.
@@ -184,48 +187,89 @@ class EPRuntime:
                      n_experts=np.int64(self.cfg.n_experts),
                      allow_negative=np.int64(self.cfg.allow_negative_weights))
 
-    def dispatch_wait(self, handle: DispatchHandle) -> ExpertBatch:
-        """Complete the dispatch of ``handle``: wait for every rank's tokens and lay them out
-        expert-major. Collective; enqueues two kernels on the stream (``dispatch_wait`` places
-        every row, ``dispatch_copy`` copies each received row to its expert rows). Returns
-        views valid until the next ``dispatch_wait``."""
+    def dispatch_wait(self, handle: DispatchHandle, layout: str = "expanded"):
+        """Complete the dispatch of ``handle``: wait for every rank's tokens and place them.
+        Collective; enqueued on the stream.
+
+        ``layout="expanded"`` (default) returns an :class:`ExpertBatch`: one row per (token,
+        local expert), expert-major, in a local buffer (two kernels: ``dispatch_wait`` places
+        every row, ``dispatch_copy`` copies each received row to its expert rows). Its views
+        are valid until the next ``dispatch_wait``.
+
+        ``layout="compact"`` returns a :class:`CompactBatch`: no expansion copy (one kernel).
+        The received rows stay where they landed, one per (token, source rank), and the batch
+        gives per local expert the rows to gather (``gather``) and their weights, in the same
+        expert-major order as the expanded batch. Its ``x`` is the receive buffer itself: read
+        it (in stream order) before the next ``dispatch_async``.
+        """
         self._require(_State.DISPATCH_SENT, call="dispatch_wait", handle=handle, handle_type=DispatchHandle)
+        if layout not in DISPATCH_LAYOUTS:
+            raise EPInputError(f"dispatch_wait: layout={layout!r}; expected one of {DISPATCH_LAYOUTS}.")
         self._launch("dispatch_wait", pad_multiple=np.int64(self.cfg.pad_multiple), timeout_ns=self._timeout_ns)
+        b = self.buffers
+        if layout == "compact":
+            self._state = _State.DISPATCHED
+            g = handle.call % 2
+            R, T, H = self.cfg.n_ranks, self.cfg.max_tokens_per_rank, self.cfg.hidden
+            return CompactBatch(x=b["dispatch_tokens"][g].reshape(R * T, H),
+                                recv_tokens=b["dispatch_counts"][g, :, self.cfg.n_local_experts],
+                                row_offsets=b["row_offsets"], expert_counts=b["expert_counts"],
+                                gather=b["row_gather"], src_rank=b["row_src_rank"],
+                                src_token=b["row_src_token"], src_k=b["row_src_k"], weight=b["row_weight"],
+                                handle=handle)
         self._launch("dispatch_copy")
         self._state = _State.DISPATCHED
-        b = self.buffers
         return ExpertBatch(x=b["expert_x"], row_offsets=b["row_offsets"], expert_counts=b["expert_counts"],
                            src_rank=b["row_src_rank"], src_token=b["row_src_token"], src_k=b["row_src_k"],
                            weight=b["row_weight"], handle=handle)
 
-    def dispatch(self, tokens, topk_ids, topk_weights) -> ExpertBatch:
+    def dispatch(self, tokens, topk_ids, topk_weights, layout: str = "expanded"):
         """``dispatch_async`` then ``dispatch_wait``, then :meth:`synchronize`. Collective."""
-        batch = self.dispatch_wait(self.dispatch_async(tokens, topk_ids, topk_weights))
+        batch = self.dispatch_wait(self.dispatch_async(tokens, topk_ids, topk_weights), layout=layout)
         self.synchronize()
         return batch
 
     # -- combine ------------------------------------------------------------------------------
-    def combine_async(self, expert_out, handle: DispatchHandle) -> CombineHandle:
-        """Start sending the weighted expert outputs of the batch of ``handle`` home. Collective.
+    def combine_async(self, expert_out, handle: DispatchHandle, layout: str = "expanded") -> CombineHandle:
+        """Start sending the expert outputs of the batch of ``handle`` home. Collective.
 
         Parameters
         ----------
-        expert_out : [rows, hidden] bfloat16 (or uint16 bits), row-aligned with the batch
-            (``rows >= row_offsets[L]``; e.g. the batch's full capacity). Must stay unmodified
-            until :meth:`combine_wait` has run on the stream.
+        expert_out : bfloat16 (or uint16 bits), in one of two layouts:
+
+            - ``layout="expanded"`` (default): ``[rows, hidden]``, row-aligned with the expert
+              batch (``rows >= row_offsets[L]``; e.g. the batch's full capacity), whichever
+              layout dispatch_wait returned (a GEMM that gathers a compact batch's rows by
+              ``gather`` writes its outputs in this order). Each token's partial is the sum over
+              its local experts, ascending, of router weight x output (float32, from 0).
+            - ``layout="compact"``: ``[n_ranks * max_tokens_per_rank, hidden]``, row
+              ``s * max_tokens_per_rank + t`` holding this rank's partial for token t of rank
+              s, already weighted and summed over this rank's experts by the caller (the
+              compact batch's row order). Rows of tokens that did not come here are not read.
+
+            Must stay unmodified until :meth:`combine_wait` has run on the stream.
         handle : the dispatch's handle (``batch.handle``).
         """
         self._require(_State.DISPATCHED, call="combine_async", handle=handle, handle_type=DispatchHandle)
-        c = "combine_async"
+        c, cfg = "combine_async", self.cfg
+        if layout not in DISPATCH_LAYOUTS:
+            raise EPInputError(f"{c}: layout={layout!r}; expected one of {DISPATCH_LAYOUTS}.")
         expert_out = arrays.to_backend(expert_out, self.session.backend, c, "expert_out")
-        arrays.check_array(expert_out, c, "expert_out", np.uint16, (None, self.cfg.hidden),
-                           f"Expected [rows, hidden={self.cfg.hidden}], row-aligned with the expert batch.")
-        if self.debug:
-            needed = int(self.session.to_host(self.buffers["row_offsets"])[-1])
-            if expert_out.shape[0] < needed:
-                raise EPInputError(f"{c}: expert_out has {expert_out.shape[0]} rows but the expert "
-                                          f"batch has {needed}; pass one output row per batch row.")
-        self._launch("combine_async", expert_out=expert_out)
+        if layout == "compact":
+            rows = cfg.n_ranks * cfg.max_tokens_per_rank
+            arrays.check_array(expert_out, c, "expert_out", np.uint16, (rows, cfg.hidden),
+                               f"The compact layout has one row per (source rank, token slot): "
+                               f"[n_ranks * max_tokens_per_rank = {rows}, hidden = {cfg.hidden}].")
+            self._launch("combine_async_rows", expert_out=expert_out)
+        else:
+            arrays.check_array(expert_out, c, "expert_out", np.uint16, (None, cfg.hidden),
+                               f"Expected [rows, hidden={cfg.hidden}], row-aligned with the expert batch.")
+            if self.debug:
+                needed = int(self.session.to_host(self.buffers["row_offsets"])[-1])
+                if expert_out.shape[0] < needed:
+                    raise EPInputError(f"{c}: expert_out has {expert_out.shape[0]} rows but the expert "
+                                       f"batch has {needed}; pass one output row per batch row.")
+            self._launch("combine_async", expert_out=expert_out)
         self._state = _State.COMBINE_SENT
         return CombineHandle(owner=self._owner, call=handle.call, n_tokens=handle.n_tokens)
 
@@ -259,9 +303,9 @@ class EPRuntime:
         self._state = _State.IDLE
         return out
 
-    def combine(self, expert_out, handle: DispatchHandle, **kwargs):
+    def combine(self, expert_out, handle: DispatchHandle, layout: str = "expanded", **kwargs):
         """``combine_async`` then ``combine_wait``, then :meth:`synchronize`. Collective."""
-        out = self.combine_wait(self.combine_async(expert_out, handle), **kwargs)
+        out = self.combine_wait(self.combine_async(expert_out, handle, layout=layout), **kwargs)
         self.synchronize()
         return out
 
@@ -383,9 +427,10 @@ def _kernels_for(threads: int, word) -> dict:
         from .kernels.validate import validate_routing
 
         da, dw, dc = make_dispatch_kernels(threads)
-        ca, cw = make_combine_kernels(threads, word)
+        ca, cw, cr = make_combine_kernels(threads, word)
         _KERNEL_CACHE[key] = {"dispatch_async": da, "dispatch_wait": dw, "dispatch_copy": dc,
-                              "combine_async": ca, "combine_wait": cw, "validate_routing": validate_routing}
+                              "combine_async": ca, "combine_async_rows": cr, "combine_wait": cw,
+                              "validate_routing": validate_routing}
     return dict(_KERNEL_CACHE[key])
 
 

@@ -18,6 +18,12 @@ from ep_runtime.kernels.cuda_api import cuda
 from ep_runtime.layout import STATUS_CODE, SYNC_CALLS
 from ep_runtime.status import COUNTER_COMBINE_SIGNAL, ERR_TIMEOUT, KERNEL_COMBINE_WAIT
 
+#: Words of a row each lane loads before using any of them (memory-level parallelism: with
+#: 8-byte words, 64 bytes per lane and 32 KB per 512-thread block in flight per row read).
+#: combine_async reads a token's expert rows one after another, combine_wait its ranks'
+#: partials; within each row the U loads are independent.
+WORDS_IN_FLIGHT = 8
+
 #: combine_wait modes
 MODE_REDUCE = 0      # out [T, H]: sum of the partials, epilogue, bf16
 MODE_PARTIALS = 1    # out [R, T, H]: each rank's partial (zero where the token did not go)
@@ -30,7 +36,7 @@ def identity_epilogue(value, token, col, aux):
 
 
 def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue):
-    """Build ``(combine_async, combine_wait)`` for blocks of ``threads`` threads and token
+    """Build ``(combine_async, combine_wait, combine_async_rows)`` for blocks of ``threads`` threads and token
     words of ``word_dtype`` (NumPy uint64, uint32 or uint16: 4, 2 or 1 bf16 values).
 
     ``epilogue(value: float32, token: int, col: int, aux: [T, H] float32) -> float32`` is a Numba
@@ -40,41 +46,19 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue):
     warp, warps = warp_geometry(threads)
     word_t = from_dtype(np.dtype(word_dtype))
     pack = np.dtype(word_dtype).itemsize // 2
+    U = WORDS_IN_FLIGHT
+    ACC = U * pack  # float32 accumulators per lane (a compile-time constant for local.array)
 
     @cuda.jit(device=True)
-    def partial_word(expert_out, row_weight, token_rows, s, t, n_local, w):
-        """Word ``w`` of token (s, t)'s partial: per bf16 element, the float32 sum from 0 over
-        its local experts j (ascending) of weight_j * output_j, rounded to bf16."""
-        acc = cuda.local.array(pack, float32)
-        for i in range(pack):
-            acc[i] = float32(0.0)
-        for j in range(n_local):
-            r = token_rows[s, t, j]
-            weight = row_weight[r]
-            v = expert_out[r, w]
-            for i in range(pack):
-                acc[i] += weight * word_f32(v, i)
-        packed = uint64(0)
-        for i in range(pack):
-            packed |= bf16_bits_at(acc[i], i)
-        return word_t(packed)
-
-    @cuda.jit(device=True)
-    def reduced_word(c_partials, g, went, t, w, aux):
-        """Word ``w`` of token t's result: per element, epilogue(float32 sum from 0 over the
-        ranks r it went to, ascending, of partial_r), rounded to bf16."""
-        acc = cuda.local.array(pack, float32)
-        for i in range(pack):
-            acc[i] = float32(0.0)
-        for r in range(c_partials.shape[1]):
-            if (went >> uint64(r)) & uint64(1):
-                v = c_partials[g, r, t, w]
-                for i in range(pack):
-                    acc[i] += word_f32(v, i)
-        packed = uint64(0)
-        for i in range(pack):
-            packed |= bf16_bits_at(epilogue(acc[i], t, w * pack + i, aux), i)
-        return word_t(packed)
+    def publish_partials(ticket, flag, c_signal, g, me, n, R):
+        """Every thread: complete this block's puts and stores; the last block (ticket) signals
+        ``n + 1`` into slot [g, me] of every rank's combine_signal and resets the ticket."""
+        if last_block_ticket(ticket, flag):
+            for d in range(cuda.threadIdx.x, R, threads):
+                shmem.signal_op(c_signal[g, me:me + 1], uint64(n + 1), shmem.SIGNAL_SET, d)
+            cuda.syncthreads()
+            if cuda.threadIdx.x == 0:
+                ticket[0] = 0
 
     @cuda.jit
     def combine_async(expert_out, d_ids, d_counts, c_partials, c_signal,
@@ -96,6 +80,8 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue):
         every rank after every block's puts and stores completed.
         """
         flag = cuda.shared.array(1, int32)
+        acc = cuda.local.array(ACC, float32)
+        vals = cuda.local.array(U, word_t)
         if status[STATUS_CODE] != 0:
             return
         me = shmem.my_pe()
@@ -119,25 +105,88 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue):
                 if n_local > 0 and w0 < w1:
                     dst = c_partials[g, me, t] if s == me else stage[s, t]
                     w = w0 + lane
-                    while w + warp < w1:  # two words per lane in flight
-                        p0 = partial_word(expert_out, row_weight, token_rows, s, t, n_local, w)
-                        p1 = partial_word(expert_out, row_weight, token_rows, s, t, n_local, w + warp)
-                        dst[w] = p0
-                        dst[w + warp] = p1
-                        w += 2 * warp
-                    if w < w1:
-                        dst[w] = partial_word(expert_out, row_weight, token_rows, s, t, n_local, w)
+                    while w < w1:  # U words per lane: every row's loads issued before they are used
+                        for x in range(U * pack):
+                            acc[x] = float32(0.0)
+                        for j in range(n_local):
+                            r = token_rows[s, t, j]
+                            weight = row_weight[r]
+                            src = expert_out[r]
+                            for u in range(U):
+                                if w + u * warp < w1:
+                                    vals[u] = src[w + u * warp]
+                            for u in range(U):
+                                for x in range(pack):
+                                    acc[u * pack + x] += weight * word_f32(vals[u], x)
+                        for u in range(U):
+                            if w + u * warp < w1:
+                                packed = uint64(0)
+                                for x in range(pack):
+                                    packed |= bf16_bits_at(acc[u * pack + x], x)
+                                dst[w + u * warp] = word_t(packed)
+                        w += U * warp
                     if s != me:
                         warp_sync()  # the whole staged part is written before the warp's put
                         shmem.put_nbi_warp(c_partials[g, me, t, w0:w1], stage[s, t, w0:w1], s)
                 i += all_warps
 
-        if last_block_ticket(ticket, flag):
-            for d in range(tid, R, threads):
-                shmem.signal_op(c_signal[g, me:me + 1], uint64(n + 1), shmem.SIGNAL_SET, d)
-            cuda.syncthreads()
-            if tid == 0:
-                ticket[0] = 0
+        publish_partials(ticket, flag, c_signal, g, me, n, R)
+
+    @cuda.jit
+    def combine_async_rows(expert_out, d_ids, d_counts, c_partials, c_signal, sync, ticket, status):
+        """Compact layout: send the caller's per-(source, token) rows home as the partials.
+
+        expert_out [R * Tmax, W] words: row ``s * Tmax + t`` is this rank's partial for token t
+        of rank s, already weighted and reduced over this rank's experts by the caller (the
+        compact batch's row order: one row per received token, as DeepEP's and NCCL's users
+        hold them). Rows of tokens that hit no local expert are not read. Symmetric and local
+        arrays as in combine_async.
+
+        A warp per item (part of a row, ``row_parts``): a row for this rank is copied into
+        its own slot [g, me, t], U words per lane in flight; a row for a peer is put
+        (``put_nbi_warp``) straight from expert_out to slot [g, me, t] of rank s (no staging).
+        The last block (ticket) signals n + 1 to every rank.
+        """
+        flag = cuda.shared.array(1, int32)
+        vals = cuda.local.array(U, word_t)
+        if status[STATUS_CODE] != 0:
+            return
+        me = shmem.my_pe()
+        R = d_counts.shape[1]
+        L = d_counts.shape[2] - 1
+        Tmax = d_ids.shape[2]
+        W = c_partials.shape[3]
+        tid = cuda.threadIdx.x
+        lane = tid % warp
+        n = sync[SYNC_CALLS] - 1
+        g = n % 2
+        all_warps = cuda.gridDim.x * warps
+
+        for s in range(R):
+            T_s = d_counts[g, s, L]
+            parts = row_parts(T_s, W, all_warps, warp)
+            span = part_words(W, parts, warp)
+            i = cuda.blockIdx.x * warps + tid // warp
+            while i < T_s * parts:
+                t, w0, w1 = part_bounds(i, parts, span, W)
+                if w0 < w1 and local_expert_count(d_ids[g, s, t], L, me) > 0:
+                    src = expert_out[s * Tmax + t]
+                    if s == me:
+                        dst = c_partials[g, me, t]
+                        w = w0 + lane
+                        while w < w1:
+                            for u in range(U):
+                                if w + u * warp < w1:
+                                    vals[u] = src[w + u * warp]
+                            for u in range(U):
+                                if w + u * warp < w1:
+                                    dst[w + u * warp] = vals[u]
+                            w += U * warp
+                    else:
+                        shmem.put_nbi_warp(c_partials[g, me, t, w0:w1], src[w0:w1], s)
+                i += all_warps
+
+        publish_partials(ticket, flag, c_signal, g, me, n, R)
 
     @cuda.jit
     def combine_wait(out, out_partials, d_ids, d_counts, c_partials, c_signal, sync, status, mode,
@@ -155,6 +204,8 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue):
         records an error and writes nothing.
         """
         flag = cuda.shared.array(1, int32)
+        acc = cuda.local.array(ACC, float32)
+        vals = cuda.local.array(U, word_t)
         if status[STATUS_CODE] != 0:
             return
         me = shmem.my_pe()
@@ -193,14 +244,26 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue):
                 went |= uint64(1) << uint64(d_ids[g, me, t, k] // L)
             if mode == MODE_REDUCE:
                 w = w0 + lane
-                while w + warp < w1:  # two words per lane in flight
-                    p0 = reduced_word(c_partials, g, went, t, w, aux)
-                    p1 = reduced_word(c_partials, g, went, t, w + warp, aux)
-                    out[t, w] = p0
-                    out[t, w + warp] = p1
-                    w += 2 * warp
-                if w < w1:
-                    out[t, w] = reduced_word(c_partials, g, went, t, w, aux)
+                while w < w1:  # U words per lane: each rank's loads issued before they are used
+                    for x in range(U * pack):
+                        acc[x] = float32(0.0)
+                    for r in range(R):
+                        if (went >> uint64(r)) & uint64(1):
+                            src = c_partials[g, r, t]
+                            for u in range(U):
+                                if w + u * warp < w1:
+                                    vals[u] = src[w + u * warp]
+                            for u in range(U):
+                                for x in range(pack):
+                                    acc[u * pack + x] += word_f32(vals[u], x)
+                    for u in range(U):
+                        wu = w + u * warp
+                        if wu < w1:
+                            packed = uint64(0)
+                            for x in range(pack):
+                                packed |= bf16_bits_at(epilogue(acc[u * pack + x], t, wu * pack + x, aux), x)
+                            out[t, wu] = word_t(packed)
+                    w += U * warp
             else:
                 for w in range(w0 + lane, w1, warp):
                     for r in range(R):
@@ -210,4 +273,4 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue):
                             out_partials[r, t, w] = 0
             i += all_warps
 
-    return combine_async, combine_wait
+    return combine_async, combine_wait, combine_async_rows

@@ -24,9 +24,9 @@ from ep_runtime.status import (COUNTER_DISPATCH_SIGNAL, COUNTER_RECV_ROWS, ERR_C
 #: Tokens each thread classifies per block scan in ``dispatch_wait`` (a chunk is
 #: ``threads * TOKENS_PER_THREAD`` tokens): fewer scans, each over a thread's run of tokens.
 TOKENS_PER_THREAD = 4
-#: Words each lane loads before storing in dispatch_copy (memory-level parallelism; the loop
-#: body is written out for 4).
-COPY_UNROLL = 4
+#: Words of a row each lane loads before storing any in dispatch_copy (memory-level
+#: parallelism: 64 bytes per lane, 32 KB per 512-thread block in flight).
+COPY_UNROLL = 8
 
 
 def make_dispatch_kernels(threads: int):
@@ -35,7 +35,6 @@ def make_dispatch_kernels(threads: int):
     warp, warps = warp_geometry(threads)
     chunk = threads * TOKENS_PER_THREAD
     U = COPY_UNROLL
-    assert U == 4, "dispatch_copy's loop body loads 4 words per lane"
 
     @cuda.jit
     def dispatch_async(tokens, topk_ids, topk_weights, valid_tokens, use_valid,
@@ -123,13 +122,14 @@ def make_dispatch_kernels(threads: int):
     @cuda.jit
     def dispatch_wait(d_ids, d_weights, d_counts, d_signal, sync,
                       row_offsets, expert_counts, row_src_rank, row_src_token, row_src_k,
-                      row_weight, token_rows, status, pad_multiple, timeout_ns):
+                      row_weight, row_gather, token_rows, status, pad_multiple, timeout_ns):
         """Wait for every source rank, then place every received (token, local expert) pair.
 
         Symmetric inputs as in dispatch_async (group g of the last call). Outputs (local):
         row_offsets [L + 1] int32, expert_counts [L] int32, row_src_rank / row_src_token /
-        row_src_k [C] int32, row_weight [C] float32 (padding rows: -1, -1, -1, 0), and
-        token_rows [R, Tmax, K] int32 (row of the j-th local expert of token (src, t), for
+        row_src_k [C] int32, row_weight [C] float32, row_gather [C] int32 (the row's slot in
+        the receive buffer, ``src * Tmax + t``: the compact layout's gather index; padding
+        rows: -1, -1, -1, 0, -1), and token_rows [R, Tmax, K] int32 (row of the j-th local expert of token (src, t), for
         dispatch_copy and combine_async). pad_multiple, timeout_ns: int64.
 
         One block: waits for all R signals itself (no block depends on another), computes
@@ -149,6 +149,7 @@ def make_dispatch_kernels(threads: int):
         R = d_counts.shape[1]
         L = d_counts.shape[2] - 1
         K = d_ids.shape[3]
+        Tmax = d_ids.shape[2]
         C = row_src_rank.shape[0]
         tid = cuda.threadIdx.x
         n = sync[SYNC_CALLS] - 1
@@ -227,6 +228,7 @@ def make_dispatch_kernels(threads: int):
                                 row_src_token[r] = t
                                 row_src_k[r] = k_hit
                                 row_weight[r] = d_weights[g, s, t, k_hit]
+                                row_gather[r] = s * Tmax + t
                                 token_rows[s, t, j] = r
                                 r += 1
                     row += count
@@ -237,6 +239,7 @@ def make_dispatch_kernels(threads: int):
                 row_src_token[r] = -1
                 row_src_k[r] = -1
                 row_weight[r] = 0.0
+                row_gather[r] = -1
             if tid == 0:
                 row_offsets[e] = base
                 expert_counts[e] = row - base
@@ -257,6 +260,7 @@ def make_dispatch_kernels(threads: int):
         words per lane in flight.
         Then a warp per local expert zeroes its padding rows.
         """
+        vals = cuda.local.array(U, uint64)
         if status[STATUS_CODE] != 0:
             return
         me = shmem.my_pe()
@@ -279,23 +283,16 @@ def make_dispatch_kernels(threads: int):
                 n_local = local_expert_count(d_ids[g, s, t], L, me)
                 src = d_tokens[g, s, t]
                 w = w0 + lane
-                while w + (U - 1) * warp < w1:
-                    v0 = src[w]
-                    v1 = src[w + warp]
-                    v2 = src[w + 2 * warp]
-                    v3 = src[w + 3 * warp]
+                while w < w1:  # U words per lane loaded before any is stored
+                    for u in range(U):
+                        if w + u * warp < w1:
+                            vals[u] = src[w + u * warp]
                     for j in range(n_local):
                         dst = expert_x[token_rows[s, t, j]]
-                        dst[w] = v0
-                        dst[w + warp] = v1
-                        dst[w + 2 * warp] = v2
-                        dst[w + 3 * warp] = v3
+                        for u in range(U):
+                            if w + u * warp < w1:
+                                dst[w + u * warp] = vals[u]
                     w += U * warp
-                while w < w1:
-                    v0 = src[w]
-                    for j in range(n_local):
-                        expert_x[token_rows[s, t, j], w] = v0
-                    w += warp
                 i += all_warps
 
         e = first_warp

@@ -30,6 +30,10 @@ def test_traffic_of_a_hand_worked_example():
     assert t.combine_nvlink_bytes == 2 * 16
     assert t.dispatch_hbm_bytes == (4 + 3 + 2 * 4) * 16
     assert t.combine_hbm_bytes == (4 + 2 * 3 + 2 * 4 + 3) * 16
+    # compact: no expansion copy; combine reads one caller row per received token
+    assert t.compact_dispatch_hbm_bytes == (4 + 3) * 16 == t.hbm_bytes("dispatch", "compact")
+    assert t.compact_combine_hbm_bytes == (3 + 2 * 4 + 3) * 16 == t.hbm_bytes("combine", "compact")
+    assert t.hbm_bytes("combine") == t.combine_hbm_bytes
 
 
 @pytest.mark.parametrize("scenario", ["random", "zero_rank", "one_expert"])
@@ -158,7 +162,7 @@ def test_table_and_results_carry_the_mode():
     assert [r["mode"] for r in res] == ["eager", "graph"] and "graph" not in res[0] and res[1]["graph"] == graph
     lines = table([res]).splitlines()
     assert "mode" in lines[0].split("|")[0]
-    assert " eager |" in lines[1] and " graph |" in lines[2]
+    assert " eager expanded |" in lines[1] and " graph expanded |" in lines[2]
     assert any(line.startswith("graph mode:") and "device scalar" in line for line in lines)
     assert "WARNING" not in table([res])
     res[1]["graph"]["device_calls"] = 4  # replays that did not run
@@ -172,7 +176,7 @@ def test_smoke_run_on_the_simulator(tmp_path):
          "--hidden", "16", "--experts", "4", "--top-k", "2", "--samples", "3", "--warmup", "1",
          "--json", str(path)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "dispatch us" in proc.stdout and "ceilings measured in this run" in proc.stdout and " eager |" in proc.stdout
+    assert "dispatch us" in proc.stdout and "ceilings measured in this run" in proc.stdout and " eager expanded |" in proc.stdout
     data = json.loads(path.read_text())
     assert data["meta"]["backend"] == "sim" and data["meta"]["ranks"] == 2 and data["meta"]["git_sha"]
     assert [len(rank) for rank in data["results"]] == [2, 2]
@@ -181,5 +185,19 @@ def test_smoke_run_on_the_simulator(tmp_path):
             for span in ("dispatch", "dispatch_async", "dispatch_wait", "combine", "combine_async", "combine_wait"):
                 assert res["times_us"][span]["n"] == 3 and res["times_us"][span]["median"] > 0
             assert res["traffic"]["tokens"] == res["config"]["max_tokens_per_rank"]
-            assert res["mode"] == "eager"
+            assert res["mode"] == "eager" and res["layout"] == "expanded"
     assert data["args"]["mode"] == ["eager"]
+
+
+def test_compact_layout_is_timed_next_to_the_expanded_one_on_the_simulator(tmp_path):
+    path = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "ep_runtime.bench", "--backend", "sim", "--ranks", "2", "--tokens", "5",
+         "--hidden", "16", "--experts", "4", "--top-k", "2", "--samples", "2", "--warmup", "1",
+         "--layout", "expanded", "compact", "--json", str(path)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert " eager  compact |" in proc.stdout and " eager expanded |" in proc.stdout
+    for rank in json.loads(path.read_text())["results"]:
+        assert [res["layout"] for res in rank] == ["expanded", "compact"]
+        for res in rank:
+            assert all(res["times_us"][span]["median"] > 0 for span in ("dispatch", "combine"))

@@ -149,8 +149,9 @@ def correctness_cases(R: int) -> list[Case]:
         Case("many_tokens_n_sms_3", base_cfg(R, hidden=8, max_tokens_per_rank=19, n_sms=3), seed=16,
              n_tokens=(19,) * R),
         # several dispatch_wait scan chunks per source (70 tokens > 2 chunks of 8 threads x 4 tokens)
-        # and dispatch_copy's unrolled body and tail (hidden 136: 34 uint64 words = 32 + 2, lanes of 8)
-        Case("scan_chunks_unrolled_copy", base_cfg(R, hidden=136, max_tokens_per_rank=70, n_sms=2), seed=23,
+        # and the words-in-flight loops of dispatch_copy and both combine kernels, full passes and
+        # tail (hidden 552: 138 uint64 words = 2 passes of 8 lanes x 8 words + 10)
+        Case("scan_chunks_unrolled_copy", base_cfg(R, hidden=552, max_tokens_per_rank=70, n_sms=2), seed=23,
              n_tokens=(70,) * R),
         Case("no_tokens_anywhere", base_cfg(R), seed=17, n_tokens=(0,) * R),
         # few rows, wide rows, many warps: rows cut into parts (kernels/block.py, row_parts):

@@ -70,11 +70,13 @@ DSV3_LOCAL = {
     "row_src_k": ((262144,), i32, 1_048_576, 4_231_007_488),
     # [C] f32; + 1,048,576 = 4,232,056,064
     "row_weight": ((262144,), f32, 1_048_576, 4_232_056_064),
-    # [8] i64: 64 B; + 1,048,576 = 4,233,104,640
-    "status": ((8,), i64, 64, 4_233_104_640),
+    # [C] i32 (compact gather index); + 1,048,576 = 4,233,104,640
+    "row_gather": ((262144,), i32, 1_048_576, 4_233_104_640),
+    # [8] i64: 64 B; + 1,048,576 = 4,234,153,216
+    "status": ((8,), i64, 64, 4_234_153_216),
 }
-# 4,233,104,640 + 64 -> round up to 256 = 4,233,104,896
-DSV3_LOCAL_BYTES = 4_233_104_896
+# 4,234,153,216 + 64 -> round up to 256 = 4,234,153,472
+DSV3_LOCAL_BYTES = 4_234_153_472
 
 SMALL_SYMMETRIC = {
     # [G, R, T, H] u16: 2 * 2 * 16 * 64 * 2 = 8192 B at 0
@@ -120,10 +122,12 @@ SMALL_LOCAL = {
     "row_src_k": ((50,), i32, 200, 12800),
     # [C] f32; 12800 + 200 -> 13056
     "row_weight": ((50,), f32, 200, 13056),
-    # [8] i64: 64 B; 13056 + 200 -> 13312
-    "status": ((8,), i64, 64, 13312),
+    # [C] i32 (compact gather index); 13056 + 200 -> 13312
+    "row_gather": ((50,), i32, 200, 13312),
+    # [8] i64: 64 B; 13312 + 200 -> 13568
+    "status": ((8,), i64, 64, 13568),
 }
-SMALL_LOCAL_BYTES = 13568  # 13312 + 64 -> 13568
+SMALL_LOCAL_BYTES = 13824  # 13568 + 64 -> 13824
 
 CASES = {
     "dsv3": (DSV3, DSV3_SYMMETRIC, DSV3_SYMMETRIC_BYTES, DSV3_LOCAL, DSV3_LOCAL_BYTES),
@@ -171,8 +175,8 @@ def test_dsv3_totals_in_mib():
     # Two groups of [R, T, H] bf16 each way: 2 * 896 MiB, plus 4 MiB of routing and a few KiB.
     layout = BufferLayout(DSV3)
     assert 1792 < layout.symmetric_bytes / MiB < 1797
-    # combine_stage 448 MiB + expert_x 3584 MiB + token_rows 1 MiB + 4 row arrays of 1 MiB.
-    assert 4037 < layout.local_bytes / MiB < 4038
+    # combine_stage 448 MiB + expert_x 3584 MiB + token_rows 1 MiB + 5 row arrays of 1 MiB.
+    assert 4038 < layout.local_bytes / MiB < 4039
 
 
 @pytest.mark.parametrize("heap", ["symmetric", "local"])
@@ -214,7 +218,7 @@ def test_symmetric_regions_are_written_by_peers(case):
 def test_sentinel_inits():
     layout = BufferLayout(SMALL)
     # -1 marks "no expert id" / "no row" / "padding"; everything else starts at 0.
-    minus_one = {"dispatch_topk_ids", "token_rows", "row_src_rank", "row_src_token", "row_src_k"}
+    minus_one = {"dispatch_topk_ids", "token_rows", "row_src_rank", "row_src_token", "row_src_k", "row_gather"}
     for r in layout.regions:
         assert r.init == (-1 if r.name in minus_one else 0), f"{r.name} init {r.init}"
 
@@ -240,7 +244,7 @@ def test_describe_dsv3_figures():
     assert "896.000" in text          # dispatch_tokens and combine_partials
     assert "3584.000" in text         # expert_x
     assert "symmetric total 1796.003 MiB" in text   # 1,883,245,312 / 2**20 = 1796.0027
-    assert "local total 4037.003 MiB" in text       # 4,233,104,896 / 2**20 = 4037.0034
+    assert "local total 4038.003 MiB" in text       # 4,234,153,472 / 2**20 = 4038.0034
 
 
 def test_region_unknown_name_raises_key_error():
@@ -256,7 +260,7 @@ def test_capacity_follows_max_recv_rows_only_in_row_regions():
     a = BufferLayout(SMALL)
     b = BufferLayout(EPConfig(**{**SMALL.as_dict(), "max_recv_rows": 76}))
     changed = {r.name for r in a.regions if r.shape != b.region(r.name).shape}
-    assert changed == {"expert_x", "row_src_rank", "row_src_token", "row_src_k", "row_weight"}
+    assert changed == {"expert_x", "row_src_rank", "row_src_token", "row_src_k", "row_weight", "row_gather"}
     assert a.symmetric_bytes == b.symmetric_bytes
     assert b.region("expert_x").shape == (76, 64)   # 2 * 16 * 2 + 4 * 3
 

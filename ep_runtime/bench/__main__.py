@@ -21,7 +21,14 @@ the runtime's dispatch_async takes ``n_tokens=`` (a device scalar), T is passed 
 decode step serving a varying batch from one graph would. The simulator has no CUDA graphs:
 ``--mode graph`` there is refused before anything runs.
 
-Results print as a table (rank 0; a ``mode`` column) and, with ``--json FILE``, as JSON with
+Layouts (``--layout``, one or both; default expanded): **expanded** times dispatch_wait's
+expert-major batch (one row per (token, local expert): the expansion copy included) and
+combine from expert-major outputs; **compact** times dispatch_wait without the expansion copy
+(rows stay one per (token, source rank), with gather indices per expert) and combine from one
+row per received token, the layout DeepEP and NCCL deliver. The floor's device-memory bytes
+follow the layout (``ep_runtime.bench.traffic``).
+
+Results print as a table (rank 0; ``mode`` and ``layout`` columns) and, with ``--json FILE``, as JSON with
 the configuration, mode, git sha, devices and versions; ``--plot FILE.png`` draws time against
 tokens (matplotlib).
 """
@@ -51,6 +58,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", nargs="+", choices=("eager", "graph"), default=["eager"],
                    help="eager: the calls as made by a caller; graph: CUDA graph replay, one graph per phase "
                         "(GPUs only); both: --mode eager graph (default: eager)")
+    p.add_argument("--layout", nargs="+", choices=("expanded", "compact"), default=["expanded"],
+                   help="expanded: dispatch_wait lays rows out per (token, local expert) and combine takes "
+                        "expert-major outputs; compact: no expansion copy, one row per (token, source rank) "
+                        "both ways (DeepEP's and NCCL's layout); both: --layout expanded compact")
     p.add_argument("--samples", type=int, default=50,
                    help="timed samples per configuration and mode (>= 50 on GPUs)")
     p.add_argument("--warmup", type=int, default=5)

@@ -60,8 +60,10 @@ def clock_for(session):
     return WallClock() if session.backend == "sim" else EventClock(session)
 
 
-def time_round_trips(rt, session, inputs, expert_out, out, samples: int, warmup: int) -> dict:
-    """Samples (us) of each span of :data:`SPANS` over ``warmup + samples`` round trips."""
+def time_round_trips(rt, session, inputs, expert_out, out, samples: int, warmup: int,
+                     layout: str = "expanded") -> dict:
+    """Samples (us) of each span of :data:`SPANS` over ``warmup + samples`` round trips, with
+    dispatch_wait and combine_async in ``layout`` (``expert_out`` shaped for it)."""
     clock = clock_for(session)
     tokens, ids, weights = inputs
     spans = {name: [] for name in SPANS}
@@ -70,11 +72,11 @@ def time_round_trips(rt, session, inputs, expert_out, out, samples: int, warmup:
         m = [clock.mark()]
         h = rt.dispatch_async(tokens, ids, weights)
         m.append(clock.mark())
-        batch = rt.dispatch_wait(h)
+        batch = rt.dispatch_wait(h, **_layout(layout))
         m.append(clock.mark())
         session.barrier()
         m.append(clock.mark())
-        ch = rt.combine_async(expert_out, batch.handle)
+        ch = rt.combine_async(expert_out, batch.handle, **_layout(layout))
         m.append(clock.mark())
         rt.combine_wait(ch, out=out)
         m.append(clock.mark())
@@ -106,7 +108,13 @@ def takes_device_token_count(rt) -> bool:
     return "n_tokens" in inspect.signature(rt.dispatch_async).parameters
 
 
-def _round_trip_calls(rt, inputs, expert_out, out, n_tokens) -> dict:
+def _layout(layout: str) -> dict:
+    """The ``layout=`` keyword for the runtime's calls (none for the default, so a runtime
+    without layouts is still timed)."""
+    return {} if layout == "expanded" else {"layout": layout}
+
+
+def _round_trip_calls(rt, inputs, expert_out, out, n_tokens, layout: str = "expanded") -> dict:
     """The four calls of one round trip as argument-less functions, threading the handles."""
     tokens, ids, weights = inputs
     kw = {} if n_tokens is None else {"n_tokens": n_tokens}
@@ -116,10 +124,10 @@ def _round_trip_calls(rt, inputs, expert_out, out, n_tokens) -> dict:
         st["h"] = rt.dispatch_async(tokens, ids, weights, **kw)
 
     def dispatch_wait():
-        st["b"] = rt.dispatch_wait(st["h"])
+        st["b"] = rt.dispatch_wait(st["h"], **_layout(layout))
 
     def combine_async():
-        st["c"] = rt.combine_async(expert_out, st["b"].handle)
+        st["c"] = rt.combine_async(expert_out, st["b"].handle, **_layout(layout))
 
     def combine_wait():
         rt.combine_wait(st["c"], out=out)
@@ -145,7 +153,7 @@ def _capture(stream, fns):
 
 
 def time_graph_round_trips(rt, session, inputs, expert_out, out, samples: int, warmup: int,
-                           n_tokens=None, stream=None) -> dict:
+                           n_tokens=None, stream=None, layout: str = "expanded") -> dict:
     """Samples (us) of each span of :data:`SPANS`, from CUDA graph replays (GPUs only).
 
     Captures the graphs of :data:`GRAPH_ROUND_TRIPS` on ``stream`` (default the session
@@ -160,7 +168,7 @@ def time_graph_round_trips(rt, session, inputs, expert_out, out, samples: int, w
     session.barrier()
     round_trips = []
     for phases in GRAPH_ROUND_TRIPS:
-        calls = _round_trip_calls(rt, inputs, expert_out, out, n_tokens)
+        calls = _round_trip_calls(rt, inputs, expert_out, out, n_tokens, layout)
         round_trips.append([[(name, _capture(stream, [calls[c] for c in captured])) for name, captured in phase]
                             for phase in phases])
     spans = {name: [] for name in SPANS}

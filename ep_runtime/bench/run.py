@@ -31,6 +31,11 @@ def modes(args) -> list[str]:
     return list(dict.fromkeys(getattr(args, "mode", None) or ["eager"]))
 
 
+def layouts(args) -> list[str]:
+    """The dispatch/combine layouts asked for (``--layout``), in order, each once."""
+    return list(dict.fromkeys(getattr(args, "layout", None) or ["expanded"]))
+
+
 def close_baselines() -> None:
     """Leave torch.distributed if a baseline joined it, so no rank's NCCL heartbeat outlives the
     TCP store of rank 0 (which printed a c10d 'recvValue failed' traceback at exit)."""
@@ -64,22 +69,30 @@ def bench_rank(session, args_dict) -> list[dict]:
         tr = rank_traffic(ids, r, cfg.n_local_experts, cfg.hidden)
         with EPRuntime(cfg, session) as rt:
             inputs = tuple(session.to_device(a) for a in (xs[r].view(np.uint16), ids[r], ws[r]))
-            y = session.alloc_local("bench.expert_out", (cfg.recv_rows_capacity, cfg.hidden), np.uint16)
+            outs = {"expanded": session.alloc_local("bench.expert_out", (cfg.recv_rows_capacity, cfg.hidden), np.uint16),
+                    "compact": None}
             out = session.alloc_local("bench.out", (T, cfg.hidden), np.uint16)
-            spans, graph = {}, None
-            for mode in modes(args):
-                if mode == "eager":
-                    spans[mode] = time_round_trips(rt, session, inputs, y, out, args.samples, args.warmup)
-                else:  # captured with all T rows; with n_tokens, T is also read on the device at replay
+            runs, graph = [], {}
+            for layout in layouts(args):
+                if layout == "compact" and outs["compact"] is None:  # one row per (source rank, token slot)
+                    outs["compact"] = session.alloc_local("bench.expert_rows", (cfg.n_ranks * T, cfg.hidden), np.uint16)
+                y = outs[layout]
+                for mode in modes(args):
+                    if mode == "eager":
+                        spans = time_round_trips(rt, session, inputs, y, out, args.samples, args.warmup, layout=layout)
+                        runs.append((mode, layout, spans, None))
+                        continue
+                    # captured with all T rows; with n_tokens, T is also read on the device at replay
                     dev_t = takes_device_token_count(rt)
                     graph = {"captured_rows": T, "n_tokens": "device scalar" if dev_t else "none (static shape)"}
                     n_tok = session.to_device(np.array([T], np.int32)) if dev_t else None
                     before = rt.device_calls()
-                    spans[mode] = time_graph_round_trips(rt, session, inputs, y, out, args.samples, args.warmup,
-                                                         n_tokens=n_tok)
+                    spans = time_graph_round_trips(rt, session, inputs, y, out, args.samples, args.warmup,
+                                                   n_tokens=n_tok, layout=layout)
                     # a replay that did not run would time as nothing: count the calls the device made
                     graph["replayed_round_trips"] = len(GRAPH_ROUND_TRIPS) * (args.warmup + args.samples)
                     graph["device_calls"] = rt.device_calls() - before
+                    runs.append((mode, layout, spans, graph))
         base = {}
         if gpu and not args.no_baselines:
             base.update(_try(lambda: nccl_all_to_all(session, tr.sent, tr.recv, cfg.hidden,
@@ -87,8 +100,8 @@ def bench_rank(session, args_dict) -> list[dict]:
                                                      args.samples, args.warmup), "nccl"))
             base.update(_try(lambda: nvshmem_alltoall(session, tr.sent, cfg.hidden, args.samples, args.warmup),
                              "nvshmem_alltoall"))
-        for mode, mode_spans in spans.items():
-            results.append(_result(cfg, tr, mode_spans, base, ceil, mode, graph if mode == "graph" else None))
+        for mode, layout, spans, graph in runs:
+            results.append(_result(cfg, tr, spans, base, ceil, mode, graph, layout))
     if session.rank == 0:
         print(file=sys.stderr)
     if gpu:
@@ -104,13 +117,15 @@ def _try(fn, name) -> dict:
         return {name: f"error: {type(e).__name__}: {e}"}
 
 
-def _result(cfg, tr, spans, base, ceil, mode="eager", graph=None) -> dict:
+def _result(cfg, tr, spans, base, ceil, mode="eager", graph=None, layout="expanded") -> dict:
     times = {k: summarize(v) for k, v in spans.items()}
     d, c = times["dispatch"]["median"], times["combine"]["median"]
-    floor_d = max(tr.dispatch_nvlink_bytes / (ceil["nvlink_gbps"] * 1e3), tr.dispatch_hbm_bytes / (ceil["hbm_gbps"] * 1e3))
-    floor_c = max(tr.combine_nvlink_bytes / (ceil["nvlink_gbps"] * 1e3), tr.combine_hbm_bytes / (ceil["hbm_gbps"] * 1e3))
+    floor_d = max(tr.dispatch_nvlink_bytes / (ceil["nvlink_gbps"] * 1e3),
+                  tr.hbm_bytes("dispatch", layout) / (ceil["hbm_gbps"] * 1e3))
+    floor_c = max(tr.combine_nvlink_bytes / (ceil["nvlink_gbps"] * 1e3),
+                  tr.hbm_bytes("combine", layout) / (ceil["hbm_gbps"] * 1e3))
     res = {
-        "mode": mode, "config": cfg.as_dict(), "traffic": tr.__dict__, "ceilings": ceil, "times_us": times,
+        "mode": mode, "layout": layout, "config": cfg.as_dict(), "traffic": tr.__dict__, "ceilings": ceil, "times_us": times,
         "dispatch": {"logical_gbps": gbps(tr.logical_bytes, d), "nvlink_gbps": gbps(tr.dispatch_nvlink_bytes, d),
                      "floor_us": floor_d, "of_floor": floor_d / d if d else float("nan")},
         "combine": {"logical_gbps": gbps(tr.logical_bytes, c), "nvlink_gbps": gbps(tr.combine_nvlink_bytes, c),
@@ -125,7 +140,8 @@ def _result(cfg, tr, spans, base, ceil, mode="eager", graph=None) -> dict:
 def table(per_rank: list[list[dict]]) -> str:
     """One line per (configuration, mode, rank). In graph mode ``dispatch`` and ``combine`` are
     one graph replay each; ``async`` and ``wait`` are replays of graphs of one call each."""
-    head = (f"{'rank':>4} {'T':>5} {'H':>5} {'K':>2} {'E':>4} {'sms':>4} {'mode':>5} | {'dispatch us (p10-p90)':>24} "
+    head = (f"{'rank':>4} {'T':>5} {'H':>5} {'K':>2} {'E':>4} {'sms':>4} {'mode':>5} {'layout':>8} | "
+            f"{'dispatch us (p10-p90)':>24} "
             f"{'async':>7} {'wait':>7} {'GB/s log':>8} {'NVL':>6} {'floor':>7} {'%floor':>6} | "
             f"{'combine us':>10} {'GB/s log':>8} {'floor':>7} {'%floor':>6} | baselines (median us)")
     lines = [head]
@@ -137,7 +153,8 @@ def table(per_rank: list[list[dict]]) -> str:
                            for k, v in res["baselines_us"].items()) or "-"
             lines.append(
                 f"{r:>4} {cfg['max_tokens_per_rank']:>5} {cfg['hidden']:>5} {cfg['top_k']:>2} {cfg['n_experts']:>4} "
-                f"{cfg['n_sms'] or 'all':>4} {res.get('mode', 'eager'):>5} | {t['dispatch']['median']:>9.1f} ({t['dispatch']['p10']:.1f}-"
+                f"{cfg['n_sms'] or 'all':>4} {res.get('mode', 'eager'):>5} {res.get('layout', 'expanded'):>8} | "
+                f"{t['dispatch']['median']:>9.1f} ({t['dispatch']['p10']:.1f}-"
                 f"{t['dispatch']['p90']:.1f}) {t['dispatch_async']['median']:>7.1f} {t['dispatch_wait']['median']:>7.1f} "
                 f"{d['logical_gbps']:>8.1f} {d['nvlink_gbps']:>6.1f} {d['floor_us']:>7.1f} {100 * d['of_floor']:>5.1f}% | "
                 f"{t['combine']['median']:>10.1f} {c['logical_gbps']:>8.1f} {c['floor_us']:>7.1f} "

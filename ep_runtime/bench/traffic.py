@@ -14,6 +14,10 @@ From the routing of every rank, for rank ``r`` (``H`` hidden, 2-byte tokens, ``K
   dispatch_wait reads one received row and writes one batch row per batch row;
   combine: reads the expert outputs (``rows``), writes and reads the staged partials
   (``2 sum(recv)``), receives partials (``sum(sent)``) that combine_wait reads, and writes ``T``.
+- **HBM bytes of the compact layout** (``layout="compact"``: no expansion copy, the caller's
+  combine input is one row per received token): dispatch: the sender reads its sent rows and the
+  receive buffer is written (``sum(sent) + sum(recv)`` rows); combine: the caller's rows are read
+  (``sum(recv)``), partials land (``sum(sent)``), combine_wait reads them and writes ``T``.
 """
 
 from __future__ import annotations
@@ -36,6 +40,12 @@ class Traffic:
     combine_nvlink_bytes: int
     dispatch_hbm_bytes: int
     combine_hbm_bytes: int
+    compact_dispatch_hbm_bytes: int
+    compact_combine_hbm_bytes: int
+
+    def hbm_bytes(self, phase: str, layout: str = "expanded") -> int:
+        """Device-memory bytes of ``phase`` ("dispatch" or "combine") in ``layout``."""
+        return getattr(self, f"{'compact_' if layout == 'compact' else ''}{phase}_hbm_bytes")
 
 
 def rank_traffic(ids_per_rank, rank: int, n_local_experts: int, hidden: int) -> Traffic:
@@ -63,6 +73,8 @@ def rank_traffic(ids_per_rank, rank: int, n_local_experts: int, hidden: int) -> 
         combine_nvlink_bytes=max(in_rows, out_rows) * row,
         dispatch_hbm_bytes=(sum(sent) + sum(recv) + 2 * rows) * row,
         combine_hbm_bytes=(rows + 2 * sum(recv) + 2 * sum(sent) + T) * row,
+        compact_dispatch_hbm_bytes=(sum(sent) + sum(recv)) * row,
+        compact_combine_hbm_bytes=(sum(recv) + 2 * sum(sent) + T) * row,
     )
 
 

@@ -4,9 +4,10 @@ Bring-up (collective, under mpirun): bind this process to GPU ``local_rank``, se
 environment (:func:`ep_runtime.shmem.env.configure_nvshmem_env`), broadcast NVSHMEM's unique
 id from rank 0 with mpi4py and initialize with ``initializer_method="uid"`` (this works with
 Open MPI and MPICH alike; NVSHMEM's own MPI plugin is linked against Open MPI only).
-Symmetric arrays are CuPy arrays from ``nvshmem.core.array``; kernels run on one
-non-blocking stream created with cuda.core, shared with Numba and made CuPy's current stream
-in this thread (so CuPy work on runtime buffers orders with the kernels).
+Symmetric arrays are CuPy arrays from ``nvshmem.core.array``; kernels run on one stream
+created with cuda.core, shared with Numba and made CuPy's current stream in this thread. The
+stream is *blocking* (ordered with the legacy default stream), so a caller's work on the
+default stream orders with the kernels even where CuPy's current stream was changed.
 
 Kernels: :meth:`NvshmemSession.precompile` takes a kernel's linked cubin from the on-disk kernel
 cache when it can (:mod:`ep_runtime.shmem.kernel_cache`; directory ``$EP_RUNTIME_KERNEL_CACHE``,
@@ -52,6 +53,15 @@ def _cuda_core_device(index: int):
     return Device(index)
 
 
+def _blocking_stream_options():
+    """cuda.core options for a stream that orders with the legacy default stream."""
+    try:
+        from cuda.core import StreamOptions
+    except ImportError:  # cuda.core < 1.0
+        from cuda.core.experimental import StreamOptions
+    return StreamOptions(nonblocking=False)
+
+
 class NvshmemSession(Session):
     """One PE on NVSHMEM. Build with :meth:`open`."""
 
@@ -79,7 +89,14 @@ class NvshmemSession(Session):
         nvshmem.init(device=self._device, uid=uid, rank=self.rank, nranks=self.n_ranks,
                      initializer_method="uid")
         self._nvshmem = nvshmem
-        self._core_stream = self._device.create_stream()
+        # A *blocking* stream (ordered with the legacy default stream, both ways): measured on
+        # the GPU machine, CuPy's current stream did not stay the session stream in every
+        # script (ep_check.py found it was not, on one rank of two, after building the runtime),
+        # and inputs made by cupy.asarray on the legacy stream then raced with the kernels of a
+        # non-blocking stream. Blocking, the caller's work on the default stream (CuPy's when no
+        # stream is current, PyTorch's default stream) is ordered with the kernels whatever
+        # stream CuPy considers current (README, "Streams").
+        self._core_stream = self._device.create_stream(options=_blocking_stream_options())
         handle = int(self._core_stream.handle)
         self._cupy_stream = cupy.cuda.ExternalStream(handle)
         self._cupy_stream.use()  # the caller's CuPy work orders with the kernels by default

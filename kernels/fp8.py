@@ -1,0 +1,194 @@
+"""FP8 E4M3 (``float8_e4m3fn``) encoding and block scales, as device functions.
+
+Numba has no FP8 type and no FP8 intrinsic: codes are computed from float32 bit patterns with
+integer arithmetic (Numba widens some of it to 64 bits; nothing here can overflow either way),
+without float64 and without fast-math (the only float operations are one IEEE division, a
+multiplication by 2**-9 and a negation), so the same source gives the same bits on a GPU and in
+Numba's CUDA simulator. :mod:`ep_runtime.formats` states the quantization rule these
+functions implement and holds its NumPy reference.
+
+E4M3 (``fn``: finite, no infinities) is an 8-bit code ``s eeee mmm`` with exponent bias 7:
+normals ``(1 + m/8) 2**(e-7)`` for e = 1..15 (largest 448 = code 0x7E), subnormals
+``m 2**-9`` (e = 0), and NaN at ``s 1111 111`` (0x7F / 0xFF); there is no infinity.
+:func:`e4m3_bits` converts exactly like ``ml_dtypes.float8_e4m3fn`` converts float32 (checked for
+every bf16 pattern and the rounding boundaries by tests/test_formats.py):
+
+- round to nearest, ties to even, once, from the float32 value (subnormals included: the
+  smallest code 2**-9, and 2**-10 exactly rounds to +-0);
+- a magnitude that rounds above 448 becomes NaN with the input's sign: values in (464, inf],
+  infinities and NaNs give ``s 1111 111``; 464 itself (the tie between 448 and the missing
+  480) rounds to even, 448;
+- the sign is kept, so -0.0 and negative values that round to zero give 0x80 (-0).
+
+Normal E4M3 values (4 significant bits), the power-of-two scales and the NaN are bfloat16
+values too: they are built from 16-bit patterns with :func:`bf16_to_f32`, the float32 bit cast
+the kernels already have.
+
+Codes travel packed little-endian, code ``i`` of a word in bits ``8 i .. 8 i + 7`` (the bytes
+of a uint8 row): :func:`pack4` makes a uint32 of 4 codes, :func:`pack8` a uint64 of two of those,
+:func:`code_at` reads code ``i`` of a word.
+"""
+
+from numba import float32, int32, uint32, uint64
+
+from ep_runtime.formats import E4M3_MAX, E4M3_NAN, UE8M0_NAN
+from ep_runtime.kernels.bits import bf16_to_f32, f32_bits
+from ep_runtime.kernels.cuda_api import cuda
+
+#: float32 bits of 464.0, the tie between 448 and 480 (which E4M3 lacks): larger magnitudes
+#: (infinities and NaNs included, whose bits are larger still) convert to NaN.
+_F32_BITS_464 = 0x43E80000
+#: Spacing of the E4M3 subnormals, 2**-9 (also the smallest positive code, 0x01).
+_E4M3_SUBNORMAL_STEP = 2.0 ** -9
+#: float32 bits of 2**-6, the smallest normal E4M3 magnitude.
+_F32_BITS_MIN_NORMAL = 0x3C800000
+#: float32 bits >> 20 of an E4M3 normal minus its code: exponent bias 127 - 7 = 120, times 8.
+_REBIAS = 120 << 3
+#: float32 mantissa field of 1.75 (448 = 1.75 * 2**8): a larger mantissa needs the next power.
+_F32_MANTISSA_1_75 = 0x600000
+#: Upper 16 bits of float32 2**-127 (bits 0x00400000, a float32 subnormal): UE8M0 code 0.
+_BF16_BITS_2_POW_M127 = 0x0040
+#: Upper 16 bits of the quiet float32 NaN 0x7FC00000, the scale of a non-finite block.
+_BF16_BITS_NAN = 0x7FC0
+
+
+@cuda.jit(device=True)
+def e4m3_bits(x):
+    """E4M3 code (uint32, 0..255) of float32 ``x``: round to nearest even, overflow and
+    non-finite to NaN with the sign of ``x``; bit-exact with ``ml_dtypes.float8_e4m3fn``."""
+    u = f32_bits(x)
+    sign = (u >> uint32(24)) & uint32(0x80)
+    a = u & uint32(0x7FFFFFFF)
+    if a > uint32(_F32_BITS_464):
+        return uint32(sign | uint32(E4M3_NAN))
+    if a >= uint32(_F32_BITS_MIN_NORMAL):
+        # Keep 3 of float32's 23 mantissa bits, rounding to nearest even (add just under half,
+        # plus one when the kept part is odd); a carry out of the mantissa moves into the
+        # exponent, which is right. Below 464 no result passes 0x7E.
+        r = a + uint32(0x7FFFF) + ((a >> uint32(20)) & uint32(1))
+        return uint32(sign | ((r >> uint32(20)) - uint32(_REBIAS)))
+    # Subnormal E4M3: the code is round(|x| / 2**-9). A float32 normal |x| = m 2**(E - 150)
+    # (m with its implicit bit, 24 bits) gives m >> (141 - E), rounded to nearest even; a
+    # shift past 24 leaves less than half (m < 2**24); float32 subnormals are < 2**-126.
+    E = a >> uint32(23)
+    shift = uint32(141) - E
+    if E == uint32(0) or shift > uint32(24):
+        return uint32(sign)
+    m = (a & uint32(0x7FFFFF)) | uint32(0x800000)
+    q = m >> shift
+    rem = m & ((uint32(1) << shift) - uint32(1))
+    half = uint32(1) << (shift - uint32(1))
+    if rem > half or (rem == half and (q & uint32(1)) == uint32(1)):
+        q += uint32(1)
+    return uint32(sign | q)
+
+
+@cuda.jit(device=True)
+def e4m3_value(code):
+    """float32 value of E4M3 code ``code`` (its low 8 bits). NaN codes give the quiet float32
+    NaN with their sign (0x7FC00000 / 0xFFC00000), as ``ml_dtypes`` does."""
+    c = uint32(code)
+    sign16 = (c & uint32(0x80)) << uint32(8)
+    mag = c & uint32(0x7F)
+    if mag == uint32(E4M3_NAN):
+        return bf16_to_f32(sign16 | uint32(_BF16_BITS_NAN))
+    if mag >= uint32(8):
+        # normal: float32 bits (mag + (120 << 3)) << 20, whose low 16 bits are zero
+        return bf16_to_f32(sign16 | ((mag + uint32(_REBIAS)) << uint32(4)))
+    # subnormal or zero: mag * 2**-9, exact
+    v = float32(mag) * float32(_E4M3_SUBNORMAL_STEP)
+    return -v if sign16 != uint32(0) else v
+
+
+@cuda.jit(device=True)
+def e4m3_quantize(x, scale):
+    """E4M3 code (uint32) of ``x`` in a block of scale ``scale``: ``e4m3_bits(x / scale)``, the
+    division in float32 (IEEE), or the NaN code 0x7F when ``scale`` is NaN (a block with a
+    non-finite element: :func:`e4m3_scale`, :func:`ue8m0_scale`)."""
+    if (f32_bits(scale) & uint32(0x7FFFFFFF)) > uint32(0x7F800000):
+        return uint32(E4M3_NAN)
+    return e4m3_bits(float32(x) / float32(scale))
+
+
+@cuda.jit(device=True)
+def e4m3_scale(amax):
+    """float32 scale of a block whose largest magnitude is float32 ``amax`` (>= 0): ``amax / 448``
+    (IEEE division); 1.0 when ``amax`` is 0; NaN (0x7FC00000) when ``amax`` is inf or NaN."""
+    a = f32_bits(amax) & uint32(0x7FFFFFFF)
+    if a >= uint32(0x7F800000):
+        return bf16_to_f32(uint32(_BF16_BITS_NAN))
+    if a == uint32(0):
+        return float32(1.0)
+    return float32(amax) / float32(E4M3_MAX)
+
+
+@cuda.jit(device=True)
+def ue8m0_scale(amax):
+    """Power-of-two scale of a block whose largest magnitude is float32 ``amax`` (>= 0):
+    ``(scale float32, code uint32)`` with ``scale = 2**(code - 127)`` the smallest power of two
+    with ``amax <= 448 * scale`` (exact: no division, no log2), at least 2**-127 (code 0).
+    ``amax`` 0 gives (1.0, 127); inf or NaN gives (NaN 0x7FC00000, 255).
+
+    ``amax = 1.f * 2**(E - 127)`` (E its biased exponent) needs ``2**(E - 135)`` when
+    ``1.f <= 1.75`` (448 = 1.75 * 2**8), else ``2**(E - 134)``: code E - 8 or E - 7.
+    """
+    a = f32_bits(amax) & uint32(0x7FFFFFFF)
+    if a >= uint32(0x7F800000):
+        return bf16_to_f32(uint32(_BF16_BITS_NAN)), uint32(UE8M0_NAN)
+    if a == uint32(0):
+        return float32(1.0), uint32(127)
+    code = int32(a >> uint32(23)) - int32(8)
+    if (a & uint32(0x7FFFFF)) > uint32(_F32_MANTISSA_1_75):
+        code += int32(1)
+    if code <= int32(0):
+        return bf16_to_f32(uint32(_BF16_BITS_2_POW_M127)), uint32(0)
+    return bf16_to_f32(uint32(code) << uint32(7)), uint32(code)
+
+
+@cuda.jit(device=True)
+def ue8m0_value(code):
+    """float32 scale ``2**(code - 127)`` of UE8M0 code ``code`` (0..254; 255 is NaN)."""
+    c = uint32(code)
+    if c == uint32(UE8M0_NAN):
+        return bf16_to_f32(uint32(_BF16_BITS_NAN))
+    if c == uint32(0):
+        return bf16_to_f32(uint32(_BF16_BITS_2_POW_M127))
+    return bf16_to_f32(c << uint32(7))
+
+
+@cuda.jit(device=True)
+def bf16_abs_max(acc, word):
+    """Largest of ``acc`` (uint32) and the magnitude patterns (``bits & 0x7FFF``) of the four
+    bf16 values of uint64 ``word``. Magnitude patterns order like the magnitudes, with every
+    NaN above inf, so folding a block's words from 0 gives the pattern of its amax, NaN if any
+    element is NaN; ``bf16_to_f32`` of it is the float32 amax."""
+    w = uint64(word)
+    m = uint32(acc)
+    for i in range(4):
+        v = uint32((w >> uint64(16 * i)) & uint64(0x7FFF))
+        if v > m:
+            m = v
+    return m
+
+
+@cuda.jit(device=True)
+def pack4(c0, c1, c2, c3):
+    """uint32 of four codes (low 8 bits each), ``c0`` in the lowest byte."""
+    return uint32((uint32(c0) & uint32(0xFF)) | ((uint32(c1) & uint32(0xFF)) << uint32(8))
+                  | ((uint32(c2) & uint32(0xFF)) << uint32(16)) | ((uint32(c3) & uint32(0xFF)) << uint32(24)))
+
+
+@cuda.jit(device=True)
+def pack8(lo, hi):
+    """uint64 of eight codes from two :func:`pack4` words, ``lo`` holding codes 0..3."""
+    return uint64(lo) | (uint64(hi) << uint64(32))
+
+
+@cuda.jit(device=True)
+def code_at(word, i):
+    """Code ``i`` (uint32) of a packed word: bits ``8 i .. 8 i + 7``."""
+    return uint32((uint64(word) >> uint64(8 * i)) & uint64(0xFF))
+
+
+__all__ = ["E4M3_MAX", "E4M3_NAN", "UE8M0_NAN", "e4m3_bits", "e4m3_value", "e4m3_quantize", "e4m3_scale",
+           "ue8m0_scale", "ue8m0_value", "bf16_abs_max", "pack4", "pack8", "code_at"]

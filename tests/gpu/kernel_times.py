@@ -1,0 +1,104 @@
+"""Where the time goes, kernel by kernel (run on the GPU machine, one rank per GPU):
+
+    mpirun -np 2 -x PYTHONPATH python3 tests/gpu/kernel_times.py [--tokens 128 4096] [--layout expanded compact]
+
+Every kernel launch of a round trip is bracketed by CUDA events on the session stream (the
+session's ``launch`` is wrapped), a barrier before each round trip; the table gives each
+kernel's median device time (us) per token count and layout, and each kernel's registers per
+thread and local (spill) memory per thread, so a kernel that spills or waits long shows. A
+wait kernel's time includes waiting for its peers' signals. Prints a table last (rank 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+
+def kernel_resources(kernel) -> str:
+    """``regs/thread, local bytes/thread`` of a compiled Numba kernel (first overload)."""
+    try:
+        k = next(iter(kernel.overloads.values()))
+        return f"{k.regs_per_thread} regs, {k.local_mem_per_thread} B local"
+    except Exception as e:  # noqa: BLE001 - informational only
+        return f"? ({type(e).__name__})"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, nargs="+", default=[128, 4096])
+    ap.add_argument("--layout", nargs="+", default=["expanded", "compact"])
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--samples", type=int, default=50)
+    args = ap.parse_args()
+    import cupy
+    from mpi4py import MPI
+
+    from ep_runtime import EPConfig, EPRuntime
+    from ep_runtime.layout import BufferLayout
+    from ep_runtime.shmem import open_session
+    from ep_runtime.testing import make_inputs
+
+    R = MPI.COMM_WORLD.Get_size()
+    cfg = EPConfig(n_ranks=R, n_experts=args.experts, top_k=args.top_k, hidden=args.hidden,
+                   max_tokens_per_rank=max(args.tokens))
+    session = open_session("nvshmem", heap_bytes=BufferLayout(cfg).symmetric_bytes)
+    rt = EPRuntime(cfg, session)
+    names = {id(k): n for n, k in rt._kernels.items()}
+    stream = session.stream
+    launches = []
+    plain_launch = session.launch
+
+    def timed_launch(kernel, grid, block, launch_args):
+        a = cupy.cuda.Event()
+        a.record(stream)
+        plain_launch(kernel, grid, block, launch_args)
+        b = cupy.cuda.Event()
+        b.record(stream)
+        launches.append((names.get(id(kernel), "?"), a, b))
+
+    session.launch = timed_launch
+    table = {}
+    for T in args.tokens:
+        xs, ids, ws = make_inputs(cfg, "random", T, n_tokens=[T] * R)
+        tok, tid, tw = (cupy.asarray(a) for a in (xs[session.rank].view(np.uint16), ids[session.rank], ws[session.rank]))
+        out = cupy.empty((T, cfg.hidden), cupy.uint16)
+        for layout in args.layout:
+            y = cupy.zeros((cfg.recv_rows_capacity if layout == "expanded" else R * cfg.max_tokens_per_rank,
+                            cfg.hidden), cupy.uint16)
+            times = {}
+            for i in range(args.samples + 5):
+                launches.clear()
+                session.barrier()
+                b = rt.dispatch_wait(rt.dispatch_async(tok, tid, tw), layout=layout)
+                session.barrier()
+                rt.combine_wait(rt.combine_async(y, b.handle, layout=layout), out=out)
+                stream.synchronize()
+                if i >= 5:
+                    for name, a, e in launches:
+                        times.setdefault(name, []).append(cupy.cuda.get_elapsed_time(a, e) * 1e3)
+            table[T, layout] = {name: float(np.median(v)) for name, v in times.items()}
+    rt.synchronize()
+    resources = {n: kernel_resources(k) for n, k in rt._kernels.items() if n != "validate_routing"}
+    session.launch = plain_launch
+    rt.close()
+    session.close()
+    if session.rank == 0:
+        print(f"kernel resources (block {rt._threads} threads, grid {rt._grid}):")
+        for n, res in resources.items():
+            print(f"  {n:20} {res}")
+        order = ["dispatch_async", "dispatch_wait", "dispatch_copy", "combine_async", "combine_async_rows",
+                 "combine_wait"]
+        print(f"{'T':>5} {'layout':>8} | " + " ".join(f"{n:>18}" for n in order) + " | sum us (rank 0, median)")
+        for (T, layout), per in table.items():
+            print(f"{T:>5} {layout:>8} | " + " ".join(f"{per[n]:>18.1f}" if n in per else f"{'-':>18}" for n in order)
+                  + f" | {sum(per.values()):.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
