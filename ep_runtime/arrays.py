@@ -4,7 +4,8 @@ On the ``nvshmem`` backend the runtime takes CuPy arrays, any object with
 ``__cuda_array_interface__``, or DLPack producers (PyTorch tensors), without copying; on the
 ``sim`` backend it takes NumPy arrays. bfloat16 data may come as bfloat16 (ml_dtypes,
 torch.bfloat16) or as its uint16 bit pattern; the kernels see uint16. Validation happens
-here, before any launch, and never adjusts an input silently.
+here, before any launch, and never adjusts an input silently. FP8 E4M3 data
+(``ml_dtypes.float8_e4m3fn``, ``torch.float8_e4m3fn``) is viewed as its uint8 codes.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import numpy as np
 from .errors import EPInputError
 
 _BF16_NAMES = ("bfloat16",)
+_FP8_NAMES = ("float8_e4m3fn",)
 
 
 def _is_torch(x) -> bool:
@@ -29,7 +31,9 @@ def to_backend(x, backend: str, call: str, name: str):
         if not isinstance(x, np.ndarray):
             raise EPInputError(f"{call}: {name} must be a NumPy array on the 'sim' backend; got "
                                f"{type(x).__name__}. Pass numpy arrays (or use the 'nvshmem' backend).")
-        return x.view(np.uint16) if x.dtype.name in _BF16_NAMES else x
+        if x.dtype.name in _BF16_NAMES:
+            return x.view(np.uint16)
+        return x.view(np.uint8) if x.dtype.name in _FP8_NAMES else x
     import cupy
 
     arr = _as_cupy(x, call, name)
@@ -52,6 +56,8 @@ def _as_cupy(x, call: str, name: str):
                                f"(tensor.cuda()).")
         if x.dtype == torch.bfloat16:
             x = x.view(torch.int16)
+        elif str(x.dtype) == "torch.float8_e4m3fn":
+            x = x.view(torch.uint8)
         arr = cupy.from_dlpack(x)
         return arr.view(cupy.uint16) if arr.dtype == cupy.int16 else arr
     if isinstance(x, cupy.ndarray):

@@ -13,8 +13,10 @@ from dataclasses import dataclass, fields
 
 from .errors import EPConfigError
 
-#: Token formats the kernels move today (bf16 travels as its 16-bit pattern).
-TOKEN_DTYPES = ("bfloat16",)
+#: Token formats dispatch moves (:mod:`ep_runtime.formats`): bf16 travels as its 16-bit pattern;
+#: the FP8 formats as E4M3 codes with a float32 ("fp8_e4m3") or power-of-two ("fp8_e4m3_ue8m0")
+#: scale per 128 elements, quantized inside dispatch_async or given pre-quantized.
+TOKEN_DTYPES = ("bfloat16", "fp8_e4m3", "fp8_e4m3_ue8m0")
 #: Wire formats of combine partials.
 COMBINE_DTYPES = ("bfloat16",)
 #: combine_wait keeps the set of ranks a token went to in a 64-bit mask.
@@ -101,6 +103,11 @@ class EPConfig:
                "must be >= 1", "use the largest batch one rank passes to dispatch")
         _check(isinstance(self.token_dtype, str) and self.token_dtype in TOKEN_DTYPES, "token_dtype",
                self.token_dtype, f"must be one of the strings {TOKEN_DTYPES}", "use 'bfloat16'")
+        try:
+            self.token_format.validate_hidden(self.hidden)
+        except EPConfigError as e:
+            raise EPConfigError(f"EPConfig.hidden={self.hidden} with token_dtype={self.token_dtype!r}: {e} "
+                                f"(token_dtype='bfloat16' takes any hidden)") from None
         _check(isinstance(self.combine_dtype, str) and self.combine_dtype in COMBINE_DTYPES, "combine_dtype",
                self.combine_dtype, f"must be one of the strings {COMBINE_DTYPES}", "use 'bfloat16'")
         if self.n_sms is not None:
@@ -128,9 +135,17 @@ class EPConfig:
         return self.n_experts // self.n_ranks
 
     @property
+    def token_format(self):
+        """The :class:`~ep_runtime.formats.TokenFormat` of ``token_dtype``."""
+        from .formats import get_format
+
+        return get_format("bf16" if self.token_dtype == "bfloat16" else self.token_dtype)
+
+    @property
     def token_bytes(self) -> int:
-        """Bytes of one token row on the wire (``hidden`` bf16 values)."""
-        return self.hidden * 2
+        """Bytes of one token on the wire: ``hidden`` bf16 values, or an FP8 message (codes,
+        scales, padding to 8 bytes: :meth:`~ep_runtime.formats.TokenFormat.message_bytes`)."""
+        return self.token_format.message_bytes(self.hidden)
 
     @property
     def routing_bytes(self) -> int:

@@ -45,6 +45,9 @@ class ExpertBatch:
     src_rank, src_token, src_k : [capacity] int32, where each row came from (-1: padding).
     weight : [capacity] float32, the router weight of each row (0: padding).
     handle : the :class:`DispatchHandle` of the call, for ``combine_async``.
+    scales : FP8 token formats only (else None): the rows' block scales, float32 or UE8M0 uint8
+        codes, ``[capacity, hidden / 128]`` or, with ``dispatch_wait(scales="column")``,
+        ``[hidden / 128, capacity]`` (0 on padding rows); ``x`` then holds uint8 E4M3 codes.
     """
 
     x: Any
@@ -55,6 +58,7 @@ class ExpertBatch:
     src_k: Any
     weight: Any
     handle: DispatchHandle
+    scales: Any = None
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,9 @@ class CompactBatch:
     gather : [capacity] int32, the ``x`` row of each batch row (``src_rank * T + src_token``;
         -1 on padding rows).
     handle : the :class:`DispatchHandle` of the call, for ``combine_async``.
+    scales : FP8 token formats only (else None): ``[n_ranks * T, hidden / 128]`` block scales of
+        the rows of ``x`` (float32 or UE8M0 uint8 codes), a strided view of the messages; ``x``
+        is then ``[n_ranks * T, hidden]`` uint8 E4M3 codes, also strided.
     """
 
     x: Any
@@ -92,3 +99,4 @@ class CompactBatch:
     src_k: Any
     weight: Any
     handle: DispatchHandle
+    scales: Any = None

@@ -2,8 +2,10 @@
 
 The runtime builds launch arguments from these lists, and the compile-and-link gate builds
 the Numba signatures the runtime will launch from the same lists, so the two cannot drift.
-A name is either a :class:`~ep_runtime.layout.BufferLayout` region, a caller's array
-(:data:`CALLER_ARRAYS`: dtype and rank), or an int64 scalar (:data:`SCALARS`).
+A name is either a :class:`~ep_runtime.layout.BufferLayout` region, a view of one in another
+dtype (``"region:u8"``, ``"region:u32"``: :data:`VIEWS`, the last axis rescaled), a caller's
+array (:data:`CALLER_ARRAYS`: dtype and rank), or an int64 scalar (:data:`SCALARS`). Regions
+only an FP8 token format has (:data:`FORMAT_REGIONS`) are passed as empty stand-ins otherwise.
 """
 
 from __future__ import annotations
@@ -22,13 +24,20 @@ CALLER_ARRAYS = {
     "out": (np.uint16, 2),
     "out_partials": (np.uint16, 3),
     "aux": (np.float32, 2),
+    "token_scales": (np.uint8, 2),  # pre-quantized FP8 input: the scales' bytes, [T, S * scale bytes]
 }
+#: Dtype views of regions a kernel reads or writes byte- or 4-byte-wise (FP8 messages and scales).
+VIEWS = {"u8": np.dtype(np.uint8), "u32": np.dtype(np.uint32)}
+#: Regions of the FP8 token formats only (:func:`ep_runtime.layout.quantized_regions`), as
+#: (dtype, ndim) of their empty stand-ins in a bf16 layout.
+FORMAT_REGIONS = {"dispatch_send_stage": (np.uint64, 2), "expert_scales": (np.float32, 1)}
 #: bf16 arrays (caller's and regions) that kernels take as views in the token word
 #: (:func:`ep_runtime.layout.token_word`): the last axis has ``hidden * 2 / itemsize`` words.
 WORD_ARRAYS = frozenset({"tokens", "expert_out", "out", "out_partials", "dispatch_tokens",
                          "combine_partials", "combine_stage", "expert_x"})
 #: int64 scalar arguments.
-SCALARS = ("pad_multiple", "timeout_ns", "mode", "n_experts", "allow_negative", "use_valid")
+SCALARS = ("pad_multiple", "timeout_ns", "mode", "n_experts", "allow_negative", "use_valid", "prequantized",
+           "scales_col_major")
 
 KERNEL_ARGS = {
     "validate_routing": ("topk_ids", "topk_weights", "valid_tokens", "use_valid", "n_experts",
@@ -36,14 +45,16 @@ KERNEL_ARGS = {
     "dispatch_async": (
         "tokens", "topk_ids", "topk_weights", "valid_tokens", "use_valid", "dispatch_tokens", "dispatch_topk_ids",
         "dispatch_topk_weights", "dispatch_counts", "dispatch_signal", "dispatch_async_sync",
-        "dispatch_send_hist", "dispatch_send_counts", "status"),
+        "dispatch_send_hist", "dispatch_send_counts", "status", "token_scales", "prequantized",
+        "dispatch_send_stage", "dispatch_send_stage:u32", "dispatch_send_stage:u8"),
     "dispatch_wait": (
         "dispatch_topk_ids", "dispatch_topk_weights", "dispatch_counts", "dispatch_signal",
         "dispatch_async_sync", "row_offsets", "expert_counts", "row_src_rank", "row_src_token",
         "row_src_k", "row_weight", "row_gather", "token_rows", "status", "pad_multiple", "timeout_ns"),
     "dispatch_copy": (
         "dispatch_tokens", "dispatch_topk_ids", "dispatch_counts", "dispatch_async_sync",
-        "token_rows", "row_offsets", "expert_counts", "expert_x", "status"),
+        "token_rows", "row_offsets", "expert_counts", "expert_x", "status", "dispatch_tokens:u8",
+        "expert_scales:u8", "scales_col_major"),
     "combine_async": (
         "expert_out", "dispatch_topk_ids", "dispatch_counts", "combine_partials", "combine_signal",
         "dispatch_async_sync", "token_rows", "row_weight", "combine_stage", "combine_async_sync",
@@ -72,12 +83,24 @@ def argtypes(kernel: str, layout: BufferLayout) -> tuple:
         if n in SCALARS:
             out.append(types.int64)
             continue
-        if n in CALLER_ARRAYS:
-            dtype, ndim = CALLER_ARRAYS[n]
+        base, _, view = n.partition(":")
+        if base in CALLER_ARRAYS:
+            dtype, ndim = CALLER_ARRAYS[base]
+        elif base in FORMAT_REGIONS and base not in {r.name for r in layout.regions}:
+            dtype, ndim = FORMAT_REGIONS[base]
         else:
-            r = layout.region(n)
+            r = layout.region(base)
             dtype, ndim = r.dtype, len(r.shape)
-        if n in WORD_ARRAYS:
+        if view:
+            dtype = VIEWS[view]
+        elif n in WORD_ARRAYS:
             dtype = token_word(layout.cfg.hidden)
         out.append(types.Array(from_dtype(np.dtype(dtype)), ndim, "C"))
     return tuple(out)
+
+
+def region_view(array, name: str):
+    """``array`` (a region) as kernel argument ``name``: itself, or for ``"region:u8"`` /
+    ``"region:u32"`` the same memory in that dtype (last axis rescaled)."""
+    _, _, view = name.partition(":")
+    return array.view(VIEWS[view]) if view else array

@@ -122,11 +122,10 @@ def _regions(cfg: EPConfig) -> list[Region]:
     u16, i32, i64, u64, f32 = (np.dtype(t) for t in ("uint16", "int32", "int64", "uint64", "float32"))
     DA, DW, DC, CA, CW = "dispatch_async", "dispatch_wait", "dispatch_copy", "combine_async", "combine_wait"
     S, Lc = True, False
+    fmt = cfg.token_format
     return [
         # -- symmetric: written by peers (and by this rank to itself) -----------------------------
-        Region("dispatch_tokens", (G, R, T, H), u16, 0, S, f"{DA} (peers)", (DC, "user (compact)"),
-               "[g, src, t]: token t of rank src (bf16 bits), sent once per destination rank; "
-               "the compact batch's x"),
+        tokens_region(cfg),
         Region("dispatch_topk_ids", (G, R, T, K), i32, -1, S, f"{DA} (peers)", (DW, DC, CA, CW),
                "[g, src, t]: global expert ids of token t of rank src (every token, sent to every rank)"),
         Region("dispatch_topk_weights", (G, R, T, K), f32, 0, S, f"{DA} (peers)", (DW,),
@@ -156,8 +155,9 @@ def _regions(cfg: EPConfig) -> list[Region]:
         Region("combine_stage", (R, T, H), u16, 0, Lc, CA, (CA,),
                "[dst, t]: partial sum for token t of rank dst, staged before the put"),
         # -- local: the expert batch (output of dispatch_wait) -------------------------------------
-        Region("expert_x", (C, H), u16, 0, Lc, DC, ("user",),
-               "rows grouped by local expert, then source rank, then source token (bf16 bits)"),
+        Region("expert_x", (C, H), fmt.element_dtype, 0, Lc, DC, ("user",),
+               "rows grouped by local expert, then source rank, then source token (bf16 bits, or "
+               "E4M3 codes in an FP8 token format)"),
         Region("row_offsets", (L + 1,), i32, 0, Lc, DW, ("user", DC),
                "segment e of the batch is rows [row_offsets[e], row_offsets[e + 1])"),
         Region("expert_counts", (L,), i32, 0, Lc, DW, ("user", DC),
@@ -168,7 +168,40 @@ def _regions(cfg: EPConfig) -> list[Region]:
         Region("row_weight", (C,), f32, 0, Lc, DW, ("user", CA), "router weight of each row"),
         Region("row_gather", (C,), i32, -1, Lc, DW, ("user (compact)",),
                "receive-buffer row of each batch row, src * T + t (-1: padding): the compact gather index"),
+        *quantized_regions(cfg),
         # -- local: error record --------------------------------------------------------------------
         Region("status", (STATUS_LEN,), i64, 0, Lc, "any kernel", ("host",),
                "first device error: code, kernel, rank, peer/expert, counter, expected, observed, call"),
+    ]
+
+
+def tokens_region(cfg: EPConfig) -> Region:
+    """The symmetric receive buffer: bf16 rows ``[G, R, T, H]`` uint16, or, in an FP8 token
+    format, messages ``[G, R, T, MW]`` uint64 (codes, scales, padding:
+    :meth:`ep_runtime.formats.TokenFormat.message_words`)."""
+    R, T, H, G = cfg.n_ranks, cfg.max_tokens_per_rank, cfg.hidden, N_GROUPS
+    fmt = cfg.token_format
+    readers = ("dispatch_copy", "user (compact)")
+    if not fmt.quantized:
+        return Region("dispatch_tokens", (G, R, T, H), np.dtype(np.uint16), 0, True, "dispatch_async (peers)", readers,
+                      "[g, src, t]: token t of rank src (bf16 bits), sent once per destination rank; "
+                      "the compact batch's x")
+    return Region("dispatch_tokens", (G, R, T, fmt.message_words(H)), np.dtype(np.uint64), 0, True,
+                  "dispatch_async (peers)", readers,
+                  f"[g, src, t]: the {fmt.name} message of token t of rank src (codes, scales, padding)")
+
+
+def quantized_regions(cfg: EPConfig) -> list[Region]:
+    """The regions only an FP8 token format has: the sender's message staging and the expert
+    batch's scales (``[C * S]`` of the scale dtype, S = H / 128 blocks per row, laid out per
+    call row-major ``[C, S]`` or column-major ``[S, C]``)."""
+    fmt = cfg.token_format
+    if not fmt.quantized:
+        return []
+    T, H, C = cfg.max_tokens_per_rank, cfg.hidden, cfg.recv_rows_capacity
+    return [
+        Region("dispatch_send_stage", (T, fmt.message_words(H)), np.dtype(np.uint64), 0, False, "dispatch_async",
+               ("dispatch_async",), "[t]: the message of this rank's token t, encoded once, put to every destination"),
+        Region("expert_scales", (C * fmt.scale_count(H),), fmt.scale_dtype, 0, False, "dispatch_copy", ("user",),
+               "scales of the expert batch's rows: [C, S] row-major or [S, C] column-major (per call)"),
     ]

@@ -40,6 +40,8 @@ class ExpertBatchRef:
     expert_counts : [L] int32 (unpadded)
     src_rank, src_token, src_k : [rows] int32 (-1 on padding rows)
     weight : [rows] float32 (0 on padding rows)
+    scales : FP8 token formats only: [rows, hidden / 128] float32 or uint8 UE8M0 codes (0 on
+        padding rows); ``x`` is then [rows, hidden] uint8 E4M3 codes
     """
 
     x: np.ndarray
@@ -49,6 +51,7 @@ class ExpertBatchRef:
     src_token: np.ndarray
     src_k: np.ndarray
     weight: np.ndarray
+    scales: np.ndarray | None = None
 
     @property
     def n_rows(self) -> int:
@@ -63,20 +66,40 @@ def as_bf16(x: np.ndarray) -> np.ndarray:
     return x.astype(BF16)
 
 
-def dispatch(inputs_per_rank, topk_ids_per_rank, topk_weights_per_rank, cfg: EPConfig) -> list[ExpertBatchRef]:
+def encoded_tokens(inputs_per_rank, cfg: EPConfig, token_scales_per_rank=None):
+    """What each rank sends, per its token format: ``(rows, scales)`` per rank, bf16 rows and
+    None, or in an FP8 format the E4M3 codes ``[T_r, hidden]`` uint8 and block scales
+    ``[T_r, hidden / 128]`` (:meth:`ep_runtime.formats.TokenFormat.quantize` of bf16 inputs, or
+    the given codes and ``token_scales_per_rank`` when pre-quantized)."""
+    fmt = cfg.token_format
+    if not fmt.quantized:
+        return [(as_bf16(x), None) for x in inputs_per_rank]
+    if token_scales_per_rank is not None:
+        return [(np.asarray(x).view(np.uint8), np.asarray(sc, fmt.scale_dtype))
+                for x, sc in zip(inputs_per_rank, token_scales_per_rank)]
+    return [fmt.quantize(as_bf16(x).view(np.uint16)) for x in inputs_per_rank]
+
+
+def dispatch(inputs_per_rank, topk_ids_per_rank, topk_weights_per_rank, cfg: EPConfig,
+             token_scales_per_rank=None) -> list[ExpertBatchRef]:
     """Expert batches of every rank.
 
     Parameters
     ----------
-    inputs_per_rank : list of [T_r, hidden] bfloat16 (or uint16 bf16 bits)
+    inputs_per_rank : list of [T_r, hidden] bfloat16 (or uint16 bf16 bits); in an FP8 token
+        format quantized as the kernels do (:func:`encoded_tokens`), or uint8 E4M3 codes with
+        ``token_scales_per_rank`` (pre-quantized input)
     topk_ids_per_rank : list of [T_r, top_k] int
     topk_weights_per_rank : list of [T_r, top_k] float32
     """
     R, L, H, pad = cfg.n_ranks, cfg.n_local_experts, cfg.hidden, cfg.pad_multiple
-    xs = [as_bf16(x) for x in inputs_per_rank]
+    encoded = encoded_tokens(inputs_per_rank, cfg, token_scales_per_rank)
+    xs = [x for x, _ in encoded]
+    quantized = cfg.token_format.quantized
+    row_dtype = xs[0].dtype if xs else BF16
     batches = []
     for r in range(R):
-        rows_x, ranks, tokens, ks, ws = [], [], [], [], []
+        rows_x, ranks, tokens, ks, ws, rows_s = [], [], [], [], [], []
         offsets = np.zeros(L + 1, np.int32)
         counts = np.zeros(L, np.int32)
         n = 0
@@ -89,6 +112,8 @@ def dispatch(inputs_per_rank, topk_ids_per_rank, topk_weights_per_rank, cfg: EPC
                 order = np.argsort(t_hit, kind="stable")
                 t_hit, k_hit = t_hit[order], k_hit[order]
                 rows_x.append(xs[s][t_hit])
+                if quantized:
+                    rows_s.append(encoded[s][1][t_hit])
                 ranks.append(np.full(len(t_hit), s, np.int32))
                 tokens.append(t_hit.astype(np.int32))
                 ks.append(k_hit.astype(np.int32))
@@ -96,7 +121,9 @@ def dispatch(inputs_per_rank, topk_ids_per_rank, topk_weights_per_rank, cfg: EPC
                 counts[e_local] += len(t_hit)
                 n += len(t_hit)
             n_pad = -n % pad
-            rows_x.append(np.zeros((n_pad, H), BF16))
+            rows_x.append(np.zeros((n_pad, H), row_dtype))
+            if quantized:
+                rows_s.append(np.zeros((n_pad, cfg.token_format.scale_count(H)), cfg.token_format.scale_dtype))
             ranks.append(np.full(n_pad, -1, np.int32))
             tokens.append(np.full(n_pad, -1, np.int32))
             ks.append(np.full(n_pad, -1, np.int32))
@@ -104,9 +131,10 @@ def dispatch(inputs_per_rank, topk_ids_per_rank, topk_weights_per_rank, cfg: EPC
             n += n_pad
         offsets[L] = n
         batches.append(ExpertBatchRef(
-            x=np.concatenate(rows_x) if rows_x else np.zeros((0, H), BF16), row_offsets=offsets,
+            x=np.concatenate(rows_x) if rows_x else np.zeros((0, H), row_dtype), row_offsets=offsets,
             expert_counts=counts, src_rank=np.concatenate(ranks), src_token=np.concatenate(tokens),
-            src_k=np.concatenate(ks), weight=np.concatenate(ws)))
+            src_k=np.concatenate(ks), weight=np.concatenate(ws),
+            scales=np.concatenate(rows_s) if quantized and rows_s else None))
     return batches
 
 
@@ -157,24 +185,31 @@ def combine(expert_out_per_rank, batches: list[ExpertBatchRef], topk_ids_per_ran
     return outs
 
 
-def receive_rows(inputs_per_rank, topk_ids_per_rank, cfg: EPConfig):
+def receive_rows(inputs_per_rank, topk_ids_per_rank, cfg: EPConfig, token_scales_per_rank=None,
+                 with_scales: bool = False):
     """The compact layout: what each rank's receive buffer holds after dispatch.
 
     Returns per rank ``r`` a pair ``(x, defined)``: ``x`` [R * T, hidden] bfloat16 (T =
-    ``max_tokens_per_rank``), row ``s * T + t`` = token t of rank s when that token has an
-    expert on ``r`` (``defined`` [R * T] bool marks those rows; the others are zero here and
-    unspecified on a device).
+    ``max_tokens_per_rank``; uint8 E4M3 codes in an FP8 token format), row ``s * T + t`` =
+    token t of rank s when that token has an expert on ``r`` (``defined`` [R * T] bool marks
+    those rows; the others are zero here and unspecified on a device). With ``with_scales``,
+    a triple ``(x, defined, scales)``: the rows' block scales ``[R * T, hidden / 128]`` (FP8).
     """
     R, L, T, H = cfg.n_ranks, cfg.n_local_experts, cfg.max_tokens_per_rank, cfg.hidden
+    encoded = encoded_tokens(inputs_per_rank, cfg, token_scales_per_rank)
+    fmt = cfg.token_format
     out = []
     for r in range(R):
-        x = np.zeros((R * T, H), BF16)
+        x = np.zeros((R * T, H), encoded[0][0].dtype if encoded else BF16)
+        scales = np.zeros((R * T, fmt.scale_count(H)), fmt.scale_dtype) if fmt.quantized else None
         defined = np.zeros(R * T, bool)
         for s in range(R):
             hit = np.flatnonzero(np.any(np.asarray(topk_ids_per_rank[s]) // L == r, axis=1))
-            x[s * T + hit] = as_bf16(inputs_per_rank[s])[hit]
+            x[s * T + hit] = encoded[s][0][hit]
+            if scales is not None:
+                scales[s * T + hit] = encoded[s][1][hit]
             defined[s * T + hit] = True
-        out.append((x, defined))
+        out.append((x, defined, scales) if with_scales else (x, defined))
     return out
 
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from . import arrays
 from .config import EPConfig
-from .kernel_args import SCALARS, WORD_ARRAYS, argtypes, build_args
+from .kernel_args import FORMAT_REGIONS, KERNEL_ARGS, WORD_ARRAYS, argtypes, build_args, region_view
 from .errors import EPConfigError, EPInputError, EPStateError
 from .handles import CombineHandle, CompactBatch, DispatchHandle, ExpertBatch
 from .layout import BufferLayout, SYNC_CALLS, token_word
@@ -31,6 +31,8 @@ _owner_ids = itertools.count(1)
 
 #: The layouts of dispatch_wait's result and of combine_async's input.
 DISPATCH_LAYOUTS = ("expanded", "compact")
+#: The layouts of an FP8 expert batch's scales: [rows, S] or [S, rows].
+SCALE_LAYOUTS = ("row", "column")
 
 #: Threads per block on a GPU: 16 warps per block, each copying or reducing its own token row,
 #: keep enough loads in flight per SM to approach HBM bandwidth.
@@ -96,9 +98,17 @@ class EPRuntime:
             view = block[r.offset:r.offset + r.nbytes].view(r.dtype).reshape(r.shape)
             session.fill(view, r.init)
             self.buffers[r.name] = view
+        self._fmt = cfg.token_format
+        regions = dict(self.buffers)
+        for name, (dtype, ndim) in FORMAT_REGIONS.items():  # bf16: empty stand-ins (graph-safe, allocated once)
+            if name not in regions:
+                regions[name] = session.alloc_local(f"unused {name}", (0,) * ndim, dtype)
         self._arg = {name: session.as_kernel_arg(v.view(self._word) if name in WORD_ARRAYS else v)
-                     for name, v in self.buffers.items()}
-        self._kernels = _kernels_for(self._threads, self._word)
+                     for name, v in regions.items()}
+        for name in {n for args in KERNEL_ARGS.values() for n in args if ":" in n}:
+            self._arg[name] = session.as_kernel_arg(region_view(regions[name.partition(":")[0]], name))
+        self._kernels = _kernels_for(self._threads, self._word, self._fmt.quantized,
+                                     self._fmt.scale is not None and self._fmt.scale.dtype == np.uint8)
         for name, kernel in self._kernels.items():  # compile now, not inside a timed wait
             session.precompile(kernel, argtypes(name, self.layout))
         # stand-ins for the combine_wait arrays a call does not use (allocated once: graph-safe)
@@ -106,6 +116,7 @@ class EPRuntime:
         self._no_partials = session.alloc_local("unused out_partials", (0, 0, 0), np.uint16)
         self._no_aux = session.alloc_local("unused aux", (0, 0), np.float32)
         self._no_valid = session.alloc_local("unused valid_tokens", (1,), np.int32)
+        self._no_scales = session.alloc_local("unused token_scales", (0, 0), np.uint8)
         self._calls = 0
         self._state = _State.IDLE
         self._failed: Exception | None = None
@@ -113,12 +124,15 @@ class EPRuntime:
         session.barrier()
 
     # -- dispatch -----------------------------------------------------------------------------
-    def dispatch_async(self, tokens, topk_ids, topk_weights, n_tokens=None) -> DispatchHandle:
+    def dispatch_async(self, tokens, topk_ids, topk_weights, n_tokens=None, token_scales=None) -> DispatchHandle:
         """Start sending this rank's tokens to the ranks of their experts. Collective.
 
         Parameters
         ----------
-        tokens : [T, hidden] bfloat16 (or uint16 bits), T <= max_tokens_per_rank (T may be 0)
+        tokens : [T, hidden] bfloat16 (or uint16 bits), T <= max_tokens_per_rank (T may be 0).
+            In an FP8 token format (``EPConfig.token_dtype``) bf16 tokens are quantized inside
+            the kernel (per 128-element block, :mod:`ep_runtime.formats`); or pass the codes,
+            [T, hidden] uint8 (E4M3 bits), with ``token_scales``.
         topk_ids : [T, top_k] int32, global expert ids, distinct per token
         topk_weights : [T, top_k] float32
         n_tokens : optional [1] int32 device array (CuPy/DLPack on GPUs, NumPy on ``sim``):
@@ -127,17 +141,31 @@ class EPRuntime:
             serves every batch size: update the inputs and ``n_tokens`` in place, replay.
             (pplx's ``bound_m``.) :meth:`combine_wait` then writes only the first
             ``n_tokens`` rows of its ``[T, hidden]`` output.
+        token_scales : FP8 token formats, pre-quantized input only: [T, hidden / 128] float32
+            (``fp8_e4m3``) or uint8 UE8M0 codes (``fp8_e4m3_ue8m0``), block j of token t
+            scaling elements 128 j .. 128 j + 127 (MAX's input scales).
 
         The inputs must stay unmodified until :meth:`dispatch_wait` of this call has run on
         the stream. Returns the handle for :meth:`dispatch_wait`.
         """
         self._require(_State.IDLE, _State.DISPATCHED, call="dispatch_async")
-        cfg, be, c = self.cfg, self.session.backend, "dispatch_async"
+        cfg, be, c, fmt = self.cfg, self.session.backend, "dispatch_async", self._fmt
         tokens = arrays.to_backend(tokens, be, c, "tokens")
         topk_ids = arrays.to_backend(topk_ids, be, c, "topk_ids")
         topk_weights = arrays.to_backend(topk_weights, be, c, "topk_weights")
-        arrays.check_array(tokens, c, "tokens", np.uint16, (None, cfg.hidden),
-                           f"Expected [T, hidden={cfg.hidden}] with T <= {cfg.max_tokens_per_rank}.")
+        fp8_in = token_scales is not None
+        if fp8_in and not fmt.quantized:
+            raise EPInputError(f"{c}: token_scales given but EPConfig.token_dtype is {cfg.token_dtype!r}, which has "
+                               f"no scales; pass bf16 tokens alone, or build the runtime with token_dtype='fp8_e4m3' "
+                               f"or 'fp8_e4m3_ue8m0'.")
+        if fp8_in:
+            arrays.check_array(tokens, c, "tokens", np.uint8, (None, cfg.hidden),
+                               f"Pre-quantized tokens are [T, hidden={cfg.hidden}] uint8 E4M3 codes (view a "
+                               f"float8_e4m3fn array as uint8), with T <= {cfg.max_tokens_per_rank}.")
+        else:
+            arrays.check_array(tokens, c, "tokens", np.uint16, (None, cfg.hidden),
+                               f"Expected [T, hidden={cfg.hidden}] bfloat16 with T <= {cfg.max_tokens_per_rank}"
+                               + (" (or uint8 E4M3 codes with token_scales)." if fmt.quantized else "."))
         T = tokens.shape[0]
         if T > cfg.max_tokens_per_rank:
             raise EPInputError(
@@ -147,10 +175,19 @@ class EPRuntime:
                            f"Expected [T={T}, top_k={cfg.top_k}] int32 (convert with .astype(int32)).")
         arrays.check_array(topk_weights, c, "topk_weights", np.float32, (T, cfg.top_k),
                            f"Expected [T={T}, top_k={cfg.top_k}] float32.")
+        scales = self._no_scales
+        if fp8_in:
+            token_scales = arrays.to_backend(token_scales, be, c, "token_scales")
+            S = fmt.scale_count(cfg.hidden)
+            arrays.check_array(token_scales, c, "token_scales", fmt.scale_dtype, (T, S),
+                               f"Expected [T={T}, hidden / 128 = {S}] {fmt.scale_dtype.name} ({cfg.token_dtype}: "
+                               f"one scale per 128-element block).")
+            scales = token_scales.view(np.uint8)
         valid = self._valid_tokens(n_tokens, c)
         if self.debug:
             self._check_routing(topk_ids, topk_weights, valid)
-        self._launch("dispatch_async", tokens=tokens, topk_ids=topk_ids, topk_weights=topk_weights, **valid)
+        self._launch("dispatch_async", tokens=tokens, topk_ids=topk_ids, topk_weights=topk_weights, **valid,
+                     token_scales=scales, prequantized=np.int64(fp8_in))
         handle = DispatchHandle(owner=self._owner, call=self._calls, n_tokens=T)
         self._calls += 1
         self._state = _State.DISPATCH_SENT
@@ -187,7 +224,7 @@ class EPRuntime:
                      n_experts=np.int64(self.cfg.n_experts),
                      allow_negative=np.int64(self.cfg.allow_negative_weights))
 
-    def dispatch_wait(self, handle: DispatchHandle, layout: str = "expanded"):
+    def dispatch_wait(self, handle: DispatchHandle, layout: str = "expanded", scales: str = "row"):
         """Complete the dispatch of ``handle``: wait for every rank's tokens and place them.
         Collective; enqueued on the stream.
 
@@ -201,31 +238,50 @@ class EPRuntime:
         gives per local expert the rows to gather (``gather``) and their weights, in the same
         expert-major order as the expanded batch. Its ``x`` is the receive buffer itself: read
         it (in stream order) before the next ``dispatch_async``.
+
+        FP8 token formats: ``x`` holds E4M3 codes (uint8) and ``scales`` their block scales;
+        in the expanded layout ``scales="row"`` gives ``[C, S]`` and ``scales="column"``
+        ``[S, C]`` (column-major, what TMA-based FP8 GEMMs read), S = hidden / 128.
         """
         self._require(_State.DISPATCH_SENT, call="dispatch_wait", handle=handle, handle_type=DispatchHandle)
         if layout not in DISPATCH_LAYOUTS:
             raise EPInputError(f"dispatch_wait: layout={layout!r}; expected one of {DISPATCH_LAYOUTS}.")
+        if scales not in SCALE_LAYOUTS:
+            raise EPInputError(f"dispatch_wait: scales={scales!r}; expected one of {SCALE_LAYOUTS} (row-major "
+                               f"[rows, hidden / 128] or column-major [hidden / 128, rows]).")
         self._launch("dispatch_wait", pad_multiple=np.int64(self.cfg.pad_multiple), timeout_ns=self._timeout_ns)
-        b = self.buffers
+        b, cfg, fmt = self.buffers, self.cfg, self._fmt
         if layout == "compact":
             self._state = _State.DISPATCHED
             g = handle.call % 2
-            R, T, H = self.cfg.n_ranks, self.cfg.max_tokens_per_rank, self.cfg.hidden
-            return CompactBatch(x=b["dispatch_tokens"][g].reshape(R * T, H),
-                                recv_tokens=b["dispatch_counts"][g, :, self.cfg.n_local_experts],
+            R, T, H = cfg.n_ranks, cfg.max_tokens_per_rank, cfg.hidden
+            recv = b["dispatch_tokens"][g]
+            if fmt.quantized:  # messages: codes, then scale bytes; strided views of each
+                msg8 = recv.reshape(R * T, -1).view(np.uint8)
+                pb, sb = fmt.payload_bytes(H), fmt.scale_bytes(H)
+                x, recv_scales = msg8[:, :pb], msg8[:, pb:pb + sb].view(fmt.scale_dtype)
+            else:
+                x, recv_scales = recv.reshape(R * T, H), None
+            return CompactBatch(x=x, recv_tokens=b["dispatch_counts"][g, :, cfg.n_local_experts],
                                 row_offsets=b["row_offsets"], expert_counts=b["expert_counts"],
                                 gather=b["row_gather"], src_rank=b["row_src_rank"],
                                 src_token=b["row_src_token"], src_k=b["row_src_k"], weight=b["row_weight"],
-                                handle=handle)
-        self._launch("dispatch_copy")
+                                handle=handle, scales=recv_scales)
+        self._launch("dispatch_copy", scales_col_major=np.int64(scales == "column"))
         self._state = _State.DISPATCHED
+        batch_scales = None
+        if fmt.quantized:
+            C, S = cfg.recv_rows_capacity, fmt.scale_count(cfg.hidden)
+            batch_scales = b["expert_scales"].reshape((S, C) if scales == "column" else (C, S))
         return ExpertBatch(x=b["expert_x"], row_offsets=b["row_offsets"], expert_counts=b["expert_counts"],
                            src_rank=b["row_src_rank"], src_token=b["row_src_token"], src_k=b["row_src_k"],
-                           weight=b["row_weight"], handle=handle)
+                           weight=b["row_weight"], handle=handle, scales=batch_scales)
 
-    def dispatch(self, tokens, topk_ids, topk_weights, layout: str = "expanded"):
+    def dispatch(self, tokens, topk_ids, topk_weights, layout: str = "expanded", token_scales=None,
+                 scales: str = "row"):
         """``dispatch_async`` then ``dispatch_wait``, then :meth:`synchronize`. Collective."""
-        batch = self.dispatch_wait(self.dispatch_async(tokens, topk_ids, topk_weights), layout=layout)
+        batch = self.dispatch_wait(self.dispatch_async(tokens, topk_ids, topk_weights, token_scales=token_scales),
+                                   layout=layout, scales=scales)
         self.synchronize()
         return batch
 
@@ -337,6 +393,7 @@ class EPRuntime:
         self._arg.clear()
         self.session.free_symmetric(self._sym)
         self._sym = self._local = self._no_out = self._no_partials = self._no_aux = self._no_valid = None
+        self._no_scales = None
 
     def __enter__(self):
         return self
@@ -416,17 +473,18 @@ def _check_same_config_everywhere(cfg: EPConfig, session: Session) -> None:
 _KERNEL_CACHE: dict = {}
 
 
-def _kernels_for(threads: int, word) -> dict:
-    """The EP kernels (and the debug-mode routing check) for a block size and token word
-    (:func:`ep_runtime.layout.token_word`), built once per process."""
-    key = (threads, np.dtype(word))
+def _kernels_for(threads: int, word, quantized: bool = False, ue8m0: bool = False) -> dict:
+    """The EP kernels (and the debug-mode routing check) for a block size, token word
+    (:func:`ep_runtime.layout.token_word`) and token format (FP8: ``quantized``, with UE8M0
+    scales: ``ue8m0``), built once per process."""
+    key = (threads, np.dtype(word), bool(quantized), bool(ue8m0))
     if key not in _KERNEL_CACHE:
         from .kernels.combine import make_combine_kernels
         from .kernels.dispatch import make_dispatch_kernels
 
         from .kernels.validate import validate_routing
 
-        da, dw, dc = make_dispatch_kernels(threads)
+        da, dw, dc = make_dispatch_kernels(threads, quantized, ue8m0)
         ca, cw, cr = make_combine_kernels(threads, word)
         _KERNEL_CACHE[key] = {"dispatch_async": da, "dispatch_wait": dw, "dispatch_copy": dc,
                               "combine_async": ca, "combine_async_rows": cr, "combine_wait": cw,

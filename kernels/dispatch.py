@@ -10,13 +10,14 @@ the kernel boundary is the grid-wide barrier between "every row's position is kn
 "copy each received row once to all its expert rows".
 """
 
-from numba import int32, int64, uint64
+from numba import int32, int64, uint32, uint64
 
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.block import (block_exclusive_scan, block_sum, last_block_ticket, local_expert_count,
                                       part_bounds, part_words, record_error, row_parts, sched_advance,
-                                      sched_initial, warp_geometry)
+                                      sched_initial, warp_geometry, warp_sync)
 from ep_runtime.kernels.cuda_api import cuda
+from ep_runtime.kernels.token_codec import make_token_codec
 from ep_runtime.layout import STATUS_CODE, SYNC_CALLS, SYNC_TICKET
 from ep_runtime.status import (COUNTER_DISPATCH_SIGNAL, COUNTER_RECV_ROWS, ERR_CAPACITY, ERR_TIMEOUT,
                                KERNEL_DISPATCH_WAIT)
@@ -29,17 +30,22 @@ TOKENS_PER_THREAD = 4
 COPY_UNROLL = 8
 
 
-def make_dispatch_kernels(threads: int):
+def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = False):
     """Build ``(dispatch_async, dispatch_wait, dispatch_copy)`` for blocks of ``threads``
-    threads (a power of 2)."""
+    threads (a power of 2), for bf16 tokens or (``quantized``) an FP8 token format with float32
+    or (``ue8m0``) power-of-two scales (:mod:`ep_runtime.kernels.token_codec` encodes and lays
+    out the messages; the protocol below is the same for every format)."""
     warp, warps = warp_geometry(threads)
+    QUANT = bool(quantized)
+    encode_token, store_scales = make_token_codec(warp, bool(ue8m0))
     chunk = threads * TOKENS_PER_THREAD
     U = COPY_UNROLL
 
     @cuda.jit
     def dispatch_async(tokens, topk_ids, topk_weights, valid_tokens, use_valid,
                        d_tokens, d_ids, d_weights, d_counts, d_signal,
-                       sync, send_hist, send_counts, status):
+                       sync, send_hist, send_counts, status,
+                       token_scales, prequantized, stage64, stage32, stage8):
         """Send this rank's tokens, once per destination rank, and signal each destination.
 
         tokens [Tc, W] words, topk_ids [Tc, K] int32, topk_weights [Tc, K] float32: this rank's
@@ -48,11 +54,15 @@ def make_dispatch_kernels(threads: int):
         captured at capacity serves any batch size). Symmetric: d_tokens [G, R, Tmax, W],
         d_ids/d_weights [G, R, Tmax, K], d_counts [G, R, L + 1] int32, d_signal [G, R] uint64.
         Local: sync [2] int64, send_hist [E] int32 (zero on entry), send_counts [R, L + 1]
-        int32, status [8] int64.
+        int32, status [8] int64. FP8 token formats only (empty otherwise): token_scales [Tc, S *
+        SB] uint8 (the caller's scales' bytes, when prequantized, int64, is nonzero: then tokens
+        are [Tc, P] code words), and the message stage [Tmax, MW] as uint64, uint32 and uint8
+        views (stage64/32/8); d_tokens is then [G, R, Tmax, MW] messages.
 
         (1) Each warp takes items (grid-strided): part of token row t (``row_parts``: whole rows
         for large batches) and puts it into slot [g, me, t] of every rank that holds one of the
-        token's experts (``put_nbi_warp``: a warp-wide copy). (2) Each block puts chunks of routing rows to
+        token's experts (``put_nbi_warp``: a warp-wide copy). In an FP8 format a warp takes a
+        whole token: encodes its message into stage row t (``encode_token``), then puts it. (2) Each block puts chunks of routing rows to
         every rank and counts tokens per expert into send_hist. (3) The last block (ticket)
         puts each rank its counts with a signal of n + 1 (every block quieted its puts first:
         data before signal), resets the scratch and advances the call counter. Nobody waits.
@@ -74,10 +84,28 @@ def make_dispatch_kernels(threads: int):
 
         # (1) token rows, deduplicated per destination rank, a warp per row part
         all_warps = cuda.gridDim.x * warps
-        parts = row_parts(T, W, all_warps, warp)
+        if QUANT:  # a warp per token: encode its message once, put it to each destination
+            amax = cuda.shared.array(warps, uint32)
+            MW = stage64.shape[1]
+            i = cuda.blockIdx.x * warps + tid // warp
+            while i < T:
+                encode_token(tokens, token_scales, prequantized, i, stage64, stage32, stage8, amax, tid // warp,
+                             tid % warp)
+                warp_sync()  # the whole message is staged before the warp's puts read it
+                sent = uint64(0)
+                for k in range(K):
+                    d = topk_ids[i, k] // L
+                    if (sent >> uint64(d)) & uint64(1) == uint64(0):
+                        sent |= uint64(1) << uint64(d)
+                        shmem.put_nbi_warp(d_tokens[g, me, i, 0:MW], stage64[i, 0:MW], d)
+                i += all_warps
+            T_parts = 0  # no bf16 row parts
+        else:
+            T_parts = T
+        parts = row_parts(T_parts, W, all_warps, warp)
         span = part_words(W, parts, warp)
         i = cuda.blockIdx.x * warps + tid // warp
-        while i < T * parts:
+        while i < T_parts * parts:
             t, w0, w1 = part_bounds(i, parts, span, W)
             if w0 < w1:
                 sent = uint64(0)  # bit d: this part already went to rank d
@@ -247,7 +275,7 @@ def make_dispatch_kernels(threads: int):
 
     @cuda.jit
     def dispatch_copy(d_tokens, d_ids, d_counts, sync, token_rows, row_offsets, expert_counts,
-                      expert_x, status):
+                      expert_x, status, d_tokens8, expert_scales8, scales_col_major):
         """Copy each received token row once to all its expert rows; zero the padding rows.
 
         d_tokens [G, R, Tmax, W] words (symmetric, group g of the last call), d_ids
@@ -259,6 +287,12 @@ def make_dispatch_kernels(threads: int):
         reads each word once and stores it to the token's n_local expert rows, ``COPY_UNROLL``
         words per lane in flight.
         Then a warp per local expert zeroes its padding rows.
+
+        FP8 token formats: d_tokens holds messages ([G, R, Tmax, MW] words; d_tokens8 a uint8
+        view); the first ``P = expert_x.shape[1]`` words of each (the codes) go to expert_x as
+        above, and the warp holding a row's first part lays its scale bytes out in
+        expert_scales8 (a uint8 view of [C * S] scales, row-major, or column-major when
+        scales_col_major, int64, is nonzero; ``store_scales``); padding rows get zero scales.
         """
         vals = cuda.local.array(U, uint64)
         if status[STATUS_CODE] != 0:
@@ -267,6 +301,8 @@ def make_dispatch_kernels(threads: int):
         R = d_counts.shape[1]
         L = d_counts.shape[2] - 1
         W = expert_x.shape[1]
+        C = expert_x.shape[0]
+        SBYTES = expert_scales8.shape[0] // C if C > 0 else 0  # scale bytes per row (FP8 formats)
         n = sync[SYNC_CALLS] - 1
         g = n % 2
         lane = cuda.threadIdx.x % warp
@@ -293,6 +329,10 @@ def make_dispatch_kernels(threads: int):
                             if w + u * warp < w1:
                                 dst[w + u * warp] = vals[u]
                     w += U * warp
+                if QUANT and w0 == 0:
+                    for j in range(n_local):
+                        store_scales(d_tokens8[g, s, t], W * 8, SBYTES, expert_scales8, token_rows[s, t, j], C,
+                                     scales_col_major, lane, 0)
                 i += all_warps
 
         e = first_warp
@@ -300,6 +340,8 @@ def make_dispatch_kernels(threads: int):
             for r in range(row_offsets[e] + expert_counts[e], row_offsets[e + 1]):
                 for w in range(lane, W, warp):
                     expert_x[r, w] = 0
+                if QUANT:
+                    store_scales(d_tokens8[g, 0, 0], W * 8, SBYTES, expert_scales8, r, C, scales_col_major, lane, 1)
             e += all_warps
 
     return dispatch_async, dispatch_wait, dispatch_copy

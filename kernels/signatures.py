@@ -51,7 +51,15 @@ def ep_kernel_entries():
 
     layout = BufferLayout(EPConfig(n_ranks=2, n_experts=8, top_k=2, hidden=64, max_tokens_per_rank=16))
     kernels = _kernels_for(GPU_THREADS, token_word(layout.cfg.hidden))
-    return [(name, kernel, argtypes(name, layout)) for name, kernel in kernels.items()]
+    entries = [(name, kernel, argtypes(name, layout)) for name, kernel in kernels.items()]
+    # the FP8 token formats' dispatch kernels (the other kernels do not depend on the format)
+    for token_dtype, ue8m0 in (("fp8_e4m3", False), ("fp8_e4m3_ue8m0", True)):
+        fp8 = BufferLayout(EPConfig(n_ranks=2, n_experts=8, top_k=2, hidden=256, max_tokens_per_rank=16,
+                                    token_dtype=token_dtype))
+        fk = _kernels_for(GPU_THREADS, token_word(fp8.cfg.hidden), True, ue8m0)
+        entries += [(f"{name} ({token_dtype})", fk[name], argtypes(name, fp8))
+                    for name in ("dispatch_async", "dispatch_copy")]
+    return entries
 
 
 def gate_entries():

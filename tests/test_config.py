@@ -136,14 +136,30 @@ def test_top_k_out_of_range(top_k):
     assert_fragments(msg, f"EPConfig.top_k={top_k}", "must be in [1, n_experts=256]", "use the router's k")
 
 
-@pytest.mark.parametrize("field", ["token_dtype", "combine_dtype"])
+@pytest.mark.parametrize("field,allowed", [("token_dtype", "('bfloat16', 'fp8_e4m3', 'fp8_e4m3_ue8m0')"),
+                                           ("combine_dtype", "('bfloat16',)")])
 @pytest.mark.parametrize("value", ["float16", "float32", "bf16", "BFloat16", None,
                                    np.dtype(ml_dtypes.bfloat16), ml_dtypes.bfloat16])
-def test_unsupported_dtypes(field, value):
+def test_unsupported_dtypes(field, allowed, value):
     # a NumPy bfloat16 dtype compares equal to "bfloat16" but is not the string the config stores
     msg = config_error(**{field: value})
-    assert_fragments(msg, f"EPConfig.{field}={value!r}", "must be one of the strings ('bfloat16',)",
+    assert_fragments(msg, f"EPConfig.{field}={value!r}", f"must be one of the strings {allowed}",
                      "use 'bfloat16'")
+
+
+@pytest.mark.parametrize("token_dtype", ["fp8_e4m3", "fp8_e4m3_ue8m0"])
+@pytest.mark.parametrize("hidden", [100, 64, 7000])
+def test_fp8_token_formats_need_hidden_a_multiple_of_128(token_dtype, hidden):
+    msg = config_error(token_dtype=token_dtype, hidden=hidden)
+    assert_fragments(msg, f"EPConfig.hidden={hidden} with token_dtype='{token_dtype}'", "multiple of 128",
+                     "token_dtype='bfloat16' takes any hidden")
+
+
+def test_fp8_token_bytes_are_the_message_bytes():
+    kw = dict(n_ranks=2, n_experts=8, top_k=2, hidden=7168, max_tokens_per_rank=4)
+    assert EPConfig(**kw, token_dtype="fp8_e4m3").token_bytes == 7168 + 56 * 4          # codes + f32 scales
+    assert EPConfig(**kw, token_dtype="fp8_e4m3_ue8m0").token_bytes == 7168 + 56 + 0    # 7224 = 903 words
+    assert EPConfig(**{**kw, "hidden": 384}, token_dtype="fp8_e4m3_ue8m0").token_bytes == 384 + 8  # 3 B -> 8
 
 
 def test_wait_timeout_accepts_numpy_reals():
