@@ -34,6 +34,11 @@ def test_traffic_of_a_hand_worked_example():
     assert t.compact_dispatch_hbm_bytes == (4 + 3) * 16 == t.hbm_bytes("dispatch", "compact")
     assert t.compact_combine_hbm_bytes == (3 + 2 * 4 + 3) * 16 == t.hbm_bytes("combine", "compact")
     assert t.hbm_bytes("combine") == t.combine_hbm_bytes
+    # an FP8 format: dispatch moves 24-byte messages per token (combine stays bf16, 16-byte rows)
+    f = rank_traffic([ids0, ids1], 0, n_local_experts=2, hidden=8, token_bytes=24)
+    assert f.logical_bytes == 3 * 24 and f.combine_nvlink_bytes == t.combine_nvlink_bytes
+    assert f.dispatch_nvlink_bytes == max(2 * 24 + 3 * 16, 1 * 24 + 1 * 16)
+    assert f.dispatch_hbm_bytes == (4 + 3 + 2 * 4) * 24 and f.combine_hbm_bytes == t.combine_hbm_bytes
 
 
 @pytest.mark.parametrize("scenario", ["random", "zero_rank", "one_expert"])
@@ -162,7 +167,7 @@ def test_table_and_results_carry_the_mode():
     assert [r["mode"] for r in res] == ["eager", "graph"] and "graph" not in res[0] and res[1]["graph"] == graph
     lines = table([res]).splitlines()
     assert "mode" in lines[0].split("|")[0]
-    assert " eager expanded |" in lines[1] and " graph expanded |" in lines[2]
+    assert " bf16 eager expanded |" in lines[1] and " graph expanded |" in lines[2]
     assert any(line.startswith("graph mode:") and "device scalar" in line for line in lines)
     assert "WARNING" not in table([res])
     res[1]["graph"]["device_calls"] = 4  # replays that did not run
@@ -176,7 +181,7 @@ def test_smoke_run_on_the_simulator(tmp_path):
          "--hidden", "16", "--experts", "4", "--top-k", "2", "--samples", "3", "--warmup", "1",
          "--json", str(path)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "dispatch us" in proc.stdout and "ceilings measured in this run" in proc.stdout and " eager expanded |" in proc.stdout
+    assert "dispatch us" in proc.stdout and "ceilings measured in this run" in proc.stdout and " bf16 eager expanded |" in proc.stdout
     data = json.loads(path.read_text())
     assert data["meta"]["backend"] == "sim" and data["meta"]["ranks"] == 2 and data["meta"]["git_sha"]
     assert [len(rank) for rank in data["results"]] == [2, 2]
@@ -196,8 +201,24 @@ def test_compact_layout_is_timed_next_to_the_expanded_one_on_the_simulator(tmp_p
          "--hidden", "16", "--experts", "4", "--top-k", "2", "--samples", "2", "--warmup", "1",
          "--layout", "expanded", "compact", "--json", str(path)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert " eager  compact |" in proc.stdout and " eager expanded |" in proc.stdout
+    assert " eager  compact |" in proc.stdout and " bf16 eager expanded |" in proc.stdout
     for rank in json.loads(path.read_text())["results"]:
         assert [res["layout"] for res in rank] == ["expanded", "compact"]
         for res in rank:
             assert all(res["times_us"][span]["median"] > 0 for span in ("dispatch", "combine"))
+
+
+
+def test_fp8_dispatch_is_timed_on_the_simulator(tmp_path):
+    path = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "ep_runtime.bench", "--backend", "sim", "--ranks", "2", "--tokens", "3",
+         "--hidden", "128", "--experts", "4", "--top-k", "2", "--samples", "2", "--warmup", "1",
+         "--token-dtype", "bfloat16", "fp8_e4m3", "--json", str(path)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "  e4m3 eager expanded |" in proc.stdout and "  bf16 eager expanded |" in proc.stdout
+    for rank in json.loads(path.read_text())["results"]:
+        bf16, fp8 = rank
+        assert (bf16["config"]["token_dtype"], fp8["config"]["token_dtype"]) == ("bfloat16", "fp8_e4m3")
+        # 3 tokens, each received by this rank or not: logical bytes count messages (128 + 4 B) vs 256 B rows
+        assert fp8["traffic"]["logical_bytes"] * 256 == bf16["traffic"]["logical_bytes"] * 136

@@ -58,6 +58,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", nargs="+", choices=("eager", "graph"), default=["eager"],
                    help="eager: the calls as made by a caller; graph: CUDA graph replay, one graph per phase "
                         "(GPUs only); both: --mode eager graph (default: eager)")
+    p.add_argument("--token-dtype", nargs="+", choices=("bfloat16", "fp8_e4m3", "fp8_e4m3_ue8m0"),
+                   default=["bfloat16"], help="token format of dispatch (sweepable): bf16, or FP8 E4M3 with float32 "
+                                              "/ power-of-two scales per 128 elements, quantized inside dispatch; "
+                                              "the bytes in GB/s and the floor are the format's message bytes")
     p.add_argument("--layout", nargs="+", choices=("expanded", "compact"), default=["expanded"],
                    help="expanded: dispatch_wait lays rows out per (token, local expert) and combine takes "
                         "expert-major outputs; compact: no expansion copy, one row per (token, source rank) "

@@ -20,10 +20,11 @@ from .traffic import nccl_permutation, rank_traffic
 
 def configs(args):
     """The EPConfig fields (less n_ranks) of every point of the sweep, in argument order."""
-    for tokens, hidden, top_k, experts, n_sms in itertools.product(args.tokens, args.hidden, args.top_k,
-                                                                   args.experts, args.n_sms):
+    for tokens, hidden, top_k, experts, n_sms, token_dtype in itertools.product(
+            args.tokens, args.hidden, args.top_k, args.experts, args.n_sms, getattr(args, "token_dtype", None) or
+            ["bfloat16"]):
         yield dict(n_experts=experts, top_k=top_k, hidden=hidden, max_tokens_per_rank=tokens,
-                   n_sms=n_sms or None)
+                   n_sms=n_sms or None, token_dtype=token_dtype)
 
 
 def modes(args) -> list[str]:
@@ -66,7 +67,7 @@ def bench_rank(session, args_dict) -> list[dict]:
         T = cfg.max_tokens_per_rank
         xs, ids, ws = make_inputs(cfg, "random", args.seed, n_tokens=[T] * cfg.n_ranks)
         r = session.rank
-        tr = rank_traffic(ids, r, cfg.n_local_experts, cfg.hidden)
+        tr = rank_traffic(ids, r, cfg.n_local_experts, cfg.hidden, cfg.token_bytes)
         with EPRuntime(cfg, session) as rt:
             inputs = tuple(session.to_device(a) for a in (xs[r].view(np.uint16), ids[r], ws[r]))
             outs = {"expanded": session.alloc_local("bench.expert_out", (cfg.recv_rows_capacity, cfg.hidden), np.uint16),
@@ -137,10 +138,15 @@ def _result(cfg, tr, spans, base, ceil, mode="eager", graph=None, layout="expand
     return res
 
 
+def _fmt_name(cfg: dict) -> str:
+    """Short token-format name for the table: bf16, e4m3 (float32 scales), ue8m0."""
+    return {"bfloat16": "bf16", "fp8_e4m3": "e4m3", "fp8_e4m3_ue8m0": "ue8m0"}.get(cfg.get("token_dtype"), "bf16")
+
+
 def table(per_rank: list[list[dict]]) -> str:
     """One line per (configuration, mode, rank). In graph mode ``dispatch`` and ``combine`` are
     one graph replay each; ``async`` and ``wait`` are replays of graphs of one call each."""
-    head = (f"{'rank':>4} {'T':>5} {'H':>5} {'K':>2} {'E':>4} {'sms':>4} {'mode':>5} {'layout':>8} | "
+    head = (f"{'rank':>4} {'T':>5} {'H':>5} {'K':>2} {'E':>4} {'sms':>4} {'tokens':>6} {'mode':>5} {'layout':>8} | "
             f"{'dispatch us (p10-p90)':>24} "
             f"{'async':>7} {'wait':>7} {'GB/s log':>8} {'NVL':>6} {'floor':>7} {'%floor':>6} | "
             f"{'combine us':>10} {'GB/s log':>8} {'floor':>7} {'%floor':>6} | baselines (median us)")
@@ -153,7 +159,8 @@ def table(per_rank: list[list[dict]]) -> str:
                            for k, v in res["baselines_us"].items()) or "-"
             lines.append(
                 f"{r:>4} {cfg['max_tokens_per_rank']:>5} {cfg['hidden']:>5} {cfg['top_k']:>2} {cfg['n_experts']:>4} "
-                f"{cfg['n_sms'] or 'all':>4} {res.get('mode', 'eager'):>5} {res.get('layout', 'expanded'):>8} | "
+                f"{cfg['n_sms'] or 'all':>4} {_fmt_name(cfg):>6} {res.get('mode', 'eager'):>5} "
+                f"{res.get('layout', 'expanded'):>8} | "
                 f"{t['dispatch']['median']:>9.1f} ({t['dispatch']['p10']:.1f}-"
                 f"{t['dispatch']['p90']:.1f}) {t['dispatch_async']['median']:>7.1f} {t['dispatch_wait']['median']:>7.1f} "
                 f"{d['logical_gbps']:>8.1f} {d['nvlink_gbps']:>6.1f} {d['floor_us']:>7.1f} {100 * d['of_floor']:>5.1f}% | "

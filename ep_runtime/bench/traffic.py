@@ -1,12 +1,14 @@
 """Bytes one rank moves in one dispatch and one combine (pure NumPy, CPU-testable).
 
-From the routing of every rank, for rank ``r`` (``H`` hidden, 2-byte tokens, ``K`` top-k):
+From the routing of every rank, for rank ``r`` (``H`` hidden, ``K`` top-k; a token on the wire
+and in the receive buffer is ``token_bytes``: ``2 H`` in bf16, the message size in an FP8
+format; expert outputs, partials and combine results are bf16, ``2 H``):
 
 - ``sent[d]``: tokens of ``r`` with at least one expert on rank ``d`` (one message each,
   deduplicated per rank); ``recv[s]``: tokens of ``s`` with an expert on ``r``;
   ``rows``: expert-batch rows of ``r`` (one per (token, local expert)).
 - **logical bytes** (DeepEP's definition): every received token row, the rank's own included,
-  ``sum(recv) * 2H``.
+  ``sum(recv) * token_bytes``.
 - **NVLink bytes** per direction: rows to and from the other ranks, plus the routing tables
   (``8K`` bytes per token to every other rank); the larger direction bounds the time.
 - **HBM bytes** (device-memory reads and writes of the expanded path):
@@ -48,11 +50,14 @@ class Traffic:
         return getattr(self, f"{'compact_' if layout == 'compact' else ''}{phase}_hbm_bytes")
 
 
-def rank_traffic(ids_per_rank, rank: int, n_local_experts: int, hidden: int) -> Traffic:
-    """Byte counts for ``rank`` given every rank's ``[T_s, K]`` expert ids."""
+def rank_traffic(ids_per_rank, rank: int, n_local_experts: int, hidden: int, token_bytes: int | None = None
+                 ) -> Traffic:
+    """Byte counts for ``rank`` given every rank's ``[T_s, K]`` expert ids; ``token_bytes``:
+    one dispatched token (default ``2 * hidden``, bf16; ``EPConfig.token_bytes`` in general)."""
     R = len(ids_per_rank)
     K = np.asarray(ids_per_rank[0]).shape[1] if R else 0
-    row = 2 * hidden
+    row = 2 * hidden  # bf16 rows: expert outputs, partials, results
+    tok = row if token_bytes is None else token_bytes
 
     def hits(ids, d):  # tokens of a rank with an expert on rank d
         ids = np.asarray(ids)
@@ -68,12 +73,12 @@ def rank_traffic(ids_per_rank, rank: int, n_local_experts: int, hidden: int) -> 
     in_rows = sum(recv) - recv[rank]
     return Traffic(
         tokens=T, rows=rows, sent=sent, recv=recv,
-        logical_bytes=sum(recv) * row,
-        dispatch_nvlink_bytes=max(out_rows * row + routing_out, in_rows * row + routing_in),
+        logical_bytes=sum(recv) * tok,
+        dispatch_nvlink_bytes=max(out_rows * tok + routing_out, in_rows * tok + routing_in),
         combine_nvlink_bytes=max(in_rows, out_rows) * row,
-        dispatch_hbm_bytes=(sum(sent) + sum(recv) + 2 * rows) * row,
+        dispatch_hbm_bytes=(sum(sent) + sum(recv) + 2 * rows) * tok,
         combine_hbm_bytes=(rows + 2 * sum(recv) + 2 * sum(sent) + T) * row,
-        compact_dispatch_hbm_bytes=(sum(sent) + sum(recv)) * row,
+        compact_dispatch_hbm_bytes=(sum(sent) + sum(recv)) * tok,
         compact_combine_hbm_bytes=(sum(recv) + 2 * sum(sent) + T) * row,
     )
 
