@@ -62,8 +62,9 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         (1) Each warp takes items (grid-strided): part of token row t (``row_parts``: whole rows
         for large batches) and puts it into slot [g, me, t] of every rank that holds one of the
         token's experts (``put_nbi_warp``: a warp-wide copy). In an FP8 format a warp takes a
-        whole token: encodes its message into stage row t (``encode_token``), then puts it. (2) Each block puts chunks of routing rows to
-        every rank and counts tokens per expert into send_hist. (3) The last block (ticket)
+        whole token: encodes its message into stage row t (``encode_token``), then puts it.
+        (2) Each block puts chunks of routing rows to every rank and counts tokens per expert
+        into send_hist. (3) The last block (ticket)
         puts each rank its counts with a signal of n + 1 (every block quieted its puts first:
         data before signal), resets the scratch and advances the call counter. Nobody waits.
         """
@@ -157,8 +158,9 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         row_offsets [L + 1] int32, expert_counts [L] int32, row_src_rank / row_src_token /
         row_src_k [C] int32, row_weight [C] float32, row_gather [C] int32 (the row's slot in
         the receive buffer, ``src * Tmax + t``: the compact layout's gather index; padding
-        rows: -1, -1, -1, 0, -1), and token_rows [R, Tmax, K] int32 (row of the j-th local expert of token (src, t), for
-        dispatch_copy and combine_async). pad_multiple, timeout_ns: int64.
+        rows: -1, -1, -1, 0, -1), and token_rows [R, Tmax, K] int32 (row of the j-th local
+        expert of token (src, t), for dispatch_copy and combine_async). pad_multiple,
+        timeout_ns: int64.
 
         One block: waits for all R signals itself (no block depends on another), computes
         every segment's offset from the received counts, and then, for each local expert it
