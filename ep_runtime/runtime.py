@@ -23,7 +23,7 @@ from .config import EPConfig
 from .kernel_args import FORMAT_REGIONS, KERNEL_ARGS, WORD_ARRAYS, argtypes, build_args, region_view
 from .errors import EPConfigError, EPInputError, EPStateError
 from .handles import CombineHandle, CompactBatch, DispatchHandle, ExpertBatch
-from .layout import BufferLayout, SYNC_CALLS, token_word
+from .layout import N_GROUPS, BufferLayout, SYNC_CALLS, token_word
 from .shmem.session import Session
 from .status import error_from_status
 
@@ -117,6 +117,7 @@ class EPRuntime:
         self._no_aux = session.alloc_local("unused aux", (0, 0), np.float32)
         self._no_valid = session.alloc_local("unused valid_tokens", (1,), np.int32)
         self._no_scales = session.alloc_local("unused token_scales", (0, 0), np.uint8)
+        self._batch_views = _batch_views(cfg, self.buffers)
         self._calls = 0
         self._state = _State.IDLE
         self._failed: Exception | None = None
@@ -250,32 +251,12 @@ class EPRuntime:
             raise EPInputError(f"dispatch_wait: scales={scales!r}; expected one of {SCALE_LAYOUTS} (row-major "
                                f"[rows, hidden / 128] or column-major [hidden / 128, rows]).")
         self._launch("dispatch_wait", pad_multiple=np.int64(self.cfg.pad_multiple), timeout_ns=self._timeout_ns)
-        b, cfg, fmt = self.buffers, self.cfg, self._fmt
         if layout == "compact":
             self._state = _State.DISPATCHED
-            g = handle.call % 2
-            R, T, H = cfg.n_ranks, cfg.max_tokens_per_rank, cfg.hidden
-            recv = b["dispatch_tokens"][g]
-            if fmt.quantized:  # messages: codes, then scale bytes; strided views of each
-                msg8 = recv.reshape(R * T, -1).view(np.uint8)
-                pb, sb = fmt.payload_bytes(H), fmt.scale_bytes(H)
-                x, recv_scales = msg8[:, :pb], msg8[:, pb:pb + sb].view(fmt.scale_dtype)
-            else:
-                x, recv_scales = recv.reshape(R * T, H), None
-            return CompactBatch(x=x, recv_tokens=b["dispatch_counts"][g, :, cfg.n_local_experts],
-                                row_offsets=b["row_offsets"], expert_counts=b["expert_counts"],
-                                gather=b["row_gather"], src_rank=b["row_src_rank"],
-                                src_token=b["row_src_token"], src_k=b["row_src_k"], weight=b["row_weight"],
-                                handle=handle, scales=recv_scales)
+            return CompactBatch(**self._batch_views["compact", handle.call % 2], handle=handle)
         self._launch("dispatch_copy", scales_col_major=np.int64(scales == "column"))
         self._state = _State.DISPATCHED
-        batch_scales = None
-        if fmt.quantized:
-            C, S = cfg.recv_rows_capacity, fmt.scale_count(cfg.hidden)
-            batch_scales = b["expert_scales"].reshape((S, C) if scales == "column" else (C, S))
-        return ExpertBatch(x=b["expert_x"], row_offsets=b["row_offsets"], expert_counts=b["expert_counts"],
-                           src_rank=b["row_src_rank"], src_token=b["row_src_token"], src_k=b["row_src_k"],
-                           weight=b["row_weight"], handle=handle, scales=batch_scales)
+        return ExpertBatch(**self._batch_views["expanded", scales], handle=handle)
 
     def dispatch(self, tokens, topk_ids, topk_weights, layout: str = "expanded", token_scales=None,
                  scales: str = "row"):
@@ -391,6 +372,7 @@ class EPRuntime:
         self.session.barrier()
         self.buffers.clear()
         self._arg.clear()
+        self._batch_views.clear()
         self.session.free_symmetric(self._sym)
         self._sym = self._local = self._no_out = self._no_partials = self._no_aux = self._no_valid = None
         self._no_scales = None
@@ -458,6 +440,34 @@ class EPRuntime:
         if err is not None:
             self._failed = err
             raise err
+
+
+def _batch_views(cfg: EPConfig, b: dict) -> dict:
+    """The views dispatch_wait returns (less the handle), made once: ``("expanded", scales)``
+    for each scale layout, ``("compact", g)`` for each buffer group ``g``. In an FP8 token
+    format the compact ``x`` and ``scales`` are strided views of the messages (codes, then
+    scale bytes)."""
+    fmt, R, T, H = cfg.token_format, cfg.n_ranks, cfg.max_tokens_per_rank, cfg.hidden
+    rows = {k: b[f"row_{k}"] for k in ("src_rank", "src_token", "src_k", "weight")}
+    meta = dict(row_offsets=b["row_offsets"], expert_counts=b["expert_counts"], **rows)
+    views = {}
+    for scales in SCALE_LAYOUTS:
+        batch_scales = None
+        if fmt.quantized:
+            C, S = cfg.recv_rows_capacity, fmt.scale_count(H)
+            batch_scales = b["expert_scales"].reshape((S, C) if scales == "column" else (C, S))
+        views["expanded", scales] = dict(x=b["expert_x"], scales=batch_scales, **meta)
+    for g in range(N_GROUPS):
+        recv = b["dispatch_tokens"][g]
+        if fmt.quantized:
+            msg8 = recv.reshape(R * T, -1).view(np.uint8)
+            pb, sb = fmt.payload_bytes(H), fmt.scale_bytes(H)
+            x, recv_scales = msg8[:, :pb], msg8[:, pb:pb + sb].view(fmt.scale_dtype)
+        else:
+            x, recv_scales = recv.reshape(R * T, H), None
+        views["compact", g] = dict(x=x, scales=recv_scales, recv_tokens=b["dispatch_counts"][g, :, cfg.n_local_experts],
+                                   gather=b["row_gather"], **meta)
+    return views
 
 
 def _check_same_config_everywhere(cfg: EPConfig, session: Session) -> None:

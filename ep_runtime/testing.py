@@ -88,3 +88,15 @@ def describe_row(x_row: np.ndarray) -> str:
     """Where a token row came from, read from its encoded columns."""
     v = x_row[:3].astype(np.float32)
     return f"row encoding rank {int(v[0])}, token {int(v[1]) * 128 + int(v[2])}" if len(v) >= 3 else "row"
+
+
+def input_error_of(call) -> str | None:
+    """The message of the :class:`~ep_runtime.errors.EPInputError` that ``call()`` raises, or
+    None when it returns (any other exception propagates)."""
+    from .errors import EPInputError
+
+    try:
+        call()
+    except EPInputError as err:
+        return str(err)
+    return None

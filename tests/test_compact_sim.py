@@ -15,7 +15,7 @@ from ep_runtime import reference
 from ep_runtime.config import EPConfig
 from ep_runtime.reference import BF16
 from ep_runtime.shmem.launch import run_pes
-from ep_runtime.testing import linear_experts, make_inputs
+from ep_runtime.testing import input_error_of, linear_experts, make_inputs
 
 #: bf16 quiet NaN: the compact combine input holds it on every row it must not read.
 POISON_BF16 = 0x7FC0
@@ -66,7 +66,6 @@ def expanded_outputs(cfg: EPConfig, ref: reference.ExpertBatchRef, rank: int) ->
 
 # -- per-rank body ------------------------------------------------------------------------------
 def compact_pe(session, R: int) -> dict:
-    from ep_runtime.errors import EPInputError
     from ep_runtime.runtime import EPRuntime
 
     r = session.rank
@@ -112,22 +111,14 @@ def compact_pe(session, R: int) -> dict:
         errors = {}
         xs, ids, ws = inputs(cfg, "random", 499, None)
         handle = rt.dispatch_async(xs[r], ids[r], ws[r])
-        try:
-            rt.dispatch_wait(handle, layout="rows")
-            errors["dispatch_wait_layout"] = None
-        except EPInputError as err:
-            errors["dispatch_wait_layout"] = str(err)
+        errors["dispatch_wait_layout"] = input_error_of(lambda: rt.dispatch_wait(handle, layout="rows"))
         batch = rt.dispatch_wait(handle, layout="compact")
         wrong = np.zeros((cfg.recv_rows_capacity, cfg.hidden), np.uint16)  # expanded-sized rows
         for what, call in {
             "combine_layout": lambda: rt.combine_async(compact_rows(cfg, xs, ids, r), batch.handle, layout="rows"),
             "combine_compact_shape": lambda: rt.combine_async(wrong, batch.handle, layout="compact"),
         }.items():
-            try:
-                call()
-                errors[what] = None
-            except EPInputError as err:
-                errors[what] = str(err)
+            errors[what] = input_error_of(call)
         out = rt.combine(compact_rows(cfg, xs, ids, r), batch.handle, layout="compact")
         after = {"out": session.to_host(out)}
     return {"cases": results, "sequence": seq, "errors": errors, "after_errors": after}

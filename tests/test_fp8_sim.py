@@ -17,7 +17,7 @@ from ep_runtime import reference
 from ep_runtime.config import EPConfig
 from ep_runtime.reference import BF16
 from ep_runtime.shmem.launch import run_pes
-from ep_runtime.testing import make_inputs
+from ep_runtime.testing import input_error_of, make_inputs
 
 RUN_TIMEOUT_S = 300
 POISON_BF16 = 0x7FC0
@@ -81,7 +81,6 @@ def expert_outputs(cfg: EPConfig, ref: reference.ExpertBatchRef, rank: int) -> n
 
 
 def fp8_pe(session, R: int) -> dict:
-    from ep_runtime.errors import EPInputError
     from ep_runtime.runtime import EPRuntime
 
     r = session.rank
@@ -105,7 +104,6 @@ def fp8_pe(session, R: int) -> dict:
 
     cfg = EPConfig(**cases(R)[0][1])
     xs, ids, ws = inputs(cfg, "random", 9)
-    errors = {}
     with EPRuntime(cfg, session) as rt:
         payloads, scs = prequantized_inputs(cfg, xs, False)
         bad = {
@@ -115,26 +113,14 @@ def fp8_pe(session, R: int) -> dict:
             "codes_without_scales": lambda: rt.dispatch_async(payloads[r], ids[r], ws[r]),
             "bf16_with_scales": lambda: rt.dispatch_async(xs[r], ids[r], ws[r], token_scales=scs[r]),
         }
-        for what, call in bad.items():
-            try:
-                call()
-                errors[what] = None
-            except EPInputError as e:
-                errors[what] = str(e)
+        errors = {what: input_error_of(call) for what, call in bad.items()}
         h = rt.dispatch_async(xs[r], ids[r], ws[r])
-        try:
-            rt.dispatch_wait(h, scales="diagonal")
-            errors["scales_layout"] = None
-        except EPInputError as e:
-            errors["scales_layout"] = str(e)
+        errors["scales_layout"] = input_error_of(lambda: rt.dispatch_wait(h, scales="diagonal"))
         rt.dispatch_wait(h)
     bf16 = EPConfig(**{**cases(R)[0][1], "token_dtype": "bfloat16"})
     with EPRuntime(bf16, session) as rt:
-        try:
-            rt.dispatch_async(xs[r], ids[r], ws[r], token_scales=scs[r])
-            errors["scales_in_bf16_config"] = None
-        except EPInputError as e:
-            errors["scales_in_bf16_config"] = str(e)
+        errors["scales_in_bf16_config"] = input_error_of(
+            lambda: rt.dispatch_async(xs[r], ids[r], ws[r], token_scales=scs[r]))
     return {"cases": out, "errors": errors}
 
 
