@@ -64,10 +64,16 @@ class CompileResult:
     error: str | None = None
     #: numba-cuda will launch it cooperatively (grid must be co-resident). None when not built.
     cooperative: bool | None = None
+    #: registers per thread of the linked kernel (the cubin's EIATTR_REGCOUNT), and the cap it
+    #: was compiled under (``max_registers``; None: no cap). None when not built.
+    registers: int | None = None
+    max_registers: int | None = None
 
     def line(self) -> str:
         size = f"{self.cubin_bytes / 1024:8.1f} KB" if self.ok else "       - KB"
         text = f"{self.name:<44} {'OK' if self.ok else 'FAIL':<4} {self.seconds:7.2f} s {size}"
+        if self.registers is not None:
+            text += f" {self.registers:4d} regs"
         if not self.ok:
             text += f"  [{self.stage}]"
             detail = (self.error or "").strip().splitlines()
@@ -189,6 +195,44 @@ def _kernel_parts(func):
     raise TypeError(f"not a @cuda.jit kernel or Python function: {func!r}")
 
 
+#: .nv.info attribute holding a function's register count, and the attribute format with a
+#: size-prefixed payload (CUDA's ELF notes: EIATTR_REGCOUNT = 0x2f, EIFMT_SVAL = 4).
+_EIATTR_REGCOUNT = 0x2F
+_EIFMT_SVAL = 4
+
+
+def cubin_registers(cubin: bytes) -> int:
+    """Registers per thread of the most demanding function in a linked sm_90 cubin (an ELF64
+    file): the largest EIATTR_REGCOUNT of its ``.nv.info`` sections. What the driver reports as
+    the kernel's NUM_REGS, read here without a GPU, so a kernel too large for its block size
+    fails the gate instead of its first launch."""
+    import struct
+
+    if cubin[:4] != b"\x7fELF" or cubin[4] != 2:
+        raise ValueError("not an ELF64 cubin")
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+    names_at = sections[shstrndx][4]
+    regs = []
+    for name_off, _, _, _, offset, size, *_ in sections:
+        name = cubin[names_at + name_off:cubin.index(b"\0", names_at + name_off)]
+        if not name.startswith(b".nv.info"):
+            continue
+        data, i = cubin[offset:offset + size], 0
+        while i + 4 <= len(data):
+            fmt, attr, n = data[i], data[i + 1], int.from_bytes(data[i + 2:i + 4], "little")
+            if fmt != _EIFMT_SVAL:
+                i += 4  # value formats without a payload: 2 bytes of value in the header
+                continue
+            if attr == _EIATTR_REGCOUNT and n == 8:
+                regs.append(int.from_bytes(data[i + 8:i + 12], "little"))
+            i += 4 + n
+    if not regs:
+        raise ValueError("no EIATTR_REGCOUNT in the cubin")
+    return max(regs)
+
+
 def compile_for_sm90(py_func, argtypes, name: str | None = None) -> CompileResult:
     """Compile ``py_func`` (a ``@cuda.jit`` kernel or plain function) for ``argtypes`` and link
     it to an sm_90a cubin, as a launch on an H100/H200 would. Never raises for kernel errors:
@@ -212,7 +256,8 @@ def compile_for_sm90(py_func, argtypes, name: str | None = None) -> CompileResul
         if size == 0:
             raise RuntimeError("linker returned an empty cubin")
         return CompileResult(name, True, time.perf_counter() - start, size,
-                             cooperative=bool(kernel.cooperative))
+                             cooperative=bool(kernel.cooperative), registers=cubin_registers(bytes(data)),
+                             max_registers=options.get("max_registers"))
     except GateSetupError:
         raise
     except Exception as exc:  # noqa: BLE001 - every kernel error is a gate FAIL

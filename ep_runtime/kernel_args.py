@@ -44,11 +44,11 @@ KERNEL_ARGS = {
                          "allow_negative", "status"),
     "dispatch_async": (
         "tokens", "topk_ids", "topk_weights", "valid_tokens", "use_valid", "dispatch_tokens", "dispatch_topk_ids",
-        "dispatch_topk_weights", "dispatch_counts", "dispatch_signal", "dispatch_async_sync",
+        "dispatch_topk_weights", "dispatch_counts", "dispatch_hist", "dispatch_signal", "dispatch_async_sync",
         "dispatch_send_hist", "dispatch_send_counts", "status", "token_scales", "prequantized",
-        "dispatch_send_stage", "dispatch_send_stage:u32", "dispatch_send_stage:u8"),
+        "dispatch_send_stage", "dispatch_send_stage:u32", "dispatch_send_stage:u8", "dispatch_tokens:u8"),
     "dispatch_wait": (
-        "dispatch_topk_ids", "dispatch_topk_weights", "dispatch_counts", "dispatch_signal",
+        "dispatch_topk_ids", "dispatch_topk_weights", "dispatch_counts", "dispatch_hist", "dispatch_signal",
         "dispatch_async_sync", "row_offsets", "expert_counts", "row_src_rank", "row_src_token",
         "row_src_k", "row_weight", "row_gather", "token_rows", "status", "pad_multiple", "timeout_ns"),
     "dispatch_copy": (

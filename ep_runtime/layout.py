@@ -28,6 +28,18 @@ STATUS_CODE, STATUS_KERNEL, STATUS_RANK, STATUS_PEER, STATUS_COUNTER, STATUS_EXP
     STATUS_OBSERVED, STATUS_CALL = range(8)
 STATUS_LEN = 8
 
+#: Fewest tokens in a routing chunk. dispatch_async cuts a rank's tokens into chunks of its
+#: block size (every block size the runtime launches is at least this) and sends, per chunk,
+#: how many of its tokens go to each expert; dispatch_wait places each chunk's tokens with no
+#: scan over the others (docs/protocol.md, "Placement").
+ROUTE_CHUNK_MIN = 8
+
+
+def route_chunks(max_tokens: int, chunk: int = ROUTE_CHUNK_MIN) -> int:
+    """Routing chunks of ``chunk`` tokens that ``max_tokens`` tokens need (at least 1)."""
+    return max(1, (max_tokens + chunk - 1) // chunk)
+
+
 # Indices into dispatch_async_sync (int64).
 SYNC_TICKET = 0   # blocks of the current launch that finished; the last block resets it to 0
 SYNC_CALLS = 1    # completed dispatch calls: call n (0-based) sets it to n + 1
@@ -119,6 +131,7 @@ class BufferLayout:
 def _regions(cfg: EPConfig) -> list[Region]:
     R, E, L, K, H = cfg.n_ranks, cfg.n_experts, cfg.n_local_experts, cfg.top_k, cfg.hidden
     T, C, G = cfg.max_tokens_per_rank, cfg.recv_rows_capacity, N_GROUPS
+    NC = route_chunks(T)
     u16, i32, i64, u64, f32 = (np.dtype(t) for t in ("uint16", "int32", "int64", "uint64", "float32"))
     DA, DW, DC, CA, CW = "dispatch_async", "dispatch_wait", "dispatch_copy", "combine_async", "combine_wait"
     S, Lc = True, False
@@ -132,6 +145,9 @@ def _regions(cfg: EPConfig) -> list[Region]:
                "[g, src, t]: router weights of token t of rank src"),
         Region("dispatch_counts", (G, R, L + 1), i32, 0, S, f"{DA} (peers, last block)", (DW, DC, CA, CW),
                "[g, src, :L]: tokens of src per local expert; [g, src, L]: tokens src dispatched"),
+        Region("dispatch_hist", (G, R, NC, L), i32, 0, S, f"{DA} (peers)", (DW,),
+               "[g, src, c, e]: tokens of src's routing chunk c (the sender's block size of tokens) "
+               "with local expert e"),
         Region("dispatch_signal", (G, R), u64, 0, S, f"{DA} (peers, last block)", (DW,),
                "[g, src]: n + 1 once everything of call n from src has arrived (monotonic)"),
         Region("combine_partials", (G, R, T, H), u16, 0, S, f"{CA} (peers)", (CW,),
@@ -142,8 +158,9 @@ def _regions(cfg: EPConfig) -> list[Region]:
         Region("dispatch_async_sync", (2,), i64, 0, Lc, DA, (DA, DW, CA, CW),
                "[0] ticket: finished blocks of the launch (reset by the last block); "
                "[1] calls: completed dispatch calls (call n sets n + 1)"),
-        Region("dispatch_send_hist", (E,), i32, 0, Lc, DA, (DA,),
-               "tokens of this rank per global expert in the current call (zeroed by the last block)"),
+        Region("dispatch_send_hist", (R, NC, L), i32, 0, Lc, DA, (DA,),
+               "[dst, c, e]: tokens of this rank's routing chunk c with expert e of rank dst, in the "
+               "current call (zeroed by the last block)"),
         Region("dispatch_send_counts", (R, L + 1), i32, 0, Lc, DA, (DA,),
                "staging of the per-destination counts put with the signal"),
         # -- local: shared by dispatch_wait and combine_async --------------------------------------

@@ -23,7 +23,7 @@ from .config import EPConfig
 from .kernel_args import FORMAT_REGIONS, KERNEL_ARGS, WORD_ARRAYS, argtypes, build_args, region_view
 from .errors import EPConfigError, EPInputError, EPStateError
 from .handles import CombineHandle, CompactBatch, DispatchHandle, ExpertBatch
-from .layout import N_GROUPS, BufferLayout, SYNC_CALLS, token_word
+from .layout import N_GROUPS, ROUTE_CHUNK_MIN, BufferLayout, SYNC_CALLS, token_word
 from .shmem.session import Session
 from .status import error_from_status
 
@@ -38,9 +38,11 @@ SCALE_LAYOUTS = ("row", "column")
 #: keep enough loads in flight per SM to approach HBM bandwidth.
 GPU_THREADS = 512
 #: Threads per block in the simulator: each simulated thread is a Python thread, so few; 8 still
-#: exercises multi-chunk scans (chunks of 32 tokens) and every block-level helper. At most 32:
-#: a simulated block is one warp (kernels/block.py, ``warp_geometry``).
+#: exercises multi-chunk placement (routing chunks of 16 tokens) and every block-level helper. At
+#: most 32: a simulated block is one warp (kernels/block.py, ``warp_geometry``).
 SIM_THREADS = 8
+# A routing chunk is a block's worth of tokens; the layout sizes the chunk histograms for the smallest.
+assert min(GPU_THREADS, SIM_THREADS) >= ROUTE_CHUNK_MIN
 #: Blocks per kernel in the simulator when EPConfig.n_sms is None (more than one, so the
 #: block scheduling and the last-block ticket are exercised).
 SIM_BLOCKS = 2

@@ -9,13 +9,15 @@ with ``blockDim.x`` threads in a 1-D block.
 - ``block_exclusive_scan`` / ``block_sum``: shared-memory scans for deterministic placement;
 - ``record_error``: claims the device error record (first error wins);
 - ``warp_geometry`` / ``warp_sync``: how kernels split a block into warps, and the warp barrier;
+- ``warp_exclusive_count`` / ``warp_sum`` / ``warp_max_u32``: a warp's ballot prefix count,
+  sum and maximum (shuffles and ballots on a GPU, no shared memory);
 - ``row_parts`` / ``part_words`` / ``part_bounds``: how many warp items each token row is cut
   into, so that small batches still give every warp work (a row is ``W`` words; a warp item is
   one part of one row), and which words an item covers;
 - ``local_expert_count``: how many of a token's experts live on a rank.
 """
 
-from numba import int32, int64
+from numba import int32, int64, uint32
 
 from ep_runtime.kernels import cuda_api, shmem
 from ep_runtime.kernels.cuda_api import cuda
@@ -138,12 +140,62 @@ if cuda_api.SIMULATED:
         the block barrier is the warp barrier. A plain function: see kernels/cuda_api.py."""
         cuda.syncthreads()
 
+    def warp_exclusive_count(pred, buf32):
+        """See the GPU version. Simulated blocks are one warp: a block scan over ``buf32``."""
+        return block_exclusive_scan(buf32, 1 if pred else 0)
+
+    def warp_sum(value, buf64):
+        """See the GPU version. Simulated blocks are one warp: a block sum over ``buf64``."""
+        return block_sum(buf64, int64(value))
+
+    def warp_max_u32(value, buf64):
+        """See the GPU version. Simulated blocks are one warp: a maximum over ``buf64``."""
+        tid = cuda.threadIdx.x
+        buf64[tid] = int64(value)
+        cuda.syncthreads()
+        m = buf64[0]
+        for i in range(1, cuda.blockDim.x):
+            m = max(m, buf64[i])
+        cuda.syncthreads()
+        return uint32(m)
+
 else:
 
     @cuda.jit(device=True)
     def warp_sync():
         """Barrier of the calling warp (``__syncwarp`` with every lane)."""
         cuda.syncwarp(0xFFFFFFFF)
+
+    @cuda.jit(device=True)
+    def warp_exclusive_count(pred, buf32):
+        """Every lane of the warp: ``(lanes below this one with pred true, lanes with pred
+        true)``, from one ballot (deterministic: lane order). ``buf32`` is the simulator's
+        scratch (an int32 shared array of the block's size), unused here."""
+        mask = cuda.ballot_sync(0xFFFFFFFF, pred)
+        below = mask & ((uint32(1) << uint32(cuda.laneid)) - uint32(1))
+        return cuda.popc(below), cuda.popc(mask)
+
+    @cuda.jit(device=True)
+    def warp_max_u32(value, buf64):
+        """Every lane of the warp: the maximum of the uint32 ``value`` over the warp's lanes
+        (butterfly shuffles; ``buf64`` is the simulator's scratch, unused here)."""
+        v = int64(value)  # shuffles take 32- and 64-bit signed ints and floats, not uint32
+        offset = 16
+        while offset > 0:
+            v = max(v, cuda.shfl_xor_sync(0xFFFFFFFF, v, offset))
+            offset //= 2
+        return uint32(v)
+
+    @cuda.jit(device=True)
+    def warp_sum(value, buf64):
+        """Every lane of the warp: the int64 sum of ``value`` over the warp's lanes (butterfly
+        shuffles; ``buf64`` is the simulator's scratch, unused here)."""
+        v = int64(value)
+        offset = 16
+        while offset > 0:
+            v += cuda.shfl_xor_sync(0xFFFFFFFF, v, offset)
+            offset //= 2
+        return v
 
 
 # -- rows cut into warp items ----------------------------------------------------------------------

@@ -14,7 +14,7 @@ from ep_runtime.kernels import shmem
 from ep_runtime.kernels.bits import bf16_bits_at, word_f32
 from ep_runtime.kernels.block import (last_block_ticket, local_expert_count, part_bounds, part_words,
                                       record_error, row_parts, warp_geometry, warp_sync)
-from ep_runtime.kernels.cuda_api import cuda
+from ep_runtime.kernels.cuda_api import cuda, kernel_jit
 from ep_runtime.layout import STATUS_CODE, SYNC_CALLS
 from ep_runtime.status import COUNTER_COMBINE_SIGNAL, ERR_TIMEOUT, KERNEL_COMBINE_WAIT
 
@@ -60,7 +60,7 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue):
             if cuda.threadIdx.x == 0:
                 ticket[0] = 0
 
-    @cuda.jit
+    @kernel_jit(threads)
     def combine_async(expert_out, d_ids, d_counts, c_partials, c_signal,
                       sync, token_rows, row_weight, stage, ticket, status):
         """Weight and pre-reduce the expert outputs per token, send each partial home, signal.
@@ -132,7 +132,7 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue):
 
         publish_partials(ticket, flag, c_signal, g, me, n, R)
 
-    @cuda.jit
+    @kernel_jit(threads)
     def combine_async_rows(expert_out, d_ids, d_counts, c_partials, c_signal, sync, ticket, status):
         """Compact layout: send the caller's per-(source, token) rows home as the partials.
 
@@ -188,7 +188,7 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue):
 
         publish_partials(ticket, flag, c_signal, g, me, n, R)
 
-    @cuda.jit
+    @kernel_jit(threads)
     def combine_wait(out, out_partials, d_ids, d_counts, c_partials, c_signal, sync, status, mode,
                      timeout_ns, aux):
         """Wait for every rank's partials, then reduce them per token in rank order.

@@ -34,4 +34,31 @@ if SIMULATED:
 else:
     cuda = _numba_cuda
 
-__all__ = ["cuda", "SIMULATED"]
+
+
+def kernel_jit(threads: int):
+    """``@cuda.jit`` for a kernel launched with blocks of ``threads`` threads.
+
+    On a GPU it passes ``max_registers`` = what a block of that size may hold per thread
+    (``REGISTERS_PER_SM // threads``, at most 255), so the compiler spills rather than build a
+    kernel that fails at launch with CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES (the FP8
+    dispatch_async needed 134 registers and did, at 512 threads, before this). A cap, not a
+    target: kernels under it compile as before. (``launch_bounds`` was tried: with it ptxas
+    chose 64 registers and spilled dispatch_async, which needs 116.) The simulator refuses
+    these options: there it is plain ``cuda.jit``.
+    """
+    if SIMULATED:
+        return _numba_cuda.jit
+    return _numba_cuda.jit(max_registers=max_registers_for(threads))
+
+
+#: Registers of one SM (sm_70 to sm_100): a block's threads share them.
+REGISTERS_PER_SM = 65536
+
+
+def max_registers_for(threads: int) -> int:
+    """Registers per thread a block of ``threads`` threads may use and still launch."""
+    return min(255, REGISTERS_PER_SM // int(threads))
+
+
+__all__ = ["cuda", "SIMULATED", "kernel_jit", "max_registers_for"]

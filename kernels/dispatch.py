@@ -13,21 +13,27 @@ the kernel boundary is the grid-wide barrier between "every row's position is kn
 from numba import int32, int64, uint32, uint64
 
 from ep_runtime.kernels import shmem
-from ep_runtime.kernels.block import (block_exclusive_scan, block_sum, last_block_ticket, local_expert_count,
-                                      part_bounds, part_words, record_error, row_parts, sched_advance,
-                                      sched_initial, warp_geometry, warp_sync)
-from ep_runtime.kernels.cuda_api import cuda
-from ep_runtime.kernels.token_codec import make_token_codec
-from ep_runtime.layout import STATUS_CODE, SYNC_CALLS, SYNC_TICKET
+from ep_runtime.kernels.block import (block_sum, last_block_ticket, local_expert_count, part_bounds, part_words,
+                                      record_error, row_parts, sched_advance, sched_initial, warp_exclusive_count,
+                                      warp_geometry, warp_sum, warp_sync)
+from ep_runtime.kernels.cuda_api import cuda, kernel_jit
+from ep_runtime.kernels.token_codec import BLOCK_WORDS, CODE_WORDS, make_token_codec
+from ep_runtime.layout import ROUTE_CHUNK_MIN, STATUS_CODE, SYNC_CALLS, SYNC_TICKET
 from ep_runtime.status import (COUNTER_DISPATCH_SIGNAL, COUNTER_RECV_ROWS, ERR_CAPACITY, ERR_TIMEOUT,
                                KERNEL_DISPATCH_WAIT)
 
-#: Tokens each thread classifies per block scan in ``dispatch_wait`` (a chunk is
-#: ``threads * TOKENS_PER_THREAD`` tokens): fewer scans, each over a thread's run of tokens.
-TOKENS_PER_THREAD = 4
 #: Words of a row each lane loads before storing any in dispatch_copy (memory-level
 #: parallelism: 64 bytes per lane, 32 KB per 512-thread block in flight).
 COPY_UNROLL = 8
+
+
+def route_chunk_tokens(threads: int) -> int:
+    """Tokens per routing chunk for blocks of ``threads`` threads: a block's worth, and at
+    least two warps' worth, so dispatch_wait's warp walks a chunk in more than one step on every
+    backend (512 on a GPU; 16 in the simulator, whose 8-thread blocks are one warp). At least
+    :data:`ep_runtime.layout.ROUTE_CHUNK_MIN`, which the layout sizes the histograms for."""
+    warp, _ = warp_geometry(threads)
+    return max(threads, 2 * warp, ROUTE_CHUNK_MIN)
 
 
 def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = False):
@@ -37,36 +43,56 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
     out the messages; the protocol below is the same for every format)."""
     warp, warps = warp_geometry(threads)
     QUANT = bool(quantized)
-    encode_token, store_scales = make_token_codec(warp, bool(ue8m0))
-    chunk = threads * TOKENS_PER_THREAD
+    encode_blocks, store_scales = make_token_codec(warp, bool(ue8m0))
+    SB = 1 if ue8m0 else 4  # scale bytes per 128-element block
     U = COPY_UNROLL
+    CHUNK = route_chunk_tokens(threads)
 
-    @cuda.jit
+    @cuda.jit(device=True)
+    def expert_row_offset(d_counts, g, e, pad_multiple, lane, sum_buf):
+        """Every lane of a warp: the first batch row of local expert ``e``, the padded row
+        counts of the experts before it summed over the warp (d_counts group ``g``)."""
+        R = d_counts.shape[1]
+        part = int64(0)
+        for e2 in range(lane, e, warp):
+            c = int64(0)
+            for s in range(R):
+                c += d_counts[g, s, e2]
+            part += (c + pad_multiple - 1) // pad_multiple * pad_multiple
+        return warp_sum(part, sum_buf)
+
+    @kernel_jit(threads)
     def dispatch_async(tokens, topk_ids, topk_weights, valid_tokens, use_valid,
-                       d_tokens, d_ids, d_weights, d_counts, d_signal,
+                       d_tokens, d_ids, d_weights, d_counts, d_hist, d_signal,
                        sync, send_hist, send_counts, status,
-                       token_scales, prequantized, stage64, stage32, stage8):
+                       token_scales, prequantized, stage64, stage32, stage8, d_tokens8):
         """Send this rank's tokens, once per destination rank, and signal each destination.
 
         tokens [Tc, W] words, topk_ids [Tc, K] int32, topk_weights [Tc, K] float32: this rank's
         batch; its first T rows are sent, T = Tc, or ``min(Tc, valid_tokens[0])`` when
         use_valid (int64) is nonzero (valid_tokens [1] int32 on the device: one CUDA graph
         captured at capacity serves any batch size). Symmetric: d_tokens [G, R, Tmax, W],
-        d_ids/d_weights [G, R, Tmax, K], d_counts [G, R, L + 1] int32, d_signal [G, R] uint64.
-        Local: sync [2] int64, send_hist [E] int32 (zero on entry), send_counts [R, L + 1]
-        int32, status [8] int64. FP8 token formats only (empty otherwise): token_scales [Tc, S *
-        SB] uint8 (the caller's scales' bytes, when prequantized, int64, is nonzero: then tokens
-        are [Tc, P] code words), and the message stage [Tmax, MW] as uint64, uint32 and uint8
-        views (stage64/32/8); d_tokens is then [G, R, Tmax, MW] messages.
+        d_ids/d_weights [G, R, Tmax, K], d_counts [G, R, L + 1] int32, d_hist [G, R, NC, L]
+        int32, d_signal [G, R] uint64. Local: sync [2] int64, send_hist [R, NC, L] int32 (zero
+        on entry), send_counts [R, L + 1] int32, status [8] int64. FP8 token formats only
+        (empty otherwise): token_scales [Tc, S * SB] uint8 (the caller's scales' bytes, when
+        prequantized, int64, is nonzero: then tokens are [Tc, P] code words), the message stage
+        [Tmax, MW] as uint64, uint32 and uint8 views (stage64/32/8); d_tokens is then [G, R,
+        Tmax, MW] messages, d_tokens8 their uint8 view.
 
         (1) Each warp takes items (grid-strided): part of token row t (``row_parts``: whole rows
         for large batches) and puts it into slot [g, me, t] of every rank that holds one of the
-        token's experts (``put_nbi_warp``: a warp-wide copy). In an FP8 format a warp takes a
-        whole token: encodes its message into stage row t (``encode_token``), then puts it.
-        (2) Each block puts chunks of routing rows to every rank and counts tokens per expert
-        into send_hist. (3) The last block (ticket)
-        puts each rank its counts with a signal of n + 1 (every block quieted its puts first:
-        data before signal), resets the scratch and advances the call counter. Nobody waits.
+        token's experts (``put_nbi_warp``: a warp-wide copy). In an FP8 format a part is a run
+        of 128-element blocks: the warp encodes it into stage row t (``encode_blocks``), then
+        puts its codes and its scale bytes (pre-quantized input: straight from the caller's
+        arrays, no stage); the message's padding is never sent.
+        (2) Each block takes routing chunks of ``CHUNK`` tokens (:func:`route_chunk_tokens`):
+        puts their routing rows to every rank, counts the chunk's tokens per expert into send_hist[:, c] and puts each
+        rank its experts' row of that histogram (dispatch_wait places a chunk's tokens from
+        it, with no scan over other chunks). (3) The last block (ticket) puts each rank its
+        counts (the histograms' sums) with a signal of n + 1 (every block quieted its puts
+        first: data before signal), resets the scratch and advances the call counter. Nobody
+        waits.
         """
         flag = cuda.shared.array(1, int32)
         if status[STATUS_CODE] != 0:
@@ -85,20 +111,36 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
 
         # (1) token rows, deduplicated per destination rank, a warp per row part
         all_warps = cuda.gridDim.x * warps
-        if QUANT:  # a warp per token: encode its message once, put it to each destination
-            amax = cuda.shared.array(warps, uint32)
-            MW = stage64.shape[1]
+        if QUANT:  # a warp per part of a token (a run of 128-element blocks): encode once, put to each rank
+            mbuf = cuda.shared.array(threads, int64)  # the simulator's warp-max scratch
+            lane = tid % warp
+            if prequantized != 0:
+                S = tokens.shape[1] // CODE_WORDS
+            else:
+                S = tokens.shape[1] // BLOCK_WORDS
+            PB = S * CODE_WORDS * 8  # code bytes of a message (= H)
+            parts = row_parts(T, S, all_warps, 1)
+            span = part_words(S, parts, 1)  # blocks per part
             i = cuda.blockIdx.x * warps + tid // warp
-            while i < T:
-                encode_token(tokens, token_scales, prequantized, i, stage64, stage32, stage8, amax, tid // warp,
-                             tid % warp)
-                warp_sync()  # the whole message is staged before the warp's puts read it
-                sent = uint64(0)
-                for k in range(K):
-                    d = topk_ids[i, k] // L
-                    if (sent >> uint64(d)) & uint64(1) == uint64(0):
-                        sent |= uint64(1) << uint64(d)
-                        shmem.put_nbi_warp(d_tokens[g, me, i, 0:MW], stage64[i, 0:MW], d)
+            while i < T * parts:
+                t, b0, b1 = part_bounds(i, parts, span, S)
+                if b0 < b1:
+                    if prequantized == 0:
+                        encode_blocks(tokens, t, b0, b1, stage32, stage8, PB, lane, mbuf)
+                        warp_sync()  # the part is staged before the warp's puts read it
+                    sent = uint64(0)
+                    for k in range(K):
+                        d = topk_ids[t, k] // L
+                        if (sent >> uint64(d)) & uint64(1) == uint64(0):
+                            sent |= uint64(1) << uint64(d)
+                            dst_codes = d_tokens[g, me, t, b0 * CODE_WORDS:b1 * CODE_WORDS]
+                            dst_scales = d_tokens8[g, me, t, PB + b0 * SB:PB + b1 * SB]
+                            if prequantized == 0:
+                                shmem.put_nbi_warp(dst_codes, stage64[t, b0 * CODE_WORDS:b1 * CODE_WORDS], d)
+                                shmem.put_nbi_warp(dst_scales, stage8[t, PB + b0 * SB:PB + b1 * SB], d)
+                            else:  # straight from the caller's arrays
+                                shmem.put_nbi_warp(dst_codes, tokens[t, b0 * CODE_WORDS:b1 * CODE_WORDS], d)
+                                shmem.put_nbi_warp(dst_scales, token_scales[t, b0 * SB:b1 * SB], d)
                 i += all_warps
             T_parts = 0  # no bf16 row parts
         else:
@@ -117,58 +159,73 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                         shmem.put_nbi_warp(d_tokens[g, me, t, w0:w1], tokens[t, w0:w1], d)
             i += all_warps
 
-        # (2) routing rows to every rank, and the per-expert histogram
+        # (2) routing rows to every rank, and each routing chunk's per-expert histogram
         c = sched_initial(cuda.blockIdx.x)
-        while c * threads < T:
-            t0 = c * threads
-            t1 = min(t0 + threads, T)
+        while c * CHUNK < T:
+            t0 = c * CHUNK
+            t1 = min(t0 + CHUNK, T)
             for d in range(R):
                 shmem.put_nbi_block(d_ids[g, me, t0:t1], topk_ids[t0:t1], d)
                 shmem.put_nbi_block(d_weights[g, me, t0:t1], topk_weights[t0:t1], d)
-            t = t0 + tid
-            if t < t1:
+            for t in range(t0 + tid, t1, threads):
                 for k in range(K):
-                    cuda.atomic.add(send_hist, topk_ids[t, k], int32(1))
+                    x = topk_ids[t, k]
+                    d = x // L
+                    cuda.atomic.add(send_hist, (d, c, x - d * L), int32(1))
+            cuda.syncthreads()  # the chunk's histogram is complete before the block puts it
+            for d in range(R):
+                shmem.put_nbi_block(d_hist[g, me, c], send_hist[d, c], d)
             c = sched_advance(c, cuda.gridDim.x)
 
         # (3) the last block publishes counts with the signal, then resets for the next call
         if last_block_ticket(sync[SYNC_TICKET:SYNC_TICKET + 1], flag):
+            chunks = (T + CHUNK - 1) // CHUNK
             for i in range(tid, R * (L + 1), threads):
                 d = i // (L + 1)
                 j = i - d * (L + 1)
-                send_counts[d, j] = T if j == L else send_hist[d * L + j]
+                if j == L:
+                    send_counts[d, j] = T
+                else:
+                    total = 0
+                    for c in range(chunks):
+                        total += send_hist[d, c, j]
+                    send_counts[d, j] = total
             cuda.syncthreads()
             for d in range(tid, R, threads):
                 shmem.put_signal(d_counts[g, me], send_counts[d], d_signal[g, me:me + 1],
                                  uint64(n + 1), shmem.SIGNAL_SET, d)
-            for e in range(tid, send_hist.shape[0], threads):
-                send_hist[e] = 0
+            for i in range(tid, R * chunks * L, threads):
+                d = i // (chunks * L)
+                c = (i - d * chunks * L) // L
+                send_hist[d, c, i - (d * chunks + c) * L] = 0
             cuda.syncthreads()
             if tid == 0:
                 sync[SYNC_TICKET] = 0
                 sync[SYNC_CALLS] = n + 1
 
-    @cuda.jit
-    def dispatch_wait(d_ids, d_weights, d_counts, d_signal, sync,
+    @kernel_jit(threads)
+    def dispatch_wait(d_ids, d_weights, d_counts, d_hist, d_signal, sync,
                       row_offsets, expert_counts, row_src_rank, row_src_token, row_src_k,
                       row_weight, row_gather, token_rows, status, pad_multiple, timeout_ns):
         """Wait for every source rank, then place every received (token, local expert) pair.
 
-        Symmetric inputs as in dispatch_async (group g of the last call). Outputs (local):
-        row_offsets [L + 1] int32, expert_counts [L] int32, row_src_rank / row_src_token /
-        row_src_k [C] int32, row_weight [C] float32, row_gather [C] int32 (the row's slot in
-        the receive buffer, ``src * Tmax + t``: the compact layout's gather index; padding
-        rows: -1, -1, -1, 0, -1), and token_rows [R, Tmax, K] int32 (row of the j-th local
-        expert of token (src, t), for dispatch_copy and combine_async). pad_multiple,
-        timeout_ns: int64.
+        Symmetric inputs as in dispatch_async (group g of the last call); d_hist [G, R, NC, L]
+        int32: per source, tokens of each routing chunk (``CHUNK`` tokens) per local expert.
+        Outputs (local): row_offsets [L + 1] int32, expert_counts [L] int32, row_src_rank /
+        row_src_token / row_src_k [C] int32, row_weight [C] float32, row_gather [C] int32 (the
+        row's slot in the receive buffer, ``src * Tmax + t``: the compact layout's gather
+        index; padding rows: -1, -1, -1, 0, -1), and token_rows [R, Tmax, K] int32 (row of the
+        j-th local expert of token (src, t), for dispatch_copy and combine_async).
+        pad_multiple, timeout_ns: int64.
 
-        One block: waits for all R signals itself (no block depends on another), computes
-        every segment's offset from the received counts, and then, for each local expert it
-        owns, walks each source's routing rows in token order (chunks of ``threads *
-        TOKENS_PER_THREAD`` tokens, one block scan per chunk) and writes each hit's row
-        metadata. Deterministic: rows by expert, source rank, source token; no atomic decides
-        a position. A wait past timeout_ns or more rows than C records an error and writes
-        nothing (dispatch_copy then copies nothing).
+        Every block waits for all R signals itself (no block depends on another) and checks
+        the capacity. Then a warp per local expert writes its offset, count and padding rows,
+        and a warp per (local expert, source, routing chunk) walks that chunk's tokens 32 at a
+        time and gives each hit its row: the expert's offset, plus the expert's tokens from
+        earlier sources (counts) and earlier chunks of this source (histograms), plus the hits
+        of lower lanes (one ballot). Deterministic: rows by expert, source rank, source token;
+        no atomic decides a position. A wait past timeout_ns or more rows than C records an
+        error and writes nothing (dispatch_copy then copies nothing).
         """
         flag = cuda.shared.array(1, int32)
         scan_buf = cuda.shared.array(threads, int32)
@@ -216,66 +273,71 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         if cuda.blockIdx.x == 0 and tid == 0:
             row_offsets[L] = total
 
-        e = sched_initial(cuda.blockIdx.x)
+        lane = tid % warp
+        first_warp = cuda.blockIdx.x * warps + tid // warp
+        all_warps = cuda.gridDim.x * warps
+
+        # (a) a warp per local expert: offset, count, padding rows (source -1, weight 0;
+        # dispatch_copy zeroes their data)
+        e = first_warp
         while e < L:
-            # offset of segment e: padded sizes of the segments before it
-            part = int64(0)
-            for e2 in range(tid, e, threads):
-                c = int64(0)
-                for s in range(R):
-                    c += d_counts[g, s, e2]
-                part += (c + pad_multiple - 1) // pad_multiple * pad_multiple
-            base = block_sum(sum_buf, part)
-            e_global = me * L + e
-            row = base
+            base = expert_row_offset(d_counts, g, e, pad_multiple, lane, sum_buf)
+            count = 0
             for s in range(R):
-                T_s = d_counts[g, s, L]
-                for t0 in range(0, T_s, chunk):
-                    # this thread's run of tokens: t0 + tid * TOKENS_PER_THREAD + i
-                    first = t0 + tid * TOKENS_PER_THREAD
-                    hits = 0
-                    for i in range(TOKENS_PER_THREAD):
-                        t = first + i
-                        if t < T_s:
-                            for k in range(K):
-                                if d_ids[g, s, t, k] == e_global:
-                                    hits += 1
-                    prefix, count = block_exclusive_scan(scan_buf, hits)
-                    r = row + prefix
-                    for i in range(TOKENS_PER_THREAD):
-                        t = first + i
-                        if t < T_s:
-                            k_hit = -1
-                            j = 0  # rank of e among the token's local experts (ascending)
-                            for k in range(K):
-                                x = d_ids[g, s, t, k]
-                                if x == e_global:
-                                    k_hit = k
-                                elif x // L == me and x < e_global:
-                                    j += 1
-                            if k_hit >= 0:
-                                row_src_rank[r] = s
-                                row_src_token[r] = t
-                                row_src_k[r] = k_hit
-                                row_weight[r] = d_weights[g, s, t, k_hit]
-                                row_gather[r] = s * Tmax + t
-                                token_rows[s, t, j] = r
-                                r += 1
-                    row += count
-            # padding rows: source -1, weight 0 (dispatch_copy zeroes their data)
-            end = base + (row - base + pad_multiple - 1) // pad_multiple * pad_multiple
-            for r in range(row + tid, end, threads):
+                count += d_counts[g, s, e]
+            end = base + (count + pad_multiple - 1) // pad_multiple * pad_multiple
+            for r in range(base + count + lane, end, warp):
                 row_src_rank[r] = -1
                 row_src_token[r] = -1
                 row_src_k[r] = -1
                 row_weight[r] = 0.0
                 row_gather[r] = -1
-            if tid == 0:
+            if lane == 0:
                 row_offsets[e] = base
-                expert_counts[e] = row - base
-            e = sched_advance(e, cuda.gridDim.x)
+                expert_counts[e] = count
+            e += all_warps
 
-    @cuda.jit
+        # (b) a warp per (local expert, source, routing chunk): the chunk's hits in token order
+        chunks = (Tmax + CHUNK - 1) // CHUNK
+        i = first_warp
+        while i < L * R * chunks:
+            e = i // (R * chunks)
+            s = (i - e * R * chunks) // chunks
+            c = i - (e * R + s) * chunks
+            T_s = d_counts[g, s, L]
+            t0 = c * CHUNK
+            if t0 < T_s and d_hist[g, s, c, e] > 0:
+                row = expert_row_offset(d_counts, g, e, pad_multiple, lane, sum_buf)
+                for s2 in range(s):
+                    row += d_counts[g, s2, e]
+                for c2 in range(c):
+                    row += d_hist[g, s, c2, e]
+                e_global = me * L + e
+                t1 = min(t0 + CHUNK, T_s)
+                for tb in range(t0, t1, warp):
+                    t = tb + lane
+                    k_hit = -1
+                    j = 0  # rank of e among the token's local experts (ascending)
+                    if t < t1:
+                        for k in range(K):
+                            x = d_ids[g, s, t, k]
+                            if x == e_global:
+                                k_hit = k
+                            elif x // L == me and x < e_global:
+                                j += 1
+                    below, hits = warp_exclusive_count(k_hit >= 0, scan_buf)
+                    if k_hit >= 0:
+                        r = row + below
+                        row_src_rank[r] = s
+                        row_src_token[r] = t
+                        row_src_k[r] = k_hit
+                        row_weight[r] = d_weights[g, s, t, k_hit]
+                        row_gather[r] = s * Tmax + t
+                        token_rows[s, t, j] = r
+                    row += hits
+            i += all_warps
+
+    @kernel_jit(threads)
     def dispatch_copy(d_tokens, d_ids, d_counts, sync, token_rows, row_offsets, expert_counts,
                       expert_x, status, d_tokens8, expert_scales8, scales_col_major):
         """Copy each received token row once to all its expert rows; zero the padding rows.

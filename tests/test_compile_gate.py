@@ -90,6 +90,25 @@ def test_every_kernel_compiles_and_links_for_sm90(gate_runs):
     assert len(names) == len(set(names))
     for r in report["results"]:
         assert r["ok"] and r["cubin_bytes"] > 0, r
+        assert 0 < r["registers"] <= 255, r
+
+
+def test_every_ep_kernel_fits_its_block_size(gate_runs):
+    """The runtime launches every EP kernel with GPU_THREADS threads per block: a kernel with
+    more registers per thread than a block of that size may hold fails at launch
+    (CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES: the FP8 dispatch_async needed 134 at 512 threads).
+    kernel_jit caps them; the linked cubins must show it."""
+    from ep_runtime.kernels.cuda_api import max_registers_for
+    from ep_runtime.runtime import GPU_THREADS
+
+    _, report, _ = gate_runs["positive"]
+    limit = max_registers_for(GPU_THREADS)
+    ep = [r for r in report["results"] if r["name"].split(" ")[0] in
+          ("dispatch_async", "dispatch_wait", "dispatch_copy", "combine_async", "combine_async_rows", "combine_wait")]
+    assert len(ep) >= 8, [r["name"] for r in report["results"]]
+    for r in ep:
+        assert r["max_registers"] == limit, r
+        assert r["registers"] <= limit, f"{r['name']}: {r['registers']} registers > {limit} ({GPU_THREADS} threads)"
 
 
 def test_negative_control_fails_for_the_right_reason(gate_runs):

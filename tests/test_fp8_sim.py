@@ -41,6 +41,11 @@ def cases(R: int) -> list:
                 (f"{f}_zero_rank_top1_h128", {**base, "token_dtype": fmt, "top_k": 1, "hidden": 128}, "zero_rank", 4,
                  False, "row"),
                 (f"{f}_prequantized_float8_dtype_row", {**base, "token_dtype": fmt}, "random", 5, "float8", "row"),
+                # 8 blocks of one warp for 6 tokens: each token is cut into 2 parts (blocks [0, 2)
+                # and [2, 3)), encoded and put by different warps
+                (f"{f}_token_parts_n_sms_8", {**base, "token_dtype": fmt, "n_sms": 8}, "random", 6, False, "row"),
+                (f"{f}_prequantized_parts_n_sms_8", {**base, "token_dtype": fmt, "n_sms": 8}, "random", 7, True,
+                 "column"),
             ]
     return out
 

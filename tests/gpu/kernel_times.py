@@ -3,7 +3,10 @@
     mpirun -np 2 -x PYTHONPATH python3 tests/gpu/kernel_times.py [--tokens 128 4096] [--layout expanded compact]
 
 Every kernel launch of a round trip is bracketed by CUDA events on the session stream (the
-session's ``launch`` is wrapped), a barrier before each round trip; the table gives each
+session's ``launch`` is wrapped), a barrier before each half. Each half is queued behind a
+short spin kernel (``--spin-us``), so the host enqueues all its launches before the GPU reaches
+them: the events then time the kernels, not the host's launch gaps (without it, at small T an
+event pair spans mostly host time). The table gives each
 kernel's median device time (us) per token count and layout, and each kernel's registers per
 thread and local (spill) memory per thread, so a kernel that spills or waits long shows. A
 wait kernel's time includes waiting for its peers' signals. Prints a table last (rank 0).
@@ -34,6 +37,13 @@ def main() -> int:
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--samples", type=int, default=50)
+    ap.add_argument("--repeat", type=int, default=0,
+                    help="also time each kernel (dispatch_async excepted) launched N times back to back in a "
+                         "CUDA graph, with the last round trip's arguments, next to empty kernels of the same grid: "
+                         "separates a kernel's fixed cost from its work")
+    ap.add_argument("--token-dtype", default="bfloat16", help="EPConfig.token_dtype (FP8: quantized in dispatch_async)")
+    ap.add_argument("--spin-us", type=float, default=300.0,
+                    help="device spin queued before each half (0: time eager launches as they come)")
     args = ap.parse_args()
     import cupy
     from mpi4py import MPI
@@ -45,7 +55,7 @@ def main() -> int:
 
     R = MPI.COMM_WORLD.Get_size()
     cfg = EPConfig(n_ranks=R, n_experts=args.experts, top_k=args.top_k, hidden=args.hidden,
-                   max_tokens_per_rank=max(args.tokens))
+                   max_tokens_per_rank=max(args.tokens), token_dtype=args.token_dtype)
     session = open_session("nvshmem", heap_bytes=BufferLayout(cfg).symmetric_bytes)
     rt = EPRuntime(cfg, session)
     names = {id(k): n for n, k in rt._kernels.items()}
@@ -59,9 +69,67 @@ def main() -> int:
         plain_launch(kernel, grid, block, launch_args)
         b = cupy.cuda.Event()
         b.record(stream)
-        launches.append((names.get(id(kernel), "?"), a, b))
+        launches.append((names.get(id(kernel), "?"), a, b, (kernel, grid, block, launch_args)))
 
     session.launch = timed_launch
+    spin_kernel = cupy.RawKernel(r"""
+    extern "C" __global__ void spin(long long cycles) {
+        long long t0 = clock64();
+        while (clock64() - t0 < cycles) { }
+    }""", "spin")
+    rate_khz = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())["clockRate"]
+    spin_cycles = np.int64(args.spin_us * rate_khz / 1e3)
+
+    def spin():
+        if args.spin_us > 0:
+            spin_kernel((1,), (1,), (spin_cycles,), stream=stream)
+
+    def graph_time(launch_once):
+        """us per launch: ``args.repeat`` launches captured in one graph, median of 5 replays."""
+        launch_once()  # outside the capture: a first launch loads the module (NVSHMEM's init copies on the legacy stream)
+        stream.synchronize()
+        session.barrier()
+        stream.begin_capture()
+        for _ in range(args.repeat):
+            launch_once()
+        graph = stream.end_capture()
+        graph.launch(stream)
+        per = []
+        for _ in range(5):
+            a, b = cupy.cuda.Event(), cupy.cuda.Event()
+            a.record(stream)
+            graph.launch(stream)
+            b.record(stream)
+            b.synchronize()
+            per.append(cupy.cuda.get_elapsed_time(a, b) * 1e3 / args.repeat)
+        session.barrier()
+        return float(np.median(per))
+
+    repeated, empty = {}, {}
+    if args.repeat:
+        from numba import cuda as ncuda
+
+        from ep_runtime.kernels import shmem as kshmem
+
+        @ncuda.jit
+        def empty_numba(x):
+            if x[0] == 12345:
+                x[1] = 0
+
+        @ncuda.jit
+        def my_pe_numba(x):
+            if x[0] == 12345:
+                x[1] = kshmem.my_pe()
+
+        probe = cupy.zeros(2, cupy.int64)
+        raw = cupy.RawKernel(r"""extern "C" __global__ void empty_raw(long long* x) { if (x[0] == 12345) x[1] = 0; }""",
+                             "empty_raw")
+        grid, block = rt._grid, rt._threads
+        nstream = ncuda.external_stream(stream.ptr)
+        empty["cupy empty"] = graph_time(lambda: raw((grid,), (block,), (probe,), stream=stream))
+        empty["numba empty"] = graph_time(lambda: empty_numba[grid, block, nstream](probe))
+        empty["numba + nvshmem my_pe"] = graph_time(lambda: my_pe_numba[grid, block, nstream](probe))
+
     table = {}
     for T in args.tokens:
         xs, ids, ws = make_inputs(cfg, "random", T, n_tokens=[T] * R)
@@ -74,20 +142,29 @@ def main() -> int:
             for i in range(args.samples + 5):
                 launches.clear()
                 session.barrier()
+                spin()
                 b = rt.dispatch_wait(rt.dispatch_async(tok, tid, tw), layout=layout)
                 session.barrier()
+                spin()
                 rt.combine_wait(rt.combine_async(y, b.handle, layout=layout), out=out)
                 stream.synchronize()
                 if i >= 5:
-                    for name, a, e in launches:
+                    for name, a, e, _ in launches:
                         times.setdefault(name, []).append(cupy.cuda.get_elapsed_time(a, e) * 1e3)
             table[T, layout] = {name: float(np.median(v)) for name, v in times.items()}
+            if args.repeat:
+                session.launch = plain_launch
+                for name, _, _, call in launches:
+                    if name != "dispatch_async":
+                        repeated.setdefault((T, layout), {})[name] = graph_time(lambda: plain_launch(*call))
+                session.launch = timed_launch
     rt.synchronize()
     resources = {n: kernel_resources(k) for n, k in rt._kernels.items() if n != "validate_routing"}
     session.launch = plain_launch
     rt.close()
     session.close()
     if session.rank == 0:
+        print(f"token dtype {args.token_dtype}; spin {args.spin_us} us before each half")
         print(f"kernel resources (block {rt._threads} threads, grid {rt._grid}):")
         for n, res in resources.items():
             print(f"  {n:20} {res}")
@@ -97,6 +174,13 @@ def main() -> int:
         for (T, layout), per in table.items():
             print(f"{T:>5} {layout:>8} | " + " ".join(f"{per[n]:>18.1f}" if n in per else f"{'-':>18}" for n in order)
                   + f" | {sum(per.values()):.1f}")
+        if args.repeat:
+            print(f"graph of {args.repeat} back-to-back launches, us per launch (grid {rt._grid} x {rt._threads}):")
+            for n, v in empty.items():
+                print(f"  {n:24} {v:8.1f}")
+            for (T, layout), per in repeated.items():
+                print(f"{T:>5} {layout:>8} | " + " ".join(f"{per[n]:>18.1f}" if n in per else f"{'-':>18}"
+                                                          for n in order))
     return 0
 
 
