@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks in one device call (2 ranks), each section under its own time limit:
 #   source .devcarry/setup.sh && bash tests/gpu/run_all.sh [section ...]
-# Sections (default: all, in this order): shmem ep soak stream zerocopy example bench kernels racecheck memcheck.
+# Sections (default: all, in this order): shmem ep fp8 soak stream zerocopy example bench kernels racecheck memcheck.
 # Logs go to $OUT/<section>.log (or /tmp/ep_gpu); the tail of each is printed.
 set -u
 out="${OUT:-/tmp/ep_gpu}"
@@ -9,7 +9,7 @@ mkdir -p "$out"
 run="mpirun -np ${EP_RANKS:-2} -x PYTHONPATH -x NVSHMEM_DISABLE_CUDA_VMM"
 export NVSHMEM_DISABLE_CUDA_VMM=1  # compute-sanitizer cannot follow NVSHMEM's VMM heap mappings
 sections=("$@")
-[ ${#sections[@]} -eq 0 ] && sections=(shmem ep soak stream zerocopy example bench kernels racecheck memcheck)
+[ ${#sections[@]} -eq 0 ] && sections=(shmem ep fp8 soak stream zerocopy example bench kernels racecheck memcheck)
 for s in "${sections[@]}"; do
   case "$s" in
     shmem)     cmd="timeout 180 $run python3 tests/gpu/shmem_check.py" ;;
@@ -17,7 +17,8 @@ for s in "${sections[@]}"; do
     soak)      cmd="timeout 150 $run python3 tests/gpu/soak.py --calls 10000" ;;
     stream)    cmd="timeout 120 $run python3 tests/gpu/stream_order_check.py" ;;
     zerocopy)  cmd="timeout 120 $run python3 tests/gpu/zero_copy_check.py" ;;
-    kernels)   cmd="timeout 150 $run python3 tests/gpu/kernel_times.py --tokens 128 4096" ;;
+    kernels)   cmd="timeout 150 $run python3 tests/gpu/kernel_times.py --tokens 128 4096 --repeat 20" ;;
+    fp8)       cmd="timeout 200 $run python3 tests/gpu/fp8_check.py --tokens 4096 128" ;;
     example)   cmd="timeout 150 $run python3 examples/moe_layer.py --hidden 1024 --ffn 512 --experts 16 --top-k 4 --tokens 256" ;;
     bench)     cmd="timeout 300 $run python3 -m ep_runtime.bench --tokens 128 4096 --layout expanded compact --json $out/bench.json" ;;
     racecheck) cmd="timeout 240 $run compute-sanitizer --tool racecheck --print-limit 5 python3 tests/gpu/ep_check.py --tokens 32 --calls 1 --replays 0 --samples 1" ;;
