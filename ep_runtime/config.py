@@ -17,8 +17,12 @@ from .errors import EPConfigError
 #: the FP8 formats as E4M3 codes with a float32 ("fp8_e4m3") or power-of-two ("fp8_e4m3_ue8m0")
 #: scale per 128 elements, quantized inside dispatch_async or given pre-quantized.
 TOKEN_DTYPES = ("bfloat16", "fp8_e4m3", "fp8_e4m3_ue8m0")
-#: Wire formats of combine partials.
-COMBINE_DTYPES = ("bfloat16",)
+#: Formats of combine partials (each rank's weighted sum for a token, on the wire and summed at
+#: home): "bfloat16" rounds each partial to bf16; "float32" keeps the float32 sum (twice the
+#: bytes), so only the output is rounded (docs/formats.md, "Combine precision").
+COMBINE_DTYPES = ("bfloat16", "float32")
+#: float32 partials move as 8-byte words of 2 floats, with token rows as 8-byte words of 4 bf16.
+F32_PARTIALS_HIDDEN_MULTIPLE = 4
 #: combine_wait keeps the set of ranks a token went to in a 64-bit mask.
 MAX_RANKS = 64
 #: Row indices of the expert batch are int32.
@@ -48,7 +52,9 @@ class EPConfig:
     token_dtype : str
         Format of token rows on the wire and in the expert batch: ``"bfloat16"``.
     combine_dtype : str
-        Format of the per-rank partial sums sent back by combine: ``"bfloat16"``.
+        Format of the per-rank partial sums sent back by combine: ``"bfloat16"`` (each partial
+        rounded to bf16) or ``"float32"`` (unrounded, twice the bytes; ``hidden`` a multiple
+        of 4). The combine output is bf16 either way.
     n_sms : int or None
         Thread blocks per kernel (persistent grid); ``None`` lets the runtime choose.
     wait_timeout_s : float
@@ -109,7 +115,15 @@ class EPConfig:
             raise EPConfigError(f"EPConfig.hidden={self.hidden} with token_dtype={self.token_dtype!r}: {e} "
                                 f"(token_dtype='bfloat16' takes any hidden)") from None
         _check(isinstance(self.combine_dtype, str) and self.combine_dtype in COMBINE_DTYPES, "combine_dtype",
-               self.combine_dtype, f"must be one of the strings {COMBINE_DTYPES}", "use 'bfloat16'")
+               self.combine_dtype, f"must be one of the strings {COMBINE_DTYPES}",
+               "use 'bfloat16' (or 'float32' for unrounded partials)")
+        if self.combine_dtype == "float32" and self.hidden % F32_PARTIALS_HIDDEN_MULTIPLE:
+            m = F32_PARTIALS_HIDDEN_MULTIPLE
+            up = -(-self.hidden // m) * m
+            raise EPConfigError(
+                f"EPConfig.hidden={self.hidden} with combine_dtype='float32': hidden must be a multiple of {m} "
+                f"(float32 partials move as 8-byte words of 2 floats, and token rows as 8-byte words of 4 bf16); "
+                f"pad hidden to {up}, or use combine_dtype='bfloat16' (any hidden)")
         if self.n_sms is not None:
             _check(self.n_sms >= 1, "n_sms", self.n_sms, "must be >= 1 or None", "use None to let the runtime choose")
         _check(isinstance(self.wait_timeout_s, numbers.Real) and not isinstance(self.wait_timeout_s, bool)
@@ -146,6 +160,12 @@ class EPConfig:
         """Bytes of one token on the wire: ``hidden`` bf16 values, or an FP8 message (codes,
         scales, padding to 8 bytes: :meth:`~ep_runtime.formats.TokenFormat.message_bytes`)."""
         return self.token_format.message_bytes(self.hidden)
+
+    @property
+    def partial_bytes(self) -> int:
+        """Bytes of one combine partial (one token's row from one rank): ``2 * hidden`` with
+        bf16 partials, ``4 * hidden`` with float32 partials."""
+        return self.hidden * (4 if self.combine_dtype == "float32" else 2)
 
     @property
     def routing_bytes(self) -> int:

@@ -33,6 +33,10 @@ VIEWS = {"u8": np.dtype(np.uint8), "u32": np.dtype(np.uint32)}
 FORMAT_REGIONS = {"dispatch_send_stage": (np.uint64, 2), "expert_scales": (np.float32, 1)}
 #: bf16 arrays (caller's and regions) that kernels take as views in the token word
 #: (:func:`ep_runtime.layout.token_word`): the last axis has ``hidden * 2 / itemsize`` words.
+#: The partials (``combine_partials``, ``combine_stage``, the compact ``expert_out``,
+#: ``out_partials``) are float32 with ``EPConfig.combine_dtype = "float32"``
+#: (:func:`ep_runtime.layout.partial_dtype`): then the token word is uint64 (hidden a multiple
+#: of 4) and their views hold ``hidden / 2`` words, 2 floats each; the argument types are the same.
 WORD_ARRAYS = frozenset({"tokens", "expert_out", "out", "out_partials", "dispatch_tokens",
                          "combine_partials", "combine_stage", "expert_x"})
 #: int64 scalar arguments.

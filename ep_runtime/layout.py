@@ -56,6 +56,18 @@ def token_word(hidden: int) -> np.dtype:
     return np.dtype(np.uint16)
 
 
+def partial_dtype(cfg: EPConfig) -> np.dtype:
+    """The dtype of combine partials (``combine_partials``, ``combine_stage``, the compact
+    combine input and ``combine_wait(reduce=False)``'s output): uint16 bf16 bits, or float32
+    with ``combine_dtype="float32"``. Either is passed to kernels as a token-word view."""
+    return np.dtype(np.float32 if cfg.combine_dtype == "float32" else np.uint16)
+
+
+def partial_format_name(cfg: EPConfig) -> str:
+    """How the layout table describes a partial's element: ``"bf16 bits"`` or ``"float32"``."""
+    return "float32" if cfg.combine_dtype == "float32" else "bf16 bits"
+
+
 @dataclass(frozen=True)
 class Region:
     """One buffer.
@@ -132,10 +144,11 @@ def _regions(cfg: EPConfig) -> list[Region]:
     R, E, L, K, H = cfg.n_ranks, cfg.n_experts, cfg.n_local_experts, cfg.top_k, cfg.hidden
     T, C, G = cfg.max_tokens_per_rank, cfg.recv_rows_capacity, N_GROUPS
     NC = route_chunks(T)
-    u16, i32, i64, u64, f32 = (np.dtype(t) for t in ("uint16", "int32", "int64", "uint64", "float32"))
+    i32, i64, u64, f32 = (np.dtype(t) for t in ("int32", "int64", "uint64", "float32"))
     DA, DW, DC, CA, CW = "dispatch_async", "dispatch_wait", "dispatch_copy", "combine_async", "combine_wait"
     S, Lc = True, False
     fmt = cfg.token_format
+    pdt, pname = partial_dtype(cfg), partial_format_name(cfg)
     return [
         # -- symmetric: written by peers (and by this rank to itself) -----------------------------
         tokens_region(cfg),
@@ -150,8 +163,8 @@ def _regions(cfg: EPConfig) -> list[Region]:
                "with local expert e"),
         Region("dispatch_signal", (G, R), u64, 0, S, f"{DA} (peers, last block)", (DW,),
                "[g, src]: n + 1 once everything of call n from src has arrived (monotonic)"),
-        Region("combine_partials", (G, R, T, H), u16, 0, S, f"{CA} (peers)", (CW,),
-               "[g, r, t]: weighted partial sum over rank r's experts for my token t (bf16 bits)"),
+        Region("combine_partials", (G, R, T, H), pdt, 0, S, f"{CA} (peers)", (CW,),
+               f"[g, r, t]: weighted partial sum over rank r's experts for my token t ({pname})"),
         Region("combine_signal", (G, R), u64, 0, S, f"{CA} (peers, last block)", (CW,),
                "[g, r]: n + 1 once rank r's partials of call n have arrived (monotonic)"),
         # -- local: counters of dispatch_async -----------------------------------------------------
@@ -169,8 +182,8 @@ def _regions(cfg: EPConfig) -> list[Region]:
         Region("combine_async_sync", (1,), i64, 0, Lc, CA, (CA,),
                "[0] ticket: finished blocks of the launch (reset by the last block)"),
         # -- local: staging of combine_async -------------------------------------------------------
-        Region("combine_stage", (R, T, H), u16, 0, Lc, CA, (CA,),
-               "[dst, t]: partial sum for token t of rank dst, staged before the put"),
+        Region("combine_stage", (R, T, H), pdt, 0, Lc, CA, (CA,),
+               f"[dst, t]: partial sum for token t of rank dst ({pname}), staged before the put"),
         # -- local: the expert batch (output of dispatch_wait) -------------------------------------
         Region("expert_x", (C, H), fmt.element_dtype, 0, Lc, DC, ("user",),
                "rows grouped by local expert, then source rank, then source token (bf16 bits, or "

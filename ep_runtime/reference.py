@@ -11,10 +11,12 @@ Dispatch (exact)
 Combine (fixed order, float32)
     Rank ``r`` computes, for each token ``(s, t)`` it received, the partial
     ``p_r = sum over its local experts e of t in ascending e: w(t, e) * f32(y_e(t))``
-    accumulated sequentially in float32 from 0, and rounds it to ``combine_dtype`` (the wire).
-    The home rank ``s`` sums the partials of the ranks token ``t`` went to, in rank order, in
-    float32 from 0, and rounds to bfloat16. Kernels may differ from this only by fused
-    multiply-add contraction; :func:`combine_tolerance` bounds that.
+    accumulated sequentially in float32 from 0, and rounds it to ``combine_dtype`` (the wire:
+    bfloat16, or float32, i.e. not rounded). The home rank ``s`` sums the partials of the ranks
+    token ``t`` went to, in rank order, in float32 from 0, and rounds to bfloat16. Kernels may
+    differ from this only by fused multiply-add contraction; :func:`combine_tolerance` bounds
+    that. :func:`combine_exact` is the float64 combine and :func:`combine_error_bound` bounds
+    each mode's distance from it (docs/formats.md, "Combine precision").
 """
 
 from __future__ import annotations
@@ -138,6 +140,33 @@ def dispatch(inputs_per_rank, topk_ids_per_rank, topk_weights_per_rank, cfg: EPC
     return batches
 
 
+def partial_wire_dtype(cfg: EPConfig) -> np.dtype:
+    """The dtype a partial travels in: bfloat16, or float32 with ``combine_dtype="float32"``."""
+    return np.dtype(np.float32) if cfg.combine_dtype == "float32" else BF16
+
+
+def partial_sums(expert_out_per_rank, batches: list[ExpertBatchRef], topk_ids_per_rank, cfg: EPConfig,
+                 dtype=np.float32):
+    """``partials[r][s]`` [T_s, hidden]: rank r's weighted sums over its local experts, in
+    ascending expert order from 0, for the tokens of home rank s (zero where a token did not go
+    to r), in ``dtype`` (float32 as the kernels; float64 for :func:`combine_exact`).
+    ``expert_out_per_rank`` as in :func:`combine`."""
+    R, L, H = cfg.n_ranks, cfg.n_local_experts, cfg.hidden
+    n_tokens = [np.asarray(ids).shape[0] for ids in topk_ids_per_rank]
+    partials = [[np.zeros((n_tokens[s], H), dtype) for s in range(R)] for _ in range(R)]
+    for r, b in enumerate(batches):
+        y = as_bf16(expert_out_per_rank[r]).astype(dtype)
+        w = b.weight.astype(dtype)
+        for e_local in range(L):
+            lo, hi = int(b.row_offsets[e_local]), int(b.row_offsets[e_local + 1])
+            rows = np.arange(lo, hi)[b.src_rank[lo:hi] >= 0]
+            for s in range(R):
+                mine = rows[b.src_rank[rows] == s]
+                t = b.src_token[mine]
+                partials[r][s][t] = partials[r][s][t] + w[mine][:, None] * y[mine]
+    return partials
+
+
 def combine(expert_out_per_rank, batches: list[ExpertBatchRef], topk_ids_per_rank, cfg: EPConfig,
             reduce: bool = True):
     """Each token's router-weighted sum of its experts' outputs, back on its home rank.
@@ -149,26 +178,19 @@ def combine(expert_out_per_rank, batches: list[ExpertBatchRef], topk_ids_per_ran
     batches : the output of :func:`dispatch`.
     topk_ids_per_rank : list of [T_s, top_k] int (the routing passed to dispatch).
     reduce : if False, return per home rank the unreduced partials ``[R, T_s, hidden]``
-        (bfloat16; zero where the token did not go to that rank).
+        (zero where the token did not go to that rank) in the wire dtype: bfloat16, or float32
+        (unrounded) with ``cfg.combine_dtype == "float32"``.
 
     Returns
     -------
     list of [T_s, hidden] bfloat16, one per home rank ``s`` (or the partials, see ``reduce``).
+    With ``combine_dtype="bfloat16"`` each partial is rounded to bf16 before the home rank sums
+    them; with ``"float32"`` it is not, and only the output is rounded.
     """
     R, L, H = cfg.n_ranks, cfg.n_local_experts, cfg.hidden
-    wire = BF16  # combine_dtype "bfloat16"
+    wire = partial_wire_dtype(cfg)
     n_tokens = [np.asarray(ids).shape[0] for ids in topk_ids_per_rank]
-    # partials[r][s]: rank r's partial sums for the tokens of home rank s
-    partials = [[np.zeros((n_tokens[s], H), np.float32) for s in range(R)] for _ in range(R)]
-    for r, b in enumerate(batches):
-        y = as_bf16(expert_out_per_rank[r]).astype(np.float32)
-        for e_local in range(L):
-            lo, hi = int(b.row_offsets[e_local]), int(b.row_offsets[e_local + 1])
-            rows = np.arange(lo, hi)[b.src_rank[lo:hi] >= 0]
-            for s in range(R):
-                mine = rows[b.src_rank[rows] == s]
-                t = b.src_token[mine]
-                partials[r][s][t] = partials[r][s][t] + b.weight[mine][:, None] * y[mine]
+    partials = partial_sums(expert_out_per_rank, batches, topk_ids_per_rank, cfg)
     outs = []
     for s in range(R):
         ids = np.asarray(topk_ids_per_rank[s])
@@ -221,14 +243,28 @@ def gather_index(batch: ExpertBatchRef, cfg: EPConfig) -> np.ndarray:
     return np.where(batch.src_rank >= 0, batch.src_rank * T + batch.src_token, -1).astype(np.int32)
 
 
+def partial_rows_f32(rows: np.ndarray, cfg: EPConfig) -> np.ndarray:
+    """A rank's compact combine input as float32: bf16 rows (or uint16 bits) widened, or, with
+    ``combine_dtype="float32"``, float32 rows as they are (anything else is refused, as the
+    runtime refuses it)."""
+    rows = np.asarray(rows)
+    if cfg.combine_dtype == "float32":
+        if rows.dtype != np.float32:
+            raise ValueError(f"combine_dtype='float32': compact rows must be float32, got {rows.dtype}")
+        return rows
+    return as_bf16(rows).astype(np.float32)
+
+
 def combine_rows(rows_per_rank, topk_ids_per_rank, cfg: EPConfig):
     """Combine in the compact layout: rank ``r`` returns, for each token it received, one row
-    (its own partial, already weighted and reduced over its experts, bf16).
+    (its own partial, already weighted and reduced over its experts: bf16, or float32 with
+    ``cfg.combine_dtype == "float32"``).
 
     Parameters
     ----------
-    rows_per_rank : list of [R * T, hidden] bfloat16 (or uint16 bits); row ``s * T + t`` of
-        rank ``r`` is its partial for token t of rank s (read only where that token went to r).
+    rows_per_rank : list of [R * T, hidden] bfloat16 (or uint16 bits), or float32 with
+        ``combine_dtype="float32"``; row ``s * T + t`` of rank ``r`` is its partial for token t
+        of rank s (read only where that token went to r).
     topk_ids_per_rank : list of [T_s, top_k] int (the routing passed to dispatch).
 
     Returns
@@ -244,19 +280,79 @@ def combine_rows(rows_per_rank, topk_ids_per_rank, cfg: EPConfig):
         acc = np.zeros((n, cfg.hidden), np.float32)
         for r in range(R):
             went = np.any(ids // L == r, axis=1)
-            p = as_bf16(rows_per_rank[r])[s * T:s * T + n].astype(np.float32)
+            p = partial_rows_f32(rows_per_rank[r], cfg)[s * T:s * T + n]
             acc = np.where(went[:, None], acc + p, acc)
         outs.append(acc.astype(BF16))
     return outs
 
 
-def combine_tolerance(topk_weights: np.ndarray, expert_out_abs_max: float) -> np.ndarray:
+def combine_tolerance(topk_weights: np.ndarray, expert_out_abs_max: float,
+                      combine_dtype: str = "bfloat16") -> np.ndarray:
     """Per-token absolute tolerance of a kernel's combine against :func:`combine`.
 
     The kernel and the reference add the same terms in the same order; they may differ by
-    fused multiply-add contraction (one float32 rounding per term), which can flip a bf16
-    rounding of the partial and of the output: at most 2 bf16 ulps of the largest magnitude,
-    i.e. ``2 * 2**-7 * sum_k |w_k| * max|y|``. Shape ``[T, 1]``, float32.
+    fused multiply-add contraction (one float32 rounding per term). With S = ``sum_k |w_k| *
+    max|y|``:
+
+    - ``"bfloat16"``: the difference can flip a bf16 rounding of the partial and of the
+      output: at most 2 bf16 ulps of the largest magnitude, ``2 * 2**-7 * S``;
+    - ``"float32"``: the partials are not rounded, so the float32 sums differ by at most
+      ``2 * (2K + 1)`` float32 roundings of at most ``2**-24 * S`` each (the 2K + 1 products
+      and sums a term passes through, K = top_k, counted for both sides), bounded by
+      ``K * 2**-21 * S``, and the output's bf16 rounding can flip once, 1 bf16 ulp,
+      ``2**-7 * S``: ``(2**-7 + K * 2**-21) * S``.
+
+    Shape ``[T, 1]``, float32. On the simulator (no FMA) the kernels match exactly in both modes.
     """
-    w = np.abs(np.asarray(topk_weights, np.float32)).sum(axis=1, keepdims=True)
-    return (2.0 * 2.0**-7 * w * np.float32(expert_out_abs_max)).astype(np.float32)
+    w = np.abs(np.asarray(topk_weights, np.float32))
+    S = w.sum(axis=1, keepdims=True) * np.float32(expert_out_abs_max)
+    if combine_dtype == "float32":
+        return ((2.0**-7 + w.shape[1] * 2.0**-21) * S).astype(np.float32)
+    return (2.0 * 2.0**-7 * S).astype(np.float32)
+
+
+def combine_exact(expert_out_per_rank, batches: list[ExpertBatchRef], topk_ids_per_rank, cfg: EPConfig,
+                  absolute: bool = False):
+    """The exact combine in float64, per home rank ``[T_s, hidden]``: ``sum_k w_k * y_k`` over
+    each token's experts (float32 weights times bf16 outputs are exact in float64; the sum of K
+    such terms is within 2**-52 relative). ``absolute``: ``sum_k |w_k * y_k|`` instead, the
+    scale :func:`combine_error_bound` uses. Arguments as in :func:`combine`."""
+    parts = partial_sums([np.abs(as_bf16(y).astype(np.float64)) if absolute else y for y in expert_out_per_rank],
+                         [_abs_weights(b) for b in batches] if absolute else batches, topk_ids_per_rank, cfg,
+                         np.float64)
+    return [sum(parts[r][s] for r in range(cfg.n_ranks)) for s in range(cfg.n_ranks)]
+
+
+def _abs_weights(b: ExpertBatchRef) -> ExpertBatchRef:
+    return ExpertBatchRef(**{**b.__dict__, "weight": np.abs(b.weight)})
+
+
+#: bf16 and float32 unit roundoffs (half an ulp at 1: 8 and 24 significant bits).
+U_BF16, U_F32 = 2.0**-8, 2.0**-24
+
+
+def combine_error_bound(exact: np.ndarray, abs_terms: np.ndarray, top_k: int, combine_dtype: str) -> np.ndarray:
+    """Elementwise bound on ``|combine output - exact|`` (float64; ``exact`` and ``abs_terms``
+    from :func:`combine_exact`, S = ``abs_terms`` = ``sum_k |w_k y_k|``), for the kernels (FMA
+    contraction or not) and the reference:
+
+    - every term passes through at most 2K + 1 float32 roundings (its product, the sums of its
+      rank's partial, the sums at home), so the float32 value v before the output's rounding
+      is within ``(2K + 1) * U_F32 * S`` (times 1 + O(K U_F32)) of the sum of what was rounded;
+      ``K * 2**-22 * S = 4 K U_F32 S`` covers it with room for those factors;
+    - ``"bfloat16"`` partials: each partial p_r is rounded, ``|bf16(p_r) - p_r| <= U_BF16 *
+      |p_r|``, and ``sum_r |p_r| <= S (1 + ...)``: ``U_BF16 * (1 + 2**-6) * S`` (the
+      ``2**-6`` covers the output rounding of these errors, U_BF16 * U_BF16 * S, and the float32
+      factors);
+    - the output's bf16 rounding: ``U_BF16 * |v| <= U_BF16 * |exact|`` plus ``U_BF16`` times the
+      errors above (inside their margins).
+
+    So ``"float32"``: ``U_BF16 |exact| + K 2**-22 S`` (only the output rounding is relative to the
+    result; cancellation between ranks costs nothing), and ``"bfloat16"``: that plus
+    ``U_BF16 (1 + 2**-6) S`` (each partial's rounding is relative to the partial, which can be
+    far larger than the result). Subnormal results are not covered (not reached by the tests).
+    """
+    bound = U_BF16 * np.abs(exact) + top_k * 2.0**-22 * abs_terms
+    if combine_dtype == "bfloat16":
+        bound = bound + U_BF16 * (1 + 2.0**-6) * abs_terms
+    return bound

@@ -23,7 +23,7 @@ from .config import EPConfig
 from .kernel_args import FORMAT_REGIONS, KERNEL_ARGS, WORD_ARRAYS, argtypes, build_args, region_view
 from .errors import EPConfigError, EPInputError, EPStateError
 from .handles import CombineHandle, CompactBatch, DispatchHandle, ExpertBatch
-from .layout import N_GROUPS, ROUTE_CHUNK_MIN, BufferLayout, SYNC_CALLS, token_word
+from .layout import N_GROUPS, ROUTE_CHUNK_MIN, BufferLayout, SYNC_CALLS, partial_dtype, token_word
 from .shmem.session import Session
 from .status import error_from_status
 
@@ -109,8 +109,11 @@ class EPRuntime:
                      for name, v in regions.items()}
         for name in {n for args in KERNEL_ARGS.values() for n in args if ":" in n}:
             self._arg[name] = session.as_kernel_arg(region_view(regions[name.partition(":")[0]], name))
+        self._partial = partial_dtype(cfg)  # uint16 (bf16 bits) or float32
+        self._f32_partials = self._partial == np.float32
         self._kernels = _kernels_for(self._threads, self._word, self._fmt.quantized,
-                                     self._fmt.scale is not None and self._fmt.scale.dtype == np.uint8)
+                                     self._fmt.scale is not None and self._fmt.scale.dtype == np.uint8,
+                                     self._f32_partials)
         for name, kernel in self._kernels.items():  # compile now, not inside a timed wait
             session.precompile(kernel, argtypes(name, self.layout))
         # stand-ins for the combine_wait arrays a call does not use (allocated once: graph-safe)
@@ -274,17 +277,22 @@ class EPRuntime:
 
         Parameters
         ----------
-        expert_out : bfloat16 (or uint16 bits), in one of two layouts:
+        expert_out : in one of two layouts:
 
-            - ``layout="expanded"`` (default): ``[rows, hidden]``, row-aligned with the expert
-              batch (``rows >= row_offsets[L]``; e.g. the batch's full capacity), whichever
-              layout dispatch_wait returned (a GEMM that gathers a compact batch's rows by
-              ``gather`` writes its outputs in this order). Each token's partial is the sum over
-              its local experts, ascending, of router weight x output (float32, from 0).
+            - ``layout="expanded"`` (default): bfloat16 (or uint16 bits) ``[rows, hidden]``,
+              row-aligned with the expert batch (``rows >= row_offsets[L]``; e.g. the batch's
+              full capacity), whichever layout dispatch_wait returned (a GEMM that gathers a
+              compact batch's rows by ``gather`` writes its outputs in this order). Each
+              token's partial is the sum over its local experts, ascending, of router weight x
+              output (float32, from 0), rounded to bf16 unless ``EPConfig.combine_dtype`` is
+              ``"float32"``.
             - ``layout="compact"``: ``[n_ranks * max_tokens_per_rank, hidden]``, row
               ``s * max_tokens_per_rank + t`` holding this rank's partial for token t of rank
               s, already weighted and summed over this rank's experts by the caller (the
               compact batch's row order). Rows of tokens that did not come here are not read.
+              Its dtype is the partials': bfloat16 (or uint16 bits), or float32 when
+              ``EPConfig.combine_dtype`` is ``"float32"`` (the caller's float32 sums, sent
+              unrounded).
 
             Must stay unmodified until :meth:`combine_wait` has run on the stream.
         handle : the dispatch's handle (``batch.handle``).
@@ -296,7 +304,8 @@ class EPRuntime:
         expert_out = arrays.to_backend(expert_out, self.session.backend, c, "expert_out")
         if layout == "compact":
             rows = cfg.n_ranks * cfg.max_tokens_per_rank
-            arrays.check_array(expert_out, c, "expert_out", np.uint16, (rows, cfg.hidden),
+            self._check_partial_dtype(expert_out, c, "expert_out", "the compact layout's rows")
+            arrays.check_array(expert_out, c, "expert_out", self._partial, (rows, cfg.hidden),
                                f"The compact layout has one row per (source rank, token slot): "
                                f"[n_ranks * max_tokens_per_rank = {rows}, hidden = {cfg.hidden}].")
             self._launch("combine_async_rows", expert_out=expert_out)
@@ -318,17 +327,22 @@ class EPRuntime:
         Returns ``out`` [T, hidden] uint16 (bf16 bits): for each token, the sum over the ranks
         it went to (rank order, float32) of their partials, through ``epilogue`` (a Numba
         device function ``f(value, token, col, aux) -> float32``, e.g. a residual add reading
-        ``aux``, a [T, hidden] float32 array) and rounded to bf16. With ``reduce=False`` returns the per-rank partials
-        ``[n_ranks, T, hidden]`` instead (zero where the token did not go).
+        ``aux``, a [T, hidden] float32 array) and rounded to bf16. With ``reduce=False`` returns
+        the per-rank partials ``[n_ranks, T, hidden]`` instead (zero where the token did not
+        go), in the partials' dtype: uint16 bf16 bits, or float32 when
+        ``EPConfig.combine_dtype`` is ``"float32"``.
         """
         self._require(_State.COMBINE_SENT, call="combine_wait", handle=handle, handle_type=CombineHandle)
         cfg, s, T = self.cfg, self.session, handle.n_tokens
         shape = (T, cfg.hidden) if reduce else (cfg.n_ranks, T, cfg.hidden)
+        dtype = np.uint16 if reduce else self._partial
         if out is None:  # every element is written by the kernel (rows < n_tokens with n_tokens)
-            out = s.alloc_local("combine_out", shape, np.uint16, fill=None)
+            out = s.alloc_local("combine_out", shape, dtype, fill=None)
         else:
             out = arrays.to_backend(out, s.backend, "combine_wait", "out")
-            arrays.check_array(out, "combine_wait", "out", np.uint16, shape, "Pass None to allocate it.")
+            if not reduce:
+                self._check_partial_dtype(out, "combine_wait", "out", "reduce=False's partials")
+            arrays.check_array(out, "combine_wait", "out", dtype, shape, "Pass None to allocate it.")
         unused = self._no_partials if reduce else self._no_out
         if aux is None:
             aux = self._no_aux
@@ -347,6 +361,23 @@ class EPRuntime:
         out = self.combine_wait(self.combine_async(expert_out, handle, layout=layout), **kwargs)
         self.synchronize()
         return out
+
+    def _check_partial_dtype(self, x, call: str, name: str, what: str) -> None:
+        """Refuse ``x`` (a backend array) unless it has the partials' dtype (uint16 bf16 bits, or
+        float32 with ``combine_dtype="float32"``), naming the mode and both ways out."""
+        got = np.dtype(x.dtype)
+        if got == self._partial:
+            return
+        got = "bfloat16 (uint16 bits)" if got == np.uint16 else got.name
+        if self._f32_partials:
+            raise EPInputError(
+                f"{call}: {name} has dtype {got}, but EPConfig.combine_dtype is 'float32', so {what} are float32 "
+                f"partials (sent unrounded); pass float32 (e.g. your float32 weighted sums before any bf16 "
+                f"rounding), or build the runtime with combine_dtype='bfloat16' to send bf16.")
+        raise EPInputError(
+            f"{call}: {name} has dtype {got}, but EPConfig.combine_dtype is 'bfloat16', so {what} are bf16 "
+            f"partials; pass bfloat16 (or its uint16 bits), e.g. x.astype(ml_dtypes.bfloat16), or build the "
+            f"runtime with combine_dtype='float32' (hidden a multiple of 4) to send float32 partials unrounded.")
 
     # -- errors and lifetime -------------------------------------------------------------------
     def synchronize(self) -> None:
@@ -430,7 +461,8 @@ class EPRuntime:
         else:  # combine_wait with a caller's epilogue, built on first use
             kernel = self._kernels.get((name, epilogue))
             if kernel is None:
-                kernel = self._kernels[(name, epilogue)] = _combine_wait_with(self._threads, self._word, epilogue)
+                kernel = self._kernels[(name, epilogue)] = _combine_wait_with(self._threads, self._word, epilogue,
+                                                                              self._f32_partials)
         values = {k: arrays.word_view(v, self._word, name, k) if k in WORD_ARRAYS else v
                   for k, v in values.items()}  # backend arrays: the session makes kernel args
         self.session.launch(kernel, self._grid, self._threads, build_args(name, self._arg, values))
@@ -485,26 +517,37 @@ def _check_same_config_everywhere(cfg: EPConfig, session: Session) -> None:
 _KERNEL_CACHE: dict = {}
 
 
-def _kernels_for(threads: int, word, quantized: bool = False, ue8m0: bool = False) -> dict:
-    """The EP kernels (and the debug-mode routing check) for a block size, token word
-    (:func:`ep_runtime.layout.token_word`) and token format (FP8: ``quantized``, with UE8M0
-    scales: ``ue8m0``), built once per process."""
-    key = (threads, np.dtype(word), bool(quantized), bool(ue8m0))
+def _built(key: tuple, build):
+    """``build()``, once per process per ``key``."""
     if key not in _KERNEL_CACHE:
-        from .kernels.combine import make_combine_kernels
-        from .kernels.dispatch import make_dispatch_kernels
-
-        from .kernels.validate import validate_routing
-
-        da, dw, dc = make_dispatch_kernels(threads, quantized, ue8m0)
-        ca, cw, cr = make_combine_kernels(threads, word)
-        _KERNEL_CACHE[key] = {"dispatch_async": da, "dispatch_wait": dw, "dispatch_copy": dc,
-                              "combine_async": ca, "combine_async_rows": cr, "combine_wait": cw,
-                              "validate_routing": validate_routing}
-    return dict(_KERNEL_CACHE[key])
+        _KERNEL_CACHE[key] = build()
+    return _KERNEL_CACHE[key]
 
 
-def _combine_wait_with(threads: int, word, epilogue):
+def _kernels_for(threads: int, word, quantized: bool = False, ue8m0: bool = False,
+                 f32_partials: bool = False) -> dict:
+    """The EP kernels (and the debug-mode routing check) for a block size, token word
+    (:func:`ep_runtime.layout.token_word`), token format (FP8: ``quantized``, with UE8M0
+    scales: ``ue8m0``) and partial format (float32 combine partials: ``f32_partials``), built
+    once per process: the dispatch kernels per (block size, token format), the combine kernels
+    per (block size, word, partial format). combine_async_rows copies partial words unchanged,
+    so the bf16 build serves float32 partials too (the same code and argument types)."""
+    from .kernels.combine import make_combine_kernels
+    from .kernels.dispatch import make_dispatch_kernels
+    from .kernels.validate import validate_routing
+
+    word, f32_partials = np.dtype(word), bool(f32_partials)
+    da, dw, dc = _built(("dispatch", threads, bool(quantized), bool(ue8m0)),
+                        lambda: make_dispatch_kernels(threads, quantized, ue8m0))
+    ca, cw, _ = _built(("combine", threads, word, f32_partials),
+                       lambda: make_combine_kernels(threads, word, f32_partials=f32_partials))
+    cr = _built(("combine", threads, word, False), lambda: make_combine_kernels(threads, word))[2]
+    return {"dispatch_async": da, "dispatch_wait": dw, "dispatch_copy": dc, "combine_async": ca,
+            "combine_async_rows": cr, "combine_wait": cw, "validate_routing": validate_routing}
+
+
+def _combine_wait_with(threads: int, word, epilogue, f32_partials: bool = False):
+    """combine_wait with a caller's ``epilogue``, for the runtime's partial format."""
     from .kernels.combine import make_combine_kernels
 
-    return make_combine_kernels(threads, word, epilogue)[1]
+    return make_combine_kernels(threads, word, epilogue, f32_partials=bool(f32_partials))[1]

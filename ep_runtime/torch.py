@@ -107,6 +107,9 @@ def get_buffer(session: Session, hidden_bytes: int, n_experts: int, top_k: int, 
         :class:`~ep_runtime.config.EPConfig` fields (``n_ranks`` is the session's).
         ``pad_multiple``: each expert's segment starts at a multiple of it (HybridEP's option
         of the same name; padding rows are zero with ``row_src_k == -1``).
+        ``combine_dtype="float32"`` works as well: this module combines bf16 expert outputs in
+        the expanded layout, whose partials the runtime then keeps in float32 (only the combine
+        output is rounded; see docs/formats.md, "Combine precision").
     debug : the runtime's debug mode (always on for the simulator).
 
     The cached runtime is returned when its config equals the request and its

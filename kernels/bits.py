@@ -9,6 +9,10 @@ Token rows travel as *words* of ``pack`` bf16 values (uint64: 4, uint32: 2, uint
 :func:`ep_runtime.layout.token_word`), element ``i`` of a word in bits ``16 i .. 16 i + 15``
 (little-endian: the same bytes as the bf16 row). ``word_f32(word, i)`` reads element ``i``;
 ``bf16_bits_at(x, i)`` places the rounded ``x`` at element ``i`` of a uint64 to OR into a word.
+
+float32 combine partials travel as uint64 words of 2 float32 values, element ``i`` in bits
+``32 i .. 32 i + 31`` (the same bytes as the float32 row): ``f32_word_at(word, i)`` reads element
+``i`` and ``f32_bits_at(x, i)`` places float32 ``x`` (unrounded) at element ``i``.
 """
 
 import numpy as np
@@ -40,9 +44,17 @@ if _config.ENABLE_CUDASIM:
         """uint64 with the bf16 rounding of float32 ``x`` at element ``i`` (bits 16 i ..)."""
         return np.uint64(int(f32_to_bf16(x)) << (16 * i))
 
+    def f32_word_at(word, i):
+        """float32 element ``i`` (0 or 1) of the uint64 ``word`` (bits 32 i .. 32 i + 31)."""
+        return np.uint32((int(word) >> (32 * i)) & 0xFFFFFFFF).view(np.float32)
+
+    def f32_bits_at(x, i):
+        """uint64 with the bits of float32 ``x`` at element ``i`` (0 or 1; bits 32 i ..)."""
+        return np.uint64(int(np.float32(x).view(np.uint32)) << (32 * i))
+
 else:
     from llvmlite import ir
-    from numba import uint16, uint32, uint64
+    from numba import float32, uint16, uint32, uint64
     from numba.core.extending import intrinsic
 
     @intrinsic
@@ -100,4 +112,14 @@ else:
         """uint64 with the bf16 rounding of float32 ``x`` at element ``i`` (bits 16 i ..)."""
         return uint64(f32_to_bf16(x)) << uint64(16 * i)
 
-__all__ = ["bf16_to_f32", "f32_to_bf16", "f32_bits", "word_f32", "bf16_bits_at"]
+    @_numba_cuda.jit(device=True)
+    def f32_word_at(word, i):
+        """float32 element ``i`` (0 or 1) of the uint64 ``word`` (bits 32 i .. 32 i + 31)."""
+        return _u32_bits_as_f32(uint64(word) >> uint64(32 * i))
+
+    @_numba_cuda.jit(device=True)
+    def f32_bits_at(x, i):
+        """uint64 with the bits of float32 ``x`` at element ``i`` (0 or 1; bits 32 i ..)."""
+        return uint64(_f32_as_u32_bits(float32(x))) << uint64(32 * i)
+
+__all__ = ["bf16_to_f32", "f32_to_bf16", "f32_bits", "word_f32", "bf16_bits_at", "f32_word_at", "f32_bits_at"]

@@ -42,8 +42,9 @@ GATE_ENTRIES = [
 
 
 def ep_kernel_entries():
-    """The four EP kernels, at the GPU block size, with the exact signatures the runtime
-    launches (from ``ep_runtime.kernel_args``, the lists the runtime builds its arguments from)."""
+    """The EP kernels, at the GPU block size, with the exact signatures the runtime launches
+    (from ``ep_runtime.kernel_args``, the lists the runtime builds its arguments from), and the
+    variants of the FP8 token formats and of float32 combine partials."""
     from ep_runtime.config import EPConfig
     from ep_runtime.kernel_args import argtypes
     from ep_runtime.layout import BufferLayout, token_word
@@ -59,6 +60,15 @@ def ep_kernel_entries():
         fk = _kernels_for(GPU_THREADS, token_word(fp8.cfg.hidden), True, ue8m0)
         entries += [(f"{name} ({token_dtype})", fk[name], argtypes(name, fp8))
                     for name in ("dispatch_async", "dispatch_copy")]
+    # float32 combine partials (EPConfig.combine_dtype="float32"): combine_async and combine_wait
+    # built with f32_partials (the dispatch kernels do not depend on the partial format, and
+    # combine_async_rows, which copies partial words unchanged, is the bf16 build: the same entry)
+    f32 = BufferLayout(EPConfig(n_ranks=2, n_experts=8, top_k=2, hidden=64, max_tokens_per_rank=16,
+                                combine_dtype="float32"))
+    ck = _kernels_for(GPU_THREADS, token_word(f32.cfg.hidden), f32_partials=True)
+    assert ck["combine_async_rows"] is kernels["combine_async_rows"]
+    entries += [(f"{name} (float32 partials)", ck[name], argtypes(name, f32))
+                for name in ("combine_async", "combine_wait")]
     return entries
 
 

@@ -222,3 +222,20 @@ def test_fp8_dispatch_is_timed_on_the_simulator(tmp_path):
         assert (bf16["config"]["token_dtype"], fp8["config"]["token_dtype"]) == ("bfloat16", "fp8_e4m3")
         # 3 tokens, each received by this rank or not: logical bytes count messages (128 + 4 B) vs 256 B rows
         assert fp8["traffic"]["logical_bytes"] * 256 == bf16["traffic"]["logical_bytes"] * 136
+
+
+def test_float32_combine_partials_are_timed_and_counted_on_the_simulator(tmp_path):
+    path = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "ep_runtime.bench", "--backend", "sim", "--ranks", "2", "--tokens", "5",
+         "--hidden", "16", "--experts", "4", "--top-k", "2", "--samples", "2", "--warmup", "1",
+         "--layout", "expanded", "compact", "--combine-dtype", "bfloat16", "float32", "--json", str(path)],
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert " bf16/f32 eager  compact |" in proc.stdout and "  bf16 eager expanded |" in proc.stdout
+    for rank in json.loads(path.read_text())["results"]:
+        runs = {(res["config"]["combine_dtype"], res["layout"]): res for res in rank}
+        assert set(runs) == {(c, lay) for c in ("bfloat16", "float32") for lay in ("expanded", "compact")}
+        bf16, f32 = runs["bfloat16", "compact"]["traffic"], runs["float32", "compact"]["traffic"]
+        assert f32["combine_nvlink_bytes"] == 2 * bf16["combine_nvlink_bytes"]  # partials: 4 H bytes
+        assert f32["logical_bytes"] == bf16["logical_bytes"] and f32["dispatch_hbm_bytes"] == bf16["dispatch_hbm_bytes"]

@@ -136,15 +136,36 @@ def test_top_k_out_of_range(top_k):
     assert_fragments(msg, f"EPConfig.top_k={top_k}", "must be in [1, n_experts=256]", "use the router's k")
 
 
-@pytest.mark.parametrize("field,allowed", [("token_dtype", "('bfloat16', 'fp8_e4m3', 'fp8_e4m3_ue8m0')"),
-                                           ("combine_dtype", "('bfloat16',)")])
-@pytest.mark.parametrize("value", ["float16", "float32", "bf16", "BFloat16", None,
-                                   np.dtype(ml_dtypes.bfloat16), ml_dtypes.bfloat16])
+DTYPE_FIELDS = {"token_dtype": "('bfloat16', 'fp8_e4m3', 'fp8_e4m3_ue8m0')", "combine_dtype": "('bfloat16', 'float32')"}
+DTYPE_VALUES = ["float16", "float32", "bf16", "BFloat16", None, np.dtype(ml_dtypes.bfloat16), ml_dtypes.bfloat16,
+                np.dtype(np.float32)]
+
+
+@pytest.mark.parametrize("field,allowed,value", [
+    (field, allowed, value) for field, allowed in DTYPE_FIELDS.items() for value in DTYPE_VALUES
+    if not (field == "combine_dtype" and isinstance(value, str) and value == "float32")])  # allowed there
 def test_unsupported_dtypes(field, allowed, value):
-    # a NumPy bfloat16 dtype compares equal to "bfloat16" but is not the string the config stores
+    # a NumPy bfloat16 (float32) dtype compares equal to "bfloat16" ("float32") but is not the
+    # string the config stores
     msg = config_error(**{field: value})
     assert_fragments(msg, f"EPConfig.{field}={value!r}", f"must be one of the strings {allowed}",
                      "use 'bfloat16'")
+
+
+def test_combine_dtype_float32_is_accepted_and_doubles_the_partial_bytes():
+    c = cfg(combine_dtype="float32")
+    assert c.combine_dtype == "float32"
+    assert (c.partial_bytes, cfg().partial_bytes) == (7168 * 4, 7168 * 2)
+    assert c.token_bytes == cfg().token_bytes  # dispatch is unchanged
+    assert cfg(combine_dtype="float32", token_dtype="fp8_e4m3").partial_bytes == 7168 * 4
+
+
+@pytest.mark.parametrize("hidden,up", [(1, 4), (6, 8), (7170, 7172)])
+def test_combine_dtype_float32_needs_hidden_a_multiple_of_4(hidden, up):
+    msg = config_error(combine_dtype="float32", hidden=hidden)
+    assert_fragments(msg, f"EPConfig.hidden={hidden} with combine_dtype='float32'", "must be a multiple of 4",
+                     "8-byte words of 2 floats", f"pad hidden to {up}", "or use combine_dtype='bfloat16'")
+    assert cfg(hidden=hidden).hidden == hidden  # bf16 partials take any hidden
 
 
 @pytest.mark.parametrize("token_dtype", ["fp8_e4m3", "fp8_e4m3_ue8m0"])

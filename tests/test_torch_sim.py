@@ -78,6 +78,8 @@ CASES_2 = (
     Case("top_k_1_int64_ids", cfg2(top_k=1), seed=3, int64_ids=True),
     Case("pad_4_num_permuted_tokens", cfg2(pad_multiple=4), seed=4, num_permuted_tokens=30),
     Case("top_k_all_hidden_8", cfg2(top_k=4, hidden=8), seed=5),  # 2 bf16 parts per weight gradient
+    # float32 combine partials: the module passes bf16 expert outputs (expanded layout), as in bf16 mode
+    Case("random_float32_partials", cfg2(combine_dtype="float32"), seed=7),
 )
 CASES_4 = (Case("random_4_ranks", dict(cfg2(n_ranks=4, n_experts=8), top_k=3), seed=6),)
 
@@ -123,7 +125,7 @@ def grads_pe(session, cases) -> dict:
         cfg = case.config()
         xs, ids, ws, cs = case.inputs()
         rt = get_buffer(session, cfg.hidden * 2, cfg.n_experts, cfg.top_k, cfg.max_tokens_per_rank,
-                        pad_multiple=cfg.pad_multiple)
+                        pad_multiple=cfg.pad_multiple, combine_dtype=cfg.combine_dtype)
         log, calls_before = [], rt.calls
         originals = _record_pointers(rt, log)
         x = _bf16(xs[r]).clone().requires_grad_()

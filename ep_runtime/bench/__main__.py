@@ -28,6 +28,11 @@ combine from expert-major outputs; **compact** times dispatch_wait without the e
 row per received token, the layout DeepEP and NCCL deliver. The floor's device-memory bytes
 follow the layout (``ep_runtime.bench.traffic``).
 
+Combine partials (``--combine-dtype``, sweepable; default bfloat16): **float32** sends each rank's
+partial unrounded (``EPConfig.combine_dtype="float32"``, hidden a multiple of 4): combine's NVLink
+bytes and the partials' device-memory bytes double (``ep_runtime.bench.traffic``); the compact
+layout's combine input is then float32. The table marks it ``/f32`` after the token format.
+
 Results print as a table (rank 0; ``mode`` and ``layout`` columns) and, with ``--json FILE``, as JSON with
 the configuration, mode, git sha, devices and versions; ``--plot FILE.png`` draws time against
 tokens (matplotlib).
@@ -62,6 +67,9 @@ def _parser() -> argparse.ArgumentParser:
                    default=["bfloat16"], help="token format of dispatch (sweepable): bf16, or FP8 E4M3 with float32 "
                                               "/ power-of-two scales per 128 elements, quantized inside dispatch; "
                                               "the bytes in GB/s and the floor are the format's message bytes")
+    p.add_argument("--combine-dtype", nargs="+", choices=("bfloat16", "float32"), default=["bfloat16"],
+                   help="format of combine partials (sweepable): bf16, or float32 (unrounded, twice the partial "
+                        "bytes; hidden a multiple of 4); the table marks float32 partials with /f32")
     p.add_argument("--layout", nargs="+", choices=("expanded", "compact"), default=["expanded"],
                    help="expanded: dispatch_wait lays rows out per (token, local expert) and combine takes "
                         "expert-major outputs; compact: no expansion copy, one row per (token, source rank) "

@@ -11,6 +11,7 @@ import sys
 import numpy as np
 
 from ..config import EPConfig
+from ..layout import partial_dtype
 from ..testing import make_inputs
 from .measure import (GRAPH_ROUND_TRIPS, ceilings, nccl_all_to_all, nvshmem_alltoall, takes_device_token_count,
                       time_graph_round_trips, time_round_trips)
@@ -20,11 +21,11 @@ from .traffic import nccl_permutation, rank_traffic
 
 def configs(args):
     """The EPConfig fields (less n_ranks) of every point of the sweep, in argument order."""
-    for tokens, hidden, top_k, experts, n_sms, token_dtype in itertools.product(
+    for tokens, hidden, top_k, experts, n_sms, token_dtype, combine_dtype in itertools.product(
             args.tokens, args.hidden, args.top_k, args.experts, args.n_sms, getattr(args, "token_dtype", None) or
-            ["bfloat16"]):
+            ["bfloat16"], getattr(args, "combine_dtype", None) or ["bfloat16"]):
         yield dict(n_experts=experts, top_k=top_k, hidden=hidden, max_tokens_per_rank=tokens,
-                   n_sms=n_sms or None, token_dtype=token_dtype)
+                   n_sms=n_sms or None, token_dtype=token_dtype, combine_dtype=combine_dtype)
 
 
 def modes(args) -> list[str]:
@@ -67,7 +68,8 @@ def bench_rank(session, args_dict) -> list[dict]:
         T = cfg.max_tokens_per_rank
         xs, ids, ws = make_inputs(cfg, "random", args.seed, n_tokens=[T] * cfg.n_ranks)
         r = session.rank
-        tr = rank_traffic(ids, r, cfg.n_local_experts, cfg.hidden, cfg.token_bytes)
+        tr = rank_traffic(ids, r, cfg.n_local_experts, cfg.hidden, token_bytes=cfg.token_bytes,
+                          partial_bytes=cfg.partial_bytes)
         with EPRuntime(cfg, session) as rt:
             inputs = tuple(session.to_device(a) for a in (xs[r].view(np.uint16), ids[r], ws[r]))
             outs = {"expanded": session.alloc_local("bench.expert_out", (cfg.recv_rows_capacity, cfg.hidden), np.uint16),
@@ -75,8 +77,9 @@ def bench_rank(session, args_dict) -> list[dict]:
             out = session.alloc_local("bench.out", (T, cfg.hidden), np.uint16)
             runs, graph = [], {}
             for layout in layouts(args):
-                if layout == "compact" and outs["compact"] is None:  # one row per (source rank, token slot)
-                    outs["compact"] = session.alloc_local("bench.expert_rows", (cfg.n_ranks * T, cfg.hidden), np.uint16)
+                if layout == "compact" and outs["compact"] is None:  # one partial per (source rank, token slot)
+                    outs["compact"] = session.alloc_local("bench.expert_rows", (cfg.n_ranks * T, cfg.hidden),
+                                                          partial_dtype(cfg))
                 y = outs[layout]
                 for mode in modes(args):
                     if mode == "eager":
@@ -139,8 +142,10 @@ def _result(cfg, tr, spans, base, ceil, mode="eager", graph=None, layout="expand
 
 
 def _fmt_name(cfg: dict) -> str:
-    """Short token-format name for the table: bf16, e4m3 (float32 scales), ue8m0."""
-    return {"bfloat16": "bf16", "fp8_e4m3": "e4m3", "fp8_e4m3_ue8m0": "ue8m0"}.get(cfg.get("token_dtype"), "bf16")
+    """Short format name for the table: the token format, bf16, e4m3 (float32 scales) or ue8m0,
+    with ``/f32`` appended for float32 combine partials."""
+    name = {"bfloat16": "bf16", "fp8_e4m3": "e4m3", "fp8_e4m3_ue8m0": "ue8m0"}.get(cfg.get("token_dtype"), "bf16")
+    return name + ("/f32" if cfg.get("combine_dtype") == "float32" else "")
 
 
 def table(per_rank: list[list[dict]]) -> str:

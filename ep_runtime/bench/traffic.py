@@ -2,7 +2,8 @@
 
 From the routing of every rank, for rank ``r`` (``H`` hidden, ``K`` top-k; a token on the wire
 and in the receive buffer is ``token_bytes``: ``2 H`` in bf16, the message size in an FP8
-format; expert outputs, partials and combine results are bf16, ``2 H``):
+format; expert outputs and combine results are bf16, ``2 H``; a partial is ``partial_bytes``:
+``2 H`` with bf16 partials, ``4 H`` with ``combine_dtype="float32"``):
 
 - ``sent[d]``: tokens of ``r`` with at least one expert on rank ``d`` (one message each,
   deduplicated per rank); ``recv[s]``: tokens of ``s`` with an expert on ``r``;
@@ -14,12 +15,14 @@ format; expert outputs, partials and combine results are bf16, ``2 H``):
 - **HBM bytes** (device-memory reads and writes of the expanded path):
   dispatch: the sender reads its sent rows, the receive buffer is written (``sum(recv)`` rows),
   dispatch_wait reads one received row and writes one batch row per batch row;
-  combine: reads the expert outputs (``rows``), writes and reads the staged partials
-  (``2 sum(recv)``), receives partials (``sum(sent)``) that combine_wait reads, and writes ``T``.
+  combine: reads the expert outputs (``rows``, bf16), writes and reads the staged partials
+  (``2 sum(recv)`` partials), receives partials (``sum(sent)``) that combine_wait reads, and
+  writes ``T`` bf16 rows. Combine's NVLink bytes are partials.
 - **HBM bytes of the compact layout** (``layout="compact"``: no expansion copy, the caller's
   combine input is one row per received token): dispatch: the sender reads its sent rows and the
-  receive buffer is written (``sum(sent) + sum(recv)`` rows); combine: the caller's rows are read
-  (``sum(recv)``), partials land (``sum(sent)``), combine_wait reads them and writes ``T``.
+  receive buffer is written (``sum(sent) + sum(recv)`` rows); combine: the caller's rows (partials)
+  are read (``sum(recv)``), partials land (``sum(sent)``), combine_wait reads them and writes ``T``
+  bf16 rows.
 """
 
 from __future__ import annotations
@@ -50,14 +53,17 @@ class Traffic:
         return getattr(self, f"{'compact_' if layout == 'compact' else ''}{phase}_hbm_bytes")
 
 
-def rank_traffic(ids_per_rank, rank: int, n_local_experts: int, hidden: int, token_bytes: int | None = None
-                 ) -> Traffic:
+def rank_traffic(ids_per_rank, rank: int, n_local_experts: int, hidden: int, token_bytes: int | None = None,
+                 partial_bytes: int | None = None) -> Traffic:
     """Byte counts for ``rank`` given every rank's ``[T_s, K]`` expert ids; ``token_bytes``:
-    one dispatched token (default ``2 * hidden``, bf16; ``EPConfig.token_bytes`` in general)."""
+    one dispatched token (default ``2 * hidden``, bf16; ``EPConfig.token_bytes`` in general);
+    ``partial_bytes``: one combine partial (default ``2 * hidden``, bf16;
+    ``EPConfig.partial_bytes`` in general, ``4 * hidden`` with float32 partials)."""
     R = len(ids_per_rank)
     K = np.asarray(ids_per_rank[0]).shape[1] if R else 0
-    row = 2 * hidden  # bf16 rows: expert outputs, partials, results
+    row = 2 * hidden  # bf16 rows: expert outputs, results
     tok = row if token_bytes is None else token_bytes
+    part = row if partial_bytes is None else partial_bytes
 
     def hits(ids, d):  # tokens of a rank with an expert on rank d
         ids = np.asarray(ids)
@@ -75,11 +81,11 @@ def rank_traffic(ids_per_rank, rank: int, n_local_experts: int, hidden: int, tok
         tokens=T, rows=rows, sent=sent, recv=recv,
         logical_bytes=sum(recv) * tok,
         dispatch_nvlink_bytes=max(out_rows * tok + routing_out, in_rows * tok + routing_in),
-        combine_nvlink_bytes=max(in_rows, out_rows) * row,
+        combine_nvlink_bytes=max(in_rows, out_rows) * part,
         dispatch_hbm_bytes=(sum(sent) + sum(recv) + 2 * rows) * tok,
-        combine_hbm_bytes=(rows + 2 * sum(recv) + 2 * sum(sent) + T) * row,
+        combine_hbm_bytes=(rows + T) * row + (2 * sum(recv) + 2 * sum(sent)) * part,
         compact_dispatch_hbm_bytes=(sum(sent) + sum(recv)) * tok,
-        compact_combine_hbm_bytes=(sum(recv) + 2 * sum(sent) + T) * row,
+        compact_combine_hbm_bytes=T * row + (sum(recv) + 2 * sum(sent)) * part,
     )
 
 
