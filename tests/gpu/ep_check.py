@@ -50,6 +50,8 @@ def main() -> int:
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--samples", type=int, default=50)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--combine-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="EPConfig.combine_dtype: float32 partials (compact rows are then float32 too)")
     args = ap.parse_args()
 
     import cupy
@@ -63,7 +65,8 @@ def main() -> int:
     comm = MPI.COMM_WORLD
     R = comm.Get_size()
     cfg = EPConfig(n_ranks=R, n_experts=args.experts, top_k=args.top_k, hidden=args.hidden,
-                   max_tokens_per_rank=max(args.tokens))
+                   max_tokens_per_rank=max(args.tokens), combine_dtype=args.combine_dtype)
+    f32 = args.combine_dtype == "float32"
     t0 = time.perf_counter()
     session = open_session("nvshmem", heap_bytes=BufferLayout(cfg).symmetric_bytes)
     t_init = time.perf_counter() - t0
@@ -101,7 +104,7 @@ def main() -> int:
         rt.combine(y, batch.handle, out=out)
         got = cupy.asnumpy(out).view(reference.BF16).astype(np.float32)
         want = ref_out[me].astype(np.float32)
-        tol = reference.combine_tolerance(ws[me], float(np.abs(ys[me].astype(np.float32)).max()))
+        tol = reference.combine_tolerance(ws[me], float(np.abs(ys[me].astype(np.float32)).max()), args.combine_dtype)
         err = np.abs(got - want)
         check(bool((err <= tol).all()), f"T={T} combine error {err.max():.3g} above tolerance")
         exact_frac = float((err == 0).mean())
@@ -120,7 +123,7 @@ def main() -> int:
             x_r, def_r = recv[r]
             rows_r = (x_r.astype(np.float32) * np.float32(r + 2)).astype(reference.BF16).view(np.uint16)
             rows_r[~def_r] = 0x7FC0  # NaN on rows combine must not read
-            return rows_r
+            return rows_r.view(reference.BF16).astype(np.float32) if f32 else rows_r
 
         rows_me = session.to_device(compact_rows(me))  # ordered on the session stream
         out_c = cupy.asnumpy(rt.combine(rows_me, cb.handle, layout="compact"))
