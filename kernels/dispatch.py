@@ -49,16 +49,25 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
     CHUNK = route_chunk_tokens(threads)
 
     @cuda.jit(device=True)
+    def expert_rows(d_counts, g, e):
+        """Rows local expert ``e`` receives in group ``g``: its tokens from every source."""
+        c = int64(0)
+        for s in range(d_counts.shape[1]):
+            c += d_counts[g, s, e]
+        return c
+
+    @cuda.jit(device=True)
+    def padded(rows, pad_multiple):
+        """``rows`` rounded up to a multiple of ``pad_multiple`` (an expert's segment size)."""
+        return (rows + pad_multiple - 1) // pad_multiple * pad_multiple
+
+    @cuda.jit(device=True)
     def expert_row_offset(d_counts, g, e, pad_multiple, lane, sum_buf):
         """Every lane of a warp: the first batch row of local expert ``e``, the padded row
         counts of the experts before it summed over the warp (d_counts group ``g``)."""
-        R = d_counts.shape[1]
         part = int64(0)
         for e2 in range(lane, e, warp):
-            c = int64(0)
-            for s in range(R):
-                c += d_counts[g, s, e2]
-            part += (c + pad_multiple - 1) // pad_multiple * pad_multiple
+            part += padded(expert_rows(d_counts, g, e2), pad_multiple)
         return warp_sum(part, sum_buf)
 
     @kernel_jit(threads)
@@ -260,10 +269,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         # total rows (padded): every block computes it, so none waits for another
         part = int64(0)
         for e in range(tid, L, threads):
-            c = int64(0)
-            for s in range(R):
-                c += d_counts[g, s, e]
-            part += (c + pad_multiple - 1) // pad_multiple * pad_multiple
+            part += padded(expert_rows(d_counts, g, e), pad_multiple)
         total = block_sum(sum_buf, part)
         if total > C:
             if cuda.blockIdx.x == 0 and tid == 0:
@@ -282,10 +288,8 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         e = first_warp
         while e < L:
             base = expert_row_offset(d_counts, g, e, pad_multiple, lane, sum_buf)
-            count = 0
-            for s in range(R):
-                count += d_counts[g, s, e]
-            end = base + (count + pad_multiple - 1) // pad_multiple * pad_multiple
+            count = expert_rows(d_counts, g, e)
+            end = base + padded(count, pad_multiple)
             for r in range(base + count + lane, end, warp):
                 row_src_rank[r] = -1
                 row_src_token[r] = -1
