@@ -141,7 +141,7 @@ class BufferLayout:
 
 
 def _regions(cfg: EPConfig) -> list[Region]:
-    R, E, L, K, H = cfg.n_ranks, cfg.n_experts, cfg.n_local_experts, cfg.top_k, cfg.hidden
+    R, L, K, H = cfg.n_ranks, cfg.n_local_experts, cfg.top_k, cfg.hidden
     T, C, G = cfg.max_tokens_per_rank, cfg.recv_rows_capacity, N_GROUPS
     NC = route_chunks(T)
     i32, i64, u64, f32 = (np.dtype(t) for t in ("int32", "int64", "uint64", "float32"))

@@ -10,7 +10,7 @@ the kernel boundary is the grid-wide barrier between "every row's position is kn
 "copy each received row once to all its expert rows".
 """
 
-from numba import int32, int64, uint32, uint64
+from numba import int32, int64, uint64
 
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.block import (block_sum, last_block_ticket, local_expert_count, part_bounds, part_words,
