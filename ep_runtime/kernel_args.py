@@ -26,6 +26,10 @@ CALLER_ARRAYS = {
     "aux": (np.float32, 2),
     "token_scales": (np.uint8, 2),  # pre-quantized FP8 input: the scales' bytes, [T, S * scale bytes]
 }
+#: Arrays the runtime makes outside the layout, as (dtype, ndim): ``peer_bases`` [2, R] uint64,
+#: the address of ``dispatch_tokens`` (row 0) and ``combine_partials`` (row 1) on every PE as
+#: mapped on this one (``Session.peer_addresses``), known only once the heap is allocated.
+RUNTIME_ARRAYS = {"peer_bases": (np.uint64, 2)}
 #: Dtype views of regions a kernel reads or writes byte- or 4-byte-wise (FP8 messages and scales).
 VIEWS = {"u8": np.dtype(np.uint8), "u32": np.dtype(np.uint32)}
 #: Regions of the FP8 token formats only (:func:`ep_runtime.layout.quantized_regions`), as
@@ -41,7 +45,7 @@ WORD_ARRAYS = frozenset({"tokens", "expert_out", "out", "out_partials", "dispatc
                          "combine_partials", "combine_stage", "expert_x"})
 #: int64 scalar arguments.
 SCALARS = ("pad_multiple", "timeout_ns", "mode", "n_experts", "allow_negative", "use_valid", "prequantized",
-           "scales_col_major")
+           "scales_col_major", "peer_stores")
 
 KERNEL_ARGS = {
     "validate_routing": ("topk_ids", "topk_weights", "valid_tokens", "use_valid", "n_experts",
@@ -50,7 +54,8 @@ KERNEL_ARGS = {
         "tokens", "topk_ids", "topk_weights", "valid_tokens", "use_valid", "dispatch_tokens", "dispatch_topk_ids",
         "dispatch_topk_weights", "dispatch_counts", "dispatch_hist", "dispatch_signal", "dispatch_async_sync",
         "dispatch_send_hist", "dispatch_send_counts", "status", "token_scales", "prequantized",
-        "dispatch_send_stage", "dispatch_send_stage:u32", "dispatch_send_stage:u8", "dispatch_tokens:u8"),
+        "dispatch_send_stage", "dispatch_send_stage:u32", "dispatch_send_stage:u8", "dispatch_tokens:u8",
+        "peer_bases", "peer_stores"),
     "dispatch_wait": (
         "dispatch_topk_ids", "dispatch_topk_weights", "dispatch_counts", "dispatch_hist", "dispatch_signal",
         "dispatch_async_sync", "row_offsets", "expert_counts", "row_src_rank", "row_src_token",
@@ -62,10 +67,10 @@ KERNEL_ARGS = {
     "combine_async": (
         "expert_out", "dispatch_topk_ids", "dispatch_counts", "combine_partials", "combine_signal",
         "dispatch_async_sync", "token_rows", "row_weight", "combine_stage", "combine_async_sync",
-        "status"),
+        "status", "peer_bases", "peer_stores"),
     "combine_async_rows": (
         "expert_out", "dispatch_topk_ids", "dispatch_counts", "combine_partials", "combine_signal",
-        "dispatch_async_sync", "combine_async_sync", "status"),
+        "dispatch_async_sync", "combine_async_sync", "status", "peer_bases", "peer_stores"),
     "combine_wait": (
         "out", "out_partials", "dispatch_topk_ids", "dispatch_counts", "combine_partials",
         "combine_signal", "dispatch_async_sync", "status", "mode", "timeout_ns", "aux"),
@@ -90,6 +95,8 @@ def argtypes(kernel: str, layout: BufferLayout) -> tuple:
         base, _, view = n.partition(":")
         if base in CALLER_ARRAYS:
             dtype, ndim = CALLER_ARRAYS[base]
+        elif base in RUNTIME_ARRAYS:
+            dtype, ndim = RUNTIME_ARRAYS[base]
         elif base in FORMAT_REGIONS and base not in {r.name for r in layout.regions}:
             dtype, ndim = FORMAT_REGIONS[base]
         else:

@@ -14,6 +14,7 @@ runs synchronously), after which the runtime refuses calls until :meth:`reset`.
 from __future__ import annotations
 
 import itertools
+import os
 from enum import Enum
 
 import numpy as np
@@ -43,6 +44,12 @@ GPU_THREADS = 512
 SIM_THREADS = 8
 # A routing chunk is a block's worth of tokens; the layout sizes the chunk histograms for the smallest.
 assert min(GPU_THREADS, SIM_THREADS) >= ROUTE_CHUNK_MIN
+#: Environment variable: ``0`` (or ``off``) makes dispatch_async, combine_async and
+#: combine_async_rows send through NVSHMEM puts instead of storing into peers' heaps through
+#: their NVLink mappings (read when a runtime is built; the stores are used only where every
+#: PE's heap is mapped, ``Session.peer_addresses``).
+PEER_STORES_ENV = "EP_RUNTIME_PEER_STORES"
+
 #: Blocks per kernel in the simulator when EPConfig.n_sms is None (more than one, so the
 #: block scheduling and the last-block ticket are exercised).
 SIM_BLOCKS = 2
@@ -109,6 +116,7 @@ class EPRuntime:
                      for name, v in regions.items()}
         for name in {n for args in KERNEL_ARGS.values() for n in args if ":" in n}:
             self._arg[name] = session.as_kernel_arg(region_view(regions[name.partition(":")[0]], name))
+        self.peer_stores = self._peer_bases(session)
         self._partial = partial_dtype(cfg)  # uint16 (bf16 bits) or float32
         self._f32_partials = self._partial == np.float32
         self._kernels = _kernels_for(self._threads, self._word, self._fmt.quantized,
@@ -453,6 +461,22 @@ class EPRuntime:
                    _State.COMBINE_SENT: "combine_wait"}[self._state]
             raise EPStateError(f"rank {self.rank}: {call} called out of order: the runtime is in state "
                                f"'{self._state.value}' and expects {nxt} next.")
+
+    def _peer_bases(self, session: Session) -> bool:
+        """Set the ``peer_bases`` / ``peer_stores`` kernel arguments (kernel_args.RUNTIME_ARRAYS):
+        the address of ``dispatch_tokens`` and ``combine_partials`` on every PE as mapped here.
+        Returns whether the kernels store into peers' heaps directly: every PE's heap mapped and
+        ``EP_RUNTIME_PEER_STORES`` not ``0``."""
+        table = np.zeros((2, self.cfg.n_ranks), np.uint64)
+        wanted = os.environ.get(PEER_STORES_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+        bases = session.peer_addresses(self._sym) if wanted else None  # the allocation: NVSHMEM tracks it
+        on = bases is not None
+        if on:
+            for row, name in enumerate(("dispatch_tokens", "combine_partials")):
+                table[row] = [base + self.layout.region(name).offset for base in bases]
+        self._arg["peer_bases"] = session.as_kernel_arg(session.to_device(table))
+        self._arg["peer_stores"] = np.int64(on)
+        return on
 
     def _launch(self, name, epilogue=None, **values):
         """Enqueue kernel ``name`` with the region arrays and the given ``values``."""

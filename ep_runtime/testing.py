@@ -84,6 +84,23 @@ def linear_experts(batch_x: np.ndarray, row_offsets: np.ndarray, n_local: int, r
     return y.astype(BF16)
 
 
+#: bf16 quiet NaN: :func:`expert_outputs` writes it on every row combine must never read, so a
+#: read of one poisons the output.
+POISON_BF16 = 0x7FC0
+
+
+def expert_outputs(cfg: EPConfig, batch, rank: int) -> np.ndarray:
+    """The expert outputs a test passes to combine: [capacity, H] bf16 bits, ``linear_experts``
+    of the rows of ``batch`` (a :class:`~ep_runtime.reference.ExpertBatchRef` of ``rank``: their
+    bf16 values, or the E4M3 codes as numbers in an FP8 format), :data:`POISON_BF16` on padding
+    rows and on every row past the batch."""
+    y = np.full((cfg.recv_rows_capacity, cfg.hidden), POISON_BF16, np.uint16)
+    n = batch.n_rows
+    y[:n] = linear_experts(batch.x, batch.row_offsets, cfg.n_local_experts, rank).view(np.uint16)
+    y[:n][batch.src_rank < 0] = POISON_BF16
+    return y
+
+
 def describe_row(x_row: np.ndarray) -> str:
     """Where a token row came from, read from its encoded columns."""
     v = x_row[:3].astype(np.float32)

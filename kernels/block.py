@@ -232,9 +232,12 @@ def part_bounds(item, parts, span, W):
 @cuda.jit(device=True)
 def local_expert_count(ids, L, me):
     """How many of a token's expert ids (``ids`` [K] int32) belong to rank ``me`` (``L`` local
-    experts per rank)."""
+    experts per rank): ids in ``[me * L, me * L + L)``, two comparisons each (no division)."""
+    lo = me * L
+    hi = lo + L
     n = 0
     for k in range(ids.shape[0]):
-        if ids[k] // L == me:
+        x = ids[k]
+        if x >= lo and x < hi:
             n += 1
     return n

@@ -18,17 +18,20 @@ import numpy as np
 from numba import float32, from_dtype, int32, int64, uint64
 
 from ep_runtime.kernels import shmem
-from ep_runtime.kernels.bits import bf16_bits_at, f32_bits_at, f32_word_at, word_f32
+from ep_runtime.kernels.bits import bf16_bits_at, f32_bits_at, f32_to_bf16, f32_word_at, word_f32
 from ep_runtime.kernels.block import (last_block_ticket, local_expert_count, part_bounds, part_words,
                                       record_error, row_parts, warp_geometry, warp_sync)
 from ep_runtime.kernels.cuda_api import cuda, kernel_jit
+from ep_runtime.kernels.vec import (address_of, load_pair, make_pair_loops, pack_bf16x2, pack_bf16x4, pack_f32x2,
+                                   pairs_aligned, store_pair, store_pair_at)
 from ep_runtime.layout import STATUS_CODE, SYNC_CALLS
 from ep_runtime.status import COUNTER_COMBINE_SIGNAL, ERR_TIMEOUT, KERNEL_COMBINE_WAIT
 
 #: Words of a row each lane loads before using any of them (memory-level parallelism: with
 #: 8-byte words, 64 bytes per lane and 32 KB per 512-thread block in flight per row read).
 #: combine_async reads a token's expert rows one after another, combine_wait its ranks'
-#: partials; within each row the U loads are independent.
+#: partials; within each row the U loads are independent. Where rows allow it they move as
+#: word pairs (``kernels/vec.py``: one 16-byte access each for uint64 words), U / 2 pairs.
 WORDS_IN_FLIGHT = 8
 
 #: combine_wait modes
@@ -80,6 +83,43 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
     # (the same bytes and registers as bf16's U words), and its accumulators
     UW = U // P
     ACCW = UW * pack
+    UP = U // 2  # word pairs per lane in flight (pair loops)
+    # stores through peers' NVLink mappings move uint64 words (16-byte pairs): 4 bf16 values or
+    # 2 float32 partials a word
+    PEER_WORDS = pack == 4
+    UPW = UP // P  # combine_wait's token-word pairs per pass: UP partial-word pairs in flight
+    load_pairs, store_pairs, store_pairs_at = make_pair_loops(UP, warp)
+
+    @cuda.jit(device=True)
+    def rounded_word(acc, b):
+        """The token word of bf16 values rounded from acc[b .. b + pack - 1] (element 0 in the
+        low bits)."""
+        if pack == 4:
+            return word_t(pack_bf16x4(acc[b], acc[b + 1], acc[b + 2], acc[b + 3]))
+        if pack == 2:
+            return word_t(pack_bf16x2(acc[b], acc[b + 1]))
+        return word_t(f32_to_bf16(acc[b]))
+
+    @cuda.jit(device=True)
+    def store_partial_pair(dst, wu, acc, b):
+        """Store the partials of token words wu, wu + 1 (acc[b .. b + 2 pack - 1]) into the
+        partial row ``dst``: rounded to bf16 (one word pair), or float32 unrounded (``F32``:
+        partial words 2 wu .. 2 wu + 3, two pairs)."""
+        if F32:
+            store_pair(dst, 2 * wu, pack_f32x2(acc[b], acc[b + 1]), pack_f32x2(acc[b + 2], acc[b + 3]))
+            store_pair(dst, 2 * wu + 2, pack_f32x2(acc[b + 4], acc[b + 5]), pack_f32x2(acc[b + 6], acc[b + 7]))
+        else:
+            store_pair(dst, wu, rounded_word(acc, b), rounded_word(acc, b + pack))
+
+    @cuda.jit(device=True)
+    def store_partial_pair_at(row, wu, acc, b):
+        """As ``store_partial_pair``, into the partial row at address ``row`` (a peer's, through
+        its NVLink mapping; uint64 words)."""
+        if F32:
+            store_pair_at(row, 2 * wu, pack_f32x2(acc[b], acc[b + 1]), pack_f32x2(acc[b + 2], acc[b + 3]))
+            store_pair_at(row, 2 * wu + 2, pack_f32x2(acc[b + 4], acc[b + 5]), pack_f32x2(acc[b + 6], acc[b + 7]))
+        else:
+            store_pair_at(row, wu, uint64(rounded_word(acc, b)), uint64(rounded_word(acc, b + pack)))
 
     @cuda.jit(device=True)
     def publish_partials(ticket, flag, c_signal, g, me, n, R):
@@ -94,28 +134,35 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
 
     @kernel_jit(threads)
     def combine_async(expert_out, d_ids, d_counts, c_partials, c_signal,
-                      sync, token_rows, row_weight, stage, ticket, status):
+                      sync, token_rows, row_weight, stage, ticket, status, peer_bases, peer_stores):
         """Weight and pre-reduce the expert outputs per token, send each partial home, signal.
 
         expert_out [>= rows, W] words, row-aligned with the last expert batch.
         Symmetric: d_ids [G, R, Tmax, K], d_counts [G, R, L + 1] (group g of the last call),
         c_partials [G, R, Tmax, P W] partial words, c_signal [G, R] uint64. Local: sync (calls),
         token_rows [R, Tmax, K], row_weight [C] float32, stage [R, Tmax, P W] partial words,
-        ticket [1] int64, status [8] int64.
+        ticket [1] int64, status [8] int64. peer_bases [2, R] uint64: row 1 the address of
+        c_partials on each PE as mapped here, used when peer_stores (int64) is nonzero.
 
         A warp per item, part of token (src, t)'s row (``row_parts`` over the W token words:
         whole rows for large batches), U words per lane in flight: partial = sum over the
         token's local experts in ascending order of weight * output, in float32 from 0,
         rounded to bf16 (or kept float32: token word w becomes partial words P w .. P w + P - 1).
         A partial for this rank's own token is stored straight into its slot [g, me, t]; one
-        for a peer is staged in stage[src, t] and its partial words [P w0, P w1) put
-        (``put_nbi_warp``) to slot [g, me, t] of rank src. Tokens that hit no local expert send
+        for a peer goes to slot [g, me, t] of rank src: with peer_stores (uint64 words, word
+        pairs), stored there through its NVLink mapping; otherwise staged in stage[src, t] and
+        its partial words [P w0, P w1) put (``put_nbi_warp``). Tokens that hit no local expert send
         nothing. The last block (ticket) signals n + 1 to every rank after every block's puts
         and stores completed.
         """
         flag = cuda.shared.array(1, int32)
         acc = cuda.local.array(ACC, float32)
         vals = cuda.local.array(U, word_t)
+        lo = cuda.local.array(UP, word_t)
+        hi = cuda.local.array(UP, word_t)
+        for u in range(UP):  # lanes past a row's end sum these (never stored): keep them finite
+            lo[u] = 0
+            hi[u] = 0
         if status[STATUS_CODE] != 0:
             return
         me = shmem.my_pe()
@@ -127,6 +174,8 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
         n = sync[SYNC_CALLS] - 1
         g = n % 2
         all_warps = cuda.gridDim.x * warps
+        pairs = W % 2 == 0 and pairs_aligned(expert_out) and pairs_aligned(stage) and pairs_aligned(c_partials)
+        direct = PEER_WORDS and pairs and peer_stores != 0
 
         for s in range(R):
             T_s = d_counts[g, s, L]
@@ -138,8 +187,31 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
                 n_local = local_expert_count(d_ids[g, s, t], L, me)
                 if n_local > 0 and w0 < w1:
                     dst = c_partials[g, me, t] if s == me else stage[s, t]
+                    to_peer = direct and s != me
+                    peer_row = uint64(0)
+                    if to_peer:  # slot [g, me, t] of rank s: the same offset on every PE
+                        peer_row = peer_bases[1, s] + (address_of(c_partials[g, me, t]) - address_of(c_partials))
+                    w = w0 + 2 * lane
+                    while pairs and w < w1:  # UP word pairs per lane: every row's loads issued before use
+                        for x in range(U * pack):
+                            acc[x] = float32(0.0)
+                        for j in range(n_local):
+                            r = token_rows[s, t, j]
+                            weight = row_weight[r]
+                            load_pairs(expert_out[r], w, w1, lo, hi)
+                            for u in range(UP):
+                                for x in range(pack):
+                                    acc[2 * u * pack + x] += weight * word_f32(lo[u], x)
+                                    acc[(2 * u + 1) * pack + x] += weight * word_f32(hi[u], x)
+                        for u in range(UP):
+                            if w + 2 * u * warp < w1:
+                                if to_peer:
+                                    store_partial_pair_at(peer_row, w + 2 * u * warp, acc, 2 * u * pack)
+                                else:
+                                    store_partial_pair(dst, w + 2 * u * warp, acc, 2 * u * pack)
+                        w += 2 * UP * warp
                     w = w0 + lane
-                    while w < w1:  # U words per lane: every row's loads issued before they are used
+                    while not pairs and w < w1:  # U words per lane: every row's loads issued before use
                         for x in range(U * pack):
                             acc[x] = float32(0.0)
                         for j in range(n_local):
@@ -164,7 +236,7 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
                                         packed |= bf16_bits_at(acc[u * pack + x], x)
                                     dst[w + u * warp] = word_t(packed)
                         w += U * warp
-                    if s != me:
+                    if s != me and not to_peer:
                         warp_sync()  # the whole staged part is written before the warp's put
                         if F32:
                             shmem.put_nbi_warp(c_partials[g, me, t, 2 * w0:2 * w1], stage[s, t, 2 * w0:2 * w1], s)
@@ -175,7 +247,8 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
         publish_partials(ticket, flag, c_signal, g, me, n, R)
 
     @kernel_jit(threads)
-    def combine_async_rows(expert_out, d_ids, d_counts, c_partials, c_signal, sync, ticket, status):
+    def combine_async_rows(expert_out, d_ids, d_counts, c_partials, c_signal, sync, ticket, status, peer_bases,
+                           peer_stores):
         """Compact layout: send the caller's per-(source, token) rows home as the partials.
 
         expert_out [R * Tmax, P W] partial words (bf16, or float32 with ``f32_partials``): row
@@ -186,12 +259,19 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
         copied unchanged, so the kernel is the same for either partial format.
 
         A warp per item (part of a row, ``row_parts``): a row for this rank is copied into
-        its own slot [g, me, t], U words per lane in flight; a row for a peer is put
-        (``put_nbi_warp``) straight from expert_out to slot [g, me, t] of rank s (no staging).
+        its own slot [g, me, t], U words per lane in flight; a row for a peer goes straight from
+        expert_out to slot [g, me, t] of rank s (no staging): with peer_stores (peer_bases row 1,
+        as in combine_async; uint64 words) as 16-byte stores through its NVLink mapping,
+        otherwise ``put_nbi_warp``.
         The last block (ticket) signals n + 1 to every rank.
         """
         flag = cuda.shared.array(1, int32)
         vals = cuda.local.array(U, word_t)
+        lo = cuda.local.array(UP, word_t)
+        hi = cuda.local.array(UP, word_t)
+        for u in range(UP):  # lanes past a row's end sum these (never stored): keep them finite
+            lo[u] = 0
+            hi[u] = 0
         if status[STATUS_CODE] != 0:
             return
         me = shmem.my_pe()
@@ -199,6 +279,8 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
         L = d_counts.shape[2] - 1
         Tmax = d_ids.shape[2]
         W = c_partials.shape[3]
+        pairs = W % 2 == 0 and pairs_aligned(expert_out) and pairs_aligned(c_partials)
+        direct = PEER_WORDS and pairs and peer_stores != 0
         tid = cuda.threadIdx.x
         lane = tid % warp
         n = sync[SYNC_CALLS] - 1
@@ -214,10 +296,22 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
                 t, w0, w1 = part_bounds(i, parts, span, W)
                 if w0 < w1 and local_expert_count(d_ids[g, s, t], L, me) > 0:
                     src = expert_out[s * Tmax + t]
-                    if s == me:
-                        dst = c_partials[g, me, t]
-                        w = w0 + lane
+                    if s != me and direct:  # UP pairs per lane in flight, stored through the mapping
+                        peer_row = peer_bases[1, s] + (address_of(c_partials[g, me, t]) - address_of(c_partials))
+                        w = w0 + 2 * lane
                         while w < w1:
+                            load_pairs(src, w, w1, lo, hi)
+                            store_pairs_at(peer_row, w, w1, lo, hi)
+                            w += 2 * UP * warp
+                    elif s == me:
+                        dst = c_partials[g, me, t]
+                        w = w0 + 2 * lane
+                        while pairs and w < w1:
+                            load_pairs(src, w, w1, lo, hi)
+                            store_pairs(dst, w, w1, lo, hi)
+                            w += 2 * UP * warp
+                        w = w0 + lane
+                        while not pairs and w < w1:
                             for u in range(U):
                                 if w + u * warp < w1:
                                     vals[u] = src[w + u * warp]
@@ -250,6 +344,11 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
         flag = cuda.shared.array(1, int32)
         acc = cuda.local.array(ACCW, float32)
         vals = cuda.local.array(U, word_t)
+        lo = cuda.local.array(UP, word_t)
+        hi = cuda.local.array(UP, word_t)
+        for u in range(UP):  # lanes past a row's end sum these (never stored): keep them finite
+            lo[u] = 0
+            hi[u] = 0
         if status[STATUS_CODE] != 0:
             return
         me = shmem.my_pe()
@@ -257,6 +356,7 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
         L = d_counts.shape[2] - 1
         K = d_ids.shape[3]
         W = c_partials.shape[3] // 2 if F32 else c_partials.shape[3]  # token words
+        pairs = W % 2 == 0 and pairs_aligned(out) and pairs_aligned(c_partials)
         tid = cuda.threadIdx.x
         lane = tid % warp
         n = sync[SYNC_CALLS] - 1
@@ -287,8 +387,46 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
             for k in range(K):
                 went |= uint64(1) << uint64(d_ids[g, me, t, k] // L)
             if mode == MODE_REDUCE:
+                orow = out[t]
+                w = w0 + 2 * lane
+                while pairs and w < w1:  # UP partial-word pairs per lane: each rank's loads issued before use
+                    for x in range(2 * UPW * pack):
+                        acc[x] = float32(0.0)
+                    for r in range(R):
+                        if (went >> uint64(r)) & uint64(1):
+                            src = c_partials[g, r, t]
+                            for u in range(UPW):
+                                wu = w + 2 * u * warp
+                                if wu < w1:
+                                    if F32:  # token words wu, wu + 1: partial words 2 wu .. 2 wu + 3
+                                        pair = load_pair(src, 2 * wu)
+                                        lo[2 * u] = pair[0]
+                                        hi[2 * u] = pair[1]
+                                        pair = load_pair(src, 2 * wu + 2)
+                                        lo[2 * u + 1] = pair[0]
+                                        hi[2 * u + 1] = pair[1]
+                                    else:
+                                        pair = load_pair(src, wu)
+                                        lo[u] = pair[0]
+                                        hi[u] = pair[1]
+                            for u in range(UPW):
+                                for x in range(pack):
+                                    if F32:
+                                        acc[2 * u * pack + x] += f32_word_at(lo[2 * u] if x < 2 else hi[2 * u], x % 2)
+                                        acc[(2 * u + 1) * pack + x] += f32_word_at(
+                                            lo[2 * u + 1] if x < 2 else hi[2 * u + 1], x % 2)
+                                    else:
+                                        acc[2 * u * pack + x] += word_f32(lo[u], x)
+                                        acc[(2 * u + 1) * pack + x] += word_f32(hi[u], x)
+                    for u in range(UPW):
+                        wu = w + 2 * u * warp
+                        if wu < w1:
+                            for x in range(2 * pack):
+                                acc[2 * u * pack + x] = epilogue(acc[2 * u * pack + x], t, wu * pack + x, aux)
+                            store_pair(orow, wu, rounded_word(acc, 2 * u * pack), rounded_word(acc, (2 * u + 1) * pack))
+                    w += 2 * UPW * warp
                 w = w0 + lane
-                while w < w1:  # U partial words per lane: each rank's loads issued before they are used
+                while not pairs and w < w1:  # U partial words per lane: each rank's loads issued before use
                     for x in range(UW * pack):
                         acc[x] = float32(0.0)
                     for r in range(R):

@@ -18,22 +18,37 @@ from ep_runtime.kernels.block import (block_sum, last_block_ticket, local_expert
                                       warp_geometry, warp_sum, warp_sync)
 from ep_runtime.kernels.cuda_api import cuda, kernel_jit
 from ep_runtime.kernels.token_codec import BLOCK_WORDS, CODE_WORDS, make_token_codec
+from ep_runtime.kernels.vec import address_of, make_pair_loops, pairs_aligned
 from ep_runtime.layout import ROUTE_CHUNK_MIN, STATUS_CODE, SYNC_CALLS, SYNC_TICKET
 from ep_runtime.status import (COUNTER_DISPATCH_SIGNAL, COUNTER_RECV_ROWS, ERR_CAPACITY, ERR_TIMEOUT,
                                KERNEL_DISPATCH_WAIT)
 
 #: Words of a row each lane loads before storing any in dispatch_copy (memory-level
-#: parallelism: 64 bytes per lane, 32 KB per 512-thread block in flight).
+#: parallelism: 64 bytes per lane, 32 KB per 512-thread block in flight); as word pairs
+#: (``kernels/vec.py``) where rows allow it, ``COPY_UNROLL // 2`` pairs.
 COPY_UNROLL = 8
 
 
-def route_chunk_tokens(threads: int) -> int:
-    """Tokens per routing chunk for blocks of ``threads`` threads: a block's worth, and at
-    least two warps' worth, so dispatch_wait's warp walks a chunk in more than one step on every
-    backend (512 on a GPU; 16 in the simulator, whose 8-thread blocks are one warp). At least
-    :data:`ep_runtime.layout.ROUTE_CHUNK_MIN`, which the layout sizes the histograms for."""
+#: Routing chunks per source rank, at most. A source's T tokens are cut into chunks of
+#: ``chunk_tokens(T)`` tokens (:func:`make_dispatch_kernels`): about T / ROUTE_CHUNKS, rounded
+#: up to whole warps and at least two warps, so dispatch_wait has L x R x ROUTE_CHUNKS walks
+#: (2,048 for 128 local experts and 2 ranks: one per warp of a 132 x 16-warp grid) whatever
+#: the batch size, each at most T / ROUTE_CHUNKS tokens long, and the sender's totals are sums
+#: of at most ROUTE_CHUNKS histogram rows. (Chunks of a fixed 512 tokens left a T=128 batch
+#: 256 walks of 4 steps; fixed 64-token chunks gave T=4096 64 histogram rows to sum.)
+ROUTE_CHUNKS = 8
+
+
+def route_chunk_tokens(threads: int, n_tokens: int) -> int:
+    """Tokens per routing chunk of a source that sends ``n_tokens`` tokens, for blocks of
+    ``threads`` threads: ``ceil(n_tokens / ROUTE_CHUNKS)`` rounded up to whole warps, and at
+    least two warps, so dispatch_wait's warp walks a chunk in steps of a warp (more than one
+    step where a chunk is minimal, on every backend: the simulator's 8-thread blocks are one
+    warp). Always more than :data:`ep_runtime.layout.ROUTE_CHUNK_MIN`, which the layout sizes
+    the histograms for. The host-side twin of the kernels' ``chunk_tokens``."""
     warp, _ = warp_geometry(threads)
-    return max(threads, 2 * warp, ROUTE_CHUNK_MIN)
+    per = -(-int(n_tokens) // ROUTE_CHUNKS)
+    return max(-(-per // warp) * warp, 2 * warp, ROUTE_CHUNK_MIN)
 
 
 def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = False):
@@ -46,7 +61,15 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
     encode_blocks, store_scales = make_token_codec(warp, bool(ue8m0))
     SB = 1 if ue8m0 else 4  # scale bytes per 128-element block
     U = COPY_UNROLL
-    CHUNK = route_chunk_tokens(threads)
+    UP = U // 2  # word pairs per lane in flight
+    load_pairs, store_pairs, store_pairs_at = make_pair_loops(UP, warp)
+    NCH = ROUTE_CHUNKS
+
+    @cuda.jit(device=True)
+    def chunk_tokens(n_tokens):
+        """Tokens per routing chunk of a source sending ``n_tokens`` (``route_chunk_tokens``)."""
+        per = (n_tokens + NCH - 1) // NCH
+        return max((per + warp - 1) // warp * warp, 2 * warp)
 
     @cuda.jit(device=True)
     def expert_rows(d_counts, g, e):
@@ -59,22 +82,30 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
     @cuda.jit(device=True)
     def padded(rows, pad_multiple):
         """``rows`` rounded up to a multiple of ``pad_multiple`` (an expert's segment size)."""
+        if pad_multiple == 1:
+            return rows
         return (rows + pad_multiple - 1) // pad_multiple * pad_multiple
+
+    @cuda.jit(device=True)
+    def experts_below(d_counts, g, e, pad_multiple, lane):
+        """One lane's share of the padded row counts of the local experts below ``e`` (the
+        warp's lanes take every ``warp``-th expert; their sum is ``e``'s first batch row)."""
+        part = int64(0)
+        for e2 in range(lane, e, warp):
+            part += padded(expert_rows(d_counts, g, e2), pad_multiple)
+        return part
 
     @cuda.jit(device=True)
     def expert_row_offset(d_counts, g, e, pad_multiple, lane, sum_buf):
         """Every lane of a warp: the first batch row of local expert ``e``, the padded row
         counts of the experts before it summed over the warp (d_counts group ``g``)."""
-        part = int64(0)
-        for e2 in range(lane, e, warp):
-            part += padded(expert_rows(d_counts, g, e2), pad_multiple)
-        return warp_sum(part, sum_buf)
+        return warp_sum(experts_below(d_counts, g, e, pad_multiple, lane), sum_buf)
 
     @kernel_jit(threads)
     def dispatch_async(tokens, topk_ids, topk_weights, valid_tokens, use_valid,
                        d_tokens, d_ids, d_weights, d_counts, d_hist, d_signal,
                        sync, send_hist, send_counts, status,
-                       token_scales, prequantized, stage64, stage32, stage8, d_tokens8):
+                       token_scales, prequantized, stage64, stage32, stage8, d_tokens8, peer_bases, peer_stores):
         """Send this rank's tokens, once per destination rank, and signal each destination.
 
         tokens [Tc, W] words, topk_ids [Tc, K] int32, topk_weights [Tc, K] float32: this rank's
@@ -87,23 +118,29 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         (empty otherwise): token_scales [Tc, S * SB] uint8 (the caller's scales' bytes, when
         prequantized, int64, is nonzero: then tokens are [Tc, P] code words), the message stage
         [Tmax, MW] as uint64, uint32 and uint8 views (stage64/32/8); d_tokens is then [G, R,
-        Tmax, MW] messages, d_tokens8 their uint8 view.
+        Tmax, MW] messages, d_tokens8 their uint8 view. peer_bases [2, R] uint64: row 0 the
+        address of d_tokens on each PE as mapped here (``Session.peer_addresses``), used when
+        peer_stores (int64) is nonzero.
 
         (1) Each warp takes items (grid-strided): part of token row t (``row_parts``: whole rows
         for large batches) and puts it into slot [g, me, t] of every rank that holds one of the
-        token's experts (``put_nbi_warp``: a warp-wide copy). In an FP8 format a part is a run
+        token's experts: with peer_stores (bf16 rows of uint64 words), 16-byte stores through
+        the NVLink mappings, each word pair loaded once for all destinations; otherwise
+        ``put_nbi_warp`` (a warp-wide copy) per destination. In an FP8 format a part is a run
         of 128-element blocks: the warp encodes it into stage row t (``encode_blocks``), then
         puts its codes and its scale bytes (pre-quantized input: straight from the caller's
         arrays, no stage); the message's padding is never sent.
-        (2) Each block takes routing chunks of ``CHUNK`` tokens (:func:`route_chunk_tokens`):
-        puts their routing rows to every rank, counts the chunk's tokens per expert into send_hist[:, c] and puts each
-        rank its experts' row of that histogram (dispatch_wait places a chunk's tokens from
-        it, with no scan over other chunks). (3) The last block (ticket) puts each rank its
-        counts (the histograms' sums) with a signal of n + 1 (every block quieted its puts
-        first: data before signal), resets the scratch and advances the call counter. Nobody
-        waits.
+        (2) Each block takes routing chunks of ``chunk_tokens(T)`` tokens (at most
+        ``ROUTE_CHUNKS`` of them): puts their routing rows to every rank, counts the chunk's
+        tokens per expert into send_hist[:, c] and puts each rank its experts' row of that
+        histogram (dispatch_wait places a chunk's tokens from it, with no scan over other
+        chunks). (3) The last block (ticket) puts each rank its counts (the histograms' sums)
+        with a signal of n + 1 (every block quieted its puts first: data before signal), resets
+        the scratch and advances the call counter. Nobody waits.
         """
         flag = cuda.shared.array(1, int32)
+        lo = cuda.local.array(UP, uint64)
+        hi = cuda.local.array(UP, uint64)
         if status[STATUS_CODE] != 0:
             return  # an earlier call failed: send nothing, so peers time out naming this rank
         me = shmem.my_pe()
@@ -156,23 +193,38 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
             T_parts = T
         parts = row_parts(T_parts, W, all_warps, warp)
         span = part_words(W, parts, warp)
+        direct = (peer_stores != 0 and tokens.itemsize == 8 and W % 2 == 0 and pairs_aligned(tokens)
+                  and pairs_aligned(d_tokens))
+        lane = tid % warp
         i = cuda.blockIdx.x * warps + tid // warp
         while i < T_parts * parts:
             t, w0, w1 = part_bounds(i, parts, span, W)
             if w0 < w1:
-                sent = uint64(0)  # bit d: this part already went to rank d
+                sent = uint64(0)  # bit d: this part goes to rank d
                 for k in range(K):
                     d = topk_ids[t, k] // L
                     if (sent >> uint64(d)) & uint64(1) == uint64(0):
                         sent |= uint64(1) << uint64(d)
-                        shmem.put_nbi_warp(d_tokens[g, me, t, w0:w1], tokens[t, w0:w1], d)
+                        if not direct:
+                            shmem.put_nbi_warp(d_tokens[g, me, t, w0:w1], tokens[t, w0:w1], d)
+                if direct:  # UP word pairs per lane loaded once, stored to every destination
+                    src = tokens[t]
+                    slot = address_of(d_tokens[g, me, t]) - address_of(d_tokens)  # the same on every PE
+                    w = w0 + 2 * lane
+                    while w < w1:
+                        load_pairs(src, w, w1, lo, hi)
+                        for d in range(R):
+                            if (sent >> uint64(d)) & uint64(1):
+                                store_pairs_at(peer_bases[0, d] + slot, w, w1, lo, hi)
+                        w += 2 * UP * warp
             i += all_warps
 
         # (2) routing rows to every rank, and each routing chunk's per-expert histogram
+        chunk = chunk_tokens(T)
         c = sched_initial(cuda.blockIdx.x)
-        while c * CHUNK < T:
-            t0 = c * CHUNK
-            t1 = min(t0 + CHUNK, T)
+        while c * chunk < T:
+            t0 = c * chunk
+            t1 = min(t0 + chunk, T)
             for d in range(R):
                 shmem.put_nbi_block(d_ids[g, me, t0:t1], topk_ids[t0:t1], d)
                 shmem.put_nbi_block(d_weights[g, me, t0:t1], topk_weights[t0:t1], d)
@@ -188,7 +240,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
 
         # (3) the last block publishes counts with the signal, then resets for the next call
         if last_block_ticket(sync[SYNC_TICKET:SYNC_TICKET + 1], flag):
-            chunks = (T + CHUNK - 1) // CHUNK
+            chunks = (T + chunk - 1) // chunk
             for i in range(tid, R * (L + 1), threads):
                 d = i // (L + 1)
                 j = i - d * (L + 1)
@@ -219,7 +271,8 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         """Wait for every source rank, then place every received (token, local expert) pair.
 
         Symmetric inputs as in dispatch_async (group g of the last call); d_hist [G, R, NC, L]
-        int32: per source, tokens of each routing chunk (``CHUNK`` tokens) per local expert.
+        int32: per source, tokens of each routing chunk (``chunk_tokens(T_s)`` tokens) per
+        local expert.
         Outputs (local): row_offsets [L + 1] int32, expert_counts [L] int32, row_src_rank /
         row_src_token / row_src_k [C] int32, row_weight [C] float32, row_gather [C] int32 (the
         row's slot in the receive buffer, ``src * Tmax + t``: the compact layout's gather
@@ -302,32 +355,38 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
             e += all_warps
 
         # (b) a warp per (local expert, source, routing chunk): the chunk's hits in token order
-        chunks = (Tmax + CHUNK - 1) // CHUNK
+        first_mine = me * L  # global id of local expert 0
         i = first_warp
-        while i < L * R * chunks:
-            e = i // (R * chunks)
-            s = (i - e * R * chunks) // chunks
-            c = i - (e * R + s) * chunks
+        while i < L * R * NCH:
+            e = i // (R * NCH)
+            s = (i - e * R * NCH) // NCH
+            c = i - (e * R + s) * NCH
             T_s = d_counts[g, s, L]
-            t0 = c * CHUNK
+            chunk = chunk_tokens(T_s)
+            t0 = c * chunk
             if t0 < T_s and d_hist[g, s, c, e] > 0:
-                row = expert_row_offset(d_counts, g, e, pad_multiple, lane, sum_buf)
-                for s2 in range(s):
-                    row += d_counts[g, s2, e]
-                for c2 in range(c):
-                    row += d_hist[g, s, c2, e]
-                e_global = me * L + e
-                t1 = min(t0 + CHUNK, T_s)
+                # first row: the padded rows of experts < e, e's rows from sources < s and from
+                # chunks < c of source s; the lanes sum their shares, one warp reduction
+                part = experts_below(d_counts, g, e, pad_multiple, lane)
+                for s2 in range(lane, s, warp):
+                    part += d_counts[g, s2, e]
+                for c2 in range(lane, c, warp):
+                    part += d_hist[g, s, c2, e]
+                row = warp_sum(part, sum_buf)
+                e_global = first_mine + e
+                ids_s = d_ids[g, s]
+                t1 = min(t0 + chunk, T_s)
                 for tb in range(t0, t1, warp):
                     t = tb + lane
                     k_hit = -1
                     j = 0  # rank of e among the token's local experts (ascending)
                     if t < t1:
+                        ids_t = ids_s[t]
                         for k in range(K):
-                            x = d_ids[g, s, t, k]
+                            x = ids_t[k]
                             if x == e_global:
                                 k_hit = k
-                            elif x // L == me and x < e_global:
+                            elif x >= first_mine and x < e_global:  # a local expert below e
                                 j += 1
                     below, hits = warp_exclusive_count(k_hit >= 0, scan_buf)
                     if k_hit >= 0:
@@ -363,6 +422,8 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         scales_col_major, int64, is nonzero; ``store_scales``); padding rows get zero scales.
         """
         vals = cuda.local.array(U, uint64)
+        lo = cuda.local.array(UP, uint64)
+        hi = cuda.local.array(UP, uint64)
         if status[STATUS_CODE] != 0:
             return
         me = shmem.my_pe()
@@ -370,6 +431,8 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         L = d_counts.shape[2] - 1
         W = expert_x.shape[1]
         C = expert_x.shape[0]
+        # rows as word pairs (one 16-byte access for uint64 words) when every row starts aligned
+        pairs = W % 2 == 0 and d_tokens.shape[3] % 2 == 0 and pairs_aligned(d_tokens) and pairs_aligned(expert_x)
         SBYTES = expert_scales8.shape[0] // C if C > 0 else 0  # scale bytes per row (FP8 formats)
         n = sync[SYNC_CALLS] - 1
         g = n % 2
@@ -386,8 +449,14 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                 t, w0, w1 = part_bounds(i, parts, span, W)
                 n_local = local_expert_count(d_ids[g, s, t], L, me)
                 src = d_tokens[g, s, t]
+                w = w0 + 2 * lane
+                while pairs and w < w1:  # UP pairs per lane loaded before any is stored (w0, w1 even)
+                    load_pairs(src, w, w1, lo, hi)
+                    for j in range(n_local):
+                        store_pairs(expert_x[token_rows[s, t, j]], w, w1, lo, hi)
+                    w += 2 * UP * warp
                 w = w0 + lane
-                while w < w1:  # U words per lane loaded before any is stored
+                while not pairs and w < w1:  # U words per lane loaded before any is stored
                     for u in range(U):
                         if w + u * warp < w1:
                             vals[u] = src[w + u * warp]

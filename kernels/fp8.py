@@ -27,13 +27,27 @@ the kernels already have.
 Codes travel packed little-endian, code ``i`` of a word in bits ``8 i .. 8 i + 7`` (the bytes
 of a uint8 row): :func:`pack4` makes a uint32 of 4 codes, :func:`pack8` a uint64 of two of those,
 :func:`code_at` reads code ``i`` of a word.
+
+:func:`quantize4` encodes a bf16 token word (4 values) in a block of a given scale. On a GPU it
+converts with the hardware (``cvt.rn.satfinite.e4m3x2.f32``, sm_89 and later: round to nearest
+even, two values per instruction), which agrees with :func:`e4m3_bits` for every quotient of
+magnitude at most 464; a word with a larger (or NaN) quotient, possible only for a
+float32-subnormal scale, takes :func:`e4m3_bits` (the hardware saturates to 448 where ml_dtypes
+gives NaN). The software conversion was the encoder's cost: about a hundred instructions per
+element (docs/throughput.md, "v7"). In the simulator, :func:`quantize4` is :func:`e4m3_bits`.
 """
 
 from numba import float32, int32, uint32, uint64
 
 from ep_runtime.formats import E4M3_MAX, E4M3_NAN, UE8M0_NAN
-from ep_runtime.kernels.bits import bf16_to_f32, f32_bits
-from ep_runtime.kernels.cuda_api import cuda
+from ep_runtime.kernels.bits import bf16_to_f32, f32_bits, word_f32
+from ep_runtime.kernels.cuda_api import SIMULATED, cuda
+
+#: Largest quotient magnitude the hardware conversion rounds as ml_dtypes does (464 rounds to
+#: even, 448; above it ml_dtypes gives NaN, the hardware's satfinite 448).
+_HW_SAFE_MAX = 464.0
+#: Four NaN codes (a block with a NaN scale).
+_NAN4 = E4M3_NAN * 0x01010101
 
 #: float32 bits of 464.0, the tie between 448 and 480 (which E4M3 lacks): larger magnitudes
 #: (infinities and NaNs included, whose bits are larger still) convert to NaN.
@@ -190,5 +204,41 @@ def code_at(word, i):
     return uint32((uint64(word) >> uint64(8 * i)) & uint64(0xFF))
 
 
+@cuda.jit(device=True)
+def quantize4_software(word, scale):
+    """uint32 of the E4M3 codes of the four bf16 values of uint64 ``word`` in a block of scale
+    ``scale`` (:func:`e4m3_quantize` each, value 0 in the lowest byte)."""
+    return pack4(e4m3_quantize(word_f32(word, 0), scale), e4m3_quantize(word_f32(word, 1), scale),
+                 e4m3_quantize(word_f32(word, 2), scale), e4m3_quantize(word_f32(word, 3), scale))
+
+
+if SIMULATED:
+    quantize4 = quantize4_software
+else:
+    from ep_runtime.kernels.vec import f32_pair_conversion
+
+    #: E4M3 codes of lo (bits 0-7) and hi (8-15), saturated to +-448
+    _cvt_e4m3x2 = f32_pair_conversion("cvt.rn.satfinite.e4m3x2.f32", 16)
+
+    @cuda.jit(device=True)
+    def quantize4(word, scale):
+        """As :func:`quantize4_software`, with the hardware conversion: the four IEEE
+        quotients, then two ``cvt.rn.satfinite.e4m3x2.f32``. Bit-identical: a NaN scale gives
+        the NaN codes, and a word with a quotient beyond 464 in magnitude (or NaN) is converted
+        in software."""
+        if (f32_bits(scale) & uint32(0x7FFFFFFF)) > uint32(0x7F800000):
+            return uint32(_NAN4)
+        s = float32(scale)
+        q0 = word_f32(word, 0) / s
+        q1 = word_f32(word, 1) / s
+        q2 = word_f32(word, 2) / s
+        q3 = word_f32(word, 3) / s
+        lim = float32(_HW_SAFE_MAX)
+        if not (abs(q0) <= lim and abs(q1) <= lim and abs(q2) <= lim and abs(q3) <= lim):
+            return quantize4_software(word, scale)
+        return _cvt_e4m3x2(q0, q1) | (_cvt_e4m3x2(q2, q3) << uint32(16))
+
+
 __all__ = ["E4M3_MAX", "E4M3_NAN", "UE8M0_NAN", "e4m3_bits", "e4m3_value", "e4m3_quantize", "e4m3_scale",
-           "ue8m0_scale", "ue8m0_value", "bf16_abs_max", "pack4", "pack8", "code_at"]
+           "ue8m0_scale", "ue8m0_value", "bf16_abs_max", "pack4", "pack8", "code_at", "quantize4",
+           "quantize4_software"]

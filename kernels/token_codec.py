@@ -11,10 +11,10 @@ code), then padding to ``MW`` words (``TokenFormat.message_words``; never writte
 
 from numba import uint32, uint64
 
-from ep_runtime.kernels.bits import bf16_to_f32, f32_bits, word_f32
+from ep_runtime.kernels.bits import bf16_to_f32, f32_bits
 from ep_runtime.kernels.block import warp_max_u32
 from ep_runtime.kernels.cuda_api import cuda
-from ep_runtime.kernels.fp8 import bf16_abs_max, e4m3_quantize, e4m3_scale, pack4, ue8m0_scale
+from ep_runtime.kernels.fp8 import bf16_abs_max, e4m3_scale, quantize4, ue8m0_scale
 
 #: bf16 words (4 values each) per 128-element scale block.
 BLOCK_WORDS = 32
@@ -60,10 +60,7 @@ def make_token_codec(warp: int, ue8m0: bool):
                         scale = e4m3_scale(a)
                         code = f32_bits(scale)
                     for q in range(WPL):
-                        v = vals[u * WPL + q]
-                        stage32[t, b * BLOCK_WORDS + q * warp + lane] = pack4(
-                            e4m3_quantize(word_f32(v, 0), scale), e4m3_quantize(word_f32(v, 1), scale),
-                            e4m3_quantize(word_f32(v, 2), scale), e4m3_quantize(word_f32(v, 3), scale))
+                        stage32[t, b * BLOCK_WORDS + q * warp + lane] = quantize4(vals[u * WPL + q], scale)
                     if lane < SB:
                         stage8[t, PB + b * SB + lane] = (uint32(code) >> uint32(8 * lane)) & uint32(0xFF)
 

@@ -29,12 +29,10 @@ from ep_runtime.errors import EPConfigError
 from ep_runtime.layout import BufferLayout
 from ep_runtime.reference import BF16
 from ep_runtime.shmem.launch import run_pes
-from ep_runtime.testing import input_error_of, linear_experts, make_inputs
+from ep_runtime.testing import POISON_BF16, expert_outputs, input_error_of, linear_experts, make_inputs
 
 WORLD_SIZES = (2, 4)
 RUN_TIMEOUT_S = 300
-#: bf16 quiet NaN: expert outputs combine must never read (padding, rows past the batch).
-POISON_BF16 = 0x7FC0
 #: float32 quiet NaN: compact rows of tokens that did not come here.
 POISON_F32 = np.uint32(0x7FC00000).view(np.float32)
 #: float32 NaN with a payload: what reduce=False's output holds before the kernel writes it.
@@ -72,15 +70,6 @@ def cases(R: int) -> list:
 def inputs(cfg: EPConfig, scenario, seed, counts):
     return make_inputs(cfg, scenario, seed, None if counts is None else list(counts))
 
-
-def expert_outputs(cfg: EPConfig, ref: reference.ExpertBatchRef, rank: int) -> np.ndarray:
-    """[capacity, H] bf16 bits: ``linear_experts`` of the batch rows (their bf16 values, or the
-    E4M3 codes as numbers in an FP8 format), POISON_BF16 on padding rows and past the batch."""
-    y = np.full((cfg.recv_rows_capacity, cfg.hidden), POISON_BF16, np.uint16)
-    n = ref.n_rows
-    y[:n] = linear_experts(ref.x, ref.row_offsets, cfg.n_local_experts, rank).view(np.uint16)
-    y[:n][ref.src_rank < 0] = POISON_BF16
-    return y
 
 
 def compact_rows(cfg: EPConfig, xs, ids, rank: int) -> np.ndarray:

@@ -15,10 +15,9 @@ from ep_runtime import reference
 from ep_runtime.config import EPConfig
 from ep_runtime.reference import BF16
 from ep_runtime.shmem.launch import run_pes
-from ep_runtime.testing import input_error_of, linear_experts, make_inputs
+from ep_runtime.testing import POISON_BF16, input_error_of, make_inputs
+from ep_runtime.testing import expert_outputs as expanded_outputs
 
-#: bf16 quiet NaN: the compact combine input holds it on every row it must not read.
-POISON_BF16 = 0x7FC0
 RUN_TIMEOUT_S = 240
 BATCH_FIELDS = ("row_offsets", "expert_counts", "gather", "src_rank", "src_token", "src_k", "weight")
 
@@ -55,13 +54,6 @@ def compact_rows(cfg: EPConfig, xs, ids, rank: int) -> np.ndarray:
     rows[~defined] = POISON_BF16
     return rows
 
-
-def expanded_outputs(cfg: EPConfig, ref: reference.ExpertBatchRef, rank: int) -> np.ndarray:
-    y = np.full((cfg.recv_rows_capacity, cfg.hidden), POISON_BF16, np.uint16)
-    n = ref.n_rows
-    y[:n] = linear_experts(ref.x, ref.row_offsets, cfg.n_local_experts, rank).view(np.uint16)
-    y[:n][ref.src_rank < 0] = POISON_BF16
-    return y
 
 
 # -- per-rank body ------------------------------------------------------------------------------

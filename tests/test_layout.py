@@ -274,3 +274,23 @@ def test_capacity_follows_max_recv_rows_only_in_row_regions():
 
 def test_layout_is_pure():
     assert BufferLayout(SMALL).regions == BufferLayout(SMALL).regions
+
+
+@pytest.mark.parametrize("threads", [8, 32, 512])
+@pytest.mark.parametrize("max_tokens", [1, 7, 8, 16, 63, 64, 128, 1000, 4096, 8192])
+def test_routing_chunks_of_every_batch_fit_the_histogram_region(threads, max_tokens):
+    """dispatch_async cuts a source's T tokens into chunks of route_chunk_tokens(threads, T)
+    tokens (at most ROUTE_CHUNKS); the dispatch_hist region must hold every chunk of every T
+    up to max_tokens, and a chunk is whole warps, at least two."""
+    from ep_runtime.kernels.block import warp_geometry
+    from ep_runtime.kernels.dispatch import ROUTE_CHUNKS, route_chunk_tokens
+
+    warp, _ = warp_geometry(threads)
+    layout = BufferLayout(EPConfig(n_ranks=2, n_experts=8, top_k=2, hidden=16, max_tokens_per_rank=max_tokens))
+    NC = layout.region("dispatch_hist").shape[2]
+    for T in range(max_tokens + 1):
+        chunk = route_chunk_tokens(threads, T)
+        assert chunk % warp == 0 and chunk >= 2 * warp, (T, chunk)
+        chunks = -(-T // chunk)
+        assert chunks <= min(ROUTE_CHUNKS, NC), (T, chunk, chunks, NC)
+        assert T <= chunks * chunk < T + chunk or T == 0

@@ -166,6 +166,19 @@ class NvshmemSession(Session):
     def peer_view(self, array, pe):
         return self._nvshmem.get_peer_array(array, pe)
 
+    def peer_addresses(self, array):
+        out = []
+        for pe in range(self.n_ranks):
+            try:
+                view = self._nvshmem.get_peer_array(array, pe)
+            except Exception as exc:  # noqa: BLE001 - a PE without a load/store mapping (another node)
+                log.info("no NVLink mapping of PE %d's heap (%s): peer stores off", pe, exc)
+                return None
+            if view is None:
+                return None
+            out.append(int(view.data.ptr))
+        return out
+
     def to_device(self, host):
         import cupy
 

@@ -72,6 +72,15 @@ class Session(abc.ABC):
         them (see ``kernels/selftest.py``, ``ring_peer_store_signal``).
         """
 
+    @abc.abstractmethod
+    def peer_addresses(self, array) -> list[int] | None:
+        """The address of every PE's copy of the symmetric allocation ``array`` (as
+        :meth:`alloc_symmetric` returned it: NVSHMEM tracks allocations, not views of them) as
+        mapped in this process (index: PE; this PE's own copy included), for kernels that store
+        into peers' copies through pointers; None when some PE's copy is not mapped here (no
+        NVLink path). A region at byte offset o of the allocation is at address + o on every
+        PE. Publish such stores as :meth:`peer_view` says."""
+
     # -- host/device transfer ---------------------------------------------------------------
     @abc.abstractmethod
     def to_device(self, host: np.ndarray):

@@ -127,6 +127,10 @@ class SimSession(Session):
         Stores into it are visible to PE ``pe`` at once."""
         return self.heap.peer_view(_ndarray(array), pe)
 
+    def peer_addresses(self, array):
+        """Every PE's heap is mapped in every PE process: the addresses of those mappings."""
+        return [int(self.peer_view(array, pe).ctypes.data) for pe in range(self.n_ranks)]
+
     # -- host/device transfer ---------------------------------------------------------------
     def to_device(self, host: np.ndarray):
         """A C-contiguous copy of ``host``."""

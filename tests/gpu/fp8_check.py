@@ -11,7 +11,12 @@ awkward blocks planted (a block of zeros: amax 0; an inf and a NaN: non-finite b
 - the compact layout: every defined received row's message equals the reference's;
 - bf16 combine in the FP8 config within the stated tolerance;
 - a CUDA graph of the four calls replayed ``--replays`` times, each replay's codes and scales
-  identical to the eager call's.
+  identical to the eager call's;
+- the encoder's hardware conversion (``kernels.fp8.quantize4``: ``cvt.rn.satfinite.e4m3x2.f32``)
+  against its software rule (``quantize4_software``, checked against ml_dtypes for every bf16
+  pattern by tests/test_formats.py) for every bf16 pattern under scales 1 (every E4M3 rounding
+  tie of a bf16 value), arbitrary float32, power-of-two, float32-subnormal (quotients past
+  464: the software fallback) and NaN.
 
 Prints a table last (rank 0); exits non-zero on any failure.
 """
@@ -35,6 +40,37 @@ def plant_awkward_blocks(xs, BF16) -> None:
             f[1, 5] = np.inf
             f[2, -3] = np.nan
         x[...] = f.astype(BF16)
+
+
+#: Scales for the hardware-conversion check: 1, arbitrary float32 values (amax / 448 of a few
+#: amaxes), powers of two, a float32-subnormal scale (quotients beyond 464) and NaN.
+CONVERSION_SCALES = (1.0, 0.37109375 / 448, 3.0 / 448, 1234.5 / 448, 2.0 ** -9, 2.0 ** 7, 1.5e-39, float("nan"))
+
+
+def check_hardware_conversion() -> tuple[int, int]:
+    """``(words that differ, words checked)`` between quantize4 and quantize4_software on the
+    GPU, for every bf16 pattern (as 16,384 words of 4) under each of CONVERSION_SCALES."""
+    import cupy
+    from numba import cuda as ncuda
+
+    from ep_runtime.kernels.fp8 import quantize4, quantize4_software
+
+    @ncuda.jit
+    def both(words, scales, hw, sw):
+        i = ncuda.grid(1)
+        if i < words.size * scales.size:
+            w = words[i % words.size]
+            s = scales[i // words.size]
+            hw[i] = quantize4(w, s)
+            sw[i] = quantize4_software(w, s)
+
+    words = cupy.asarray(np.arange(65536, dtype=np.uint16).view(np.uint64))
+    scales = cupy.asarray(np.array(CONVERSION_SCALES, np.float32))
+    n = words.size * scales.size
+    hw, sw = cupy.zeros(n, cupy.uint32), cupy.ones(n, cupy.uint32)
+    both[(n + 255) // 256, 256](words, scales, hw, sw)
+    cupy.cuda.runtime.deviceSynchronize()
+    return int((hw != sw).sum()), n
 
 
 def main() -> int:
@@ -68,6 +104,10 @@ def main() -> int:
         if not cond:
             failures.append(f"rank {me}: {what}")
         return bool(cond)
+
+    differ, checked = check_hardware_conversion()
+    check(differ == 0, f"hardware E4M3 conversion: {differ} of {checked} words differ from the software rule")
+    conversion = f"hardware E4M3 conversion: {checked - differ}/{checked} words as the software rule"
 
     for fmt, cfg in cfgs.items():
         rt = EPRuntime(cfg, session)
@@ -147,6 +187,7 @@ def main() -> int:
     if me == 0:
         for f in sum(all_fail, []):
             print("FAIL:", f)
+        print(conversion)
         print(f"{'rank':>4} {'format':>15} {'T':>5} {'rows':>6} {'scales/row':>10} {'combine err':>11} "
               f"{'graph same':>10}  checks")
         for r, rr in enumerate(all_rows):

@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
 # The GPU checks in one device call (2 ranks), each section under its own time limit:
 #   source .devcarry/setup.sh && bash tests/gpu/run_all.sh [section ...]
-# Sections (default: all, in this order): shmem ep fp8 soak stream zerocopy example bench kernels racecheck memcheck.
+# Sections (default: all, in this order): shmem ep ep_puts fp8 soak stream zerocopy example bench kernels racecheck
+# memcheck. ep_puts: ep_check with the kernels sending through NVSHMEM puts (EP_RUNTIME_PEER_STORES=0).
 # Logs go to $OUT/<section>.log (or /tmp/ep_gpu); the tail of each is printed.
 set -u
 out="${OUT:-/tmp/ep_gpu}"
 mkdir -p "$out"
-run="mpirun -np ${EP_RANKS:-2} -x PYTHONPATH -x NVSHMEM_DISABLE_CUDA_VMM"
+run="mpirun -np ${EP_RANKS:-2} -x PYTHONPATH -x NVSHMEM_DISABLE_CUDA_VMM -x EP_RUNTIME_PEER_STORES"
 export NVSHMEM_DISABLE_CUDA_VMM=1  # compute-sanitizer cannot follow NVSHMEM's VMM heap mappings
+peer_stores="${EP_RUNTIME_PEER_STORES:-1}"  # the caller's choice for every section but ep_puts
 sections=("$@")
-[ ${#sections[@]} -eq 0 ] && sections=(shmem ep fp8 soak stream zerocopy example bench kernels racecheck memcheck)
+[ ${#sections[@]} -eq 0 ] && sections=(shmem ep ep_puts fp8 soak stream zerocopy example bench kernels racecheck memcheck)
 for s in "${sections[@]}"; do
   case "$s" in
     shmem)     cmd="timeout 180 $run python3 tests/gpu/shmem_check.py" ;;
     ep)        cmd="timeout 240 $run python3 tests/gpu/ep_check.py --calls 100" ;;
+    ep_puts)   cmd="timeout 240 $run python3 tests/gpu/ep_check.py --calls 10 --replays 10" ;;
     soak)      cmd="timeout 150 $run python3 tests/gpu/soak.py --calls 10000" ;;
     stream)    cmd="timeout 120 $run python3 tests/gpu/stream_order_check.py" ;;
     zerocopy)  cmd="timeout 120 $run python3 tests/gpu/zero_copy_check.py" ;;
@@ -26,6 +29,7 @@ for s in "${sections[@]}"; do
     *) echo "unknown section $s"; continue ;;
   esac
   echo "== $s: $cmd"
+  if [ "$s" = ep_puts ]; then export EP_RUNTIME_PEER_STORES=0; else export EP_RUNTIME_PEER_STORES="$peer_stores"; fi
   $cmd > "$out/$s.log" 2>&1
   echo "== $s: exit $?"
   grep -v "Warning\|warn(\|cuGetProcAddress\|Saved host backtrace" "$out/$s.log" | grep -E "SUMMARY|PASS|FAIL|rank|^ +[0-9]|ceilings|init|Error" | tail -14

@@ -1,0 +1,270 @@
+"""Wide memory access and packed bf16 rounding for the kernels' streaming loops.
+
+Why: Nsight Compute on 2 x H200 (docs/throughput.md, "v7") found the copy and reduce loops
+bound by integer instructions, not by memory: every ``row[i] = v`` through a Numba array
+costs 64-bit index arithmetic, a negative-index (wraparound) select and a divergent branch,
+about 17 SASS instructions per 8-byte store in dispatch_copy; combine_wait ran 36
+instructions per output element, two of them floating point. The helpers here address a
+row with one pointer offset and move **two words per access** (16 bytes for uint64 words:
+one ``LDG.E.128`` / ``STG.E.128``), and round two float32 values to bf16 in one
+instruction (``cvt.rn.bf16x2.f32``).
+
+- ``load_pair(row, i) -> (row[i], row[i + 1])``, ``store_pair(row, i, a, b)``: ``row`` a
+  1-D C-contiguous array of words, ``i`` even and ``0 <= i``, ``i + 1 < row.size`` (not
+  checked: the caller's loop bounds guarantee it), the row's data ``2 * itemsize``-aligned
+  (check with ``pairs_aligned``).
+- ``pairs_aligned(ary) -> bool``: whether ``ary``'s data pointer is ``2 * itemsize``
+  aligned (with an even row length in words, every row of a C-contiguous 2-D array then is).
+- ``address_of(ary) -> uint64``: the address of ``ary``'s first element (any array).
+- ``store_pair_at(addr, i, a, b)``: uint64 words ``a, b`` stored at byte address
+  ``addr + 8 i`` (16-byte aligned): a row of another PE's symmetric array reached through
+  its NVLink mapping (``Session.peer_addresses``; the same offset from the region's base on
+  every PE). Plain stores: publish them as ``Session.peer_view`` says (fence, barrier, signal).
+- ``pack_bf16x2(lo, hi) -> uint32``: ``lo`` and ``hi`` (float32) rounded to bf16, ``lo`` in
+  bits 0-15: the same bits as :func:`ep_runtime.kernels.bits.f32_to_bf16` for every input
+  (the hardware's canonical NaN is replaced by ml_dtypes' quiet NaN with the input's sign).
+- ``pack_bf16x4(a, b, c, d) -> uint64``: four values, ``a`` in bits 0-15 (a uint64 token
+  word). ``pack_f32x2(a, b) -> uint64``: two float32 values unrounded, ``a`` in bits 0-31
+  (a float32 partial word).
+
+On a GPU these are LLVM intrinsics (a vector load/store with its alignment, inline PTX for
+the conversion); in the simulator, plain Python with the same results.
+
+:func:`make_pair_loops` builds the loops every kernel runs over them: a lane's ``n`` pairs of
+a row part, loaded all before any is stored (memory-level parallelism), then stored to a row
+or to rows at addresses.
+"""
+
+import ctypes
+
+import numpy as np
+from numba.cuda import config as _config
+
+from ep_runtime.kernels.bits import f32_bits, f32_to_bf16
+
+if _config.ENABLE_CUDASIM:
+
+    def load_pair(row, i):
+        """``(row[i], row[i + 1])``."""
+        return row[i], row[i + 1]
+
+    def store_pair(row, i, a, b):
+        """``row[i], row[i + 1] = a, b``."""
+        row[i] = a
+        row[i + 1] = b
+
+    def pairs_aligned(ary):
+        """Whether ``ary``'s data is aligned to two of its elements."""
+        return ary.ctypes.data % (2 * ary.dtype.itemsize) == 0
+
+    def address_of(ary):
+        """The address of ``ary``'s first element (this process's mapping)."""
+        return np.uint64(ary.ctypes.data)
+
+    def store_pair_at(addr, i, a, b):
+        """uint64 ``a, b`` at address ``addr + 8 i``: a peer's heap is mapped in this process."""
+        (ctypes.c_uint64 * 2).from_address(int(addr) + 8 * int(i))[:] = (int(a), int(b))
+
+    def pack_bf16x2(lo, hi):
+        """bf16(lo) | bf16(hi) << 16, as uint32."""
+        return np.uint32(int(f32_to_bf16(lo)) | (int(f32_to_bf16(hi)) << 16))
+
+    def pack_bf16x4(a, b, c, d):
+        """bf16 of a, b, c, d in bits 0, 16, 32, 48 of a uint64."""
+        return np.uint64(int(pack_bf16x2(a, b)) | (int(pack_bf16x2(c, d)) << 32))
+
+    def pack_f32x2(a, b):
+        """float32 a, b (unrounded) in bits 0 and 32 of a uint64."""
+        return np.uint64(int(f32_bits(a)) | (int(f32_bits(b)) << 32))
+
+else:
+    from llvmlite import ir
+    from numba import cuda, float32, types, uint32, uint64
+    from numba.core.extending import intrinsic
+
+    def _element_pointer(context, builder, aryty, ary, index, indexty):
+        """Pointer to ``ary[index]`` of a 1-D C-contiguous array: data + index (no checks)."""
+        data = context.make_array(aryty)(context, builder, ary).data
+        idx = context.cast(builder, index, indexty, types.intp)
+        return builder.gep(data, [idx])
+
+    def _pair_type(aryty):
+        return ir.VectorType(ir.IntType(aryty.dtype.bitwidth), 2)
+
+    def _is_word_row(ary):
+        return (isinstance(ary, types.Array) and ary.ndim == 1 and ary.layout == "C"
+                and isinstance(ary.dtype, types.Integer))
+
+    @intrinsic
+    def load_pair(typingctx, row, i):
+        """``(row[i], row[i + 1])`` in one aligned vector load (no bounds or sign checks)."""
+        if not (_is_word_row(row) and isinstance(i, types.Integer)):
+            return None
+        sig = types.UniTuple(row.dtype, 2)(row, i)
+
+        def codegen(context, builder, signature, args):
+            ptr = _element_pointer(context, builder, signature.args[0], args[0], args[1], signature.args[1])
+            vty = _pair_type(signature.args[0])
+            v = builder.load(builder.bitcast(ptr, vty.as_pointer()), align=2 * row.dtype.bitwidth // 8)
+            zero, one = ir.Constant(ir.IntType(32), 0), ir.Constant(ir.IntType(32), 1)
+            return context.make_tuple(builder, signature.return_type,
+                                      [builder.extract_element(v, zero), builder.extract_element(v, one)])
+
+        return sig, codegen
+
+    @intrinsic
+    def store_pair(typingctx, row, i, a, b):
+        """``row[i], row[i + 1] = a, b`` in one aligned vector store (no bounds or sign checks)."""
+        if not (_is_word_row(row) and isinstance(i, types.Integer)):
+            return None
+        sig = types.void(row, i, row.dtype, row.dtype)
+
+        def codegen(context, builder, signature, args):
+            ptr = _element_pointer(context, builder, signature.args[0], args[0], args[1], signature.args[1])
+            vty = _pair_type(signature.args[0])
+            v = ir.Constant(vty, ir.Undefined)
+            v = builder.insert_element(v, args[2], ir.Constant(ir.IntType(32), 0))
+            v = builder.insert_element(v, args[3], ir.Constant(ir.IntType(32), 1))
+            builder.store(v, builder.bitcast(ptr, vty.as_pointer()), align=2 * row.dtype.bitwidth // 8)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    def _data_address(context, builder, aryty, ary):
+        """The address of an array's first element, as an i64 value."""
+        return builder.ptrtoint(context.make_array(aryty)(context, builder, ary).data, ir.IntType(64))
+
+    @intrinsic
+    def pairs_aligned(typingctx, ary):
+        """Whether ``ary``'s data pointer is aligned to two of its elements."""
+        if not isinstance(ary, types.Array):
+            return None
+        sig = types.boolean(ary)
+
+        def codegen(context, builder, signature, args):
+            addr = _data_address(context, builder, signature.args[0], args[0])
+            mask = ir.Constant(ir.IntType(64), 2 * signature.args[0].dtype.bitwidth // 8 - 1)
+            return builder.icmp_unsigned("==", builder.and_(addr, mask), ir.Constant(ir.IntType(64), 0))
+
+        return sig, codegen
+
+    @intrinsic
+    def address_of(typingctx, ary):
+        """The address of ``ary``'s first element, as uint64."""
+        if not isinstance(ary, types.Array):
+            return None
+
+        def codegen(context, builder, signature, args):
+            return _data_address(context, builder, signature.args[0], args[0])
+
+        return types.uint64(ary), codegen
+
+    @intrinsic
+    def store_pair_at(typingctx, addr, i, a, b):
+        """uint64 ``a, b`` stored at byte address ``addr + 8 i`` in one 16-byte vector store."""
+        if not (isinstance(addr, types.Integer) and isinstance(i, types.Integer)):
+            return None
+        sig = types.void(types.uint64, types.int64, types.uint64, types.uint64)
+
+        def codegen(context, builder, signature, args):
+            i64 = ir.IntType(64)
+            byte = builder.add(args[0], builder.mul(args[1], ir.Constant(i64, 8)))
+            vty = ir.VectorType(i64, 2)
+            v = ir.Constant(vty, ir.Undefined)
+            v = builder.insert_element(v, args[2], ir.Constant(ir.IntType(32), 0))
+            v = builder.insert_element(v, args[3], ir.Constant(ir.IntType(32), 1))
+            builder.store(v, builder.inttoptr(byte, vty.as_pointer()), align=16)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    def f32_pair_conversion(instruction: str, bits: int):
+        """An intrinsic ``(lo: float32, hi: float32) -> uint32`` running the PTX conversion
+        ``instruction`` (a ``cvt ... x2.f32 d, a, b``, which writes ``cvt(a)`` to the high half
+        of its ``bits``-bit result and ``cvt(b)`` to the low half) on ``(hi, lo)``, the result
+        zero-extended: ``lo``'s conversion in the low half."""
+        constraint = {16: "h", 32: "r"}[bits]
+
+        @intrinsic
+        def convert(typingctx, lo, hi):
+            if lo != types.float32 or hi != types.float32:
+                return None
+            sig = types.uint32(lo, hi)
+
+            def codegen(context, builder, signature, args):
+                fnty = ir.FunctionType(ir.IntType(bits), [ir.FloatType(), ir.FloatType()])
+                asm = ir.InlineAsm(fnty, f"{instruction} $0, $1, $2;", f"={constraint},f,f")
+                pair = builder.call(asm, [args[1], args[0]])
+                return pair if bits == 32 else builder.zext(pair, ir.IntType(32))
+
+            return sig, codegen
+
+        return convert
+
+    #: bf16(hi) << 16 | bf16(lo), NaN as the hardware's canonical NaN
+    _cvt_bf16x2 = f32_pair_conversion("cvt.rn.bf16x2.f32", 32)
+
+    @cuda.jit(device=True)
+    def pack_bf16x2(lo, hi):
+        """bf16(lo) | bf16(hi) << 16 (uint32), rounded to nearest even; NaN as ml_dtypes."""
+        lo = float32(lo)
+        hi = float32(hi)
+        r = _cvt_bf16x2(lo, hi)
+        if lo != lo:  # rare: the hardware writes its canonical NaN, ml_dtypes keeps the sign
+            r = (r & uint32(0xFFFF0000)) | uint32(f32_to_bf16(lo))
+        if hi != hi:
+            r = (r & uint32(0xFFFF)) | (uint32(f32_to_bf16(hi)) << uint32(16))
+        return r
+
+    @cuda.jit(device=True)
+    def pack_bf16x4(a, b, c, d):
+        """bf16 of a, b, c, d in bits 0, 16, 32, 48 of a uint64 (a token word)."""
+        return uint64(pack_bf16x2(a, b)) | (uint64(pack_bf16x2(c, d)) << uint64(32))
+
+    @cuda.jit(device=True)
+    def pack_f32x2(a, b):
+        """float32 a, b (unrounded) in bits 0 and 32 of a uint64 (a float32 partial word)."""
+        return uint64(f32_bits(float32(a))) | (uint64(f32_bits(float32(b))) << uint64(32))
+
+
+def make_pair_loops(n: int, warp: int):
+    """``(load_pairs, store_pairs, store_pairs_at)`` for a lane's ``n`` word pairs of a row part,
+    with the warp's ``warp`` lanes interleaved: the lane's pairs start at words ``w + 2 u warp``
+    (``u < n``), those below ``w1`` taken (``w`` and ``w1`` even, ``w`` = the part's first word
+    + 2 lane, advanced by ``2 n warp`` per pass).
+
+    - ``load_pairs(row, w, w1, lo, hi)``: ``lo[u], hi[u] = row[w + 2 u warp], row[... + 1]``;
+    - ``store_pairs(row, w, w1, lo, hi)``: the reverse;
+    - ``store_pairs_at(addr, w, w1, lo, hi)``: the same words at byte address ``addr`` (a row
+      reached through a peer's mapping, uint64 words: :func:`store_pair_at`).
+
+    ``lo``, ``hi``: local arrays of at least ``n`` words (registers, once inlined)."""
+    from ep_runtime.kernels.cuda_api import cuda
+
+    step = 2 * warp
+
+    @cuda.jit(device=True)
+    def load_pairs(row, w, w1, lo, hi):
+        for u in range(n):
+            if w + u * step < w1:
+                pair = load_pair(row, w + u * step)
+                lo[u] = pair[0]
+                hi[u] = pair[1]
+
+    @cuda.jit(device=True)
+    def store_pairs(row, w, w1, lo, hi):
+        for u in range(n):
+            if w + u * step < w1:
+                store_pair(row, w + u * step, lo[u], hi[u])
+
+    @cuda.jit(device=True)
+    def store_pairs_at(addr, w, w1, lo, hi):
+        for u in range(n):
+            if w + u * step < w1:
+                store_pair_at(addr, w + u * step, lo[u], hi[u])
+
+    return load_pairs, store_pairs, store_pairs_at
+
+
+__all__ = ["load_pair", "store_pair", "pairs_aligned", "address_of", "store_pair_at", "pack_bf16x2", "pack_bf16x4",
+           "pack_f32x2", "make_pair_loops"]

@@ -1,0 +1,144 @@
+"""Both ways the kernels send, and both widths they move rows in, on the simulator (the real
+kernels, one process per rank), exact against the reference.
+
+- Sending: dispatch_async, combine_async and combine_async_rows store into peers' heaps through
+  their mappings (``Session.peer_addresses``, on by default) or send with NVSHMEM puts
+  (``EP_RUNTIME_PEER_STORES=0``, and wherever some PE's heap is not mapped).
+- Width: rows move as word pairs (``kernels/vec.py``: one 16-byte access per pair of uint64
+  words) where every row starts 16-byte aligned, one word at a time otherwise: here the
+  caller's tokens, expert outputs and combine outputs placed 8 bytes off a 16-byte boundary.
+
+Each of the four combinations runs bf16 dispatch (expanded and compact, the copy loop's full
+passes and tail: hidden 552 is 138 words) and combine (expanded and compact, bf16 and float32
+partials) and must give the reference's bits: the paths move the same words and sum in the
+same order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ep_runtime import reference
+from ep_runtime.config import EPConfig
+from ep_runtime.reference import BF16
+from ep_runtime.shmem.launch import run_pes
+from ep_runtime.testing import POISON_BF16, make_inputs
+from ep_runtime.testing import expert_outputs as expanded_outputs
+
+RUN_TIMEOUT_S = 240
+#: mode name -> (EP_RUNTIME_PEER_STORES, caller arrays 8 bytes off a 16-byte boundary)
+MODES = {"peer_stores": ("1", False), "puts": ("0", False),
+         "peer_stores_misaligned": ("1", True), "puts_misaligned": ("0", True)}
+
+
+def cases(R: int) -> list:
+    """(name, config dict, seed, token counts)."""
+    base = dict(n_ranks=R, n_experts=2 * R, top_k=2, max_tokens_per_rank=12)
+    return [
+        ("hidden_16", {**base, "hidden": 16}, 1, None),
+        ("hidden_552_two_passes_and_tail", {**base, "hidden": 552, "n_sms": 2}, 2, (12,) * R),
+        ("float32_partials", {**base, "hidden": 16, "combine_dtype": "float32"}, 3, None),
+    ]
+
+
+def inputs(cfg: EPConfig, seed, counts):
+    return make_inputs(cfg, "random", seed, None if counts is None else list(counts))
+
+
+def off_by_8(a: np.ndarray) -> np.ndarray:
+    """A C-contiguous copy of ``a`` whose data starts 8 bytes past a 16-byte boundary."""
+    flat = np.empty(a.nbytes + 32, np.uint8)
+    skip = (8 - flat.ctypes.data) % 16
+    out = flat[skip:skip + a.nbytes].view(a.dtype).reshape(a.shape)
+    out[...] = a
+    assert out.ctypes.data % 16 == 8 and out.flags.c_contiguous
+    return out
+
+
+
+def compact_rows(cfg: EPConfig, xs, ids, rank: int) -> np.ndarray:
+    """[R * T, H] in the partials' dtype: (rank + 2) x the received row, NaN where none came."""
+    x, defined = reference.receive_rows(xs, ids, cfg)[rank]
+    rows = x.astype(np.float32) * np.float32(rank + 2)
+    if cfg.combine_dtype == "float32":
+        rows[~defined] = np.nan
+        return rows
+    rows = rows.astype(BF16).view(np.uint16)
+    rows[~defined] = POISON_BF16
+    return rows
+
+
+# -- per-rank body ------------------------------------------------------------------------------
+def paths_pe(session, R: int, misaligned: bool) -> dict:
+    from ep_runtime.runtime import EPRuntime
+
+    r = session.rank
+    place = off_by_8 if misaligned else np.ascontiguousarray
+    results = {}
+    for name, cfg_d, seed, counts in cases(R):
+        cfg = EPConfig(**cfg_d)
+        xs, ids, ws = inputs(cfg, seed, counts)
+        T = len(xs[r])
+        with EPRuntime(cfg, session) as rt:
+            got = {"peer_stores": rt.peer_stores}
+            batch = rt.dispatch(place(xs[r].view(np.uint16)), ids[r], ws[r])
+            got["x"] = session.to_host(batch.x)
+            y = expanded_outputs(cfg, reference.dispatch(xs, ids, ws, cfg)[r], r)
+            out = place(np.zeros((T, cfg.hidden), np.uint16))
+            got["out"] = session.to_host(rt.combine(place(y), batch.handle, out=out))
+            cbatch = rt.dispatch(place(xs[r].view(np.uint16)), ids[r], ws[r], layout="compact")
+            got["compact_x"] = session.to_host(cbatch.x)
+            out = place(np.zeros((T, cfg.hidden), np.uint16))
+            got["compact_out"] = session.to_host(rt.combine(place(compact_rows(cfg, xs, ids, r)), cbatch.handle,
+                                                            layout="compact", out=out))
+        results[name] = got
+    return results
+
+
+@pytest.fixture(scope="module", params=sorted(MODES))
+def sim(request):
+    mode = request.param
+    env, misaligned = MODES[mode]
+    R = 2
+    with pytest.MonkeyPatch.context() as mp:  # the PEs are spawned with this environment
+        mp.setenv("EP_RUNTIME_PEER_STORES", env)
+        per_rank = run_pes(paths_pe, R, args=(R, misaligned), timeout_s=RUN_TIMEOUT_S)
+    return mode, R, per_rank
+
+
+def test_the_runtime_takes_the_send_path_asked_for(sim):
+    mode, R, per_rank = sim
+    for res in per_rank:
+        for name, got in res.items():
+            assert got["peer_stores"] == (MODES[mode][0] == "1"), f"{mode} {name}"
+
+
+def test_dispatch_equals_the_reference_exactly(sim):
+    mode, R, per_rank = sim
+    for name, cfg_d, seed, counts in cases(R):
+        cfg = EPConfig(**cfg_d)
+        xs, ids, ws = inputs(cfg, seed, counts)
+        refs = reference.dispatch(xs, ids, ws, cfg)
+        recv = reference.receive_rows(xs, ids, cfg)
+        for r, res in enumerate(per_rank):
+            got = res[name]
+            n = refs[r].n_rows
+            np.testing.assert_array_equal(got["x"][:n], refs[r].x.view(np.uint16), err_msg=f"{mode} {name} rank {r}")
+            x_ref, defined = recv[r]
+            np.testing.assert_array_equal(got["compact_x"][defined], x_ref.view(np.uint16)[defined],
+                                          err_msg=f"{mode} {name} rank {r} (compact)")
+
+
+def test_combine_equals_the_reference_bit_for_bit(sim):
+    mode, R, per_rank = sim
+    for name, cfg_d, seed, counts in cases(R):
+        cfg = EPConfig(**cfg_d)
+        xs, ids, ws = inputs(cfg, seed, counts)
+        refs = reference.dispatch(xs, ids, ws, cfg)
+        want = reference.combine([expanded_outputs(cfg, b, r) for r, b in enumerate(refs)], refs, ids, cfg)
+        want_rows = reference.combine_rows([compact_rows(cfg, xs, ids, r) for r in range(R)], ids, cfg)
+        for r, res in enumerate(per_rank):
+            np.testing.assert_array_equal(res[name]["out"], want[r].view(np.uint16), err_msg=f"{mode} {name} rank {r}")
+            np.testing.assert_array_equal(res[name]["compact_out"], want_rows[r].view(np.uint16),
+                                          err_msg=f"{mode} {name} rank {r} (compact)")
