@@ -211,8 +211,13 @@ def partials_case(R: int) -> Case:
     return Case("partials", base_cfg(R, n_experts=3 * R, top_k=3), seed=31)
 
 
-def epilogue_case(R: int) -> Case:
-    return Case("epilogue", base_cfg(R, n_experts=3 * R, top_k=3, hidden=20), seed=41)
+#: The epilogue's cases: hidden 20 (5 uint64 words a row: combine_wait's one-word loop) and
+#: hidden 24 (6 words: its word-pair loop, kernels/vec.py).
+EPILOGUE_HIDDEN = {"epilogue": 20, "epilogue_word_pairs": 24}
+
+
+def epilogue_case(R: int, name: str = "epilogue") -> Case:
+    return Case(name, base_cfg(R, n_experts=3 * R, top_k=3, hidden=EPILOGUE_HIDDEN[name]), seed=41)
 
 
 def aux_for(rank: int, n_tokens: int, hidden: int) -> np.ndarray:
@@ -397,7 +402,7 @@ def correctness_pe(session, R: int) -> dict:
                           lambda cases: sequence(cases, SKIP_COMBINE_PATTERN)))
     out.update(_run_cases({"device_count": device_count_cases(R)}, device_count))
     out.update(_run_cases({"partials": partials_case(R)}, partials))
-    out.update(_run_cases({"epilogue": epilogue_case(R)}, epilogue))
+    out.update(_run_cases({name: epilogue_case(R, name) for name in EPILOGUE_HIDDEN}, epilogue))
     return out
 
 
@@ -774,14 +779,15 @@ def test_combine_wait_reduce_false_returns_the_reference_partials(sim, R):
         assert np.array_equal(res["out"], want[r].view(np.uint16)), combine_mismatches(res["out"], want[r], r)
 
 
+@pytest.mark.parametrize("name", sorted(EPILOGUE_HIDDEN))
 @pytest.mark.parametrize("R", WORLD_SIZES)
-def test_epilogue_residual_add(sim, R):
-    case = epilogue_case(R)
+def test_epilogue_residual_add(sim, R, name):
+    case = epilogue_case(R, name)
     cfg = case.config()
     xs, ids, _ = case.inputs()
     partials = reference_outputs(case, reduce=False)
     L = cfg.n_local_experts
-    for r, res in enumerate(case_results(sim, R, "epilogue")):
+    for r, res in enumerate(case_results(sim, R, name)):
         # as the kernel: float32 sum from 0 over the ranks the token went to, ascending, + aux, bf16
         acc = np.zeros((len(xs[r]), cfg.hidden), np.float32)
         for q in range(R):
