@@ -28,10 +28,11 @@ STATUS_CODE, STATUS_KERNEL, STATUS_RANK, STATUS_PEER, STATUS_COUNTER, STATUS_EXP
     STATUS_OBSERVED, STATUS_CALL = range(8)
 STATUS_LEN = 8
 
-#: Fewest tokens in a routing chunk. dispatch_async cuts a rank's tokens into chunks of its
-#: block size (every block size the runtime launches is at least this) and sends, per chunk,
-#: how many of its tokens go to each expert; dispatch_wait places each chunk's tokens with no
-#: scan over the others (docs/protocol.md, "Placement").
+#: Fewest tokens in a routing chunk, which the histogram region is sized for. dispatch_async
+#: cuts a rank's tokens into chunks (of about T / 8 tokens, at least two warps:
+#: ``ep_runtime.kernels.dispatch.route_chunk_tokens``, always more than this) and sends, per
+#: chunk, how many of its tokens go to each expert; dispatch_wait places each chunk's tokens
+#: with no scan over the others (docs/protocol.md, "Placement").
 ROUTE_CHUNK_MIN = 8
 
 
@@ -159,7 +160,7 @@ def _regions(cfg: EPConfig) -> list[Region]:
         Region("dispatch_counts", (G, R, L + 1), i32, 0, S, f"{DA} (peers, last block)", (DW, DC, CA, CW),
                "[g, src, :L]: tokens of src per local expert; [g, src, L]: tokens src dispatched"),
         Region("dispatch_hist", (G, R, NC, L), i32, 0, S, f"{DA} (peers)", (DW,),
-               "[g, src, c, e]: tokens of src's routing chunk c (the sender's block size of tokens) "
+               "[g, src, c, e]: tokens of src's routing chunk c (route_chunk_tokens of src's count) "
                "with local expert e"),
         Region("dispatch_signal", (G, R), u64, 0, S, f"{DA} (peers, last block)", (DW,),
                "[g, src]: n + 1 once everything of call n from src has arrived (monotonic)"),

@@ -42,7 +42,8 @@ GPU_THREADS = 512
 #: exercises multi-chunk placement (routing chunks of 16 tokens) and every block-level helper. At
 #: most 32: a simulated block is one warp (kernels/block.py, ``warp_geometry``).
 SIM_THREADS = 8
-# A routing chunk is a block's worth of tokens; the layout sizes the chunk histograms for the smallest.
+# A routing chunk is at least two warps of tokens (kernels/dispatch.py, route_chunk_tokens); the
+# layout sizes the chunk histograms for chunks of ROUTE_CHUNK_MIN tokens, fewer than any block's.
 assert min(GPU_THREADS, SIM_THREADS) >= ROUTE_CHUNK_MIN
 #: Environment variable: ``0`` (or ``off``) makes dispatch_async, combine_async and
 #: combine_async_rows send through NVSHMEM puts instead of storing into peers' heaps through
