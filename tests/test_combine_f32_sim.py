@@ -71,7 +71,6 @@ def inputs(cfg: EPConfig, scenario, seed, counts):
     return make_inputs(cfg, scenario, seed, None if counts is None else list(counts))
 
 
-
 def compact_rows(cfg: EPConfig, xs, ids, rank: int) -> np.ndarray:
     """The compact combine input of ``rank``: [R * T, H] float32, row ``s * T + t`` =
     ``f32(x_s[t]) * (rank + 2) / 3`` (not a bf16 value) where token (s, t) came here,

@@ -55,7 +55,6 @@ def compact_rows(cfg: EPConfig, xs, ids, rank: int) -> np.ndarray:
     return rows
 
 
-
 # -- per-rank body ------------------------------------------------------------------------------
 def compact_pe(session, R: int) -> dict:
     from ep_runtime.runtime import EPRuntime

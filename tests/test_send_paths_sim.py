@@ -56,7 +56,6 @@ def off_by_8(a: np.ndarray) -> np.ndarray:
     return out
 
 
-
 def compact_rows(cfg: EPConfig, xs, ids, rank: int) -> np.ndarray:
     """[R * T, H] in the partials' dtype: (rank + 2) x the received row, NaN where none came."""
     x, defined = reference.receive_rows(xs, ids, cfg)[rank]
