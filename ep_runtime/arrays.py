@@ -97,3 +97,22 @@ def word_view(x, word: np.dtype, call: str, name: str):
                            f"the kernels move rows as {word.name} words. Pass an array whose data starts "
                            f"on a {word.itemsize}-byte boundary (e.g. a fresh allocation or a copy).")
     return x.view(word)
+
+
+def fingerprint(x):
+    """What :func:`to_backend`, :func:`check_array` and :func:`word_view` conclude about
+    ``x`` depends on: its type, data address, shape, strides and dtype (``None`` for None).
+    Two calls that pass the same object with the same fingerprint get the same conclusions,
+    so the runtime reuses a call's validated, converted arguments (:mod:`ep_runtime.call_memo`).
+    Objects of other types than CuPy, NumPy and PyTorch arrays get a fresh token each time
+    (never reused). A few hundred ns for a CuPy array."""
+    if x is None:
+        return None
+    t = type(x)
+    if t.__module__.startswith("cupy"):
+        return t, x.data.ptr, x.shape, x.strides, x.dtype
+    if t is np.ndarray:
+        return t, x.__array_interface__["data"][0], x.shape, x.strides, x.dtype
+    if _is_torch(x):
+        return t, x.data_ptr(), x.shape, x.stride(), x.dtype
+    return object()

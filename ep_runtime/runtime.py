@@ -23,7 +23,8 @@ from . import arrays
 from .config import EPConfig
 from .kernel_args import FORMAT_REGIONS, KERNEL_ARGS, WORD_ARRAYS, argtypes, build_args, region_view
 from .errors import EPConfigError, EPInputError, EPStateError
-from .handles import CombineHandle, CompactBatch, DispatchHandle, ExpertBatch
+from .call_memo import CallMemo, PreparedCall
+from .handles import CombineHandle, CompactBatch, DispatchHandle, ExpertBatch, from_fields
 from .layout import N_GROUPS, ROUTE_CHUNK_MIN, BufferLayout, SYNC_CALLS, partial_dtype, token_word
 from .shmem.session import Session
 from .status import error_from_status
@@ -50,6 +51,10 @@ assert min(GPU_THREADS, SIM_THREADS) >= ROUTE_CHUNK_MIN
 #: their NVLink mappings (read when a runtime is built; the stores are used only where every
 #: PE's heap is mapped, ``Session.peer_addresses``).
 PEER_STORES_ENV = "EP_RUNTIME_PEER_STORES"
+
+#: int64 scalar arguments 0 and 1, one object each: the fast launch path rewrites an argument
+#: only when its object changes (ep_runtime.shmem.fast_launch).
+_INT64 = (np.int64(0), np.int64(1))
 
 #: Blocks per kernel in the simulator when EPConfig.n_sms is None (more than one, so the
 #: block scheduling and the last-block ticket are exercised).
@@ -132,6 +137,13 @@ class EPRuntime:
         self._no_valid = session.alloc_local("unused valid_tokens", (1,), np.int32)
         self._no_scales = session.alloc_local("unused token_scales", (0, 0), np.uint8)
         self._batch_views = _batch_views(cfg, self.buffers)
+        #: launches whose arguments are all the runtime's own, prepared once
+        self._fixed = {"dispatch_wait": self._prepare("dispatch_wait", pad_multiple=np.int64(cfg.pad_multiple),
+                                                      timeout_ns=self._timeout_ns)}
+        for scales in SCALE_LAYOUTS:
+            self._fixed["dispatch_copy", scales] = self._prepare("dispatch_copy",
+                                                                 scales_col_major=_INT64[scales == "column"])
+        self._memo = CallMemo()  # the launches prepared from the caller's last arrays, per call
         self._calls = 0
         self._state = _State.IDLE
         self._failed: Exception | None = None
@@ -164,6 +176,19 @@ class EPRuntime:
         the stream. Returns the handle for :meth:`dispatch_wait`.
         """
         self._require(_State.IDLE, _State.DISPATCHED, call="dispatch_async")
+        inputs = (tokens, topk_ids, topk_weights, n_tokens, token_scales)
+        call = self._memo.get_or_prepare("dispatch_async", (), inputs, lambda: self._prepare_dispatch_async(*inputs))
+        if self.debug:
+            self._check_routing(*call.checked)
+        self._run(call)
+        handle = from_fields(DispatchHandle, {"owner": self._owner, "call": self._calls, "n_tokens": call.n_tokens})
+        self._calls += 1
+        self._state = _State.DISPATCH_SENT
+        return handle
+
+    def _prepare_dispatch_async(self, tokens, topk_ids, topk_weights, n_tokens, token_scales) -> PreparedCall:
+        """Check and convert dispatch_async's arguments (raising EPInputError before any
+        launch); the launch, with T and the routing check's arguments."""
         cfg, be, c, fmt = self.cfg, self.session.backend, "dispatch_async", self._fmt
         tokens = arrays.to_backend(tokens, be, c, "tokens")
         topk_ids = arrays.to_backend(topk_ids, be, c, "topk_ids")
@@ -199,23 +224,18 @@ class EPRuntime:
                                f"one scale per 128-element block).")
             scales = token_scales.view(np.uint8)
         valid = self._valid_tokens(n_tokens, c)
-        if self.debug:
-            self._check_routing(topk_ids, topk_weights, valid)
-        self._launch("dispatch_async", tokens=tokens, topk_ids=topk_ids, topk_weights=topk_weights, **valid,
-                     token_scales=scales, prequantized=np.int64(fp8_in))
-        handle = DispatchHandle(owner=self._owner, call=self._calls, n_tokens=T)
-        self._calls += 1
-        self._state = _State.DISPATCH_SENT
-        return handle
+        call = self._prepare("dispatch_async", tokens=tokens, topk_ids=topk_ids, topk_weights=topk_weights, **valid,
+                             token_scales=scales, prequantized=_INT64[fp8_in])
+        return PreparedCall(call.kernel, call.args, n_tokens=T, checked=(topk_ids, topk_weights, valid))
 
     def _valid_tokens(self, n_tokens, call) -> dict:
         """The ``valid_tokens`` / ``use_valid`` kernel arguments for ``n_tokens`` (see dispatch_async)."""
         if n_tokens is None:
-            return {"valid_tokens": self._no_valid, "use_valid": np.int64(0)}
+            return {"valid_tokens": self._no_valid, "use_valid": _INT64[0]}
         n_tokens = arrays.to_backend(n_tokens, self.session.backend, call, "n_tokens")
         arrays.check_array(n_tokens, call, "n_tokens", np.int32, (1,),
                            "Pass a one-element int32 device array holding the number of valid rows.")
-        return {"valid_tokens": n_tokens, "use_valid": np.int64(1)}
+        return {"valid_tokens": n_tokens, "use_valid": _INT64[1]}
 
     def check_routing(self, topk_ids, topk_weights) -> None:
         """Enqueue the device-side routing check (debug mode runs it before every dispatch).
@@ -235,9 +255,9 @@ class EPRuntime:
         self._check_routing(topk_ids, topk_weights, self._valid_tokens(None, c))
 
     def _check_routing(self, topk_ids, topk_weights, valid: dict) -> None:
-        self._launch("validate_routing", topk_ids=topk_ids, topk_weights=topk_weights, **valid,
-                     n_experts=np.int64(self.cfg.n_experts),
-                     allow_negative=np.int64(self.cfg.allow_negative_weights))
+        self._run(self._prepare("validate_routing", topk_ids=topk_ids, topk_weights=topk_weights, **valid,
+                                n_experts=np.int64(self.cfg.n_experts),
+                                allow_negative=np.int64(self.cfg.allow_negative_weights)))
 
     def dispatch_wait(self, handle: DispatchHandle, layout: str = "expanded", scales: str = "row"):
         """Complete the dispatch of ``handle``: wait for every rank's tokens and place them.
@@ -264,13 +284,13 @@ class EPRuntime:
         if scales not in SCALE_LAYOUTS:
             raise EPInputError(f"dispatch_wait: scales={scales!r}; expected one of {SCALE_LAYOUTS} (row-major "
                                f"[rows, hidden / 128] or column-major [hidden / 128, rows]).")
-        self._launch("dispatch_wait", pad_multiple=np.int64(self.cfg.pad_multiple), timeout_ns=self._timeout_ns)
+        self._run(self._fixed["dispatch_wait"])
         if layout == "compact":
             self._state = _State.DISPATCHED
-            return CompactBatch(**self._batch_views["compact", handle.call % 2], handle=handle)
-        self._launch("dispatch_copy", scales_col_major=np.int64(scales == "column"))
+            return from_fields(CompactBatch, {**self._batch_views["compact", handle.call % 2], "handle": handle})
+        self._run(self._fixed["dispatch_copy", scales])
         self._state = _State.DISPATCHED
-        return ExpertBatch(**self._batch_views["expanded", scales], handle=handle)
+        return from_fields(ExpertBatch, {**self._batch_views["expanded", scales], "handle": handle})
 
     def dispatch(self, tokens, topk_ids, topk_weights, layout: str = "expanded", token_scales=None,
                  scales: str = "row"):
@@ -307,9 +327,23 @@ class EPRuntime:
         handle : the dispatch's handle (``batch.handle``).
         """
         self._require(_State.DISPATCHED, call="combine_async", handle=handle, handle_type=DispatchHandle)
-        c, cfg = "combine_async", self.cfg
         if layout not in DISPATCH_LAYOUTS:
-            raise EPInputError(f"{c}: layout={layout!r}; expected one of {DISPATCH_LAYOUTS}.")
+            raise EPInputError(f"combine_async: layout={layout!r}; expected one of {DISPATCH_LAYOUTS}.")
+        call = self._memo.get_or_prepare("combine_async", (layout,), (expert_out,),
+                                         lambda: self._prepare_combine_async(expert_out, layout))
+        if self.debug and layout != "compact":
+            needed = int(self.session.to_host(self.buffers["row_offsets"])[-1])
+            if call.n_tokens < needed:
+                raise EPInputError(f"combine_async: expert_out has {call.n_tokens} rows but the expert batch has "
+                                   f"{needed}; pass one output row per batch row.")
+        self._run(call)
+        self._state = _State.COMBINE_SENT
+        return CombineHandle(owner=self._owner, call=handle.call, n_tokens=handle.n_tokens)
+
+    def _prepare_combine_async(self, expert_out, layout) -> PreparedCall:
+        """Check and convert combine_async's ``expert_out`` (raising EPInputError before any
+        launch); the launch, with ``n_tokens`` = its rows (the debug-mode row check)."""
+        c, cfg = "combine_async", self.cfg
         expert_out = arrays.to_backend(expert_out, self.session.backend, c, "expert_out")
         if layout == "compact":
             rows = cfg.n_ranks * cfg.max_tokens_per_rank
@@ -317,18 +351,12 @@ class EPRuntime:
             arrays.check_array(expert_out, c, "expert_out", self._partial, (rows, cfg.hidden),
                                f"The compact layout has one row per (source rank, token slot): "
                                f"[n_ranks * max_tokens_per_rank = {rows}, hidden = {cfg.hidden}].")
-            self._launch("combine_async_rows", expert_out=expert_out)
+            call = self._prepare("combine_async_rows", expert_out=expert_out)
         else:
             arrays.check_array(expert_out, c, "expert_out", np.uint16, (None, cfg.hidden),
                                f"Expected [rows, hidden={cfg.hidden}], row-aligned with the expert batch.")
-            if self.debug:
-                needed = int(self.session.to_host(self.buffers["row_offsets"])[-1])
-                if expert_out.shape[0] < needed:
-                    raise EPInputError(f"{c}: expert_out has {expert_out.shape[0]} rows but the expert "
-                                       f"batch has {needed}; pass one output row per batch row.")
-            self._launch("combine_async", expert_out=expert_out)
-        self._state = _State.COMBINE_SENT
-        return CombineHandle(owner=self._owner, call=handle.call, n_tokens=handle.n_tokens)
+            call = self._prepare("combine_async", expert_out=expert_out)
+        return PreparedCall(call.kernel, call.args, n_tokens=expert_out.shape[0])
 
     def combine_wait(self, handle: CombineHandle, out=None, epilogue=None, aux=None, reduce: bool = True):
         """Complete the combine of ``handle``. Collective; enqueued on the stream.
@@ -342,16 +370,27 @@ class EPRuntime:
         ``EPConfig.combine_dtype`` is ``"float32"``.
         """
         self._require(_State.COMBINE_SENT, call="combine_wait", handle=handle, handle_type=CombineHandle)
-        cfg, s, T = self.cfg, self.session, handle.n_tokens
+        if out is None:  # every element is written by the kernel (rows < n_tokens with n_tokens)
+            shape = (handle.n_tokens, self.cfg.hidden) if reduce else (self.cfg.n_ranks, handle.n_tokens,
+                                                                       self.cfg.hidden)
+            out = self.session.alloc_local("combine_out", shape, np.uint16 if reduce else self._partial, fill=None)
+        call = self._memo.get_or_prepare("combine_wait", (handle.n_tokens, bool(reduce), epilogue), (out, aux),
+                                         lambda: self._prepare_combine_wait(handle.n_tokens, out, aux, epilogue,
+                                                                            reduce))
+        self._run(call)
+        self._state = _State.IDLE
+        return call.checked[0]
+
+    def _prepare_combine_wait(self, T, out, aux, epilogue, reduce) -> PreparedCall:
+        """Check and convert combine_wait's ``out`` and ``aux`` for ``T`` tokens (raising
+        EPInputError before any launch); the launch, with ``checked = (out,)`` as returned."""
+        cfg, s = self.cfg, self.session
         shape = (T, cfg.hidden) if reduce else (cfg.n_ranks, T, cfg.hidden)
         dtype = np.uint16 if reduce else self._partial
-        if out is None:  # every element is written by the kernel (rows < n_tokens with n_tokens)
-            out = s.alloc_local("combine_out", shape, dtype, fill=None)
-        else:
-            out = arrays.to_backend(out, s.backend, "combine_wait", "out")
-            if not reduce:
-                self._check_partial_dtype(out, "combine_wait", "out", "reduce=False's partials")
-            arrays.check_array(out, "combine_wait", "out", dtype, shape, "Pass None to allocate it.")
+        out = arrays.to_backend(out, s.backend, "combine_wait", "out")
+        if not reduce:
+            self._check_partial_dtype(out, "combine_wait", "out", "reduce=False's partials")
+        arrays.check_array(out, "combine_wait", "out", dtype, shape, "Pass None to allocate it.")
         unused = self._no_partials if reduce else self._no_out
         if aux is None:
             aux = self._no_aux
@@ -359,11 +398,10 @@ class EPRuntime:
             aux = arrays.to_backend(aux, s.backend, "combine_wait", "aux")
             arrays.check_array(aux, "combine_wait", "aux", np.float32, (T, cfg.hidden),
                                f"aux is the epilogue's [T={T}, hidden={cfg.hidden}] float32 input.")
-        self._launch("combine_wait", epilogue=epilogue, out=out if reduce else unused,
-                     out_partials=unused if reduce else out, mode=np.int64(0 if reduce else 1),
-                     timeout_ns=self._timeout_ns, aux=aux)
-        self._state = _State.IDLE
-        return out
+        call = self._prepare("combine_wait", epilogue=epilogue, out=out if reduce else unused,
+                             out_partials=unused if reduce else out, mode=_INT64[0 if reduce else 1],
+                             timeout_ns=self._timeout_ns, aux=aux)
+        return PreparedCall(call.kernel, call.args, n_tokens=T, checked=(out,))
 
     def combine(self, expert_out, handle: DispatchHandle, layout: str = "expanded", **kwargs):
         """``combine_async`` then ``combine_wait``, then :meth:`synchronize`. Collective."""
@@ -415,6 +453,8 @@ class EPRuntime:
         self.buffers.clear()
         self._arg.clear()
         self._batch_views.clear()
+        self._fixed.clear()
+        self._memo.clear()
         self.session.free_symmetric(self._sym)
         self._sym = self._local = self._no_out = self._no_partials = self._no_aux = self._no_valid = None
         self._no_scales = None
@@ -437,6 +477,12 @@ class EPRuntime:
 
     # -- internals ------------------------------------------------------------------------------
     def _require(self, *states, call, handle=None, handle_type=None):
+        """Raise EPStateError unless the runtime is open, has not failed, is in one of
+        ``states``, and ``handle`` (if given) is a ``handle_type`` of this runtime's current call."""
+        if (self._state in states and self._failed is None and not self._closed
+                and (handle is None or (isinstance(handle, handle_type) and handle.owner == self._owner
+                                        and handle.call == self._calls - 1))):
+            return  # the common case, in a few hundred ns; the checks below say what is wrong
         if self._closed:
             raise EPStateError(f"rank {self.rank}: {call} on a closed runtime; build a new EPRuntime.")
         if self._failed is not None:
@@ -479,8 +525,9 @@ class EPRuntime:
         self._arg["peer_stores"] = np.int64(on)
         return on
 
-    def _launch(self, name, epilogue=None, **values):
-        """Enqueue kernel ``name`` with the region arrays and the given ``values``."""
+    def _prepare(self, name, epilogue=None, **values) -> PreparedCall:
+        """The launch of kernel ``name`` with the region arrays and the given ``values`` (the
+        caller's arrays as backend arrays, scalars as int64)."""
         if epilogue is None:
             kernel = self._kernels[name]
         else:  # combine_wait with a caller's epilogue, built on first use
@@ -490,7 +537,12 @@ class EPRuntime:
                                                                               self._f32_partials)
         values = {k: arrays.word_view(v, self._word, name, k) if k in WORD_ARRAYS else v
                   for k, v in values.items()}  # backend arrays: the session makes kernel args
-        self.session.launch(kernel, self._grid, self._threads, build_args(name, self._arg, values))
+        return PreparedCall(kernel, build_args(name, self._arg, values))
+
+    def _run(self, call: PreparedCall) -> None:
+        """Enqueue a prepared launch on the session stream (and, in debug mode, synchronize and
+        raise what the device recorded)."""
+        self.session.launch(call.kernel, self._grid, self._threads, call.args)
         if self.debug:
             self.synchronize()
 

@@ -164,7 +164,7 @@ class _Bridge:
         if self.sim:
             self.device = torch.device("cpu")
         else:
-            self.device = torch.device("cuda", getattr(runtime.session, "local_rank", torch.cuda.current_device()))
+            self.device = torch.device("cuda", getattr(runtime.session, "device_index", torch.cuda.current_device()))
 
     def check(self, t, call: str, name: str, dtypes: tuple, shape: tuple) -> None:
         if not isinstance(t, torch.Tensor):

@@ -258,24 +258,30 @@ class FastLauncher:
             self._func = func
         self._stream = driver.CUstream(int(stream_handle))
         self._launch = driver.cuLaunchCooperativeKernel if self.cooperative else driver.cuLaunchKernel
-        self._extra = () if self.cooperative else (0,)
         self._ok = driver.CUresult.CUDA_SUCCESS
         self._dim_cache: dict = {}
+        self._last_grid = self._last_block = self._last_dims = None
 
     def launch(self, grid, block, args) -> bool:
         """Enqueue the kernel on the stream; False (nothing launched) if ``args`` do not match the
         compiled signature or the dimensions are not plain integers/tuples (take Numba's path)."""
-        try:
-            dims = self._dim_cache.get((grid, block))
-        except TypeError:  # unhashable dimensions (lists): let Numba normalize them
-            return False
-        if dims is None:
-            dims = self._dim_cache[(grid, block)] = _dims(grid, block)
+        if grid == self._last_grid and block == self._last_block:  # the runtime's case: ints, ~50 ns
+            dims = self._last_dims
+        else:
+            try:
+                dims = self._dim_cache.get((grid, block))
+            except TypeError:  # unhashable dimensions (lists): let Numba normalize them
+                return False
+            if dims is None:
+                dims = self._dim_cache[(grid, block)] = _dims(grid, block)
+            self._last_grid, self._last_block, self._last_dims = grid, block, dims
         if not self.params.pack(args):
             return False
         gx, gy, gz, bx, by, bz = dims
-        result = self._launch(self._func, gx, gy, gz, bx, by, bz, 0, self._stream, self.params.address,
-                              *self._extra)
+        if self.cooperative:
+            result = self._launch(self._func, gx, gy, gz, bx, by, bz, 0, self._stream, self.params.address)
+        else:
+            result = self._launch(self._func, gx, gy, gz, bx, by, bz, 0, self._stream, self.params.address, 0)
         err = result[0] if type(result) is tuple else result  # cuda.bindings returns (CUresult,)
         if err != self._ok:
             raise ShmemError(f"{'cooperative ' if self.cooperative else ''}launch of {self.name[:80]} "

@@ -1,6 +1,10 @@
 """The ``nvshmem`` backend of :class:`~ep_runtime.shmem.session.Session`: real GPUs.
 
-Bring-up (collective, under mpirun): bind this process to GPU ``local_rank``, set NVSHMEM's
+Bring-up (collective, under mpirun): bind this process to GPU ``local_rank`` (modulo the GPUs
+visible: with more ranks than GPUs, ranks share GPUs round-robin, NVSHMEM's "multiple processes
+per GPU"; kernels of ranks that wait on each other then need CUDA MPS with each rank's share of
+the GPU limited, e.g. ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``, so that their cooperative grids
+are co-resident; for correctness runs on few GPUs, not speed), set NVSHMEM's
 environment (:func:`ep_runtime.shmem.env.configure_nvshmem_env`), broadcast NVSHMEM's unique
 id from rank 0 with mpi4py and initialize with ``initializer_method="uid"`` (this works with
 Open MPI and MPICH alike; NVSHMEM's own MPI plugin is linked against Open MPI only).
@@ -81,9 +85,11 @@ class NvshmemSession(Session):
         self.rank, self.n_ranks = self._comm.Get_rank(), self._comm.Get_size()
         self.local_rank = self._comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
         configure_nvshmem_env(heap_bytes)
-        self._device = _cuda_core_device(self.local_rank)
+        #: the GPU this rank uses: local_rank modulo the GPUs visible (see the module docstring)
+        self.device_index = self.local_rank % cupy.cuda.runtime.getDeviceCount()
+        self._device = _cuda_core_device(self.device_index)
         self._device.set_current()
-        cupy.cuda.Device(self.local_rank).use()
+        cupy.cuda.Device(self.device_index).use()
         uid = nvshmem.get_unique_id(empty=self.rank != 0)
         self._comm.Bcast(uid._data.view(np.int8), root=0)
         nvshmem.init(device=self._device, uid=uid, rank=self.rank, nranks=self.n_ranks,
@@ -111,7 +117,7 @@ class NvshmemSession(Session):
         #: Launches so far by path: ``fast`` (driver) and ``numba`` (dispatcher).
         self.launch_counts = {"fast": 0, "numba": 0}
         self._fast = {}  # id(dispatcher) -> [(dispatcher, FastLauncher)]
-        log.info("rank %d/%d: NVSHMEM initialized on GPU %d", self.rank, self.n_ranks, self.local_rank)
+        log.info("rank %d/%d: NVSHMEM initialized on GPU %d", self.rank, self.n_ranks, self.device_index)
         return self
 
     @contextlib.contextmanager
@@ -235,7 +241,7 @@ class NvshmemSession(Session):
     def sm_count(self):
         import cupy
 
-        return int(cupy.cuda.Device(self.local_rank).attributes["MultiProcessorCount"])
+        return int(cupy.cuda.Device(self.device_index).attributes["MultiProcessorCount"])
 
     # -- ordering -------------------------------------------------------------------------------
     @property

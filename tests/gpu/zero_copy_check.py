@@ -235,7 +235,7 @@ def check_rank(session, opts: dict) -> list[tuple[str, bool | None, str]]:
 
     gpu = session.backend != "sim"
     if gpu:
-        device = torch.device("cuda", session.local_rank)
+        device = torch.device("cuda", session.device_index)
         torch.cuda.set_device(device)  # torch's current device must be the tensors' for DLPack export
     else:
         device = torch.device("cpu")
