@@ -338,7 +338,7 @@ class EPRuntime:
                                    f"{needed}; pass one output row per batch row.")
         self._run(call)
         self._state = _State.COMBINE_SENT
-        return CombineHandle(owner=self._owner, call=handle.call, n_tokens=handle.n_tokens)
+        return from_fields(CombineHandle, {"owner": self._owner, "call": handle.call, "n_tokens": handle.n_tokens})
 
     def _prepare_combine_async(self, expert_out, layout) -> PreparedCall:
         """Check and convert combine_async's ``expert_out`` (raising EPInputError before any

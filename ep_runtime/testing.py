@@ -117,3 +117,14 @@ def input_error_of(call) -> str | None:
     except EPInputError as err:
         return str(err)
     return None
+
+
+def off_by_8(a: np.ndarray) -> np.ndarray:
+    """A C-contiguous copy of ``a`` whose data starts 8 bytes past a 16-byte boundary (caller
+    arrays the kernels' 16-byte word-pair paths must not take)."""
+    flat = np.empty(a.nbytes + 32, np.uint8)
+    skip = (8 - flat.ctypes.data) % 16
+    out = flat[skip:skip + a.nbytes].view(a.dtype).reshape(a.shape)
+    out[...] = a
+    assert out.ctypes.data % 16 == 8 and out.flags.c_contiguous
+    return out

@@ -18,7 +18,7 @@ from ep_runtime.kernels.block import (block_sum, last_block_ticket, local_expert
                                       warp_geometry, warp_sum, warp_sync)
 from ep_runtime.kernels.cuda_api import cuda, kernel_jit
 from ep_runtime.kernels.token_codec import BLOCK_WORDS, CODE_WORDS, make_token_codec
-from ep_runtime.kernels.vec import address_of, make_pair_loops, pairs_aligned
+from ep_runtime.kernels.vec import address_of, make_pair_loops, pairs_aligned, store_u8_at
 from ep_runtime.layout import ROUTE_CHUNK_MIN, STATUS_CODE, SYNC_CALLS, SYNC_TICKET
 from ep_runtime.status import (COUNTER_DISPATCH_SIGNAL, COUNTER_RECV_ROWS, ERR_CAPACITY, ERR_TIMEOUT,
                                KERNEL_DISPATCH_WAIT)
@@ -101,6 +101,26 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         counts of the experts before it summed over the warp (d_counts group ``g``)."""
         return warp_sum(experts_below(d_counts, g, e, pad_multiple, lane), sum_buf)
 
+    @cuda.jit(device=True)
+    def send_prequantized(codes, scales8, b0, b1, PB, peer_bases, sent, slot, lane, lo, hi):
+        """Every lane of one warp: the caller's E4M3 code words of blocks ``[b0, b1)`` (``codes``:
+        the token's row of uint64 words, 16-byte aligned) and their scale bytes (``scales8``:
+        the token's row of scale bytes) stored into the receive slot of every rank whose bit is
+        set in ``sent``, at byte ``slot`` past ``peer_bases[0, d]``; each word pair loaded once."""
+        w1 = b1 * CODE_WORDS
+        w = b0 * CODE_WORDS + 2 * lane
+        while w < w1:
+            load_pairs(codes, w, w1, lo, hi)
+            for d in range(peer_bases.shape[1]):
+                if (sent >> uint64(d)) & uint64(1):
+                    store_pairs_at(peer_bases[0, d] + slot, w, w1, lo, hi)
+            w += 2 * UP * warp
+        scales_at = slot + uint64(PB)  # uint64 + uint64 (an int64 term would make it float64)
+        for j in range(b0 * SB + lane, b1 * SB, warp):
+            for d in range(peer_bases.shape[1]):
+                if (sent >> uint64(d)) & uint64(1):
+                    store_u8_at(peer_bases[0, d] + scales_at, j, scales8[j])
+
     @kernel_jit(threads)
     def dispatch_async(tokens, topk_ids, topk_weights, valid_tokens, use_valid,
                        d_tokens, d_ids, d_weights, d_counts, d_hist, d_signal,
@@ -127,9 +147,12 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         token's experts: with peer_stores (bf16 rows of uint64 words), 16-byte stores through
         the NVLink mappings, each word pair loaded once for all destinations; otherwise
         ``put_nbi_warp`` (a warp-wide copy) per destination. In an FP8 format a part is a run
-        of 128-element blocks: the warp encodes it into stage row t (``encode_blocks``), then
-        puts its codes and its scale bytes (pre-quantized input: straight from the caller's
-        arrays, no stage); the message's padding is never sent.
+        of 128-element blocks: with peer_stores the warp encodes it straight into every
+        destination's slot (``encode_blocks``: 4-byte stores of 4 codes, the blocks' scales;
+        pre-quantized input: ``send_prequantized``, the caller's code word pairs and scale
+        bytes); otherwise it encodes it into stage row t, then puts its codes and its scale
+        bytes (pre-quantized input: straight from the caller's arrays, no stage). The
+        message's padding is never sent.
         (2) Each block takes routing chunks of ``chunk_tokens(T)`` tokens (at most
         ``ROUTE_CHUNKS`` of them): puts their routing rows to every rank, counts the chunk's
         tokens per expert into send_hist[:, c] and puts each rank its experts' row of that
@@ -167,26 +190,38 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
             PB = S * CODE_WORDS * 8  # code bytes of a message (= H)
             parts = row_parts(T, S, all_warps, 1)
             span = part_words(S, parts, 1)  # blocks per part
+            # straight into peers' slots: encoded (4-byte stores), or the caller's codes (word pairs)
+            direct = peer_stores != 0 and (prequantized == 0 or (d_tokens.shape[3] % 2 == 0 and pairs_aligned(tokens)
+                                                                 and pairs_aligned(d_tokens)))
             i = cuda.blockIdx.x * warps + tid // warp
             while i < T * parts:
                 t, b0, b1 = part_bounds(i, parts, span, S)
                 if b0 < b1:
-                    if prequantized == 0:
-                        encode_blocks(tokens, t, b0, b1, stage32, stage8, PB, lane, mbuf)
-                        warp_sync()  # the part is staged before the warp's puts read it
-                    sent = uint64(0)
+                    sent = uint64(0)  # bit d: the token goes to rank d
                     for k in range(K):
-                        d = topk_ids[t, k] // L
-                        if (sent >> uint64(d)) & uint64(1) == uint64(0):
-                            sent |= uint64(1) << uint64(d)
-                            dst_codes = d_tokens[g, me, t, b0 * CODE_WORDS:b1 * CODE_WORDS]
-                            dst_scales = d_tokens8[g, me, t, PB + b0 * SB:PB + b1 * SB]
-                            if prequantized == 0:
-                                shmem.put_nbi_warp(dst_codes, stage64[t, b0 * CODE_WORDS:b1 * CODE_WORDS], d)
-                                shmem.put_nbi_warp(dst_scales, stage8[t, PB + b0 * SB:PB + b1 * SB], d)
-                            else:  # straight from the caller's arrays
-                                shmem.put_nbi_warp(dst_codes, tokens[t, b0 * CODE_WORDS:b1 * CODE_WORDS], d)
-                                shmem.put_nbi_warp(dst_scales, token_scales[t, b0 * SB:b1 * SB], d)
+                        sent |= uint64(1) << uint64(topk_ids[t, k] // L)
+                    if direct:
+                        slot = address_of(d_tokens[g, me, t]) - address_of(d_tokens)  # the same on every PE
+                        if prequantized == 0:
+                            encode_blocks(tokens, t, b0, b1, stage32, stage8, PB, lane, mbuf, peer_bases, sent, slot)
+                        else:
+                            send_prequantized(tokens[t], token_scales[t], b0, b1, PB, peer_bases, sent, slot, lane,
+                                              lo, hi)
+                    else:
+                        if prequantized == 0:
+                            encode_blocks(tokens, t, b0, b1, stage32, stage8, PB, lane, mbuf, peer_bases, uint64(0),
+                                          uint64(0))
+                            warp_sync()  # the part is staged before the warp's puts read it
+                        for d in range(R):
+                            if (sent >> uint64(d)) & uint64(1):
+                                dst_codes = d_tokens[g, me, t, b0 * CODE_WORDS:b1 * CODE_WORDS]
+                                dst_scales = d_tokens8[g, me, t, PB + b0 * SB:PB + b1 * SB]
+                                if prequantized == 0:
+                                    shmem.put_nbi_warp(dst_codes, stage64[t, b0 * CODE_WORDS:b1 * CODE_WORDS], d)
+                                    shmem.put_nbi_warp(dst_scales, stage8[t, PB + b0 * SB:PB + b1 * SB], d)
+                                else:  # straight from the caller's arrays
+                                    shmem.put_nbi_warp(dst_codes, tokens[t, b0 * CODE_WORDS:b1 * CODE_WORDS], d)
+                                    shmem.put_nbi_warp(dst_scales, token_scales[t, b0 * SB:b1 * SB], d)
                 i += all_warps
             T_parts = 0  # no bf16 row parts
         else:

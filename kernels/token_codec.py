@@ -15,6 +15,7 @@ from ep_runtime.kernels.bits import bf16_to_f32, f32_bits
 from ep_runtime.kernels.block import warp_max_u32
 from ep_runtime.kernels.cuda_api import cuda
 from ep_runtime.kernels.fp8 import bf16_abs_max, e4m3_scale, quantize4, ue8m0_scale
+from ep_runtime.kernels.vec import store_u8_at, store_u32_at
 
 #: bf16 words (4 values each) per 128-element scale block.
 BLOCK_WORDS = 32
@@ -30,15 +31,19 @@ def make_token_codec(warp: int, ue8m0: bool):
     SB = 1 if ue8m0 else 4
 
     @cuda.jit(device=True)
-    def encode_blocks(tokens, t, b0, b1, stage32, stage8, PB, lane, buf64):
+    def encode_blocks(tokens, t, b0, b1, stage32, stage8, PB, lane, buf64, peer_bases, sent, slot):
         """Every lane of one warp: encode 128-element blocks ``[b0, b1)`` of bf16 token ``t``
-        (``tokens`` [T, W] uint64, 4 values a word) into row ``t`` of the stage: 4 codes per
-        uint32 of ``stage32`` (a uint32 view of the stage; block b is words ``32 b ..``) and
-        the block's scale bytes at ``PB + b * SB`` of ``stage8`` (a uint8 view). Blocks go
-        ``BLOCKS_IN_FLIGHT`` at a time: each lane loads its words of all of them before it uses
-        any (memory-level parallelism), the warp takes each block's amax with ``warp_max_u32``,
-        the scale is ``e4m3_scale`` or ``ue8m0_scale``. The caller meets the warp
-        (``warp_sync``) before anything reads the row."""
+        (``tokens`` [T, W] uint64, 4 values a word) into a message: 4 codes per uint32 (block
+        b is uint32 words ``32 b ..``), the block's scale bytes at byte ``PB + b * SB``.
+
+        Where the message goes: with ``sent`` (uint64) zero, row ``t`` of the stage
+        (``stage32`` / ``stage8``, uint32 and uint8 views), which the caller then sends after
+        meeting the warp (``warp_sync``); otherwise straight into the receive slot of every
+        rank ``d`` whose bit is set in ``sent``, at byte ``slot`` past ``peer_bases[0, d]``
+        (its ``d_tokens`` as mapped here), with plain stores (``store_u32_at``: publish as
+        ``Session.peer_view`` says). Blocks go ``BLOCKS_IN_FLIGHT`` at a time: each lane loads
+        its words of all of them before it uses any (memory-level parallelism), the warp takes
+        each block's amax with ``warp_max_u32``, the scale is ``e4m3_scale`` or ``ue8m0_scale``."""
         vals = cuda.local.array(WORDS_IN_FLIGHT, uint64)
         WPL = BLOCK_WORDS // warp  # words of a block per lane
         UB = WORDS_IN_FLIGHT // WPL  # blocks in flight
@@ -59,10 +64,25 @@ def make_token_codec(warp: int, ue8m0: bool):
                     else:
                         scale = e4m3_scale(a)
                         code = f32_bits(scale)
-                    for q in range(WPL):
-                        stage32[t, b * BLOCK_WORDS + q * warp + lane] = quantize4(vals[u * WPL + q], scale)
-                    if lane < SB:
-                        stage8[t, PB + b * SB + lane] = (uint32(code) >> uint32(8 * lane)) & uint32(0xFF)
+                    if sent == uint64(0):
+                        for q in range(WPL):
+                            stage32[t, b * BLOCK_WORDS + q * warp + lane] = quantize4(vals[u * WPL + q], scale)
+                        if lane < SB:
+                            stage8[t, PB + b * SB + lane] = (uint32(code) >> uint32(8 * lane)) & uint32(0xFF)
+                    else:
+                        for q in range(WPL):
+                            word = quantize4(vals[u * WPL + q], scale)
+                            for d in range(peer_bases.shape[1]):
+                                if (sent >> uint64(d)) & uint64(1):
+                                    store_u32_at(peer_bases[0, d] + slot, b * BLOCK_WORDS + q * warp + lane, word)
+                        if lane == 0:
+                            scales_at = slot + uint64(PB)  # uint64 + uint64 (an int64 term would make it float64)
+                            for d in range(peer_bases.shape[1]):
+                                if (sent >> uint64(d)) & uint64(1):
+                                    if SB == 4:
+                                        store_u32_at(peer_bases[0, d] + scales_at, b, uint32(code))
+                                    else:
+                                        store_u8_at(peer_bases[0, d] + scales_at, b, uint32(code))
 
     @cuda.jit(device=True)
     def store_scales(src8, PB, SBYTES, expert_scales8, r, C, col_major, lane, zero):

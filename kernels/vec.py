@@ -20,6 +20,9 @@ instruction (``cvt.rn.bf16x2.f32``).
   ``addr + 8 i`` (16-byte aligned): a row of another PE's symmetric array reached through
   its NVLink mapping (``Session.peer_addresses``; the same offset from the region's base on
   every PE). Plain stores: publish them as ``Session.peer_view`` says (fence, barrier, signal).
+- ``store_u32_at(addr, i, v)``, ``store_u8_at(addr, i, v)``: one uint32 at ``addr + 4 i``
+  (4-byte aligned) or one byte at ``addr + i``, the same way (FP8 messages encoded straight
+  into peers' receive slots: four E4M3 codes, a float32 scale, a UE8M0 scale code).
 - ``pack_bf16x2(lo, hi) -> uint32``: ``lo`` and ``hi`` (float32) rounded to bf16, ``lo`` in
   bits 0-15: the same bits as :func:`ep_runtime.kernels.bits.f32_to_bf16` for every input
   (the hardware's canonical NaN is replaced by ml_dtypes' quiet NaN with the input's sign).
@@ -64,6 +67,14 @@ if _config.ENABLE_CUDASIM:
     def store_pair_at(addr, i, a, b):
         """uint64 ``a, b`` at address ``addr + 8 i``: a peer's heap is mapped in this process."""
         (ctypes.c_uint64 * 2).from_address(int(addr) + 8 * int(i))[:] = (int(a), int(b))
+
+    def store_u32_at(addr, i, v):
+        """uint32 ``v`` at address ``addr + 4 i``."""
+        ctypes.c_uint32.from_address(int(addr) + 4 * int(i)).value = int(v) & 0xFFFFFFFF
+
+    def store_u8_at(addr, i, v):
+        """The low byte of ``v`` at address ``addr + i``."""
+        ctypes.c_uint8.from_address(int(addr) + int(i)).value = int(v) & 0xFF
 
     def pack_bf16x2(lo, hi):
         """bf16(lo) | bf16(hi) << 16, as uint32."""
@@ -178,6 +189,34 @@ else:
 
         return sig, codegen
 
+    def _scalar_store_at(bits: int):
+        """An intrinsic ``(addr: uint64, i: int64, v)`` storing ``v`` as a ``bits``-bit integer
+        at byte address ``addr + i * bits / 8`` (aligned to its size)."""
+        size = bits // 8
+        nty = types.uint32 if bits == 32 else types.uint8
+
+        @intrinsic
+        def store_at(typingctx, addr, i, v):
+            if not (isinstance(addr, types.Integer) and isinstance(i, types.Integer)
+                    and isinstance(v, types.Integer)):
+                return None
+            sig = types.void(types.uint64, types.int64, nty)
+
+            def codegen(context, builder, signature, args):
+                i64 = ir.IntType(64)
+                byte = builder.add(args[0], builder.mul(args[1], ir.Constant(i64, size)))
+                builder.store(args[2], builder.inttoptr(byte, ir.IntType(bits).as_pointer()), align=size)
+                return context.get_dummy_value()
+
+            return sig, codegen
+
+        return store_at
+
+    #: uint32 ``v`` at byte address ``addr + 4 i``
+    store_u32_at = _scalar_store_at(32)
+    #: byte ``v`` at byte address ``addr + i``
+    store_u8_at = _scalar_store_at(8)
+
     def f32_pair_conversion(instruction: str, bits: int):
         """An intrinsic ``(lo: float32, hi: float32) -> uint32`` running the PTX conversion
         ``instruction`` (a ``cvt ... x2.f32 d, a, b``, which writes ``cvt(a)`` to the high half
@@ -266,5 +305,5 @@ def make_pair_loops(n: int, warp: int):
     return load_pairs, store_pairs, store_pairs_at
 
 
-__all__ = ["load_pair", "store_pair", "pairs_aligned", "address_of", "store_pair_at", "pack_bf16x2", "pack_bf16x4",
-           "pack_f32x2", "make_pair_loops"]
+__all__ = ["load_pair", "store_pair", "pairs_aligned", "address_of", "store_pair_at", "store_u32_at", "store_u8_at",
+           "pack_bf16x2", "pack_bf16x4", "pack_f32x2", "make_pair_loops"]

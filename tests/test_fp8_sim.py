@@ -5,6 +5,10 @@ expanded and compact layouts. Codes and scales must equal the reference bit for 
 zero, blocks whose amax is 0 (scale 1) and blocks holding inf / NaN (NaN scale, NaN codes)
 included; hidden 384 is a multiple of 128 but not of 1024. Combine (bf16 expert outputs) is
 exact against the reference in these configs too. Bad FP8 arguments are refused before launch.
+
+Both send paths run at 2 ranks (``EP_RUNTIME_PEER_STORES``): messages encoded straight into the
+peers' receive slots (pre-quantized codes as word pairs; codes 8 bytes off a 16-byte boundary
+take the puts), and encoded into a stage then put.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from ep_runtime import reference
 from ep_runtime.config import EPConfig
 from ep_runtime.reference import BF16
 from ep_runtime.shmem.launch import run_pes
-from ep_runtime.testing import input_error_of, make_inputs
+from ep_runtime.testing import input_error_of, make_inputs, off_by_8
 
 RUN_TIMEOUT_S = 300
 POISON_BF16 = 0x7FC0
@@ -46,6 +50,7 @@ def cases(R: int) -> list:
                 (f"{f}_token_parts_n_sms_8", {**base, "token_dtype": fmt, "n_sms": 8}, "random", 6, False, "row"),
                 (f"{f}_prequantized_parts_n_sms_8", {**base, "token_dtype": fmt, "n_sms": 8}, "random", 7, True,
                  "column"),
+                (f"{f}_prequantized_misaligned_row", {**base, "token_dtype": fmt}, "random", 8, "misaligned", "row"),
             ]
     return out
 
@@ -66,10 +71,14 @@ def inputs(cfg: EPConfig, scenario: str, seed: int):
     return xs, ids, ws
 
 
-def prequantized_inputs(cfg: EPConfig, xs, as_float8: bool):
+def prequantized_inputs(cfg: EPConfig, xs, kind):
+    """Codes and scales of every rank's tokens; ``kind``: True (uint8 codes), ``"float8"``
+    (float8_e4m3fn codes) or ``"misaligned"`` (uint8 codes 8 bytes past a 16-byte boundary)."""
     fmt = cfg.token_format
     enc = [fmt.quantize(x.view(np.uint16)) for x in xs]
-    payloads = [p.view(ml_dtypes.float8_e4m3fn) if as_float8 else p for p, _ in enc]
+    payloads = [p.view(ml_dtypes.float8_e4m3fn) if kind == "float8" else p for p, _ in enc]
+    if kind == "misaligned":
+        payloads = [off_by_8(p) for p in payloads]
     return payloads, [s for _, s in enc]
 
 
@@ -96,7 +105,7 @@ def fp8_pe(session, R: int) -> dict:
         kw = {}
         tokens = xs[r].view(np.uint16)
         if pre:
-            payloads, scs = prequantized_inputs(cfg, xs, pre == "float8")
+            payloads, scs = prequantized_inputs(cfg, xs, pre)
             tokens, kw = payloads[r], {"token_scales": scs[r]}
         with EPRuntime(cfg, session) as rt:
             b = rt.dispatch(tokens, ids[r], ws[r], scales=scales, **kw)
@@ -110,7 +119,7 @@ def fp8_pe(session, R: int) -> dict:
     cfg = EPConfig(**cases(R)[0][1])
     xs, ids, ws = inputs(cfg, "random", 9)
     with EPRuntime(cfg, session) as rt:
-        payloads, scs = prequantized_inputs(cfg, xs, False)
+        payloads, scs = prequantized_inputs(cfg, xs, True)
         bad = {
             "scales_wrong_shape": lambda: rt.dispatch_async(payloads[r], ids[r], ws[r], token_scales=scs[r][:, :2]),
             "scales_wrong_dtype": lambda: rt.dispatch_async(payloads[r], ids[r], ws[r],
@@ -129,10 +138,16 @@ def fp8_pe(session, R: int) -> dict:
     return {"cases": out, "errors": errors}
 
 
-@pytest.fixture(scope="module", params=[2, 4])
+#: (ranks, EP_RUNTIME_PEER_STORES)
+RUNS = [(2, "1"), (2, "0"), (4, "1")]
+
+
+@pytest.fixture(scope="module", params=RUNS, ids=lambda p: f"R{p[0]}-peer_stores{p[1]}")
 def sim(request):
-    R = request.param
-    return R, run_pes(fp8_pe, R, args=(R,), timeout_s=RUN_TIMEOUT_S)
+    R, peer_stores = request.param
+    with pytest.MonkeyPatch.context() as mp:  # the PEs are spawned with this environment
+        mp.setenv("EP_RUNTIME_PEER_STORES", peer_stores)
+        return R, run_pes(fp8_pe, R, args=(R,), timeout_s=RUN_TIMEOUT_S)
 
 
 def test_fp8_dispatch_codes_and_scales_equal_the_reference_bit_for_bit(sim):

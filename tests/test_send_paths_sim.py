@@ -23,7 +23,7 @@ from ep_runtime import reference
 from ep_runtime.config import EPConfig
 from ep_runtime.reference import BF16
 from ep_runtime.shmem.launch import run_pes
-from ep_runtime.testing import POISON_BF16, make_inputs
+from ep_runtime.testing import POISON_BF16, make_inputs, off_by_8
 from ep_runtime.testing import expert_outputs as expanded_outputs
 
 RUN_TIMEOUT_S = 240
@@ -44,16 +44,6 @@ def cases(R: int) -> list:
 
 def inputs(cfg: EPConfig, seed, counts):
     return make_inputs(cfg, "random", seed, None if counts is None else list(counts))
-
-
-def off_by_8(a: np.ndarray) -> np.ndarray:
-    """A C-contiguous copy of ``a`` whose data starts 8 bytes past a 16-byte boundary."""
-    flat = np.empty(a.nbytes + 32, np.uint8)
-    skip = (8 - flat.ctypes.data) % 16
-    out = flat[skip:skip + a.nbytes].view(a.dtype).reshape(a.shape)
-    out[...] = a
-    assert out.ctypes.data % 16 == 8 and out.flags.c_contiguous
-    return out
 
 
 def compact_rows(cfg: EPConfig, xs, ids, rank: int) -> np.ndarray:
