@@ -124,6 +124,7 @@ def graph_mode_pe(session, cfg_dict, seed):
         out = session.alloc_local("out", (T, cfg.hidden), np.uint16)
         n_tok = session.to_device(np.array([T], np.int32)) if takes_device_token_count(rt) else None
         stream = _FakeStream()
+        session.stream_barrier = lambda: stream.log.append("stream_barrier")  # the samples' device-side start
         spans = time_graph_round_trips(rt, session, inputs, y, out, samples=2, warmup=1, n_tokens=n_tok,
                                        stream=stream)
         calls_after_capture = rt.calls
@@ -147,7 +148,10 @@ def test_graph_mode_captures_in_call_order_on_the_simulator():
         n_graphs = sum(len(phase) for rt in GRAPH_ROUND_TRIPS for phase in rt)
         assert n_graphs == 6
         assert res["log"][:2 * n_graphs] == ["begin", "end"] * n_graphs       # captured first, one at a time
-        assert res["log"][2 * n_graphs:] == ["launch"] * (n_graphs * 3)      # then replayed (1 warm-up + 2)
+        # then replayed (1 warm-up + 2), each phase started by an on-stream barrier
+        replays = [["stream_barrier"] + ["launch"] * len(phase) for rt in GRAPH_ROUND_TRIPS for _ in range(3)
+                   for phase in rt]
+        assert res["log"][2 * n_graphs:] == sum(replays, [])
         assert res["calls"] == 2  # two round trips captured: phase graphs, then one graph per call
         assert res["exact"]       # the runtime is usable and correct after the captures
         assert res["device_n_tokens"] == ("n_tokens" in inspect.signature(EPRuntime.dispatch_async).parameters)

@@ -257,8 +257,11 @@ class NvshmemSession(Session):
         self._cupy_stream.synchronize()
 
     def barrier(self):
-        self._nvshmem.barrier_all(stream=self._core_stream)
+        self.stream_barrier()
         self._core_stream.sync()
+
+    def stream_barrier(self):
+        self._nvshmem.barrier_all(stream=self._core_stream)
 
     def allgather_object(self, obj):
         return self._comm.allgather(obj)

@@ -127,6 +127,12 @@ class Session(abc.ABC):
         delivered before any PE returns."""
 
     @abc.abstractmethod
+    def stream_barrier(self) -> None:
+        """Collective: enqueue a barrier of all PEs on :attr:`stream` and return at once (the
+        host does not wait): work enqueued after it starts on each PE's GPU once every PE's
+        stream reached it (their prior puts delivered). Synchronous on ``sim``."""
+
+    @abc.abstractmethod
     def allgather_object(self, obj) -> list:
         """Collective: every PE's ``obj`` (picklable), in rank order (host-side, for
         construction-time checks such as configs that differ between ranks)."""

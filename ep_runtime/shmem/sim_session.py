@@ -174,6 +174,10 @@ class SimSession(Session):
         self.heap.deliver_puts()
         self.heap.barrier("Session.barrier")
 
+    def stream_barrier(self) -> None:
+        """:meth:`barrier` (the simulator has no streams: everything before it has run)."""
+        self.barrier()
+
     def allgather_object(self, obj) -> list:
         """Every PE's picklable ``obj`` in rank order. Collective; host-side only (like an
         MPI allgather it does not deliver queued puts)."""

@@ -49,6 +49,7 @@ def main() -> int:
     from mpi4py import MPI
 
     from ep_runtime import EPConfig, EPRuntime
+    from ep_runtime.bench.measure import DeviceSpin
     from ep_runtime.layout import BufferLayout
     from ep_runtime.shmem import open_session
     from ep_runtime.testing import make_inputs
@@ -72,17 +73,7 @@ def main() -> int:
         launches.append((names.get(id(kernel), "?"), a, b, (kernel, grid, block, launch_args)))
 
     session.launch = timed_launch
-    spin_kernel = cupy.RawKernel(r"""
-    extern "C" __global__ void spin(long long cycles) {
-        long long t0 = clock64();
-        while (clock64() - t0 < cycles) { }
-    }""", "spin")
-    rate_khz = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())["clockRate"]
-    spin_cycles = np.int64(args.spin_us * rate_khz / 1e3)
-
-    def spin():
-        if args.spin_us > 0:
-            spin_kernel((1,), (1,), (spin_cycles,), stream=stream)
+    spin = DeviceSpin(stream, args.spin_us)
 
     def graph_time(launch_once):
         """us per launch: ``args.repeat`` launches captured in one graph, median of 5 replays."""
