@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks in one device call (2 ranks), each section under its own time limit:
 #   source .devcarry/setup.sh && bash tests/gpu/run_all.sh [section ...]
-# Sections (default: all, in this order): shmem ep ep_puts fp8 soak stream zerocopy example bench kernels racecheck
-# memcheck. ep_puts: ep_check with the kernels sending through NVSHMEM puts (EP_RUNTIME_PEER_STORES=0).
+# Sections (default: all, in this order): shmem ep ep_puts fp8 soak stream zerocopy example bench kernels stores host
+# racecheck memcheck. ep_puts: ep_check with the kernels sending through NVSHMEM puts (EP_RUNTIME_PEER_STORES=0);
+# stores: dispatch_async's store pattern alone against the copy engine; host: host time per call, broken down.
 # Logs go to $OUT/<section>.log (or /tmp/ep_gpu); the tail of each is printed.
 set -u
 out="${OUT:-/tmp/ep_gpu}"
@@ -11,7 +12,8 @@ run="mpirun -np ${EP_RANKS:-2} -x PYTHONPATH -x NVSHMEM_DISABLE_CUDA_VMM -x EP_R
 export NVSHMEM_DISABLE_CUDA_VMM=1  # compute-sanitizer cannot follow NVSHMEM's VMM heap mappings
 peer_stores="${EP_RUNTIME_PEER_STORES:-1}"  # the caller's choice for every section but ep_puts
 sections=("$@")
-[ ${#sections[@]} -eq 0 ] && sections=(shmem ep ep_puts fp8 soak stream zerocopy example bench kernels racecheck memcheck)
+[ ${#sections[@]} -eq 0 ] && sections=(shmem ep ep_puts fp8 soak stream zerocopy example bench kernels stores host racecheck
+                                        memcheck)
 for s in "${sections[@]}"; do
   case "$s" in
     shmem)     cmd="timeout 180 $run python3 tests/gpu/shmem_check.py" ;;
@@ -21,6 +23,8 @@ for s in "${sections[@]}"; do
     stream)    cmd="timeout 120 $run python3 tests/gpu/stream_order_check.py" ;;
     zerocopy)  cmd="timeout 120 $run python3 tests/gpu/zero_copy_check.py" ;;
     kernels)   cmd="timeout 150 $run python3 tests/gpu/kernel_times.py --tokens 128 4096 --repeat 20" ;;
+    stores)    cmd="timeout 200 $run python3 tests/gpu/store_pattern.py" ;;
+    host)      cmd="timeout 150 $run python3 tests/gpu/host_costs.py --profile 200" ;;
     fp8)       cmd="timeout 200 $run python3 tests/gpu/fp8_check.py --tokens 4096 128" ;;
     example)   cmd="timeout 150 $run python3 examples/moe_layer.py --hidden 1024 --ffn 512 --experts 16 --top-k 4 --tokens 256" ;;
     bench)     cmd="timeout 300 $run python3 -m ep_runtime.bench --tokens 128 4096 --layout expanded compact --json $out/bench.json" ;;
