@@ -73,7 +73,8 @@ def main() -> int:
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--unroll", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--threads", type=int, nargs="+", default=[256, 512, 1024])
-    ap.add_argument("--blocks", type=int, nargs="+", default=[0, 264])
+    ap.add_argument("--blocks", type=int, nargs="+", default=[16, 32, 64, 0, 264],
+                    help="blocks per launch (0: one per SM); how few SMs reach the link's rate matters to overlap")
     ap.add_argument("--patterns", nargs="+", default=["peer", "peer+self", "routing"])
     ap.add_argument("--samples", type=int, default=20)
     args = ap.parse_args()
