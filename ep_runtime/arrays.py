@@ -104,15 +104,28 @@ def fingerprint(x):
     ``x`` depends on: its type, data address, shape, strides and dtype (``None`` for None).
     Two calls that pass the same object with the same fingerprint get the same conclusions,
     so the runtime reuses a call's validated, converted arguments (:mod:`ep_runtime.call_memo`).
-    Objects of other types than CuPy, NumPy and PyTorch arrays get a fresh token each time
-    (never reused). A few hundred ns for a CuPy array."""
+    A NumPy array's address is left out: it cannot change while the memo holds a reference
+    (``data`` is read-only and ``resize`` refuses a referenced array). Objects of other types
+    than CuPy, NumPy and PyTorch arrays get a fresh token each time (never reused). About
+    0.3 us for a NumPy or CuPy array (the type's extractor is looked up once per type)."""
     if x is None:
         return None
     t = type(x)
-    if t.__module__.startswith("cupy"):
-        return t, x.data.ptr, x.shape, x.strides, x.dtype
+    extract = _FINGERPRINTS.get(t)
+    if extract is None:
+        extract = _FINGERPRINTS[t] = _fingerprint_of_type(t)
+    return extract(x)
+
+
+def _fingerprint_of_type(t):
+    """The fingerprint function for arrays of type ``t`` (see :func:`fingerprint`)."""
+    if t.__module__.split(".")[0] == "cupy":
+        return lambda x: (t, x.data.ptr, x.shape, x.strides, x.dtype)
     if t is np.ndarray:
-        return t, x.__array_interface__["data"][0], x.shape, x.strides, x.dtype
-    if _is_torch(x):
-        return t, x.data_ptr(), x.shape, x.stride(), x.dtype
-    return object()
+        return lambda x: (t, x.shape, x.strides, x.dtype)
+    if t.__module__.split(".")[0] == "torch":
+        return lambda x: (t, x.data_ptr(), x.shape, x.stride(), x.dtype)
+    return lambda x: object()
+
+
+_FINGERPRINTS: dict = {}

@@ -41,7 +41,7 @@ def make_token_codec(warp: int, ue8m0: bool):
         meeting the warp (``warp_sync``); otherwise straight into the receive slot of every
         rank ``d`` whose bit is set in ``sent``, at byte ``slot`` past ``peer_bases[0, d]``
         (its ``d_tokens`` as mapped here), with plain stores (``store_u32_at``: publish as
-        ``Session.peer_view`` says). Blocks go ``BLOCKS_IN_FLIGHT`` at a time: each lane loads
+        ``Session.peer_view`` says). Blocks go ``WORDS_IN_FLIGHT / (32 / warp)`` at a time: each lane loads
         its words of all of them before it uses any (memory-level parallelism), the warp takes
         each block's amax with ``warp_max_u32``, the scale is ``e4m3_scale`` or ``ue8m0_scale``."""
         vals = cuda.local.array(WORDS_IN_FLIGHT, uint64)
