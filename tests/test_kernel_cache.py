@@ -466,6 +466,21 @@ def test_params_follow_new_objects_and_skip_unchanged_ones():
     assert buf.pack(args) and buf.slots[buf.offsets[2]] == -5
 
 
+def test_a_failed_pack_does_not_let_the_last_tuple_skip_its_checks():
+    """The last tuple packed whole is skipped when it comes again; a pack that fails part way
+    (slot 0 rewritten, then a bad argument) must make it be checked again."""
+    argtypes, args = _case()
+    buf = fl.ParamBuffer(argtypes)
+    assert buf.pack(args) and buf.pack(args)
+    good = buf.slot_bytes(4)  # the first array's data pointer
+    half = list(args)
+    half[0] = _devarray((6, 7), np.uint16, 0x7F0000900000)
+    half[2] = "not an int64"
+    assert not buf.pack(tuple(half))
+    assert buf.slot_bytes(4) != good
+    assert buf.pack(args) and buf.slot_bytes(4) == good
+
+
 WRONG_ARGS = {
     "array of another dtype": (0, lambda: _devarray((4, 7), np.int16, 0x1000)),
     "array of another ndim": (0, lambda: _devarray((4, 7, 1), np.uint16, 0x1000)),

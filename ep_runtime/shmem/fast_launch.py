@@ -110,25 +110,33 @@ class ParamBuffer:
         self.address = ctypes.addressof(self.pointers)
         self._writers = [make(self.slots, *spec) for make, *spec in plan]
         self._last = [_UNSET] * len(self._writers)
+        self._last_args = None  # the last tuple packed whole (the runtime's prepared calls repeat theirs)
 
     # -- packing --------------------------------------------------------------------------------
     def pack(self, args) -> bool:
         """Write ``args`` into the slots, skipping arguments that are the previous call's objects.
         Returns False (the buffer then holds a mix, see :meth:`forget_args`) if an argument is
-        not of the compiled type."""
+        not of the compiled type. The same tuple object as the last one packed whole is not
+        looked at again (a tuple cannot change; its elements are checked by identity anyway)."""
+        if args is self._last_args:
+            return True
         last, writers = self._last, self._writers
         if len(args) != len(writers):
             return False
+        self._last_args = None
         for i, a in enumerate(args):
             if a is not last[i]:
                 if not writers[i](a):
                     return False
                 last[i] = a
+        if type(args) is tuple:
+            self._last_args = args
         return True
 
     def forget_args(self) -> None:
         """Drop the references to the last arguments (the next :meth:`pack` rewrites every slot)."""
         self._last = [_UNSET] * len(self._writers)
+        self._last_args = None
 
     def slot_bytes(self, k: int) -> bytes:
         """The 8 bytes of parameter ``k``'s slot (the driver copies the parameter's size from
