@@ -53,6 +53,7 @@ def main() -> int:
     from ep_runtime.layout import BufferLayout
     from ep_runtime.shmem import open_session
     from ep_runtime.testing import make_inputs
+    from startup_check import CALLS, _round  # this script's folder is on sys.path
 
     comm = MPI.COMM_WORLD
     me, R = comm.Get_rank(), comm.Get_size()
@@ -67,33 +68,20 @@ def main() -> int:
     out = cupy.empty((T, cfg.hidden), cupy.uint16)
 
     def one_round(times=None):
-        pc = time.perf_counter_ns
-        t0 = pc()
-        h = rt.dispatch_async(tok, tid, tw)
-        t1 = pc()
-        b = rt.dispatch_wait(h)
-        t2 = pc()
-        c = rt.combine_async(y, b.handle)
-        t3 = pc()
-        rt.combine_wait(c, out=out)
-        t4 = pc()
-        if times is not None:
-            for k, dt in zip(("dispatch_async", "dispatch_wait", "combine_async", "combine_wait"),
-                             (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
-                times[k].append(dt / 1e3)
+        _round(rt, tok, tid, tw, y, out, times)  # startup_check's timed round trip (seconds per call)
 
     for _ in range(20):
         one_round()
     rt.synchronize()
     rows = []
-    times = {k: [] for k in ("dispatch_async", "dispatch_wait", "combine_async", "combine_wait")}
+    times = {k: [] for k in CALLS}
     for i in range(args.repeat // 4):
         one_round(times)
         if i % 10 == 9:
             rt.synchronize()
     rt.synchronize()
     for k, v in times.items():
-        rows.append((f"call {k}", statistics.median(v)))
+        rows.append((f"call {k}", statistics.median(v) * 1e6))
     for layout in ("compact",):
         t = []
         for i in range(args.repeat // 4):
