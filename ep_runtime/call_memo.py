@@ -25,9 +25,11 @@ from .arrays import fingerprint
 @dataclass(frozen=True)
 class PreparedCall:
     """One kernel launch ready to enqueue: ``kernel`` (a Numba dispatcher) with ``args`` (the
-    full argument tuple, kernel-ready arrays and int64 scalars), plus what the call returns or
-    checks per call: ``n_tokens`` (rows of the caller's token array) and ``checked`` (arrays the
-    debug-mode checks read)."""
+    full argument tuple, kernel-ready arrays and int64 scalars), plus what the call reports or
+    checks each time: ``n_tokens``, a row count (dispatch_async and combine_wait: the tokens T;
+    combine_async: expert_out's rows, for debug mode's check) and ``checked``, converted arrays
+    (dispatch_async: the debug-mode routing check's arguments; combine_wait: ``(out,)``, which
+    it returns)."""
 
     kernel: Any
     args: tuple
