@@ -273,7 +273,7 @@ class FastLauncher:
     def launch(self, grid, block, args) -> bool:
         """Enqueue the kernel on the stream; False (nothing launched) if ``args`` do not match the
         compiled signature or the dimensions are not plain integers/tuples (take Numba's path)."""
-        if grid == self._last_grid and block == self._last_block:  # the runtime's case: ints, ~50 ns
+        if grid is self._last_grid and block is self._last_block:  # the runtime passes the same objects
             dims = self._last_dims
         else:
             try:
