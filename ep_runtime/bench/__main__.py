@@ -15,8 +15,9 @@ Modes (``--mode``, one or both; default eager): **eager** times the four calls a
 makes them. **graph** (GPUs only) captures CUDA graphs on the session stream, one per phase
 (dispatch = dispatch_async + dispatch_wait; combine = combine_async + combine_wait, captured
 right after, the runtime's legal call order), and times each replay with CUDA events recorded
-outside the graphs, a barrier before each phase; the async and wait columns come from graphs of
-one call each, captured and replayed the same way. Graphs are captured with all T rows; when
+outside the graphs; each phase starts on the device (a host barrier, a short spin kernel, then
+an on-stream barrier of all ranks, so host launch skew between ranks is not timed); the async
+and wait columns come from graphs of one call each, captured and replayed the same way. Graphs are captured with all T rows; when
 the runtime's dispatch_async takes ``n_tokens=`` (a device scalar), T is passed that way, as a
 decode step serving a varying batch from one graph would. The simulator has no CUDA graphs:
 ``--mode graph`` there is refused before anything runs.
