@@ -187,7 +187,8 @@ def time_graph_round_trips(rt, session, inputs, expert_out, out, samples: int, w
     """Samples (us) of each span of :data:`SPANS`, from CUDA graph replays (GPUs only).
 
     Captures the graphs of :data:`GRAPH_ROUND_TRIPS` on ``stream`` (default the session
-    stream), passing ``n_tokens`` (a [1] int32 device array, see :func:`takes_device_token_count`)
+    stream; the on-stream barrier is always on the session stream, so on a GPU pass no other),
+    passing ``n_tokens`` (a [1] int32 device array, see :func:`takes_device_token_count`)
     to ``dispatch_async`` when given. Then, per round trip of graphs, ``warmup + samples`` times:
     for each phase a host barrier, a device spin (:data:`START_SPIN_US`) and an on-stream barrier
     (``session.stream_barrier``: the ranks' graphs start together on the device), then per graph
