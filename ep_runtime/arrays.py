@@ -18,8 +18,13 @@ _BF16_NAMES = ("bfloat16",)
 _FP8_NAMES = ("float8_e4m3fn",)
 
 
+def _package(t: type) -> str:
+    """The top-level package that defines type ``t`` (``"torch"``, ``"cupy"``, ``"numpy"``...)."""
+    return t.__module__.split(".")[0]
+
+
 def _is_torch(x) -> bool:
-    return type(x).__module__.split(".")[0] == "torch"
+    return _package(type(x)) == "torch"
 
 
 def to_backend(x, backend: str, call: str, name: str):
@@ -119,11 +124,11 @@ def fingerprint(x):
 
 def _fingerprint_of_type(t):
     """The fingerprint function for arrays of type ``t`` (see :func:`fingerprint`)."""
-    if t.__module__.split(".")[0] == "cupy":
+    if _package(t) == "cupy":
         return lambda x: (t, x.data.ptr, x.shape, x.strides, x.dtype)
     if t is np.ndarray:
         return lambda x: (t, x.shape, x.strides, x.dtype)
-    if t.__module__.split(".")[0] == "torch":
+    if _package(t) == "torch":
         return lambda x: (t, x.data_ptr(), x.shape, x.stride(), x.dtype)
     return lambda x: object()
 
