@@ -26,8 +26,8 @@ CALLER_ARRAYS = {
     "aux": (np.float32, 2),
     "token_scales": (np.uint8, 2),  # pre-quantized FP8 input: the scales' bytes, [T, S * scale bytes]
 }
-#: Arrays the runtime makes outside the layout, as (dtype, ndim): ``peer_bases`` [2, R] uint64,
-#: the address of ``dispatch_tokens`` (row 0) and ``combine_partials`` (row 1) on every PE as
+#: Arrays the runtime makes outside the layout, as (dtype, ndim): ``peer_bases`` [P, R] uint64,
+#: the address of each region of ``layout.PEER_REGIONS`` (row ``PEER_TOKENS`` ...) on every PE as
 #: mapped on this one (``Session.peer_addresses``), known only once the heap is allocated.
 RUNTIME_ARRAYS = {"peer_bases": (np.uint64, 2)}
 #: Dtype views of regions a kernel reads or writes byte- or 4-byte-wise (FP8 messages and scales).

@@ -27,6 +27,14 @@ ALIGN = 256
 STATUS_CODE, STATUS_KERNEL, STATUS_RANK, STATUS_PEER, STATUS_COUNTER, STATUS_EXPECTED, \
     STATUS_OBSERVED, STATUS_CALL = range(8)
 STATUS_LEN = 8
+#: Regions the kernels store into directly on peers (through NVLink mappings), in the row order of
+#: the ``peer_bases`` table [len(PEER_REGIONS), R] (the address of each on every PE as mapped on this
+#: one; ``EPRuntime`` builds it). The ``PEER_*`` constants name the rows in kernel code.
+PEER_REGIONS = ("dispatch_tokens", "combine_partials", "dispatch_counts", "dispatch_topk_ids",
+                "dispatch_topk_weights", "dispatch_hist")
+PEER_TOKENS, PEER_PARTIALS, PEER_COUNTS, PEER_IDS, PEER_WEIGHTS, PEER_HIST = range(len(PEER_REGIONS))
+#: Trace words after the error record (``kernels/trace.py``: phase time stamps, EP_RUNTIME_TRACE=1).
+TRACE_LEN = 24
 
 #: Fewest tokens in a routing chunk, which the histogram region is sized for. dispatch_async
 #: cuts a rank's tokens into chunks (of about T / 8 tokens, at least two warps:
@@ -201,8 +209,9 @@ def _regions(cfg: EPConfig) -> list[Region]:
                "receive-buffer row of each batch row, src * T + t (-1: padding): the compact gather index"),
         *quantized_regions(cfg),
         # -- local: error record --------------------------------------------------------------------
-        Region("status", (STATUS_LEN,), i64, 0, Lc, "any kernel", ("host",),
-               "first device error: code, kernel, rank, peer/expert, counter, expected, observed, call"),
+        Region("status", (STATUS_LEN + TRACE_LEN,), i64, 0, Lc, "any kernel", ("host",),
+               "first device error: code, kernel, rank, peer/expert, counter, expected, observed, call; "
+               "then TRACE_LEN phase time stamps (kernels/trace.py, EP_RUNTIME_TRACE=1)"),
     ]
 
 

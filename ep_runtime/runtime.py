@@ -25,7 +25,7 @@ from .kernel_args import FORMAT_REGIONS, KERNEL_ARGS, WORD_ARRAYS, argtypes, bui
 from .errors import EPConfigError, EPInputError, EPStateError
 from .call_memo import CallMemo, PreparedCall
 from .handles import CombineHandle, CompactBatch, DispatchHandle, ExpertBatch, from_fields
-from .layout import N_GROUPS, ROUTE_CHUNK_MIN, BufferLayout, SYNC_CALLS, partial_dtype, token_word
+from .layout import N_GROUPS, PEER_REGIONS, ROUTE_CHUNK_MIN, BufferLayout, SYNC_CALLS, partial_dtype, token_word
 from .shmem.session import Session
 from .status import error_from_status
 
@@ -511,15 +511,15 @@ class EPRuntime:
 
     def _peer_bases(self, session: Session) -> bool:
         """Set the ``peer_bases`` / ``peer_stores`` kernel arguments (kernel_args.RUNTIME_ARRAYS):
-        the address of ``dispatch_tokens`` and ``combine_partials`` on every PE as mapped here.
+        the address of each of ``layout.PEER_REGIONS`` on every PE as mapped here, a row per region.
         Returns whether the kernels store into peers' heaps directly: every PE's heap mapped and
         ``EP_RUNTIME_PEER_STORES`` not ``0``."""
-        table = np.zeros((2, self.cfg.n_ranks), np.uint64)
+        table = np.zeros((len(PEER_REGIONS), self.cfg.n_ranks), np.uint64)
         wanted = os.environ.get(PEER_STORES_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
         bases = session.peer_addresses(self._sym) if wanted else None  # the allocation: NVSHMEM tracks it
         on = bases is not None
         if on:
-            for row, name in enumerate(("dispatch_tokens", "combine_partials")):
+            for row, name in enumerate(PEER_REGIONS):
                 table[row] = [base + self.layout.region(name).offset for base in bases]
         self._arg["peer_bases"] = session.as_kernel_arg(session.to_device(table))
         self._arg["peer_stores"] = np.int64(on)

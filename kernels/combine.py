@@ -22,9 +22,10 @@ from ep_runtime.kernels.bits import bf16_bits_at, f32_bits_at, f32_to_bf16, f32_
 from ep_runtime.kernels.block import (last_block_ticket, local_expert_count, part_bounds, part_words,
                                       record_error, row_parts, warp_geometry, warp_sync)
 from ep_runtime.kernels.cuda_api import cuda, kernel_jit
+from ep_runtime.kernels.trace import stamp_first, stamp_last
 from ep_runtime.kernels.vec import (address_of, load_pair, make_pair_loops, pack_bf16x2, pack_bf16x4, pack_f32x2,
                                    pairs_aligned, store_pair, store_pair_at)
-from ep_runtime.layout import STATUS_CODE, SYNC_CALLS
+from ep_runtime.layout import PEER_PARTIALS, STATUS_CODE, SYNC_CALLS
 from ep_runtime.status import COUNTER_COMBINE_SIGNAL, ERR_TIMEOUT, KERNEL_COMBINE_WAIT
 
 #: Words of a row each lane loads before using any of them (memory-level parallelism: with
@@ -165,6 +166,7 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
             hi[u] = 0
         if status[STATUS_CODE] != 0:
             return
+        stamp_first(status, 16)
         me = shmem.my_pe()
         R = d_counts.shape[1]
         L = d_counts.shape[2] - 1
@@ -190,7 +192,7 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
                     to_peer = direct and s != me
                     peer_row = uint64(0)
                     if to_peer:  # slot [g, me, t] of rank s: the same offset on every PE
-                        peer_row = peer_bases[1, s] + (address_of(c_partials[g, me, t]) - address_of(c_partials))
+                        peer_row = peer_bases[PEER_PARTIALS, s] + (address_of(c_partials[g, me, t]) - address_of(c_partials))
                     w = w0 + 2 * lane
                     while pairs and w < w1:  # UP word pairs per lane: every row's loads issued before use
                         for x in range(U * pack):
@@ -244,7 +246,9 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
                             shmem.put_nbi_warp(c_partials[g, me, t, w0:w1], stage[s, t, w0:w1], s)
                 i += all_warps
 
+        stamp_last(status, 17)
         publish_partials(ticket, flag, c_signal, g, me, n, R)
+        stamp_last(status, 18)
 
     @kernel_jit(threads)
     def combine_async_rows(expert_out, d_ids, d_counts, c_partials, c_signal, sync, ticket, status, peer_bases,
@@ -274,6 +278,7 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
             hi[u] = 0
         if status[STATUS_CODE] != 0:
             return
+        stamp_first(status, 16)
         me = shmem.my_pe()
         R = d_counts.shape[1]
         L = d_counts.shape[2] - 1
@@ -297,7 +302,7 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
                 if w0 < w1 and local_expert_count(d_ids[g, s, t], L, me) > 0:
                     src = expert_out[s * Tmax + t]
                     if s != me and direct:  # UP pairs per lane in flight, stored through the mapping
-                        peer_row = peer_bases[1, s] + (address_of(c_partials[g, me, t]) - address_of(c_partials))
+                        peer_row = peer_bases[PEER_PARTIALS, s] + (address_of(c_partials[g, me, t]) - address_of(c_partials))
                         w = w0 + 2 * lane
                         while w < w1:
                             load_pairs(src, w, w1, lo, hi)
@@ -323,7 +328,9 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
                         shmem.put_nbi_warp(c_partials[g, me, t, w0:w1], src[w0:w1], s)
                 i += all_warps
 
+        stamp_last(status, 17)
         publish_partials(ticket, flag, c_signal, g, me, n, R)
+        stamp_last(status, 18)
 
     @kernel_jit(threads)
     def combine_wait(out, out_partials, d_ids, d_counts, c_partials, c_signal, sync, status, mode,
@@ -351,6 +358,7 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
             hi[u] = 0
         if status[STATUS_CODE] != 0:
             return
+        stamp_first(status, 20)
         me = shmem.my_pe()
         R = d_counts.shape[1]
         L = d_counts.shape[2] - 1
@@ -375,6 +383,7 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
         cuda.syncthreads()
         if flag[0] != 0:
             return
+        stamp_last(status, 21)
 
         T = d_counts[g, me, L]
         all_warps = cuda.gridDim.x * warps
@@ -461,5 +470,6 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
                         else:
                             out_partials[r, t, w] = 0
             i += all_warps
+        stamp_last(status, 22)
 
     return combine_async, combine_wait, combine_async_rows

@@ -10,16 +10,19 @@ the kernel boundary is the grid-wide barrier between "every row's position is kn
 "copy each received row once to all its expert rows".
 """
 
-from numba import int32, int64, uint64
+from numba import int32, int64, uint32, uint64
 
 from ep_runtime.kernels import shmem
-from ep_runtime.kernels.block import (block_sum, last_block_ticket, local_expert_count, part_bounds, part_words,
+from ep_runtime.kernels.bits import f32_bits
+from ep_runtime.kernels.block import (block_exclusive_scan, last_block_ticket, local_expert_count, part_bounds, part_words,
                                       record_error, row_parts, sched_advance, sched_initial, warp_exclusive_count,
                                       warp_geometry, warp_sum, warp_sync)
 from ep_runtime.kernels.cuda_api import cuda, kernel_jit
 from ep_runtime.kernels.token_codec import BLOCK_WORDS, CODE_WORDS, make_token_codec
-from ep_runtime.kernels.vec import address_of, make_pair_loops, pairs_aligned, store_u8_at
-from ep_runtime.layout import ROUTE_CHUNK_MIN, STATUS_CODE, SYNC_CALLS, SYNC_TICKET
+from ep_runtime.kernels.trace import stamp_first, stamp_last
+from ep_runtime.kernels.vec import address_of, make_pair_loops, pairs_aligned, store_u32_at, store_u8_at
+from ep_runtime.layout import (PEER_COUNTS, PEER_HIST, PEER_IDS, PEER_TOKENS, PEER_WEIGHTS, ROUTE_CHUNK_MIN, STATUS_CODE,
+                              SYNC_CALLS, SYNC_TICKET)
 from ep_runtime.status import (COUNTER_DISPATCH_SIGNAL, COUNTER_RECV_ROWS, ERR_CAPACITY, ERR_TIMEOUT,
                                KERNEL_DISPATCH_WAIT)
 
@@ -87,39 +90,51 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         return (rows + pad_multiple - 1) // pad_multiple * pad_multiple
 
     @cuda.jit(device=True)
-    def experts_below(d_counts, g, e, pad_multiple, lane):
-        """One lane's share of the padded row counts of the local experts below ``e`` (the
-        warp's lanes take every ``warp``-th expert; their sum is ``e``'s first batch row)."""
+    def scan_expert_rows(d_counts, g, pad_multiple, per, run_first, sum_buf):
+        """Every thread of the block: thread i sums the padded rows of local experts
+        ``[i per, (i + 1) per)`` and the block scans the sums, so ``run_first[i]`` (shared,
+        int64, one per thread) is the first batch row of expert ``i per``. Returns the total
+        padded rows. Deterministic; every block computes it (none waits for another)."""
+        L = d_counts.shape[2] - 1
+        e_lo = min(cuda.threadIdx.x * per, L)
         part = int64(0)
-        for e2 in range(lane, e, warp):
-            part += padded(expert_rows(d_counts, g, e2), pad_multiple)
-        return part
+        for e in range(e_lo, min(e_lo + per, L)):
+            part += padded(expert_rows(d_counts, g, e), pad_multiple)
+        prefix, total = block_exclusive_scan(sum_buf, part)
+        run_first[cuda.threadIdx.x] = prefix
+        cuda.syncthreads()
+        return total
 
     @cuda.jit(device=True)
-    def expert_row_offset(d_counts, g, e, pad_multiple, lane, sum_buf):
-        """Every lane of a warp: the first batch row of local expert ``e``, the padded row
-        counts of the experts before it summed over the warp (d_counts group ``g``)."""
-        return warp_sum(experts_below(d_counts, g, e, pad_multiple, lane), sum_buf)
+    def expert_first_row(d_counts, g, e, pad_multiple, per, run_first):
+        """The first batch row of local expert ``e`` (after :func:`scan_expert_rows`): its
+        run's first row plus the padded rows of the run's experts before it (none when there
+        are no more local experts than threads)."""
+        run = e // per
+        row = run_first[run]
+        for e2 in range(run * per, e):
+            row += padded(expert_rows(d_counts, g, e2), pad_multiple)
+        return row
 
     @cuda.jit(device=True)
     def send_prequantized(codes, scales8, b0, b1, PB, peer_bases, sent, slot, lane, lo, hi):
         """Every lane of one warp: the caller's E4M3 code words of blocks ``[b0, b1)`` (``codes``:
         the token's row of uint64 words, 16-byte aligned) and their scale bytes (``scales8``:
         the token's row of scale bytes) stored into the receive slot of every rank whose bit is
-        set in ``sent``, at byte ``slot`` past ``peer_bases[0, d]``; each word pair loaded once."""
+        set in ``sent``, at byte ``slot`` past ``peer_bases[PEER_TOKENS, d]``; each word pair loaded once."""
         w1 = b1 * CODE_WORDS
         w = b0 * CODE_WORDS + 2 * lane
         while w < w1:
             load_pairs(codes, w, w1, lo, hi)
             for d in range(peer_bases.shape[1]):
                 if (sent >> uint64(d)) & uint64(1):
-                    store_pairs_at(peer_bases[0, d] + slot, w, w1, lo, hi)
+                    store_pairs_at(peer_bases[PEER_TOKENS, d] + slot, w, w1, lo, hi)
             w += 2 * UP * warp
         scales_at = slot + uint64(PB)  # uint64 + uint64 (an int64 term would make it float64)
         for j in range(b0 * SB + lane, b1 * SB, warp):
             for d in range(peer_bases.shape[1]):
                 if (sent >> uint64(d)) & uint64(1):
-                    store_u8_at(peer_bases[0, d] + scales_at, j, scales8[j])
+                    store_u8_at(peer_bases[PEER_TOKENS, d] + scales_at, j, scales8[j])
 
     @kernel_jit(threads)
     def dispatch_async(tokens, topk_ids, topk_weights, valid_tokens, use_valid,
@@ -154,18 +169,24 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         bytes (pre-quantized input: straight from the caller's arrays, no stage). The
         message's padding is never sent.
         (2) Each block takes routing chunks of ``chunk_tokens(T)`` tokens (at most
-        ``ROUTE_CHUNKS`` of them): puts their routing rows to every rank, counts the chunk's
-        tokens per expert into send_hist[:, c] and puts each rank its experts' row of that
+        ``ROUTE_CHUNKS`` of them; chunk 0 in the last block): sends their routing rows to every rank, counts the chunk's
+        tokens per expert into send_hist[:, c] and sends each rank its experts' row of that
         histogram (dispatch_wait places a chunk's tokens from it, with no scan over other
-        chunks). (3) The last block (ticket) puts each rank its counts (the histograms' sums)
-        with a signal of n + 1 (every block quieted its puts first: data before signal), resets
-        the scratch and advances the call counter. Nobody waits.
+        chunks). (3) The last block (ticket) sends each rank its counts (the histograms' sums)
+        and then a signal of n + 1 (every block fenced and quieted first: data before signal),
+        resets the scratch and advances the call counter. Nobody waits. With peer_stores, (2)
+        and (3) are 4-byte stores by the whole block into the peers' regions (rows
+        ``PEER_IDS`` ... of peer_bases), the counts fenced at system scope before one
+        ``signal_op`` per rank (traced on one H200: one thread's ``put_signal`` of the counts
+        took 6.5 us at T=1, 12 us at T=4096, and the block puts of (2) 4.7 us); otherwise
+        NVSHMEM block puts and one ``put_signal`` per rank (counts staged in send_counts).
         """
         flag = cuda.shared.array(1, int32)
         lo = cuda.local.array(UP, uint64)
         hi = cuda.local.array(UP, uint64)
         if status[STATUS_CODE] != 0:
             return  # an earlier call failed: send nothing, so peers time out naming this rank
+        stamp_first(status, 0)
         me = shmem.my_pe()
         R = d_counts.shape[1]
         L = d_counts.shape[2] - 1
@@ -250,46 +271,82 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                         load_pairs(src, w, w1, lo, hi)
                         for d in range(R):
                             if (sent >> uint64(d)) & uint64(1):
-                                store_pairs_at(peer_bases[0, d] + slot, w, w1, lo, hi)
+                                store_pairs_at(peer_bases[PEER_TOKENS, d] + slot, w, w1, lo, hi)
                         w += 2 * UP * warp
             i += all_warps
 
+        stamp_last(status, 1)
+
         # (2) routing rows to every rank, and each routing chunk's per-expert histogram
         chunk = chunk_tokens(T)
-        c = sched_initial(cuda.blockIdx.x)
+        meta_stores = peer_stores != 0  # routing, histograms and counts as 4-byte stores into peers
+        # chunks from the last block down: at decode sizes (1) leaves the high blocks idle, so
+        # the routing runs beside the token rows instead of after them in block 0
+        c = sched_initial(cuda.gridDim.x - 1 - cuda.blockIdx.x)
         while c * chunk < T:
             t0 = c * chunk
             t1 = min(t0 + chunk, T)
-            for d in range(R):
-                shmem.put_nbi_block(d_ids[g, me, t0:t1], topk_ids[t0:t1], d)
-                shmem.put_nbi_block(d_weights[g, me, t0:t1], topk_weights[t0:t1], d)
+            if meta_stores:  # rows t0..t1 are contiguous on both sides: element j of the run
+                ids_at = address_of(d_ids[g, me, t0]) - address_of(d_ids)
+                weights_at = address_of(d_weights[g, me, t0]) - address_of(d_weights)
+                for j in range(tid, (t1 - t0) * K, threads):
+                    t = t0 + j // K
+                    k = j - (t - t0) * K
+                    x = uint32(topk_ids[t, k])
+                    wbits = f32_bits(topk_weights[t, k])
+                    for d in range(R):
+                        store_u32_at(peer_bases[PEER_IDS, d] + ids_at, j, x)
+                        store_u32_at(peer_bases[PEER_WEIGHTS, d] + weights_at, j, wbits)
+            else:
+                for d in range(R):
+                    shmem.put_nbi_block(d_ids[g, me, t0:t1], topk_ids[t0:t1], d)
+                    shmem.put_nbi_block(d_weights[g, me, t0:t1], topk_weights[t0:t1], d)
             for t in range(t0 + tid, t1, threads):
                 for k in range(K):
                     x = topk_ids[t, k]
                     d = x // L
                     cuda.atomic.add(send_hist, (d, c, x - d * L), int32(1))
-            cuda.syncthreads()  # the chunk's histogram is complete before the block puts it
-            for d in range(R):
-                shmem.put_nbi_block(d_hist[g, me, c], send_hist[d, c], d)
+            cuda.syncthreads()  # the chunk's histogram is complete before the block sends it
+            if meta_stores:
+                hist_at = address_of(d_hist[g, me, c]) - address_of(d_hist)
+                for i in range(tid, R * L, threads):
+                    d = i // L
+                    e = i - d * L
+                    store_u32_at(peer_bases[PEER_HIST, d] + hist_at, e, uint32(send_hist[d, c, e]))
+            else:
+                for d in range(R):
+                    shmem.put_nbi_block(d_hist[g, me, c], send_hist[d, c], d)
             c = sched_advance(c, cuda.gridDim.x)
+        stamp_last(status, 2)
 
         # (3) the last block publishes counts with the signal, then resets for the next call
         if last_block_ticket(sync[SYNC_TICKET:SYNC_TICKET + 1], flag):
+            stamp_last(status, 3)
             chunks = (T + chunk - 1) // chunk
+            counts_at = address_of(d_counts[g, me]) - address_of(d_counts)
             for i in range(tid, R * (L + 1), threads):
                 d = i // (L + 1)
                 j = i - d * (L + 1)
-                if j == L:
-                    send_counts[d, j] = T
-                else:
+                total = T
+                if j < L:
                     total = 0
                     for c in range(chunks):
                         total += send_hist[d, c, j]
+                if meta_stores:
+                    store_u32_at(peer_bases[PEER_COUNTS, d] + counts_at, j, uint32(total))
+                else:
                     send_counts[d, j] = total
+            if meta_stores:  # each thread's counts visible everywhere, then one signal per rank
+                cuda.threadfence_system()
             cuda.syncthreads()
+            stamp_last(status, 4)
             for d in range(tid, R, threads):
-                shmem.put_signal(d_counts[g, me], send_counts[d], d_signal[g, me:me + 1],
-                                 uint64(n + 1), shmem.SIGNAL_SET, d)
+                if meta_stores:
+                    shmem.signal_op(d_signal[g, me:me + 1], uint64(n + 1), shmem.SIGNAL_SET, d)
+                else:
+                    shmem.put_signal(d_counts[g, me], send_counts[d], d_signal[g, me:me + 1],
+                                     uint64(n + 1), shmem.SIGNAL_SET, d)
+            stamp_last(status, 5)
             for i in range(tid, R * chunks * L, threads):
                 d = i // (chunks * L)
                 c = (i - d * chunks * L) // L
@@ -298,6 +355,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
             if tid == 0:
                 sync[SYNC_TICKET] = 0
                 sync[SYNC_CALLS] = n + 1
+            stamp_last(status, 6)
 
     @kernel_jit(threads)
     def dispatch_wait(d_ids, d_weights, d_counts, d_hist, d_signal, sync,
@@ -315,8 +373,9 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         j-th local expert of token (src, t), for dispatch_copy and combine_async).
         pad_multiple, timeout_ns: int64.
 
-        Every block waits for all R signals itself (no block depends on another) and checks
-        the capacity. Then a warp per local expert writes its offset, count and padding rows,
+        Every block waits for all R signals itself, scans the local experts' padded row counts
+        (a thread per run of experts, one block scan: every expert's first row; no block
+        depends on another) and checks the capacity. Then a warp per local expert writes its offset, count and padding rows,
         and a warp per (local expert, source, routing chunk) walks that chunk's tokens 32 at a
         time and gives each hit its row: the expert's offset, plus the expert's tokens from
         earlier sources (counts) and earlier chunks of this source (histograms), plus the hits
@@ -327,8 +386,10 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         flag = cuda.shared.array(1, int32)
         scan_buf = cuda.shared.array(threads, int32)
         sum_buf = cuda.shared.array(threads, int64)
+        run_first = cuda.shared.array(threads, int64)
         if status[STATUS_CODE] != 0:
             return
+        stamp_first(status, 8)
         me = shmem.my_pe()
         R = d_counts.shape[1]
         L = d_counts.shape[2] - 1
@@ -353,12 +414,11 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         cuda.syncthreads()
         if flag[0] != 0:
             return
+        stamp_last(status, 9)
 
-        # total rows (padded): every block computes it, so none waits for another
-        part = int64(0)
-        for e in range(tid, L, threads):
-            part += padded(expert_rows(d_counts, g, e), pad_multiple)
-        total = block_sum(sum_buf, part)
+        # every expert's first row and the total (padded): every block scans them itself
+        per = (L + threads - 1) // threads  # local experts per thread
+        total = scan_expert_rows(d_counts, g, pad_multiple, per, run_first, sum_buf)
         if total > C:
             if cuda.blockIdx.x == 0 and tid == 0:
                 record_error(status, ERR_CAPACITY, KERNEL_DISPATCH_WAIT, me, -1, COUNTER_RECV_ROWS,
@@ -375,7 +435,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         # dispatch_copy zeroes their data)
         e = first_warp
         while e < L:
-            base = expert_row_offset(d_counts, g, e, pad_multiple, lane, sum_buf)
+            base = expert_first_row(d_counts, g, e, pad_multiple, per, run_first)
             count = expert_rows(d_counts, g, e)
             end = base + padded(count, pad_multiple)
             for r in range(base + count + lane, end, warp):
@@ -388,6 +448,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                 row_offsets[e] = base
                 expert_counts[e] = count
             e += all_warps
+        stamp_last(status, 10)
 
         # (b) a warp per (local expert, source, routing chunk): the chunk's hits in token order
         first_mine = me * L  # global id of local expert 0
@@ -400,14 +461,14 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
             chunk = chunk_tokens(T_s)
             t0 = c * chunk
             if t0 < T_s and d_hist[g, s, c, e] > 0:
-                # first row: the padded rows of experts < e, e's rows from sources < s and from
-                # chunks < c of source s; the lanes sum their shares, one warp reduction
-                part = experts_below(d_counts, g, e, pad_multiple, lane)
+                # first row: e's first row, plus e's rows from sources < s and from chunks < c
+                # of source s (the lanes sum their shares, one warp reduction)
+                part = int64(0)
                 for s2 in range(lane, s, warp):
                     part += d_counts[g, s2, e]
                 for c2 in range(lane, c, warp):
                     part += d_hist[g, s, c2, e]
-                row = warp_sum(part, sum_buf)
+                row = expert_first_row(d_counts, g, e, pad_multiple, per, run_first) + warp_sum(part, sum_buf)
                 e_global = first_mine + e
                 ids_s = d_ids[g, s]
                 t1 = min(t0 + chunk, T_s)
@@ -434,6 +495,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                         token_rows[s, t, j] = r
                     row += hits
             i += all_warps
+        stamp_last(status, 11)
 
     @kernel_jit(threads)
     def dispatch_copy(d_tokens, d_ids, d_counts, sync, token_rows, row_offsets, expert_counts,
@@ -461,6 +523,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         hi = cuda.local.array(UP, uint64)
         if status[STATUS_CODE] != 0:
             return
+        stamp_first(status, 12)
         me = shmem.my_pe()
         R = d_counts.shape[1]
         L = d_counts.shape[2] - 1
@@ -515,5 +578,6 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                 if QUANT:
                     store_scales(d_tokens8[g, 0, 0], W * 8, SBYTES, expert_scales8, r, C, scales_col_major, lane, 1)
             e += all_warps
+        stamp_last(status, 13)
 
     return dispatch_async, dispatch_wait, dispatch_copy

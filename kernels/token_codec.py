@@ -16,6 +16,7 @@ from ep_runtime.kernels.block import warp_max_u32
 from ep_runtime.kernels.cuda_api import cuda
 from ep_runtime.kernels.fp8 import bf16_abs_max, e4m3_scale, quantize4, ue8m0_scale
 from ep_runtime.kernels.vec import store_u8_at, store_u32_at
+from ep_runtime.layout import PEER_TOKENS
 
 #: bf16 words (4 values each) per 128-element scale block.
 BLOCK_WORDS = 32
@@ -39,7 +40,7 @@ def make_token_codec(warp: int, ue8m0: bool):
         Where the message goes: with ``sent`` (uint64) zero, row ``t`` of the stage
         (``stage32`` / ``stage8``, uint32 and uint8 views), which the caller then sends after
         meeting the warp (``warp_sync``); otherwise straight into the receive slot of every
-        rank ``d`` whose bit is set in ``sent``, at byte ``slot`` past ``peer_bases[0, d]``
+        rank ``d`` whose bit is set in ``sent``, at byte ``slot`` past ``peer_bases[PEER_TOKENS, d]``
         (its ``d_tokens`` as mapped here), with plain stores (``store_u32_at``: publish as
         ``Session.peer_view`` says). Blocks go ``WORDS_IN_FLIGHT / (32 / warp)`` at a time: each lane loads
         its words of all of them before it uses any (memory-level parallelism), the warp takes
@@ -74,15 +75,15 @@ def make_token_codec(warp: int, ue8m0: bool):
                             word = quantize4(vals[u * WPL + q], scale)
                             for d in range(peer_bases.shape[1]):
                                 if (sent >> uint64(d)) & uint64(1):
-                                    store_u32_at(peer_bases[0, d] + slot, b * BLOCK_WORDS + q * warp + lane, word)
+                                    store_u32_at(peer_bases[PEER_TOKENS, d] + slot, b * BLOCK_WORDS + q * warp + lane, word)
                         if lane == 0:
                             scales_at = slot + uint64(PB)  # uint64 + uint64 (an int64 term would make it float64)
                             for d in range(peer_bases.shape[1]):
                                 if (sent >> uint64(d)) & uint64(1):
                                     if SB == 4:
-                                        store_u32_at(peer_bases[0, d] + scales_at, b, uint32(code))
+                                        store_u32_at(peer_bases[PEER_TOKENS, d] + scales_at, b, uint32(code))
                                     else:
-                                        store_u8_at(peer_bases[0, d] + scales_at, b, uint32(code))
+                                        store_u8_at(peer_bases[PEER_TOKENS, d] + scales_at, b, uint32(code))
 
     @cuda.jit(device=True)
     def store_scales(src8, PB, SBYTES, expert_scales8, r, C, col_major, lane, zero):

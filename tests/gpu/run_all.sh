@@ -4,11 +4,12 @@
 # Sections (default: all, in this order): shmem ep ep_puts fp8 soak stream zerocopy example bench kernels stores host
 # racecheck memcheck. ep_puts: ep_check with the kernels sending through NVSHMEM puts (EP_RUNTIME_PEER_STORES=0);
 # stores: dispatch_async's store pattern alone against the copy engine; host: host time per call, broken down.
+# EP_RANKS (default 2) sets the ranks, EP_MPIRUN_ARGS adds mpirun options (tests/gpu/mps_run.sh sets both).
 # Logs go to $OUT/<section>.log (or /tmp/ep_gpu); the tail of each is printed.
 set -u
 out="${OUT:-/tmp/ep_gpu}"
 mkdir -p "$out"
-run="mpirun -np ${EP_RANKS:-2} -x PYTHONPATH -x NVSHMEM_DISABLE_CUDA_VMM -x EP_RUNTIME_PEER_STORES"
+run="mpirun -np ${EP_RANKS:-2} ${EP_MPIRUN_ARGS:-} -x PYTHONPATH -x NVSHMEM_DISABLE_CUDA_VMM -x EP_RUNTIME_PEER_STORES"
 export NVSHMEM_DISABLE_CUDA_VMM=1  # compute-sanitizer cannot follow NVSHMEM's VMM heap mappings
 peer_stores="${EP_RUNTIME_PEER_STORES:-1}"  # the caller's choice for every section but ep_puts
 sections=("$@")

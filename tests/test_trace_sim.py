@@ -1,0 +1,92 @@
+"""Phase time stamps (``kernels/trace.py``, ``EP_RUNTIME_TRACE=1``) on the simulator: the real
+kernels, one process per rank.
+
+With the switch on, every traced point of a round trip is stamped, each kernel's points come
+after its start, and the kernels come in stream order; the results stay exact (tracing writes
+only the trace words). With it off (the default), the trace words stay zero.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ep_runtime import reference
+from ep_runtime.config import EPConfig
+from ep_runtime.shmem.launch import run_pes
+from ep_runtime.testing import make_inputs
+
+CFG = dict(n_ranks=2, n_experts=4, top_k=2, hidden=16, max_tokens_per_rank=6)
+SEED = 5
+
+
+def trace_pe(session) -> dict:
+    from ep_runtime.kernels.trace import TRACE
+    from ep_runtime.layout import STATUS_LEN
+    from ep_runtime.runtime import EPRuntime
+
+    cfg = EPConfig(**CFG)
+    xs, ids, ws = make_inputs(cfg, "random", SEED)
+    r = session.rank
+    out = {"trace_on": TRACE}
+    with EPRuntime(cfg, session) as rt:
+        status = rt.buffers["status"]
+        for layout in ("expanded", "compact"):
+            status[STATUS_LEN:] = 0
+            batch = rt.dispatch(xs[r].view(np.uint16), ids[r], ws[r], layout=layout)
+            out[layout] = {"x": session.to_host(batch.x).copy(),
+                           "rows": int(session.to_host(batch.row_offsets)[-1]),
+                           "stamps": session.to_host(status)[STATUS_LEN:].copy()}
+    return out
+
+
+@pytest.fixture(scope="module", params=["on", "off"])
+def traced(request):
+    with pytest.MonkeyPatch.context() as mp:  # the PEs are spawned with this environment
+        mp.setenv("EP_RUNTIME_TRACE", "1" if request.param == "on" else "0")
+        return request.param, run_pes(trace_pe, CFG["n_ranks"], timeout_s=240)
+
+
+def slots_of(kernel: str) -> dict:
+    from ep_runtime.kernels.trace import SLOTS
+
+    return {point: slot for slot, (k, point) in SLOTS.items() if k == kernel}
+
+
+def test_the_switch_reaches_the_kernels(traced):
+    mode, per_rank = traced
+    for res in per_rank:
+        assert res["trace_on"] == (mode == "on")
+
+
+def test_dispatch_stays_exact_with_tracing(traced):
+    mode, per_rank = traced
+    cfg = EPConfig(**CFG)
+    xs, ids, ws = make_inputs(cfg, "random", SEED)
+    refs = reference.dispatch(xs, ids, ws, cfg)
+    for r, res in enumerate(per_rank):
+        n = refs[r].n_rows
+        assert res["expanded"]["rows"] == n
+        np.testing.assert_array_equal(res["expanded"]["x"][:n], refs[r].x.view(np.uint16), err_msg=f"{mode} rank {r}")
+
+
+def test_stamps_are_written_in_order_only_when_on(traced):
+    mode, per_rank = traced
+    for res in per_rank:
+        for layout in ("expanded", "compact"):
+            st = res[layout]["stamps"]
+            if mode == "off":
+                assert not st.any(), f"{layout}: trace words written with tracing off"
+                continue
+            kernels = ["dispatch_async", "dispatch_wait"] + (["dispatch_copy"] if layout == "expanded" else [])
+            starts = []
+            for k in kernels:
+                points = slots_of(k)
+                start = st[points.pop("start")]
+                assert start > 0, f"{layout}: {k} start not stamped"
+                for point, slot in points.items():
+                    assert st[slot] >= start, f"{layout}: {k} '{point}' ({st[slot]}) before its start ({start})"
+                starts.append(start)
+            assert starts == sorted(starts), f"{layout}: kernels out of stream order {starts}"
+            if layout == "compact":
+                assert st[slots_of("dispatch_copy")["start"]] == 0, "compact: dispatch_copy ran"
