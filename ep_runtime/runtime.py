@@ -51,6 +51,13 @@ assert min(GPU_THREADS, SIM_THREADS) >= ROUTE_CHUNK_MIN
 #: their NVLink mappings (read when a runtime is built; the stores are used only where every
 #: PE's heap is mapped, ``Session.peer_addresses``).
 PEER_STORES_ENV = "EP_RUNTIME_PEER_STORES"
+#: Environment variable choosing how the expanded dispatch_wait copies rows (read when a runtime
+#: is built): ``auto`` (default) fuses the copy into the dispatch_wait kernel for bf16 tokens
+#: when ``max_tokens_per_rank <= FUSED_COPY_MAX_TOKENS`` (decode sizes: one launch, no
+#: dispatch_copy), ``1`` fuses it for bf16 at any size, ``0`` never (EPRuntime.fused_copy).
+FUSED_COPY_ENV = "EP_RUNTIME_FUSED_COPY"
+#: Largest per-rank batch capacity for which ``auto`` fuses the expanded copy.
+FUSED_COPY_MAX_TOKENS = 256
 
 #: int64 scalar arguments 0 and 1, one object each: the fast launch path rewrites an argument
 #: only when its object changes (ep_runtime.shmem.fast_launch).
@@ -89,6 +96,16 @@ class EPRuntime:
         simulator.
 
     Construction and :meth:`close` are collective. Use as a context manager.
+
+    Attributes
+    ----------
+    peer_stores : bool
+        Whether the kernels store into peers' heaps through their mappings (else NVSHMEM puts;
+        ``EP_RUNTIME_PEER_STORES``).
+    fused_copy : bool
+        Whether the expanded ``dispatch_wait`` copies the rows in its own kernel (one launch)
+        instead of a following ``dispatch_copy`` (``EP_RUNTIME_FUSED_COPY``; bf16 tokens at
+        decode sizes by default).
     """
 
     def __init__(self, cfg: EPConfig, session: Session, debug: bool = False):
@@ -138,8 +155,11 @@ class EPRuntime:
         self._no_scales = session.alloc_local("unused token_scales", (0, 0), np.uint8)
         self._batch_views = _batch_views(cfg, self.buffers)
         #: launches whose arguments are all the runtime's own, prepared once
-        self._fixed = {"dispatch_wait": self._prepare("dispatch_wait", pad_multiple=np.int64(cfg.pad_multiple),
-                                                      timeout_ns=self._timeout_ns)}
+        self.fused_copy = _fused_copy(cfg)
+        wait_scalars = dict(pad_multiple=np.int64(cfg.pad_multiple), timeout_ns=self._timeout_ns)
+        self._fixed = {"dispatch_wait": self._prepare("dispatch_wait", copy_rows=_INT64[0], **wait_scalars)}
+        if self.fused_copy:
+            self._fixed["dispatch_wait", "copy"] = self._prepare("dispatch_wait", copy_rows=_INT64[1], **wait_scalars)
         for scales in SCALE_LAYOUTS:
             self._fixed["dispatch_copy", scales] = self._prepare("dispatch_copy",
                                                                  scales_col_major=_INT64[scales == "column"])
@@ -265,8 +285,9 @@ class EPRuntime:
 
         ``layout="expanded"`` (default) returns an :class:`ExpertBatch`: one row per (token,
         local expert), expert-major, in a local buffer (two kernels: ``dispatch_wait`` places
-        every row, ``dispatch_copy`` copies each received row to its expert rows). Its views
-        are valid until the next ``dispatch_wait``.
+        every row, ``dispatch_copy`` copies each received row to its expert rows; one kernel
+        doing both where :attr:`fused_copy`: bf16 tokens at decode sizes). Its views are
+        valid until the next ``dispatch_wait``.
 
         ``layout="compact"`` returns a :class:`CompactBatch`: no expansion copy (one kernel).
         The received rows stay where they landed, one per (token, source rank), and the batch
@@ -284,11 +305,15 @@ class EPRuntime:
         if scales not in SCALE_LAYOUTS:
             raise EPInputError(f"dispatch_wait: scales={scales!r}; expected one of {SCALE_LAYOUTS} (row-major "
                                f"[rows, hidden / 128] or column-major [hidden / 128, rows]).")
-        self._run(self._fixed["dispatch_wait"])
         if layout == "compact":
+            self._run(self._fixed["dispatch_wait"])
             self._state = _State.DISPATCHED
             return from_fields(CompactBatch, {**self._batch_views["compact", handle.call % 2], "handle": handle})
-        self._run(self._fixed["dispatch_copy", scales])
+        if self.fused_copy:  # bf16 decode sizes: placement and copy in one launch
+            self._run(self._fixed["dispatch_wait", "copy"])
+        else:
+            self._run(self._fixed["dispatch_wait"])
+            self._run(self._fixed["dispatch_copy", scales])
         self._state = _State.DISPATCHED
         return from_fields(ExpertBatch, {**self._batch_views["expanded", scales], "handle": handle})
 
@@ -600,6 +625,23 @@ def _built(key: tuple, build):
         _KERNEL_CACHE[key] = build()
     return _KERNEL_CACHE[key]
 
+
+
+def _fused_copy(cfg: EPConfig) -> bool:
+    """Whether the expanded dispatch_wait copies the rows itself (one launch, no dispatch_copy):
+    bf16 tokens only (the FP8 scales are laid out by dispatch_copy), per ``EP_RUNTIME_FUSED_COPY``
+    (``auto``: batch capacity <= FUSED_COPY_MAX_TOKENS per rank, where launches and fixed costs
+    outweigh reading each received row once per local expert instead of once)."""
+    if cfg.token_format.quantized:
+        return False
+    choice = os.environ.get(FUSED_COPY_ENV, "auto").strip().lower()
+    if choice in ("0", "off", "false", "no"):
+        return False
+    if choice in ("1", "on", "true", "yes"):
+        return True
+    if choice != "auto":
+        raise EPConfigError(f"{FUSED_COPY_ENV}={choice!r}; expected auto, 1 or 0 (unset means auto).")
+    return cfg.max_tokens_per_rank <= FUSED_COPY_MAX_TOKENS
 
 def _kernels_for(threads: int, word, quantized: bool = False, ue8m0: bool = False,
                  f32_partials: bool = False) -> dict:

@@ -117,6 +117,20 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         return row
 
     @cuda.jit(device=True)
+    def copy_row(src, dst, W, pairs, lane, lo, hi):
+        """Every lane of one warp: the first ``W`` words of row ``src`` into row ``dst``, as
+        word pairs (``UP`` per lane in flight) when ``pairs``, else a word per lane per step."""
+        if pairs:
+            w = 2 * lane
+            while w < W:
+                load_pairs(src, w, W, lo, hi)
+                store_pairs(dst, w, W, lo, hi)
+                w += 2 * UP * warp
+        else:
+            for w in range(lane, W, warp):
+                dst[w] = src[w]
+
+    @cuda.jit(device=True)
     def send_prequantized(codes, scales8, b0, b1, PB, peer_bases, sent, slot, lane, lo, hi):
         """Every lane of one warp: the caller's E4M3 code words of blocks ``[b0, b1)`` (``codes``:
         the token's row of uint64 words, 16-byte aligned) and their scale bytes (``scales8``:
@@ -360,7 +374,8 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
     @kernel_jit(threads)
     def dispatch_wait(d_ids, d_weights, d_counts, d_hist, d_signal, sync,
                       row_offsets, expert_counts, row_src_rank, row_src_token, row_src_k,
-                      row_weight, row_gather, token_rows, status, pad_multiple, timeout_ns):
+                      row_weight, row_gather, token_rows, status, pad_multiple, timeout_ns,
+                      d_tokens, expert_x, copy_rows):
         """Wait for every source rank, then place every received (token, local expert) pair.
 
         Symmetric inputs as in dispatch_async (group g of the last call); d_hist [G, R, NC, L]
@@ -371,7 +386,12 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         row's slot in the receive buffer, ``src * Tmax + t``: the compact layout's gather
         index; padding rows: -1, -1, -1, 0, -1), and token_rows [R, Tmax, K] int32 (row of the
         j-th local expert of token (src, t), for dispatch_copy and combine_async).
-        pad_multiple, timeout_ns: int64.
+        pad_multiple, timeout_ns: int64. copy_rows (int64; bf16 builds only): nonzero for the
+        expanded layout in one kernel (decode sizes; ``EPRuntime.fused_copy``): each walking warp
+        also copies every hit's received row, d_tokens [G, R, Tmax, W] words, to its row of
+        expert_x [C, W] words, and the expert warps zero the padding rows, so no dispatch_copy
+        follows (a row is read once per local expert instead of once: the token-major
+        dispatch_copy stays the better choice for large batches).
 
         Every block waits for all R signals itself, scans the local experts' padded row counts
         (a thread per run of experts, one block scan: every expert's first row; no block
@@ -387,6 +407,10 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         scan_buf = cuda.shared.array(threads, int32)
         sum_buf = cuda.shared.array(threads, int64)
         run_first = cuda.shared.array(threads, int64)
+        hit_row = cuda.shared.array(threads, int32)  # fused copy: each warp's hits of one step
+        hit_token = cuda.shared.array(threads, int32)
+        lo = cuda.local.array(UP, uint64)
+        hi = cuda.local.array(UP, uint64)
         if status[STATUS_CODE] != 0:
             return
         stamp_first(status, 8)
@@ -430,9 +454,13 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         lane = tid % warp
         first_warp = cuda.blockIdx.x * warps + tid // warp
         all_warps = cuda.gridDim.x * warps
+        copy = copy_rows != 0 and not QUANT
+        W = expert_x.shape[1]
+        pairs = W % 2 == 0 and d_tokens.shape[3] % 2 == 0 and pairs_aligned(d_tokens) and pairs_aligned(expert_x)
+        mine = tid - lane  # this warp's slots in hit_row / hit_token
 
         # (a) a warp per local expert: offset, count, padding rows (source -1, weight 0;
-        # dispatch_copy zeroes their data)
+        # their data zeroed by dispatch_copy, or here when copying)
         e = first_warp
         while e < L:
             base = expert_first_row(d_counts, g, e, pad_multiple, per, run_first)
@@ -444,6 +472,10 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                 row_src_k[r] = -1
                 row_weight[r] = 0.0
                 row_gather[r] = -1
+            if copy:
+                for r in range(base + count, end):
+                    for w in range(lane, W, warp):
+                        expert_x[r, w] = 0
             if lane == 0:
                 row_offsets[e] = base
                 expert_counts[e] = count
@@ -493,6 +525,15 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                         row_weight[r] = d_weights[g, s, t, k_hit]
                         row_gather[r] = s * Tmax + t
                         token_rows[s, t, j] = r
+                    if copy:  # the step's hits, listed in lane order, then copied by the warp
+                        if k_hit >= 0:
+                            hit_row[mine + below] = r
+                            hit_token[mine + below] = t
+                        warp_sync()
+                        for h in range(hits):
+                            copy_row(d_tokens[g, s, hit_token[mine + h]], expert_x[hit_row[mine + h]], W, pairs,
+                                     lane, lo, hi)
+                        warp_sync()  # the list is read before the next step writes it
                     row += hits
             i += all_warps
         stamp_last(status, 11)

@@ -8,7 +8,10 @@ kernels, one process per rank), exact against the reference.
   words) where every row starts 16-byte aligned, one word at a time otherwise: here the
   caller's tokens, expert outputs and combine outputs placed 8 bytes off a 16-byte boundary.
 
-Each of the four combinations runs bf16 dispatch (expanded and compact, the copy loop's full
+A fifth and sixth mode copy the expanded rows in a separate dispatch_copy
+(``EP_RUNTIME_FUSED_COPY=0``); the others, small batches, copy them inside dispatch_wait.
+
+Each combination runs bf16 dispatch (expanded and compact, the copy loop's full
 passes and tail: hidden 552 is 138 words) and combine (expanded and compact, bf16 and float32
 partials) and must give the reference's bits: the paths move the same words and sum in the
 same order.
@@ -27,9 +30,11 @@ from ep_runtime.testing import POISON_BF16, make_inputs, off_by_8
 from ep_runtime.testing import expert_outputs as expanded_outputs
 
 RUN_TIMEOUT_S = 240
-#: mode name -> (EP_RUNTIME_PEER_STORES, caller arrays 8 bytes off a 16-byte boundary)
-MODES = {"peer_stores": ("1", False), "puts": ("0", False),
-         "peer_stores_misaligned": ("1", True), "puts_misaligned": ("0", True)}
+#: mode name -> (EP_RUNTIME_PEER_STORES, caller arrays 8 bytes off a 16-byte boundary,
+#: EP_RUNTIME_FUSED_COPY: these batches are small, so ``auto`` copies inside dispatch_wait)
+MODES = {"peer_stores": ("1", False, "auto"), "puts": ("0", False, "auto"),
+         "peer_stores_misaligned": ("1", True, "auto"), "puts_misaligned": ("0", True, "auto"),
+         "separate_copy": ("1", False, "0"), "separate_copy_misaligned": ("1", True, "0")}
 
 
 def cases(R: int) -> list:
@@ -70,7 +75,7 @@ def paths_pe(session, R: int, misaligned: bool) -> dict:
         xs, ids, ws = inputs(cfg, seed, counts)
         T = len(xs[r])
         with EPRuntime(cfg, session) as rt:
-            got = {"peer_stores": rt.peer_stores}
+            got = {"peer_stores": rt.peer_stores, "fused_copy": rt.fused_copy}
             batch = rt.dispatch(place(xs[r].view(np.uint16)), ids[r], ws[r])
             got["x"] = session.to_host(batch.x)
             y = expanded_outputs(cfg, reference.dispatch(xs, ids, ws, cfg)[r], r)
@@ -88,10 +93,11 @@ def paths_pe(session, R: int, misaligned: bool) -> dict:
 @pytest.fixture(scope="module", params=sorted(MODES))
 def sim(request):
     mode = request.param
-    env, misaligned = MODES[mode]
+    env, misaligned, fused = MODES[mode]
     R = 2
     with pytest.MonkeyPatch.context() as mp:  # the PEs are spawned with this environment
         mp.setenv("EP_RUNTIME_PEER_STORES", env)
+        mp.setenv("EP_RUNTIME_FUSED_COPY", fused)
         per_rank = run_pes(paths_pe, R, args=(R, misaligned), timeout_s=RUN_TIMEOUT_S)
     return mode, R, per_rank
 
@@ -101,6 +107,7 @@ def test_the_runtime_takes_the_send_path_asked_for(sim):
     for res in per_rank:
         for name, got in res.items():
             assert got["peer_stores"] == (MODES[mode][0] == "1"), f"{mode} {name}"
+            assert got["fused_copy"] == (MODES[mode][2] == "auto"), f"{mode} {name}"
 
 
 def test_dispatch_equals_the_reference_exactly(sim):

@@ -30,6 +30,7 @@ def trace_pe(session) -> dict:
     r = session.rank
     out = {"trace_on": TRACE}
     with EPRuntime(cfg, session) as rt:
+        out["fused_copy"] = rt.fused_copy
         status = rt.buffers["status"]
         for layout in ("expanded", "compact"):
             status[STATUS_LEN:] = 0
@@ -40,11 +41,12 @@ def trace_pe(session) -> dict:
     return out
 
 
-@pytest.fixture(scope="module", params=["on", "off"])
+@pytest.fixture(scope="module", params=["on", "off", "on_separate_copy"])
 def traced(request):
     with pytest.MonkeyPatch.context() as mp:  # the PEs are spawned with this environment
-        mp.setenv("EP_RUNTIME_TRACE", "1" if request.param == "on" else "0")
-        return request.param, run_pes(trace_pe, CFG["n_ranks"], timeout_s=240)
+        mp.setenv("EP_RUNTIME_TRACE", "0" if request.param == "off" else "1")
+        mp.setenv("EP_RUNTIME_FUSED_COPY", "0" if request.param == "on_separate_copy" else "auto")
+        return request.param.partition("_")[0], run_pes(trace_pe, CFG["n_ranks"], timeout_s=240)
 
 
 def slots_of(kernel: str) -> dict:
@@ -78,7 +80,8 @@ def test_stamps_are_written_in_order_only_when_on(traced):
             if mode == "off":
                 assert not st.any(), f"{layout}: trace words written with tracing off"
                 continue
-            kernels = ["dispatch_async", "dispatch_wait"] + (["dispatch_copy"] if layout == "expanded" else [])
+            copy_kernel = layout == "expanded" and not res["fused_copy"]
+            kernels = ["dispatch_async", "dispatch_wait"] + (["dispatch_copy"] if copy_kernel else [])
             starts = []
             for k in kernels:
                 points = slots_of(k)
@@ -88,5 +91,5 @@ def test_stamps_are_written_in_order_only_when_on(traced):
                     assert st[slot] >= start, f"{layout}: {k} '{point}' ({st[slot]}) before its start ({start})"
                 starts.append(start)
             assert starts == sorted(starts), f"{layout}: kernels out of stream order {starts}"
-            if layout == "compact":
-                assert st[slots_of("dispatch_copy")["start"]] == 0, "compact: dispatch_copy ran"
+            if not copy_kernel:
+                assert st[slots_of("dispatch_copy")["start"]] == 0, f"{layout}: dispatch_copy ran"

@@ -1,25 +1,28 @@
 #!/usr/bin/env bash
 # The GPU checks in one device call (2 ranks), each section under its own time limit:
 #   source .devcarry/setup.sh && bash tests/gpu/run_all.sh [section ...]
-# Sections (default: all, in this order): shmem ep ep_puts fp8 soak stream zerocopy example bench kernels stores host
+# Sections (default: all, in this order): shmem ep ep_puts ep_fused fp8 soak stream zerocopy example bench kernels stores host
 # racecheck memcheck. ep_puts: ep_check with the kernels sending through NVSHMEM puts (EP_RUNTIME_PEER_STORES=0);
+# ep_fused: ep_check with the expanded rows copied inside dispatch_wait at every size (EP_RUNTIME_FUSED_COPY=1);
 # stores: dispatch_async's store pattern alone against the copy engine; host: host time per call, broken down.
 # EP_RANKS (default 2) sets the ranks, EP_MPIRUN_ARGS adds mpirun options (tests/gpu/mps_run.sh sets both).
 # Logs go to $OUT/<section>.log (or /tmp/ep_gpu); the tail of each is printed.
 set -u
 out="${OUT:-/tmp/ep_gpu}"
 mkdir -p "$out"
-run="mpirun -np ${EP_RANKS:-2} ${EP_MPIRUN_ARGS:-} -x PYTHONPATH -x NVSHMEM_DISABLE_CUDA_VMM -x EP_RUNTIME_PEER_STORES"
+run="mpirun -np ${EP_RANKS:-2} ${EP_MPIRUN_ARGS:-} -x PYTHONPATH -x NVSHMEM_DISABLE_CUDA_VMM -x EP_RUNTIME_PEER_STORES -x EP_RUNTIME_FUSED_COPY"
 export NVSHMEM_DISABLE_CUDA_VMM=1  # compute-sanitizer cannot follow NVSHMEM's VMM heap mappings
 peer_stores="${EP_RUNTIME_PEER_STORES:-1}"  # the caller's choice for every section but ep_puts
+fused_copy="${EP_RUNTIME_FUSED_COPY:-auto}"  # the caller's choice for every section but ep_fused
 sections=("$@")
-[ ${#sections[@]} -eq 0 ] && sections=(shmem ep ep_puts fp8 soak stream zerocopy example bench kernels stores host racecheck
+[ ${#sections[@]} -eq 0 ] && sections=(shmem ep ep_puts ep_fused fp8 soak stream zerocopy example bench kernels stores host racecheck
                                         memcheck)
 for s in "${sections[@]}"; do
   case "$s" in
     shmem)     cmd="timeout 180 $run python3 tests/gpu/shmem_check.py" ;;
     ep)        cmd="timeout 240 $run python3 tests/gpu/ep_check.py --calls 100" ;;
     ep_puts)   cmd="timeout 240 $run python3 tests/gpu/ep_check.py --calls 10 --replays 10" ;;
+    ep_fused)  cmd="timeout 240 $run python3 tests/gpu/ep_check.py --calls 10 --replays 10" ;;
     soak)      cmd="timeout 150 $run python3 tests/gpu/soak.py --calls 10000" ;;
     stream)    cmd="timeout 120 $run python3 tests/gpu/stream_order_check.py" ;;
     zerocopy)  cmd="timeout 120 $run python3 tests/gpu/zero_copy_check.py" ;;
@@ -35,6 +38,7 @@ for s in "${sections[@]}"; do
   esac
   echo "== $s: $cmd"
   if [ "$s" = ep_puts ]; then export EP_RUNTIME_PEER_STORES=0; else export EP_RUNTIME_PEER_STORES="$peer_stores"; fi
+  if [ "$s" = ep_fused ]; then export EP_RUNTIME_FUSED_COPY=1; else export EP_RUNTIME_FUSED_COPY="$fused_copy"; fi
   $cmd > "$out/$s.log" 2>&1
   echo "== $s: exit $?"
   grep -v "Warning\|warn(\|cuGetProcAddress\|Saved host backtrace" "$out/$s.log" | grep -E "SUMMARY|PASS|FAIL|rank|^ +[0-9]|ceilings|init|Error" | tail -14
