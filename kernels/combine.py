@@ -192,7 +192,8 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
                     to_peer = direct and s != me
                     peer_row = uint64(0)
                     if to_peer:  # slot [g, me, t] of rank s: the same offset on every PE
-                        peer_row = peer_bases[PEER_PARTIALS, s] + (address_of(c_partials[g, me, t]) - address_of(c_partials))
+                        peer_row = peer_bases[PEER_PARTIALS, s] + (address_of(c_partials[g, me, t])
+                                                                   - address_of(c_partials))
                     w = w0 + 2 * lane
                     while pairs and w < w1:  # UP word pairs per lane: every row's loads issued before use
                         for x in range(U * pack):
@@ -302,7 +303,8 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
                 if w0 < w1 and local_expert_count(d_ids[g, s, t], L, me) > 0:
                     src = expert_out[s * Tmax + t]
                     if s != me and direct:  # UP pairs per lane in flight, stored through the mapping
-                        peer_row = peer_bases[PEER_PARTIALS, s] + (address_of(c_partials[g, me, t]) - address_of(c_partials))
+                        peer_row = peer_bases[PEER_PARTIALS, s] + (address_of(c_partials[g, me, t])
+                                                                   - address_of(c_partials))
                         w = w0 + 2 * lane
                         while w < w1:
                             load_pairs(src, w, w1, lo, hi)

@@ -14,15 +14,15 @@ from numba import int32, int64, uint32, uint64
 
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.bits import f32_bits
-from ep_runtime.kernels.block import (block_exclusive_scan, last_block_ticket, local_expert_count, part_bounds, part_words,
-                                      record_error, row_parts, sched_advance, sched_initial, warp_exclusive_count,
-                                      warp_geometry, warp_sum, warp_sync)
+from ep_runtime.kernels.block import (block_exclusive_scan, last_block_ticket, local_expert_count, part_bounds,
+                                      part_words, record_error, row_parts, sched_advance, sched_initial,
+                                      warp_exclusive_count, warp_geometry, warp_sum, warp_sync)
 from ep_runtime.kernels.cuda_api import cuda, kernel_jit
 from ep_runtime.kernels.token_codec import BLOCK_WORDS, CODE_WORDS, make_token_codec
 from ep_runtime.kernels.trace import stamp_first, stamp_last
 from ep_runtime.kernels.vec import address_of, make_pair_loops, pairs_aligned, store_u32_at, store_u8_at
-from ep_runtime.layout import (PEER_COUNTS, PEER_HIST, PEER_IDS, PEER_TOKENS, PEER_WEIGHTS, ROUTE_CHUNK_MIN, STATUS_CODE,
-                              SYNC_CALLS, SYNC_TICKET)
+from ep_runtime.layout import (PEER_COUNTS, PEER_HIST, PEER_IDS, PEER_TOKENS, PEER_WEIGHTS, ROUTE_CHUNK_MIN,
+                              STATUS_CODE, SYNC_CALLS, SYNC_TICKET)
 from ep_runtime.status import (COUNTER_DISPATCH_SIGNAL, COUNTER_RECV_ROWS, ERR_CAPACITY, ERR_TIMEOUT,
                                KERNEL_DISPATCH_WAIT)
 
@@ -395,13 +395,14 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
 
         Every block waits for all R signals itself, scans the local experts' padded row counts
         (a thread per run of experts, one block scan: every expert's first row; no block
-        depends on another) and checks the capacity. Then a warp per local expert writes its offset, count and padding rows,
-        and a warp per (local expert, source, routing chunk) walks that chunk's tokens 32 at a
-        time and gives each hit its row: the expert's offset, plus the expert's tokens from
-        earlier sources (counts) and earlier chunks of this source (histograms), plus the hits
-        of lower lanes (one ballot). Deterministic: rows by expert, source rank, source token;
-        no atomic decides a position. A wait past timeout_ns or more rows than C records an
-        error and writes nothing (dispatch_copy then copies nothing).
+        depends on another) and checks the capacity. Then a warp per local expert writes its
+        offset, count and padding rows, and a warp per (local expert, source, routing chunk)
+        walks that chunk's tokens 32 at a time and gives each hit its row: the expert's offset,
+        plus the expert's tokens from earlier sources (counts) and earlier chunks of this
+        source (histograms), plus the hits of lower lanes (one ballot). Deterministic: rows by
+        expert, source rank, source token; no atomic decides a position. A wait past
+        timeout_ns or more rows than C records an error and writes nothing (dispatch_copy then
+        copies nothing).
         """
         flag = cuda.shared.array(1, int32)
         scan_buf = cuda.shared.array(threads, int32)

@@ -75,7 +75,8 @@ def make_token_codec(warp: int, ue8m0: bool):
                             word = quantize4(vals[u * WPL + q], scale)
                             for d in range(peer_bases.shape[1]):
                                 if (sent >> uint64(d)) & uint64(1):
-                                    store_u32_at(peer_bases[PEER_TOKENS, d] + slot, b * BLOCK_WORDS + q * warp + lane, word)
+                                    store_u32_at(peer_bases[PEER_TOKENS, d] + slot, b * BLOCK_WORDS + q * warp + lane,
+                                                 word)
                         if lane == 0:
                             scales_at = slot + uint64(PB)  # uint64 + uint64 (an int64 term would make it float64)
                             for d in range(peer_bases.shape[1]):
