@@ -348,6 +348,9 @@ def main(argv=None) -> int:
 
     version = _numba_cuda_version()
     started = time.perf_counter()
+    # what an sm_90 device builds: its kernels wait for their predecessor with griddepcontrol
+    # (kernels/pdl.py, "auto"); there is no device here to ask, so say it (workers inherit it)
+    os.environ.setdefault("EP_RUNTIME_PDL", "1")
     try:
         check_environment()
         # Keep stdout for our report: numba/nvshmem chatter during import and compile goes to stderr.

@@ -53,7 +53,7 @@ KERNEL_ARGS = {
     "dispatch_async": (
         "tokens", "topk_ids", "topk_weights", "valid_tokens", "use_valid", "dispatch_tokens", "dispatch_topk_ids",
         "dispatch_topk_weights", "dispatch_counts", "dispatch_hist", "dispatch_signal", "dispatch_async_sync",
-        "dispatch_send_hist", "dispatch_send_counts", "status", "token_scales", "prequantized",
+        "dispatch_send_hist", "dispatch_send_count", "status", "token_scales", "prequantized",
         "dispatch_send_stage", "dispatch_send_stage:u32", "dispatch_send_stage:u8", "dispatch_tokens:u8",
         "peer_bases", "peer_stores"),
     "dispatch_wait": (

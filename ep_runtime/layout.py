@@ -165,8 +165,9 @@ def _regions(cfg: EPConfig) -> list[Region]:
                "[g, src, t]: global expert ids of token t of rank src (every token, sent to every rank)"),
         Region("dispatch_topk_weights", (G, R, T, K), f32, 0, S, f"{DA} (peers)", (DW,),
                "[g, src, t]: router weights of token t of rank src"),
-        Region("dispatch_counts", (G, R, L + 1), i32, 0, S, f"{DA} (peers, last block)", (DW, DC, CA, CW),
-               "[g, src, :L]: tokens of src per local expert; [g, src, L]: tokens src dispatched"),
+        Region("dispatch_counts", (G, R, L + 1), i32, 0, S, f"{DA} (peers), {DW} (block 0)", (DW, DC, CA, CW),
+               "[g, src, L]: tokens src dispatched (stored by src); [g, src, :L]: tokens of src per "
+               "local expert (summed from dispatch_hist by dispatch_wait, for the host)"),
         Region("dispatch_hist", (G, R, NC, L), i32, 0, S, f"{DA} (peers)", (DW,),
                "[g, src, c, e]: tokens of src's routing chunk c (route_chunk_tokens of src's count) "
                "with local expert e"),
@@ -182,9 +183,9 @@ def _regions(cfg: EPConfig) -> list[Region]:
                "[1] calls: completed dispatch calls (call n sets n + 1)"),
         Region("dispatch_send_hist", (R, NC, L), i32, 0, Lc, DA, (DA,),
                "[dst, c, e]: tokens of this rank's routing chunk c with expert e of rank dst, in the "
-               "current call (zeroed by the last block)"),
-        Region("dispatch_send_counts", (R, L + 1), i32, 0, Lc, DA, (DA,),
-               "staging of the per-destination counts put with the signal"),
+               "current call (zeroed by the chunk's block before it counts)"),
+        Region("dispatch_send_count", (1,), i32, 0, Lc, DA, (DA,),
+               "staging of the token count put with the signal (puts path)"),
         # -- local: shared by dispatch_wait and combine_async --------------------------------------
         Region("token_rows", (R, T, K), i32, -1, Lc, DW, (DC, CA),
                "[src, t, j]: expert-batch row of the j-th local expert (ascending) of token (src, t)"),

@@ -56,8 +56,11 @@ PEER_STORES_ENV = "EP_RUNTIME_PEER_STORES"
 #: when ``max_tokens_per_rank <= FUSED_COPY_MAX_TOKENS`` (decode sizes: one launch, no
 #: dispatch_copy), ``1`` fuses it for bf16 at any size, ``0`` never (EPRuntime.fused_copy).
 FUSED_COPY_ENV = "EP_RUNTIME_FUSED_COPY"
-#: Largest per-rank batch capacity for which ``auto`` fuses the expanded copy.
-FUSED_COPY_MAX_TOKENS = 256
+#: Largest per-rank batch capacity for which ``auto`` fuses the expanded copy. Measured on one
+#: H200 (one rank, graph, docs/throughput.md "v10"), the copy's share of an expanded dispatch:
+#: fused 1.9 / 9.6 / 15+ us at T=1 / 32 / 128, separate 7.0 / - / 14.9 us (a walking warp
+#: copies its hits one after another): the two meet near T=32.
+FUSED_COPY_MAX_TOKENS = 16
 
 #: int64 scalar arguments 0 and 1, one object each: the fast launch path rewrites an argument
 #: only when its object changes (ep_runtime.shmem.fast_launch).

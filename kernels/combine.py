@@ -17,7 +17,7 @@ The format is a compile-time choice: the bf16 kernels carry no branch for it.
 import numpy as np
 from numba import float32, from_dtype, int32, int64, uint64
 
-from ep_runtime.kernels import shmem
+from ep_runtime.kernels import pdl, shmem
 from ep_runtime.kernels.bits import bf16_bits_at, f32_bits_at, f32_to_bf16, f32_word_at, word_f32
 from ep_runtime.kernels.block import (last_block_ticket, local_expert_count, part_bounds, part_words,
                                       record_error, row_parts, warp_geometry, warp_sync)
@@ -164,6 +164,8 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
         for u in range(UP):  # lanes past a row's end sum these (never stored): keep them finite
             lo[u] = 0
             hi[u] = 0
+        pdl.trigger_dependents()
+        pdl.dependency_wait()  # nothing stream-ordered is read before this (kernels/pdl.py)
         if status[STATUS_CODE] != 0:
             return
         stamp_first(status, 16)
@@ -277,6 +279,8 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
         for u in range(UP):  # lanes past a row's end sum these (never stored): keep them finite
             lo[u] = 0
             hi[u] = 0
+        pdl.trigger_dependents()
+        pdl.dependency_wait()  # nothing stream-ordered is read before this (kernels/pdl.py)
         if status[STATUS_CODE] != 0:
             return
         stamp_first(status, 16)
@@ -358,6 +362,8 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
         for u in range(UP):  # lanes past a row's end sum these (never stored): keep them finite
             lo[u] = 0
             hi[u] = 0
+        pdl.trigger_dependents()
+        pdl.dependency_wait()  # nothing stream-ordered is read before this (kernels/pdl.py)
         if status[STATUS_CODE] != 0:
             return
         stamp_first(status, 20)
@@ -474,4 +480,5 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
             i += all_warps
         stamp_last(status, 22)
 
-    return combine_async, combine_wait, combine_async_rows
+    # each waits for its predecessor on the device first: launchable with PDL
+    return pdl.programmatic(combine_async), pdl.programmatic(combine_wait), pdl.programmatic(combine_async_rows)

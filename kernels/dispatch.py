@@ -12,7 +12,8 @@ the kernel boundary is the grid-wide barrier between "every row's position is kn
 
 from numba import int32, int64, uint32, uint64
 
-from ep_runtime.kernels import shmem
+from ep_runtime.config import MAX_RANKS
+from ep_runtime.kernels import pdl, shmem
 from ep_runtime.kernels.bits import f32_bits
 from ep_runtime.kernels.block import (block_exclusive_scan, last_block_ticket, local_expert_count, part_bounds,
                                       part_words, record_error, row_parts, sched_advance, sched_initial,
@@ -75,11 +76,27 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         return max((per + warp - 1) // warp * warp, 2 * warp)
 
     @cuda.jit(device=True)
-    def expert_rows(d_counts, g, e):
+    def source_chunks(n_tokens):
+        """Routing chunks of a source that sent ``n_tokens`` tokens."""
+        chunk = chunk_tokens(n_tokens)
+        return (n_tokens + chunk - 1) // chunk
+
+    @cuda.jit(device=True)
+    def source_expert_rows(d_hist, g, s, e, src_chunks):
+        """Tokens source ``s`` sent local expert ``e`` in group ``g``: the sum of its routing
+        chunks' histogram rows; ``src_chunks[s]`` (shared) says how many chunks it sent this
+        call (rows past them are stale)."""
+        c = int64(0)
+        for ch in range(src_chunks[s]):
+            c += d_hist[g, s, ch, e]
+        return c
+
+    @cuda.jit(device=True)
+    def expert_rows(d_hist, g, e, src_chunks):
         """Rows local expert ``e`` receives in group ``g``: its tokens from every source."""
         c = int64(0)
-        for s in range(d_counts.shape[1]):
-            c += d_counts[g, s, e]
+        for s in range(d_hist.shape[1]):
+            c += source_expert_rows(d_hist, g, s, e, src_chunks)
         return c
 
     @cuda.jit(device=True)
@@ -90,30 +107,39 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         return (rows + pad_multiple - 1) // pad_multiple * pad_multiple
 
     @cuda.jit(device=True)
-    def scan_expert_rows(d_counts, g, pad_multiple, per, run_first, sum_buf):
+    def scan_expert_rows(d_counts, d_hist, g, pad_multiple, per, run_first, sum_buf, src_chunks):
         """Every thread of the block: thread i sums the padded rows of local experts
         ``[i per, (i + 1) per)`` and the block scans the sums, so ``run_first[i]`` (shared,
         int64, one per thread) is the first batch row of expert ``i per``. Returns the total
-        padded rows. Deterministic; every block computes it (none waits for another)."""
+        padded rows. Block 0 also writes each source's per-expert counts into
+        ``d_counts[g, s, :L]`` (for the host and tests; no kernel reads them). Deterministic;
+        every block computes it (none waits for another)."""
+        R = d_counts.shape[1]
         L = d_counts.shape[2] - 1
         e_lo = min(cuda.threadIdx.x * per, L)
         part = int64(0)
         for e in range(e_lo, min(e_lo + per, L)):
-            part += padded(expert_rows(d_counts, g, e), pad_multiple)
+            rows = int64(0)
+            for s in range(R):
+                x = source_expert_rows(d_hist, g, s, e, src_chunks)
+                if cuda.blockIdx.x == 0:
+                    d_counts[g, s, e] = x
+                rows += x
+            part += padded(rows, pad_multiple)
         prefix, total = block_exclusive_scan(sum_buf, part)
         run_first[cuda.threadIdx.x] = prefix
         cuda.syncthreads()
         return total
 
     @cuda.jit(device=True)
-    def expert_first_row(d_counts, g, e, pad_multiple, per, run_first):
+    def expert_first_row(d_hist, g, e, pad_multiple, per, run_first, src_chunks):
         """The first batch row of local expert ``e`` (after :func:`scan_expert_rows`): its
         run's first row plus the padded rows of the run's experts before it (none when there
         are no more local experts than threads)."""
         run = e // per
         row = run_first[run]
         for e2 in range(run * per, e):
-            row += padded(expert_rows(d_counts, g, e2), pad_multiple)
+            row += padded(expert_rows(d_hist, g, e2, src_chunks), pad_multiple)
         return row
 
     @cuda.jit(device=True)
@@ -153,7 +179,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
     @kernel_jit(threads)
     def dispatch_async(tokens, topk_ids, topk_weights, valid_tokens, use_valid,
                        d_tokens, d_ids, d_weights, d_counts, d_hist, d_signal,
-                       sync, send_hist, send_counts, status,
+                       sync, send_hist, send_count, status,
                        token_scales, prequantized, stage64, stage32, stage8, d_tokens8, peer_bases, peer_stores):
         """Send this rank's tokens, once per destination rank, and signal each destination.
 
@@ -161,9 +187,10 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         batch; its first T rows are sent, T = Tc, or ``min(Tc, valid_tokens[0])`` when
         use_valid (int64) is nonzero (valid_tokens [1] int32 on the device: one CUDA graph
         captured at capacity serves any batch size). Symmetric: d_tokens [G, R, Tmax, W],
-        d_ids/d_weights [G, R, Tmax, K], d_counts [G, R, L + 1] int32, d_hist [G, R, NC, L]
-        int32, d_signal [G, R] uint64. Local: sync [2] int64, send_hist [R, NC, L] int32 (zero
-        on entry), send_counts [R, L + 1] int32, status [8] int64. FP8 token formats only
+        d_ids/d_weights [G, R, Tmax, K], d_counts [G, R, L + 1] int32 (this call stores only
+        ``[g, me, L]``, the token count), d_hist [G, R, NC, L] int32, d_signal [G, R] uint64.
+        Local: sync [2] int64, send_hist [R, NC, L] int32 (scratch: a routing block zeroes its
+        chunk's rows before counting), send_count [1] int32, status [8] int64. FP8 token formats only
         (empty otherwise): token_scales [Tc, S * SB] uint8 (the caller's scales' bytes, when
         prequantized, int64, is nonzero: then tokens are [Tc, P] code words), the message stage
         [Tmax, MW] as uint64, uint32 and uint8 views (stage64/32/8); d_tokens is then [G, R,
@@ -183,21 +210,25 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         bytes (pre-quantized input: straight from the caller's arrays, no stage). The
         message's padding is never sent.
         (2) Each block takes routing chunks of ``chunk_tokens(T)`` tokens (at most
-        ``ROUTE_CHUNKS`` of them; chunk 0 in the last block): sends their routing rows to every rank, counts the chunk's
-        tokens per expert into send_hist[:, c] and sends each rank its experts' row of that
-        histogram (dispatch_wait places a chunk's tokens from it, with no scan over other
-        chunks). (3) The last block (ticket) sends each rank its counts (the histograms' sums)
-        and then a signal of n + 1 (every block fenced and quieted first: data before signal),
-        resets the scratch and advances the call counter. Nobody waits. With peer_stores, (2)
-        and (3) are 4-byte stores by the whole block into the peers' regions (rows
-        ``PEER_IDS`` ... of peer_bases), the counts fenced at system scope before one
-        ``signal_op`` per rank (traced on one H200: one thread's ``put_signal`` of the counts
-        took 6.5 us at T=1, 12 us at T=4096, and the block puts of (2) 4.7 us); otherwise
-        NVSHMEM block puts and one ``put_signal`` per rank (counts staged in send_counts).
+        ``ROUTE_CHUNKS`` of them; chunk 0 in the last block): sends their routing rows to every
+        rank, counts the chunk's tokens per expert into send_hist[:, c] and sends each rank its
+        experts' row of that histogram (dispatch_wait places a chunk's tokens from it, with no
+        scan over other chunks, and sums a source's per-expert counts from its chunks' rows).
+        (3) The last block (ticket) signals n + 1 to every rank (every block fenced and quieted
+        first: data before signal) and advances the call counter. Nobody waits. With
+        peer_stores, (2) is 4-byte stores by the whole block into the peers' regions (rows
+        ``PEER_IDS`` ... of peer_bases; the last block of the grid also stores T into each
+        peer's ``d_counts[g, me, L]``) and (3) one ``signal_op`` per rank; otherwise NVSHMEM
+        block puts, and (3) one ``put_signal`` per rank carrying T (staged in send_count).
+        Traced on one H200 (T=1): one thread's ``put_signal`` of 257 counts took 6.5 us, the
+        block puts of (2) 4.7 us, and summing the histograms into counts in the last block, after
+        the ticket, 2.0 us: each is gone from the path to the signal.
         """
         flag = cuda.shared.array(1, int32)
         lo = cuda.local.array(UP, uint64)
         hi = cuda.local.array(UP, uint64)
+        pdl.trigger_dependents()
+        pdl.dependency_wait()  # nothing stream-ordered is read before this (kernels/pdl.py)
         if status[STATUS_CODE] != 0:
             return  # an earlier call failed: send nothing, so peers time out naming this rank
         stamp_first(status, 0)
@@ -293,7 +324,11 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
 
         # (2) routing rows to every rank, and each routing chunk's per-expert histogram
         chunk = chunk_tokens(T)
-        meta_stores = peer_stores != 0  # routing, histograms and counts as 4-byte stores into peers
+        meta_stores = peer_stores != 0  # routing, histograms and the token count as 4-byte stores into peers
+        if meta_stores and cuda.blockIdx.x == cuda.gridDim.x - 1:  # T, even when 0 (no chunk then)
+            counts_at = address_of(d_counts[g, me]) - address_of(d_counts)
+            for d in range(tid, R, threads):
+                store_u32_at(peer_bases[PEER_COUNTS, d] + counts_at, L, uint32(T))
         # chunks from the last block down: at decode sizes (1) leaves the high blocks idle, so
         # the routing runs beside the token rows instead of after them in block 0
         c = sched_initial(cuda.gridDim.x - 1 - cuda.blockIdx.x)
@@ -315,6 +350,9 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                 for d in range(R):
                     shmem.put_nbi_block(d_ids[g, me, t0:t1], topk_ids[t0:t1], d)
                     shmem.put_nbi_block(d_weights[g, me, t0:t1], topk_weights[t0:t1], d)
+            for i in range(tid, R * L, threads):  # this chunk's rows are the block's own scratch
+                send_hist[i // L, c, i - i // L * L] = 0
+            cuda.syncthreads()  # zeroed before any thread counts into them
             for t in range(t0 + tid, t1, threads):
                 for k in range(K):
                     x = topk_ids[t, k]
@@ -333,39 +371,20 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
             c = sched_advance(c, cuda.gridDim.x)
         stamp_last(status, 2)
 
-        # (3) the last block publishes counts with the signal, then resets for the next call
+        # (3) the last block signals every rank (with the token count, on the puts path), then
+        # advances the call counter; receivers sum the chunk histograms into counts themselves
         if last_block_ticket(sync[SYNC_TICKET:SYNC_TICKET + 1], flag):
             stamp_last(status, 3)
-            chunks = (T + chunk - 1) // chunk
-            counts_at = address_of(d_counts[g, me]) - address_of(d_counts)
-            for i in range(tid, R * (L + 1), threads):
-                d = i // (L + 1)
-                j = i - d * (L + 1)
-                total = T
-                if j < L:
-                    total = 0
-                    for c in range(chunks):
-                        total += send_hist[d, c, j]
-                if meta_stores:
-                    store_u32_at(peer_bases[PEER_COUNTS, d] + counts_at, j, uint32(total))
-                else:
-                    send_counts[d, j] = total
-            if meta_stores:  # each thread's counts visible everywhere, then one signal per rank
-                cuda.threadfence_system()
-            cuda.syncthreads()
-            stamp_last(status, 4)
+            if not meta_stores:
+                if tid == 0:
+                    send_count[0] = T
+                cuda.syncthreads()  # staged before the threads below put it
             for d in range(tid, R, threads):
                 if meta_stores:
                     shmem.signal_op(d_signal[g, me:me + 1], uint64(n + 1), shmem.SIGNAL_SET, d)
                 else:
-                    shmem.put_signal(d_counts[g, me], send_counts[d], d_signal[g, me:me + 1],
+                    shmem.put_signal(d_counts[g, me, L:L + 1], send_count, d_signal[g, me:me + 1],
                                      uint64(n + 1), shmem.SIGNAL_SET, d)
-            stamp_last(status, 5)
-            for i in range(tid, R * chunks * L, threads):
-                d = i // (chunks * L)
-                c = (i - d * chunks * L) // L
-                send_hist[d, c, i - (d * chunks + c) * L] = 0
-            cuda.syncthreads()
             if tid == 0:
                 sync[SYNC_TICKET] = 0
                 sync[SYNC_CALLS] = n + 1
@@ -398,8 +417,8 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         depends on another) and checks the capacity. Then a warp per local expert writes its
         offset, count and padding rows, and a warp per (local expert, source, routing chunk)
         walks that chunk's tokens 32 at a time and gives each hit its row: the expert's offset,
-        plus the expert's tokens from earlier sources (counts) and earlier chunks of this
-        source (histograms), plus the hits of lower lanes (one ballot). Deterministic: rows by
+        plus the expert's tokens from earlier sources and earlier chunks of this source (both
+        from the histograms), plus the hits of lower lanes (one ballot). Deterministic: rows by
         expert, source rank, source token; no atomic decides a position. A wait past
         timeout_ns or more rows than C records an error and writes nothing (dispatch_copy then
         copies nothing).
@@ -410,8 +429,11 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         run_first = cuda.shared.array(threads, int64)
         hit_row = cuda.shared.array(threads, int32)  # fused copy: each warp's hits of one step
         hit_token = cuda.shared.array(threads, int32)
+        src_chunks = cuda.shared.array(MAX_RANKS, int32)  # routing chunks each source sent this call
         lo = cuda.local.array(UP, uint64)
         hi = cuda.local.array(UP, uint64)
+        pdl.trigger_dependents()
+        pdl.dependency_wait()  # nothing stream-ordered is read before this (kernels/pdl.py)
         if status[STATUS_CODE] != 0:
             return
         stamp_first(status, 8)
@@ -435,6 +457,8 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                 record_error(status, ERR_TIMEOUT, KERNEL_DISPATCH_WAIT, me, s, COUNTER_DISPATCH_SIGNAL,
                              n + 1, int64(seen), n + 1)
                 flag[0] = 1
+            cuda.threadfence_system()  # source s's data is visible to this thread from here
+            src_chunks[s] = source_chunks(d_counts[g, s, L])  # a stale count on a timeout: unused
         cuda.threadfence_system()
         cuda.syncthreads()
         if flag[0] != 0:
@@ -443,7 +467,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
 
         # every expert's first row and the total (padded): every block scans them itself
         per = (L + threads - 1) // threads  # local experts per thread
-        total = scan_expert_rows(d_counts, g, pad_multiple, per, run_first, sum_buf)
+        total = scan_expert_rows(d_counts, d_hist, g, pad_multiple, per, run_first, sum_buf, src_chunks)
         if total > C:
             if cuda.blockIdx.x == 0 and tid == 0:
                 record_error(status, ERR_CAPACITY, KERNEL_DISPATCH_WAIT, me, -1, COUNTER_RECV_ROWS,
@@ -464,8 +488,8 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         # their data zeroed by dispatch_copy, or here when copying)
         e = first_warp
         while e < L:
-            base = expert_first_row(d_counts, g, e, pad_multiple, per, run_first)
-            count = expert_rows(d_counts, g, e)
+            base = expert_first_row(d_hist, g, e, pad_multiple, per, run_first, src_chunks)
+            count = expert_rows(d_hist, g, e, src_chunks)
             end = base + padded(count, pad_multiple)
             for r in range(base + count + lane, end, warp):
                 row_src_rank[r] = -1
@@ -498,10 +522,11 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                 # of source s (the lanes sum their shares, one warp reduction)
                 part = int64(0)
                 for s2 in range(lane, s, warp):
-                    part += d_counts[g, s2, e]
+                    part += source_expert_rows(d_hist, g, s2, e, src_chunks)
                 for c2 in range(lane, c, warp):
                     part += d_hist[g, s, c2, e]
-                row = expert_first_row(d_counts, g, e, pad_multiple, per, run_first) + warp_sum(part, sum_buf)
+                row = expert_first_row(d_hist, g, e, pad_multiple, per, run_first, src_chunks)
+                row += warp_sum(part, sum_buf)
                 e_global = first_mine + e
                 ids_s = d_ids[g, s]
                 t1 = min(t0 + chunk, T_s)
@@ -539,6 +564,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
             i += all_warps
         stamp_last(status, 11)
 
+
     @kernel_jit(threads)
     def dispatch_copy(d_tokens, d_ids, d_counts, sync, token_rows, row_offsets, expert_counts,
                       expert_x, status, d_tokens8, expert_scales8, scales_col_major):
@@ -563,6 +589,8 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         vals = cuda.local.array(U, uint64)
         lo = cuda.local.array(UP, uint64)
         hi = cuda.local.array(UP, uint64)
+        pdl.trigger_dependents()
+        pdl.dependency_wait()  # nothing stream-ordered is read before this (kernels/pdl.py)
         if status[STATUS_CODE] != 0:
             return
         stamp_first(status, 12)
@@ -622,4 +650,5 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
             e += all_warps
         stamp_last(status, 13)
 
-    return dispatch_async, dispatch_wait, dispatch_copy
+    # each waits for its predecessor on the device first: launchable with PDL
+    return pdl.programmatic(dispatch_async), pdl.programmatic(dispatch_wait), pdl.programmatic(dispatch_copy)

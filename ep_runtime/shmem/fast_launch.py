@@ -238,12 +238,16 @@ class FastLauncher:
     kernel : numba-cuda ``_Kernel`` (``dispatcher.compile(argtypes)``'s result), bound to the
         current context.
     stream_handle : int, the ``CUstream`` to launch on.
+    programmatic : launch with programmatic stream serialization (``cuLaunchKernelEx`` with
+        ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``: the kernel may start while its
+        predecessor on the stream finishes; it must wait for it on the device,
+        :mod:`ep_runtime.kernels.pdl`). Ignored for cooperative kernels.
 
     Raises :class:`Unsupported` if Numba would launch this kernel with more than the parameters
     (debug error reporting, argument extensions, launch-config-dependent overloads).
     """
 
-    def __init__(self, kernel, stream_handle: int):
+    def __init__(self, kernel, stream_handle: int, programmatic: bool = False):
         from cuda.bindings import driver
 
         if kernel.debug:
@@ -266,6 +270,19 @@ class FastLauncher:
             self._func = func
         self._stream = driver.CUstream(int(stream_handle))
         self._launch = driver.cuLaunchCooperativeKernel if self.cooperative else driver.cuLaunchKernel
+        self.programmatic = bool(programmatic) and not self.cooperative
+        self._config = None
+        if self.programmatic:  # one launch configuration, its dimensions set when they change
+            attr = driver.CUlaunchAttribute()
+            attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attr.value.programmaticStreamSerializationAllowed = 1
+            self._config = driver.CUlaunchConfig()
+            self._config.hStream = self._stream
+            self._config.sharedMemBytes = 0
+            self._config.attrs = [attr]
+            self._config.numAttrs = 1
+            self._config_dims = None
+            self._launch_ex = driver.cuLaunchKernelEx
         self._ok = driver.CUresult.CUDA_SUCCESS
         self._dim_cache: dict = {}
         self._last_grid = self._last_block = self._last_dims = None
@@ -286,7 +303,14 @@ class FastLauncher:
         if not self.params.pack(args):
             return False
         gx, gy, gz, bx, by, bz = dims
-        if self.cooperative:
+        if self.programmatic:
+            config = self._config
+            if dims is not self._config_dims:
+                config.gridDimX, config.gridDimY, config.gridDimZ = gx, gy, gz
+                config.blockDimX, config.blockDimY, config.blockDimZ = bx, by, bz
+                self._config_dims = dims
+            result = self._launch_ex(config, self._func, self.params.address, 0)
+        elif self.cooperative:
             result = self._launch(self._func, gx, gy, gz, bx, by, bz, 0, self._stream, self.params.address)
         else:
             result = self._launch(self._func, gx, gy, gz, bx, by, bz, 0, self._stream, self.params.address, 0)

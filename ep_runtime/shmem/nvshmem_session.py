@@ -30,6 +30,7 @@ import os
 import numpy as np
 
 from ..errors import ShmemError
+from ..kernels import pdl
 from .env import configure_nvshmem_env
 from .fast_launch import FastLauncher, Unsupported
 from .kernel_cache import KernelCache
@@ -227,7 +228,8 @@ class NvshmemSession(Session):
         if any(launcher.kernel is compiled for _, launcher in entries):
             return
         try:
-            entries.append((kernel, FastLauncher(compiled, int(self._core_stream.handle))))
+            entries.append((kernel, FastLauncher(compiled, int(self._core_stream.handle),
+                                                 programmatic=pdl.is_programmatic(kernel))))
         except Unsupported as exc:
             log.info("rank %d: %s launches through Numba: %s", self.rank,
                      getattr(kernel, "__qualname__", kernel), exc)

@@ -1,0 +1,68 @@
+"""Programmatic dependent launch switch (kernels/pdl.py): the environment variable, the kernel
+marks the fast launcher reads, and the kernels' waits (on the simulator PDL is off: the
+instructions compile to nothing and the results stay exact, which test_ep_sim checks)."""
+
+import pytest
+
+from ep_runtime.errors import EPConfigError
+from ep_runtime.kernels import pdl
+
+
+@pytest.mark.parametrize("value, cc_major, expected", [
+    ("auto", 9, True), ("auto", 10, True), ("auto", 8, False), ("auto", 0, False),  # 0: no GPU to ask
+    ("1", 8, True), ("on", 0, True), ("0", 9, False), ("off", 10, False)])
+def test_the_switch_follows_the_variable_and_the_device(monkeypatch, value, cc_major, expected):
+    monkeypatch.setenv(pdl.ENV, value)
+    monkeypatch.setattr(pdl, "SIMULATED", False)
+    monkeypatch.setattr(pdl, "_device_cc_major", lambda: cc_major)
+    assert pdl._enabled() is expected
+
+
+@pytest.mark.parametrize("value", ["auto", "1"])
+def test_the_simulator_never_enables_pdl(monkeypatch, value):
+    monkeypatch.setenv(pdl.ENV, value)
+    monkeypatch.setattr(pdl, "SIMULATED", True)
+    monkeypatch.setattr(pdl, "_device_cc_major", lambda: 9)
+    assert pdl._enabled() is False
+
+
+@pytest.mark.parametrize("value", ["2", "maybe", "enable"])
+def test_a_bad_value_is_a_config_error_naming_the_variable(monkeypatch, value):
+    monkeypatch.setenv(pdl.ENV, value)
+    with pytest.raises(EPConfigError) as info:
+        pdl._enabled()
+    assert pdl.ENV in str(info.value) and repr(value) in str(info.value)
+
+
+def test_the_ep_kernels_are_marked_and_others_are_not(monkeypatch):
+    from ep_runtime.kernels.combine import make_combine_kernels
+    from ep_runtime.kernels.dispatch import make_dispatch_kernels
+    import numpy as np
+
+    kernels = list(make_dispatch_kernels(8)) + list(make_combine_kernels(8, np.uint64))
+    assert all(hasattr(k, pdl.MARK) for k in kernels)
+    # the mark follows ENABLED (as this process found it): launchers get the attribute only then
+    assert all(pdl.is_programmatic(k) == pdl.ENABLED for k in kernels)
+    monkeypatch.setattr(pdl, "ENABLED", True)
+
+    class Kernel:
+        pass
+
+    marked, unmarked = pdl.programmatic(Kernel()), Kernel()
+    assert pdl.is_programmatic(marked) and not pdl.is_programmatic(unmarked)
+
+
+def test_every_ep_kernel_waits_before_its_first_status_read():
+    """The wait must come before anything stream-ordered is read: in the kernels' source every
+    ``status[STATUS_CODE]`` check (each kernel's first load) follows a dependency_wait."""
+    import inspect
+
+    from ep_runtime.kernels import combine, dispatch
+
+    for module in (dispatch, combine):
+        lines = inspect.getsource(module).splitlines()
+        checks = [i for i, ln in enumerate(lines) if "if status[STATUS_CODE] != 0:" in ln]
+        assert len(checks) == 3, module.__name__
+        for i in checks:
+            assert "pdl.dependency_wait()" in lines[i - 1], f"{module.__name__} line {i + 1}"
+            assert "pdl.trigger_dependents()" in lines[i - 2], f"{module.__name__} line {i + 1}"
