@@ -49,6 +49,17 @@ def route_chunks(max_tokens: int, chunk: int = ROUTE_CHUNK_MIN) -> int:
     return max(1, (max_tokens + chunk - 1) // chunk)
 
 
+#: dispatch_signal[g, src] after call n: ``(n + 1) << SIGNAL_TOKEN_BITS | T``, src's token
+#: count in the low bits (T <= max_tokens_per_rank < 2**31), so the receiver has T with the
+#: signal it waits for, and the values still grow with every call (``>=`` tests the call).
+SIGNAL_TOKEN_BITS = 32
+
+
+def dispatch_signal_value(call: int, n_tokens: int) -> int:
+    """The value src sets dispatch_signal to for (0-based) ``call`` with ``n_tokens`` tokens."""
+    return (call + 1) << SIGNAL_TOKEN_BITS | n_tokens
+
+
 # Indices into dispatch_async_sync (int64).
 SYNC_TICKET = 0   # blocks of the current launch that finished; the last block resets it to 0
 SYNC_CALLS = 1    # completed dispatch calls: call n (0-based) sets it to n + 1
@@ -172,7 +183,8 @@ def _regions(cfg: EPConfig) -> list[Region]:
                "[g, src, c, e]: tokens of src's routing chunk c (route_chunk_tokens of src's count) "
                "with local expert e"),
         Region("dispatch_signal", (G, R), u64, 0, S, f"{DA} (peers, last block)", (DW,),
-               "[g, src]: n + 1 once everything of call n from src has arrived (monotonic)"),
+               "[g, src]: (n + 1) << 32 | T once everything of call n (T tokens) from src has arrived "
+               "(dispatch_signal_value; monotonic)"),
         Region("combine_partials", (G, R, T, H), pdt, 0, S, f"{CA} (peers)", (CW,),
                f"[g, r, t]: weighted partial sum over rank r's experts for my token t ({pname})"),
         Region("combine_signal", (G, R), u64, 0, S, f"{CA} (peers, last block)", (CW,),

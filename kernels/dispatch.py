@@ -23,7 +23,7 @@ from ep_runtime.kernels.token_codec import BLOCK_WORDS, CODE_WORDS, make_token_c
 from ep_runtime.kernels.trace import stamp_first, stamp_last
 from ep_runtime.kernels.vec import address_of, make_pair_loops, pairs_aligned, store_u32_at, store_u8_at
 from ep_runtime.layout import (PEER_COUNTS, PEER_HIST, PEER_IDS, PEER_TOKENS, PEER_WEIGHTS, ROUTE_CHUNK_MIN,
-                              STATUS_CODE, SYNC_CALLS, SYNC_TICKET)
+                              SIGNAL_TOKEN_BITS, STATUS_CODE, SYNC_CALLS, SYNC_TICKET)
 from ep_runtime.status import (COUNTER_DISPATCH_SIGNAL, COUNTER_RECV_ROWS, ERR_CAPACITY, ERR_TIMEOUT,
                                KERNEL_DISPATCH_WAIT)
 
@@ -188,7 +188,8 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         use_valid (int64) is nonzero (valid_tokens [1] int32 on the device: one CUDA graph
         captured at capacity serves any batch size). Symmetric: d_tokens [G, R, Tmax, W],
         d_ids/d_weights [G, R, Tmax, K], d_counts [G, R, L + 1] int32 (this call stores only
-        ``[g, me, L]``, the token count), d_hist [G, R, NC, L] int32, d_signal [G, R] uint64.
+        ``[g, me, L]``, the token count), d_hist [G, R, NC, L] int32, d_signal [G, R] uint64
+        (set to ``(n + 1) << 32 | T``: ``layout.dispatch_signal_value``).
         Local: sync [2] int64, send_hist [R, NC, L] int32 (scratch: a routing block zeroes its
         chunk's rows before counting), send_count [1] int32, status [8] int64. FP8 token formats only
         (empty otherwise): token_scales [Tc, S * SB] uint8 (the caller's scales' bytes, when
@@ -214,8 +215,8 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         rank, counts the chunk's tokens per expert into send_hist[:, c] and sends each rank its
         experts' row of that histogram (dispatch_wait places a chunk's tokens from it, with no
         scan over other chunks, and sums a source's per-expert counts from its chunks' rows).
-        (3) The last block (ticket) signals n + 1 to every rank (every block fenced and quieted
-        first: data before signal) and advances the call counter. Nobody waits. With
+        (3) The last block (ticket) signals every rank (every block fenced and quieted first:
+        data before signal; the value is ``(n + 1) << 32 | T``) and advances the call counter. Nobody waits. With
         peer_stores, (2) is 4-byte stores by the whole block into the peers' regions (rows
         ``PEER_IDS`` ... of peer_bases; the last block of the grid also stores T into each
         peer's ``d_counts[g, me, L]``) and (3) one ``signal_op`` per rank; otherwise NVSHMEM
@@ -379,12 +380,13 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                 if tid == 0:
                     send_count[0] = T
                 cuda.syncthreads()  # staged before the threads below put it
+            signal = (uint64(n + 1) << uint64(SIGNAL_TOKEN_BITS)) | uint64(T)  # layout.dispatch_signal_value
             for d in range(tid, R, threads):
                 if meta_stores:
-                    shmem.signal_op(d_signal[g, me:me + 1], uint64(n + 1), shmem.SIGNAL_SET, d)
+                    shmem.signal_op(d_signal[g, me:me + 1], signal, shmem.SIGNAL_SET, d)
                 else:
                     shmem.put_signal(d_counts[g, me, L:L + 1], send_count, d_signal[g, me:me + 1],
-                                     uint64(n + 1), shmem.SIGNAL_SET, d)
+                                     signal, shmem.SIGNAL_SET, d)
             if tid == 0:
                 sync[SYNC_TICKET] = 0
                 sync[SYNC_CALLS] = n + 1
@@ -412,7 +414,8 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         follows (a row is read once per local expert instead of once: the token-major
         dispatch_copy stays the better choice for large batches).
 
-        Every block waits for all R signals itself, scans the local experts' padded row counts
+        Every block waits for all R signals itself (each carries its source's token count, so
+        no load follows the wait before the histograms), scans the local experts' padded row counts
         (a thread per run of experts, one block scan: every expert's first row; no block
         depends on another) and checks the capacity. Then a warp per local expert writes its
         offset, count and padding rows, and a warp per (local expert, source, routing chunk)
@@ -429,7 +432,8 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         run_first = cuda.shared.array(threads, int64)
         hit_row = cuda.shared.array(threads, int32)  # fused copy: each warp's hits of one step
         hit_token = cuda.shared.array(threads, int32)
-        src_chunks = cuda.shared.array(MAX_RANKS, int32)  # routing chunks each source sent this call
+        src_tokens = cuda.shared.array(MAX_RANKS, int32)  # tokens each source sent this call
+        src_chunks = cuda.shared.array(MAX_RANKS, int32)  # and their routing chunks
         lo = cuda.local.array(UP, uint64)
         hi = cuda.local.array(UP, uint64)
         pdl.trigger_dependents()
@@ -451,14 +455,15 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         if tid == 0:
             flag[0] = 0
         cuda.syncthreads()
+        want = uint64(n + 1) << uint64(SIGNAL_TOKEN_BITS)  # call n's signal, any token count
         for s in range(tid, R, threads):
-            seen = shmem.wait_signal_ge(d_signal[g, s:s + 1], n + 1, timeout_ns)
-            if seen < uint64(n + 1):
+            seen = shmem.wait_signal_ge(d_signal[g, s:s + 1], want, timeout_ns)
+            if seen < want:
                 record_error(status, ERR_TIMEOUT, KERNEL_DISPATCH_WAIT, me, s, COUNTER_DISPATCH_SIGNAL,
-                             n + 1, int64(seen), n + 1)
+                             n + 1, int64(seen >> uint64(SIGNAL_TOKEN_BITS)), n + 1)
                 flag[0] = 1
-            cuda.threadfence_system()  # source s's data is visible to this thread from here
-            src_chunks[s] = source_chunks(d_counts[g, s, L])  # a stale count on a timeout: unused
+            src_tokens[s] = int32(seen & uint64(0xFFFFFFFF))  # T of source s, with its signal
+            src_chunks[s] = source_chunks(src_tokens[s])  # (stale on a timeout: then unused)
         cuda.threadfence_system()
         cuda.syncthreads()
         if flag[0] != 0:
@@ -514,10 +519,10 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
             e = i // (R * NCH)
             s = (i - e * R * NCH) // NCH
             c = i - (e * R + s) * NCH
-            T_s = d_counts[g, s, L]
+            T_s = src_tokens[s]
             chunk = chunk_tokens(T_s)
             t0 = c * chunk
-            if t0 < T_s and d_hist[g, s, c, e] > 0:
+            if c < src_chunks[s] and d_hist[g, s, c, e] > 0:
                 # first row: e's first row, plus e's rows from sources < s and from chunks < c
                 # of source s (the lanes sum their shares, one warp reduction)
                 part = int64(0)

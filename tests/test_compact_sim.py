@@ -13,6 +13,7 @@ import pytest
 
 from ep_runtime import reference
 from ep_runtime.config import EPConfig
+from ep_runtime.layout import dispatch_signal_value
 from ep_runtime.reference import BF16
 from ep_runtime.shmem.launch import run_pes
 from ep_runtime.testing import POISON_BF16, input_error_of, make_inputs
@@ -71,6 +72,8 @@ def compact_pe(session, R: int) -> dict:
         batch = rt.dispatch(xs[r].view(np.uint16), ids[r], ws[r], layout="compact")
         got = host(batch)
         got["counts"] = session.to_host(rt.buffers["dispatch_counts"])[(rt.calls - 1) % 2]
+        got["signal"] = session.to_host(rt.buffers["dispatch_signal"])[(rt.calls - 1) % 2]
+        got["call"] = rt.calls - 1
         if combine_layout == "compact":
             y = compact_rows(cfg, xs, ids, r)
         else:  # a gathering GEMM writes its outputs in the expanded order
@@ -137,6 +140,8 @@ def check_compact_batch(got: dict, cfg: EPConfig, xs, ids, ws, r: int, what: str
         flat = [np.asarray(i).reshape(-1) for i in ids]
         per_source = np.array([np.bincount(f[f // L == r] - r * L, minlength=L) for f in flat])
         np.testing.assert_array_equal(got["counts"][:, :L], per_source, err_msg=f"{what}: counts")
+        # each source's signal carries its call and its token count
+        assert got["signal"].tolist() == [dispatch_signal_value(got["call"], len(x)) for x in xs], what
     np.testing.assert_array_equal(got["expert_counts"], ref.expert_counts, err_msg=what)
     np.testing.assert_array_equal(got["gather"][:n], reference.gather_index(ref, cfg), err_msg=what)
     if fresh:

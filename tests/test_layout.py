@@ -294,3 +294,13 @@ def test_routing_chunks_of_every_batch_fit_the_histogram_region(threads, max_tok
         chunks = -(-T // chunk)
         assert chunks <= min(ROUTE_CHUNKS, NC), (T, chunk, chunks, NC)
         assert T <= chunks * chunk < T + chunk or T == 0
+
+
+def test_dispatch_signal_value_carries_the_call_and_the_token_count():
+    from ep_runtime.layout import SIGNAL_TOKEN_BITS, dispatch_signal_value
+
+    assert dispatch_signal_value(0, 0) == 1 << 32
+    assert dispatch_signal_value(0, 4096) == (1 << 32) + 4096
+    assert dispatch_signal_value(6, 1) == (7 << SIGNAL_TOKEN_BITS) | 1
+    # every later call's value is larger, whatever the token counts
+    assert dispatch_signal_value(1, 0) > dispatch_signal_value(0, (1 << 31) - 1)
