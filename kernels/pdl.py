@@ -30,7 +30,7 @@ import os
 
 from numba import types
 
-from ep_runtime.kernels.cuda_api import SIMULATED
+from ep_runtime.kernels.cuda_api import SIMULATED, cuda
 
 ENV = "EP_RUNTIME_PDL"
 
@@ -82,16 +82,13 @@ def is_programmatic(dispatcher) -> bool:
     return bool(getattr(dispatcher, MARK, False))
 
 
-if SIMULATED or not ENABLED:
-    from ep_runtime.kernels.cuda_api import cuda
+if SIMULATED:
 
-    @cuda.jit(device=True)
-    def dependency_wait():
-        """``griddepcontrol.wait`` (PDL off here: nothing; the stream orders the kernels)."""
+    def _wait():
+        """The simulator runs one kernel at a time: nothing to wait for."""
 
-    @cuda.jit(device=True)
-    def trigger_dependents():
-        """``griddepcontrol.launch_dependents`` (PDL off here: nothing)."""
+    def _trigger():
+        """The simulator runs one kernel at a time: nothing to trigger."""
 
 else:
     from llvmlite import ir
@@ -119,16 +116,21 @@ else:
 
         return types.void(), codegen
 
-    from ep_runtime.kernels.cuda_api import cuda
 
-    @cuda.jit(device=True)
-    def dependency_wait():
-        """``griddepcontrol.wait``: until the previous kernel on the stream has completed and
-        its memory is visible (returns at once when not launched with PDL). Every thread."""
+# ENABLED is read inside the functions: a compile-time constant (the branch is pruned when off),
+# and a global the kernel cache's key records, so builds with and without PDL are keyed apart
+# (a cached kernel without the wait, launched with the attribute, would race its predecessor).
+@cuda.jit(device=True)
+def dependency_wait():
+    """``griddepcontrol.wait`` when :data:`ENABLED`: until the previous kernel on the stream has
+    completed and its memory is visible (at once when not launched with PDL). Every thread."""
+    if ENABLED:
         _wait()
 
-    @cuda.jit(device=True)
-    def trigger_dependents():
-        """``griddepcontrol.launch_dependents``: the next kernel (launched with PDL) may be
-        scheduled once every block of this one has executed this. Every thread."""
+
+@cuda.jit(device=True)
+def trigger_dependents():
+    """``griddepcontrol.launch_dependents`` when :data:`ENABLED`: the next kernel (launched
+    with PDL) may be scheduled once every block of this one has executed this. Every thread."""
+    if ENABLED:
         _trigger()

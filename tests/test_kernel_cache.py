@@ -118,6 +118,25 @@ def test_key_changes_with_device_function_and_global_constant(kernel_mod):
     assert _key(kernel_mod(KERNEL_V1.replace("SCALE = 3", "SCALE = 4")).make(128)) != base
 
 
+def test_key_follows_constants_read_through_a_project_module(monkeypatch):
+    """The kernels call ``pdl.dependency_wait()``: a build with PDL on (the wait compiled in)
+    and one with it off must not share a cache entry (a cached kernel without the wait,
+    launched with the PDL attribute, would race its predecessor)."""
+    import numpy as np
+
+    from ep_runtime.kernels import pdl
+    from ep_runtime.kernels.combine import make_combine_kernels
+
+    wait = make_combine_kernels(512, np.uint64)[1]
+    keys = {}
+    for on in (False, True):
+        monkeypatch.setattr(pdl, "ENABLED", on)
+        keys[on] = kc.kernel_key(wait, (), CC, ENV)
+    assert keys[False] != keys[True]
+    monkeypatch.setattr(pdl, "ENABLED", False)
+    assert kc.kernel_key(wait, (), CC, ENV) == keys[False]
+
+
 def test_key_changes_with_closure_constant(kernel_mod):
     mod = kernel_mod(KERNEL_V1)
     assert _key(mod.make(128)) != _key(mod.make(256))

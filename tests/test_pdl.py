@@ -66,3 +66,31 @@ def test_every_ep_kernel_waits_before_its_first_status_read():
         for i in checks:
             assert "pdl.dependency_wait()" in lines[i - 1], f"{module.__name__} line {i + 1}"
             assert "pdl.trigger_dependents()" in lines[i - 2], f"{module.__name__} line {i + 1}"
+
+
+@pytest.mark.parametrize("value, present", [("1", True), ("0", False)])
+def test_the_instructions_are_compiled_in_exactly_when_enabled(value, present):
+    """PTX for sm_90 of a kernel that calls the two functions (compiled in a fresh interpreter:
+    ENABLED is fixed when the module is imported), with the compile gate's stand-in for the
+    missing driver."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "from numba import cuda\n"
+        "from ep_runtime.compile_gate import _fixed_compute_capability\n"
+        "from ep_runtime.kernels import pdl\n"
+        "def k(a):\n"
+        "    pdl.trigger_dependents()\n"
+        "    pdl.dependency_wait()\n"
+        "    a[0] = 1\n"
+        "with _fixed_compute_capability():\n"
+        "    ptx, _ = cuda.compile_ptx(k, 'void(int32[:])', cc=(9, 0))\n"
+        "print('griddepcontrol.wait;' in ptx, 'griddepcontrol.launch_dependents;' in ptx)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env[pdl.ENV] = value
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-2:] == [str(present), str(present)], out.stdout

@@ -17,7 +17,9 @@ One entry per (kernel, argument types, device): a file ``<key>.cubin`` in the ca
 The key (:func:`kernel_key`) is a SHA-256 over: the source text of every file of the
 ``ep_runtime.kernels`` package and of every project module the kernel reaches; the kernel's
 qualified name; the values its code can freeze at compile time (closure cells such as the block
-size, global constants, captured device functions, recursively); its target options; the argument
+size, global constants, captured device functions, recursively, and what it reads through a
+project module, such as ``pdl.dependency_wait`` and the ``pdl.ENABLED`` that function reads);
+its target options; the argument
 types; the compute capability; and the versions of numba-cuda, numba, llvmlite, nvshmem4py,
 NVSHMEM (its version header), NVRTC, nvJitLink and NVVM. Any change gives a new key, hence a miss.
 
@@ -141,13 +143,17 @@ class _Describer:
             out["closure"] = {var: self.value(cell.cell_contents, strict=True, where=f"{name}:{var}")
                               for var, cell in zip(func.__code__.co_freevars, func.__closure__)}
         glob = func.__globals__
-        out["globals"] = {n: self.value(glob[n], strict=False, where=f"{name}:{n}")
-                          for n in sorted(_code_names(func.__code__)) if n in glob}
+        names = sorted(_code_names(func.__code__))
+        out["globals"] = {n: self.value(glob[n], strict=False, where=f"{name}:{n}", attributes=names)
+                          for n in names if n in glob}
         return out
 
-    def value(self, v, strict: bool, where: str):
+    def value(self, v, strict: bool, where: str, attributes=()):
         """A JSON-able description of ``v``. ``strict``: an object we cannot describe by value
-        makes the kernel uncacheable (closure cells); otherwise it is named by type (globals)."""
+        makes the kernel uncacheable (closure cells); otherwise it is named by type (globals).
+        A project module is described with those of ``attributes`` (the names the referring
+        code uses) it has: code that calls ``pdl.dependency_wait()`` freezes that function, and
+        what it reads (``pdl.ENABLED``, set from the environment at import) into the kernel."""
         from numba.cuda import types as nbtypes
         from numba.cuda.dispatcher import CUDADispatcher
 
@@ -168,7 +174,10 @@ class _Describer:
             items = sorted(v, key=repr) if isinstance(v, frozenset) else v
             return [type(v).__name__, [self.value(x, strict, where) for x in items]]
         if isinstance(v, pytypes.ModuleType):
-            return ["module", v.__name__]
+            if not self._ours(v.__name__):
+                return ["module", v.__name__]
+            return ["module", v.__name__, {a: self.value(getattr(v, a), strict=False, where=f"{where}.{a}")
+                                           for a in attributes if hasattr(v, a)}]
         if isinstance(v, type):  # e.g. a NumPy scalar type such as np.uint32
             return ["class", f"{v.__module__}.{v.__qualname__}"]
         if isinstance(v, CUDADispatcher):
