@@ -191,8 +191,8 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         ``[g, me, L]``, the token count), d_hist [G, R, NC, L] int32, d_signal [G, R] uint64
         (set to ``(n + 1) << 32 | T``: ``layout.dispatch_signal_value``).
         Local: sync [2] int64, send_hist [R, NC, L] int32 (scratch: a routing block zeroes its
-        chunk's rows before counting), send_count [1] int32, status [8] int64. FP8 token formats only
-        (empty otherwise): token_scales [Tc, S * SB] uint8 (the caller's scales' bytes, when
+        chunk's rows before counting), send_count [1] int32, status [8] int64. FP8 token
+        formats only (empty otherwise): token_scales [Tc, S * SB] uint8 (the caller's scales' bytes, when
         prequantized, int64, is nonzero: then tokens are [Tc, P] code words), the message stage
         [Tmax, MW] as uint64, uint32 and uint8 views (stage64/32/8); d_tokens is then [G, R,
         Tmax, MW] messages, d_tokens8 their uint8 view. peer_bases [2, R] uint64: row 0 the
@@ -216,8 +216,8 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         experts' row of that histogram (dispatch_wait places a chunk's tokens from it, with no
         scan over other chunks, and sums a source's per-expert counts from its chunks' rows).
         (3) The last block (ticket) signals every rank (every block fenced and quieted first:
-        data before signal; the value is ``(n + 1) << 32 | T``) and advances the call counter. Nobody waits. With
-        peer_stores, (2) is 4-byte stores by the whole block into the peers' regions (rows
+        data before signal; the value is ``(n + 1) << 32 | T``) and advances the call counter.
+        Nobody waits. With peer_stores, (2) is 4-byte stores by the whole block into the peers' regions (rows
         ``PEER_IDS`` ... of peer_bases; the last block of the grid also stores T into each
         peer's ``d_counts[g, me, L]``) and (3) one ``signal_op`` per rank; otherwise NVSHMEM
         block puts, and (3) one ``put_signal`` per rank carrying T (staged in send_count).
@@ -325,7 +325,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
 
         # (2) routing rows to every rank, and each routing chunk's per-expert histogram
         chunk = chunk_tokens(T)
-        meta_stores = peer_stores != 0  # routing, histograms and the token count as 4-byte stores into peers
+        meta_stores = peer_stores != 0  # routing, histograms, token count: 4-byte stores into peers
         if meta_stores and cuda.blockIdx.x == cuda.gridDim.x - 1:  # T, even when 0 (no chunk then)
             counts_at = address_of(d_counts[g, me]) - address_of(d_counts)
             for d in range(tid, R, threads):
@@ -415,8 +415,8 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         dispatch_copy stays the better choice for large batches).
 
         Every block waits for all R signals itself (each carries its source's token count, so
-        no load follows the wait before the histograms), scans the local experts' padded row counts
-        (a thread per run of experts, one block scan: every expert's first row; no block
+        no load follows the wait before the histograms), scans the local experts' padded row
+        counts (a thread per run of experts, one block scan: every expert's first row; no block
         depends on another) and checks the capacity. Then a warp per local expert writes its
         offset, count and padding rows, and a warp per (local expert, source, routing chunk)
         walks that chunk's tokens 32 at a time and gives each hit its row: the expert's offset,
@@ -568,7 +568,6 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                     row += hits
             i += all_warps
         stamp_last(status, 11)
-
 
     @kernel_jit(threads)
     def dispatch_copy(d_tokens, d_ids, d_counts, sync, token_rows, row_offsets, expert_counts,
