@@ -58,7 +58,7 @@ PEER_STORES_ENV = "EP_RUNTIME_PEER_STORES"
 FUSED_COPY_ENV = "EP_RUNTIME_FUSED_COPY"
 #: Largest per-rank batch capacity for which ``auto`` fuses the expanded copy. Measured on one
 #: H200 (one rank, graph, docs/throughput.md "v10"), the copy's share of an expanded dispatch:
-#: fused 1.9 / 9.6 / 15+ us at T=1 / 32 / 128, separate 7.0 / - / 14.9 us (a walking warp
+#: fused 1.9 / 9.6 / 14.3 us at T=1 / 32 / 128, separate 7.0 / - / 14.9 us (a walking warp
 #: copies its hits one after another): the two meet near T=32.
 FUSED_COPY_MAX_TOKENS = 16
 
