@@ -7,7 +7,8 @@ launches the same few kernels with mostly the same arrays, so a :class:`FastLaun
 parameter buffer per compiled signature, rewrites only the arguments whose object changed since
 the previous launch, and calls the driver directly (``cuLaunchKernel``, or
 ``cuLaunchCooperativeKernel`` when numba-cuda would launch cooperatively: ``_Kernel.cooperative``,
-set for kernels that call an NVSHMEM wait, barrier or collective).
+set for kernels that call an NVSHMEM wait, barrier or collective; ``cuLaunchKernelEx`` with
+programmatic stream serialization for the kernels ``ep_runtime.kernels.pdl`` marks).
 
 Parameter layout: exactly numba-cuda 0.30.4's ``_Kernel._prepare_args``, one kernel parameter per
 field, each in an 8-byte slot of :class:`ParamBuffer` (the driver copies each parameter's own size
