@@ -45,7 +45,7 @@ WORD_ARRAYS = frozenset({"tokens", "expert_out", "out", "out_partials", "dispatc
                          "combine_partials", "combine_stage", "expert_x"})
 #: int64 scalar arguments.
 SCALARS = ("pad_multiple", "timeout_ns", "mode", "n_experts", "allow_negative", "use_valid", "prequantized",
-           "scales_col_major", "peer_stores", "copy_rows")
+           "scales_col_major", "peer_stores", "copy_rows", "place_by_token")
 
 KERNEL_ARGS = {
     "validate_routing": ("topk_ids", "topk_weights", "valid_tokens", "use_valid", "n_experts",
@@ -60,7 +60,7 @@ KERNEL_ARGS = {
         "dispatch_topk_ids", "dispatch_topk_weights", "dispatch_counts", "dispatch_hist", "dispatch_signal",
         "dispatch_async_sync", "row_offsets", "expert_counts", "row_src_rank", "row_src_token",
         "row_src_k", "row_weight", "row_gather", "token_rows", "status", "pad_multiple", "timeout_ns",
-        "dispatch_tokens", "expert_x", "copy_rows"),
+        "dispatch_tokens", "expert_x", "copy_rows", "place_by_token"),
     "dispatch_copy": (
         "dispatch_tokens", "dispatch_topk_ids", "dispatch_counts", "dispatch_async_sync",
         "token_rows", "row_offsets", "expert_counts", "expert_x", "status", "dispatch_tokens:u8",

@@ -56,6 +56,8 @@ PEER_STORES_ENV = "EP_RUNTIME_PEER_STORES"
 #: when ``max_tokens_per_rank <= FUSED_COPY_MAX_TOKENS`` (decode sizes: one launch, no
 #: dispatch_copy), ``1`` fuses it for bf16 at any size, ``0`` never (EPRuntime.fused_copy).
 FUSED_COPY_ENV = "EP_RUNTIME_FUSED_COPY"
+#: dispatch_wait's placement: ``auto`` (default), ``walk`` or ``token`` (EPRuntime.placement).
+PLACEMENT_ENV = "EP_RUNTIME_PLACEMENT"
 #: Largest per-rank batch capacity for which ``auto`` fuses the expanded copy. Measured on one
 #: H200 (one rank, graph, docs/throughput.md "v10"), the copy's share of an expanded dispatch:
 #: fused 1.9 / 9.6 / 14.3 us at T=1 / 32 / 128, separate 7.0 / - / 14.9 us (a walking warp
@@ -109,6 +111,9 @@ class EPRuntime:
         Whether the expanded ``dispatch_wait`` copies the rows in its own kernel (one launch)
         instead of a following ``dispatch_copy`` (``EP_RUNTIME_FUSED_COPY``; bf16 tokens at
         decode sizes by default).
+    placement : str
+        How ``dispatch_wait`` places the received rows: ``"walk"`` or ``"token"``
+        (``EP_RUNTIME_PLACEMENT``; by default walk when the grid has a warp for every walk).
     """
 
     def __init__(self, cfg: EPConfig, session: Session, debug: bool = False):
@@ -159,7 +164,9 @@ class EPRuntime:
         self._batch_views = _batch_views(cfg, self.buffers)
         #: launches whose arguments are all the runtime's own, prepared once
         self.fused_copy = _fused_copy(cfg)
-        wait_scalars = dict(pad_multiple=np.int64(cfg.pad_multiple), timeout_ns=self._timeout_ns)
+        self.placement = _placement(cfg, self._grid, self._threads)
+        wait_scalars = dict(pad_multiple=np.int64(cfg.pad_multiple), timeout_ns=self._timeout_ns,
+                            place_by_token=_INT64[self.placement == "token"])
         self._fixed = {"dispatch_wait": self._prepare("dispatch_wait", copy_rows=_INT64[0], **wait_scalars)}
         if self.fused_copy:
             self._fixed["dispatch_wait", "copy"] = self._prepare("dispatch_wait", copy_rows=_INT64[1], **wait_scalars)
@@ -628,6 +635,29 @@ def _built(key: tuple, build):
         _KERNEL_CACHE[key] = build()
     return _KERNEL_CACHE[key]
 
+
+
+def _placement(cfg: EPConfig, grid: int, threads: int) -> str:
+    """How dispatch_wait places the received rows, per ``EP_RUNTIME_PLACEMENT``: ``"walk"`` (a
+    warp per (local expert, source, routing chunk) scans the chunk's routing rows) or
+    ``"token"`` (a block per (source, routing chunk) reads each routing row once). ``auto``:
+    walk when the grid has a warp for every walk a full batch needs (then each warp walks once,
+    the shortest path), else token. Measured on 2 x H200 (docs/throughput.md, "v11"): T=128
+    compact dispatch_wait 16.5 us walking against 24.0 by token; T=4096 with 16 blocks 195
+    against 38 us, with all 132 blocks 39.7 against 38.6."""
+    choice = os.environ.get(PLACEMENT_ENV, "auto").strip().lower()
+    if choice in ("walk", "token"):
+        return choice
+    if choice != "auto":
+        raise EPConfigError(f"{PLACEMENT_ENV}={choice!r}; expected auto, walk or token (unset means auto).")
+    from .kernels.block import warp_geometry
+    from .kernels.dispatch import ROUTE_CHUNKS, route_chunk_tokens
+
+    T = cfg.max_tokens_per_rank
+    chunks = min(ROUTE_CHUNKS, -(-T // route_chunk_tokens(threads, T)))
+    _, warps = warp_geometry(threads)
+    walks = cfg.n_local_experts * cfg.n_ranks * chunks
+    return "walk" if walks <= grid * warps else "token"
 
 
 def _fused_copy(cfg: EPConfig) -> bool:

@@ -11,6 +11,7 @@ with ``blockDim.x`` threads in a 1-D block.
 - ``warp_geometry`` / ``warp_sync``: how kernels split a block into warps, and the warp barrier;
 - ``warp_exclusive_count`` / ``warp_sum`` / ``warp_max_u32``: a warp's ballot prefix count,
   sum and maximum (shuffles and ballots on a GPU, no shared memory);
+- ``popc32``: set bits of a 32-bit mask (any thread, no barrier);
 - ``row_parts`` / ``part_words`` / ``part_bounds``: how many warp items each token row is cut
   into, so that small batches still give every warp work (a row is ``W`` words; a warp item is
   one part of one row), and which words an item covers;
@@ -148,6 +149,10 @@ if cuda_api.SIMULATED:
         """See the GPU version. Simulated blocks are one warp: a block sum over ``buf64``."""
         return block_sum(buf64, int64(value))
 
+    def popc32(mask):
+        """See the GPU version."""
+        return bin(int(mask) & 0xFFFFFFFF).count("1")
+
     def warp_max_u32(value, buf64):
         """See the GPU version. Simulated blocks are one warp: a maximum over ``buf64``."""
         tid = cuda.threadIdx.x
@@ -174,6 +179,11 @@ else:
         mask = cuda.ballot_sync(0xFFFFFFFF, pred)
         below = mask & ((uint32(1) << uint32(cuda.laneid)) - uint32(1))
         return cuda.popc(below), cuda.popc(mask)
+
+    @cuda.jit(device=True)
+    def popc32(mask):
+        """Set bits of the 32-bit ``mask`` (one ``POPC``). Any thread; no barrier."""
+        return cuda.popc(uint32(mask))
 
     @cuda.jit(device=True)
     def warp_max_u32(value, buf64):

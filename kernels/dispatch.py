@@ -16,9 +16,9 @@ from ep_runtime.config import MAX_RANKS
 from ep_runtime.kernels import pdl, shmem
 from ep_runtime.kernels.bits import f32_bits
 from ep_runtime.kernels.block import (block_exclusive_scan, last_block_ticket, local_expert_count, part_bounds,
-                                      part_words, record_error, row_parts, sched_advance, sched_initial,
+                                      part_words, popc32, record_error, row_parts, sched_advance, sched_initial,
                                       warp_exclusive_count, warp_geometry, warp_sum, warp_sync)
-from ep_runtime.kernels.cuda_api import cuda, kernel_jit
+from ep_runtime.kernels.cuda_api import SIMULATED, cuda, kernel_jit
 from ep_runtime.kernels.token_codec import BLOCK_WORDS, CODE_WORDS, make_token_codec
 from ep_runtime.kernels.trace import stamp_first, stamp_last
 from ep_runtime.kernels.vec import address_of, make_pair_loops, pairs_aligned, store_u32_at, store_u8_at
@@ -41,6 +41,13 @@ COPY_UNROLL = 8
 #: of at most ROUTE_CHUNKS histogram rows. (Chunks of a fixed 512 tokens left a T=128 batch
 #: 256 walks of 4 steps; fixed 64-token chunks gave T=4096 64 histogram rows to sum.)
 ROUTE_CHUNKS = 8
+
+
+#: Local experts dispatch_wait places per pass over a routing chunk's tokens (``place_chunk``:
+#: shared masks of warps x PLACE_WINDOW words, 8 KB at 16 warps): one pass for up to 128 local
+#: experts on a GPU. The simulator's windows are 4 experts, so its small configurations take
+#: several passes and the window arithmetic is tested on every run.
+PLACE_WINDOW = 4 if SIMULATED else 128
 
 
 def route_chunk_tokens(threads: int, n_tokens: int) -> int:
@@ -68,6 +75,8 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
     UP = U // 2  # word pairs per lane in flight
     load_pairs, store_pairs, store_pairs_at = make_pair_loops(UP, warp)
     NCH = ROUTE_CHUNKS
+    EW = PLACE_WINDOW
+    MASK_WORDS = warps * EW  # place_chunk's shared arrays (a compile-time size)
 
     @cuda.jit(device=True)
     def chunk_tokens(n_tokens):
@@ -175,6 +184,110 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
             for d in range(peer_bases.shape[1]):
                 if (sent >> uint64(d)) & uint64(1):
                     store_u8_at(peer_bases[PEER_TOKENS, d] + scales_at, j, scales8[j])
+
+    @cuda.jit(device=True)
+    def place_chunk(d_ids, d_weights, d_hist, g, s, c, T_s, first_mine, pad_multiple, per, run_first,
+                    src_chunks, masks, warp_rows, next_row, row_src_rank, row_src_token, row_src_k,
+                    row_weight, row_gather, token_rows, copy, d_tokens, expert_x, W, pairs, hit_row,
+                    hit_token, scan_buf, lo, hi):
+        """Every thread of the block: give each (token, local expert) pair of routing chunk ``c``
+        of source ``s`` (which sent ``T_s`` tokens) its batch row, and write the row's
+        description (dispatch_wait's outputs; with ``copy``, the received row into it).
+
+        Token-major: each token's routing row is read once per window of ``EW`` local experts
+        (one window for up to ``EW`` local experts), a thread per token. A round takes the
+        block's ``threads`` consecutive tokens: (1) each lane sets its bit in the shared mask
+        of each of its token's local experts for its warp (``masks[warp, expert]``, shared
+        atomic OR); (2) a thread per expert turns the masks into each warp's first row for the
+        expert (``warp_rows``), in warp order, starting from the expert's first row for this
+        round (``next_row``: the expert's first row, plus its rows from earlier sources and
+        from earlier chunks of this source, from the histograms; then the earlier rounds');
+        (3) a lane's row for an expert is its warp's first row plus the lanes below it with
+        the expert (the mask's bits below the lane). Rows therefore follow token order within
+        the expert and source, as the reference's: no atomic decides a position (the OR's
+        result does not depend on its order). ``masks``, ``warp_rows``: shared [warps * EW];
+        ``next_row``: shared [EW].
+        """
+        tid = cuda.threadIdx.x
+        lane = tid % warp
+        wid = tid // warp
+        mine = tid - lane  # this warp's slots in hit_row / hit_token
+        lanes_below = (uint32(1) << uint32(lane)) - uint32(1)
+        L = d_hist.shape[3]
+        K = d_ids.shape[3]
+        Tmax = d_ids.shape[2]
+        chunk = chunk_tokens(T_s)
+        t0 = c * chunk
+        t1 = min(t0 + chunk, T_s)
+        ids_s = d_ids[g, s]
+        for w0 in range(0, L, EW):
+            for el in range(tid, EW, threads):
+                e = w0 + el
+                if e < L:
+                    row = expert_first_row(d_hist, g, e, pad_multiple, per, run_first, src_chunks)
+                    for s2 in range(s):
+                        row += source_expert_rows(d_hist, g, s2, e, src_chunks)
+                    for c2 in range(c):
+                        row += d_hist[g, s, c2, e]
+                    next_row[el] = int32(row)
+            for m in range(tid, warps * EW, threads):
+                masks[m] = uint32(0)
+            cuda.syncthreads()
+            lo_id = first_mine + w0  # the window's global expert ids: [lo_id, lo_id + EW) and local
+            hi_id = first_mine + min(w0 + EW, L)
+            for tb in range(t0, t1, threads):
+                t = tb + tid
+                valid = t < t1
+                # (1) this lane's bit in its warp's mask of each of its token's experts in the window
+                if valid:
+                    for k in range(K):
+                        x = ids_s[t, k]
+                        if x >= lo_id and x < hi_id:
+                            cuda.atomic.or_(masks, wid * EW + (x - lo_id), uint32(1) << uint32(lane))
+                cuda.syncthreads()
+                # (2) a thread per expert: each warp's first row for it, warps in order
+                for el in range(tid, EW, threads):
+                    row = next_row[el]
+                    for w in range(warps):
+                        warp_rows[w * EW + el] = row
+                        row += popc32(masks[w * EW + el])
+                    next_row[el] = row
+                cuda.syncthreads()
+                # (3) each hit's row: the warp's first row plus the lanes below with the expert
+                for k in range(K):
+                    hit = False
+                    r = int32(0)
+                    if valid:
+                        x = ids_s[t, k]
+                        if x >= lo_id and x < hi_id:
+                            hit = True
+                            m = wid * EW + (x - lo_id)
+                            r = warp_rows[m] + popc32(masks[m] & lanes_below)
+                            j = 0  # rank of the expert among the token's local experts (ascending)
+                            for k2 in range(K):
+                                x2 = ids_s[t, k2]
+                                if x2 >= first_mine and x2 < x:
+                                    j += 1
+                            row_src_rank[r] = s
+                            row_src_token[r] = t
+                            row_src_k[r] = k
+                            row_weight[r] = d_weights[g, s, t, k]
+                            row_gather[r] = s * Tmax + t
+                            token_rows[s, t, j] = r
+                    if copy:  # the warp's hits of slot k, listed in lane order, then copied by the warp
+                        nb, hits = warp_exclusive_count(hit, scan_buf)
+                        if hit:
+                            hit_row[mine + nb] = r
+                            hit_token[mine + nb] = t
+                        warp_sync()
+                        for h in range(hits):
+                            copy_row(d_tokens[g, s, hit_token[mine + h]], expert_x[hit_row[mine + h]], W, pairs,
+                                     lane, lo, hi)
+                        warp_sync()  # the list is read before the next slot writes it
+                cuda.syncthreads()  # every mask read before the next round clears it
+                for m in range(tid, warps * EW, threads):
+                    masks[m] = uint32(0)
+                cuda.syncthreads()
 
     @kernel_jit(threads)
     def dispatch_async(tokens, topk_ids, topk_weights, valid_tokens, use_valid,
@@ -396,7 +509,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
     def dispatch_wait(d_ids, d_weights, d_counts, d_hist, d_signal, sync,
                       row_offsets, expert_counts, row_src_rank, row_src_token, row_src_k,
                       row_weight, row_gather, token_rows, status, pad_multiple, timeout_ns,
-                      d_tokens, expert_x, copy_rows):
+                      d_tokens, expert_x, copy_rows, place_by_token):
         """Wait for every source rank, then place every received (token, local expert) pair.
 
         Symmetric inputs as in dispatch_async (group g of the last call); d_hist [G, R, NC, L]
@@ -412,17 +525,17 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         also copies every hit's received row, d_tokens [G, R, Tmax, W] words, to its row of
         expert_x [C, W] words, and the expert warps zero the padding rows, so no dispatch_copy
         follows (a row is read once per local expert instead of once: the token-major
-        dispatch_copy stays the better choice for large batches).
+        dispatch_copy stays the better choice for large batches). place_by_token (int64):
+        how (b) below places the rows (``EPRuntime.placement``: zero walks, nonzero by token).
 
         Every block waits for all R signals itself (each carries its source's token count, so
         no load follows the wait before the histograms), scans the local experts' padded row
         counts (a thread per run of experts, one block scan: every expert's first row; no block
-        depends on another) and checks the capacity. Then a warp per local expert writes its
-        offset, count and padding rows, and a warp per (local expert, source, routing chunk)
-        walks that chunk's tokens 32 at a time and gives each hit its row: the expert's offset,
-        plus the expert's tokens from earlier sources and earlier chunks of this source (both
-        from the histograms), plus the hits of lower lanes (one ballot). Deterministic: rows by
-        expert, source rank, source token; no atomic decides a position. A wait past
+        depends on another) and checks the capacity. Then a warp per local expert (from the
+        last block down) writes its offset, count and padding rows, and a block per (source,
+        routing chunk) (from block 0 up) gives each of the chunk's (token, local expert) pairs
+        its row, reading each token's routing row once (``place_chunk``). Deterministic: rows
+        by expert, source rank, source token; no atomic decides a position. A wait past
         timeout_ns or more rows than C records an error and writes nothing (dispatch_copy then
         copies nothing).
         """
@@ -432,6 +545,9 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         run_first = cuda.shared.array(threads, int64)
         hit_row = cuda.shared.array(threads, int32)  # fused copy: each warp's hits of one step
         hit_token = cuda.shared.array(threads, int32)
+        masks = cuda.shared.array(MASK_WORDS, uint32)  # place_chunk: [warp, expert] lanes with the expert
+        warp_rows = cuda.shared.array(MASK_WORDS, int32)  # [warp, expert] the warp's first row
+        next_row = cuda.shared.array(EW, int32)  # [expert] the next round's first row
         src_tokens = cuda.shared.array(MAX_RANKS, int32)  # tokens each source sent this call
         src_chunks = cuda.shared.array(MAX_RANKS, int32)  # and their routing chunks
         lo = cuda.local.array(UP, uint64)
@@ -482,16 +598,15 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
             row_offsets[L] = total
 
         lane = tid % warp
-        first_warp = cuda.blockIdx.x * warps + tid // warp
         all_warps = cuda.gridDim.x * warps
         copy = copy_rows != 0 and not QUANT
         W = expert_x.shape[1]
         pairs = W % 2 == 0 and d_tokens.shape[3] % 2 == 0 and pairs_aligned(d_tokens) and pairs_aligned(expert_x)
-        mine = tid - lane  # this warp's slots in hit_row / hit_token
 
-        # (a) a warp per local expert: offset, count, padding rows (source -1, weight 0;
-        # their data zeroed by dispatch_copy, or here when copying)
-        e = first_warp
+        # (a) a warp per local expert, from the grid's last block down (the first blocks place
+        # the routing chunks): offset, count, padding rows (source -1, weight 0; their data
+        # zeroed by dispatch_copy, or here when copying)
+        e = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * warps + tid // warp
         while e < L:
             base = expert_first_row(d_hist, g, e, pad_multiple, per, run_first, src_chunks)
             count = expert_rows(d_hist, g, e, src_chunks)
@@ -512,9 +627,29 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
             e += all_warps
         stamp_last(status, 10)
 
-        # (b) a warp per (local expert, source, routing chunk): the chunk's hits in token order
+        # (b) every (token, local expert) pair's row: ``place_by_token`` zero, a warp per (local
+        # expert, source, routing chunk) walks the chunk's tokens 32 at a time and gives each
+        # hit its row: the expert's offset, plus the expert's tokens from earlier sources and
+        # earlier chunks of this source (both from the histograms), plus the hits of lower lanes
+        # (one ballot): the shortest path when the grid has a warp for every walk. Nonzero: a
+        # block per (source, routing chunk) reads each token's routing row once
+        # (``place_chunk``): the work is L times smaller, but each chunk is one block's chain.
         first_mine = me * L  # global id of local expert 0
-        i = first_warp
+        if place_by_token != 0:
+            i = cuda.blockIdx.x
+            while i < R * NCH:
+                s = i // NCH
+                c = i - s * NCH
+                if c < src_chunks[s]:
+                    place_chunk(d_ids, d_weights, d_hist, g, s, c, src_tokens[s], first_mine, pad_multiple, per,
+                                run_first, src_chunks, masks, warp_rows, next_row, row_src_rank, row_src_token,
+                                row_src_k, row_weight, row_gather, token_rows, copy, d_tokens, expert_x, W,
+                                pairs, hit_row, hit_token, scan_buf, lo, hi)
+                i += cuda.gridDim.x
+            stamp_last(status, 11)
+            return
+        mine = tid - lane  # this warp's slots in hit_row / hit_token
+        i = cuda.blockIdx.x * warps + tid // warp
         while i < L * R * NCH:
             e = i // (R * NCH)
             s = (i - e * R * NCH) // NCH

@@ -29,7 +29,7 @@ for s in "${sections[@]}"; do
     kernels)   cmd="timeout 150 $run python3 tests/gpu/kernel_times.py --tokens 128 4096 --repeat 20" ;;
     stores)    cmd="timeout 200 $run python3 tests/gpu/store_pattern.py" ;;
     host)      cmd="timeout 150 $run python3 tests/gpu/host_costs.py --profile 200" ;;
-    fp8)       cmd="timeout 200 $run python3 tests/gpu/fp8_check.py --tokens 4096 128" ;;
+    fp8)       cmd="timeout 420 $run python3 tests/gpu/fp8_check.py --tokens 4096 128" ;;
     example)   cmd="timeout 150 $run python3 examples/moe_layer.py --hidden 1024 --ffn 512 --experts 16 --top-k 4 --tokens 256" ;;
     bench)     cmd="timeout 300 $run python3 -m ep_runtime.bench --tokens 128 4096 --layout expanded compact --json $out/bench.json" ;;
     racecheck) cmd="timeout 240 $run compute-sanitizer --tool racecheck --print-limit 5 python3 tests/gpu/ep_check.py --tokens 32 --calls 1 --replays 0 --samples 1" ;;
