@@ -186,6 +186,32 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                     store_u8_at(peer_bases[PEER_TOKENS, d] + scales_at, j, scales8[j])
 
     @cuda.jit(device=True)
+    def describe_row(r, s, t, k, j, Tmax, w, row_src_rank, row_src_token, row_src_k, row_weight, row_gather,
+                     token_rows):
+        """Write batch row ``r``'s description: token ``t`` of source ``s`` for its ``k``-th expert,
+        the ``j``-th of its local experts (ascending), router weight ``w``. One thread."""
+        row_src_rank[r] = s
+        row_src_token[r] = t
+        row_src_k[r] = k
+        row_weight[r] = w
+        row_gather[r] = s * Tmax + t
+        token_rows[s, t, j] = r
+
+    @cuda.jit(device=True)
+    def copy_warp_hits(hit, r, t, below, hits, src_rows, expert_x, W, pairs, hit_row, hit_token, lane, lo, hi):
+        """Every lane of one warp: list the warp's hits in shared memory in lane order (``hit``: this
+        lane's token ``t`` goes to batch row ``r``; ``below`` hits in lower lanes, ``hits`` in all),
+        then copy each hit's received row, ``src_rows[t]``, to ``expert_x[r]``."""
+        mine = cuda.threadIdx.x - lane  # this warp's slots in hit_row / hit_token
+        if hit:
+            hit_row[mine + below] = r
+            hit_token[mine + below] = t
+        warp_sync()
+        for h in range(hits):
+            copy_row(src_rows[hit_token[mine + h]], expert_x[hit_row[mine + h]], W, pairs, lane, lo, hi)
+        warp_sync()  # the list is read before the warp's next step writes it
+
+    @cuda.jit(device=True)
     def place_chunk(d_ids, d_weights, d_hist, g, s, c, T_s, first_mine, pad_multiple, per, run_first,
                     src_chunks, masks, warp_rows, next_row, row_src_rank, row_src_token, row_src_k,
                     row_weight, row_gather, token_rows, copy, d_tokens, expert_x, W, pairs, hit_row,
@@ -211,7 +237,6 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         tid = cuda.threadIdx.x
         lane = tid % warp
         wid = tid // warp
-        mine = tid - lane  # this warp's slots in hit_row / hit_token
         lanes_below = (uint32(1) << uint32(lane)) - uint32(1)
         L = d_hist.shape[3]
         K = d_ids.shape[3]
@@ -268,22 +293,12 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                                 x2 = ids_s[t, k2]
                                 if x2 >= first_mine and x2 < x:
                                     j += 1
-                            row_src_rank[r] = s
-                            row_src_token[r] = t
-                            row_src_k[r] = k
-                            row_weight[r] = d_weights[g, s, t, k]
-                            row_gather[r] = s * Tmax + t
-                            token_rows[s, t, j] = r
-                    if copy:  # the warp's hits of slot k, listed in lane order, then copied by the warp
+                            describe_row(r, s, t, k, j, Tmax, d_weights[g, s, t, k], row_src_rank, row_src_token,
+                                         row_src_k, row_weight, row_gather, token_rows)
+                    if copy:  # the warp's hits of slot k
                         nb, hits = warp_exclusive_count(hit, scan_buf)
-                        if hit:
-                            hit_row[mine + nb] = r
-                            hit_token[mine + nb] = t
-                        warp_sync()
-                        for h in range(hits):
-                            copy_row(d_tokens[g, s, hit_token[mine + h]], expert_x[hit_row[mine + h]], W, pairs,
-                                     lane, lo, hi)
-                        warp_sync()  # the list is read before the next slot writes it
+                        copy_warp_hits(hit, r, t, nb, hits, d_tokens[g, s], expert_x, W, pairs, hit_row, hit_token,
+                                       lane, lo, hi)
                 cuda.syncthreads()  # every mask read before the next round clears it
                 for m in range(tid, warps * EW, threads):
                     masks[m] = uint32(0)
@@ -648,7 +663,6 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                 i += cuda.gridDim.x
             stamp_last(status, 11)
             return
-        mine = tid - lane  # this warp's slots in hit_row / hit_token
         i = cuda.blockIdx.x * warps + tid // warp
         while i < L * R * NCH:
             e = i // (R * NCH)
@@ -683,23 +697,13 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                             elif x >= first_mine and x < e_global:  # a local expert below e
                                 j += 1
                     below, hits = warp_exclusive_count(k_hit >= 0, scan_buf)
+                    r = row + below
                     if k_hit >= 0:
-                        r = row + below
-                        row_src_rank[r] = s
-                        row_src_token[r] = t
-                        row_src_k[r] = k_hit
-                        row_weight[r] = d_weights[g, s, t, k_hit]
-                        row_gather[r] = s * Tmax + t
-                        token_rows[s, t, j] = r
-                    if copy:  # the step's hits, listed in lane order, then copied by the warp
-                        if k_hit >= 0:
-                            hit_row[mine + below] = r
-                            hit_token[mine + below] = t
-                        warp_sync()
-                        for h in range(hits):
-                            copy_row(d_tokens[g, s, hit_token[mine + h]], expert_x[hit_row[mine + h]], W, pairs,
-                                     lane, lo, hi)
-                        warp_sync()  # the list is read before the next step writes it
+                        describe_row(r, s, t, k_hit, j, Tmax, d_weights[g, s, t, k_hit], row_src_rank,
+                                     row_src_token, row_src_k, row_weight, row_gather, token_rows)
+                    if copy:  # the step's hits
+                        copy_warp_hits(k_hit >= 0, r, t, below, hits, d_tokens[g, s], expert_x, W, pairs, hit_row,
+                                       hit_token, lane, lo, hi)
                     row += hits
             i += all_warps
         stamp_last(status, 11)
