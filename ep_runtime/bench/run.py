@@ -71,6 +71,8 @@ def bench_rank(session, args_dict) -> list[dict]:
         tr = rank_traffic(ids, r, cfg.n_local_experts, cfg.hidden, token_bytes=cfg.token_bytes,
                           partial_bytes=cfg.partial_bytes)
         with EPRuntime(cfg, session) as rt:
+            # the runtime's choices for this configuration (environment and grid), for the record
+            paths = {"placement": rt.placement, "fused_copy": rt.fused_copy, "peer_stores": rt.peer_stores}
             inputs = tuple(session.to_device(a) for a in (xs[r].view(np.uint16), ids[r], ws[r]))
             outs = {"expanded": session.alloc_local("bench.expert_out", (cfg.recv_rows_capacity, cfg.hidden), np.uint16),
                     "compact": None}
@@ -105,7 +107,7 @@ def bench_rank(session, args_dict) -> list[dict]:
             base.update(_try(lambda: nvshmem_alltoall(session, tr.sent, cfg.hidden, args.samples, args.warmup),
                              "nvshmem_alltoall"))
         for mode, layout, spans, graph in runs:
-            results.append(_result(cfg, tr, spans, base, ceil, mode, graph, layout))
+            results.append(_result(cfg, tr, spans, base, ceil, mode, graph, layout, paths))
     if session.rank == 0:
         print(file=sys.stderr)
     if gpu:
@@ -121,7 +123,7 @@ def _try(fn, name) -> dict:
         return {name: f"error: {type(e).__name__}: {e}"}
 
 
-def _result(cfg, tr, spans, base, ceil, mode="eager", graph=None, layout="expanded") -> dict:
+def _result(cfg, tr, spans, base, ceil, mode="eager", graph=None, layout="expanded", paths=None) -> dict:
     times = {k: summarize(v) for k, v in spans.items()}
     d, c = times["dispatch"]["median"], times["combine"]["median"]
     floor_d = max(tr.dispatch_nvlink_bytes / (ceil["nvlink_gbps"] * 1e3),
@@ -129,7 +131,8 @@ def _result(cfg, tr, spans, base, ceil, mode="eager", graph=None, layout="expand
     floor_c = max(tr.combine_nvlink_bytes / (ceil["nvlink_gbps"] * 1e3),
                   tr.hbm_bytes("combine", layout) / (ceil["hbm_gbps"] * 1e3))
     res = {
-        "mode": mode, "layout": layout, "config": cfg.as_dict(), "traffic": tr.__dict__, "ceilings": ceil, "times_us": times,
+        "mode": mode, "layout": layout, "config": cfg.as_dict(), "paths": paths or {}, "traffic": tr.__dict__,
+        "ceilings": ceil, "times_us": times,
         "dispatch": {"logical_gbps": gbps(tr.logical_bytes, d), "nvlink_gbps": gbps(tr.dispatch_nvlink_bytes, d),
                      "floor_us": floor_d, "of_floor": floor_d / d if d else float("nan")},
         "combine": {"logical_gbps": gbps(tr.logical_bytes, c), "nvlink_gbps": gbps(tr.combine_nvlink_bytes, c),
