@@ -25,7 +25,8 @@ from .kernel_args import FORMAT_REGIONS, KERNEL_ARGS, WORD_ARRAYS, argtypes, bui
 from .errors import EPConfigError, EPInputError, EPStateError
 from .call_memo import CallMemo, PreparedCall
 from .handles import CombineHandle, CompactBatch, DispatchHandle, ExpertBatch, from_fields
-from .layout import N_GROUPS, PEER_REGIONS, ROUTE_CHUNK_MIN, BufferLayout, SYNC_CALLS, partial_dtype, token_word
+from .layout import (N_GROUPS, PEER_REGIONS, ROUTE_CHUNK_MIN, BufferLayout, SYNC_CALLS, partial_dtype, route_chunks,
+                     token_word)
 from .shmem.session import Session
 from .status import error_from_status
 
@@ -651,10 +652,10 @@ def _placement(cfg: EPConfig, grid: int, threads: int) -> str:
     if choice != "auto":
         raise EPConfigError(f"{PLACEMENT_ENV}={choice!r}; expected auto, walk or token (unset means auto).")
     from .kernels.block import warp_geometry
-    from .kernels.dispatch import ROUTE_CHUNKS, route_chunk_tokens
+    from .kernels.dispatch import route_chunk_tokens
 
     T = cfg.max_tokens_per_rank
-    chunks = min(ROUTE_CHUNKS, -(-T // route_chunk_tokens(threads, T)))
+    chunks = route_chunks(T, route_chunk_tokens(threads, T))  # at most ROUTE_CHUNKS (test_layout.py)
     _, warps = warp_geometry(threads)
     walks = cfg.n_local_experts * cfg.n_ranks * chunks
     return "walk" if walks <= grid * warps else "token"
