@@ -45,22 +45,22 @@ WORD_ARRAYS = frozenset({"tokens", "expert_out", "out", "out_partials", "dispatc
                          "combine_partials", "combine_stage", "expert_x"})
 #: int64 scalar arguments.
 SCALARS = ("pad_multiple", "timeout_ns", "mode", "n_experts", "allow_negative", "use_valid", "prequantized",
-           "scales_col_major", "peer_stores", "copy_rows", "place_by_token")
+           "scales_col_major", "peer_stores", "copy_rows")
 
 KERNEL_ARGS = {
     "validate_routing": ("topk_ids", "topk_weights", "valid_tokens", "use_valid", "n_experts",
                          "allow_negative", "status"),
     "dispatch_async": (
         "tokens", "topk_ids", "topk_weights", "valid_tokens", "use_valid", "dispatch_tokens", "dispatch_topk_ids",
-        "dispatch_topk_weights", "dispatch_counts", "dispatch_hist", "dispatch_signal", "dispatch_async_sync",
-        "dispatch_send_hist", "dispatch_send_count", "status", "token_scales", "prequantized",
+        "dispatch_topk_weights", "dispatch_counts", "dispatch_ranks", "dispatch_signal", "dispatch_async_sync",
+        "dispatch_send_ranks", "dispatch_send_counts", "status", "token_scales", "prequantized",
         "dispatch_send_stage", "dispatch_send_stage:u32", "dispatch_send_stage:u8", "dispatch_tokens:u8",
         "peer_bases", "peer_stores"),
     "dispatch_wait": (
-        "dispatch_topk_ids", "dispatch_topk_weights", "dispatch_counts", "dispatch_hist", "dispatch_signal",
+        "dispatch_topk_ids", "dispatch_topk_weights", "dispatch_counts", "dispatch_ranks", "dispatch_signal",
         "dispatch_async_sync", "row_offsets", "expert_counts", "row_src_rank", "row_src_token",
         "row_src_k", "row_weight", "row_gather", "token_rows", "status", "pad_multiple", "timeout_ns",
-        "dispatch_tokens", "expert_x", "copy_rows", "place_by_token"),
+        "dispatch_tokens", "expert_x", "copy_rows"),
     "dispatch_copy": (
         "dispatch_tokens", "dispatch_topk_ids", "dispatch_counts", "dispatch_async_sync",
         "token_rows", "row_offsets", "expert_counts", "expert_x", "status", "dispatch_tokens:u8",

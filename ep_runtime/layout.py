@@ -31,23 +31,10 @@ STATUS_LEN = 8
 #: the ``peer_bases`` table [len(PEER_REGIONS), R] (the address of each on every PE as mapped on this
 #: one; ``EPRuntime`` builds it). The ``PEER_*`` constants name the rows in kernel code.
 PEER_REGIONS = ("dispatch_tokens", "combine_partials", "dispatch_counts", "dispatch_topk_ids",
-                "dispatch_topk_weights", "dispatch_hist")
-PEER_TOKENS, PEER_PARTIALS, PEER_COUNTS, PEER_IDS, PEER_WEIGHTS, PEER_HIST = range(len(PEER_REGIONS))
+                "dispatch_topk_weights", "dispatch_ranks")
+PEER_TOKENS, PEER_PARTIALS, PEER_COUNTS, PEER_IDS, PEER_WEIGHTS, PEER_RANKS = range(len(PEER_REGIONS))
 #: Trace words after the error record (``kernels/trace.py``: phase time stamps, EP_RUNTIME_TRACE=1).
 TRACE_LEN = 24
-
-#: Fewest tokens in a routing chunk, which the histogram region is sized for. dispatch_async
-#: cuts a rank's tokens into chunks (of about T / 8 tokens, at least two warps:
-#: ``ep_runtime.kernels.dispatch.route_chunk_tokens``, always more than this) and sends, per
-#: chunk, how many of its tokens go to each expert; dispatch_wait places each chunk's tokens
-#: with no scan over the others (docs/protocol.md, "Placement").
-ROUTE_CHUNK_MIN = 8
-
-
-def route_chunks(max_tokens: int, chunk: int = ROUTE_CHUNK_MIN) -> int:
-    """Routing chunks of ``chunk`` tokens that ``max_tokens`` tokens need (at least 1)."""
-    return max(1, (max_tokens + chunk - 1) // chunk)
-
 
 #: dispatch_signal[g, src] after call n: ``(n + 1) << SIGNAL_TOKEN_BITS | T``, src's token
 #: count in the low bits (T <= max_tokens_per_rank < 2**31), so the receiver has T with the
@@ -163,7 +150,6 @@ class BufferLayout:
 def _regions(cfg: EPConfig) -> list[Region]:
     R, L, K, H = cfg.n_ranks, cfg.n_local_experts, cfg.top_k, cfg.hidden
     T, C, G = cfg.max_tokens_per_rank, cfg.recv_rows_capacity, N_GROUPS
-    NC = route_chunks(T)
     i32, i64, u64, f32 = (np.dtype(t) for t in ("int32", "int64", "uint64", "float32"))
     DA, DW, DC, CA, CW = "dispatch_async", "dispatch_wait", "dispatch_copy", "combine_async", "combine_wait"
     S, Lc = True, False
@@ -176,12 +162,11 @@ def _regions(cfg: EPConfig) -> list[Region]:
                "[g, src, t]: global expert ids of token t of rank src (every token, sent to every rank)"),
         Region("dispatch_topk_weights", (G, R, T, K), f32, 0, S, f"{DA} (peers)", (DW,),
                "[g, src, t]: router weights of token t of rank src"),
-        Region("dispatch_counts", (G, R, L + 1), i32, 0, S, f"{DA} (peers), {DW} (block 0)", (DW, DC, CA, CW),
-               "[g, src, L]: tokens src dispatched (stored by src); [g, src, :L]: tokens of src per "
-               "local expert (summed from dispatch_hist by dispatch_wait, for the host)"),
-        Region("dispatch_hist", (G, R, NC, L), i32, 0, S, f"{DA} (peers)", (DW,),
-               "[g, src, c, e]: tokens of src's routing chunk c (route_chunk_tokens of src's count) "
-               "with local expert e"),
+        Region("dispatch_counts", (G, R, L + 1), i32, 0, S, f"{DA} (peers, routing block)", (DW, DC, CA, CW),
+               "[g, src, :L]: tokens of src per local expert; [g, src, L]: tokens src dispatched"),
+        Region("dispatch_ranks", (G, R, T, K), i32, 0, S, f"{DA} (peers, routing block)", (DW,),
+               "[g, src, t, k]: rank of token t among src's tokens with expert topk_ids[t, k], in token "
+               "order (the whole run stored on every rank)"),
         Region("dispatch_signal", (G, R), u64, 0, S, f"{DA} (peers, last block)", (DW,),
                "[g, src]: (n + 1) << 32 | T once everything of call n (T tokens) from src has arrived "
                "(dispatch_signal_value; monotonic)"),
@@ -193,11 +178,12 @@ def _regions(cfg: EPConfig) -> list[Region]:
         Region("dispatch_async_sync", (2,), i64, 0, Lc, DA, (DA, DW, CA, CW),
                "[0] ticket: finished blocks of the launch (reset by the last block); "
                "[1] calls: completed dispatch calls (call n sets n + 1)"),
-        Region("dispatch_send_hist", (R, NC, L), i32, 0, Lc, DA, (DA,),
-               "[dst, c, e]: tokens of this rank's routing chunk c with expert e of rank dst, in the "
-               "current call (zeroed by the chunk's block before it counts)"),
-        Region("dispatch_send_count", (1,), i32, 0, Lc, DA, (DA,),
-               "staging of the token count put with the signal (puts path)"),
+        Region("dispatch_send_ranks", (T, K), i32, 0, Lc, DA, (DA,),
+               "staging of dispatch_ranks: [t, k] rank of token t among this rank's tokens with expert "
+               "topk_ids[t, k]"),
+        Region("dispatch_send_counts", (R, L + 1), i32, 0, Lc, DA, (DA,),
+               "staging of the counts row put with each rank's signal (puts path): [dst, :L] tokens per "
+               "expert of rank dst, [dst, L] T"),
         # -- local: shared by dispatch_wait and combine_async --------------------------------------
         Region("token_rows", (R, T, K), i32, -1, Lc, DW, (DC, CA),
                "[src, t, j]: expert-batch row of the j-th local expert (ascending) of token (src, t)"),

@@ -25,7 +25,7 @@ from .kernel_args import FORMAT_REGIONS, KERNEL_ARGS, WORD_ARRAYS, argtypes, bui
 from .errors import EPConfigError, EPInputError, EPStateError
 from .call_memo import CallMemo, PreparedCall
 from .handles import CombineHandle, CompactBatch, DispatchHandle, ExpertBatch, from_fields
-from .layout import (N_GROUPS, PEER_REGIONS, ROUTE_CHUNK_MIN, BufferLayout, SYNC_CALLS, partial_dtype, route_chunks,
+from .layout import (N_GROUPS, PEER_REGIONS, BufferLayout, SYNC_CALLS, partial_dtype,
                      token_word)
 from .shmem.session import Session
 from .status import error_from_status
@@ -41,12 +41,10 @@ SCALE_LAYOUTS = ("row", "column")
 #: keep enough loads in flight per SM to approach HBM bandwidth.
 GPU_THREADS = 512
 #: Threads per block in the simulator: each simulated thread is a Python thread, so few; 8 still
-#: exercises multi-chunk placement (routing chunks of 16 tokens) and every block-level helper. At
-#: most 32: a simulated block is one warp (kernels/block.py, ``warp_geometry``).
+#: exercises several ranking rounds (dispatch_async's routing block ranks 8 tokens per round)
+#: and every block-level helper. At most 32: a simulated block is one warp (kernels/block.py,
+#: ``warp_geometry``).
 SIM_THREADS = 8
-# A routing chunk is at least two warps of tokens (kernels/dispatch.py, route_chunk_tokens); the
-# layout sizes the chunk histograms for chunks of ROUTE_CHUNK_MIN tokens, fewer than any block's.
-assert min(GPU_THREADS, SIM_THREADS) >= ROUTE_CHUNK_MIN
 #: Environment variable: ``0`` (or ``off``) makes dispatch_async, combine_async and
 #: combine_async_rows send through NVSHMEM puts instead of storing into peers' heaps through
 #: their NVLink mappings (read when a runtime is built; the stores are used only where every
@@ -57,8 +55,6 @@ PEER_STORES_ENV = "EP_RUNTIME_PEER_STORES"
 #: when ``max_tokens_per_rank <= FUSED_COPY_MAX_TOKENS`` (decode sizes: one launch, no
 #: dispatch_copy), ``1`` fuses it for bf16 at any size, ``0`` never (EPRuntime.fused_copy).
 FUSED_COPY_ENV = "EP_RUNTIME_FUSED_COPY"
-#: dispatch_wait's placement: ``auto`` (default), ``walk`` or ``token`` (EPRuntime.placement).
-PLACEMENT_ENV = "EP_RUNTIME_PLACEMENT"
 #: Largest per-rank batch capacity for which ``auto`` fuses the expanded copy. Measured on one
 #: H200 (one rank, graph, docs/throughput.md "v10"), the copy's share of an expanded dispatch:
 #: fused 1.9 / 9.6 / 14.3 us at T=1 / 32 / 128, separate 7.0 / - / 14.9 us (a walking warp
@@ -112,9 +108,6 @@ class EPRuntime:
         Whether the expanded ``dispatch_wait`` copies the rows in its own kernel (one launch)
         instead of a following ``dispatch_copy`` (``EP_RUNTIME_FUSED_COPY``; bf16 tokens at
         decode sizes by default).
-    placement : str
-        How ``dispatch_wait`` places the received rows: ``"walk"`` or ``"token"``
-        (``EP_RUNTIME_PLACEMENT``; by default walk when the grid has a warp for every walk).
     """
 
     def __init__(self, cfg: EPConfig, session: Session, debug: bool = False):
@@ -151,11 +144,10 @@ class EPRuntime:
         self.peer_stores = self._peer_bases(session)
         self._partial = partial_dtype(cfg)  # uint16 (bf16 bits) or float32
         self._f32_partials = self._partial == np.float32
-        self._kernels = _kernels_for(self._threads, self._word, self._fmt.quantized,
-                                     self._fmt.scale is not None and self._fmt.scale.dtype == np.uint8,
-                                     self._f32_partials)
-        for name, kernel in self._kernels.items():  # compile now, not inside a timed wait
-            session.precompile(kernel, argtypes(name, self.layout))
+        builds = kernel_builds(cfg, self._threads)
+        self._kernels = {name: kernel for name, kernel, _ in builds}
+        for _, kernel, types in builds:  # compile now, not inside a timed wait
+            session.precompile(kernel, types)
         # stand-ins for the combine_wait arrays a call does not use (allocated once: graph-safe)
         self._no_out = session.alloc_local("unused out", (0, 0), np.uint16)
         self._no_partials = session.alloc_local("unused out_partials", (0, 0, 0), np.uint16)
@@ -165,9 +157,7 @@ class EPRuntime:
         self._batch_views = _batch_views(cfg, self.buffers)
         #: launches whose arguments are all the runtime's own, prepared once
         self.fused_copy = _fused_copy(cfg)
-        self.placement = _placement(cfg, self._grid, self._threads)
-        wait_scalars = dict(pad_multiple=np.int64(cfg.pad_multiple), timeout_ns=self._timeout_ns,
-                            place_by_token=_INT64[self.placement == "token"])
+        wait_scalars = dict(pad_multiple=np.int64(cfg.pad_multiple), timeout_ns=self._timeout_ns)
         self._fixed = {"dispatch_wait": self._prepare("dispatch_wait", copy_rows=_INT64[0], **wait_scalars)}
         if self.fused_copy:
             self._fixed["dispatch_wait", "copy"] = self._prepare("dispatch_wait", copy_rows=_INT64[1], **wait_scalars)
@@ -638,29 +628,6 @@ def _built(key: tuple, build):
 
 
 
-def _placement(cfg: EPConfig, grid: int, threads: int) -> str:
-    """How dispatch_wait places the received rows, per ``EP_RUNTIME_PLACEMENT``: ``"walk"`` (a
-    warp per (local expert, source, routing chunk) scans the chunk's routing rows) or
-    ``"token"`` (a block per (source, routing chunk) reads each routing row once). ``auto``:
-    walk when the grid has a warp for every walk a full batch needs (then each warp walks once,
-    the shortest path), else token. Measured on 2 x H200 (docs/throughput.md, "v11"): T=128
-    compact dispatch_wait 16.5 us walking against 24.0 by token; T=4096 with 16 blocks 195
-    against 38 us, with all 132 blocks 39.7 against 38.6."""
-    choice = os.environ.get(PLACEMENT_ENV, "auto").strip().lower()
-    if choice in ("walk", "token"):
-        return choice
-    if choice != "auto":
-        raise EPConfigError(f"{PLACEMENT_ENV}={choice!r}; expected auto, walk or token (unset means auto).")
-    from .kernels.block import warp_geometry
-    from .kernels.dispatch import route_chunk_tokens
-
-    T = cfg.max_tokens_per_rank
-    chunks = route_chunks(T, route_chunk_tokens(threads, T))  # at most ROUTE_CHUNKS (test_layout.py)
-    _, warps = warp_geometry(threads)
-    walks = cfg.n_local_experts * cfg.n_ranks * chunks
-    return "walk" if walks <= grid * warps else "token"
-
-
 def _fused_copy(cfg: EPConfig) -> bool:
     """Whether the expanded dispatch_wait copies the rows itself (one launch, no dispatch_copy):
     bf16 tokens only (the FP8 scales are laid out by dispatch_copy), per ``EP_RUNTIME_FUSED_COPY``
@@ -697,6 +664,20 @@ def _kernels_for(threads: int, word, quantized: bool = False, ue8m0: bool = Fals
     cr = _built(("combine", threads, word, False), lambda: make_combine_kernels(threads, word))[2]
     return {"dispatch_async": da, "dispatch_wait": dw, "dispatch_copy": dc, "combine_async": ca,
             "combine_async_rows": cr, "combine_wait": cw, "validate_routing": validate_routing}
+
+
+def kernel_builds(cfg: EPConfig, threads: int = GPU_THREADS) -> list:
+    """``[(name, kernel, argtypes)]``: every kernel an :class:`EPRuntime` of ``cfg`` compiles
+    when it is built, with the Numba signature it launches (what ``python -m
+    ep_runtime.prebuild`` stores in the kernel cache ahead of time). The kernels depend on the
+    block size, the token word (``token_word(cfg.hidden)``), the token format and the partial
+    format only, not on the sizes."""
+    fmt = cfg.token_format
+    kernels = _kernels_for(threads, token_word(cfg.hidden), fmt.quantized,
+                           fmt.scale is not None and fmt.scale.dtype == np.uint8,
+                           partial_dtype(cfg) == np.float32)
+    layout = BufferLayout(cfg)
+    return [(name, kernel, argtypes(name, layout)) for name, kernel in kernels.items()]
 
 
 def _combine_wait_with(threads: int, word, epilogue, f32_partials: bool = False):

@@ -195,8 +195,8 @@ def test_smoke_run_on_the_simulator(tmp_path):
                 assert res["times_us"][span]["n"] == 3 and res["times_us"][span]["median"] > 0
             assert res["traffic"]["tokens"] == res["config"]["max_tokens_per_rank"]
             assert res["mode"] == "eager" and res["layout"] == "expanded"
-            # the runtime's choices are recorded (the simulator's 2 one-warp blocks place by token)
-            assert res["paths"] == {"placement": "token", "fused_copy": True, "peer_stores": True}, res["paths"]
+            # the runtime's choices are recorded
+            assert res["paths"] == {"fused_copy": True, "peer_stores": True}, res["paths"]
     assert data["args"]["mode"] == ["eager"]
 
 

@@ -33,53 +33,53 @@ DSV3_SYMMETRIC = {
     "dispatch_topk_weights": ((2, 8, 4096, 8), f32, 2_097_152, 941_621_248),
     # [G, R, L + 1] i32: 2 * 8 * 33 * 4 B = 2112 B; 941,621,248 + 2,097,152 = 943,718,400
     "dispatch_counts": ((2, 8, 33), i32, 2112, 943_718_400),
-    # [G, R, NC, L] i32, NC = T / 8 = 512 routing chunks: 2 * 8 * 512 * 32 * 4 B = 1,048,576 B;
+    # [G, R, T, K] i32: 2 * 8 * 4096 * 8 * 4 B = 2,097,152 B;
     # 943,718,400 + 2112 -> round up to 256: + 2304 = 943,720,704
-    "dispatch_hist": ((2, 8, 512, 32), i32, 1_048_576, 943_720_704),
-    # [G, R] u64: 2 * 8 * 8 B = 128 B; 943,720,704 + 1,048,576 = 944,769,280
-    "dispatch_signal": ((2, 8), u64, 128, 944_769_280),
-    # [G, R, T, H] u16: 939,524,096 B; 944,769,280 + 128 -> + 256 = 944,769,536
-    "combine_partials": ((2, 8, 4096, 7168), u16, 939_524_096, 944_769_536),
-    # [G, R] u64: 128 B; 944,769,536 + 939,524,096 = 1,884,293,632
-    "combine_signal": ((2, 8), u64, 128, 1_884_293_632),
+    "dispatch_ranks": ((2, 8, 4096, 8), i32, 2_097_152, 943_720_704),
+    # [G, R] u64: 2 * 8 * 8 B = 128 B; 943,720,704 + 2,097,152 = 945,817,856
+    "dispatch_signal": ((2, 8), u64, 128, 945_817_856),
+    # [G, R, T, H] u16: 939,524,096 B; 945,817,856 + 128 -> + 256 = 945,818,112
+    "combine_partials": ((2, 8, 4096, 7168), u16, 939_524_096, 945_818_112),
+    # [G, R] u64: 128 B; 945,818,112 + 939,524,096 = 1,885,342,208
+    "combine_signal": ((2, 8), u64, 128, 1_885_342_208),
 }
-# 1,884,293,632 + 128 -> round up to 256 = 1,884,293,888
-DSV3_SYMMETRIC_BYTES = 1_884_293_888
+# 1,885,342,208 + 128 -> round up to 256 = 1,885,342,464
+DSV3_SYMMETRIC_BYTES = 1_885_342_464
 
 DSV3_LOCAL = {
     # [2] i64: 16 B at 0
     "dispatch_async_sync": ((2,), i64, 16, 0),
-    # [R, NC, L] i32: 8 * 512 * 32 * 4 = 524,288 B; 16 -> 256
-    "dispatch_send_hist": ((8, 512, 32), i32, 524_288, 256),
-    # [1] i32: 4 B; 256 + 524,288 = 524,544
-    "dispatch_send_count": ((1,), i32, 4, 524_544),
-    # [R, T, K] i32: 8 * 4096 * 8 * 4 = 1,048,576 B; 524,544 + 4 -> 524,800
-    "token_rows": ((8, 4096, 8), i32, 1_048_576, 524_800),
-    # [1] i64: 8 B; 524,800 + 1,048,576 = 1,573,376
-    "combine_async_sync": ((1,), i64, 8, 1_573_376),
-    # [R, T, H] u16: 8 * 4096 * 7168 * 2 = 469,762,048 B; 1,573,376 + 8 -> 1,573,632
-    "combine_stage": ((8, 4096, 7168), u16, 469_762_048, 1_573_632),
-    # [C, H] u16: 262144 * 7168 * 2 = 3,758,096,384 B (3584 MiB); 1,573,632 + 469,762,048 = 471,335,680
-    "expert_x": ((262144, 7168), u16, 3_758_096_384, 471_335_680),
-    # [L + 1] i32: 33 * 4 = 132 B; 471,335,680 + 3,758,096,384 = 4,229,432,064
-    "row_offsets": ((33,), i32, 132, 4_229_432_064),
-    # [L] i32: 32 * 4 = 128 B; 4,229,432,064 + 132 -> + 256 = 4,229,432,320
-    "expert_counts": ((32,), i32, 128, 4_229_432_320),
-    # [C] i32: 262144 * 4 = 1,048,576 B; 4,229,432,320 + 128 -> + 256 = 4,229,432,576
-    "row_src_rank": ((262144,), i32, 1_048_576, 4_229_432_576),
-    # + 1,048,576 = 4,230,481,152
-    "row_src_token": ((262144,), i32, 1_048_576, 4_230_481_152),
-    # + 1,048,576 = 4,231,529,728
-    "row_src_k": ((262144,), i32, 1_048_576, 4_231_529_728),
-    # [C] f32; + 1,048,576 = 4,232,578,304
-    "row_weight": ((262144,), f32, 1_048_576, 4_232_578_304),
-    # [C] i32 (compact gather index); + 1,048,576 = 4,233,626,880
-    "row_gather": ((262144,), i32, 1_048_576, 4_233_626_880),
-    # [32] i64: 256 B; + 1,048,576 = 4,234,675,456
-    "status": ((32,), i64, 256, 4_234_675_456),  # 8 error words + TRACE_LEN trace words
+    # [T, K] i32: 4096 * 8 * 4 = 131,072 B; 16 -> 256
+    "dispatch_send_ranks": ((4096, 8), i32, 131_072, 256),
+    # [R, L + 1] i32: 8 * 33 * 4 = 1056 B; 256 + 131,072 = 131,328
+    "dispatch_send_counts": ((8, 33), i32, 1056, 131_328),
+    # [R, T, K] i32: 8 * 4096 * 8 * 4 = 1,048,576 B; 131,328 + 1056 = 132,384 -> 132,608
+    "token_rows": ((8, 4096, 8), i32, 1_048_576, 132_608),
+    # [1] i64: 8 B; 132,608 + 1,048,576 = 1,181,184
+    "combine_async_sync": ((1,), i64, 8, 1_181_184),
+    # [R, T, H] u16: 8 * 4096 * 7168 * 2 = 469,762,048 B; 1,181,184 + 8 -> 1,181,440
+    "combine_stage": ((8, 4096, 7168), u16, 469_762_048, 1_181_440),
+    # [C, H] u16: 262144 * 7168 * 2 = 3,758,096,384 B (3584 MiB); 1,181,440 + 469,762,048 = 470,943,488
+    "expert_x": ((262144, 7168), u16, 3_758_096_384, 470_943_488),
+    # [L + 1] i32: 33 * 4 = 132 B; 470,943,488 + 3,758,096,384 = 4,229,039,872
+    "row_offsets": ((33,), i32, 132, 4_229_039_872),
+    # [L] i32: 32 * 4 = 128 B; 4,229,039,872 + 132 -> + 256 = 4,229,040,128
+    "expert_counts": ((32,), i32, 128, 4_229_040_128),
+    # [C] i32: 262144 * 4 = 1,048,576 B; 4,229,040,128 + 128 -> + 256 = 4,229,040,384
+    "row_src_rank": ((262144,), i32, 1_048_576, 4_229_040_384),
+    # + 1,048,576 = 4,230,088,960
+    "row_src_token": ((262144,), i32, 1_048_576, 4_230_088_960),
+    # + 1,048,576 = 4,231,137,536
+    "row_src_k": ((262144,), i32, 1_048_576, 4_231_137_536),
+    # [C] f32; + 1,048,576 = 4,232,186,112
+    "row_weight": ((262144,), f32, 1_048_576, 4_232_186_112),
+    # [C] i32 (compact gather index); + 1,048,576 = 4,233,234,688
+    "row_gather": ((262144,), i32, 1_048_576, 4_233_234_688),
+    # [32] i64: 256 B; + 1,048,576 = 4,234,283,264
+    "status": ((32,), i64, 256, 4_234_283_264),  # 8 error words + TRACE_LEN trace words
 }
-# 4,234,675,456 + 256 = 4,234,675,712
-DSV3_LOCAL_BYTES = 4_234_675_712
+# 4,234,283,264 + 256 = 4,234,283,520
+DSV3_LOCAL_BYTES = 4_234_283_520
 
 SMALL_SYMMETRIC = {
     # [G, R, T, H] u16: 2 * 2 * 16 * 64 * 2 = 8192 B at 0
@@ -90,24 +90,24 @@ SMALL_SYMMETRIC = {
     "dispatch_topk_weights": ((2, 2, 16, 2), f32, 512, 8704),
     # [G, R, L + 1] i32: 2 * 2 * 5 * 4 = 80 B; 8704 + 512 = 9216
     "dispatch_counts": ((2, 2, 5), i32, 80, 9216),
-    # [G, R, NC, L] i32, NC = 16 / 8 = 2: 2 * 2 * 2 * 4 * 4 = 128 B; 9216 + 80 -> 9472
-    "dispatch_hist": ((2, 2, 2, 4), i32, 128, 9472),
-    # [G, R] u64: 2 * 2 * 8 = 32 B; 9472 + 128 -> 9728
-    "dispatch_signal": ((2, 2), u64, 32, 9728),
-    # 8192 B; 9728 + 32 -> 9984
-    "combine_partials": ((2, 2, 16, 64), u16, 8192, 9984),
-    # 32 B; 9984 + 8192 = 18176
-    "combine_signal": ((2, 2), u64, 32, 18176),
+    # [G, R, T, K] i32: 2 * 2 * 16 * 2 * 4 = 512 B; 9216 + 80 -> 9472
+    "dispatch_ranks": ((2, 2, 16, 2), i32, 512, 9472),
+    # [G, R] u64: 2 * 2 * 8 = 32 B; 9472 + 512 = 9984
+    "dispatch_signal": ((2, 2), u64, 32, 9984),
+    # 8192 B; 9984 + 32 -> 10240
+    "combine_partials": ((2, 2, 16, 64), u16, 8192, 10240),
+    # 32 B; 10240 + 8192 = 18432
+    "combine_signal": ((2, 2), u64, 32, 18432),
 }
-SMALL_SYMMETRIC_BYTES = 18432  # 18176 + 32 -> 18432
+SMALL_SYMMETRIC_BYTES = 18688  # 18432 + 32 -> 18688
 
 SMALL_LOCAL = {
     "dispatch_async_sync": ((2,), i64, 16, 0),
-    # [R, NC, L] i32: 2 * 2 * 4 * 4 = 64 B; 16 -> 256
-    "dispatch_send_hist": ((2, 2, 4), i32, 64, 256),
-    # [1] i32: 4 B; 256 + 64 -> 512
-    "dispatch_send_count": ((1,), i32, 4, 512),
-    # [R, T, K] i32: 2 * 16 * 2 * 4 = 256 B; 512 + 4 -> 768
+    # [T, K] i32: 16 * 2 * 4 = 128 B; 16 -> 256
+    "dispatch_send_ranks": ((16, 2), i32, 128, 256),
+    # [R, L + 1] i32: 2 * 5 * 4 = 40 B; 256 + 128 = 384 -> 512
+    "dispatch_send_counts": ((2, 5), i32, 40, 512),
+    # [R, T, K] i32: 2 * 16 * 2 * 4 = 256 B; 512 + 40 -> 768
     "token_rows": ((2, 16, 2), i32, 256, 768),
     # 8 B; 768 + 256 = 1024
     "combine_async_sync": ((1,), i64, 8, 1024),
@@ -177,13 +177,13 @@ def test_totals(case):
 
 
 def test_dsv3_totals_in_mib():
-    # Two groups of [R, T, H] bf16 each way: 2 * 896 MiB, plus 4 MiB of routing, 1 MiB of
-    # routing-chunk histograms and a few KiB.
+    # Two groups of [R, T, H] bf16 each way: 2 * 896 MiB, plus 4 MiB of routing (ids and
+    # weights), 2 MiB of ranks and a few KiB.
     layout = BufferLayout(DSV3)
-    assert 1797 < layout.symmetric_bytes / MiB < 1798
+    assert 1798 < layout.symmetric_bytes / MiB < 1798.01
     # combine_stage 448 MiB + expert_x 3584 MiB + token_rows 1 MiB + 5 row arrays of 1 MiB
-    # + the sender's 0.5 MiB of chunk histograms.
-    assert 4038.5 < layout.local_bytes / MiB < 4039
+    # + the sender's 0.125 MiB of staged ranks and a few KiB.
+    assert 4038 < layout.local_bytes / MiB < 4038.2
 
 
 @pytest.mark.parametrize("heap", ["symmetric", "local"])
@@ -250,8 +250,8 @@ def test_describe_dsv3_figures():
     text = BufferLayout(DSV3).describe()
     assert "896.000" in text          # dispatch_tokens and combine_partials
     assert "3584.000" in text         # expert_x
-    assert "symmetric total 1797.003 MiB" in text   # 1,884,293,888 / 2**20 = 1797.0027
-    assert "local total 4038.501 MiB" in text       # 4,234,675,712 / 2**20 = 4038.5014
+    assert "symmetric total 1798.003 MiB" in text   # 1,885,342,464 / 2**20 = 1798.0027
+    assert "local total 4038.127 MiB" in text       # 4,234,283,520 / 2**20 = 4038.1274
 
 
 def test_region_unknown_name_raises_key_error():
@@ -274,26 +274,6 @@ def test_capacity_follows_max_recv_rows_only_in_row_regions():
 
 def test_layout_is_pure():
     assert BufferLayout(SMALL).regions == BufferLayout(SMALL).regions
-
-
-@pytest.mark.parametrize("threads", [8, 32, 512])
-@pytest.mark.parametrize("max_tokens", [1, 7, 8, 16, 63, 64, 128, 1000, 4096, 8192])
-def test_routing_chunks_of_every_batch_fit_the_histogram_region(threads, max_tokens):
-    """dispatch_async cuts a source's T tokens into chunks of route_chunk_tokens(threads, T)
-    tokens (at most ROUTE_CHUNKS); the dispatch_hist region must hold every chunk of every T
-    up to max_tokens, and a chunk is whole warps, at least two."""
-    from ep_runtime.kernels.block import warp_geometry
-    from ep_runtime.kernels.dispatch import ROUTE_CHUNKS, route_chunk_tokens
-
-    warp, _ = warp_geometry(threads)
-    layout = BufferLayout(EPConfig(n_ranks=2, n_experts=8, top_k=2, hidden=16, max_tokens_per_rank=max_tokens))
-    NC = layout.region("dispatch_hist").shape[2]
-    for T in range(max_tokens + 1):
-        chunk = route_chunk_tokens(threads, T)
-        assert chunk % warp == 0 and chunk >= 2 * warp, (T, chunk)
-        chunks = -(-T // chunk)
-        assert chunks <= min(ROUTE_CHUNKS, NC), (T, chunk, chunks, NC)
-        assert T <= chunks * chunk < T + chunk or T == 0
 
 
 def test_dispatch_signal_value_carries_the_call_and_the_token_count():

@@ -35,8 +35,8 @@ bytes and the partials' device-memory bytes double (``ep_runtime.bench.traffic``
 layout's combine input is then float32. The table marks it ``/f32`` after the token format.
 
 Results print as a table (rank 0; ``mode`` and ``layout`` columns) and, with ``--json FILE``, as JSON with
-the configuration, mode, the runtime's choices for it (``paths``: ``EPRuntime.placement``,
-``fused_copy``, ``peer_stores``), git sha, devices and versions; ``--plot FILE.png`` draws time
+the configuration, mode, the runtime's choices for it (``paths``: ``EPRuntime.fused_copy``,
+``peer_stores``), git sha, devices and versions; ``--plot FILE.png`` draws time
 against tokens (matplotlib).
 """
 

@@ -598,6 +598,29 @@ class KernelCache:
                  f", stored as {path.name}" if path else "")
         return kernel
 
+    def prepare(self, dispatcher, argtypes: tuple, cc: tuple) -> str:
+        """Store the kernel of ``dispatcher`` for ``argtypes`` on ``cc`` ahead of time, without
+        loading it (no module is loaded, so NVSHMEM need not be running): ``"hit"`` when a good
+        entry is there already, ``"compiled"`` once compiled and stored. Compiles as
+        ``dispatcher.compile`` does (numba-cuda 0.30.4's ``_Kernel(py_func, argtypes,
+        **targetoptions)``, private API) and links for ``cc``. Raises :class:`NotCacheable`,
+        and OSError when the entry cannot be written (``python -m ep_runtime.prebuild``)."""
+        from numba.cuda.core import sigutils
+        from numba.cuda.dispatcher import _Kernel
+
+        argtypes = tuple(sigutils.normalize_signature(tuple(argtypes))[0])
+        cc = tuple(cc)
+        key = kernel_key(dispatcher, argtypes, cc)
+        if self.read(key) is not None:
+            self.stats["hits"] += 1
+            return "hit"
+        self.stats["misses"] += 1
+        kernel = _Kernel(dispatcher.py_func, argtypes, **dispatcher.targetoptions)
+        kernel.library.get_cubin(cc=cc)  # the link, kept in the library's cubin cache
+        if self.write(entry_from_kernel(kernel, key, cc)) is None:
+            raise OSError(f"kernel cache: cannot write to {self.directory}")
+        return "compiled"
+
     def _load(self, dispatcher, argtypes, key, label, bind):
         entry = self.read(key)
         if entry is None:

@@ -1,0 +1,110 @@
+"""``python -m ep_runtime.prebuild``: the kernel cache filled ahead of time, without a GPU here
+(``--cc 9.0a``, the compile gate's way), with the runtime's own kernels and signatures.
+
+The entry it stores must be the one a runtime looks for (its file name is the key of the
+kernel and signature :func:`ep_runtime.runtime.kernel_builds` lists), a second run must find it
+(a hit, nothing compiled), a damaged entry must be rebuilt, and bad settings must stop it
+before anything is compiled. On a GPU machine the same tool ran before every start of the
+session's checks (docs/gpu_runs.md, session 10): every start then loaded all its kernels.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ep_runtime import compile_gate
+
+pytestmark = pytest.mark.skipif(
+    not compile_gate.nvshmem_numba_bindings_installed(),
+    reason="nvshmem4py's Numba device bindings are not installed (pip install -e '.[test]')")
+
+REPO = Path(__file__).resolve().parents[1]
+#: The smallest kernel of the runtime (no NVSHMEM transfer code): a fast compile.
+ONLY = ["--only", "validate_routing", "--token-dtype", "bfloat16", "--combine-dtype", "bfloat16"]
+
+
+def _env(cache, **extra) -> dict:
+    env = dict(os.environ)
+    env.pop("NUMBA_ENABLE_CUDASIM", None)  # the real compiler, whatever the test session simulates
+    env.pop("NUMBA_FORCE_CUDA_CC", None)
+    env.update(EP_RUNTIME_KERNEL_CACHE=str(cache), **extra)
+    return env
+
+
+def prebuild(cache, *args, **extra):
+    proc = subprocess.run([sys.executable, "-m", "ep_runtime.prebuild", *args], cwd=REPO, env=_env(cache, **extra),
+                          text=True, capture_output=True, timeout=600)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def expected_key(cache) -> str:
+    """The key a runtime computes for validate_routing on sm_90a (in a process like the tool's)."""
+    code = ("import os; os.environ.setdefault('EP_RUNTIME_PDL', '1')\n"
+            "from ep_runtime.config import EPConfig\n"
+            "from ep_runtime.runtime import GPU_THREADS, kernel_builds\n"
+            "from ep_runtime.shmem.kernel_cache import kernel_key\n"
+            "cfg = EPConfig(n_ranks=4, n_experts=64, top_k=6, hidden=7168, max_tokens_per_rank=300)\n"
+            "(_, k, types), = [b for b in kernel_builds(cfg, GPU_THREADS) if b[0] == 'validate_routing']\n"
+            "print(kernel_key(k, types, (9, 0, 'a')))\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=_env(cache), text=True, capture_output=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def test_stores_the_runtime_s_entry_then_hits_then_rebuilds_a_damaged_one(tmp_path):
+    cache = tmp_path / "kc"
+    rc, out, err = prebuild(cache, "--cc", "9.0a", "--jobs", "1", *ONLY)
+    assert rc == 0, out + err[-3000:]
+    assert "validate_routing (bfloat16)" in out and "compiled" in out, out
+    assert "1 kernels" in out and "0 hit, 1 compiled, 0 FAILED" in out, out
+    entries = sorted(cache.glob("*.cubin"))
+    # the entry a runtime of any size with these formats looks for (sizes do not enter the key)
+    assert [p.stem for p in entries] == [expected_key(cache)]
+    good = entries[0].read_bytes()
+    assert good.startswith(b"EPRT-KCACHE\n") and len(good) > 10_000
+
+    rc, out, err = prebuild(cache, "--cc", "9.0a", "--jobs", "1", *ONLY)
+    assert rc == 0 and "1 hit, 0 compiled" in out, out + err[-3000:]
+    assert entries[0].read_bytes() == good
+
+    entries[0].write_bytes(good[: len(good) // 2])  # a truncated entry: rejected, compiled again
+    rc, out, err = prebuild(cache, "--cc", "9.0a", "--jobs", "1", *ONLY)
+    assert rc == 0 and "0 hit, 1 compiled" in out, out + err[-3000:]
+    assert "deleting it" in err
+    assert len(entries[0].read_bytes()) > len(good) // 2  # whole again
+    rc, out, err = prebuild(cache, "--cc", "9.0a", "--jobs", "1", *ONLY)
+    assert rc == 0 and "1 hit, 0 compiled" in out, out + err[-3000:]  # and good
+
+
+def test_plans_every_kernel_of_every_format_once():
+    from ep_runtime.config import COMBINE_DTYPES, TOKEN_DTYPES
+    from ep_runtime.prebuild import plan
+
+    jobs = plan(7168, TOKEN_DTYPES, COMBINE_DTYPES)
+    labels = [j[0] for j in jobs]
+    assert len(labels) == len(set(labels))
+    # 7 bf16 kernels, float32 partials' combine pair, and each FP8 format's 3 dispatch kernels
+    assert len(labels) == 7 + 2 + 3 + 3, labels
+    for fmt in ("fp8_e4m3", "fp8_e4m3_ue8m0"):
+        assert {f"{k} ({fmt})" for k in ("dispatch_async", "dispatch_wait", "dispatch_copy")} <= set(labels)
+    assert {"combine_async (bfloat16, float32 partials)", "combine_wait (bfloat16, float32 partials)"} <= set(labels)
+
+
+@pytest.mark.parametrize("args,env,message", [
+    (["--cc", "9.0a", "--only", "no_such_kernel"], {}, "no kernel matches"),
+    (["--cc", "9.0a"], {"NUMBA_ENABLE_CUDASIM": "1"}, "the simulator compiles nothing"),
+    (["--cc", "9.0a"], {"EP_RUNTIME_KERNEL_CACHE": "off"}, "the kernel cache is off"),
+    (["--cc", "sm_nine"], {}, "expected a compute capability"),
+])
+def test_bad_settings_stop_before_compiling(tmp_path, args, env, message):
+    extra = dict(env)
+    cache = extra.pop("EP_RUNTIME_KERNEL_CACHE", tmp_path / "kc")
+    rc, out, err = prebuild(cache, *args, **extra)
+    assert rc != 0 and message in out + err, (rc, out, err[-2000:])
+    assert not list(Path(tmp_path).glob("kc/*.cubin"))
