@@ -14,7 +14,8 @@ with ``blockDim.x`` threads in a 1-D block.
 - ``popc32``: set bits of a 32-bit mask (any thread, no barrier);
 - ``row_parts`` / ``part_words`` / ``part_bounds``: how many warp items each token row is cut
   into, so that small batches still give every warp work (a row is ``W`` words; a warp item is
-  one part of one row), and which words an item covers;
+  one part of one row), and which words an item covers; ``interleaved_item``: items of R sources
+  dealt so that a warp alternates between them;
 - ``local_expert_count``: how many of a token's experts live on a rank.
 """
 
@@ -219,6 +220,18 @@ def row_parts(n_rows, W, all_warps, warp):
     while n_rows * parts < all_warps and parts * 2 * warp <= W:
         parts *= 2
     return parts
+
+
+@cuda.jit(device=True)
+def interleaved_item(q, all_warps, R):
+    """``(source, item)`` of flat warp item ``q`` of ``R x n`` (source, item) pairs: item ``q //
+    R``, and a source that rotates with the pass (``q // span``, span = ``all_warps`` rounded
+    down to a multiple of R), so a warp stepping by ``all_warps`` visits the sources in turn
+    instead of one source per phase: rows for this rank (device memory) and rows for peers
+    (NVLink) overlap. A bijection: the R items ``[k R, k R + R)`` share one pass (span is a
+    multiple of R), so their sources are R distinct values."""
+    span = max(R, all_warps // R * R)
+    return (q % R + q // span) % R, q // R
 
 
 @cuda.jit(device=True)

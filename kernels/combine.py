@@ -19,8 +19,8 @@ from numba import float32, from_dtype, int32, int64, uint64
 
 from ep_runtime.kernels import pdl, shmem
 from ep_runtime.kernels.bits import bf16_bits_at, f32_bits_at, f32_to_bf16, f32_word_at, word_f32
-from ep_runtime.kernels.block import (last_block_ticket, local_expert_count, part_bounds, part_words,
-                                      record_error, row_parts, warp_geometry, warp_sync)
+from ep_runtime.kernels.block import (interleaved_item, last_block_ticket, local_expert_count, part_bounds,
+                                      part_words, record_error, row_parts, warp_geometry, warp_sync)
 from ep_runtime.kernels.cuda_api import cuda, kernel_jit
 from ep_runtime.kernels.trace import stamp_first, stamp_last
 from ep_runtime.kernels.vec import (address_of, load_pair, make_pair_loops, pack_bf16x2, pack_bf16x4, pack_f32x2,
@@ -146,7 +146,9 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
         c_partials on each PE as mapped here, used when peer_stores (int64) is nonzero.
 
         A warp per item, part of token (src, t)'s row (``row_parts`` over the W token words:
-        whole rows for large batches), U words per lane in flight: partial = sum over the
+        whole rows for large batches; the sources' items interleaved, ``interleaved_item``, so
+        partials for this rank, device memory only, overlap those for peers, NVLink), U words per
+        lane in flight: partial = sum over the
         token's local experts in ascending order of weight * output, in float32 from 0,
         rounded to bf16 (or kept float32: token word w becomes partial words P w .. P w + P - 1).
         A partial for this rank's own token is stored straight into its slot [g, me, t]; one
@@ -181,13 +183,18 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
         pairs = W % 2 == 0 and pairs_aligned(expert_out) and pairs_aligned(stage) and pairs_aligned(c_partials)
         direct = PEER_WORDS and pairs and peer_stores != 0
 
+        # items of every source interleaved (``interleaved_item``): each warp alternates between
+        # rows for this rank (device memory only) and rows for peers (NVLink), so the two overlap
+        T_hi = 0  # the most tokens a source sent
         for s in range(R):
-            T_s = d_counts[g, s, L]
-            parts = row_parts(T_s, W, all_warps, warp)
-            span = part_words(W, parts, warp)
-            i = cuda.blockIdx.x * warps + tid // warp
-            while i < T_s * parts:
-                t, w0, w1 = part_bounds(i, parts, span, W)
+            T_hi = max(T_hi, d_counts[g, s, L])
+        parts = row_parts(R * T_hi, W, all_warps, warp)
+        span = part_words(W, parts, warp)
+        q = cuda.blockIdx.x * warps + tid // warp
+        while q < R * T_hi * parts:
+            s, item = interleaved_item(q, all_warps, R)
+            t, w0, w1 = part_bounds(item, parts, span, W)
+            if t < d_counts[g, s, L]:
                 n_local = local_expert_count(d_ids[g, s, t], L, me)
                 if n_local > 0 and w0 < w1:
                     dst = c_partials[g, me, t] if s == me else stage[s, t]
@@ -247,7 +254,7 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
                             shmem.put_nbi_warp(c_partials[g, me, t, 2 * w0:2 * w1], stage[s, t, 2 * w0:2 * w1], s)
                         else:
                             shmem.put_nbi_warp(c_partials[g, me, t, w0:w1], stage[s, t, w0:w1], s)
-                i += all_warps
+            q += all_warps
 
         stamp_last(status, 17)
         publish_partials(ticket, flag, c_signal, g, me, n, R)
@@ -265,7 +272,8 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
         local expert are not read. Symmetric and local arrays as in combine_async. Words are
         copied unchanged, so the kernel is the same for either partial format.
 
-        A warp per item (part of a row, ``row_parts``): a row for this rank is copied into
+        A warp per item (part of a row, ``row_parts``; the sources' items interleaved,
+        ``interleaved_item``, so local copies overlap the NVLink stores): a row for this rank is copied into
         its own slot [g, me, t], U words per lane in flight; a row for a peer goes straight from
         expert_out to slot [g, me, t] of rank s (no staging): with peer_stores (peer_bases row 1,
         as in combine_async; uint64 words) as 16-byte stores through its NVLink mapping,
@@ -297,13 +305,18 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
         g = n % 2
         all_warps = cuda.gridDim.x * warps
 
+        # items of every source interleaved (``interleaved_item``): each warp alternates between
+        # rows for this rank (device memory only) and rows for peers (NVLink), so the two overlap
+        T_hi = 0  # the most tokens a source sent
         for s in range(R):
-            T_s = d_counts[g, s, L]
-            parts = row_parts(T_s, W, all_warps, warp)
-            span = part_words(W, parts, warp)
-            i = cuda.blockIdx.x * warps + tid // warp
-            while i < T_s * parts:
-                t, w0, w1 = part_bounds(i, parts, span, W)
+            T_hi = max(T_hi, d_counts[g, s, L])
+        parts = row_parts(R * T_hi, W, all_warps, warp)
+        span = part_words(W, parts, warp)
+        q = cuda.blockIdx.x * warps + tid // warp
+        while q < R * T_hi * parts:
+            s, item = interleaved_item(q, all_warps, R)
+            t, w0, w1 = part_bounds(item, parts, span, W)
+            if t < d_counts[g, s, L]:
                 if w0 < w1 and local_expert_count(d_ids[g, s, t], L, me) > 0:
                     src = expert_out[s * Tmax + t]
                     if s != me and direct:  # UP pairs per lane in flight, stored through the mapping
@@ -332,7 +345,7 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
                             w += U * warp
                     else:
                         shmem.put_nbi_warp(c_partials[g, me, t, w0:w1], src[w0:w1], s)
-                i += all_warps
+            q += all_warps
 
         stamp_last(status, 17)
         publish_partials(ticket, flag, c_signal, g, me, n, R)
