@@ -235,6 +235,21 @@ def interleaved_item(q, all_warps, R):
 
 
 @cuda.jit(device=True)
+def interleaved_rows(counts, W, all_warps, warp):
+    """How :func:`interleaved_item` deals the rows of every source: ``(parts, span, items)``,
+    each row of ``W`` words cut into ``parts`` parts of ``span`` words, ``items`` flat warp
+    items (R times the most tokens a source sent, times parts: items past a source's own count
+    are skipped by the caller). ``counts`` [R, L + 1]: ``counts[s, L]`` tokens of source s."""
+    R = counts.shape[0]
+    L = counts.shape[1] - 1
+    t_hi = 0
+    for s in range(R):
+        t_hi = max(t_hi, counts[s, L])
+    parts = row_parts(R * t_hi, W, all_warps, warp)
+    return parts, part_words(W, parts, warp), R * t_hi * parts
+
+
+@cuda.jit(device=True)
 def part_words(W, parts, warp):
     """Words per part: ``ceil(W / parts)`` rounded up to a multiple of ``warp`` (so each lane's
     words stay aligned to the warp); the last part of a row may be shorter or empty."""

@@ -19,8 +19,8 @@ from numba import float32, from_dtype, int32, int64, uint64
 
 from ep_runtime.kernels import pdl, shmem
 from ep_runtime.kernels.bits import bf16_bits_at, f32_bits_at, f32_to_bf16, f32_word_at, word_f32
-from ep_runtime.kernels.block import (interleaved_item, last_block_ticket, local_expert_count, part_bounds,
-                                      part_words, record_error, row_parts, warp_geometry, warp_sync)
+from ep_runtime.kernels.block import (interleaved_item, interleaved_rows, last_block_ticket, local_expert_count,
+                                      part_bounds, part_words, record_error, row_parts, warp_geometry, warp_sync)
 from ep_runtime.kernels.cuda_api import cuda, kernel_jit
 from ep_runtime.kernels.trace import stamp_first, stamp_last
 from ep_runtime.kernels.vec import (address_of, load_pair, make_pair_loops, pack_bf16x2, pack_bf16x4, pack_f32x2,
@@ -185,13 +185,9 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
 
         # items of every source interleaved (``interleaved_item``): each warp alternates between
         # rows for this rank (device memory only) and rows for peers (NVLink), so the two overlap
-        T_hi = 0  # the most tokens a source sent
-        for s in range(R):
-            T_hi = max(T_hi, d_counts[g, s, L])
-        parts = row_parts(R * T_hi, W, all_warps, warp)
-        span = part_words(W, parts, warp)
+        parts, span, items = interleaved_rows(d_counts[g], W, all_warps, warp)
         q = cuda.blockIdx.x * warps + tid // warp
-        while q < R * T_hi * parts:
+        while q < items:
             s, item = interleaved_item(q, all_warps, R)
             t, w0, w1 = part_bounds(item, parts, span, W)
             if t < d_counts[g, s, L]:
@@ -307,13 +303,9 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
 
         # items of every source interleaved (``interleaved_item``): each warp alternates between
         # rows for this rank (device memory only) and rows for peers (NVLink), so the two overlap
-        T_hi = 0  # the most tokens a source sent
-        for s in range(R):
-            T_hi = max(T_hi, d_counts[g, s, L])
-        parts = row_parts(R * T_hi, W, all_warps, warp)
-        span = part_words(W, parts, warp)
+        parts, span, items = interleaved_rows(d_counts[g], W, all_warps, warp)
         q = cuda.blockIdx.x * warps + tid // warp
-        while q < R * T_hi * parts:
+        while q < items:
             s, item = interleaved_item(q, all_warps, R)
             t, w0, w1 = part_bounds(item, parts, span, W)
             if t < d_counts[g, s, L]:
