@@ -135,7 +135,7 @@ def check_compact_batch(got: dict, cfg: EPConfig, xs, ids, ws, r: int, what: str
     bad = np.flatnonzero((got["x"][defined] != x_ref.view(np.uint16)[defined]).any(axis=1))
     assert not len(bad), f"{what}: rank {r}: received rows {np.flatnonzero(defined)[bad][:8]} differ"
     assert got["recv_tokens"].tolist() == [len(x) for x in xs], what
-    if "counts" in got:  # [src, :L]: per-expert counts, summed from the chunk histograms by dispatch_wait
+    if "counts" in got:  # [src, :L]: per-expert counts, stored by each source's routing block
         L = cfg.n_local_experts
         flat = [np.asarray(i).reshape(-1) for i in ids]
         per_source = np.array([np.bincount(f[f // L == r] - r * L, minlength=L) for f in flat])

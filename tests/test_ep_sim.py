@@ -145,10 +145,10 @@ def correctness_cases(R: int) -> list[Case]:
         Case("hidden_5", base_cfg(R, hidden=5), seed=13),
         Case("n_sms_1", base_cfg(R, n_sms=1), seed=14),
         Case("n_sms_3", base_cfg(R, n_sms=3), seed=15),
-        # several routing chunks per source (19 tokens > 2 blocks of 8 threads)
+        # several ranking rounds per source (19 tokens > the routing block's 8 threads)
         Case("many_tokens_n_sms_3", base_cfg(R, hidden=8, max_tokens_per_rank=19, n_sms=3), seed=16,
              n_tokens=(19,) * R),
-        # several dispatch_wait scan chunks per source (70 tokens > 2 chunks of 8 threads x 4 tokens)
+        # many ranking rounds per source (70 tokens > 8 rounds of the routing block's 8 threads)
         # and the words-in-flight loops of dispatch_copy and both combine kernels, full passes and
         # tail (hidden 552: 138 uint64 words = 2 passes of 8 lanes x 8 words + 10)
         Case("scan_chunks_unrolled_copy", base_cfg(R, hidden=552, max_tokens_per_rank=70, n_sms=2), seed=23,
