@@ -122,7 +122,9 @@ def main(argv=None) -> int:
     ap.add_argument("--only", nargs="+", metavar="NAME", help="only these kernels (e.g. dispatch_wait)")
     args = ap.parse_args(argv)
     cc = _parse_cc(args.cc)
-    if os.environ.get("NUMBA_ENABLE_CUDASIM", "").strip() not in ("", "0"):
+    from .compile_gate import _simulator_requested
+
+    if _simulator_requested():
         print("prebuild: NUMBA_ENABLE_CUDASIM is set: the simulator compiles nothing, so there is nothing to "
               "cache. Unset it (and run on a GPU, or pass --cc).", file=sys.stderr)
         return 2
