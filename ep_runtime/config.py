@@ -158,7 +158,7 @@ class EPConfig:
     @property
     def token_bytes(self) -> int:
         """Bytes of one token on the wire: ``hidden`` bf16 values, or an FP8 message (codes,
-        scales, padding to 8 bytes: :meth:`~ep_runtime.formats.TokenFormat.message_bytes`)."""
+        scales, padding to 8 bytes, 16 for FP8: :meth:`~ep_runtime.formats.TokenFormat.message_bytes`)."""
         return self.token_format.message_bytes(self.hidden)
 
     @property

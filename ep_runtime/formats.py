@@ -17,10 +17,12 @@ helpers in :mod:`ep_runtime.kernels.fp8`). Formats:
 Message layout (one token, every format)
     ``payload_bytes`` bytes of payload (the elements, little-endian), then ``scale_bytes``
     bytes of scales (block order), then zero padding to a whole number of 8-byte words
-    (``MESSAGE_ALIGN``): ``message_bytes = message_words * 8``. Scales start at
-    ``scale_offset_bytes = payload_bytes``, itself a multiple of 8 for FP8 (hidden % 128 == 0).
-    Example: hidden 7168 in FP8_E4M3 is 7168 + 56 * 4 = 7392 bytes (924 words); in
-    FP8_E4M3_UE8M0 7168 + 56 = 7224 bytes (903 words); in BF16 14336 bytes (1792 words).
+    (``MESSAGE_ALIGN``; for the quantized formats of 16-byte word pairs,
+    ``QUANTIZED_MESSAGE_ALIGN``, so every slot starts 16-byte aligned):
+    ``message_bytes = message_words * 8``. Scales start at ``scale_offset_bytes =
+    payload_bytes``, itself a multiple of 16 for FP8 (hidden % 128 == 0). Example: hidden 7168
+    in FP8_E4M3 is 7168 + 56 * 4 = 7392 bytes (924 words); in FP8_E4M3_UE8M0 7168 + 56 = 7224
+    bytes padded to 7232 (904 words); in BF16 14336 bytes (1792 words).
 
 Quantization rule (FP8 formats; the device code in kernels/fp8.py gives the same bits)
     Per token and per block of 128 elements (bf16 values ``x``, widened exactly to float32):
@@ -73,6 +75,10 @@ from .errors import EPConfigError, EPInputError
 
 #: Every message is a whole number of these bytes (uint64 words: what the kernels move).
 MESSAGE_ALIGN = 8
+#: A quantized format's message is a whole number of word pairs (16 bytes), so every receive slot
+#: and stage row starts 16-byte aligned and the encoder and the copies move it as 16-byte pairs
+#: (kernels/token_codec.py); the padding is never written or sent.
+QUANTIZED_MESSAGE_ALIGN = 2 * MESSAGE_ALIGN
 #: Elements per scale block of the FP8 formats.
 FP8_BLOCK = 128
 #: Largest finite E4M3 magnitude (code 0x7E): a block's amax maps to it.
@@ -223,9 +229,11 @@ class TokenFormat:
         return self.payload_bytes(hidden)
 
     def message_bytes(self, hidden: int) -> int:
-        """Bytes of one token's message: payload, scales, zero padding to ``MESSAGE_ALIGN``."""
+        """Bytes of one token's message: payload, scales, zero padding to ``MESSAGE_ALIGN``
+        (``QUANTIZED_MESSAGE_ALIGN`` for a quantized format)."""
         raw = self.payload_bytes(hidden) + self.scale_bytes(hidden)
-        return -(-raw // MESSAGE_ALIGN) * MESSAGE_ALIGN
+        align = QUANTIZED_MESSAGE_ALIGN if self.quantized else MESSAGE_ALIGN
+        return -(-raw // align) * align
 
     def message_words(self, hidden: int) -> int:
         """uint64 words of one token's message."""
@@ -352,5 +360,5 @@ def get_format(name: str | TokenFormat) -> TokenFormat:
 
 
 __all__ = ["TokenFormat", "ScaleEncoding", "BF16", "FP8_E4M3", "FP8_E4M3_UE8M0", "FORMATS", "get_format",
-           "FLOAT32_SCALE", "UE8M0_SCALE", "ue8m0_value", "MESSAGE_ALIGN", "FP8_BLOCK", "E4M3_MAX",
+           "FLOAT32_SCALE", "UE8M0_SCALE", "ue8m0_value", "MESSAGE_ALIGN", "QUANTIZED_MESSAGE_ALIGN", "FP8_BLOCK", "E4M3_MAX",
            "E4M3_NAN", "UE8M0_NAN", "UE8M0_ONE"]

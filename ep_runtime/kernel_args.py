@@ -3,7 +3,7 @@
 The runtime builds launch arguments from these lists, and the compile-and-link gate builds
 the Numba signatures the runtime will launch from the same lists, so the two cannot drift.
 A name is either a :class:`~ep_runtime.layout.BufferLayout` region, a view of one in another
-dtype (``"region:u8"``, ``"region:u32"``: :data:`VIEWS`, the last axis rescaled), a caller's
+dtype (``"region:u8"``: :data:`VIEWS`, the last axis rescaled), a caller's
 array (:data:`CALLER_ARRAYS`: dtype and rank), or an int64 scalar (:data:`SCALARS`). Regions
 only an FP8 token format has (:data:`FORMAT_REGIONS`) are passed as empty stand-ins otherwise.
 """
@@ -31,7 +31,7 @@ CALLER_ARRAYS = {
 #: mapped on this one (``Session.peer_addresses``), known only once the heap is allocated.
 RUNTIME_ARRAYS = {"peer_bases": (np.uint64, 2)}
 #: Dtype views of regions a kernel reads or writes byte- or 4-byte-wise (FP8 messages and scales).
-VIEWS = {"u8": np.dtype(np.uint8), "u32": np.dtype(np.uint32)}
+VIEWS = {"u8": np.dtype(np.uint8)}
 #: Regions of the FP8 token formats only (:func:`ep_runtime.layout.quantized_regions`), as
 #: (dtype, ndim) of their empty stand-ins in a bf16 layout.
 FORMAT_REGIONS = {"dispatch_send_stage": (np.uint64, 2), "expert_scales": (np.float32, 1)}
@@ -54,7 +54,7 @@ KERNEL_ARGS = {
         "tokens", "topk_ids", "topk_weights", "valid_tokens", "use_valid", "dispatch_tokens", "dispatch_topk_ids",
         "dispatch_topk_weights", "dispatch_counts", "dispatch_ranks", "dispatch_signal", "dispatch_async_sync",
         "dispatch_send_ranks", "dispatch_send_counts", "status", "token_scales", "prequantized",
-        "dispatch_send_stage", "dispatch_send_stage:u32", "dispatch_send_stage:u8", "dispatch_tokens:u8",
+        "dispatch_send_stage", "dispatch_send_stage:u8", "dispatch_tokens:u8",
         "peer_bases", "peer_stores"),
     "dispatch_wait": (
         "dispatch_topk_ids", "dispatch_topk_weights", "dispatch_counts", "dispatch_ranks", "dispatch_signal",
@@ -113,6 +113,6 @@ def argtypes(kernel: str, layout: BufferLayout) -> tuple:
 
 def region_view(array, name: str):
     """``array`` (a region) as kernel argument ``name``: itself, or for ``"region:u8"`` /
-    ``"region:u32"`` the same memory in that dtype (last axis rescaled)."""
+    ``"region:u8"`` the same memory as bytes (last axis rescaled)."""
     _, _, view = name.partition(":")
     return array.view(VIEWS[view]) if view else array

@@ -9,8 +9,9 @@ with ``blockDim.x`` threads in a 1-D block.
 - ``block_exclusive_scan`` / ``block_sum``: shared-memory scans for deterministic placement;
 - ``record_error``: claims the device error record (first error wins);
 - ``warp_geometry`` / ``warp_sync``: how kernels split a block into warps, and the warp barrier;
-- ``warp_exclusive_count`` / ``warp_sum`` / ``warp_max_u32``: a warp's ballot prefix count,
-  sum and maximum (shuffles and ballots on a GPU, no shared memory);
+- ``warp_exclusive_count`` / ``warp_sum`` / ``group_max_u32``: a warp's ballot prefix count
+  and sum, and the maximum over each group of its lanes (shuffles and ballots on a GPU, no
+  shared memory);
 - ``popc32``: set bits of a 32-bit mask (any thread, no barrier);
 - ``row_parts`` / ``part_words`` / ``part_bounds``: how many warp items each token row is cut
   into, so that small batches still give every warp work (a row is ``W`` words; a warp item is
@@ -154,13 +155,15 @@ if cuda_api.SIMULATED:
         """See the GPU version."""
         return bin(int(mask) & 0xFFFFFFFF).count("1")
 
-    def warp_max_u32(value, buf64):
-        """See the GPU version. Simulated blocks are one warp: a maximum over ``buf64``."""
+    def group_max_u32(value, group, buf64):
+        """See the GPU version: the maximum over the lanes of this thread's group of ``group``
+        consecutive lanes, through ``buf64``."""
         tid = cuda.threadIdx.x
         buf64[tid] = int64(value)
         cuda.syncthreads()
-        m = buf64[0]
-        for i in range(1, cuda.blockDim.x):
+        first = tid - tid % group
+        m = buf64[first]
+        for i in range(first + 1, first + group):
             m = max(m, buf64[i])
         cuda.syncthreads()
         return uint32(m)
@@ -187,11 +190,14 @@ else:
         return cuda.popc(uint32(mask))
 
     @cuda.jit(device=True)
-    def warp_max_u32(value, buf64):
-        """Every lane of the warp: the maximum of the uint32 ``value`` over the warp's lanes
-        (butterfly shuffles; ``buf64`` is the simulator's scratch, unused here)."""
-        v = int64(value)  # shuffles take 32- and 64-bit signed ints and floats, not uint32
-        offset = 16
+    def group_max_u32(value, group, buf64):
+        """Every lane of the warp: the maximum of the uint32 ``value`` (below 2**31) over its group
+        of ``group`` consecutive lanes (a power of two up to 32, the same for every lane: groups
+        ``[0, group)``, ``[group, 2 group)``, ...), by butterfly shuffles inside the group (32-bit:
+        one shuffle a step). ``buf64`` is the simulator's scratch, unused here. Every lane of the
+        warp must call it."""
+        v = int32(value)
+        offset = group // 2
         while offset > 0:
             v = max(v, cuda.shfl_xor_sync(0xFFFFFFFF, v, offset))
             offset //= 2

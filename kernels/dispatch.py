@@ -167,7 +167,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
     def dispatch_async(tokens, topk_ids, topk_weights, valid_tokens, use_valid,
                        d_tokens, d_ids, d_weights, d_counts, d_ranks, d_signal,
                        sync, send_ranks, send_counts, status,
-                       token_scales, prequantized, stage64, stage32, stage8, d_tokens8, peer_bases, peer_stores):
+                       token_scales, prequantized, stage64, stage8, d_tokens8, peer_bases, peer_stores):
         """Send this rank's tokens, once per destination rank, and signal each destination.
 
         tokens [Tc, W] words, topk_ids [Tc, K] int32, topk_weights [Tc, K] float32: this rank's
@@ -180,7 +180,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         [R, L + 1] int32 (staging of the counts rows, puts path), status [8] int64. FP8 token formats only (empty otherwise):
         token_scales [Tc, S * SB] uint8 (the caller's scales' bytes, when prequantized, int64,
         is nonzero: then tokens are [Tc, P] code words), the message stage [Tmax, MW] as
-        uint64, uint32 and uint8 views (stage64/32/8); d_tokens is then [G, R, Tmax, MW]
+        uint64 and uint8 views (stage64/8); d_tokens is then [G, R, Tmax, MW]
         messages, d_tokens8 their uint8 view. peer_bases [P, R] uint64: the address of each of
         ``layout.PEER_REGIONS`` on each PE as mapped here (``Session.peer_addresses``), used
         when peer_stores (int64) is nonzero.
@@ -194,8 +194,8 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         stores through the NVLink mappings, each word pair loaded once for all destinations;
         otherwise ``put_nbi_warp`` (a warp-wide copy) per destination. In an FP8 format a part
         is a run of 128-element blocks: with peer_stores the warp encodes it straight into
-        every destination's slot (``encode_blocks``: 4-byte stores of 4 codes, the blocks'
-        scales; pre-quantized input: ``send_prequantized``, the caller's code word pairs and
+        every destination's slot (``encode_blocks``: 8 lanes a block, 16-byte stores of 16
+        codes, the blocks' scales; pre-quantized input: ``send_prequantized``, the caller's code word pairs and
         scale bytes); otherwise it encodes it into stage row t, then puts its codes and its
         scale bytes (pre-quantized input: straight from the caller's arrays, no stage). The
         message's padding is never sent.
@@ -278,9 +278,9 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
             PB = S * CODE_WORDS * 8  # code bytes of a message (= H)
             parts = row_parts(T, S, all_warps, 1)
             span = part_words(S, parts, 1)  # blocks per part
-            # straight into peers' slots: encoded (4-byte stores), or the caller's codes (word pairs)
-            direct = peer_stores != 0 and (prequantized == 0 or (d_tokens.shape[3] % 2 == 0 and pairs_aligned(tokens)
-                                                                 and pairs_aligned(d_tokens)))
+            # straight into peers' slots (16-byte stores): encoded, or the caller's codes (word pairs)
+            src_pairs = pairs_aligned(tokens)  # rows of whole word pairs (messages and bf16 blocks)
+            direct = peer_stores != 0 and (prequantized == 0 or src_pairs)
             i = cuda.blockIdx.x * warps + tid // warp
             while cuda.blockIdx.x < token_blocks and i < T * parts:
                 t, b0, b1 = part_bounds(i, parts, span, S)
@@ -291,14 +291,15 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                     if direct:
                         slot = address_of(d_tokens[g, me, t]) - address_of(d_tokens)  # the same on every PE
                         if prequantized == 0:
-                            encode_blocks(tokens, t, b0, b1, stage32, stage8, PB, lane, mbuf, peer_bases, sent, slot)
+                            encode_blocks(tokens, t, b0, b1, src_pairs, uint64(0), PB, lane, mbuf, peer_bases, sent,
+                                          slot)
                         else:
                             send_prequantized(tokens[t], token_scales[t], b0, b1, PB, peer_bases, sent, slot, lane,
                                               lo, hi)
                     else:
                         if prequantized == 0:
-                            encode_blocks(tokens, t, b0, b1, stage32, stage8, PB, lane, mbuf, peer_bases, uint64(0),
-                                          uint64(0))
+                            encode_blocks(tokens, t, b0, b1, src_pairs, address_of(stage64[t]), PB, lane, mbuf,
+                                          peer_bases, uint64(0), uint64(0))
                             warp_sync()  # the part is staged before the warp's puts read it
                         for d in range(R):
                             if (sent >> uint64(d)) & uint64(1):

@@ -12,79 +12,112 @@ code), then padding to ``MW`` words (``TokenFormat.message_words``; never writte
 from numba import uint32, uint64
 
 from ep_runtime.kernels.bits import bf16_to_f32, f32_bits
-from ep_runtime.kernels.block import warp_max_u32
+from ep_runtime.kernels.block import group_max_u32
 from ep_runtime.kernels.cuda_api import cuda
-from ep_runtime.kernels.fp8 import bf16_abs_max, e4m3_scale, quantize4, ue8m0_scale
-from ep_runtime.kernels.vec import store_u8_at, store_u32_at
+from ep_runtime.kernels.fp8 import bf16_abs_max, e4m3_scale, pack8, quantize4, ue8m0_scale
+from ep_runtime.kernels.vec import load_pair, store_pair_at, store_u8_at, store_u32_at
 from ep_runtime.layout import PEER_TOKENS
 
 #: bf16 words (4 values each) per 128-element scale block.
 BLOCK_WORDS = 32
 #: E4M3 code words (uint64, 8 codes each) per 128-element block.
 CODE_WORDS = 16
-#: bf16 words each lane loads before it encodes any (8 blocks of one word on a GPU).
-WORDS_IN_FLIGHT = 8
+#: Lanes that encode one 128-element block together: each holds ``WORDS_PER_LANE`` bf16 words
+#: (16 values, 32 bytes loaded as two word pairs) and stores their 16 codes as one word pair.
+BLOCK_LANES = 8
+WORDS_PER_LANE = BLOCK_WORDS // BLOCK_LANES
+#: Warp steps (``warp / BLOCK_LANES`` blocks each) whose words a lane loads before it encodes
+#: any: 64 bytes per lane in flight, 8 blocks per 32-lane warp.
+STEPS_IN_FLIGHT = 2
 
 
 def make_token_codec(warp: int, ue8m0: bool):
-    """``(encode_blocks, store_scales)`` for warps of ``warp`` lanes (a divisor of 32) and scales
-    that are UE8M0 codes (``ue8m0``, 1 byte) or float32 (4 bytes)."""
+    """``(encode_blocks, store_scales)`` for warps of ``warp`` lanes (a multiple of
+    ``BLOCK_LANES`` up to 32) and scales that are UE8M0 codes (``ue8m0``, 1 byte) or float32
+    (4 bytes)."""
+    if warp % BLOCK_LANES or warp > 32:
+        raise ValueError(f"make_token_codec: warp={warp} must be a multiple of {BLOCK_LANES} up to 32")
     SB = 1 if ue8m0 else 4
+    BPS = warp // BLOCK_LANES  # blocks per warp step
+    WPL = WORDS_PER_LANE
+    SIF = STEPS_IN_FLIGHT
+    NV = SIF * WPL  # words a lane holds (a compile-time size)
 
     @cuda.jit(device=True)
-    def encode_blocks(tokens, t, b0, b1, stage32, stage8, PB, lane, buf64, peer_bases, sent, slot):
-        """Every lane of one warp: encode 128-element blocks ``[b0, b1)`` of bf16 token ``t``
-        (``tokens`` [T, W] uint64, 4 values a word) into a message: 4 codes per uint32 (block
-        b is uint32 words ``32 b ..``), the block's scale bytes at byte ``PB + b * SB``.
+    def store_scale(at, b, code):
+        """Block ``b``'s scale (its code: float32 bits or the UE8M0 byte) at byte address
+        ``at`` (the message's scales)."""
+        if SB == 4:
+            store_u32_at(at, b, uint32(code))
+        else:
+            store_u8_at(at, b, uint32(code))
 
-        Where the message goes: with ``sent`` (uint64) zero, row ``t`` of the stage
-        (``stage32`` / ``stage8``, uint32 and uint8 views), which the caller then sends after
-        meeting the warp (``warp_sync``); otherwise straight into the receive slot of every
-        rank ``d`` whose bit is set in ``sent``, at byte ``slot`` past ``peer_bases[PEER_TOKENS, d]``
-        (its ``d_tokens`` as mapped here), with plain stores (``store_u32_at``: publish as
-        ``Session.peer_view`` says). Blocks go ``WORDS_IN_FLIGHT / (32 / warp)`` at a time: each lane loads
-        its words of all of them before it uses any (memory-level parallelism), the warp takes
-        each block's amax with ``warp_max_u32``, the scale is ``e4m3_scale`` or ``ue8m0_scale``."""
-        vals = cuda.local.array(WORDS_IN_FLIGHT, uint64)
-        WPL = BLOCK_WORDS // warp  # words of a block per lane
-        UB = WORDS_IN_FLIGHT // WPL  # blocks in flight
-        for bb in range(b0, b1, UB):
-            for u in range(UB):
-                if bb + u < b1:
-                    for q in range(WPL):
-                        vals[u * WPL + q] = tokens[t, (bb + u) * BLOCK_WORDS + q * warp + lane]
-            for u in range(UB):
-                b = bb + u
-                if b < b1:  # the same for every lane
-                    m = uint32(0)
+    @cuda.jit(device=True)
+    def encode_blocks(tokens, t, b0, b1, src_pairs, stage_at, PB, lane, buf64, peer_bases, sent, slot):
+        """Every lane of one warp: encode 128-element blocks ``[b0, b1)`` of bf16 token ``t``
+        (``tokens`` [T, W] uint64, 4 values a word; ``src_pairs``: its rows are 16-byte aligned,
+        loaded as word pairs) into a message: block b's 128 codes are code words
+        ``CODE_WORDS b ..``, its scale bytes at byte ``PB + b SB``.
+
+        A warp step covers ``warp / BLOCK_LANES`` consecutive blocks, ``BLOCK_LANES`` lanes
+        each: a lane loads 16 values (two word pairs), the lanes of a block take its amax with
+        ``group_max_u32`` (3 shuffles), the scale is ``e4m3_scale`` or ``ue8m0_scale``, and each
+        lane stores its 16 codes as one 16-byte pair (a warp store: 512 contiguous bytes) and
+        the block's first lane its scale (a warp store: the step's scales, contiguous). Lanes
+        load ``STEPS_IN_FLIGHT`` steps before they encode any (memory-level parallelism).
+
+        Where the message goes: with ``sent`` (uint64) zero, the stage row at byte address
+        ``stage_at`` (this process's), which the caller sends after meeting the warp
+        (``warp_sync``); otherwise straight into the receive slot of every rank ``d`` whose bit
+        is set in ``sent``, at byte ``slot`` past ``peer_bases[PEER_TOKENS, d]`` (its ``d_tokens``
+        as mapped here), with plain stores (publish as ``Session.peer_view`` says). Slots and
+        stage rows start 16-byte aligned (messages are whole word pairs:
+        ``formats.QUANTIZED_MESSAGE_ALIGN``)."""
+        vals = cuda.local.array(NV, uint64)
+        grp = lane // BLOCK_LANES  # the step's block this lane encodes
+        j = lane - grp * BLOCK_LANES  # this lane's 16 values of it
+        row = tokens[t]
+        for bb in range(b0, b1, BPS * SIF):
+            for u in range(SIF):
+                b = bb + u * BPS + grp
+                if b < b1:
+                    w = b * BLOCK_WORDS + j * WPL
+                    if src_pairs:
+                        for q in range(0, WPL, 2):
+                            pair = load_pair(row, w + q)
+                            vals[u * WPL + q] = pair[0]
+                            vals[u * WPL + q + 1] = pair[1]
+                    else:
+                        for q in range(WPL):
+                            vals[u * WPL + q] = row[w + q]
+            for u in range(SIF):
+                b = bb + u * BPS + grp
+                m = uint32(0)
+                if b < b1:
                     for q in range(WPL):
                         m = bf16_abs_max(m, vals[u * WPL + q])
-                    a = bf16_to_f32(warp_max_u32(m, buf64))
+                a = bf16_to_f32(group_max_u32(m, BLOCK_LANES, buf64))  # every lane: full-warp shuffles
+                if b < b1:
                     if ue8m0:
                         scale, code = ue8m0_scale(a)
                     else:
                         scale = e4m3_scale(a)
                         code = f32_bits(scale)
+                    lo = pack8(quantize4(vals[u * WPL], scale), quantize4(vals[u * WPL + 1], scale))
+                    hi = pack8(quantize4(vals[u * WPL + 2], scale), quantize4(vals[u * WPL + 3], scale))
+                    cw = b * CODE_WORDS + 2 * j  # this lane's code words
+                    scales_at = uint64(PB)  # uint64 + uint64 below (an int64 term would make it float64)
                     if sent == uint64(0):
-                        for q in range(WPL):
-                            stage32[t, b * BLOCK_WORDS + q * warp + lane] = quantize4(vals[u * WPL + q], scale)
-                        if lane < SB:
-                            stage8[t, PB + b * SB + lane] = (uint32(code) >> uint32(8 * lane)) & uint32(0xFF)
+                        store_pair_at(stage_at, cw, lo, hi)
+                        if j == 0:
+                            store_scale(stage_at + scales_at, b, code)
                     else:
-                        for q in range(WPL):
-                            word = quantize4(vals[u * WPL + q], scale)
-                            for d in range(peer_bases.shape[1]):
-                                if (sent >> uint64(d)) & uint64(1):
-                                    store_u32_at(peer_bases[PEER_TOKENS, d] + slot, b * BLOCK_WORDS + q * warp + lane,
-                                                 word)
-                        if lane == 0:
-                            scales_at = slot + uint64(PB)  # uint64 + uint64 (an int64 term would make it float64)
-                            for d in range(peer_bases.shape[1]):
-                                if (sent >> uint64(d)) & uint64(1):
-                                    if SB == 4:
-                                        store_u32_at(peer_bases[PEER_TOKENS, d] + scales_at, b, uint32(code))
-                                    else:
-                                        store_u8_at(peer_bases[PEER_TOKENS, d] + scales_at, b, uint32(code))
+                        for d in range(peer_bases.shape[1]):
+                            if (sent >> uint64(d)) & uint64(1):
+                                at = peer_bases[PEER_TOKENS, d] + slot
+                                store_pair_at(at, cw, lo, hi)
+                                if j == 0:
+                                    store_scale(at + scales_at, b, code)
 
     @cuda.jit(device=True)
     def store_scales(src8, PB, SBYTES, expert_scales8, r, C, col_major, lane, zero):

@@ -179,8 +179,8 @@ def test_fp8_token_formats_need_hidden_a_multiple_of_128(token_dtype, hidden):
 def test_fp8_token_bytes_are_the_message_bytes():
     kw = dict(n_ranks=2, n_experts=8, top_k=2, hidden=7168, max_tokens_per_rank=4)
     assert EPConfig(**kw, token_dtype="fp8_e4m3").token_bytes == 7168 + 56 * 4          # codes + f32 scales
-    assert EPConfig(**kw, token_dtype="fp8_e4m3_ue8m0").token_bytes == 7168 + 56 + 0    # 7224 = 903 words
-    assert EPConfig(**{**kw, "hidden": 384}, token_dtype="fp8_e4m3_ue8m0").token_bytes == 384 + 8  # 3 B -> 8
+    assert EPConfig(**kw, token_dtype="fp8_e4m3_ue8m0").token_bytes == 7168 + 56 + 8    # 7232 = 904 words (pairs)
+    assert EPConfig(**{**kw, "hidden": 384}, token_dtype="fp8_e4m3_ue8m0").token_bytes == 384 + 16  # 3 B -> 16
 
 
 def test_wait_timeout_accepts_numpy_reals():

@@ -161,7 +161,8 @@ def rows_kernel(tokens, ue8m0, messages, decoded):
 
     tokens [T, H/4] uint64 (4 bf16 per word); ue8m0 (int): 0 FP8_E4M3, 1 FP8_E4M3_UE8M0;
     messages [T, W] uint64 in the formats' layout (codes of block j in words 16 j .. 16 j + 15,
-    then the scales packed little-endian from word H / 8, zero padding); decoded [T, H] float32.
+    then the scales packed little-endian from word H / 8, zero padding to a word pair);
+    decoded [T, H] float32.
     """
     n_words = tokens.shape[1]
     H = n_words * 4
@@ -195,6 +196,8 @@ def rows_kernel(tokens, ue8m0, messages, decoded):
                 scale = fp8.ue8m0_value(code)
             for h in range(128 * j, 128 * j + 128):
                 decoded[t, h] = fp8.e4m3_value(fp8.code_at(messages[t, h // 8], h % 8)) * scale
+        for w in range(payload_words + (H // 128 + per_word - 1) // per_word, messages.shape[1]):
+            messages[t, w] = 0  # the padding to a word pair
 
 
 def f64_control(x):
@@ -473,10 +476,10 @@ def test_device_messages_match_reference(sim, fmt):
 LAYOUTS = {  # (format, hidden): payload, scale count, scale bytes, message bytes, message words
     ("bf16", 128): (256, 0, 0, 256, 32), ("bf16", 384): (768, 0, 0, 768, 96),
     ("bf16", 7168): (14336, 0, 0, 14336, 1792),
-    ("fp8_e4m3", 128): (128, 1, 4, 136, 17), ("fp8_e4m3", 384): (384, 3, 12, 400, 50),
+    ("fp8_e4m3", 128): (128, 1, 4, 144, 18), ("fp8_e4m3", 384): (384, 3, 12, 400, 50),
     ("fp8_e4m3", 7168): (7168, 56, 224, 7392, 924),
-    ("fp8_e4m3_ue8m0", 128): (128, 1, 1, 136, 17), ("fp8_e4m3_ue8m0", 384): (384, 3, 3, 392, 49),
-    ("fp8_e4m3_ue8m0", 7168): (7168, 56, 56, 7224, 903),
+    ("fp8_e4m3_ue8m0", 128): (128, 1, 1, 144, 18), ("fp8_e4m3_ue8m0", 384): (384, 3, 3, 400, 50),
+    ("fp8_e4m3_ue8m0", 7168): (7168, 56, 56, 7232, 904),
 }
 
 
@@ -488,6 +491,8 @@ def test_message_layout(name, hidden):
     assert got == LAYOUTS[name, hidden]
     assert fmt.scale_offset_bytes(hidden) == fmt.payload_bytes(hidden)
     assert fmt.scale_offset_bytes(hidden) % F.MESSAGE_ALIGN == 0
+    if fmt.quantized:  # slots of word pairs: the encoder's 16-byte stores stay aligned
+        assert fmt.message_bytes(hidden) % 16 == 0 and fmt.message_words(hidden) % 2 == 0
 
 
 def test_format_attributes():
@@ -666,7 +671,7 @@ def test_argument_errors():
         F.FP8_E4M3.quantize(np.zeros((2, 128), np.float32))
     with pytest.raises(EPInputError, match=r"scales must be \[2, 1\] float32"):
         F.FP8_E4M3.pack_messages(np.zeros((2, 128), np.uint8), np.zeros((2, 1), np.uint8))
-    with pytest.raises(EPInputError, match=r"\[T, 17\] uint64"):
+    with pytest.raises(EPInputError, match=r"\[T, 18\] uint64"):
         F.FP8_E4M3_UE8M0.unpack_messages(np.zeros((2, 16), np.uint64), 128)
     with pytest.raises(EPConfigError, match="multiple of 128"):
         F.FP8_E4M3.quantize(np.zeros((2, 100), np.uint16))
