@@ -157,9 +157,11 @@ class EPConfig:
 
     @property
     def token_bytes(self) -> int:
-        """Bytes of one token on the wire: ``hidden`` bf16 values, or an FP8 message (codes,
-        scales, padding to 8 bytes, 16 for FP8: :meth:`~ep_runtime.formats.TokenFormat.message_bytes`)."""
-        return self.token_format.message_bytes(self.hidden)
+        """Bytes of one token on the wire: ``hidden`` bf16 values, or an FP8 message's codes and
+        scales (its padding to whole words, :meth:`~ep_runtime.formats.TokenFormat.message_bytes`,
+        is never written or sent)."""
+        fmt = self.token_format
+        return fmt.payload_bytes(self.hidden) + fmt.scale_bytes(self.hidden)
 
     @property
     def partial_bytes(self) -> int:

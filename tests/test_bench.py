@@ -226,8 +226,9 @@ def test_fp8_dispatch_is_timed_on_the_simulator(tmp_path):
     for rank in json.loads(path.read_text())["results"]:
         bf16, fp8 = rank
         assert (bf16["config"]["token_dtype"], fp8["config"]["token_dtype"]) == ("bfloat16", "fp8_e4m3")
-        # 3 tokens, each received by this rank or not: logical bytes count messages (128 + 4 B) vs 256 B rows
-        assert fp8["traffic"]["logical_bytes"] * 256 == bf16["traffic"]["logical_bytes"] * 136
+        # 3 tokens, each received by this rank or not: logical bytes count the bytes sent (128 codes +
+        # a 4-byte scale; the message's padding to 144 B is never sent) vs 256 B rows
+        assert fp8["traffic"]["logical_bytes"] * 256 == bf16["traffic"]["logical_bytes"] * 132
 
 
 def test_float32_combine_partials_are_timed_and_counted_on_the_simulator(tmp_path):

@@ -176,11 +176,11 @@ def test_fp8_token_formats_need_hidden_a_multiple_of_128(token_dtype, hidden):
                      "token_dtype='bfloat16' takes any hidden")
 
 
-def test_fp8_token_bytes_are_the_message_bytes():
+def test_fp8_token_bytes_are_the_bytes_sent():
     kw = dict(n_ranks=2, n_experts=8, top_k=2, hidden=7168, max_tokens_per_rank=4)
     assert EPConfig(**kw, token_dtype="fp8_e4m3").token_bytes == 7168 + 56 * 4          # codes + f32 scales
-    assert EPConfig(**kw, token_dtype="fp8_e4m3_ue8m0").token_bytes == 7168 + 56 + 8    # 7232 = 904 words (pairs)
-    assert EPConfig(**{**kw, "hidden": 384}, token_dtype="fp8_e4m3_ue8m0").token_bytes == 384 + 16  # 3 B -> 16
+    assert EPConfig(**kw, token_dtype="fp8_e4m3_ue8m0").token_bytes == 7168 + 56        # the 8 B of padding unsent
+    assert EPConfig(**{**kw, "hidden": 384}, token_dtype="fp8_e4m3_ue8m0").token_bytes == 384 + 3
 
 
 def test_wait_timeout_accepts_numpy_reals():

@@ -1,8 +1,8 @@
 """Bytes one rank moves in one dispatch and one combine (pure NumPy, CPU-testable).
 
 From the routing of every rank, for rank ``r`` (``H`` hidden, ``K`` top-k; a token on the wire
-and in the receive buffer is ``token_bytes``: ``2 H`` in bf16, the message size in an FP8
-format; expert outputs and combine results are bf16, ``2 H``; a partial is ``partial_bytes``:
+and in the receive buffer is ``token_bytes``: ``2 H`` in bf16, the codes and scales of a
+message in an FP8 format (``EPConfig.token_bytes``: its padding is never sent); expert outputs and combine results are bf16, ``2 H``; a partial is ``partial_bytes``:
 ``2 H`` with bf16 partials, ``4 H`` with ``combine_dtype="float32"``):
 
 - ``sent[d]``: tokens of ``r`` with at least one expert on rank ``d`` (one message each,
