@@ -360,5 +360,5 @@ def get_format(name: str | TokenFormat) -> TokenFormat:
 
 
 __all__ = ["TokenFormat", "ScaleEncoding", "BF16", "FP8_E4M3", "FP8_E4M3_UE8M0", "FORMATS", "get_format",
-           "FLOAT32_SCALE", "UE8M0_SCALE", "ue8m0_value", "MESSAGE_ALIGN", "QUANTIZED_MESSAGE_ALIGN", "FP8_BLOCK", "E4M3_MAX",
-           "E4M3_NAN", "UE8M0_NAN", "UE8M0_ONE"]
+           "FLOAT32_SCALE", "UE8M0_SCALE", "ue8m0_value", "MESSAGE_ALIGN", "QUANTIZED_MESSAGE_ALIGN", "FP8_BLOCK",
+           "E4M3_MAX", "E4M3_NAN", "UE8M0_NAN", "UE8M0_ONE"]

@@ -30,7 +30,7 @@ CALLER_ARRAYS = {
 #: the address of each region of ``layout.PEER_REGIONS`` (row ``PEER_TOKENS`` ...) on every PE as
 #: mapped on this one (``Session.peer_addresses``), known only once the heap is allocated.
 RUNTIME_ARRAYS = {"peer_bases": (np.uint64, 2)}
-#: Dtype views of regions a kernel reads or writes byte- or 4-byte-wise (FP8 messages and scales).
+#: Dtype views of regions a kernel reads or writes byte-wise (FP8 messages and scales).
 VIEWS = {"u8": np.dtype(np.uint8)}
 #: Regions of the FP8 token formats only (:func:`ep_runtime.layout.quantized_regions`), as
 #: (dtype, ndim) of their empty stand-ins in a bf16 layout.
@@ -112,7 +112,7 @@ def argtypes(kernel: str, layout: BufferLayout) -> tuple:
 
 
 def region_view(array, name: str):
-    """``array`` (a region) as kernel argument ``name``: itself, or for ``"region:u8"`` /
-    ``"region:u8"`` the same memory as bytes (last axis rescaled)."""
+    """``array`` (a region) as kernel argument ``name``: itself, or for ``"region:u8"`` the same
+    memory as bytes (last axis rescaled)."""
     _, _, view = name.partition(":")
     return array.view(VIEWS[view]) if view else array

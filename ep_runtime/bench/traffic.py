@@ -2,8 +2,9 @@
 
 From the routing of every rank, for rank ``r`` (``H`` hidden, ``K`` top-k; a token on the wire
 and in the receive buffer is ``token_bytes``: ``2 H`` in bf16, the codes and scales of a
-message in an FP8 format (``EPConfig.token_bytes``: its padding is never sent); expert outputs and combine results are bf16, ``2 H``; a partial is ``partial_bytes``:
-``2 H`` with bf16 partials, ``4 H`` with ``combine_dtype="float32"``):
+message in an FP8 format (``EPConfig.token_bytes``: its padding is never sent); expert outputs
+and combine results are bf16, ``2 H``; a partial is ``partial_bytes``: ``2 H`` with bf16
+partials, ``4 H`` with ``combine_dtype="float32"``):
 
 - ``sent[d]``: tokens of ``r`` with at least one expert on rank ``d`` (one message each,
   deduplicated per rank); ``recv[s]``: tokens of ``s`` with an expert on ``r``;
