@@ -264,7 +264,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                     for d in range(R):
                         shmem.put_nbi_block(d_ids[g, me, t0:t1], topk_ids[t0:t1], d)
                         shmem.put_nbi_block(d_weights[g, me, t0:t1], topk_weights[t0:t1], d)
-
+        stamp_last(status, 4)
 
         # (1) token rows, deduplicated per destination rank, a warp per row part, in the token blocks
         all_warps = token_blocks * warps
@@ -480,6 +480,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         if status[STATUS_CODE] != 0:
             return
         stamp_first(status, 8)
+        stamp_last(status, 23)
         me = shmem.my_pe()
         R = d_counts.shape[1]
         L = d_counts.shape[2] - 1
@@ -506,11 +507,13 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         cuda.syncthreads()
         if flag[0] != 0:
             return
+        stamp_first(status, 15)
         stamp_last(status, 9)
 
         # every expert's first row and the total (padded): every block scans them itself
         per = (L + threads - 1) // threads  # local experts per thread
         total = scan_expert_rows(d_counts, g, pad_multiple, per, run_first, sum_buf)
+        stamp_last(status, 14)
         if total > C:
             if cuda.blockIdx.x == 0 and tid == 0:
                 record_error(status, ERR_CAPACITY, KERNEL_DISPATCH_WAIT, me, -1, COUNTER_RECV_ROWS,
