@@ -35,6 +35,10 @@ class PreparedCall:
     args: tuple
     n_tokens: int = 0
     checked: tuple = ()
+    #: dispatch_async on the copy-engine transfer: the copy stream's ``(dst, src, nbytes)``
+    #: copies, and the launch enqueued after the streams join (dispatch_signal)
+    copies: tuple = ()
+    then: Any = None
 
 
 class CallMemo:

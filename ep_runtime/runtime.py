@@ -29,6 +29,7 @@ from .layout import (N_GROUPS, PEER_REGIONS, BufferLayout, SYNC_CALLS, partial_d
                      token_word)
 from .shmem.session import Session
 from .status import error_from_status
+from .transfer import choose_copy_engine, peer_token_slots
 
 _owner_ids = itertools.count(1)
 
@@ -64,6 +65,8 @@ FUSED_COPY_MAX_TOKENS = 16
 #: int64 scalar arguments 0 and 1, one object each: the fast launch path rewrites an argument
 #: only when its object changes (ep_runtime.shmem.fast_launch).
 _INT64 = (np.int64(0), np.int64(1))
+#: token_group -1: the kernels use the device's call parity for the rows' group (stores transfer).
+_TOKEN_GROUP_DEVICE = np.int64(-1)
 
 #: Blocks per kernel in the simulator when EPConfig.n_sms is None (more than one, so the
 #: block scheduling and the last-block ticket are exercised).
@@ -108,6 +111,10 @@ class EPRuntime:
         Whether the expanded ``dispatch_wait`` copies the rows in its own kernel (one launch)
         instead of a following ``dispatch_copy`` (``EP_RUNTIME_FUSED_COPY``; bf16 tokens at
         decode sizes by default).
+    copy_engine : bool
+        Whether token rows reach the peers by copy-engine copies beside dispatch_async instead
+        of its warps' stores (``EP_RUNTIME_TOKEN_TRANSFER=copy_engine``, bf16 tokens on NVLink
+        peers; off by default: :mod:`ep_runtime.transfer` says why).
     """
 
     def __init__(self, cfg: EPConfig, session: Session, debug: bool = False):
@@ -142,6 +149,13 @@ class EPRuntime:
         for name in {n for args in KERNEL_ARGS.values() for n in args if ":" in n}:
             self._arg[name] = session.as_kernel_arg(region_view(regions[name.partition(":")[0]], name))
         self.peer_stores = self._peer_bases(session)
+        self.copy_engine = choose_copy_engine(cfg, self.peer_stores)
+        modes = session.allgather_object(self.copy_engine)
+        if len(set(modes)) != 1:
+            raise EPConfigError(f"rank {self.rank}: the token transfer differs between ranks (copy engine per rank: "
+                                f"{modes}); set EP_RUNTIME_TOKEN_TRANSFER and EP_RUNTIME_PEER_STORES alike on every "
+                                f"rank.")
+        self._peer_slots = peer_token_slots(session, self._sym, self.layout, self.rank) if self.copy_engine else None
         self._partial = partial_dtype(cfg)  # uint16 (bf16 bits) or float32
         self._f32_partials = self._partial == np.float32
         builds = kernel_builds(cfg, self._threads)
@@ -158,12 +172,16 @@ class EPRuntime:
         #: launches whose arguments are all the runtime's own, prepared once
         self.fused_copy = _fused_copy(cfg)
         wait_scalars = dict(pad_multiple=np.int64(cfg.pad_multiple), timeout_ns=self._timeout_ns)
-        self._fixed = {"dispatch_wait": self._prepare("dispatch_wait", copy_rows=_INT64[0], **wait_scalars)}
-        if self.fused_copy:
-            self._fixed["dispatch_wait", "copy"] = self._prepare("dispatch_wait", copy_rows=_INT64[1], **wait_scalars)
-        for scales in SCALE_LAYOUTS:
-            self._fixed["dispatch_copy", scales] = self._prepare("dispatch_copy",
-                                                                 scales_col_major=_INT64[scales == "column"])
+        self._fixed = {}
+        for tg in self._token_groups():
+            g = {"token_group": tg}
+            self._fixed["dispatch_wait", tg] = self._prepare("dispatch_wait", copy_rows=_INT64[0], **wait_scalars, **g)
+            if self.fused_copy:
+                self._fixed["dispatch_wait", "copy", tg] = self._prepare("dispatch_wait", copy_rows=_INT64[1],
+                                                                         **wait_scalars, **g)
+            for scales in SCALE_LAYOUTS:
+                self._fixed["dispatch_copy", scales, tg] = self._prepare(
+                    "dispatch_copy", scales_col_major=_INT64[scales == "column"], **g)
         self._memo = CallMemo()  # the launches prepared from the caller's last arrays, per call
         self._calls = 0
         self._state = _State.IDLE
@@ -198,18 +216,34 @@ class EPRuntime:
         """
         self._require(_State.IDLE, _State.DISPATCHED, call="dispatch_async")
         inputs = (tokens, topk_ids, topk_weights, n_tokens, token_scales)
-        call = self._memo.get_or_prepare("dispatch_async", (), inputs, lambda: self._prepare_dispatch_async(*inputs))
+        tg = self._token_group(self._calls)
+        call = self._memo.get_or_prepare("dispatch_async", (tg,), inputs,
+                                         lambda: self._prepare_dispatch_async(*inputs, token_group=tg))
         if self.debug:
             self._check_routing(*call.checked)
-        self._run(call)
+        if call.then is None:
+            self._run(call)
+        else:  # the copy-engine transfer: copies on the copy stream beside the kernel, then the signal
+            s = self.session
+            s.fork_copy_stream()
+            s.copy_stream_wait_flag(self.buffers["dispatch_copy_go"])
+            for dst, src, nbytes in call.copies:
+                s.copy_stream_copy(dst, src, nbytes)
+            try:
+                self._run(call)
+            finally:  # joined even when debug mode raises a device error (the kernel released the copies)
+                s.join_copy_stream()
+            self._run(call.then)
         handle = from_fields(DispatchHandle, {"owner": self._owner, "call": self._calls, "n_tokens": call.n_tokens})
         self._calls += 1
         self._state = _State.DISPATCH_SENT
         return handle
 
-    def _prepare_dispatch_async(self, tokens, topk_ids, topk_weights, n_tokens, token_scales) -> PreparedCall:
+    def _prepare_dispatch_async(self, tokens, topk_ids, topk_weights, n_tokens, token_scales,
+                                token_group) -> PreparedCall:
         """Check and convert dispatch_async's arguments (raising EPInputError before any
-        launch); the launch, with T and the routing check's arguments."""
+        launch); the launch, with T and the routing check's arguments (and, on the copy-engine
+        transfer, the copies into the peers' group ``token_group`` and the signal launch)."""
         cfg, be, c, fmt = self.cfg, self.session.backend, "dispatch_async", self._fmt
         tokens = arrays.to_backend(tokens, be, c, "tokens")
         topk_ids = arrays.to_backend(topk_ids, be, c, "topk_ids")
@@ -246,8 +280,15 @@ class EPRuntime:
             scales = token_scales.view(np.uint8)
         valid = self._valid_tokens(n_tokens, c)
         call = self._prepare("dispatch_async", tokens=tokens, topk_ids=topk_ids, topk_weights=topk_weights, **valid,
-                             token_scales=scales, prequantized=_INT64[fp8_in])
-        return PreparedCall(call.kernel, call.args, n_tokens=T, checked=(topk_ids, topk_weights, valid))
+                             token_scales=scales, prequantized=_INT64[fp8_in], copy_engine=_INT64[self.copy_engine],
+                             token_group=token_group, timeout_ns=self._timeout_ns)
+        copies, then = (), None
+        if self.copy_engine:
+            nbytes = T * cfg.hidden * 2  # the whole batch (capacity rows under n_tokens), bf16
+            copies = tuple((dst, tokens, nbytes) for dst in self._peer_slots[token_group] if dst is not None and nbytes)
+            then = self._prepare("dispatch_signal", tokens=tokens, **valid)
+        return PreparedCall(call.kernel, call.args, n_tokens=T, checked=(topk_ids, topk_weights, valid),
+                            copies=copies, then=then)
 
     def _valid_tokens(self, n_tokens, call) -> dict:
         """The ``valid_tokens`` / ``use_valid`` kernel arguments for ``n_tokens`` (see dispatch_async)."""
@@ -306,15 +347,16 @@ class EPRuntime:
         if scales not in SCALE_LAYOUTS:
             raise EPInputError(f"dispatch_wait: scales={scales!r}; expected one of {SCALE_LAYOUTS} (row-major "
                                f"[rows, hidden / 128] or column-major [hidden / 128, rows]).")
+        tg = self._token_group(handle.call)
         if layout == "compact":
-            self._run(self._fixed["dispatch_wait"])
+            self._run(self._fixed["dispatch_wait", tg])
             self._state = _State.DISPATCHED
             return from_fields(CompactBatch, {**self._batch_views["compact", handle.call % 2], "handle": handle})
         if self.fused_copy:  # bf16 decode sizes: placement and copy in one launch
-            self._run(self._fixed["dispatch_wait", "copy"])
+            self._run(self._fixed["dispatch_wait", "copy", tg])
         else:
-            self._run(self._fixed["dispatch_wait"])
-            self._run(self._fixed["dispatch_copy", scales])
+            self._run(self._fixed["dispatch_wait", tg])
+            self._run(self._fixed["dispatch_copy", scales, tg])
         self._state = _State.DISPATCHED
         return from_fields(ExpertBatch, {**self._batch_views["expanded", scales], "handle": handle})
 
@@ -502,6 +544,15 @@ class EPRuntime:
         return int(self.session.to_host(self.buffers["dispatch_async_sync"])[SYNC_CALLS])
 
     # -- internals ------------------------------------------------------------------------------
+    def _token_groups(self) -> tuple:
+        """The ``token_group`` kernel arguments this runtime uses: the host's call parities 0
+        and 1 on the copy-engine transfer, else -1 (the device's parity)."""
+        return (_INT64[0], _INT64[1]) if self.copy_engine else (_TOKEN_GROUP_DEVICE,)
+
+    def _token_group(self, call: int):
+        """The ``token_group`` argument of (0-based) dispatch call ``call``."""
+        return _INT64[call % 2] if self.copy_engine else _TOKEN_GROUP_DEVICE
+
     def _require(self, *states, call, handle=None, handle_type=None):
         """Raise EPStateError unless the runtime is open, has not failed, is in one of
         ``states``, and ``handle`` (if given) is a ``handle_type`` of this runtime's current call."""
@@ -657,12 +708,12 @@ def _kernels_for(threads: int, word, quantized: bool = False, ue8m0: bool = Fals
     from .kernels.validate import validate_routing
 
     word, f32_partials = np.dtype(word), bool(f32_partials)
-    da, dw, dc = _built(("dispatch", threads, bool(quantized), bool(ue8m0)),
+    da, dw, dc, ds = _built(("dispatch", threads, bool(quantized), bool(ue8m0)),
                         lambda: make_dispatch_kernels(threads, quantized, ue8m0))
     ca, cw, _ = _built(("combine", threads, word, f32_partials),
                        lambda: make_combine_kernels(threads, word, f32_partials=f32_partials))
     cr = _built(("combine", threads, word, False), lambda: make_combine_kernels(threads, word))[2]
-    return {"dispatch_async": da, "dispatch_wait": dw, "dispatch_copy": dc, "combine_async": ca,
+    return {"dispatch_async": da, "dispatch_signal": ds, "dispatch_wait": dw, "dispatch_copy": dc, "combine_async": ca,
             "combine_async_rows": cr, "combine_wait": cw, "validate_routing": validate_routing}
 
 

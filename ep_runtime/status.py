@@ -37,8 +37,9 @@ KERNEL_NAMES = {KERNEL_DISPATCH_ASYNC: "dispatch_async", KERNEL_DISPATCH_WAIT: "
 COUNTER_DISPATCH_SIGNAL = 1
 COUNTER_COMBINE_SIGNAL = 2
 COUNTER_RECV_ROWS = 3
+COUNTER_TOKEN_CREDIT = 4
 COUNTER_NAMES = {COUNTER_DISPATCH_SIGNAL: "dispatch_signal", COUNTER_COMBINE_SIGNAL: "combine_signal",
-                 COUNTER_RECV_ROWS: "expert-batch rows"}
+                 COUNTER_RECV_ROWS: "expert-batch rows", COUNTER_TOKEN_CREDIT: "dispatch_token_credit"}
 
 
 def error_from_status(status: np.ndarray, timeout_s: float) -> EPError | None:
@@ -52,10 +53,10 @@ def error_from_status(status: np.ndarray, timeout_s: float) -> EPError | None:
     expected, observed = int(status[STATUS_EXPECTED]), int(status[STATUS_OBSERVED])
     call = int(status[STATUS_CALL])
     if code == ERR_TIMEOUT:
-        group = (call - 1) % 2
+        group = "" if int(status[STATUS_COUNTER]) == COUNTER_TOKEN_CREDIT else f"[{(call - 1) % 2}]"  # credits: no group
         return EPTimeoutError(
             f"rank {rank}: {kernel} of call {call - 1} timed out after {timeout_s:g} s waiting for rank "
-            f"{peer}: {counter}[{group}][{peer}] expected >= {expected}, observed {observed}. "
+            f"{peer}: {counter}{group}[{peer}] expected >= {expected}, observed {observed}. "
             f"Likely causes: rank {peer} did not make this call (every rank must call dispatch and "
             f"combine the same number of times, in the same order), rank {peer} failed earlier (see its "
             f"own error), or the ranks were built with different configs. The runtime refuses further "

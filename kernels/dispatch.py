@@ -24,8 +24,8 @@ from ep_runtime.kernels.trace import stamp_first, stamp_last
 from ep_runtime.kernels.vec import address_of, make_pair_loops, pairs_aligned, store_u32_at, store_u8_at
 from ep_runtime.layout import (PEER_COUNTS, PEER_IDS, PEER_RANKS, PEER_TOKENS, PEER_WEIGHTS, SIGNAL_TOKEN_BITS,
                               STATUS_CODE, SYNC_CALLS, SYNC_TICKET)
-from ep_runtime.status import (COUNTER_DISPATCH_SIGNAL, COUNTER_RECV_ROWS, ERR_CAPACITY, ERR_TIMEOUT,
-                               KERNEL_DISPATCH_WAIT)
+from ep_runtime.status import (COUNTER_DISPATCH_SIGNAL, COUNTER_RECV_ROWS, COUNTER_TOKEN_CREDIT, ERR_CAPACITY,
+                               ERR_TIMEOUT, KERNEL_DISPATCH_ASYNC, KERNEL_DISPATCH_WAIT)
 
 #: Words of a row each lane loads before storing any in dispatch_copy (memory-level
 #: parallelism: 64 bytes per lane, 32 KB per 512-thread block in flight); as word pairs
@@ -163,11 +163,35 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
             copy_row(src_rows[hit_token[mine + h]], expert_x[hit_row[mine + h]], W, pairs, lane, lo, hi)
         warp_sync()  # the list is read before the warp's next step writes it
 
+    @cuda.jit(device=True)
+    def exchange_credits(d_credit, copy_go, n, status, timeout_ns):
+        """One thread, at the start of call ``n``'s dispatch_async on the copy-engine transfer:
+        grant every peer its next copy into this rank (SIGNAL_ADD 1 to its ``d_credit[me]``;
+        this rank's reads of the last call's rows are done, in stream order), wait until
+        every peer granted call n (``d_credit[d] >= n + 1``: credits are cumulative, one per
+        call), then release the side stream's copies (``copy_go[0] = 1``, also after a
+        timeout, which is recorded: the copies never wait forever)."""
+        me = shmem.my_pe()
+        R = d_credit.shape[0]
+        for d in range(R):
+            if d != me:
+                shmem.signal_op(d_credit[me:me + 1], uint64(1), shmem.SIGNAL_ADD, d)
+        for d in range(R):
+            if d != me:
+                seen = shmem.wait_signal_ge(d_credit[d:d + 1], uint64(n + 1), timeout_ns)
+                if seen < uint64(n + 1):
+                    record_error(status, ERR_TIMEOUT, KERNEL_DISPATCH_ASYNC, me, d, COUNTER_TOKEN_CREDIT, n + 1,
+                                 int64(seen), n + 1)
+        stamp_first(status, 5)
+        copy_go[0] = uint32(1)
+        cuda.threadfence_system()  # the stream's wait polls copy_go from outside the SMs
+
     @kernel_jit(threads)
     def dispatch_async(tokens, topk_ids, topk_weights, valid_tokens, use_valid,
                        d_tokens, d_ids, d_weights, d_counts, d_ranks, d_signal,
                        sync, send_ranks, send_counts, status,
-                       token_scales, prequantized, stage64, stage8, d_tokens8, peer_bases, peer_stores):
+                       token_scales, prequantized, stage64, stage8, d_tokens8, peer_bases, peer_stores,
+                       copy_engine, token_group, d_credit, copy_go, timeout_ns):
         """Send this rank's tokens, once per destination rank, and signal each destination.
 
         tokens [Tc, W] words, topk_ids [Tc, K] int32, topk_weights [Tc, K] float32: this rank's
@@ -184,6 +208,20 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         messages, d_tokens8 their uint8 view. peer_bases [P, R] uint64: the address of each of
         ``layout.PEER_REGIONS`` on each PE as mapped here (``Session.peer_addresses``), used
         when peer_stores (int64) is nonzero.
+
+        copy_engine (int64) nonzero: the copy-engine transfer (bf16 tokens; docs/protocol.md,
+        "Copy-engine transfer"). The host has enqueued, on a side stream, a copy of the
+        token rows into every peer's slot, held until ``copy_go[0]`` (uint32, local) is 1.
+        Then block 0 first grants every peer its next copy into this rank (adds 1 to the
+        peer's ``d_credit[me]``, uint64 symmetric [R]: this rank's reads of the last call's
+        rows are done, in stream order), waits until every peer granted this call
+        (``d_credit[d] >= n + 1``, timeout_ns; a timeout is recorded naming the peer and
+        ``dispatch_token_credit``) and sets ``copy_go[0] = 1`` (always, so the side stream
+        never hangs); the token blocks store each row to this rank only; and the ticket
+        does not signal (``dispatch_signal`` does, after the copies). token_group (int64): the
+        group of d_tokens the rows go to: the host's call parity in the copy-engine transfer
+        (a CUDA graph replays its captured group: the credits make that safe), -1 for the
+        device's ``g`` (the other transfer).
 
         The last block is the routing block (with one block, block 0 is both); the others are
         token blocks.
@@ -225,9 +263,12 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         hi = cuda.local.array(UP, uint64)
         pdl.trigger_dependents()
         pdl.dependency_wait()  # nothing stream-ordered is read before this (kernels/pdl.py)
+        if status[STATUS_CODE] == 0:
+            stamp_first(status, 0)
+        if copy_engine != 0 and cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:  # even after a failure
+            exchange_credits(d_credit, copy_go, sync[SYNC_CALLS], status, timeout_ns)
         if status[STATUS_CODE] != 0:
             return  # an earlier call failed: send nothing, so peers time out naming this rank
-        stamp_first(status, 0)
         me = shmem.my_pe()
         R = d_counts.shape[1]
         L = d_counts.shape[2] - 1
@@ -239,6 +280,8 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         tid = cuda.threadIdx.x
         n = sync[SYNC_CALLS]
         g = n % 2
+        tg = token_group if token_group >= 0 else g  # the group of d_tokens this call's rows go to
+        by_engine = uint64(0) if copy_engine == 0 else ~(uint64(1) << uint64(me))  # destinations the copy engine serves
         token_blocks = max(cuda.gridDim.x - 1, 1)
         routing_block = cuda.blockIdx.x == cuda.gridDim.x - 1
         meta_stores = peer_stores != 0  # routing rows, ranks, counts: 4-byte stores into peers
@@ -289,7 +332,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                     for k in range(K):
                         sent |= uint64(1) << uint64(topk_ids[t, k] // L)
                     if direct:
-                        slot = address_of(d_tokens[g, me, t]) - address_of(d_tokens)  # the same on every PE
+                        slot = address_of(d_tokens[tg, me, t]) - address_of(d_tokens)  # the same on every PE
                         if prequantized == 0:
                             encode_blocks(tokens, t, b0, b1, src_pairs, uint64(0), PB, lane, mbuf, peer_bases, sent,
                                           slot)
@@ -303,8 +346,8 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                             warp_sync()  # the part is staged before the warp's puts read it
                         for d in range(R):
                             if (sent >> uint64(d)) & uint64(1):
-                                dst_codes = d_tokens[g, me, t, b0 * CODE_WORDS:b1 * CODE_WORDS]
-                                dst_scales = d_tokens8[g, me, t, PB + b0 * SB:PB + b1 * SB]
+                                dst_codes = d_tokens[tg, me, t, b0 * CODE_WORDS:b1 * CODE_WORDS]
+                                dst_scales = d_tokens8[tg, me, t, PB + b0 * SB:PB + b1 * SB]
                                 if prequantized == 0:
                                     shmem.put_nbi_warp(dst_codes, stage64[t, b0 * CODE_WORDS:b1 * CODE_WORDS], d)
                                     shmem.put_nbi_warp(dst_scales, stage8[t, PB + b0 * SB:PB + b1 * SB], d)
@@ -324,16 +367,16 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         while cuda.blockIdx.x < token_blocks and i < T_parts * parts:
             t, w0, w1 = part_bounds(i, parts, span, W)
             if w0 < w1:
-                sent = uint64(0)  # bit d: this part goes to rank d
+                sent = uint64(0)  # bit d: this part goes to rank d (by these warps, not the copy engine)
                 for k in range(K):
                     d = topk_ids[t, k] // L
-                    if (sent >> uint64(d)) & uint64(1) == uint64(0):
+                    if (sent >> uint64(d)) & uint64(1) == uint64(0) and (by_engine >> uint64(d)) & uint64(1) == 0:
                         sent |= uint64(1) << uint64(d)
                         if not direct:
-                            shmem.put_nbi_warp(d_tokens[g, me, t, w0:w1], tokens[t, w0:w1], d)
+                            shmem.put_nbi_warp(d_tokens[tg, me, t, w0:w1], tokens[t, w0:w1], d)
                 if direct:  # UP word pairs per lane loaded once, stored to every destination
                     src = tokens[t]
-                    slot = address_of(d_tokens[g, me, t]) - address_of(d_tokens)  # the same on every PE
+                    slot = address_of(d_tokens[tg, me, t]) - address_of(d_tokens)  # the same on every PE
                     w = w0 + 2 * lane
                     while w < w1:
                         load_pairs(src, w, w1, lo, hi)
@@ -422,7 +465,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         if last_block_ticket(sync[SYNC_TICKET:SYNC_TICKET + 1], flag):
             stamp_last(status, 3)
             signal = (uint64(n + 1) << uint64(SIGNAL_TOKEN_BITS)) | uint64(T)  # layout.dispatch_signal_value
-            for d in range(tid, R, threads):
+            for d in range(tid, R if copy_engine == 0 else 0, threads):  # copy engine: dispatch_signal signals
                 if meta_stores:
                     shmem.signal_op(d_signal[g, me:me + 1], signal, shmem.SIGNAL_SET, d)
                 else:
@@ -434,10 +477,35 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
             stamp_last(status, 6)
 
     @kernel_jit(threads)
+    def dispatch_signal(tokens, valid_tokens, use_valid, d_signal, sync, status):
+        """The copy-engine transfer's signal: every rank's ``d_signal[g, me]`` set to
+        ``(n + 1) << 32 | T`` for call n = ``sync[SYNC_CALLS] - 1`` (dispatch_async advanced
+        it), T as dispatch_async counts it (tokens [Tc, W]: Tc, or ``min(Tc,
+        valid_tokens[0])`` when use_valid). Enqueued after dispatch_async and the side
+        stream's copies (the host joins the streams), so everything of the call has landed
+        on every rank. Nothing if an error was recorded (peers then time out naming this
+        rank). One block; thread d signals rank d."""
+        if status[STATUS_CODE] != 0:
+            return
+        me = shmem.my_pe()
+        R = d_signal.shape[1]
+        T = tokens.shape[0]
+        if use_valid != 0:
+            T = max(0, min(T, valid_tokens[0]))
+        n = sync[SYNC_CALLS] - 1
+        g = n % 2
+        signal = (uint64(n + 1) << uint64(SIGNAL_TOKEN_BITS)) | uint64(T)  # layout.dispatch_signal_value
+        cuda.threadfence_system()
+        if cuda.blockIdx.x == 0:
+            for d in range(cuda.threadIdx.x, R, threads):
+                shmem.signal_op(d_signal[g, me:me + 1], signal, shmem.SIGNAL_SET, d)
+        stamp_last(status, 7)
+
+    @kernel_jit(threads)
     def dispatch_wait(d_ids, d_weights, d_counts, d_ranks, d_signal, sync,
                       row_offsets, expert_counts, row_src_rank, row_src_token, row_src_k,
                       row_weight, row_gather, token_rows, status, pad_multiple, timeout_ns,
-                      d_tokens, expert_x, copy_rows):
+                      d_tokens, expert_x, copy_rows, token_group):
         """Wait for every source rank, then place every received (token, local expert) pair.
 
         Symmetric inputs as in dispatch_async (group g of the last call): d_counts [G, R, L + 1]
@@ -453,7 +521,8 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         copies its hits' received rows, d_tokens [G, R, Tmax, W] words, to their rows of
         expert_x [C, W] words, and the expert warps zero the padding rows, so no dispatch_copy
         follows (a row is read once per local expert instead of once: the token-major
-        dispatch_copy stays the better choice for large batches).
+        dispatch_copy stays the better choice for large batches). token_group (int64): the
+        group of d_tokens the rows landed in (dispatch_async's), -1 for ``g``.
 
         Every block waits for all R signals itself (each carries its source's token count),
         scans the local experts' padded row counts (a thread per run of experts, one block scan:
@@ -490,6 +559,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         tid = cuda.threadIdx.x
         n = sync[SYNC_CALLS] - 1
         g = n % 2
+        tg = token_group if token_group >= 0 else g
 
         # wait for every source rank's signal (thread s waits for rank s)
         if tid == 0:
@@ -586,14 +656,14 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                                  row_src_k, row_weight, row_gather, token_rows)
             if copy:  # the step's hits
                 below, hits = warp_exclusive_count(hit, scan_buf)
-                copy_warp_hits(hit, r, t, below, hits, d_tokens[g, s], expert_x, W, pairs, hit_row, hit_token,
+                copy_warp_hits(hit, r, t, below, hits, d_tokens[tg, s], expert_x, W, pairs, hit_row, hit_token,
                                lane, lo, hi)
             i += all_warps
         stamp_last(status, 11)
 
     @kernel_jit(threads)
     def dispatch_copy(d_tokens, d_ids, d_counts, sync, token_rows, row_offsets, expert_counts,
-                      expert_x, status, d_tokens8, expert_scales8, scales_col_major):
+                      expert_x, status, d_tokens8, expert_scales8, scales_col_major, token_group):
         """Copy each received token row once to all its expert rows; zero the padding rows.
 
         d_tokens [G, R, Tmax, W] words (symmetric, group g of the last call), d_ids
@@ -611,6 +681,8 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         above, and the warp holding a row's first part lays its scale bytes out in
         expert_scales8 (a uint8 view of [C * S] scales, row-major, or column-major when
         scales_col_major, int64, is nonzero; ``store_scales``); padding rows get zero scales.
+        token_group (int64): the group of d_tokens the rows landed in (dispatch_async's), -1
+        for ``g``.
         """
         vals = cuda.local.array(U, uint64)
         lo = cuda.local.array(UP, uint64)
@@ -630,6 +702,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         SBYTES = expert_scales8.shape[0] // C if C > 0 else 0  # scale bytes per row (FP8 formats)
         n = sync[SYNC_CALLS] - 1
         g = n % 2
+        tg = token_group if token_group >= 0 else g  # the group the rows landed in (dispatch_async's)
         lane = cuda.threadIdx.x % warp
         first_warp = cuda.blockIdx.x * warps + cuda.threadIdx.x // warp
         all_warps = cuda.gridDim.x * warps
@@ -642,7 +715,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
             while i < T_s * parts:
                 t, w0, w1 = part_bounds(i, parts, span, W)
                 n_local = local_expert_count(d_ids[g, s, t], L, me)
-                src = d_tokens[g, s, t]
+                src = d_tokens[tg, s, t]
                 w = w0 + 2 * lane
                 while pairs and w < w1:  # UP pairs per lane loaded before any is stored (w0, w1 even)
                     load_pairs(src, w, w1, lo, hi)
@@ -662,7 +735,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                     w += U * warp
                 if QUANT and w0 == 0:
                     for j in range(n_local):
-                        store_scales(d_tokens8[g, s, t], W * 8, SBYTES, expert_scales8, token_rows[s, t, j], C,
+                        store_scales(d_tokens8[tg, s, t], W * 8, SBYTES, expert_scales8, token_rows[s, t, j], C,
                                      scales_col_major, lane, 0)
                 i += all_warps
 
@@ -672,9 +745,11 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                 for w in range(lane, W, warp):
                     expert_x[r, w] = 0
                 if QUANT:
-                    store_scales(d_tokens8[g, 0, 0], W * 8, SBYTES, expert_scales8, r, C, scales_col_major, lane, 1)
+                    store_scales(d_tokens8[tg, 0, 0], W * 8, SBYTES, expert_scales8, r, C, scales_col_major, lane, 1)
             e += all_warps
         stamp_last(status, 13)
 
-    # each waits for its predecessor on the device first: launchable with PDL
-    return pdl.programmatic(dispatch_async), pdl.programmatic(dispatch_wait), pdl.programmatic(dispatch_copy)
+    # each waits for its predecessor on the device first: launchable with PDL (dispatch_signal
+    # follows a join with the side stream, a full dependency: launched without PDL)
+    return (pdl.programmatic(dispatch_async), pdl.programmatic(dispatch_wait), pdl.programmatic(dispatch_copy),
+            dispatch_signal)

@@ -27,11 +27,13 @@ TRACE = os.environ.get("EP_RUNTIME_TRACE", "").strip().lower() in ("1", "true", 
 #: slot -> (kernel, point). A kernel's points are measured from its ``start`` slot.
 SLOTS = {
     0: ("dispatch_async", "start"),
+    5: ("dispatch_async", "token credits seen (block 0; copy engine)"),
     4: ("dispatch_async", "routing rows sent (last block)"),
     1: ("dispatch_async", "tokens sent (last block)"),
     2: ("dispatch_async", "ranks and counts sent (last block)"),
     3: ("dispatch_async", "ticket taken (last block)"),
     6: ("dispatch_async", "signalled (end)"),
+    7: ("dispatch_async", "copies landed, signalled (dispatch_signal; copy engine)"),
     8: ("dispatch_wait", "start"),
     23: ("dispatch_wait", "started (last block)"),
     15: ("dispatch_wait", "signals seen (block 0)"),

@@ -50,6 +50,13 @@ def _fast_launch_from_env() -> bool:
     return os.environ.get(FAST_LAUNCH_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
 
 
+def _check_driver(result, call: str) -> None:
+    """Raise ShmemError unless a cuda.bindings driver call returned CUDA_SUCCESS."""
+    err = result[0] if type(result) is tuple else result
+    if int(err) != 0:
+        raise ShmemError(f"{call} failed: {err!r}")
+
+
 def _cuda_core_device(index: int):
     try:
         from cuda.core import Device
@@ -109,6 +116,7 @@ class NvshmemSession(Session):
         self._cupy_stream.use()  # the caller's CuPy work orders with the kernels by default
         self._numba_stream = numba_cuda.external_stream(handle)
         self._symmetric = []
+        self._copy = None  # (side stream, fork event, join event), made by the first fork_copy_stream
         self._closed = False
         #: Launch precompiled signatures through the driver (see the module docstring). With
         #: EP_RUNTIME_FAST_LAUNCH=0 no fast launcher is built and this stays False.
@@ -267,6 +275,37 @@ class NvshmemSession(Session):
 
     def allgather_object(self, obj):
         return self._comm.allgather(obj)
+
+    # -- the copy stream -------------------------------------------------------------------------
+    def fork_copy_stream(self):
+        import cupy
+
+        if self._copy is None:  # made once: a non-blocking stream and its two events
+            self._copy = (cupy.cuda.Stream(non_blocking=True), cupy.cuda.Event(disable_timing=True),
+                          cupy.cuda.Event(disable_timing=True))
+        side, fork, _ = self._copy
+        fork.record(self._cupy_stream)
+        side.wait_event(fork)
+
+    def copy_stream_wait_flag(self, flag):
+        from cuda.bindings import driver
+
+        side = self._copy[0]
+        ptr = driver.CUdeviceptr(int(flag.data.ptr))
+        stream = driver.CUstream(int(side.ptr))
+        _check_driver(driver.cuStreamWaitValue32(stream, ptr, 1, driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_EQ),
+                      "cuStreamWaitValue32")
+        _check_driver(driver.cuStreamWriteValue32(stream, ptr, 0,
+                                                  driver.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT),
+                      "cuStreamWriteValue32")
+
+    def copy_stream_copy(self, dst, src, nbytes):
+        dst.data.copy_from_device_async(src.data, int(nbytes), stream=self._copy[0])
+
+    def join_copy_stream(self):
+        side, _, join = self._copy
+        join.record(side)
+        self._cupy_stream.wait_event(join)
 
     # -- lifetime -------------------------------------------------------------------------------
     def close(self):

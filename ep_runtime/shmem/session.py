@@ -137,6 +137,30 @@ class Session(abc.ABC):
         """Collective: every PE's ``obj`` (picklable), in rank order (host-side, for
         construction-time checks such as configs that differ between ranks)."""
 
+    # -- the copy stream (copy-engine transfers beside the kernels) --------------------------
+    @abc.abstractmethod
+    def fork_copy_stream(self) -> None:
+        """Start enqueuing on the copy stream, a second stream: its work starts after
+        everything enqueued on :attr:`stream` so far, and runs beside what is enqueued there
+        next, until :meth:`join_copy_stream`. On ``sim`` the copy stream's work is held and
+        runs at the join (after the kernels enqueued in between: the order a GPU allows)."""
+
+    @abc.abstractmethod
+    def copy_stream_wait_flag(self, flag) -> None:
+        """On the copy stream: wait until ``flag[0]`` (a uint32 device word that a kernel on
+        :attr:`stream` sets) is 1, then set it to 0. The wait has no time limit on a GPU (the
+        kernel setting the flag must set it on every path); on ``sim`` a flag that is not 1
+        at the join raises :class:`~ep_runtime.errors.ShmemError`."""
+
+    @abc.abstractmethod
+    def copy_stream_copy(self, dst, src, nbytes: int) -> None:
+        """On the copy stream: the first ``nbytes`` of device array ``src`` into ``dst`` (a
+        :meth:`peer_view` slice or local memory, C-contiguous) with the copy engine."""
+
+    @abc.abstractmethod
+    def join_copy_stream(self) -> None:
+        """End the copy stream's work: what is enqueued on :attr:`stream` next waits for it."""
+
     # -- lifetime ---------------------------------------------------------------------------
     @abc.abstractmethod
     def close(self) -> None:
