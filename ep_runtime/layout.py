@@ -170,20 +170,18 @@ def _regions(cfg: EPConfig) -> list[Region]:
         Region("dispatch_signal", (G, R), u64, 0, S, f"{DA} (peers, last block)", (DW,),
                "[g, src]: (n + 1) << 32 | T once everything of call n (T tokens) from src has arrived "
                "(dispatch_signal_value; monotonic)"),
-        Region("dispatch_token_credit", (R,), u64, 0, S, f"{DA} (peers, block 0)", (DA,),
-               "[d]: calls rank d has started (copy-engine transfer): d's reads of my rows of earlier calls "
-               "are done, so my copy of call n may write into d once it is >= n + 1 (cumulative)"),
         Region("combine_partials", (G, R, T, H), pdt, 0, S, f"{CA} (peers)", (CW,),
                f"[g, r, t]: weighted partial sum over rank r's experts for my token t ({pname})"),
         Region("combine_signal", (G, R), u64, 0, S, f"{CA} (peers, last block)", (CW,),
                "[g, r]: n + 1 once rank r's partials of call n have arrived (monotonic)"),
+        # cumulative over calls (not per group): the one symmetric region without a group axis
+        Region("dispatch_token_credit", (R,), u64, 0, S, f"{DA} (peers, block 0)", (DA,),
+               "[d]: calls rank d has started (copy-engine transfer): d's reads of my rows of earlier calls "
+               "are done, so my copy of call n may write into d once it is >= n + 1 (cumulative)"),
         # -- local: counters of dispatch_async -----------------------------------------------------
         Region("dispatch_async_sync", (2,), i64, 0, Lc, DA, (DA, DW, CA, CW),
                "[0] ticket: finished blocks of the launch (reset by the last block); "
                "[1] calls: completed dispatch calls (call n sets n + 1)"),
-        Region("dispatch_copy_go", (1,), np.dtype(np.uint32), 0, Lc, f"{DA} (block 0); side stream", ("side stream",),
-               "[0] 1: every peer granted this call's copies (copy-engine transfer); the side stream waits "
-               "for 1, resets it to 0, then copies"),
         Region("dispatch_send_ranks", (T, K), i32, 0, Lc, DA, (DA,),
                "staging of dispatch_ranks: [t, k] rank of token t among this rank's tokens with expert "
                "topk_ids[t, k]"),
@@ -217,6 +215,9 @@ def _regions(cfg: EPConfig) -> list[Region]:
         Region("status", (STATUS_LEN + TRACE_LEN,), i64, 0, Lc, "any kernel", ("host",),
                "first device error: code, kernel, rank, peer/expert, counter, expected, observed, call; "
                "then TRACE_LEN phase time stamps (kernels/trace.py, EP_RUNTIME_TRACE=1)"),
+        Region("dispatch_copy_go", (1,), np.dtype(np.uint32), 0, Lc, f"{DA} (block 0); side stream", ("side stream",),
+               "[0] 1: every peer granted this call's copies (copy-engine transfer); the side stream waits "
+               "for 1, resets it to 0, then copies"),
     ]
 
 

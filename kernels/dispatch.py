@@ -263,12 +263,15 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         hi = cuda.local.array(UP, uint64)
         pdl.trigger_dependents()
         pdl.dependency_wait()  # nothing stream-ordered is read before this (kernels/pdl.py)
-        if status[STATUS_CODE] == 0:
-            stamp_first(status, 0)
-        if copy_engine != 0 and cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:  # even after a failure
-            exchange_credits(d_credit, copy_go, sync[SYNC_CALLS], status, timeout_ns)
         if status[STATUS_CODE] != 0:
+            if copy_engine != 0 and cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
+                exchange_credits(d_credit, copy_go, sync[SYNC_CALLS], status, timeout_ns)  # releases the copies
             return  # an earlier call failed: send nothing, so peers time out naming this rank
+        stamp_first(status, 0)
+        if copy_engine != 0 and cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
+            exchange_credits(d_credit, copy_go, sync[SYNC_CALLS], status, timeout_ns)
+        if copy_engine != 0 and status[STATUS_CODE] != 0:
+            return  # a peer's credit timed out (block 0 recorded it): send nothing more
         me = shmem.my_pe()
         R = d_counts.shape[1]
         L = d_counts.shape[2] - 1
@@ -484,7 +487,11 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         valid_tokens[0])`` when use_valid). Enqueued after dispatch_async and the side
         stream's copies (the host joins the streams), so everything of the call has landed
         on every rank. Nothing if an error was recorded (peers then time out naming this
-        rank). One block; thread d signals rank d."""
+        rank). One block; thread d signals rank d. Launched without PDL (its predecessor
+        includes the join, an event wait), so the wait below returns at once; kept so that
+        every kernel reads stream-ordered data only after it."""
+        pdl.trigger_dependents()
+        pdl.dependency_wait()
         if status[STATUS_CODE] != 0:
             return
         me = shmem.my_pe()

@@ -42,9 +42,11 @@ DSV3_SYMMETRIC = {
     "combine_partials": ((2, 8, 4096, 7168), u16, 939_524_096, 945_818_112),
     # [G, R] u64: 128 B; 945,818,112 + 939,524,096 = 1,885,342,208
     "combine_signal": ((2, 8), u64, 128, 1_885_342_208),
+    # [R] u64 (cumulative credits, no group axis): 64 B; 1,885,342,208 + 128 -> 1,885,342,464
+    "dispatch_token_credit": ((8,), u64, 64, 1_885_342_464),
 }
-# 1,885,342,208 + 128 -> round up to 256 = 1,885,342,464
-DSV3_SYMMETRIC_BYTES = 1_885_342_464
+# 1,885,342,464 + 64 -> round up to 256 = 1,885,342,720
+DSV3_SYMMETRIC_BYTES = 1_885_342_720
 
 DSV3_LOCAL = {
     # [2] i64: 16 B at 0
@@ -77,9 +79,11 @@ DSV3_LOCAL = {
     "row_gather": ((262144,), i32, 1_048_576, 4_233_234_688),
     # [32] i64: 256 B; + 1,048,576 = 4,234,283,264
     "status": ((32,), i64, 256, 4_234_283_264),  # 8 error words + TRACE_LEN trace words
+    # [1] u32: 4 B; 4,234,283,264 + 256 = 4,234,283,520
+    "dispatch_copy_go": ((1,), np.dtype(np.uint32), 4, 4_234_283_520),
 }
-# 4,234,283,264 + 256 = 4,234,283,520
-DSV3_LOCAL_BYTES = 4_234_283_520
+# 4,234,283,520 + 4 -> round up to 256 = 4,234,283,776
+DSV3_LOCAL_BYTES = 4_234_283_776
 
 SMALL_SYMMETRIC = {
     # [G, R, T, H] u16: 2 * 2 * 16 * 64 * 2 = 8192 B at 0
@@ -98,8 +102,9 @@ SMALL_SYMMETRIC = {
     "combine_partials": ((2, 2, 16, 64), u16, 8192, 10240),
     # 32 B; 10240 + 8192 = 18432
     "combine_signal": ((2, 2), u64, 32, 18432),
+    "dispatch_token_credit": ((2,), u64, 16, 18688),  # 18432 + 32 -> 18688
 }
-SMALL_SYMMETRIC_BYTES = 18688  # 18432 + 32 -> 18688
+SMALL_SYMMETRIC_BYTES = 18944  # 18688 + 16 -> 18944
 
 SMALL_LOCAL = {
     "dispatch_async_sync": ((2,), i64, 16, 0),
@@ -131,8 +136,9 @@ SMALL_LOCAL = {
     "row_gather": ((50,), i32, 200, 13312),
     # [8] i64: 64 B; 13312 + 200 -> 13568
     "status": ((32,), i64, 256, 13568),
+    "dispatch_copy_go": ((1,), np.dtype(np.uint32), 4, 13824),  # 13568 + 256 -> 13824
 }
-SMALL_LOCAL_BYTES = 13824  # 13568 + 64 -> 13824
+SMALL_LOCAL_BYTES = 14080  # 13824 + 4 -> 14080
 
 CASES = {
     "dsv3": (DSV3, DSV3_SYMMETRIC, DSV3_SYMMETRIC_BYTES, DSV3_LOCAL, DSV3_LOCAL_BYTES),
@@ -204,6 +210,9 @@ def test_symmetric_regions_have_leading_group_dimension(case):
     layout, *_ = case
     assert layout.symmetric_regions, "no symmetric regions"
     for r in layout.symmetric_regions:
+        if r.name == "dispatch_token_credit":  # cumulative over calls by design: [R], no group axis
+            assert r.shape == (layout.cfg.n_ranks,), r.shape
+            continue
         assert r.shape[0] == 2, f"{r.name} {r.shape}: no leading group dimension 2"
         assert r.shape[1] == layout.cfg.n_ranks, f"{r.name} {r.shape}: second dimension is not the source rank"
 
@@ -250,8 +259,8 @@ def test_describe_dsv3_figures():
     text = BufferLayout(DSV3).describe()
     assert "896.000" in text          # dispatch_tokens and combine_partials
     assert "3584.000" in text         # expert_x
-    assert "symmetric total 1798.003 MiB" in text   # 1,885,342,464 / 2**20 = 1798.0027
-    assert "local total 4038.127 MiB" in text       # 4,234,283,520 / 2**20 = 4038.1274
+    assert "symmetric total 1798.003 MiB" in text   # 1,885,342,720 / 2**20 = 1798.0029
+    assert "local total 4038.128 MiB" in text       # 4,234,283,776 / 2**20 = 4038.1277
 
 
 def test_region_unknown_name_raises_key_error():

@@ -88,6 +88,9 @@ def test_stamps_are_written_in_order_only_when_on(traced):
                 start = st[points.pop("start")]
                 assert start > 0, f"{layout}: {k} start not stamped"
                 for point, slot in points.items():
+                    if "copy engine" in point:  # this runtime stores the rows: never stamped
+                        assert st[slot] == 0, f"{layout}: {k} '{point}' stamped without the copy engine"
+                        continue
                     assert st[slot] >= start, f"{layout}: {k} '{point}' ({st[slot]}) before its start ({start})"
                 starts.append(start)
             assert starts == sorted(starts), f"{layout}: kernels out of stream order {starts}"
