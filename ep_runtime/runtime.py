@@ -173,7 +173,7 @@ class EPRuntime:
         self.fused_copy = _fused_copy(cfg)
         wait_scalars = dict(pad_multiple=np.int64(cfg.pad_multiple), timeout_ns=self._timeout_ns)
         self._fixed = {}
-        for tg in self._token_groups():
+        for tg in dict.fromkeys(self._token_group(call) for call in range(N_GROUPS)):  # -1, or 0 and 1
             g = {"token_group": tg}
             self._fixed["dispatch_wait", tg] = self._prepare("dispatch_wait", copy_rows=_INT64[0], **wait_scalars, **g)
             if self.fused_copy:
@@ -284,7 +284,7 @@ class EPRuntime:
                              token_group=token_group, timeout_ns=self._timeout_ns)
         copies, then = (), None
         if self.copy_engine:
-            nbytes = T * cfg.hidden * 2  # the whole batch (capacity rows under n_tokens), bf16
+            nbytes = tokens.nbytes  # the whole batch (capacity rows under n_tokens)
             copies = tuple((dst, tokens, nbytes) for dst in self._peer_slots[token_group] if dst is not None and nbytes)
             then = self._prepare("dispatch_signal", tokens=tokens, **valid)
         return PreparedCall(call.kernel, call.args, n_tokens=T, checked=(topk_ids, topk_weights, valid),
@@ -544,13 +544,9 @@ class EPRuntime:
         return int(self.session.to_host(self.buffers["dispatch_async_sync"])[SYNC_CALLS])
 
     # -- internals ------------------------------------------------------------------------------
-    def _token_groups(self) -> tuple:
-        """The ``token_group`` kernel arguments this runtime uses: the host's call parities 0
-        and 1 on the copy-engine transfer, else -1 (the device's parity)."""
-        return (_INT64[0], _INT64[1]) if self.copy_engine else (_TOKEN_GROUP_DEVICE,)
-
     def _token_group(self, call: int):
-        """The ``token_group`` argument of (0-based) dispatch call ``call``."""
+        """The ``token_group`` argument of (0-based) dispatch call ``call``: the host's call
+        parity on the copy-engine transfer, else -1 (the kernels use the device's parity)."""
         return _INT64[call % 2] if self.copy_engine else _TOKEN_GROUP_DEVICE
 
     def _require(self, *states, call, handle=None, handle_type=None):

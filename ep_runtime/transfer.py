@@ -10,8 +10,8 @@ Two transfers, one protocol (docs/protocol.md, "Copy-engine transfer"):
   on 2 x H200: a copy-engine copy into a peer reaches 389 GB/s, stores from SMs 352-360 GB/s
   (docs/throughput.md), and the copy holds no SM. It sends rows a peer does not need (a token
   with no expert there: 0.35 % of them for top-8 of 256 on 2 ranks, 10 % on 4, 34 % on 8,
-  ``1 - C(E - L, K) / C(E, K)`` under uniform routing). The row group is then the host's call parity (a copy's address
-  is fixed when it is enqueued or captured), and a cumulative credit per peer
+  ``C(E - L, K) / C(E, K)`` under uniform routing). The row group is then the host's call
+  parity (a copy's address is fixed when it is enqueued or captured), and a cumulative credit per peer
   (``dispatch_token_credit``) keeps a copy from writing rows a peer still reads.
 
 ``EP_RUNTIME_TOKEN_TRANSFER`` (read when a runtime is built): ``auto`` (default: the stores,
@@ -27,6 +27,8 @@ from .errors import EPConfigError
 
 #: Environment variable choosing the token transfer: ``auto``, ``stores`` or ``copy_engine``.
 TOKEN_TRANSFER_ENV = "EP_RUNTIME_TOKEN_TRANSFER"
+
+
 def choose_copy_engine(cfg: EPConfig, peer_mapped: bool) -> bool:
     """Whether token rows go to peers by the copy engine, per ``EP_RUNTIME_TOKEN_TRANSFER``.
 
