@@ -86,9 +86,12 @@ class CompactBatch:
     ----------
     x : [n_ranks * max_tokens_per_rank, hidden] uint16 (bf16 bits); row ``s * T + t`` is token
         t of rank s if that token has an expert on this rank and ``t < recv_tokens[s]`` (other
-        rows are stale). A view of the symmetric receive buffer: read it (in stream order)
-        before the next ``dispatch_async`` (peers may then write it again).
-    recv_tokens : [n_ranks] int32 (strided view), tokens each source rank dispatched in this call.
+        rows are stale). A view of the symmetric receive buffer, the same memory every call
+        (so a CUDA graph that captured one call's batch reads every replay's rows): read it
+        (in stream order) before ``combine_async`` or the next ``dispatch_async``, whichever
+        comes first (either lets peers write their next call's rows into it).
+    recv_tokens : [n_ranks] int32, tokens each source rank dispatched in this call (written by
+        dispatch_wait; the same memory every call).
     row_offsets, expert_counts, src_rank, src_token, src_k, weight : as :class:`ExpertBatch`
         (valid until the next ``dispatch_wait``).
     gather : [capacity] int32, the ``x`` row of each batch row (``src_rank * T + src_token``;

@@ -45,7 +45,7 @@ WORD_ARRAYS = frozenset({"tokens", "expert_out", "out", "out_partials", "dispatc
                          "combine_partials", "combine_stage", "expert_x"})
 #: int64 scalar arguments.
 SCALARS = ("pad_multiple", "timeout_ns", "mode", "n_experts", "allow_negative", "use_valid", "prequantized",
-           "scales_col_major", "peer_stores", "copy_rows", "copy_engine", "token_group")
+           "scales_col_major", "peer_stores", "copy_rows", "copy_engine")
 
 KERNEL_ARGS = {
     "validate_routing": ("topk_ids", "topk_weights", "valid_tokens", "use_valid", "n_experts",
@@ -55,25 +55,26 @@ KERNEL_ARGS = {
         "dispatch_topk_weights", "dispatch_counts", "dispatch_ranks", "dispatch_signal", "dispatch_async_sync",
         "dispatch_send_ranks", "dispatch_send_counts", "status", "token_scales", "prequantized",
         "dispatch_send_stage", "dispatch_send_stage:u8", "dispatch_tokens:u8",
-        "peer_bases", "peer_stores", "copy_engine", "token_group", "dispatch_token_credit", "dispatch_copy_go",
+        "peer_bases", "peer_stores", "copy_engine", "dispatch_token_credit", "dispatch_copy_go",
         "timeout_ns"),
     "dispatch_signal": ("tokens", "valid_tokens", "use_valid", "dispatch_signal", "dispatch_async_sync", "status"),
     "dispatch_wait": (
         "dispatch_topk_ids", "dispatch_topk_weights", "dispatch_counts", "dispatch_ranks", "dispatch_signal",
         "dispatch_async_sync", "row_offsets", "expert_counts", "row_src_rank", "row_src_token",
-        "row_src_k", "row_weight", "row_gather", "token_rows", "status", "pad_multiple", "timeout_ns",
-        "dispatch_tokens", "expert_x", "copy_rows", "token_group"),
+        "row_src_k", "row_weight", "row_gather", "recv_tokens", "token_rows", "status", "pad_multiple",
+        "timeout_ns",
+        "dispatch_tokens", "expert_x", "copy_rows"),
     "dispatch_copy": (
         "dispatch_tokens", "dispatch_topk_ids", "dispatch_counts", "dispatch_async_sync",
         "token_rows", "row_offsets", "expert_counts", "expert_x", "status", "dispatch_tokens:u8",
-        "expert_scales:u8", "scales_col_major", "token_group"),
+        "expert_scales:u8", "scales_col_major"),
     "combine_async": (
         "expert_out", "dispatch_topk_ids", "dispatch_counts", "combine_partials", "combine_signal",
         "dispatch_async_sync", "token_rows", "row_weight", "combine_stage", "combine_async_sync",
-        "status", "peer_bases", "peer_stores"),
+        "status", "peer_bases", "peer_stores", "dispatch_token_credit"),
     "combine_async_rows": (
         "expert_out", "dispatch_topk_ids", "dispatch_counts", "combine_partials", "combine_signal",
-        "dispatch_async_sync", "combine_async_sync", "status", "peer_bases", "peer_stores"),
+        "dispatch_async_sync", "combine_async_sync", "status", "peer_bases", "peer_stores", "dispatch_token_credit"),
     "combine_wait": (
         "out", "out_partials", "dispatch_topk_ids", "dispatch_counts", "combine_partials",
         "combine_signal", "dispatch_async_sync", "status", "mode", "timeout_ns", "aux"),

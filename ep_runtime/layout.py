@@ -174,10 +174,11 @@ def _regions(cfg: EPConfig) -> list[Region]:
                f"[g, r, t]: weighted partial sum over rank r's experts for my token t ({pname})"),
         Region("combine_signal", (G, R), u64, 0, S, f"{CA} (peers, last block)", (CW,),
                "[g, r]: n + 1 once rank r's partials of call n have arrived (monotonic)"),
-        # cumulative over calls (not per group): the one symmetric region without a group axis
-        Region("dispatch_token_credit", (R,), u64, 0, S, f"{DA} (peers, block 0)", (DA,),
-               "[d]: calls rank d has started (copy-engine transfer): d's reads of my rows of earlier calls "
-               "are done, so my copy of call n may write into d once it is >= n + 1 (cumulative)"),
+        # cumulative over calls (not per group), as the token rows it guards
+        Region("dispatch_token_credit", (R,), u64, 0, S, f"{DA}, {CA} (peers, block 0)", (DA,),
+               "[d]: rank d has finished reading my token rows of every call before c - 1 once it is c "
+               "(granted by d's dispatch_async of call c - 1 and combine_async of call c - 2), so my rows of "
+               "call n may go into d once it is >= n + 1 (monotonic)"),
         # -- local: counters of dispatch_async -----------------------------------------------------
         Region("dispatch_async_sync", (2,), i64, 0, Lc, DA, (DA, DW, CA, CW),
                "[0] ticket: finished blocks of the launch (reset by the last block); "
@@ -218,23 +219,27 @@ def _regions(cfg: EPConfig) -> list[Region]:
         Region("dispatch_copy_go", (1,), np.dtype(np.uint32), 0, Lc, f"{DA} (block 0); side stream", ("side stream",),
                "[0] 1: every peer granted this call's copies (copy-engine transfer); the side stream waits "
                "for 1, resets it to 0, then copies"),
+        Region("recv_tokens", (R,), i32, 0, Lc, DW, ("user (compact)",),
+               "[src]: tokens src dispatched in the last call (from its signal)"),
     ]
 
 
 def tokens_region(cfg: EPConfig) -> Region:
-    """The symmetric receive buffer: bf16 rows ``[G, R, T, H]`` uint16, or, in an FP8 token
-    format, messages ``[G, R, T, MW]`` uint64 (codes, scales, padding:
-    :meth:`ep_runtime.formats.TokenFormat.message_words`)."""
-    R, T, H, G = cfg.n_ranks, cfg.max_tokens_per_rank, cfg.hidden, N_GROUPS
+    """The symmetric receive buffer: bf16 rows ``[R, T, H]`` uint16, or, in an FP8 token
+    format, messages ``[R, T, MW]`` uint64 (codes, scales, padding:
+    :meth:`ep_runtime.formats.TokenFormat.message_words`). One buffer for every call (no group
+    axis), so a compact batch's ``x`` is the same memory each call (one CUDA graph serves every
+    step); ``dispatch_token_credit`` guards its reuse (docs/protocol.md)."""
+    R, T, H = cfg.n_ranks, cfg.max_tokens_per_rank, cfg.hidden
     fmt = cfg.token_format
     readers = ("dispatch_copy", "user (compact)")
     if not fmt.quantized:
-        return Region("dispatch_tokens", (G, R, T, H), np.dtype(np.uint16), 0, True, "dispatch_async (peers)", readers,
-                      "[g, src, t]: token t of rank src (bf16 bits), sent once per destination rank; "
+        return Region("dispatch_tokens", (R, T, H), np.dtype(np.uint16), 0, True, "dispatch_async (peers)", readers,
+                      "[src, t]: token t of rank src (bf16 bits), sent once per destination rank; "
                       "the compact batch's x")
-    return Region("dispatch_tokens", (G, R, T, fmt.message_words(H)), np.dtype(np.uint64), 0, True,
+    return Region("dispatch_tokens", (R, T, fmt.message_words(H)), np.dtype(np.uint64), 0, True,
                   "dispatch_async (peers)", readers,
-                  f"[g, src, t]: the {fmt.name} message of token t of rank src (codes, scales, padding)")
+                  f"[src, t]: the {fmt.name} message of token t of rank src (codes, scales, padding)")
 
 
 def quantized_regions(cfg: EPConfig) -> list[Region]:

@@ -25,8 +25,7 @@ from .kernel_args import FORMAT_REGIONS, KERNEL_ARGS, WORD_ARRAYS, argtypes, bui
 from .errors import EPConfigError, EPInputError, EPStateError
 from .call_memo import CallMemo, PreparedCall
 from .handles import CombineHandle, CompactBatch, DispatchHandle, ExpertBatch, from_fields
-from .layout import (N_GROUPS, PEER_REGIONS, BufferLayout, SYNC_CALLS, partial_dtype,
-                     token_word)
+from .layout import PEER_REGIONS, SYNC_CALLS, BufferLayout, partial_dtype, token_word
 from .shmem.session import Session
 from .status import error_from_status
 from .transfer import choose_copy_engine, peer_token_slots
@@ -65,8 +64,6 @@ FUSED_COPY_MAX_TOKENS = 16
 #: int64 scalar arguments 0 and 1, one object each: the fast launch path rewrites an argument
 #: only when its object changes (ep_runtime.shmem.fast_launch).
 _INT64 = (np.int64(0), np.int64(1))
-#: token_group -1: the kernels use the device's call parity for the rows' group (stores transfer).
-_TOKEN_GROUP_DEVICE = np.int64(-1)
 
 #: Blocks per kernel in the simulator when EPConfig.n_sms is None (more than one, so the
 #: block scheduling and the last-block ticket are exercised).
@@ -173,15 +170,12 @@ class EPRuntime:
         self.fused_copy = _fused_copy(cfg)
         wait_scalars = dict(pad_multiple=np.int64(cfg.pad_multiple), timeout_ns=self._timeout_ns)
         self._fixed = {}
-        for tg in dict.fromkeys(self._token_group(call) for call in range(N_GROUPS)):  # -1, or 0 and 1
-            g = {"token_group": tg}
-            self._fixed["dispatch_wait", tg] = self._prepare("dispatch_wait", copy_rows=_INT64[0], **wait_scalars, **g)
-            if self.fused_copy:
-                self._fixed["dispatch_wait", "copy", tg] = self._prepare("dispatch_wait", copy_rows=_INT64[1],
-                                                                         **wait_scalars, **g)
-            for scales in SCALE_LAYOUTS:
-                self._fixed["dispatch_copy", scales, tg] = self._prepare(
-                    "dispatch_copy", scales_col_major=_INT64[scales == "column"], **g)
+        self._fixed["dispatch_wait"] = self._prepare("dispatch_wait", copy_rows=_INT64[0], **wait_scalars)
+        if self.fused_copy:
+            self._fixed["dispatch_wait", "copy"] = self._prepare("dispatch_wait", copy_rows=_INT64[1], **wait_scalars)
+        for scales in SCALE_LAYOUTS:
+            self._fixed["dispatch_copy", scales] = self._prepare("dispatch_copy",
+                                                                 scales_col_major=_INT64[scales == "column"])
         self._memo = CallMemo()  # the launches prepared from the caller's last arrays, per call
         self._calls = 0
         self._state = _State.IDLE
@@ -216,9 +210,7 @@ class EPRuntime:
         """
         self._require(_State.IDLE, _State.DISPATCHED, call="dispatch_async")
         inputs = (tokens, topk_ids, topk_weights, n_tokens, token_scales)
-        tg = self._token_group(self._calls)
-        call = self._memo.get_or_prepare("dispatch_async", (tg,), inputs,
-                                         lambda: self._prepare_dispatch_async(*inputs, token_group=tg))
+        call = self._memo.get_or_prepare("dispatch_async", (), inputs, lambda: self._prepare_dispatch_async(*inputs))
         if self.debug:
             self._check_routing(*call.checked)
         if call.then is None:
@@ -239,11 +231,10 @@ class EPRuntime:
         self._state = _State.DISPATCH_SENT
         return handle
 
-    def _prepare_dispatch_async(self, tokens, topk_ids, topk_weights, n_tokens, token_scales,
-                                token_group) -> PreparedCall:
+    def _prepare_dispatch_async(self, tokens, topk_ids, topk_weights, n_tokens, token_scales) -> PreparedCall:
         """Check and convert dispatch_async's arguments (raising EPInputError before any
         launch); the launch, with T and the routing check's arguments (and, on the copy-engine
-        transfer, the copies into the peers' group ``token_group`` and the signal launch)."""
+        transfer, the copies into the peers' receive buffers and the signal launch)."""
         cfg, be, c, fmt = self.cfg, self.session.backend, "dispatch_async", self._fmt
         tokens = arrays.to_backend(tokens, be, c, "tokens")
         topk_ids = arrays.to_backend(topk_ids, be, c, "topk_ids")
@@ -281,11 +272,11 @@ class EPRuntime:
         valid = self._valid_tokens(n_tokens, c)
         call = self._prepare("dispatch_async", tokens=tokens, topk_ids=topk_ids, topk_weights=topk_weights, **valid,
                              token_scales=scales, prequantized=_INT64[fp8_in], copy_engine=_INT64[self.copy_engine],
-                             token_group=token_group, timeout_ns=self._timeout_ns)
+                             timeout_ns=self._timeout_ns)
         copies, then = (), None
         if self.copy_engine:
             nbytes = tokens.nbytes  # the whole batch (capacity rows under n_tokens)
-            copies = tuple((dst, tokens, nbytes) for dst in self._peer_slots[token_group] if dst is not None and nbytes)
+            copies = tuple((dst, tokens, nbytes) for dst in self._peer_slots if dst is not None and nbytes)
             then = self._prepare("dispatch_signal", tokens=tokens, **valid)
         return PreparedCall(call.kernel, call.args, n_tokens=T, checked=(topk_ids, topk_weights, valid),
                             copies=copies, then=then)
@@ -334,8 +325,9 @@ class EPRuntime:
         ``layout="compact"`` returns a :class:`CompactBatch`: no expansion copy (one kernel).
         The received rows stay where they landed, one per (token, source rank), and the batch
         gives per local expert the rows to gather (``gather``) and their weights, in the same
-        expert-major order as the expanded batch. Its ``x`` is the receive buffer itself: read
-        it (in stream order) before the next ``dispatch_async``.
+        expert-major order as the expanded batch. Its ``x`` is the receive buffer itself, the
+        same memory every call (one CUDA graph serves every step): read it (in stream order)
+        before ``combine_async`` or the next ``dispatch_async``, whichever comes first.
 
         FP8 token formats: ``x`` holds E4M3 codes (uint8) and ``scales`` their block scales;
         in the expanded layout ``scales="row"`` gives ``[C, S]`` and ``scales="column"``
@@ -347,16 +339,15 @@ class EPRuntime:
         if scales not in SCALE_LAYOUTS:
             raise EPInputError(f"dispatch_wait: scales={scales!r}; expected one of {SCALE_LAYOUTS} (row-major "
                                f"[rows, hidden / 128] or column-major [hidden / 128, rows]).")
-        tg = self._token_group(handle.call)
         if layout == "compact":
-            self._run(self._fixed["dispatch_wait", tg])
+            self._run(self._fixed["dispatch_wait"])
             self._state = _State.DISPATCHED
-            return from_fields(CompactBatch, {**self._batch_views["compact", handle.call % 2], "handle": handle})
+            return from_fields(CompactBatch, {**self._batch_views["compact"], "handle": handle})
         if self.fused_copy:  # bf16 decode sizes: placement and copy in one launch
-            self._run(self._fixed["dispatch_wait", "copy", tg])
+            self._run(self._fixed["dispatch_wait", "copy"])
         else:
-            self._run(self._fixed["dispatch_wait", tg])
-            self._run(self._fixed["dispatch_copy", scales, tg])
+            self._run(self._fixed["dispatch_wait"])
+            self._run(self._fixed["dispatch_copy", scales])
         self._state = _State.DISPATCHED
         return from_fields(ExpertBatch, {**self._batch_views["expanded", scales], "handle": handle})
 
@@ -544,11 +535,6 @@ class EPRuntime:
         return int(self.session.to_host(self.buffers["dispatch_async_sync"])[SYNC_CALLS])
 
     # -- internals ------------------------------------------------------------------------------
-    def _token_group(self, call: int):
-        """The ``token_group`` argument of (0-based) dispatch call ``call``: the host's call
-        parity on the copy-engine transfer, else -1 (the kernels use the device's parity)."""
-        return _INT64[call % 2] if self.copy_engine else _TOKEN_GROUP_DEVICE
-
     def _require(self, *states, call, handle=None, handle_type=None):
         """Raise EPStateError unless the runtime is open, has not failed, is in one of
         ``states``, and ``handle`` (if given) is a ``handle_type`` of this runtime's current call."""
@@ -628,9 +614,9 @@ class EPRuntime:
 
 def _batch_views(cfg: EPConfig, b: dict) -> dict:
     """The views dispatch_wait returns (less the handle), made once: ``("expanded", scales)``
-    for each scale layout, ``("compact", g)`` for each buffer group ``g``. In an FP8 token
-    format the compact ``x`` and ``scales`` are strided views of the messages (codes, then
-    scale bytes)."""
+    for each scale layout, and ``"compact"`` (the receive buffer has one group, so the compact
+    batch is the same memory every call). In an FP8 token format the compact ``x`` and
+    ``scales`` are strided views of the messages (codes, then scale bytes)."""
     fmt, R, T, H = cfg.token_format, cfg.n_ranks, cfg.max_tokens_per_rank, cfg.hidden
     rows = {k: b[f"row_{k}"] for k in ("src_rank", "src_token", "src_k", "weight")}
     meta = dict(row_offsets=b["row_offsets"], expert_counts=b["expert_counts"], **rows)
@@ -641,16 +627,14 @@ def _batch_views(cfg: EPConfig, b: dict) -> dict:
             C, S = cfg.recv_rows_capacity, fmt.scale_count(H)
             batch_scales = b["expert_scales"].reshape((S, C) if scales == "column" else (C, S))
         views["expanded", scales] = dict(x=b["expert_x"], scales=batch_scales, **meta)
-    for g in range(N_GROUPS):
-        recv = b["dispatch_tokens"][g]
-        if fmt.quantized:
-            msg8 = recv.reshape(R * T, -1).view(np.uint8)
-            pb, sb = fmt.payload_bytes(H), fmt.scale_bytes(H)
-            x, recv_scales = msg8[:, :pb], msg8[:, pb:pb + sb].view(fmt.scale_dtype)
-        else:
-            x, recv_scales = recv.reshape(R * T, H), None
-        views["compact", g] = dict(x=x, scales=recv_scales, recv_tokens=b["dispatch_counts"][g, :, cfg.n_local_experts],
-                                   gather=b["row_gather"], **meta)
+    recv = b["dispatch_tokens"]
+    if fmt.quantized:
+        msg8 = recv.reshape(R * T, -1).view(np.uint8)
+        pb, sb = fmt.payload_bytes(H), fmt.scale_bytes(H)
+        x, recv_scales = msg8[:, :pb], msg8[:, pb:pb + sb].view(fmt.scale_dtype)
+    else:
+        x, recv_scales = recv.reshape(R * T, H), None
+    views["compact"] = dict(x=x, scales=recv_scales, recv_tokens=b["recv_tokens"], gather=b["row_gather"], **meta)
     return views
 
 

@@ -55,15 +55,11 @@ def choose_copy_engine(cfg: EPConfig, peer_mapped: bool) -> bool:
 
 
 def peer_token_slots(session, sym, layout, rank: int) -> list:
-    """``slots[g][d]``: a uint8 view of rank ``d``'s ``dispatch_tokens[g, rank]`` (this rank's
-    rows on peer d, group g), from the peer view of the symmetric allocation ``sym``; None for
-    ``d == rank`` (its rows are stored by dispatch_async's warps)."""
+    """``slots[d]``: a uint8 view of rank ``d``'s ``dispatch_tokens[rank]`` (this rank's rows
+    on peer d), from the peer view of the symmetric allocation ``sym``; None for ``d == rank``
+    (its rows are stored by dispatch_async's warps)."""
     region = layout.region("dispatch_tokens")
-    G, R, T, H = region.shape
+    R, T, H = region.shape
     row_bytes = H * region.dtype.itemsize
-    slots = []
-    for g in range(G):
-        start = region.offset + (g * R + rank) * T * row_bytes
-        slots.append([None if d == rank else session.peer_view(sym, d)[start:start + T * row_bytes]
-                      for d in range(R)])
-    return slots
+    start = region.offset + rank * T * row_bytes
+    return [None if d == rank else session.peer_view(sym, d)[start:start + T * row_bytes] for d in range(R)]

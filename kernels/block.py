@@ -17,10 +17,12 @@ with ``blockDim.x`` threads in a 1-D block.
   into, so that small batches still give every warp work (a row is ``W`` words; a warp item is
   one part of one row), and which words an item covers; ``interleaved_item``: items of R sources
   dealt so that a warp alternates between them;
-- ``local_expert_count``: how many of a token's experts live on a rank.
+- ``local_expert_count``: how many of a token's experts live on a rank;
+- ``grant_token_credits``: one thread tells every peer that its token rows of a call may be
+  written into this rank (docs/protocol.md, "Token rows: one buffer, credits").
 """
 
-from numba import int32, int64, uint32
+from numba import int32, int64, uint32, uint64
 
 from ep_runtime.kernels import cuda_api, shmem
 from ep_runtime.kernels.cuda_api import cuda
@@ -285,3 +287,18 @@ def local_expert_count(ids, L, me):
         if x >= lo and x < hi:
             n += 1
     return n
+
+
+@cuda.jit(device=True)
+def grant_token_credits(d_credit, call):
+    """One thread: this rank has finished reading the token rows of every call before
+    ``call`` (stream order), so each peer d may write its rows of ``call`` into this rank: set
+    ``d_credit[me]`` on d to ``call + 1`` (uint64 symmetric [R]; SIGNAL_SET of a value that
+    never decreases between resets, so two grants of one call, or grants out of order, are
+    harmless). Called by dispatch_async (``call`` = its own) and combine_async (the next call),
+    so in the dispatch -> combine cycle every grant is already there when a peer's next
+    dispatch_async looks."""
+    me = shmem.my_pe()
+    for d in range(d_credit.shape[0]):
+        if d != me:
+            shmem.signal_op(d_credit[me:me + 1], uint64(call + 1), shmem.SIGNAL_SET, d)

@@ -19,8 +19,9 @@ from numba import float32, from_dtype, int32, int64, uint64
 
 from ep_runtime.kernels import pdl, shmem
 from ep_runtime.kernels.bits import bf16_bits_at, f32_bits_at, f32_to_bf16, f32_word_at, word_f32
-from ep_runtime.kernels.block import (interleaved_item, interleaved_rows, last_block_ticket, local_expert_count,
-                                      part_bounds, part_words, record_error, row_parts, warp_geometry, warp_sync)
+from ep_runtime.kernels.block import (grant_token_credits, interleaved_item, interleaved_rows, last_block_ticket,
+                                      local_expert_count, part_bounds, part_words, record_error, row_parts,
+                                      warp_geometry, warp_sync)
 from ep_runtime.kernels.cuda_api import cuda, kernel_jit
 from ep_runtime.kernels.trace import stamp_first, stamp_last
 from ep_runtime.kernels.vec import (address_of, load_pair, make_pair_loops, pack_bf16x2, pack_bf16x4, pack_f32x2,
@@ -135,7 +136,7 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
 
     @kernel_jit(threads)
     def combine_async(expert_out, d_ids, d_counts, c_partials, c_signal,
-                      sync, token_rows, row_weight, stage, ticket, status, peer_bases, peer_stores):
+                      sync, token_rows, row_weight, stage, ticket, status, peer_bases, peer_stores, d_credit):
         """Weight and pre-reduce the expert outputs per token, send each partial home, signal.
 
         expert_out [>= rows, W] words, row-aligned with the last expert batch.
@@ -144,6 +145,10 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
         token_rows [R, Tmax, K], row_weight [C] float32, stage [R, Tmax, P W] partial words,
         ticket [1] int64, status [8] int64. peer_bases [2, R] uint64: row 1 the address of
         c_partials on each PE as mapped here, used when peer_stores (int64) is nonzero.
+        d_credit [R] uint64 symmetric (``dispatch_token_credit``): block 0 first grants every
+        peer the next call's token rows (``grant_token_credits``): this rank's reads of the
+        received rows (dispatch_copy, the caller's expert compute on a compact batch) come
+        before combine_async in stream order.
 
         A warp per item, part of token (src, t)'s row (``row_parts`` over the W token words:
         whole rows for large batches; the sources' items interleaved, ``interleaved_item``, so
@@ -171,6 +176,8 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
         if status[STATUS_CODE] != 0:
             return
         stamp_first(status, 16)
+        if cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
+            grant_token_credits(d_credit, sync[SYNC_CALLS])  # the next call (n + 1, n = calls - 1)
         me = shmem.my_pe()
         R = d_counts.shape[1]
         L = d_counts.shape[2] - 1
@@ -258,15 +265,16 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
 
     @kernel_jit(threads)
     def combine_async_rows(expert_out, d_ids, d_counts, c_partials, c_signal, sync, ticket, status, peer_bases,
-                           peer_stores):
+                           peer_stores, d_credit):
         """Compact layout: send the caller's per-(source, token) rows home as the partials.
 
         expert_out [R * Tmax, P W] partial words (bf16, or float32 with ``f32_partials``): row
         ``s * Tmax + t`` is this rank's partial for token t of rank s, already weighted and
         reduced over this rank's experts by the caller (the compact batch's row order: one row
         per received token, as DeepEP's and NCCL's users hold them). Rows of tokens that hit no
-        local expert are not read. Symmetric and local arrays as in combine_async. Words are
-        copied unchanged, so the kernel is the same for either partial format.
+        local expert are not read. Symmetric and local arrays, and the grant of the next call's
+        token rows (d_credit), as in combine_async. Words are copied unchanged, so the kernel is
+        the same for either partial format.
 
         A warp per item (part of a row, ``row_parts``; the sources' items interleaved,
         ``interleaved_item``, so local copies overlap the NVLink stores): a row for this rank is copied into
@@ -288,6 +296,8 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
         if status[STATUS_CODE] != 0:
             return
         stamp_first(status, 16)
+        if cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
+            grant_token_credits(d_credit, sync[SYNC_CALLS])  # the next call (n + 1, n = calls - 1)
         me = shmem.my_pe()
         R = d_counts.shape[1]
         L = d_counts.shape[2] - 1

@@ -3,7 +3,8 @@
 
 Built by :func:`make_dispatch_kernels` for a block size (a compile-time constant: shared-memory
 scans are sized by it). Symbols as in :mod:`ep_runtime.layout`; ``g = n % 2`` is the buffer
-group of call ``n`` and ``me`` this rank; ``W = H / pack`` words per token row (token rows move
+group of call ``n`` (routing, counts, signals; the token rows have one buffer, guarded by
+credits) and ``me`` this rank; ``W = H / pack`` words per token row (token rows move
 as words of ``pack`` bf16 values: :func:`ep_runtime.layout.token_word`). See docs/protocol.md
 for the timeline. The host's ``dispatch_wait`` enqueues ``dispatch_wait`` then ``dispatch_copy``:
 the kernel boundary is the grid-wide barrier between "every row's position is known" and
@@ -15,13 +16,13 @@ from numba import int32, int64, uint32, uint64
 from ep_runtime.config import MAX_RANKS
 from ep_runtime.kernels import pdl, shmem
 from ep_runtime.kernels.bits import f32_bits
-from ep_runtime.kernels.block import (block_exclusive_scan, last_block_ticket, local_expert_count, part_bounds,
-                                      part_words, popc32, record_error, row_parts, warp_exclusive_count,
-                                      warp_geometry, warp_sync)
+from ep_runtime.kernels.block import (block_exclusive_scan, grant_token_credits, last_block_ticket,
+                                      local_expert_count, part_bounds, part_words, popc32, record_error, row_parts,
+                                      warp_exclusive_count, warp_geometry, warp_sync)
 from ep_runtime.kernels.cuda_api import SIMULATED, cuda, kernel_jit
 from ep_runtime.kernels.token_codec import BLOCK_WORDS, CODE_WORDS, make_token_codec
 from ep_runtime.kernels.trace import stamp_first, stamp_last
-from ep_runtime.kernels.vec import address_of, make_pair_loops, pairs_aligned, store_u32_at, store_u8_at
+from ep_runtime.kernels.vec import address_of, load_u32_at, make_pair_loops, pairs_aligned, store_u32_at, store_u8_at
 from ep_runtime.layout import (PEER_COUNTS, PEER_IDS, PEER_RANKS, PEER_TOKENS, PEER_WEIGHTS, SIGNAL_TOKEN_BITS,
                               STATUS_CODE, SYNC_CALLS, SYNC_TICKET)
 from ep_runtime.status import (COUNTER_DISPATCH_SIGNAL, COUNTER_RECV_ROWS, COUNTER_TOKEN_CREDIT, ERR_CAPACITY,
@@ -38,6 +39,15 @@ COPY_UNROLL = 8
 #: for up to 256 experts on a GPU. The simulator's windows are 4 experts, so its small
 #: configurations take several passes and the window arithmetic is tested on every run.
 RANK_WINDOW = 4 if SIMULATED else 256
+
+#: Expert ids of its token a thread of the routing block keeps in a local array between marking
+#: the masks and reading its ranks (a token's further ids, top-k > KREG, are read again).
+KREG = 16
+
+#: Staged ranks each thread of the routing block loads before it stores any to the ranks'
+#: destinations (the loads are independent; the stores, through raw addresses, would otherwise
+#: wait for each load in turn).
+RUN_BATCH = 8
 
 
 def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = False):
@@ -164,24 +174,63 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         warp_sync()  # the list is read before the warp's next step writes it
 
     @cuda.jit(device=True)
-    def exchange_credits(d_credit, copy_go, n, status, timeout_ns):
-        """One thread, at the start of call ``n``'s dispatch_async on the copy-engine transfer:
-        grant every peer its next copy into this rank (SIGNAL_ADD 1 to its ``d_credit[me]``;
-        this rank's reads of the last call's rows are done, in stream order), wait until
-        every peer granted call n (``d_credit[d] >= n + 1``: credits are cumulative, one per
-        call), then release the side stream's copies (``copy_go[0] = 1``, also after a
-        timeout, which is recorded: the copies never wait forever)."""
+    def send_rank_run(src, n, R, peer_bases, ranks_at, tid, run_l):
+        """Every thread of the routing block: the first ``n`` int32 of the staged ranks (the
+        flat run at address ``src``: element ``t K + k``) into every rank's run at byte
+        ``ranks_at`` past its ``dispatch_ranks`` (``peer_bases[PEER_RANKS, d]``): contiguous
+        4-byte stores across the block, flat addresses (no per-element index arithmetic or
+        division), RUN_BATCH loads in flight per thread (``run_l``) before its stores."""
+        j = tid
+        while j < n:
+            for b in range(RUN_BATCH):  # a constant trip count: unrolled, run_l in registers
+                if j + b * threads < n:
+                    run_l[b] = load_u32_at(src, j + b * threads)
+            for b in range(RUN_BATCH):
+                if j + b * threads < n:
+                    for d in range(R):
+                        store_u32_at(peer_bases[PEER_RANKS, d] + ranks_at, j + b * threads, run_l[b])
+            j += RUN_BATCH * threads
+
+    @cuda.jit(device=True)
+    def mark_expert(masks, el, wid, lane):
+        """The routing block: set this lane's bit in its warp's mask of window expert ``el``
+        (nothing outside the window ``[0, RANK_WINDOW)``)."""
+        if el >= 0 and el < SW:
+            cuda.atomic.or_(masks, wid * SW + el, uint32(1) << uint32(lane))
+
+    @cuda.jit(device=True)
+    def stage_rank(masks, warp_rows, el, wid, lanes_below, ranks_src, j):
+        """The routing block: the rank of this lane's token among the tokens with window expert
+        ``el`` (its warp's first rank plus the lanes below with the expert), staged as flat
+        element ``j`` of the ranks at ``ranks_src`` (nothing outside the window)."""
+        if el >= 0 and el < SW:
+            m = wid * SW + el
+            store_u32_at(ranks_src, j, uint32(warp_rows[m] + popc32(masks[m] & lanes_below)))
+
+    @cuda.jit(device=True)
+    def await_credits(d_credit, n, status, timeout_ns):
+        """One thread: wait until every peer granted call ``n`` its token rows (``d_credit[d]
+        >= n + 1``; ``grant_token_credits``), bounded by ``timeout_ns``; a timeout is recorded
+        naming ``dispatch_async``, the peer and ``dispatch_token_credit``. Returns whether every
+        credit was seen. This rank's own rows need none (its stream orders its reads first)."""
         me = shmem.my_pe()
-        R = d_credit.shape[0]
-        for d in range(R):
-            if d != me:
-                shmem.signal_op(d_credit[me:me + 1], uint64(1), shmem.SIGNAL_ADD, d)
-        for d in range(R):
+        ok = True
+        for d in range(d_credit.shape[0]):
             if d != me:
                 seen = shmem.wait_signal_ge(d_credit[d:d + 1], uint64(n + 1), timeout_ns)
                 if seen < uint64(n + 1):
                     record_error(status, ERR_TIMEOUT, KERNEL_DISPATCH_ASYNC, me, d, COUNTER_TOKEN_CREDIT, n + 1,
                                  int64(seen), n + 1)
+                    ok = False
+        return ok
+
+    @cuda.jit(device=True)
+    def exchange_credits(d_credit, copy_go, n, status, timeout_ns):
+        """One thread, at the start of call ``n``'s dispatch_async on the copy-engine transfer:
+        wait for every peer's credit of call n, then release the side stream's copies
+        (``copy_go[0] = 1``, also after a timeout, which is recorded: the copies never wait
+        forever)."""
+        await_credits(d_credit, n, status, timeout_ns)
         stamp_first(status, 5)
         copy_go[0] = uint32(1)
         cuda.threadfence_system()  # the stream's wait polls copy_go from outside the SMs
@@ -191,43 +240,46 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                        d_tokens, d_ids, d_weights, d_counts, d_ranks, d_signal,
                        sync, send_ranks, send_counts, status,
                        token_scales, prequantized, stage64, stage8, d_tokens8, peer_bases, peer_stores,
-                       copy_engine, token_group, d_credit, copy_go, timeout_ns):
+                       copy_engine, d_credit, copy_go, timeout_ns):
         """Send this rank's tokens, once per destination rank, and signal each destination.
 
         tokens [Tc, W] words, topk_ids [Tc, K] int32, topk_weights [Tc, K] float32: this rank's
         batch; its first T rows are sent, T = Tc, or ``min(Tc, valid_tokens[0])`` when
         use_valid (int64) is nonzero (valid_tokens [1] int32 on the device: one CUDA graph
-        captured at capacity serves any batch size). Symmetric: d_tokens [G, R, Tmax, W],
-        d_ids/d_weights/d_ranks [G, R, Tmax, K], d_counts [G, R, L + 1] int32, d_signal [G, R]
+        captured at capacity serves any batch size). Symmetric: d_tokens [R, Tmax, W] (no
+        group axis: see below), d_ids/d_weights/d_ranks [G, R, Tmax, K], d_counts [G, R, L + 1] int32, d_signal [G, R]
         uint64 (set to ``(n + 1) << 32 | T``: ``layout.dispatch_signal_value``).
         Local: sync [2] int64, send_ranks [Tmax, K] int32 (the ranks, staged), send_counts
-        [R, L + 1] int32 (staging of the counts rows, puts path), status [8] int64. FP8 token formats only (empty otherwise):
+        [R, L + 1] int32 (staging of the counts rows, puts path), status [8] int64. FP8 token
+        formats only (empty otherwise):
         token_scales [Tc, S * SB] uint8 (the caller's scales' bytes, when prequantized, int64,
         is nonzero: then tokens are [Tc, P] code words), the message stage [Tmax, MW] as
-        uint64 and uint8 views (stage64/8); d_tokens is then [G, R, Tmax, MW]
+        uint64 and uint8 views (stage64/8); d_tokens is then [R, Tmax, MW]
         messages, d_tokens8 their uint8 view. peer_bases [P, R] uint64: the address of each of
         ``layout.PEER_REGIONS`` on each PE as mapped here (``Session.peer_addresses``), used
         when peer_stores (int64) is nonzero.
 
+        Token rows have one buffer (no group axis: a compact batch's ``x`` is the same memory
+        every call, so one CUDA graph serves every step), guarded by credits: block 0 first
+        grants every peer this call (``grant_token_credits``: d_credit, uint64 symmetric [R],
+        ``d_credit[d] >= n + 1`` once rank d has finished reading its rows of earlier calls;
+        combine_async grants the next call earlier), and no block stores a token row into a
+        peer before that peer's credit of call n is seen (``await_credits``, bounded by
+        timeout_ns; a timeout is recorded naming the peer and ``dispatch_token_credit``, and
+        the blocks then send nothing more, so no signal goes out).
+
         copy_engine (int64) nonzero: the copy-engine transfer (bf16 tokens; docs/protocol.md,
         "Copy-engine transfer"). The host has enqueued, on a side stream, a copy of the
-        token rows into every peer's slot, held until ``copy_go[0]`` (uint32, local) is 1.
-        Then block 0 first grants every peer its next copy into this rank (adds 1 to the
-        peer's ``d_credit[me]``, uint64 symmetric [R]: this rank's reads of the last call's
-        rows are done, in stream order), waits until every peer granted this call
-        (``d_credit[d] >= n + 1``, timeout_ns; a timeout is recorded naming the peer and
-        ``dispatch_token_credit``) and sets ``copy_go[0] = 1`` (always, so the side stream
-        never hangs); the token blocks store each row to this rank only; and the ticket
-        does not signal (``dispatch_signal`` does, after the copies). token_group (int64): the
-        group of d_tokens the rows go to: the host's call parity in the copy-engine transfer
-        (a CUDA graph replays its captured group: the credits make that safe), -1 for the
-        device's ``g`` (the other transfer).
+        token rows into every peer's slot, held until ``copy_go[0]`` (uint32, local) is 1:
+        block 0 sets it once every credit is seen (always, also after a timeout, so the side
+        stream never hangs); the token blocks store each row to this rank only; and the ticket
+        does not signal (``dispatch_signal`` does, after the copies).
 
         The last block is the routing block (with one block, block 0 is both); the others are
         token blocks.
         (1) The token blocks send every token's routing row (ids and weights) to every rank,
         then each of their warps takes items (grid-strided): part of token row t (``row_parts``:
-        whole rows for large batches) and puts it into slot [g, me, t] of every rank that holds
+        whole rows for large batches) and puts it into slot [me, t] of every rank that holds
         one of the token's experts: with peer_stores (bf16 rows of uint64 words), 16-byte
         stores through the NVLink mappings, each word pair loaded once for all destinations;
         otherwise ``put_nbi_warp`` (a warp-wide copy) per destination. In an FP8 format a part
@@ -261,15 +313,20 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         next_rank = cuda.shared.array(SW, int32)  # (2): [expert] the next round's first rank
         lo = cuda.local.array(UP, uint64)
         hi = cuda.local.array(UP, uint64)
+        ids_l = cuda.local.array(KREG, int32)  # (2): the thread's token's first KREG expert ids
+        run_l = cuda.local.array(RUN_BATCH, uint32)  # (2): ranks loaded before they are stored
         pdl.trigger_dependents()
         pdl.dependency_wait()  # nothing stream-ordered is read before this (kernels/pdl.py)
         if status[STATUS_CODE] != 0:
             if copy_engine != 0 and cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
-                exchange_credits(d_credit, copy_go, sync[SYNC_CALLS], status, timeout_ns)  # releases the copies
+                copy_go[0] = uint32(1)  # releases the copies (they write rows no one will read)
+                cuda.threadfence_system()
             return  # an earlier call failed: send nothing, so peers time out naming this rank
         stamp_first(status, 0)
-        if copy_engine != 0 and cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
-            exchange_credits(d_credit, copy_go, sync[SYNC_CALLS], status, timeout_ns)
+        if cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
+            grant_token_credits(d_credit, sync[SYNC_CALLS])
+            if copy_engine != 0:
+                exchange_credits(d_credit, copy_go, sync[SYNC_CALLS], status, timeout_ns)
         if copy_engine != 0 and status[STATUS_CODE] != 0:
             return  # a peer's credit timed out (block 0 recorded it): send nothing more
         me = shmem.my_pe()
@@ -283,7 +340,6 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         tid = cuda.threadIdx.x
         n = sync[SYNC_CALLS]
         g = n % 2
-        tg = token_group if token_group >= 0 else g  # the group of d_tokens this call's rows go to
         by_engine = uint64(0) if copy_engine == 0 else ~(uint64(1) << uint64(me))  # destinations the copy engine serves
         token_blocks = max(cuda.gridDim.x - 1, 1)
         routing_block = cuda.blockIdx.x == cuda.gridDim.x - 1
@@ -312,6 +368,17 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                         shmem.put_nbi_block(d_weights[g, me, t0:t1], topk_weights[t0:t1], d)
         stamp_last(status, 4)
 
+        # every peer's credit of call n before any token row goes to it (the copy engine's
+        # block 0 waited above; a block without token rows, or with only its own, need not)
+        if copy_engine == 0 and cuda.blockIdx.x < token_blocks and T > 0 and R > 1:
+            if cuda.threadIdx.x == 0:
+                flag[0] = int32(await_credits(d_credit, n, status, timeout_ns))
+                stamp_first(status, 5)
+            cuda.syncthreads()
+            if flag[0] == 0:
+                return  # a peer's credit timed out (recorded): no token row, no ticket, no signal
+            cuda.syncthreads()  # flag read by every thread before the ticket reuses it
+
         # (1) token rows, deduplicated per destination rank, a warp per row part, in the token blocks
         all_warps = token_blocks * warps
         if QUANT:  # a warp per part of a token (a run of 128-element blocks): encode once, put to each rank
@@ -335,7 +402,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                     for k in range(K):
                         sent |= uint64(1) << uint64(topk_ids[t, k] // L)
                     if direct:
-                        slot = address_of(d_tokens[tg, me, t]) - address_of(d_tokens)  # the same on every PE
+                        slot = address_of(d_tokens[me, t]) - address_of(d_tokens)  # the same on every PE
                         if prequantized == 0:
                             encode_blocks(tokens, t, b0, b1, src_pairs, uint64(0), PB, lane, mbuf, peer_bases, sent,
                                           slot)
@@ -349,8 +416,8 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                             warp_sync()  # the part is staged before the warp's puts read it
                         for d in range(R):
                             if (sent >> uint64(d)) & uint64(1):
-                                dst_codes = d_tokens[tg, me, t, b0 * CODE_WORDS:b1 * CODE_WORDS]
-                                dst_scales = d_tokens8[tg, me, t, PB + b0 * SB:PB + b1 * SB]
+                                dst_codes = d_tokens[me, t, b0 * CODE_WORDS:b1 * CODE_WORDS]
+                                dst_scales = d_tokens8[me, t, PB + b0 * SB:PB + b1 * SB]
                                 if prequantized == 0:
                                     shmem.put_nbi_warp(dst_codes, stage64[t, b0 * CODE_WORDS:b1 * CODE_WORDS], d)
                                     shmem.put_nbi_warp(dst_scales, stage8[t, PB + b0 * SB:PB + b1 * SB], d)
@@ -376,10 +443,10 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                     if (sent >> uint64(d)) & uint64(1) == uint64(0) and (by_engine >> uint64(d)) & uint64(1) == 0:
                         sent |= uint64(1) << uint64(d)
                         if not direct:
-                            shmem.put_nbi_warp(d_tokens[tg, me, t, w0:w1], tokens[t, w0:w1], d)
+                            shmem.put_nbi_warp(d_tokens[me, t, w0:w1], tokens[t, w0:w1], d)
                 if direct:  # UP word pairs per lane loaded once, stored to every destination
                     src = tokens[t]
-                    slot = address_of(d_tokens[tg, me, t]) - address_of(d_tokens)  # the same on every PE
+                    slot = address_of(d_tokens[me, t]) - address_of(d_tokens)  # the same on every PE
                     w = w0 + 2 * lane
                     while w < w1:
                         load_pairs(src, w, w1, lo, hi)
@@ -400,6 +467,8 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
             lanes_below = (uint32(1) << uint32(lane)) - uint32(1)
             ranks_at = address_of(d_ranks[g, me]) - address_of(d_ranks)  # element t * K + k of the run
             counts_at = address_of(d_counts[g, me]) - address_of(d_counts)
+            ids_src = address_of(topk_ids)  # [T, K] C-contiguous: (t, k) is flat element t K + k
+            ranks_src = address_of(send_ranks)  # likewise [Tmax, K]
             for w0 in range(0, E, SW):
                 for el in range(tid, SW, threads):
                     next_rank[el] = 0
@@ -409,12 +478,19 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                 for tb in range(0, T, threads):
                     t = tb + tid
                     valid = t < T
-                    # this lane's bit in its warp's mask of each of its token's experts in the window
+                    # this lane's bit in its warp's mask of each of its token's experts in the
+                    # window. Loops of KREG (a constant trip count) unroll: the first KREG ids
+                    # load together into registers (ids_l, constant indices only) and serve the
+                    # ranks below too; a top-k beyond KREG loads the rest one by one.
                     if valid:
-                        for k in range(K):
-                            el = topk_ids[t, k] - w0
-                            if el >= 0 and el < SW:
-                                cuda.atomic.or_(masks, wid * SW + el, uint32(1) << uint32(lane))
+                        for k in range(KREG):
+                            if k < K:
+                                ids_l[k] = int32(load_u32_at(ids_src, t * K + k))
+                        for k in range(KREG):
+                            if k < K:
+                                mark_expert(masks, ids_l[k] - w0, wid, lane)
+                        for k in range(KREG, K):
+                            mark_expert(masks, int32(load_u32_at(ids_src, t * K + k)) - w0, wid, lane)
                     cuda.syncthreads()
                     # a thread per expert: each warp's first rank for it, warps in order
                     for el in range(tid, SW, threads):
@@ -426,12 +502,12 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                     cuda.syncthreads()
                     # each (token, k)'s rank: its warp's first rank plus the lanes below with the expert
                     if valid:
-                        for k in range(K):
-                            x = topk_ids[t, k]
-                            el = x - w0
-                            if el >= 0 and el < SW:
-                                m = wid * SW + el
-                                send_ranks[t, k] = warp_rows[m] + popc32(masks[m] & lanes_below)
+                        for k in range(KREG):
+                            if k < K:
+                                stage_rank(masks, warp_rows, ids_l[k] - w0, wid, lanes_below, ranks_src, t * K + k)
+                        for k in range(KREG, K):
+                            stage_rank(masks, warp_rows, int32(load_u32_at(ids_src, t * K + k)) - w0, wid,
+                                       lanes_below, ranks_src, t * K + k)
                     cuda.syncthreads()  # every mask read before the next round clears it
                     for m in range(tid, RANK_WORDS, threads):
                         masks[m] = uint32(0)
@@ -452,12 +528,9 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                 else:
                     send_counts[d, L] = T
             cuda.syncthreads()  # the ranks are staged before the block sends them
+            stamp_last(status, 19)
             if meta_stores:  # the staged run to every rank, 128 bytes per warp store
-                for j in range(tid, T * K, threads):
-                    t = j // K
-                    x = uint32(send_ranks[t, j - t * K])
-                    for d in range(R):
-                        store_u32_at(peer_bases[PEER_RANKS, d] + ranks_at, j, x)
+                send_rank_run(ranks_src, T * K, R, peer_bases, ranks_at, tid, run_l)
             elif T > 0:
                 for d in range(R):
                     shmem.put_nbi_block(d_ranks[g, me, 0:T], send_ranks[0:T], d)
@@ -511,8 +584,8 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
     @kernel_jit(threads)
     def dispatch_wait(d_ids, d_weights, d_counts, d_ranks, d_signal, sync,
                       row_offsets, expert_counts, row_src_rank, row_src_token, row_src_k,
-                      row_weight, row_gather, token_rows, status, pad_multiple, timeout_ns,
-                      d_tokens, expert_x, copy_rows, token_group):
+                      row_weight, row_gather, recv_tokens, token_rows, status, pad_multiple, timeout_ns,
+                      d_tokens, expert_x, copy_rows):
         """Wait for every source rank, then place every received (token, local expert) pair.
 
         Symmetric inputs as in dispatch_async (group g of the last call): d_counts [G, R, L + 1]
@@ -521,15 +594,15 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         Outputs (local): row_offsets [L + 1] int32, expert_counts [L] int32, row_src_rank /
         row_src_token / row_src_k [C] int32, row_weight [C] float32, row_gather [C] int32 (the
         row's slot in the receive buffer, ``src * Tmax + t``: the compact layout's gather
-        index; padding rows: -1, -1, -1, 0, -1), and token_rows [R, Tmax, K] int32 (row of the
+        index; padding rows: -1, -1, -1, 0, -1), recv_tokens [R] int32 (tokens each source
+        dispatched, from its signal), and token_rows [R, Tmax, K] int32 (row of the
         j-th local expert of token (src, t), for dispatch_copy and combine_async).
         pad_multiple, timeout_ns: int64. copy_rows (int64; bf16 builds only): nonzero for the
         expanded layout in one kernel (decode sizes; ``EPRuntime.fused_copy``): each warp also
-        copies its hits' received rows, d_tokens [G, R, Tmax, W] words, to their rows of
+        copies its hits' received rows, d_tokens [R, Tmax, W] words, to their rows of
         expert_x [C, W] words, and the expert warps zero the padding rows, so no dispatch_copy
         follows (a row is read once per local expert instead of once: the token-major
-        dispatch_copy stays the better choice for large batches). token_group (int64): the
-        group of d_tokens the rows landed in (dispatch_async's), -1 for ``g``.
+        dispatch_copy stays the better choice for large batches).
 
         Every block waits for all R signals itself (each carries its source's token count),
         scans the local experts' padded row counts (a thread per run of experts, one block scan:
@@ -566,7 +639,6 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         tid = cuda.threadIdx.x
         n = sync[SYNC_CALLS] - 1
         g = n % 2
-        tg = token_group if token_group >= 0 else g
 
         # wait for every source rank's signal (thread s waits for rank s)
         if tid == 0:
@@ -586,6 +658,9 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
             return
         stamp_first(status, 15)
         stamp_last(status, 9)
+        if cuda.blockIdx.x == 0:
+            for s in range(tid, R, threads):
+                recv_tokens[s] = src_items[s] // K
 
         # every expert's first row and the total (padded): every block scans them itself
         per = (L + threads - 1) // threads  # local experts per thread
@@ -603,7 +678,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         all_warps = cuda.gridDim.x * warps
         copy = copy_rows != 0 and not QUANT
         W = expert_x.shape[1]
-        pairs = W % 2 == 0 and d_tokens.shape[3] % 2 == 0 and pairs_aligned(d_tokens) and pairs_aligned(expert_x)
+        pairs = W % 2 == 0 and d_tokens.shape[2] % 2 == 0 and pairs_aligned(d_tokens) and pairs_aligned(expert_x)
 
         # (a) a warp per local expert, from the grid's last block down (the first blocks place
         # the rows): offset, count, padding rows (source -1, weight 0; their data zeroed by
@@ -663,17 +738,17 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                                  row_src_k, row_weight, row_gather, token_rows)
             if copy:  # the step's hits
                 below, hits = warp_exclusive_count(hit, scan_buf)
-                copy_warp_hits(hit, r, t, below, hits, d_tokens[tg, s], expert_x, W, pairs, hit_row, hit_token,
+                copy_warp_hits(hit, r, t, below, hits, d_tokens[s], expert_x, W, pairs, hit_row, hit_token,
                                lane, lo, hi)
             i += all_warps
         stamp_last(status, 11)
 
     @kernel_jit(threads)
     def dispatch_copy(d_tokens, d_ids, d_counts, sync, token_rows, row_offsets, expert_counts,
-                      expert_x, status, d_tokens8, expert_scales8, scales_col_major, token_group):
+                      expert_x, status, d_tokens8, expert_scales8, scales_col_major):
         """Copy each received token row once to all its expert rows; zero the padding rows.
 
-        d_tokens [G, R, Tmax, W] words (symmetric, group g of the last call), d_ids
+        d_tokens [R, Tmax, W] words (symmetric: the rows of the last call), d_ids
         [G, R, Tmax, K], d_counts [G, R, L + 1]; token_rows, row_offsets, expert_counts as
         dispatch_wait wrote them; expert_x [C, W] words (output). Runs after dispatch_wait on
         the same stream (the launch boundary orders them) and reads only what it waited for.
@@ -683,13 +758,11 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         words per lane in flight.
         Then a warp per local expert zeroes its padding rows.
 
-        FP8 token formats: d_tokens holds messages ([G, R, Tmax, MW] words; d_tokens8 a uint8
+        FP8 token formats: d_tokens holds messages ([R, Tmax, MW] words; d_tokens8 a uint8
         view); the first ``P = expert_x.shape[1]`` words of each (the codes) go to expert_x as
         above, and the warp holding a row's first part lays its scale bytes out in
         expert_scales8 (a uint8 view of [C * S] scales, row-major, or column-major when
         scales_col_major, int64, is nonzero; ``store_scales``); padding rows get zero scales.
-        token_group (int64): the group of d_tokens the rows landed in (dispatch_async's), -1
-        for ``g``.
         """
         vals = cuda.local.array(U, uint64)
         lo = cuda.local.array(UP, uint64)
@@ -705,11 +778,10 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         W = expert_x.shape[1]
         C = expert_x.shape[0]
         # rows as word pairs (one 16-byte access for uint64 words) when every row starts aligned
-        pairs = W % 2 == 0 and d_tokens.shape[3] % 2 == 0 and pairs_aligned(d_tokens) and pairs_aligned(expert_x)
+        pairs = W % 2 == 0 and d_tokens.shape[2] % 2 == 0 and pairs_aligned(d_tokens) and pairs_aligned(expert_x)
         SBYTES = expert_scales8.shape[0] // C if C > 0 else 0  # scale bytes per row (FP8 formats)
         n = sync[SYNC_CALLS] - 1
         g = n % 2
-        tg = token_group if token_group >= 0 else g  # the group the rows landed in (dispatch_async's)
         lane = cuda.threadIdx.x % warp
         first_warp = cuda.blockIdx.x * warps + cuda.threadIdx.x // warp
         all_warps = cuda.gridDim.x * warps
@@ -722,7 +794,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
             while i < T_s * parts:
                 t, w0, w1 = part_bounds(i, parts, span, W)
                 n_local = local_expert_count(d_ids[g, s, t], L, me)
-                src = d_tokens[tg, s, t]
+                src = d_tokens[s, t]
                 w = w0 + 2 * lane
                 while pairs and w < w1:  # UP pairs per lane loaded before any is stored (w0, w1 even)
                     load_pairs(src, w, w1, lo, hi)
@@ -742,7 +814,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                     w += U * warp
                 if QUANT and w0 == 0:
                     for j in range(n_local):
-                        store_scales(d_tokens8[tg, s, t], W * 8, SBYTES, expert_scales8, token_rows[s, t, j], C,
+                        store_scales(d_tokens8[s, t], W * 8, SBYTES, expert_scales8, token_rows[s, t, j], C,
                                      scales_col_major, lane, 0)
                 i += all_warps
 
@@ -752,7 +824,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                 for w in range(lane, W, warp):
                     expert_x[r, w] = 0
                 if QUANT:
-                    store_scales(d_tokens8[tg, 0, 0], W * 8, SBYTES, expert_scales8, r, C, scales_col_major, lane, 1)
+                    store_scales(d_tokens8[0, 0], W * 8, SBYTES, expert_scales8, r, C, scales_col_major, lane, 1)
             e += all_warps
         stamp_last(status, 13)
 

@@ -171,6 +171,20 @@ def ue8m0_value(code):
 
 
 @cuda.jit(device=True)
+def ue8m0_inverse(code):
+    """float32 ``2**(127 - code)``, the exact reciprocal of UE8M0 scale ``code`` (0..254: from
+    2**127 down to 2**-127, a float32 subnormal); NaN for code 255. Multiplying by it gives
+    bit for bit the IEEE quotient by the scale (both are the exact product rounded once), so
+    :func:`quantize4_pow2` needs no division."""
+    c = uint32(code)
+    if c == uint32(UE8M0_NAN):
+        return bf16_to_f32(uint32(_BF16_BITS_NAN))
+    if c == uint32(254):
+        return bf16_to_f32(uint32(_BF16_BITS_2_POW_M127))
+    return bf16_to_f32((uint32(254) - c) << uint32(7))
+
+
+@cuda.jit(device=True)
 def bf16_abs_max(acc, word):
     """Largest of ``acc`` (uint32) and the magnitude patterns (``bits & 0x7FFF``) of the four
     bf16 values of uint64 ``word``. Magnitude patterns order like the magnitudes, with every
@@ -212,8 +226,20 @@ def quantize4_software(word, scale):
                  e4m3_quantize(word_f32(word, 2), scale), e4m3_quantize(word_f32(word, 3), scale))
 
 
+@cuda.jit(device=True)
+def quantize4_pow2_software(word, scale, inv):
+    """:func:`quantize4_software` for a power-of-two ``scale`` whose exact reciprocal is ``inv``
+    (:func:`ue8m0_inverse`): the quotients as products (the same bits), converted in software."""
+    if (f32_bits(scale) & uint32(0x7FFFFFFF)) > uint32(0x7F800000):
+        return uint32(_NAN4)
+    s = float32(inv)
+    return pack4(e4m3_bits(word_f32(word, 0) * s), e4m3_bits(word_f32(word, 1) * s),
+                 e4m3_bits(word_f32(word, 2) * s), e4m3_bits(word_f32(word, 3) * s))
+
+
 if SIMULATED:
     quantize4 = quantize4_software
+    quantize4_pow2 = quantize4_pow2_software
 else:
     from ep_runtime.kernels.vec import f32_pair_conversion
 
@@ -238,7 +264,24 @@ else:
             return quantize4_software(word, scale)
         return _cvt_e4m3x2(q0, q1) | (_cvt_e4m3x2(q2, q3) << uint32(16))
 
+    @cuda.jit(device=True)
+    def quantize4_pow2(word, scale, inv):
+        """As :func:`quantize4` for a power-of-two ``scale`` with exact reciprocal ``inv``
+        (:func:`ue8m0_inverse`): four multiplications instead of four IEEE divisions (each a
+        dozen instructions with its special-case check), the same quotients bit for bit."""
+        if (f32_bits(scale) & uint32(0x7FFFFFFF)) > uint32(0x7F800000):
+            return uint32(_NAN4)
+        s = float32(inv)
+        q0 = word_f32(word, 0) * s
+        q1 = word_f32(word, 1) * s
+        q2 = word_f32(word, 2) * s
+        q3 = word_f32(word, 3) * s
+        lim = float32(_HW_SAFE_MAX)
+        if not (abs(q0) <= lim and abs(q1) <= lim and abs(q2) <= lim and abs(q3) <= lim):
+            return quantize4_software(word, scale)
+        return _cvt_e4m3x2(q0, q1) | (_cvt_e4m3x2(q2, q3) << uint32(16))
+
 
 __all__ = ["E4M3_MAX", "E4M3_NAN", "UE8M0_NAN", "e4m3_bits", "e4m3_value", "e4m3_quantize", "e4m3_scale",
-           "ue8m0_scale", "ue8m0_value", "bf16_abs_max", "pack4", "pack8", "code_at", "quantize4",
-           "quantize4_software"]
+           "ue8m0_scale", "ue8m0_value", "ue8m0_inverse", "bf16_abs_max", "pack4", "pack8", "code_at",
+           "quantize4", "quantize4_software", "quantize4_pow2", "quantize4_pow2_software"]

@@ -27,9 +27,10 @@ TRACE = os.environ.get("EP_RUNTIME_TRACE", "").strip().lower() in ("1", "true", 
 #: slot -> (kernel, point). A kernel's points are measured from its ``start`` slot.
 SLOTS = {
     0: ("dispatch_async", "start"),
-    5: ("dispatch_async", "token credits seen (block 0; copy engine)"),
+    5: ("dispatch_async", "token credits seen (block 0)"),
     4: ("dispatch_async", "routing rows sent (last block)"),
     1: ("dispatch_async", "tokens sent (last block)"),
+    19: ("dispatch_async", "ranks computed and staged (routing block)"),
     2: ("dispatch_async", "ranks and counts sent (last block)"),
     3: ("dispatch_async", "ticket taken (last block)"),
     6: ("dispatch_async", "signalled (end)"),

@@ -20,6 +20,8 @@ instruction (``cvt.rn.bf16x2.f32``).
   ``addr + 8 i`` (16-byte aligned): a row of another PE's symmetric array reached through
   its NVLink mapping (``Session.peer_addresses``; the same offset from the region's base on
   every PE). Plain stores: publish them as ``Session.peer_view`` says (fence, barrier, signal).
+- ``load_u32_at(addr, i) -> uint32``: the uint32 at ``addr + 4 i`` (a flat element of a
+  C-contiguous array: ``address_of(ary)`` and its flat index).
 - ``store_u32_at(addr, i, v)``, ``store_u8_at(addr, i, v)``: one uint32 at ``addr + 4 i``
   (4-byte aligned) or one byte at ``addr + i``, the same way (FP8 messages encoded straight
   into peers' receive slots: four E4M3 codes, a float32 scale, a UE8M0 scale code).
@@ -75,6 +77,10 @@ if _config.ENABLE_CUDASIM:
     def store_u8_at(addr, i, v):
         """The low byte of ``v`` at address ``addr + i``."""
         ctypes.c_uint8.from_address(int(addr) + int(i)).value = int(v) & 0xFF
+
+    def load_u32_at(addr, i):
+        """The uint32 at address ``addr + 4 i``."""
+        return np.uint32(ctypes.c_uint32.from_address(int(addr) + 4 * int(i)).value)
 
     def pack_bf16x2(lo, hi):
         """bf16(lo) | bf16(hi) << 16, as uint32."""
@@ -212,6 +218,21 @@ else:
 
         return store_at
 
+    @intrinsic
+    def load_u32_at(typingctx, addr, i):
+        """The uint32 at byte address ``addr + 4 i`` (4-byte aligned): an array's flat element
+        without Numba's per-index arithmetic (v7: about 17 instructions per element)."""
+        if not (isinstance(addr, types.Integer) and isinstance(i, types.Integer)):
+            return None
+        sig = types.uint32(types.uint64, types.int64)
+
+        def codegen(context, builder, signature, args):
+            i64 = ir.IntType(64)
+            byte = builder.add(args[0], builder.mul(args[1], ir.Constant(i64, 4)))
+            return builder.load(builder.inttoptr(byte, ir.IntType(32).as_pointer()), align=4)
+
+        return sig, codegen
+
     #: uint32 ``v`` at byte address ``addr + 4 i``
     store_u32_at = _scalar_store_at(32)
     #: byte ``v`` at byte address ``addr + i``
@@ -305,5 +326,5 @@ def make_pair_loops(n: int, warp: int):
     return load_pairs, store_pairs, store_pairs_at
 
 
-__all__ = ["load_pair", "store_pair", "pairs_aligned", "address_of", "store_pair_at", "store_u32_at", "store_u8_at",
-           "pack_bf16x2", "pack_bf16x4", "pack_f32x2", "make_pair_loops"]
+__all__ = ["load_pair", "store_pair", "pairs_aligned", "address_of", "store_pair_at", "load_u32_at", "store_u32_at",
+           "store_u8_at", "pack_bf16x2", "pack_bf16x4", "pack_f32x2", "make_pair_loops"]

@@ -3,7 +3,8 @@
 gather; combine_async(layout="compact") takes one row per received token. Both exact against
 the reference (:func:`ep_runtime.reference.receive_rows`, :func:`~ep_runtime.reference.gather_index`,
 :func:`~ep_runtime.reference.combine_rows`), including the awkward routings, mixed with expanded
-calls on one runtime (the buffer groups alternate), and with bad arguments refused.
+calls on one runtime (the routing groups alternate; the token rows share one buffer), and with bad
+arguments refused.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ def cases(R: int) -> list:
         ("empty_expert", base_cfg(R), "empty_expert", 4, None),
         ("one_expert", base_cfg(R), "one_expert", 5, None),
         ("top_k_1", base_cfg(R, top_k=1), "random", 6, None),
+        # more experts per token than the routing block keeps in its local array (KREG = 16)
+        ("top_k_17", base_cfg(R, n_experts=10 * R, top_k=17), "random", 7, None),
         ("pad_4", base_cfg(R, pad_multiple=4), "random", 9, None),
         ("hidden_5_uint16_words", base_cfg(R, hidden=5), "random", 13, None),
         # rows longer than one pass of the copy loop (138 uint64 words > 8 lanes x 8 words x 2)
@@ -88,7 +91,7 @@ def compact_pe(session, R: int) -> dict:
         with EPRuntime(cfg, session) as rt:
             results[name] = {layout: round_trip(rt, cfg, xs, ids, ws, layout) for layout in ("compact", "expanded")}
 
-    # one runtime, calls alternating compact / expanded dispatch (buffer groups alternate)
+    # one runtime, calls alternating compact / expanded dispatch (routing groups alternate)
     cfg = EPConfig(**base_cfg(R))
     seq = []
     with EPRuntime(cfg, session) as rt:

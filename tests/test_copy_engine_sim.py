@@ -8,7 +8,8 @@ dispatch_wait, dispatch_copy) with the session's copy stream, one process per ra
   has no FMA contraction).
 - The copy engine really carried the rows: a peer's slot holds the sender's whole batch,
   rows of tokens with no expert there included (the warps' stores never write those).
-- Credits: each peer's ``dispatch_token_credit`` counts its calls; the copy flag is reset.
+- Credits: each peer's ``dispatch_token_credit`` counts its calls (plus the next one, granted
+  by the last combine); the copy flag is reset.
 - A rank that skips a dispatch: the other's dispatch_async times out naming dispatch_async,
   the rank and ``dispatch_token_credit``.
 - The policy (``EP_RUNTIME_TOKEN_TRANSFER``), without a simulator.
@@ -161,9 +162,10 @@ def test_the_copy_engine_carried_every_row_of_each_peer(sim):
 
 
 def test_credits_count_the_calls_and_the_copy_flag_is_reset(sim):
+    """Every call ended with a combine, whose combine_async granted the next call: CALLS + 1."""
     R, _, per_rank = sim
     for r, res in enumerate(per_rank):
-        assert res["credit"] == [0 if d == r else CALLS for d in range(R)], f"rank {r}: {res['credit']}"
+        assert res["credit"] == [0 if d == r else CALLS + 1 for d in range(R)], f"rank {r}: {res['credit']}"
         assert res["go"] == 0, f"rank {r}: copy flag left at {res['go']}"
 
 

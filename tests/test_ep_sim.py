@@ -954,8 +954,9 @@ def test_faulty_rank_times_out_the_peers_dispatch_naming_it(sim, R, fault):
             continue
         kind, message = res["error"]
         assert kind == "EPTimeoutError", f"rank {r}: {res['error']}"
-        frag = (f"rank {r}: dispatch_wait of call 0 timed out after {FAIL_WAIT_TIMEOUT_S:g} s waiting for rank "
-                f"{FAULTY_RANK}: dispatch_signal[0][{FAULTY_RANK}] expected >= 1, observed 0")
+        # the first wait that cannot end: the faulty rank never granted call 0's token rows
+        frag = (f"rank {r}: dispatch_async of call 0 timed out after {FAIL_WAIT_TIMEOUT_S:g} s waiting for rank "
+                f"{FAULTY_RANK}: dispatch_token_credit[{FAULTY_RANK}] expected >= 1, observed 0")
         assert frag in message, f"{frag!r} not in {message!r}"
         assert f"rank {FAULTY_RANK} did not make this call" in message
         # the first block to time out records the error, later blocks see it and return at once:

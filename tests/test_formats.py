@@ -58,6 +58,18 @@ def bf16_sweep() -> np.ndarray:
     return (np.arange(1 << 16, dtype=np.uint32) << 16).view(np.float32)
 
 
+#: UE8M0 codes of the power-of-two quantization check: the extremes (2**-127, a float32
+#: subnormal, and 2**127), around 1, and NaN.
+POW2_CODES = (0, 1, 2, 100, 126, 127, 128, 200, 252, 253, 254, 255)
+
+
+def pow2_words() -> np.ndarray:
+    """[64] uint64 words of 4 bf16 values: every 257th bf16 pattern (both signs, every exponent,
+    inf), so quotients span subnormal to overflow at the extreme scales."""
+    bits = (np.arange(256, dtype=np.uint64) * np.uint64(257)).astype(np.uint16)
+    return bits.view(np.uint64).copy()
+
+
 def e4m3_points() -> tuple[np.ndarray, np.ndarray]:
     """(values, midpoints) float64: the 127 non-negative finite E4M3 values, and the rounding
     boundaries between neighbours plus 464 (between 448 and the absent 480)."""
@@ -156,6 +168,21 @@ def scale_kernel(amax, e4m3_scales, ue8m0_scales, ue8m0_codes):
 
 
 @cuda.jit
+def pow2_kernel(words, codes, inverses, by_division, by_product):
+    """For each UE8M0 code (``codes`` [C] uint32): its exact reciprocal (``inverses`` [C]
+    float32), and each bf16 word (``words`` [N] uint64, 4 values) quantized by division by the
+    scale (``quantize4_software``) and by multiplication with the reciprocal
+    (``quantize4_pow2_software``, the encoder's UE8M0 path): ``by_*`` [C, N] uint32."""
+    for c in range(cuda.grid(1), codes.shape[0], cuda.gridsize(1)):
+        scale = fp8.ue8m0_value(codes[c])
+        inv = fp8.ue8m0_inverse(codes[c])
+        inverses[c] = inv
+        for w in range(words.shape[0]):
+            by_division[c, w] = fp8.quantize4_software(words[w], scale)
+            by_product[c, w] = fp8.quantize4_pow2_software(words[w], scale, inv)
+
+
+@cuda.jit
 def rows_kernel(tokens, ue8m0, messages, decoded):
     """Encode each token into its message and decode it back, one thread per token.
 
@@ -234,6 +261,11 @@ def simulate_main(path: str) -> None:
     out["e4m3_scales"], out["ue8m0_scales"] = np.zeros_like(amax), np.zeros_like(amax)
     out["ue8m0_codes"] = np.full(len(amax), 0xDEAD, np.uint32)
     launch("scales", scale_kernel, amax, out["e4m3_scales"], out["ue8m0_scales"], out["ue8m0_codes"])
+    words, pow2_codes = pow2_words(), np.array(POW2_CODES, np.uint32)
+    out["pow2_inverses"] = np.zeros(len(pow2_codes), np.float32)
+    out["pow2_division"] = np.full((len(pow2_codes), len(words)), 0xDEAD, np.uint32)
+    out["pow2_product"] = np.full((len(pow2_codes), len(words)), 0xBEEF, np.uint32)
+    launch("pow2", pow2_kernel, words, pow2_codes, out["pow2_inverses"], out["pow2_division"], out["pow2_product"])
     tokens = token_cases()
     for flag, fmt in enumerate(FP8_FORMATS):
         W = fmt.message_words(tokens.shape[1])
@@ -252,7 +284,8 @@ def _device_signatures():
     u8, u32, u64, i64, f32 = types.uint8, types.uint32, types.uint64, types.int64, types.float32
     return [("e4m3_bits", (f32,)), ("e4m3_value", (u32,)), ("e4m3_value", (u8,)),
             ("e4m3_quantize", (f32, f32)), ("e4m3_scale", (f32,)), ("ue8m0_scale", (f32,)),
-            ("ue8m0_value", (u32,)), ("bf16_abs_max", (u32, u64)), ("pack4", (u32, u32, u32, u32)),
+            ("ue8m0_value", (u32,)), ("ue8m0_inverse", (u32,)), ("quantize4_pow2_software", (u64, f32, f32)),
+            ("bf16_abs_max", (u32, u64)), ("pack4", (u32, u32, u32, u32)),
             ("pack8", (u32, u32)), ("code_at", (u64, i64))]
 
 
@@ -267,6 +300,7 @@ def _kernel_entries():
             ("bits_kernel", bits_kernel, (c(f32), c(u32))),
             ("decode_kernel", decode_kernel, (c(u32), c(f32), c(f32))),
             ("scale_kernel", scale_kernel, (c(f32), c(f32), c(f32), c(u32))),
+            ("pow2_kernel", pow2_kernel, (c(u64), c(u32), c(f32), c(u32, 2), c(u32, 2))),
             ("rows_kernel", rows_kernel, (c(u64, 2), i64, c(u64, 2), c(f32, 2)))]
 
 
@@ -455,6 +489,22 @@ def test_scales_of_every_amax(sim):
     ref_scale, _ = F.FLOAT32_SCALE.from_amax(amax)
     assert (sim["e4m3_scales"].view(np.uint32) == ref_scale.view(np.uint32)).all()
     assert (sim["ue8m0_codes"] == F.UE8M0_SCALE.from_amax(amax)[1]).all()
+
+
+def test_power_of_two_scales_quantize_by_their_exact_reciprocal(sim):
+    """The encoder's UE8M0 path multiplies by ``ue8m0_inverse(code)`` instead of dividing by the
+    scale: the reciprocal is exactly 2**(127 - code) (NaN for code 255), and the codes equal the
+    division's for every word, at the extreme scales too (subnormal and overflowing quotients)."""
+    codes = np.array(POW2_CODES)
+    with np.errstate(all="ignore"):
+        want = np.where(codes == 255, np.float32(np.nan), np.ldexp(np.float32(1.0), 127 - codes).astype(np.float32))
+    assert_same_floats(sim["pow2_inverses"], want, "ue8m0_inverse")
+    assert (sim["pow2_division"] != 0xDEAD).all() and (sim["pow2_product"] != 0xBEEF).all(), "not written"
+    bad = np.argwhere(sim["pow2_division"] != sim["pow2_product"])
+    assert bad.size == 0, (f"{len(bad)} words differ; first: code {codes[bad[0][0]]}, word "
+                           f"{pow2_words()[bad[0][1]]:#018x}")
+    # and the check has teeth: every scale gives other codes
+    assert len({tuple(row) for row in sim["pow2_product"].tolist()}) == len(codes)
 
 
 @pytest.mark.parametrize("fmt", FP8_FORMATS, ids=lambda f: f.name)

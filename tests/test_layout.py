@@ -25,28 +25,28 @@ u16, i32, i64, u64, f32 = (np.dtype(t) for t in ("uint16", "int32", "int64", "ui
 
 # (a) C = 8 ranks * 4096 tokens * min(8, 32) = 262144 rows.
 DSV3_SYMMETRIC = {
-    # [G, R, T, H] u16: 2 * 8 * 4096 * 7168 * 2 B = 939,524,096 B (896 MiB)
-    "dispatch_tokens": ((2, 8, 4096, 7168), u16, 939_524_096, 0),
-    # [G, R, T, K] i32: 2 * 8 * 4096 * 8 * 4 B = 2,097,152 B; starts at 939,524,096
-    "dispatch_topk_ids": ((2, 8, 4096, 8), i32, 2_097_152, 939_524_096),
-    # [G, R, T, K] f32: 2,097,152 B; 939,524,096 + 2,097,152 = 941,621,248
-    "dispatch_topk_weights": ((2, 8, 4096, 8), f32, 2_097_152, 941_621_248),
-    # [G, R, L + 1] i32: 2 * 8 * 33 * 4 B = 2112 B; 941,621,248 + 2,097,152 = 943,718,400
-    "dispatch_counts": ((2, 8, 33), i32, 2112, 943_718_400),
+    # [R, T, H] u16 (one buffer, no group axis): 8 * 4096 * 7168 * 2 B = 469,762,048 B (448 MiB)
+    "dispatch_tokens": ((8, 4096, 7168), u16, 469_762_048, 0),
+    # [G, R, T, K] i32: 2 * 8 * 4096 * 8 * 4 B = 2,097,152 B; starts at 469,762,048
+    "dispatch_topk_ids": ((2, 8, 4096, 8), i32, 2_097_152, 469_762_048),
+    # [G, R, T, K] f32: 2,097,152 B; 469,762,048 + 2,097,152 = 471,859,200
+    "dispatch_topk_weights": ((2, 8, 4096, 8), f32, 2_097_152, 471_859_200),
+    # [G, R, L + 1] i32: 2 * 8 * 33 * 4 B = 2112 B; 471,859,200 + 2,097,152 = 473,956,352
+    "dispatch_counts": ((2, 8, 33), i32, 2112, 473_956_352),
     # [G, R, T, K] i32: 2 * 8 * 4096 * 8 * 4 B = 2,097,152 B;
-    # 943,718,400 + 2112 -> round up to 256: + 2304 = 943,720,704
-    "dispatch_ranks": ((2, 8, 4096, 8), i32, 2_097_152, 943_720_704),
-    # [G, R] u64: 2 * 8 * 8 B = 128 B; 943,720,704 + 2,097,152 = 945,817,856
-    "dispatch_signal": ((2, 8), u64, 128, 945_817_856),
-    # [G, R, T, H] u16: 939,524,096 B; 945,817,856 + 128 -> + 256 = 945,818,112
-    "combine_partials": ((2, 8, 4096, 7168), u16, 939_524_096, 945_818_112),
-    # [G, R] u64: 128 B; 945,818,112 + 939,524,096 = 1,885,342,208
-    "combine_signal": ((2, 8), u64, 128, 1_885_342_208),
-    # [R] u64 (cumulative credits, no group axis): 64 B; 1,885,342,208 + 128 -> 1,885,342,464
-    "dispatch_token_credit": ((8,), u64, 64, 1_885_342_464),
+    # 473,956,352 + 2112 -> round up to 256: + 2304 = 473,958,656
+    "dispatch_ranks": ((2, 8, 4096, 8), i32, 2_097_152, 473_958_656),
+    # [G, R] u64: 2 * 8 * 8 B = 128 B; 473,958,656 + 2,097,152 = 476,055,808
+    "dispatch_signal": ((2, 8), u64, 128, 476_055_808),
+    # [G, R, T, H] u16: 939,524,096 B; 476,055,808 + 128 -> + 256 = 476,056,064
+    "combine_partials": ((2, 8, 4096, 7168), u16, 939_524_096, 476_056_064),
+    # [G, R] u64: 128 B; 476,056,064 + 939,524,096 = 1,415,580,160
+    "combine_signal": ((2, 8), u64, 128, 1_415_580_160),
+    # [R] u64 (monotonic credits, no group axis): 64 B; 1,415,580,160 + 128 -> 1,415,580,416
+    "dispatch_token_credit": ((8,), u64, 64, 1_415_580_416),
 }
-# 1,885,342,464 + 64 -> round up to 256 = 1,885,342,720
-DSV3_SYMMETRIC_BYTES = 1_885_342_720
+# 1,415,580,416 + 64 -> round up to 256 = 1,415,580,672
+DSV3_SYMMETRIC_BYTES = 1_415_580_672
 
 DSV3_LOCAL = {
     # [2] i64: 16 B at 0
@@ -81,30 +81,32 @@ DSV3_LOCAL = {
     "status": ((32,), i64, 256, 4_234_283_264),  # 8 error words + TRACE_LEN trace words
     # [1] u32: 4 B; 4,234,283,264 + 256 = 4,234,283,520
     "dispatch_copy_go": ((1,), np.dtype(np.uint32), 4, 4_234_283_520),
+    # [R] i32: 32 B; 4,234,283,520 + 4 -> round up to 256 = 4,234,283,776
+    "recv_tokens": ((8,), i32, 32, 4_234_283_776),
 }
-# 4,234,283,520 + 4 -> round up to 256 = 4,234,283,776
-DSV3_LOCAL_BYTES = 4_234_283_776
+# 4,234,283,776 + 32 -> round up to 256 = 4,234,284,032
+DSV3_LOCAL_BYTES = 4_234_284_032
 
 SMALL_SYMMETRIC = {
-    # [G, R, T, H] u16: 2 * 2 * 16 * 64 * 2 = 8192 B at 0
-    "dispatch_tokens": ((2, 2, 16, 64), u16, 8192, 0),
-    # [G, R, T, K] i32: 2 * 2 * 16 * 2 * 4 = 512 B at 8192
-    "dispatch_topk_ids": ((2, 2, 16, 2), i32, 512, 8192),
-    # f32, 512 B; 8192 + 512 = 8704
-    "dispatch_topk_weights": ((2, 2, 16, 2), f32, 512, 8704),
-    # [G, R, L + 1] i32: 2 * 2 * 5 * 4 = 80 B; 8704 + 512 = 9216
-    "dispatch_counts": ((2, 2, 5), i32, 80, 9216),
-    # [G, R, T, K] i32: 2 * 2 * 16 * 2 * 4 = 512 B; 9216 + 80 -> 9472
-    "dispatch_ranks": ((2, 2, 16, 2), i32, 512, 9472),
-    # [G, R] u64: 2 * 2 * 8 = 32 B; 9472 + 512 = 9984
-    "dispatch_signal": ((2, 2), u64, 32, 9984),
-    # 8192 B; 9984 + 32 -> 10240
-    "combine_partials": ((2, 2, 16, 64), u16, 8192, 10240),
-    # 32 B; 10240 + 8192 = 18432
-    "combine_signal": ((2, 2), u64, 32, 18432),
-    "dispatch_token_credit": ((2,), u64, 16, 18688),  # 18432 + 32 -> 18688
+    # [R, T, H] u16: 2 * 16 * 64 * 2 = 4096 B at 0
+    "dispatch_tokens": ((2, 16, 64), u16, 4096, 0),
+    # [G, R, T, K] i32: 2 * 2 * 16 * 2 * 4 = 512 B at 4096
+    "dispatch_topk_ids": ((2, 2, 16, 2), i32, 512, 4096),
+    # f32, 512 B; 4096 + 512 = 4608
+    "dispatch_topk_weights": ((2, 2, 16, 2), f32, 512, 4608),
+    # [G, R, L + 1] i32: 2 * 2 * 5 * 4 = 80 B; 4608 + 512 = 5120
+    "dispatch_counts": ((2, 2, 5), i32, 80, 5120),
+    # [G, R, T, K] i32: 2 * 2 * 16 * 2 * 4 = 512 B; 5120 + 80 -> 5376
+    "dispatch_ranks": ((2, 2, 16, 2), i32, 512, 5376),
+    # [G, R] u64: 2 * 2 * 8 = 32 B; 5376 + 512 = 5888
+    "dispatch_signal": ((2, 2), u64, 32, 5888),
+    # [G, R, T, H] u16: 8192 B; 5888 + 32 -> 6144
+    "combine_partials": ((2, 2, 16, 64), u16, 8192, 6144),
+    # 32 B; 6144 + 8192 = 14336
+    "combine_signal": ((2, 2), u64, 32, 14336),
+    "dispatch_token_credit": ((2,), u64, 16, 14592),  # 14336 + 32 -> 14592
 }
-SMALL_SYMMETRIC_BYTES = 18944  # 18688 + 16 -> 18944
+SMALL_SYMMETRIC_BYTES = 14848  # 14592 + 16 -> 14848
 
 SMALL_LOCAL = {
     "dispatch_async_sync": ((2,), i64, 16, 0),
@@ -137,8 +139,9 @@ SMALL_LOCAL = {
     # [8] i64: 64 B; 13312 + 200 -> 13568
     "status": ((32,), i64, 256, 13568),
     "dispatch_copy_go": ((1,), np.dtype(np.uint32), 4, 13824),  # 13568 + 256 -> 13824
+    "recv_tokens": ((2,), i32, 8, 14080),  # 13824 + 4 -> 14080
 }
-SMALL_LOCAL_BYTES = 14080  # 13824 + 4 -> 14080
+SMALL_LOCAL_BYTES = 14336  # 14080 + 8 -> 14336
 
 CASES = {
     "dsv3": (DSV3, DSV3_SYMMETRIC, DSV3_SYMMETRIC_BYTES, DSV3_LOCAL, DSV3_LOCAL_BYTES),
@@ -183,10 +186,10 @@ def test_totals(case):
 
 
 def test_dsv3_totals_in_mib():
-    # Two groups of [R, T, H] bf16 each way: 2 * 896 MiB, plus 4 MiB of routing (ids and
-    # weights), 2 MiB of ranks and a few KiB.
+    # [R, T, H] bf16 received tokens (one buffer: 448 MiB) and two groups of combine partials
+    # (896 MiB), plus 4 MiB of routing (ids and weights), 2 MiB of ranks and a few KiB.
     layout = BufferLayout(DSV3)
-    assert 1798 < layout.symmetric_bytes / MiB < 1798.01
+    assert 1350 < layout.symmetric_bytes / MiB < 1350.01
     # combine_stage 448 MiB + expert_x 3584 MiB + token_rows 1 MiB + 5 row arrays of 1 MiB
     # + the sender's 0.125 MiB of staged ranks and a few KiB.
     assert 4038 < layout.local_bytes / MiB < 4038.2
@@ -210,8 +213,11 @@ def test_symmetric_regions_have_leading_group_dimension(case):
     layout, *_ = case
     assert layout.symmetric_regions, "no symmetric regions"
     for r in layout.symmetric_regions:
-        if r.name == "dispatch_token_credit":  # cumulative over calls by design: [R], no group axis
+        if r.name == "dispatch_token_credit":  # monotonic over calls by design: [R], no group axis
             assert r.shape == (layout.cfg.n_ranks,), r.shape
+            continue
+        if r.name == "dispatch_tokens":  # one buffer, guarded by the credits: [R, T, ...], no group axis
+            assert r.shape[:2] == (layout.cfg.n_ranks, layout.cfg.max_tokens_per_rank), r.shape
             continue
         assert r.shape[0] == 2, f"{r.name} {r.shape}: no leading group dimension 2"
         assert r.shape[1] == layout.cfg.n_ranks, f"{r.name} {r.shape}: second dimension is not the source rank"
@@ -257,10 +263,11 @@ def test_describe_lists_every_region_and_totals(case):
 
 def test_describe_dsv3_figures():
     text = BufferLayout(DSV3).describe()
-    assert "896.000" in text          # dispatch_tokens and combine_partials
+    assert "448.000" in text          # dispatch_tokens (and combine_stage)
+    assert "896.000" in text          # combine_partials
     assert "3584.000" in text         # expert_x
-    assert "symmetric total 1798.003 MiB" in text   # 1,885,342,720 / 2**20 = 1798.0029
-    assert "local total 4038.128 MiB" in text       # 4,234,283,776 / 2**20 = 4038.1277
+    assert "symmetric total 1350.003 MiB" in text   # 1,415,580,672 / 2**20 = 1350.0029
+    assert "local total 4038.128 MiB" in text       # 4,234,284,032 / 2**20 = 4038.1280
 
 
 def test_region_unknown_name_raises_key_error():

@@ -1,10 +1,14 @@
 """One CUDA graph, captured once at capacity, serving every batch size (run on the GPU machine):
 
     mpirun -np 2 -x PYTHONPATH python3 tests/gpu/graph_check.py [--capacity 256] [--replays 100]
+        [--layout expanded|compact]
 
-Captures dispatch_async(n_tokens=<device scalar>) -> dispatch_wait -> (expert compute: a CuPy
-copy, the identity expert) -> combine_async -> combine_wait once, with capacity-sized input
-buffers. Each replay writes new tokens, routing and weights into those buffers and a new token
+Captures dispatch_async(n_tokens=<device scalar>) -> dispatch_wait -> (expert compute: the
+identity expert, a CuPy copy of the expanded batch, or with ``--layout compact`` a CuPy gather
+of the compact batch's rows by its ``gather`` index, as a gathering GEMM reads them) ->
+combine_async -> combine_wait once, with capacity-sized input buffers. The compact batch's
+``x`` is the receive buffer itself: every replay must gather that replay's rows from the memory
+the capture saw (one buffer for every call, guarded by credits: docs/protocol.md). Each replay writes new tokens, routing and weights into those buffers and a new token
 count into the device scalar (counts vary by rank and replay: 0, 1, capacity and random ones),
 replays the graph, and checks the expert batch exactly and the combine output within
 ``reference.combine_tolerance`` against the NumPy reference of that step. Rows past the count
@@ -35,6 +39,7 @@ def main() -> int:
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--replays", type=int, default=100)
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--layout", choices=("expanded", "compact"), default="expanded")
     args = ap.parse_args()
 
     import cupy
@@ -64,8 +69,11 @@ def main() -> int:
 
     session.barrier()
     stream.begin_capture()
-    batch = rt.dispatch_wait(rt.dispatch_async(tok, tid, tw, n_tokens=count))
-    cupy.copyto(y, batch.x)  # the identity expert, inside the graph
+    batch = rt.dispatch_wait(rt.dispatch_async(tok, tid, tw, n_tokens=count), layout=args.layout)
+    if args.layout == "compact":  # gather the batch's rows (padding rows: -1 wraps to a row, unused)
+        cupy.take(batch.x, batch.gather, axis=0, out=y)
+    else:
+        cupy.copyto(y, batch.x)  # the identity expert, inside the graph
     rt.combine_wait(rt.combine_async(y, batch.handle), out=out)
     graph = stream.end_capture()
 
@@ -91,7 +99,10 @@ def main() -> int:
         ref_out = reference.combine([b.x for b in ref_b], ref_b, ids, cfg)
         rows = ref_b[me].n_rows
         ok = bool(np.array_equal(cupy.asnumpy(batch.row_offsets), ref_b[me].row_offsets))
-        ok &= bool(np.array_equal(cupy.asnumpy(batch.x[:rows]), ref_b[me].x.view(np.uint16)))
+        ok &= bool(np.array_equal(cupy.asnumpy(y[:rows]), ref_b[me].x.view(np.uint16)))
+        if args.layout == "compact":
+            ok &= bool(np.array_equal(cupy.asnumpy(batch.gather[:rows]), reference.gather_index(ref_b[me], cfg)))
+            ok &= bool(np.array_equal(cupy.asnumpy(batch.recv_tokens), np.array(counts, np.int32)))
         for k in ("src_rank", "src_token", "src_k", "weight"):
             ok &= bool(np.array_equal(cupy.asnumpy(getattr(batch, k)[:rows]), getattr(ref_b[me], k)))
         got = cupy.asnumpy(out[:n]).view(reference.BF16).astype(np.float32)
@@ -114,6 +125,7 @@ def main() -> int:
     if me == 0:
         for f in sum(fails, [])[:10]:
             print("FAIL:", f)
+        print(f"layout {args.layout}")
         print(f"{'rank':>4} {'replays ok':>10} {'of':>4} {'smallest counts':>16} {'replay host us (median)':>24}")
         for r, g, c, t in rows:
             print(f"{r:>4} {g:>10} {args.replays:>4} {str(c):>16} {t:>24.1f}")

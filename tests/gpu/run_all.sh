@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks in one device call (2 ranks), each section under its own time limit:
 #   source .devcarry/setup.sh && bash tests/gpu/run_all.sh [section ...]
-# Sections (default: all, in this order): shmem ep ep_puts ep_fused fp8 soak stream zerocopy example bench kernels stores host
-# racecheck memcheck. ep_puts: ep_check with the kernels sending through NVSHMEM puts (EP_RUNTIME_PEER_STORES=0);
+# Sections (default: all, in this order): shmem ep ep_puts ep_fused graph graph_compact fp8 soak stream zerocopy example bench
+# kernels stores host racecheck memcheck. graph / graph_compact: one CUDA graph, 100 replays, expanded / compact layout.
+# ep_puts: ep_check with the kernels sending through NVSHMEM puts (EP_RUNTIME_PEER_STORES=0);
 # ep_fused: ep_check with the expanded rows copied inside dispatch_wait at every size (EP_RUNTIME_FUSED_COPY=1);
 # stores: dispatch_async's store pattern alone against the copy engine; host: host time per call, broken down.
 # EP_RANKS (default 2) sets the ranks, EP_MPIRUN_ARGS adds mpirun options (tests/gpu/mps_run.sh sets both).
@@ -15,7 +16,7 @@ export NVSHMEM_DISABLE_CUDA_VMM=1  # compute-sanitizer cannot follow NVSHMEM's V
 peer_stores="${EP_RUNTIME_PEER_STORES:-1}"  # the caller's choice for every section but ep_puts
 fused_copy="${EP_RUNTIME_FUSED_COPY:-auto}"  # the caller's choice for every section but ep_fused
 sections=("$@")
-[ ${#sections[@]} -eq 0 ] && sections=(shmem ep ep_puts ep_fused fp8 soak stream zerocopy example bench kernels stores host racecheck
+[ ${#sections[@]} -eq 0 ] && sections=(shmem ep ep_puts ep_fused graph graph_compact fp8 soak stream zerocopy example bench kernels stores host racecheck
                                         memcheck)
 for s in "${sections[@]}"; do
   case "$s" in
@@ -23,6 +24,8 @@ for s in "${sections[@]}"; do
     ep)        cmd="timeout 240 $run python3 tests/gpu/ep_check.py --calls 100" ;;
     ep_puts)   cmd="timeout 240 $run python3 tests/gpu/ep_check.py --calls 10 --replays 10" ;;
     ep_fused)  cmd="timeout 240 $run python3 tests/gpu/ep_check.py --calls 10 --replays 10" ;;
+    graph)     cmd="timeout 180 $run python3 tests/gpu/graph_check.py --replays 100" ;;
+    graph_compact) cmd="timeout 180 $run python3 tests/gpu/graph_check.py --replays 100 --layout compact" ;;
     soak)      cmd="timeout 150 $run python3 tests/gpu/soak.py --calls 10000" ;;
     stream)    cmd="timeout 120 $run python3 tests/gpu/stream_order_check.py" ;;
     zerocopy)  cmd="timeout 120 $run python3 tests/gpu/zero_copy_check.py" ;;
