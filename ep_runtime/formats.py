@@ -34,13 +34,17 @@ Quantization rule (FP8 formats; the device code in kernels/fp8.py gives the same
        exponent and mantissa: no division, no log2), but at least ``2**-127`` (code 0, for
        ``amax < 2**-118``); ``amax == 0`` gives code 127 (scale 1.0). Codes of finite blocks
        are at most 247.
-    3. Each element's code is ``e4m3(x / scale)``: float32 IEEE division, then conversion to
-       E4M3 exactly as ``ml_dtypes.float8_e4m3fn`` converts float32: round to nearest, ties to
-       even, subnormals (steps of 2**-9) included, the sign kept (-0.0 gives 0x80); magnitudes
-       that round above 448 (more than 464; 464 ties to 448) and inf/NaN become NaN (0x7F,
-       0xFF), as E4M3 has no infinity. By construction ``|x / scale| <= 448`` except for one
-       float32 rounding (and, for a float32-subnormal E4M3 scale, ``amax < 2**-117``, by at
-       most 0.4 %), so finite blocks never produce NaN codes.
+    3. Each element's code is ``e4m3(q)``, ``q`` the element's quotient in float32:
+       FP8_E4M3: ``q = x * inv`` with ``inv = 448 / amax`` (IEEE division once per block,
+       DeepEP's form; ``inv = 1`` for ``amax == 0``), or ``q = x / scale`` (IEEE division) for
+       the blocks where ``inv`` overflows (``amax`` below about 2**-119.2); FP8_E4M3_UE8M0:
+       ``q = x * 2**(127 - code)``, which equals ``x / scale`` bit for bit (an exact
+       reciprocal). Then conversion to E4M3 exactly as ``ml_dtypes.float8_e4m3fn`` converts
+       float32: round to nearest, ties to even, subnormals (steps of 2**-9) included, the sign
+       kept (-0.0 gives 0x80); magnitudes that round above 448 (more than 464; 464 ties to 448)
+       and inf/NaN become NaN (0x7F, 0xFF), as E4M3 has no infinity. By construction ``|q| <=
+       448`` except for two float32 roundings (and, for a float32-subnormal E4M3 scale, ``amax
+       < 2**-117``, by at most 0.4 %), so finite blocks never produce NaN codes.
     4. Decoding is ``e4m3_value(code) * scale`` in float32 (exact for UE8M0 scales unless the
        product is a float32 subnormal). Rounding up can carry a value past the float32 maximum:
        elements within 2**-4 of it (``|x| > 3.2e38``) may decode to +-inf.
@@ -49,7 +53,7 @@ Quantization rule (FP8 formats; the device code in kernels/fp8.py gives the same
     and its decoded ``d``: ``|d - x| <= 2**-4 * max(|x|, 2**-6 * s) * (1 + 2**-18)``. E4M3 keeps
     3 mantissa bits, so rounding moves a normal value by at most half an ulp, ``2**-4`` of its
     magnitude, and a subnormal one (``|x / s| < 2**-6``) by at most ``2**-10 * s``; the float32
-    division and product add at most ``2**-23 |x|``. As ``|x| <= amax <= 448 s``, the error is
+    quotient (one or two roundings) and the product add at most ``2**-22 |x|``. As ``|x| <= amax <= 448 s``, the error is
     at most ``2**-4`` (times ``1 + 2**-18``) of the block's range ``448 s``.
 
     Non-finite tokens (the runtime rejects non-finite router weights in debug mode, never
@@ -115,6 +119,16 @@ def _float32_scale(amax: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return scale, scale
 
 
+def _float32_inverse(amax: np.ndarray, stored: np.ndarray) -> np.ndarray:
+    """FP8_E4M3's multiplier: ``448 / amax`` (float32, IEEE division), 1.0 for amax 0, and 0.0
+    (divide by the scale instead) where amax is not finite or the quotient overflows."""
+    amax = np.asarray(amax, np.float32)
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        inv = (np.float32(E4M3_MAX) / amax).astype(np.float32)
+    inv = np.where(amax == 0, np.float32(1.0), inv)
+    return np.where(np.isfinite(amax) & np.isfinite(inv), inv, np.float32(0.0)).astype(np.float32)
+
+
 def _float32_scale_value(stored: np.ndarray) -> np.ndarray:
     return np.asarray(stored, np.float32)
 
@@ -125,6 +139,14 @@ def ue8m0_value(codes: np.ndarray) -> np.ndarray:
     c = np.asarray(codes).astype(np.uint32)
     bits = np.where(c == UE8M0_NAN, _F32_NAN_BITS, np.where(c == 0, _F32_BITS_2_POW_M127, c << 23))
     return _f32_from_bits(bits.astype(np.uint32))
+
+
+def _ue8m0_inverse(amax: np.ndarray, codes: np.ndarray) -> np.ndarray:
+    """FP8_E4M3_UE8M0's multiplier: ``2**(127 - code)``, the scale's exact reciprocal (products
+    by it equal the quotients by the scale bit for bit); 0.0 for the NaN code."""
+    c = np.asarray(codes).astype(np.int32)
+    inv = np.ldexp(np.float32(1.0), 127 - np.minimum(c, 254)).astype(np.float32)
+    return np.where(c == UE8M0_NAN, np.float32(0.0), inv).astype(np.float32)
 
 
 def _ue8m0_scale(amax: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -142,18 +164,20 @@ class ScaleEncoding:
     """How a block's scale is derived from its amax and stored.
 
     ``from_amax(amax float32 [...]) -> (scale float32 [...], stored [...] dtype)``: the scale
-    the elements are divided by, and its stored form; ``value(stored) -> float32 [...]``
-    recovers the scale.
+    and its stored form; ``value(stored) -> float32 [...]`` recovers the scale;
+    ``inverse(amax, stored) -> float32 [...]``: the multiplier the elements are quantized by
+    (``x * inverse``), or 0.0 where they are divided by the scale instead (rule step 3).
     """
 
     name: str
     dtype: np.dtype
     from_amax: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]
     value: Callable[[np.ndarray], np.ndarray]
+    inverse: Callable[[np.ndarray, np.ndarray], np.ndarray]
 
 
-FLOAT32_SCALE = ScaleEncoding("float32", np.dtype(np.float32), _float32_scale, _float32_scale_value)
-UE8M0_SCALE = ScaleEncoding("ue8m0", np.dtype(np.uint8), _ue8m0_scale, ue8m0_value)
+FLOAT32_SCALE = ScaleEncoding("float32", np.dtype(np.float32), _float32_scale, _float32_scale_value, _float32_inverse)
+UE8M0_SCALE = ScaleEncoding("ue8m0", np.dtype(np.uint8), _ue8m0_scale, ue8m0_value, _ue8m0_inverse)
 
 
 # -- formats -----------------------------------------------------------------------------------
@@ -261,9 +285,13 @@ class TokenFormat:
         # |x| patterns order like |x|, NaNs above inf: their max is amax's pattern, NaN-propagating.
         amax_bits = (blocks & np.uint16(0x7FFF)).max(axis=2, initial=0)
         finite = amax_bits < 0x7F80
-        scale, stored = self.scale.from_amax(_bf16_bits_to_f32(amax_bits))
-        with np.errstate(invalid="ignore", over="ignore"):
-            codes = (_bf16_bits_to_f32(blocks) / scale[:, :, None]).astype(_E4M3).view(np.uint8)
+        amax = _bf16_bits_to_f32(amax_bits)
+        scale, stored = self.scale.from_amax(amax)
+        inv = self.scale.inverse(amax, stored)[:, :, None]
+        x = _bf16_bits_to_f32(blocks)
+        with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+            q = np.where(inv != 0, x * inv, x / scale[:, :, None]).astype(np.float32)
+            codes = q.astype(_E4M3).view(np.uint8)
         codes = np.where(finite[:, :, None], codes, np.uint8(E4M3_NAN))
         return codes.reshape(T, H), stored
 

@@ -171,11 +171,28 @@ def ue8m0_value(code):
 
 
 @cuda.jit(device=True)
+def e4m3_inverse(amax):
+    """FP8_E4M3's multiplier for a block whose largest magnitude is float32 ``amax`` (>= 0):
+    ``448 / amax`` (IEEE division, once per block), 1.0 when ``amax`` is 0, and 0.0 (meaning:
+    divide by the scale instead) when ``amax`` is not finite or the quotient overflows
+    (``amax`` below about 2**-119.2). The rule (ep_runtime/formats.py) quantizes ``x * inv``."""
+    a = f32_bits(amax) & uint32(0x7FFFFFFF)
+    if a >= uint32(0x7F800000):
+        return float32(0.0)
+    if a == uint32(0):
+        return float32(1.0)
+    inv = float32(E4M3_MAX) / float32(amax)
+    if (f32_bits(inv) & uint32(0x7FFFFFFF)) >= uint32(0x7F800000):
+        return float32(0.0)
+    return inv
+
+
+@cuda.jit(device=True)
 def ue8m0_inverse(code):
     """float32 ``2**(127 - code)``, the exact reciprocal of UE8M0 scale ``code`` (0..254: from
     2**127 down to 2**-127, a float32 subnormal); NaN for code 255. Multiplying by it gives
     bit for bit the IEEE quotient by the scale (both are the exact product rounded once), so
-    :func:`quantize4_pow2` needs no division."""
+    :func:`quantize4_by` needs no division (FP8_E4M3_UE8M0's rule is unchanged by it)."""
     c = uint32(code)
     if c == uint32(UE8M0_NAN):
         return bf16_to_f32(uint32(_BF16_BITS_NAN))
@@ -227,11 +244,15 @@ def quantize4_software(word, scale):
 
 
 @cuda.jit(device=True)
-def quantize4_pow2_software(word, scale, inv):
-    """:func:`quantize4_software` for a power-of-two ``scale`` whose exact reciprocal is ``inv``
-    (:func:`ue8m0_inverse`): the quotients as products (the same bits), converted in software."""
+def quantize4_by_software(word, scale, inv):
+    """The codes of the four bf16 values of uint64 ``word`` (as :func:`quantize4_software`)
+    with the quotients taken as products ``x * inv`` (``inv``: :func:`e4m3_inverse`, or
+    :func:`ue8m0_inverse`, whose products equal the division's), or, when ``inv`` is 0, as
+    IEEE quotients ``x / scale``; converted in software. A NaN ``scale`` gives NaN codes."""
     if (f32_bits(scale) & uint32(0x7FFFFFFF)) > uint32(0x7F800000):
         return uint32(_NAN4)
+    if inv == float32(0.0):
+        return quantize4_software(word, scale)
     s = float32(inv)
     return pack4(e4m3_bits(word_f32(word, 0) * s), e4m3_bits(word_f32(word, 1) * s),
                  e4m3_bits(word_f32(word, 2) * s), e4m3_bits(word_f32(word, 3) * s))
@@ -239,7 +260,7 @@ def quantize4_pow2_software(word, scale, inv):
 
 if SIMULATED:
     quantize4 = quantize4_software
-    quantize4_pow2 = quantize4_pow2_software
+    quantize4_by = quantize4_by_software
 else:
     from ep_runtime.kernels.vec import f32_pair_conversion
 
@@ -265,12 +286,14 @@ else:
         return _cvt_e4m3x2(q0, q1) | (_cvt_e4m3x2(q2, q3) << uint32(16))
 
     @cuda.jit(device=True)
-    def quantize4_pow2(word, scale, inv):
-        """As :func:`quantize4` for a power-of-two ``scale`` with exact reciprocal ``inv``
-        (:func:`ue8m0_inverse`): four multiplications instead of four IEEE divisions (each a
-        dozen instructions with its special-case check), the same quotients bit for bit."""
+    def quantize4_by(word, scale, inv):
+        """As :func:`quantize4_by_software`, with the hardware conversion: four multiplications
+        (instead of four IEEE divisions, each a dozen instructions with its special-case check),
+        or :func:`quantize4` when ``inv`` is 0."""
         if (f32_bits(scale) & uint32(0x7FFFFFFF)) > uint32(0x7F800000):
             return uint32(_NAN4)
+        if inv == float32(0.0):
+            return quantize4(word, scale)
         s = float32(inv)
         q0 = word_f32(word, 0) * s
         q1 = word_f32(word, 1) * s
@@ -278,10 +301,10 @@ else:
         q3 = word_f32(word, 3) * s
         lim = float32(_HW_SAFE_MAX)
         if not (abs(q0) <= lim and abs(q1) <= lim and abs(q2) <= lim and abs(q3) <= lim):
-            return quantize4_software(word, scale)
+            return quantize4_by_software(word, scale, inv)
         return _cvt_e4m3x2(q0, q1) | (_cvt_e4m3x2(q2, q3) << uint32(16))
 
 
 __all__ = ["E4M3_MAX", "E4M3_NAN", "UE8M0_NAN", "e4m3_bits", "e4m3_value", "e4m3_quantize", "e4m3_scale",
-           "ue8m0_scale", "ue8m0_value", "ue8m0_inverse", "bf16_abs_max", "pack4", "pack8", "code_at",
-           "quantize4", "quantize4_software", "quantize4_pow2", "quantize4_pow2_software"]
+           "e4m3_inverse", "ue8m0_scale", "ue8m0_value", "ue8m0_inverse", "bf16_abs_max", "pack4", "pack8", "code_at",
+           "quantize4", "quantize4_software", "quantize4_by", "quantize4_by_software"]

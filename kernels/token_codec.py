@@ -14,8 +14,7 @@ from numba import uint32, uint64
 from ep_runtime.kernels.bits import bf16_to_f32, f32_bits
 from ep_runtime.kernels.block import group_max_u32
 from ep_runtime.kernels.cuda_api import cuda
-from ep_runtime.kernels.fp8 import (bf16_abs_max, e4m3_scale, pack8, quantize4, quantize4_pow2, ue8m0_inverse,
-                                    ue8m0_scale)
+from ep_runtime.kernels.fp8 import bf16_abs_max, e4m3_inverse, e4m3_scale, pack8, quantize4_by, ue8m0_inverse, ue8m0_scale
 from ep_runtime.kernels.vec import load_pair, store_pair_at, store_u8_at, store_u32_at
 from ep_runtime.layout import PEER_TOKENS
 
@@ -99,18 +98,15 @@ def make_token_codec(warp: int, ue8m0: bool):
                         m = bf16_abs_max(m, vals[u * WPL + q])
                 a = bf16_to_f32(group_max_u32(m, BLOCK_LANES, buf64))  # every lane: full-warp shuffles
                 if b < b1:
-                    if ue8m0:  # a power of two: multiply by its exact reciprocal (no division)
+                    if ue8m0:  # a power of two: its exact reciprocal (the division's quotients)
                         scale, code = ue8m0_scale(a)
                         inv = ue8m0_inverse(code)
-                        lo = pack8(quantize4_pow2(vals[u * WPL], scale, inv),
-                                   quantize4_pow2(vals[u * WPL + 1], scale, inv))
-                        hi = pack8(quantize4_pow2(vals[u * WPL + 2], scale, inv),
-                                   quantize4_pow2(vals[u * WPL + 3], scale, inv))
-                    else:
+                    else:  # the rule's multiplier, 448 / amax (0: divide)
                         scale = e4m3_scale(a)
                         code = f32_bits(scale)
-                        lo = pack8(quantize4(vals[u * WPL], scale), quantize4(vals[u * WPL + 1], scale))
-                        hi = pack8(quantize4(vals[u * WPL + 2], scale), quantize4(vals[u * WPL + 3], scale))
+                        inv = e4m3_inverse(a)
+                    lo = pack8(quantize4_by(vals[u * WPL], scale, inv), quantize4_by(vals[u * WPL + 1], scale, inv))
+                    hi = pack8(quantize4_by(vals[u * WPL + 2], scale, inv), quantize4_by(vals[u * WPL + 3], scale, inv))
                     cw = b * CODE_WORDS + 2 * j  # this lane's code words
                     scales_at = uint64(PB)  # uint64 + uint64 below (an int64 term would make it float64)
                     if sent == uint64(0):

@@ -158,10 +158,12 @@ def decode_kernel(codes, values, scales):
 
 
 @cuda.jit
-def scale_kernel(amax, e4m3_scales, ue8m0_scales, ue8m0_codes):
-    """Both scale rules for each amax [N] float32 (float32, float32, uint32 outputs)."""
+def scale_kernel(amax, e4m3_scales, ue8m0_scales, ue8m0_codes, e4m3_inverses):
+    """Both scale rules and FP8_E4M3's multiplier for each amax [N] float32 (float32, float32,
+    uint32, float32 outputs)."""
     for i in range(cuda.grid(1), amax.shape[0], cuda.gridsize(1)):
         e4m3_scales[i] = fp8.e4m3_scale(amax[i])
+        e4m3_inverses[i] = fp8.e4m3_inverse(amax[i])
         s, c = fp8.ue8m0_scale(amax[i])
         ue8m0_scales[i] = s
         ue8m0_codes[i] = c
@@ -172,14 +174,14 @@ def pow2_kernel(words, codes, inverses, by_division, by_product):
     """For each UE8M0 code (``codes`` [C] uint32): its exact reciprocal (``inverses`` [C]
     float32), and each bf16 word (``words`` [N] uint64, 4 values) quantized by division by the
     scale (``quantize4_software``) and by multiplication with the reciprocal
-    (``quantize4_pow2_software``, the encoder's UE8M0 path): ``by_*`` [C, N] uint32."""
+    (``quantize4_by_software``, the encoder's UE8M0 path): ``by_*`` [C, N] uint32."""
     for c in range(cuda.grid(1), codes.shape[0], cuda.gridsize(1)):
         scale = fp8.ue8m0_value(codes[c])
         inv = fp8.ue8m0_inverse(codes[c])
         inverses[c] = inv
         for w in range(words.shape[0]):
             by_division[c, w] = fp8.quantize4_software(words[w], scale)
-            by_product[c, w] = fp8.quantize4_pow2_software(words[w], scale, inv)
+            by_product[c, w] = fp8.quantize4_by_software(words[w], scale, inv)
 
 
 @cuda.jit
@@ -204,9 +206,11 @@ def rows_kernel(tokens, ue8m0, messages, decoded):
             amax = bf16_to_f32(acc)
             if ue8m0:
                 scale, code = fp8.ue8m0_scale(amax)
+                inv = fp8.ue8m0_inverse(code)
                 scale_word |= uint64(code) << uint64(8 * (j % 8))
             else:
                 scale = fp8.e4m3_scale(amax)
+                inv = fp8.e4m3_inverse(amax)
                 scale_word |= uint64(f32_bits(scale)) << uint64(32 * (j % 2))
             if (j + 1) % per_word == 0 or j == H // 128 - 1:
                 messages[t, payload_words + j // per_word] = scale_word
@@ -214,10 +218,8 @@ def rows_kernel(tokens, ue8m0, messages, decoded):
             for m in range(16):
                 w0 = tokens[t, 32 * j + 2 * m]
                 w1 = tokens[t, 32 * j + 2 * m + 1]
-                lo = fp8.pack4(fp8.e4m3_quantize(word_f32(w0, 0), scale), fp8.e4m3_quantize(word_f32(w0, 1), scale),
-                               fp8.e4m3_quantize(word_f32(w0, 2), scale), fp8.e4m3_quantize(word_f32(w0, 3), scale))
-                hi = fp8.pack4(fp8.e4m3_quantize(word_f32(w1, 0), scale), fp8.e4m3_quantize(word_f32(w1, 1), scale),
-                               fp8.e4m3_quantize(word_f32(w1, 2), scale), fp8.e4m3_quantize(word_f32(w1, 3), scale))
+                lo = fp8.quantize4_by_software(w0, scale, inv)  # the encoder's rule, in software
+                hi = fp8.quantize4_by_software(w1, scale, inv)
                 messages[t, 16 * j + m] = fp8.pack8(lo, hi)
             if ue8m0:  # decode with the scale the stored code stands for
                 scale = fp8.ue8m0_value(code)
@@ -260,7 +262,9 @@ def simulate_main(path: str) -> None:
     amax = amax_values()
     out["e4m3_scales"], out["ue8m0_scales"] = np.zeros_like(amax), np.zeros_like(amax)
     out["ue8m0_codes"] = np.full(len(amax), 0xDEAD, np.uint32)
-    launch("scales", scale_kernel, amax, out["e4m3_scales"], out["ue8m0_scales"], out["ue8m0_codes"])
+    out["e4m3_inverses"] = np.full(len(amax), np.float32(-1.0))
+    launch("scales", scale_kernel, amax, out["e4m3_scales"], out["ue8m0_scales"], out["ue8m0_codes"],
+           out["e4m3_inverses"])
     words, pow2_codes = pow2_words(), np.array(POW2_CODES, np.uint32)
     out["pow2_inverses"] = np.zeros(len(pow2_codes), np.float32)
     out["pow2_division"] = np.full((len(pow2_codes), len(words)), 0xDEAD, np.uint32)
@@ -284,7 +288,8 @@ def _device_signatures():
     u8, u32, u64, i64, f32 = types.uint8, types.uint32, types.uint64, types.int64, types.float32
     return [("e4m3_bits", (f32,)), ("e4m3_value", (u32,)), ("e4m3_value", (u8,)),
             ("e4m3_quantize", (f32, f32)), ("e4m3_scale", (f32,)), ("ue8m0_scale", (f32,)),
-            ("ue8m0_value", (u32,)), ("ue8m0_inverse", (u32,)), ("quantize4_pow2_software", (u64, f32, f32)),
+            ("ue8m0_value", (u32,)), ("ue8m0_inverse", (u32,)), ("e4m3_inverse", (f32,)),
+            ("quantize4_by_software", (u64, f32, f32)),
             ("bf16_abs_max", (u32, u64)), ("pack4", (u32, u32, u32, u32)),
             ("pack8", (u32, u32)), ("code_at", (u64, i64))]
 
@@ -299,7 +304,7 @@ def _kernel_entries():
     return [("sweep_kernel", sweep_kernel, (c(f32), c(f32), c(u32, 2))),
             ("bits_kernel", bits_kernel, (c(f32), c(u32))),
             ("decode_kernel", decode_kernel, (c(u32), c(f32), c(f32))),
-            ("scale_kernel", scale_kernel, (c(f32), c(f32), c(f32), c(u32))),
+            ("scale_kernel", scale_kernel, (c(f32), c(f32), c(f32), c(u32), c(f32))),
             ("pow2_kernel", pow2_kernel, (c(u64), c(u32), c(f32), c(u32, 2), c(u32, 2))),
             ("rows_kernel", rows_kernel, (c(u64, 2), i64, c(u64, 2), c(f32, 2)))]
 
@@ -490,15 +495,28 @@ def test_scales_of_every_amax(sim):
     assert (sim["e4m3_scales"].view(np.uint32) == ref_scale.view(np.uint32)).all()
     assert (sim["ue8m0_codes"] == F.UE8M0_SCALE.from_amax(amax)[1]).all()
 
+    # FP8_E4M3's multiplier: 448 / amax exactly as NumPy's float32 division, 1 for 0, and 0 (divide
+    # instead) where that overflows or amax is not finite; the device and the reference agree
+    with np.errstate(all="ignore"):
+        want = np.float32(448.0) / amax
+    want = np.where(amax == 0, np.float32(1.0), want)
+    want = np.where(np.isfinite(amax) & np.isfinite(want), want, np.float32(0.0)).astype(np.float32)
+    assert_same_floats(sim["e4m3_inverses"], want, "e4m3_inverse")
+    assert_same_floats(F.FLOAT32_SCALE.inverse(amax, ref_scale), want, "FLOAT32_SCALE.inverse")
+    finite = np.isfinite(amax) & (amax > 0)
+    assert (want[finite] == 0).any() and (want[finite] != 0).any(), "both branches must be exercised"
+
 
 def test_power_of_two_scales_quantize_by_their_exact_reciprocal(sim):
-    """The encoder's UE8M0 path multiplies by ``ue8m0_inverse(code)`` instead of dividing by the
-    scale: the reciprocal is exactly 2**(127 - code) (NaN for code 255), and the codes equal the
+    """The encoder's UE8M0 path multiplies by ``ue8m0_inverse(code)`` (``quantize4_by``) instead
+    of dividing by the scale, and FP8_E4M3_UE8M0's rule is unchanged by it: the reciprocal is exactly 2**(127 - code) (NaN for code 255), and the codes equal the
     division's for every word, at the extreme scales too (subnormal and overflowing quotients)."""
     codes = np.array(POW2_CODES)
     with np.errstate(all="ignore"):
         want = np.where(codes == 255, np.float32(np.nan), np.ldexp(np.float32(1.0), 127 - codes).astype(np.float32))
     assert_same_floats(sim["pow2_inverses"], want, "ue8m0_inverse")
+    assert_same_floats(F.UE8M0_SCALE.inverse(None, codes.astype(np.uint8)), np.where(codes == 255, 0, want),
+                       "UE8M0_SCALE.inverse")
     assert (sim["pow2_division"] != 0xDEAD).all() and (sim["pow2_product"] != 0xBEEF).all(), "not written"
     bad = np.argwhere(sim["pow2_division"] != sim["pow2_product"])
     assert bad.size == 0, (f"{len(bad)} words differ; first: code {codes[bad[0][0]]}, word "
@@ -697,6 +715,22 @@ def test_tiny_amax(fmt):
     d = fmt.dequantize(payload, scales)
     xf = x.view(BF16).astype(np.float32)
     assert (np.abs(d - xf) <= 2.0**-4 * np.abs(xf).max()).all()
+
+
+def test_e4m3_codes_are_the_products_by_448_over_amax():
+    """FP8_E4M3 quantizes ``x * (448 / amax)`` (float32, DeepEP's form), not ``x / (amax / 448)``:
+    the reference's codes equal ml_dtypes' conversion of the products, and differ from the
+    quotients' somewhere in these tokens (so the rule is really the product)."""
+    x = random_tokens(64, 1024, seed=21)
+    payload, scales = F.FP8_E4M3.quantize(x)
+    xf = x.view(BF16).astype(np.float32).reshape(64, 8, 128)
+    amax = np.abs(xf).max(axis=2, keepdims=True)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax == 0, np.float32(1.0), np.float32(448.0) / amax).astype(np.float32)  # a zero block: 1
+    want = ml_codes((xf * inv).astype(np.float32)).reshape(64, 1024)
+    assert np.array_equal(payload, want)
+    by_division = ml_codes((xf / scales[:, :, None]).astype(np.float32)).reshape(64, 1024)
+    assert (payload != by_division).any(), "no element tells the two rules apart: the check proves nothing"
 
 
 def test_reference_scales_match_exact_computation():
