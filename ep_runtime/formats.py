@@ -53,8 +53,9 @@ Quantization rule (FP8 formats; the device code in kernels/fp8.py gives the same
     and its decoded ``d``: ``|d - x| <= 2**-4 * max(|x|, 2**-6 * s) * (1 + 2**-18)``. E4M3 keeps
     3 mantissa bits, so rounding moves a normal value by at most half an ulp, ``2**-4`` of its
     magnitude, and a subnormal one (``|x / s| < 2**-6``) by at most ``2**-10 * s``; the float32
-    quotient (one or two roundings) and the product add at most ``2**-22 |x|``. As ``|x| <= amax <= 448 s``, the error is
-    at most ``2**-4`` (times ``1 + 2**-18``) of the block's range ``448 s``.
+    quotient (one or two roundings) and the product add at most ``2**-22 |x|``. As ``|x| <=
+    amax <= 448 s``, the error is at most ``2**-4`` (times ``1 + 2**-18``) of the block's range
+    ``448 s``.
 
     Non-finite tokens (the runtime rejects non-finite router weights in debug mode, never
     tokens): a block holding any inf or NaN has a non-finite amax (NaN magnitudes order above

@@ -14,7 +14,8 @@ from numba import uint32, uint64
 from ep_runtime.kernels.bits import bf16_to_f32, f32_bits
 from ep_runtime.kernels.block import group_max_u32
 from ep_runtime.kernels.cuda_api import cuda
-from ep_runtime.kernels.fp8 import bf16_abs_max, e4m3_inverse, e4m3_scale, pack8, quantize4_by, ue8m0_inverse, ue8m0_scale
+from ep_runtime.kernels.fp8 import (bf16_abs_max, e4m3_inverse, e4m3_scale, pack8, quantize4_by, ue8m0_inverse,
+                                    ue8m0_scale)
 from ep_runtime.kernels.vec import load_pair, store_pair_at, store_u8_at, store_u32_at
 from ep_runtime.layout import PEER_TOKENS
 

@@ -33,7 +33,7 @@ from numba import uint32, uint64
 from ep_runtime import formats as F
 from ep_runtime.errors import EPConfigError, EPInputError
 from ep_runtime.kernels import fp8
-from ep_runtime.kernels.bits import bf16_to_f32, f32_bits, word_f32
+from ep_runtime.kernels.bits import bf16_to_f32, f32_bits
 from ep_runtime.kernels.cuda_api import cuda
 
 REPO = Path(__file__).resolve().parents[1]
@@ -509,8 +509,9 @@ def test_scales_of_every_amax(sim):
 
 def test_power_of_two_scales_quantize_by_their_exact_reciprocal(sim):
     """The encoder's UE8M0 path multiplies by ``ue8m0_inverse(code)`` (``quantize4_by``) instead
-    of dividing by the scale, and FP8_E4M3_UE8M0's rule is unchanged by it: the reciprocal is exactly 2**(127 - code) (NaN for code 255), and the codes equal the
-    division's for every word, at the extreme scales too (subnormal and overflowing quotients)."""
+    of dividing by the scale, and FP8_E4M3_UE8M0's rule is unchanged by it: the reciprocal is
+    exactly 2**(127 - code) (NaN for code 255), and the codes equal the division's for every
+    word, at the extreme scales too (subnormal and overflowing quotients)."""
     codes = np.array(POW2_CODES)
     with np.errstate(all="ignore"):
         want = np.where(codes == 255, np.float32(np.nan), np.ldexp(np.float32(1.0), 127 - codes).astype(np.float32))
