@@ -40,10 +40,6 @@ COPY_UNROLL = 8
 #: configurations take several passes and the window arithmetic is tested on every run.
 RANK_WINDOW = 4 if SIMULATED else 256
 
-#: Expert ids of its token a thread of the routing block keeps in a local array between marking
-#: the masks and reading its ranks (a token's further ids, top-k > KREG, are read again).
-KREG = 16
-
 #: Staged ranks each thread of the routing block loads before it stores any to the ranks'
 #: destinations (the loads are independent; the stores, through raw addresses, would otherwise
 #: wait for each load in turn).
@@ -313,7 +309,6 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         next_rank = cuda.shared.array(SW, int32)  # (2): [expert] the next round's first rank
         lo = cuda.local.array(UP, uint64)
         hi = cuda.local.array(UP, uint64)
-        ids_l = cuda.local.array(KREG, int32)  # (2): the thread's token's first KREG expert ids
         run_l = cuda.local.array(RUN_BATCH, uint32)  # (2): ranks loaded before they are stored
         pdl.trigger_dependents()
         pdl.dependency_wait()  # nothing stream-ordered is read before this (kernels/pdl.py)
@@ -478,18 +473,9 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                 for tb in range(0, T, threads):
                     t = tb + tid
                     valid = t < T
-                    # this lane's bit in its warp's mask of each of its token's experts in the
-                    # window. Loops of KREG (a constant trip count) unroll: the first KREG ids
-                    # load together into registers (ids_l, constant indices only) and serve the
-                    # ranks below too; a top-k beyond KREG loads the rest one by one.
+                    # this lane's bit in its warp's mask of each of its token's experts in the window
                     if valid:
-                        for k in range(KREG):
-                            if k < K:
-                                ids_l[k] = int32(load_u32_at(ids_src, t * K + k))
-                        for k in range(KREG):
-                            if k < K:
-                                mark_expert(masks, ids_l[k] - w0, wid, lane)
-                        for k in range(KREG, K):
+                        for k in range(K):
                             mark_expert(masks, int32(load_u32_at(ids_src, t * K + k)) - w0, wid, lane)
                     cuda.syncthreads()
                     # a thread per expert: each warp's first rank for it, warps in order
@@ -502,10 +488,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                     cuda.syncthreads()
                     # each (token, k)'s rank: its warp's first rank plus the lanes below with the expert
                     if valid:
-                        for k in range(KREG):
-                            if k < K:
-                                stage_rank(masks, warp_rows, ids_l[k] - w0, wid, lanes_below, ranks_src, t * K + k)
-                        for k in range(KREG, K):
+                        for k in range(K):
                             stage_rank(masks, warp_rows, int32(load_u32_at(ids_src, t * K + k)) - w0, wid,
                                        lanes_below, ranks_src, t * K + k)
                     cuda.syncthreads()  # every mask read before the next round clears it

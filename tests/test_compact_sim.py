@@ -36,7 +36,7 @@ def cases(R: int) -> list:
         ("empty_expert", base_cfg(R), "empty_expert", 4, None),
         ("one_expert", base_cfg(R), "one_expert", 5, None),
         ("top_k_1", base_cfg(R, top_k=1), "random", 6, None),
-        # more experts per token than the routing block keeps in its local array (KREG = 16)
+        # a long expert list per token (top-k 17) through the routing block's loops over k
         ("top_k_17", base_cfg(R, n_experts=10 * R, top_k=17), "random", 7, None),
         ("pad_4", base_cfg(R, pad_multiple=4), "random", 9, None),
         ("hidden_5_uint16_words", base_cfg(R, hidden=5), "random", 13, None),
