@@ -39,6 +39,8 @@ class PreparedCall:
     #: copies, and the launch enqueued after the streams join (dispatch_signal)
     copies: tuple = ()
     then: Any = None
+    #: blocks of the launch (0: the runtime's grid); combine_async leaves SMs to combine_wait
+    grid: int = 0
 
 
 class CallMemo:

@@ -24,6 +24,7 @@ CALLER_ARRAYS = {
     "out": (np.uint16, 2),
     "out_partials": (np.uint16, 3),
     "aux": (np.float32, 2),
+    "own_rows": (np.uint16, 2),  # combine_wait: the compact expert_out (this rank's own partials), or [0, 0]
     "token_scales": (np.uint8, 2),  # pre-quantized FP8 input: the scales' bytes, [T, S * scale bytes]
 }
 #: Arrays the runtime makes outside the layout, as (dtype, ndim): ``peer_bases`` [P, R] uint64,
@@ -41,11 +42,11 @@ FORMAT_REGIONS = {"dispatch_send_stage": (np.uint64, 2), "expert_scales": (np.fl
 #: ``out_partials``) are float32 with ``EPConfig.combine_dtype = "float32"``
 #: (:func:`ep_runtime.layout.partial_dtype`): then the token word is uint64 (hidden a multiple
 #: of 4) and their views hold ``hidden / 2`` words, 2 floats each; the argument types are the same.
-WORD_ARRAYS = frozenset({"tokens", "expert_out", "out", "out_partials", "dispatch_tokens",
+WORD_ARRAYS = frozenset({"tokens", "expert_out", "own_rows", "out", "out_partials", "dispatch_tokens",
                          "combine_partials", "combine_stage", "expert_x"})
 #: int64 scalar arguments.
 SCALARS = ("pad_multiple", "timeout_ns", "mode", "n_experts", "allow_negative", "use_valid", "prequantized",
-           "scales_col_major", "peer_stores", "copy_rows", "copy_engine")
+           "scales_col_major", "peer_stores", "copy_rows", "copy_engine", "row_flags_from")
 
 KERNEL_ARGS = {
     "validate_routing": ("topk_ids", "topk_weights", "valid_tokens", "use_valid", "n_experts",
@@ -63,7 +64,7 @@ KERNEL_ARGS = {
         "dispatch_async_sync", "row_offsets", "expert_counts", "row_src_rank", "row_src_token",
         "row_src_k", "row_weight", "row_gather", "recv_tokens", "token_rows", "status", "pad_multiple",
         "timeout_ns",
-        "dispatch_tokens", "expert_x", "copy_rows"),
+        "dispatch_tokens", "expert_x", "copy_rows", "combine_wait_claims"),
     "dispatch_copy": (
         "dispatch_tokens", "dispatch_topk_ids", "dispatch_counts", "dispatch_async_sync",
         "token_rows", "row_offsets", "expert_counts", "expert_x", "status", "dispatch_tokens:u8",
@@ -71,13 +72,16 @@ KERNEL_ARGS = {
     "combine_async": (
         "expert_out", "dispatch_topk_ids", "dispatch_counts", "combine_partials", "combine_signal",
         "dispatch_async_sync", "token_rows", "row_weight", "combine_stage", "combine_async_sync",
-        "status", "peer_bases", "peer_stores", "dispatch_token_credit"),
+        "status", "peer_bases", "peer_stores", "dispatch_token_credit", "combine_row_flag",
+        "row_flags_from"),
     "combine_async_rows": (
         "expert_out", "dispatch_topk_ids", "dispatch_counts", "combine_partials", "combine_signal",
-        "dispatch_async_sync", "combine_async_sync", "status", "peer_bases", "peer_stores", "dispatch_token_credit"),
+        "dispatch_async_sync", "combine_async_sync", "status", "peer_bases", "peer_stores", "dispatch_token_credit",
+        "combine_row_flag", "row_flags_from"),
     "combine_wait": (
         "out", "out_partials", "dispatch_topk_ids", "dispatch_counts", "combine_partials",
-        "combine_signal", "dispatch_async_sync", "status", "mode", "timeout_ns", "aux"),
+        "combine_signal", "dispatch_async_sync", "status", "mode", "timeout_ns", "aux", "own_rows",
+        "combine_row_flag", "combine_wait_claims", "row_flags_from"),
 }
 
 

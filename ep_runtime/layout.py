@@ -179,6 +179,11 @@ def _regions(cfg: EPConfig) -> list[Region]:
                "[d]: rank d has finished reading my token rows of every call before c - 1 once it is c "
                "(granted by d's dispatch_async of call c - 1 and combine_async of call c - 2), so my rows of "
                "call n may go into d once it is >= n + 1 (monotonic)"),
+        # monotonic (call numbers), no group axis: a row of call n + 1 cannot come before
+        # combine_wait of call n has finished (docs/protocol.md, "Combine rows as they land")
+        Region("combine_row_flag", (R, T), u64, 0, S, f"{CA} (peers, each row's warp)", (CW,),
+               "[r, t]: n + 1 once rank r's partial of my token t of call n has arrived (large calls only: "
+               "combine_wait reduces each row as it lands)"),
         # -- local: counters of dispatch_async -----------------------------------------------------
         Region("dispatch_async_sync", (2,), i64, 0, Lc, DA, (DA, DW, CA, CW),
                "[0] ticket: finished blocks of the launch (reset by the last block); "
@@ -221,6 +226,9 @@ def _regions(cfg: EPConfig) -> list[Region]:
                "for 1, resets it to 0, then copies"),
         Region("recv_tokens", (R,), i32, 0, Lc, DW, ("user (compact)",),
                "[src]: tokens src dispatched in the last call (from its signal)"),
+        Region("combine_wait_claims", (2,), i32, 0, Lc, f"{CW} (claims); {DW} (reset)", (CW,),
+               "[g]: rows combine_wait of a call of group g has claimed (reduced as they land); "
+               "dispatch_wait of call n zeroes [n % 2]"),
     ]
 
 

@@ -29,6 +29,7 @@ from .layout import PEER_REGIONS, SYNC_CALLS, BufferLayout, partial_dtype, token
 from .shmem.session import Session
 from .status import error_from_status
 from .transfer import choose_copy_engine, peer_token_slots
+from .combine_overlap import ROW_FLAGS_ENV, combine_send_grid, row_flags_from
 
 _owner_ids = itertools.count(1)
 
@@ -146,6 +147,15 @@ class EPRuntime:
         for name in {n for args in KERNEL_ARGS.values() for n in args if ":" in n}:
             self._arg[name] = session.as_kernel_arg(region_view(regions[name.partition(":")[0]], name))
         self.peer_stores = self._peer_bases(session)
+        self._arg["row_flags_from"] = np.int64(row_flags_from())
+        flags_from = session.allgather_object(int(self._arg["row_flags_from"]))
+        if len(set(flags_from)) != 1:
+            raise EPConfigError(f"rank {self.rank}: {ROW_FLAGS_ENV} differs between ranks ({flags_from}); set it "
+                                f"alike on every rank (or unset it everywhere).")
+        from .kernels import pdl  # (the kernel modules are imported when first needed)
+
+        self._combine_grid = combine_send_grid(self._grid, whole_gpu=cfg.n_sms is None and session.backend != "sim",
+                                               pdl_on=pdl.ENABLED)
         self.copy_engine = choose_copy_engine(cfg, self.peer_stores)
         modes = session.allgather_object(self.copy_engine)
         if len(set(modes)) != 1:
@@ -163,6 +173,10 @@ class EPRuntime:
         self._no_out = session.alloc_local("unused out", (0, 0), np.uint16)
         self._no_partials = session.alloc_local("unused out_partials", (0, 0, 0), np.uint16)
         self._no_aux = session.alloc_local("unused aux", (0, 0), np.float32)
+        # combine_wait's own_rows: the compact expert_out of the last combine_async (this rank's
+        # partials are read there, not copied), or this empty stand-in after an expanded one
+        self._no_own = session.alloc_local("unused own_rows", (0, 0), np.uint16)
+        self._own_rows = self._no_own
         self._no_valid = session.alloc_local("unused valid_tokens", (1,), np.int32)
         self._no_scales = session.alloc_local("unused token_scales", (0, 0), np.uint8)
         self._batch_views = _batch_views(cfg, self.buffers)
@@ -396,6 +410,7 @@ class EPRuntime:
                 raise EPInputError(f"combine_async: expert_out has {call.n_tokens} rows but the expert batch has "
                                    f"{needed}; pass one output row per batch row.")
         self._run(call)
+        self._own_rows = call.checked[0]
         self._state = _State.COMBINE_SENT
         return from_fields(CombineHandle, {"owner": self._owner, "call": handle.call, "n_tokens": handle.n_tokens})
 
@@ -411,11 +426,14 @@ class EPRuntime:
                                f"The compact layout has one row per (source rank, token slot): "
                                f"[n_ranks * max_tokens_per_rank = {rows}, hidden = {cfg.hidden}].")
             call = self._prepare("combine_async_rows", expert_out=expert_out)
+            own = expert_out  # combine_wait reads this rank's own rows here
         else:
             arrays.check_array(expert_out, c, "expert_out", np.uint16, (None, cfg.hidden),
                                f"Expected [rows, hidden={cfg.hidden}], row-aligned with the expert batch.")
             call = self._prepare("combine_async", expert_out=expert_out)
-        return PreparedCall(call.kernel, call.args, n_tokens=expert_out.shape[0])
+            own = self._no_own
+        return PreparedCall(call.kernel, call.args, n_tokens=expert_out.shape[0], checked=(own,),
+                            grid=self._combine_grid)
 
     def combine_wait(self, handle: CombineHandle, out=None, epilogue=None, aux=None, reduce: bool = True):
         """Complete the combine of ``handle``. Collective; enqueued on the stream.
@@ -433,16 +451,19 @@ class EPRuntime:
             shape = (handle.n_tokens, self.cfg.hidden) if reduce else (self.cfg.n_ranks, handle.n_tokens,
                                                                        self.cfg.hidden)
             out = self.session.alloc_local("combine_out", shape, np.uint16 if reduce else self._partial, fill=None)
-        call = self._memo.get_or_prepare("combine_wait", (handle.n_tokens, bool(reduce), epilogue), (out, aux),
+        own = self._own_rows
+        call = self._memo.get_or_prepare("combine_wait", (handle.n_tokens, bool(reduce), epilogue), (out, aux, own),
                                          lambda: self._prepare_combine_wait(handle.n_tokens, out, aux, epilogue,
-                                                                            reduce))
+                                                                            reduce, own))
         self._run(call)
         self._state = _State.IDLE
         return call.checked[0]
 
-    def _prepare_combine_wait(self, T, out, aux, epilogue, reduce) -> PreparedCall:
+    def _prepare_combine_wait(self, T, out, aux, epilogue, reduce, own) -> PreparedCall:
         """Check and convert combine_wait's ``out`` and ``aux`` for ``T`` tokens (raising
-        EPInputError before any launch); the launch, with ``checked = (out,)`` as returned."""
+        EPInputError before any launch); the launch, with ``checked = (out,)`` as returned.
+        ``own``: the last combine_async's compact expert_out (checked there), or the empty
+        stand-in."""
         cfg, s = self.cfg, self.session
         shape = (T, cfg.hidden) if reduce else (cfg.n_ranks, T, cfg.hidden)
         dtype = np.uint16 if reduce else self._partial
@@ -459,7 +480,7 @@ class EPRuntime:
                                f"aux is the epilogue's [T={T}, hidden={cfg.hidden}] float32 input.")
         call = self._prepare("combine_wait", epilogue=epilogue, out=out if reduce else unused,
                              out_partials=unused if reduce else out, mode=_INT64[0 if reduce else 1],
-                             timeout_ns=self._timeout_ns, aux=aux)
+                             timeout_ns=self._timeout_ns, aux=aux, own_rows=own)
         return PreparedCall(call.kernel, call.args, n_tokens=T, checked=(out,))
 
     def combine(self, expert_out, handle: DispatchHandle, layout: str = "expanded", **kwargs):
@@ -516,6 +537,7 @@ class EPRuntime:
         self._memo.clear()
         self.session.free_symmetric(self._sym)
         self._sym = self._local = self._no_out = self._no_partials = self._no_aux = self._no_valid = None
+        self._no_own = self._own_rows = None
         self._no_scales = None
 
     def __enter__(self):
@@ -601,7 +623,7 @@ class EPRuntime:
     def _run(self, call: PreparedCall) -> None:
         """Enqueue a prepared launch on the session stream (and, in debug mode, synchronize and
         raise what the device recorded)."""
-        self.session.launch(call.kernel, self._grid, self._threads, call.args)
+        self.session.launch(call.kernel, call.grid or self._grid, self._threads, call.args)
         if self.debug:
             self.synchronize()
 

@@ -38,8 +38,12 @@ COUNTER_DISPATCH_SIGNAL = 1
 COUNTER_COMBINE_SIGNAL = 2
 COUNTER_RECV_ROWS = 3
 COUNTER_TOKEN_CREDIT = 4
+COUNTER_COMBINE_ROW_FLAG = 5
 COUNTER_NAMES = {COUNTER_DISPATCH_SIGNAL: "dispatch_signal", COUNTER_COMBINE_SIGNAL: "combine_signal",
-                 COUNTER_RECV_ROWS: "expert-batch rows", COUNTER_TOKEN_CREDIT: "dispatch_token_credit"}
+                 COUNTER_RECV_ROWS: "expert-batch rows", COUNTER_TOKEN_CREDIT: "dispatch_token_credit",
+                 COUNTER_COMBINE_ROW_FLAG: "combine_row_flag"}
+#: Counters without a group axis (cumulative over calls): a timeout names them without ``[g]``.
+UNGROUPED_COUNTERS = (COUNTER_TOKEN_CREDIT, COUNTER_COMBINE_ROW_FLAG)
 
 
 def error_from_status(status: np.ndarray, timeout_s: float) -> EPError | None:
@@ -53,10 +57,14 @@ def error_from_status(status: np.ndarray, timeout_s: float) -> EPError | None:
     expected, observed = int(status[STATUS_EXPECTED]), int(status[STATUS_OBSERVED])
     call = int(status[STATUS_CALL])
     if code == ERR_TIMEOUT:
-        group = "" if int(status[STATUS_COUNTER]) == COUNTER_TOKEN_CREDIT else f"[{(call - 1) % 2}]"  # credits: no group
+        group = "" if int(status[STATUS_COUNTER]) in UNGROUPED_COUNTERS else f"[{(call - 1) % 2}]"
+        where = f"[{peer}]"
+        if int(status[STATUS_COUNTER]) == COUNTER_COMBINE_ROW_FLAG:  # the token: observed's high bits
+            where = f"[{peer}, token {observed >> 32}]"
+            observed &= 0xFFFFFFFF
         return EPTimeoutError(
             f"rank {rank}: {kernel} of call {call - 1} timed out after {timeout_s:g} s waiting for rank "
-            f"{peer}: {counter}{group}[{peer}] expected >= {expected}, observed {observed}. "
+            f"{peer}: {counter}{group}{where} expected >= {expected}, observed {observed}. "
             f"Likely causes: rank {peer} did not make this call (every rank must call dispatch and "
             f"combine the same number of times, in the same order), rank {peer} failed earlier (see its "
             f"own error), or the ranks were built with different configs. The runtime refuses further "

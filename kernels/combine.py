@@ -27,7 +27,7 @@ from ep_runtime.kernels.trace import stamp_first, stamp_last
 from ep_runtime.kernels.vec import (address_of, load_pair, make_pair_loops, pack_bf16x2, pack_bf16x4, pack_f32x2,
                                    pairs_aligned, store_pair, store_pair_at)
 from ep_runtime.layout import PEER_PARTIALS, STATUS_CODE, SYNC_CALLS
-from ep_runtime.status import COUNTER_COMBINE_SIGNAL, ERR_TIMEOUT, KERNEL_COMBINE_WAIT
+from ep_runtime.status import COUNTER_COMBINE_ROW_FLAG, COUNTER_COMBINE_SIGNAL, ERR_TIMEOUT, KERNEL_COMBINE_WAIT
 
 #: Words of a row each lane loads before using any of them (memory-level parallelism: with
 #: 8-byte words, 64 bytes per lane and 32 KB per 512-thread block in flight per row read).
@@ -39,6 +39,32 @@ WORDS_IN_FLIGHT = 8
 #: combine_wait modes
 MODE_REDUCE = 0      # out [T, H]: sum of the partials, epilogue, bf16
 MODE_PARTIALS = 1    # out [R, T, H]: each rank's partial (zero where the token did not go)
+
+
+@cuda.jit(device=True)
+def rows_flagged(counts, row_flags_from):
+    """Whether this call's partials go one whole row per warp item, each flagged on arrival
+    (``combine_row_flag``) so combine_wait reduces each row as it lands: the most tokens any
+    source dispatched (``counts`` [R, L + 1], the call's group of ``dispatch_counts``, the
+    same on every rank) is at least ``row_flags_from`` (int64; 0: never). Sender and receiver
+    decide alike."""
+    R = counts.shape[0]
+    L = counts.shape[1] - 1
+    t_hi = 0
+    for s in range(R):
+        t_hi = max(t_hi, counts[s, L])
+    return row_flags_from > 0 and t_hi >= row_flags_from
+
+
+@cuda.jit(device=True)
+def flag_row(c_row_flag, me, t, n, s, lane):
+    """Every lane of a warp that stored its part of partial row t into rank s (plain stores,
+    through the mapping or locally): fence, meet, and lane 0 sets ``c_row_flag[me, t]`` on s
+    to n + 1 (data before flag)."""
+    cuda.threadfence_system()
+    warp_sync()
+    if lane == 0:
+        shmem.signal_op(c_row_flag[me, t:t + 1], uint64(n + 1), shmem.SIGNAL_SET, s)
 
 
 @cuda.jit(device=True)
@@ -136,7 +162,8 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
 
     @kernel_jit(threads)
     def combine_async(expert_out, d_ids, d_counts, c_partials, c_signal,
-                      sync, token_rows, row_weight, stage, ticket, status, peer_bases, peer_stores, d_credit):
+                      sync, token_rows, row_weight, stage, ticket, status, peer_bases, peer_stores, d_credit,
+                      c_row_flag, row_flags_from):
         """Weight and pre-reduce the expert outputs per token, send each partial home, signal.
 
         expert_out [>= rows, W] words, row-aligned with the last expert batch.
@@ -162,6 +189,14 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
         its partial words [P w0, P w1) put (``put_nbi_warp``). Tokens that hit no local expert send
         nothing. The last block (ticket) signals n + 1 to every rank after every block's puts
         and stores completed.
+
+        Large calls (``rows_flagged``: some source sent at least row_flags_from tokens): a warp
+        item is a whole row, and each row is flagged once stored (``flag_row``; staged rows by
+        ``put_signal_nbi_warp``), this rank's own too: c_row_flag [R, Tmax] uint64 symmetric,
+        ``[me, t]`` on rank src set to n + 1, so combine_wait (launched with PDL, started on the
+        SMs this grid leaves free) reduces each token as its rows land. The kernel lets its
+        dependent start only after its own dependency wait (the caller's expert outputs are
+        then complete for combine_wait too). c_row_flag, row_flags_from: as in combine_wait.
         """
         flag = cuda.shared.array(1, int32)
         acc = cuda.local.array(ACC, float32)
@@ -171,8 +206,8 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
         for u in range(UP):  # lanes past a row's end sum these (never stored): keep them finite
             lo[u] = 0
             hi[u] = 0
-        pdl.trigger_dependents()
         pdl.dependency_wait()  # nothing stream-ordered is read before this (kernels/pdl.py)
+        pdl.trigger_dependents()  # after the wait: combine_wait may start early (rows flagged)
         if status[STATUS_CODE] != 0:
             return
         stamp_first(status, 16)
@@ -193,6 +228,11 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
         # items of every source interleaved (``interleaved_item``): each warp alternates between
         # rows for this rank (device memory only) and rows for peers (NVLink), so the two overlap
         parts, span, items = interleaved_rows(d_counts[g], W, all_warps, warp)
+        flagged = rows_flagged(d_counts[g], row_flags_from)
+        if flagged:  # whole rows, each flagged
+            items = items // parts
+            parts = 1
+            span = part_words(W, 1, warp)
         q = cuda.blockIdx.x * warps + tid // warp
         while q < items:
             s, item = interleaved_item(q, all_warps, R)
@@ -253,10 +293,15 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
                         w += U * warp
                     if s != me and not to_peer:
                         warp_sync()  # the whole staged part is written before the warp's put
-                        if F32:
-                            shmem.put_nbi_warp(c_partials[g, me, t, 2 * w0:2 * w1], stage[s, t, 2 * w0:2 * w1], s)
+                        pw0 = 2 * w0 if F32 else w0
+                        pw1 = 2 * w1 if F32 else w1
+                        if flagged:
+                            shmem.put_signal_nbi_warp(c_partials[g, me, t, pw0:pw1], stage[s, t, pw0:pw1],
+                                                      c_row_flag[me, t:t + 1], uint64(n + 1), shmem.SIGNAL_SET, s)
                         else:
-                            shmem.put_nbi_warp(c_partials[g, me, t, w0:w1], stage[s, t, w0:w1], s)
+                            shmem.put_nbi_warp(c_partials[g, me, t, pw0:pw1], stage[s, t, pw0:pw1], s)
+                    elif flagged:
+                        flag_row(c_row_flag, me, t, n, s, lane)
             q += all_warps
 
         stamp_last(status, 17)
@@ -265,7 +310,7 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
 
     @kernel_jit(threads)
     def combine_async_rows(expert_out, d_ids, d_counts, c_partials, c_signal, sync, ticket, status, peer_bases,
-                           peer_stores, d_credit):
+                           peer_stores, d_credit, c_row_flag, row_flags_from):
         """Compact layout: send the caller's per-(source, token) rows home as the partials.
 
         expert_out [R * Tmax, P W] partial words (bf16, or float32 with ``f32_partials``): row
@@ -276,23 +321,20 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
         token rows (d_credit), as in combine_async. Words are copied unchanged, so the kernel is
         the same for either partial format.
 
-        A warp per item (part of a row, ``row_parts``; the sources' items interleaved,
-        ``interleaved_item``, so local copies overlap the NVLink stores): a row for this rank is copied into
-        its own slot [g, me, t], U words per lane in flight; a row for a peer goes straight from
+        A warp per item (part of a row, ``row_parts``; the peers' items interleaved,
+        ``interleaved_item`` over the R - 1 peers): a row for a peer goes straight from
         expert_out to slot [g, me, t] of rank s (no staging): with peer_stores (peer_bases row 1,
         as in combine_async; uint64 words) as 16-byte stores through its NVLink mapping,
-        otherwise ``put_nbi_warp``.
-        The last block (ticket) signals n + 1 to every rank.
+        otherwise ``put_nbi_warp``. This rank's own rows (``s = me``) are not copied: combine_wait
+        reads them from expert_out itself (its ``own_rows``), so every warp carries NVLink rows.
+        The last block (ticket) signals n + 1 to every rank. Large calls flag each row as
+        combine_async does (whole rows; ``put_signal_nbi_warp`` on the puts path).
         """
         flag = cuda.shared.array(1, int32)
-        vals = cuda.local.array(U, word_t)
         lo = cuda.local.array(UP, word_t)
         hi = cuda.local.array(UP, word_t)
-        for u in range(UP):  # lanes past a row's end sum these (never stored): keep them finite
-            lo[u] = 0
-            hi[u] = 0
-        pdl.trigger_dependents()
         pdl.dependency_wait()  # nothing stream-ordered is read before this (kernels/pdl.py)
+        pdl.trigger_dependents()  # after the wait: combine_wait may start early (rows flagged)
         if status[STATUS_CODE] != 0:
             return
         stamp_first(status, 16)
@@ -311,17 +353,25 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
         g = n % 2
         all_warps = cuda.gridDim.x * warps
 
-        # items of every source interleaved (``interleaved_item``): each warp alternates between
-        # rows for this rank (device memory only) and rows for peers (NVLink), so the two overlap
+        # the peers' items interleaved (``interleaved_item`` over R - 1 sources, this rank
+        # skipped: combine_wait reads its own rows from expert_out)
         parts, span, items = interleaved_rows(d_counts[g], W, all_warps, warp)
+        flagged = rows_flagged(d_counts[g], row_flags_from)
+        if flagged:  # whole rows, each flagged
+            items = items // parts
+            parts = 1
+            span = part_words(W, 1, warp)
+        items = items // R * (R - 1)
         q = cuda.blockIdx.x * warps + tid // warp
         while q < items:
-            s, item = interleaved_item(q, all_warps, R)
+            s, item = interleaved_item(q, all_warps, R - 1)
+            if s >= me:
+                s += 1
             t, w0, w1 = part_bounds(item, parts, span, W)
             if t < d_counts[g, s, L]:
                 if w0 < w1 and local_expert_count(d_ids[g, s, t], L, me) > 0:
                     src = expert_out[s * Tmax + t]
-                    if s != me and direct:  # UP pairs per lane in flight, stored through the mapping
+                    if direct:  # UP pairs per lane in flight, stored through the mapping
                         peer_row = peer_bases[PEER_PARTIALS, s] + (address_of(c_partials[g, me, t])
                                                                    - address_of(c_partials))
                         w = w0 + 2 * lane
@@ -329,22 +379,11 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
                             load_pairs(src, w, w1, lo, hi)
                             store_pairs_at(peer_row, w, w1, lo, hi)
                             w += 2 * UP * warp
-                    elif s == me:
-                        dst = c_partials[g, me, t]
-                        w = w0 + 2 * lane
-                        while pairs and w < w1:
-                            load_pairs(src, w, w1, lo, hi)
-                            store_pairs(dst, w, w1, lo, hi)
-                            w += 2 * UP * warp
-                        w = w0 + lane
-                        while not pairs and w < w1:
-                            for u in range(U):
-                                if w + u * warp < w1:
-                                    vals[u] = src[w + u * warp]
-                            for u in range(U):
-                                if w + u * warp < w1:
-                                    dst[w + u * warp] = vals[u]
-                            w += U * warp
+                        if flagged:
+                            flag_row(c_row_flag, me, t, n, s, lane)
+                    elif flagged:
+                        shmem.put_signal_nbi_warp(c_partials[g, me, t, w0:w1], src[w0:w1], c_row_flag[me, t:t + 1],
+                                                  uint64(n + 1), shmem.SIGNAL_SET, s)
                     else:
                         shmem.put_nbi_warp(c_partials[g, me, t, w0:w1], src[w0:w1], s)
             q += all_warps
@@ -355,21 +394,40 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
 
     @kernel_jit(threads)
     def combine_wait(out, out_partials, d_ids, d_counts, c_partials, c_signal, sync, status, mode,
-                     timeout_ns, aux):
+                     timeout_ns, aux, own_rows, c_row_flag, claims, row_flags_from):
         """Wait for every rank's partials, then reduce them per token in rank order.
 
         MODE_REDUCE: out [T, W] words = bf16(epilogue(sum over ranks r that token t went to,
         in ascending r, of f32(partial_r), from 0)). MODE_PARTIALS: out_partials [R, T, P W]
         partial words = partial_r (zero where the token did not go to r). The array of the
         other mode is not touched (pass any array of the right rank). c_partials [G, R, T, P W]
-        partial words. aux [T, H] float32: the epilogue's input.
+        partial words. aux [T, H] float32: the epilogue's input. own_rows: after
+        combine_async_rows (compact layout), its expert_out [R * Tmax, P W] partial words, where
+        this rank's own partial of token t is row ``me * Tmax + t`` (combine_async_rows does not
+        copy it); after combine_async, an empty [0, 0] array (the own partial is in
+        c_partials[g, me, t]).
 
         Every block waits for all R signals itself, then a warp per item, part of token t's
         row (``row_parts`` over the W token words), grid-strided, U partial words per lane in
         flight (UW = U / P token words). A wait past timeout_ns records an error and writes
         nothing.
+
+        Large calls (``rows_flagged``, decided as the senders decide): no signal wait and no
+        dependency wait first (combine_async lets this kernel start once the caller's data is
+        complete, so with PDL its blocks start on the SMs combine_async leaves free and work
+        while the partials arrive). Each warp claims whole rows in turn (lane 0:
+        ``claims[g]``, int32 [2], an atomic counter that dispatch_wait of the call zeroes),
+        lane 0 waits for the row's flags
+        (``c_row_flag[r, t] >= n + 1`` for every rank r the token went to, this rank's own
+        row in expert_out excepted), and the warp reduces the row as above; rows are claimed
+        in token order, the order they are sent. The same sums in the same order as the
+        signalled path: results are bit-identical. Before it exits the kernel waits for
+        combine_async to complete (``dependency_wait``), so stream order still holds for
+        what follows. A row flag's timeout records the rank and the token, and the other
+        warps stop claiming.
         """
         flag = cuda.shared.array(1, int32)
+        claim = cuda.shared.array(warps, int32)  # each warp's claimed row (flagged rows), then its flags' verdict
         acc = cuda.local.array(ACCW, float32)
         vals = cuda.local.array(U, word_t)
         lo = cuda.local.array(UP, word_t)
@@ -378,8 +436,16 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
             lo[u] = 0
             hi[u] = 0
         pdl.trigger_dependents()
-        pdl.dependency_wait()  # nothing stream-ordered is read before this (kernels/pdl.py)
+        # what is read before the dependency wait (counts, calls, status, the caller's arrays)
+        # was complete before combine_async started, which triggers this kernel only after its
+        # own dependency wait
+        n = sync[SYNC_CALLS] - 1
+        g = n % 2
+        flagged = rows_flagged(d_counts[g], row_flags_from)
+        if not flagged:
+            pdl.dependency_wait()  # nothing stream-ordered is read before this (kernels/pdl.py)
         if status[STATUS_CODE] != 0:
+            pdl.dependency_wait()
             return
         stamp_first(status, 20)
         me = shmem.my_pe()
@@ -387,16 +453,17 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
         L = d_counts.shape[2] - 1
         K = d_ids.shape[3]
         W = c_partials.shape[3] // 2 if F32 else c_partials.shape[3]  # token words
-        pairs = W % 2 == 0 and pairs_aligned(out) and pairs_aligned(c_partials)
+        own = own_rows.shape[0] > 0  # this rank's partials in the compact expert_out
+        pairs = (W % 2 == 0 and pairs_aligned(out) and pairs_aligned(c_partials)
+                 and (not own or pairs_aligned(own_rows)))
         tid = cuda.threadIdx.x
         lane = tid % warp
-        n = sync[SYNC_CALLS] - 1
-        g = n % 2
+        wid = tid // warp
 
         if tid == 0:
             flag[0] = 0
         cuda.syncthreads()
-        for r in range(tid, R, threads):
+        for r in range(tid, R if not flagged else 0, threads):
             seen = shmem.wait_signal_ge(c_signal[g, r:r + 1], n + 1, timeout_ns)
             if seen < uint64(n + 1):
                 record_error(status, ERR_TIMEOUT, KERNEL_COMBINE_WAIT, me, r, COUNTER_COMBINE_SIGNAL,
@@ -409,15 +476,45 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
         stamp_last(status, 21)
 
         T = d_counts[g, me, L]
+        Tmax = d_ids.shape[2]
         all_warps = cuda.gridDim.x * warps
-        parts = row_parts(T, W, all_warps, warp)
+        parts = 1 if flagged else row_parts(T, W, all_warps, warp)
         span = part_words(W, parts, warp)
-        i = cuda.blockIdx.x * warps + tid // warp
-        while i < T * parts:
+        i = cuda.blockIdx.x * warps + wid
+        while True:
+            if flagged:  # claim the next row (token order: the order the senders send them)
+                if lane == 0:
+                    c = T
+                    if status[STATUS_CODE] == 0:
+                        c = cuda.atomic.add(claims, g, int32(1))
+                    claim[wid] = c
+                warp_sync()
+                i = claim[wid]
+                warp_sync()  # read by every lane before lane 0 writes it again
+            if i >= T * parts:
+                break
             t, w0, w1 = part_bounds(i, parts, span, W)
             went = uint64(0)  # bit r: token t went to rank r
             for k in range(K):
                 went |= uint64(1) << uint64(d_ids[g, me, t, k] // L)
+            if flagged:  # lane 0 waits for the row's partials (its own in expert_out are there)
+                if lane == 0:
+                    ok = 1
+                    for r in range(R):
+                        if (went >> uint64(r)) & uint64(1) and not (own and r == me):
+                            seen = shmem.wait_signal_ge(c_row_flag[r, t:t + 1], n + 1, timeout_ns)
+                            if seen < uint64(n + 1):  # observed: the token in the high half
+                                record_error(status, ERR_TIMEOUT, KERNEL_COMBINE_WAIT, me, r, COUNTER_COMBINE_ROW_FLAG,
+                                             n + 1, (int64(t) << 32) | int64(seen & uint64(0xFFFFFFFF)), n + 1)
+                                ok = 0
+                                break
+                    claim[wid] = ok
+                    cuda.threadfence_system()
+                warp_sync()
+                ok = claim[wid]
+                warp_sync()
+                if ok == 0:
+                    break
             if mode == MODE_REDUCE:
                 orow = out[t]
                 w = w0 + 2 * lane
@@ -426,7 +523,7 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
                         acc[x] = float32(0.0)
                     for r in range(R):
                         if (went >> uint64(r)) & uint64(1):
-                            src = c_partials[g, r, t]
+                            src = own_rows[me * Tmax + t] if own and r == me else c_partials[g, r, t]
                             for u in range(UPW):
                                 wu = w + 2 * u * warp
                                 if wu < w1:
@@ -463,7 +560,7 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
                         acc[x] = float32(0.0)
                     for r in range(R):
                         if (went >> uint64(r)) & uint64(1):
-                            src = c_partials[g, r, t]
+                            src = own_rows[me * Tmax + t] if own and r == me else c_partials[g, r, t]
                             for u in range(UW):
                                 if w + u * warp < w1:
                                     if F32:  # token word w + u warp: partial words 2 (w + u warp) + 0, 1
@@ -489,11 +586,16 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
                 for w in range(P * w0 + lane, P * w1, warp):  # partial words
                     for r in range(R):
                         if (went >> uint64(r)) & uint64(1):
-                            out_partials[r, t, w] = c_partials[g, r, t, w]
+                            if own and r == me:
+                                out_partials[r, t, w] = own_rows[me * Tmax + t, w]
+                            else:
+                                out_partials[r, t, w] = c_partials[g, r, t, w]
                         else:
                             out_partials[r, t, w] = 0
-            i += all_warps
+            if not flagged:
+                i += all_warps
         stamp_last(status, 22)
+        pdl.dependency_wait()  # flagged rows: completes after combine_async (stream order for what follows)
 
     # each waits for its predecessor on the device first: launchable with PDL
     return pdl.programmatic(combine_async), pdl.programmatic(combine_wait), pdl.programmatic(combine_async_rows)

@@ -568,7 +568,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
     def dispatch_wait(d_ids, d_weights, d_counts, d_ranks, d_signal, sync,
                       row_offsets, expert_counts, row_src_rank, row_src_token, row_src_k,
                       row_weight, row_gather, recv_tokens, token_rows, status, pad_multiple, timeout_ns,
-                      d_tokens, expert_x, copy_rows):
+                      d_tokens, expert_x, copy_rows, combine_claims):
         """Wait for every source rank, then place every received (token, local expert) pair.
 
         Symmetric inputs as in dispatch_async (group g of the last call): d_counts [G, R, L + 1]
@@ -585,7 +585,9 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         copies its hits' received rows, d_tokens [R, Tmax, W] words, to their rows of
         expert_x [C, W] words, and the expert warps zero the padding rows, so no dispatch_copy
         follows (a row is read once per local expert instead of once: the token-major
-        dispatch_copy stays the better choice for large batches).
+        dispatch_copy stays the better choice for large batches). combine_claims (int32 [2],
+        ``combine_wait_claims``): block 0 zeroes ``[n % 2]`` for this call's combine_wait (its
+        last user, combine_wait of call n - 2, has completed).
 
         Every block waits for all R signals itself (each carries its source's token count),
         scans the local experts' padded row counts (a thread per run of experts, one block scan:
@@ -622,6 +624,8 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         tid = cuda.threadIdx.x
         n = sync[SYNC_CALLS] - 1
         g = n % 2
+        if cuda.blockIdx.x == 0 and tid == 0:
+            combine_claims[g] = 0  # rows this call's combine_wait claims (flagged rows)
 
         # wait for every source rank's signal (thread s waits for rank s)
         if tid == 0:

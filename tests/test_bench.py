@@ -32,7 +32,8 @@ def test_traffic_of_a_hand_worked_example():
     assert t.combine_hbm_bytes == (4 + 2 * 3 + 2 * 4 + 3) * 16
     # compact: no expansion copy; combine reads one caller row per received token
     assert t.compact_dispatch_hbm_bytes == (4 + 3) * 16 == t.hbm_bytes("dispatch", "compact")
-    assert t.compact_combine_hbm_bytes == (3 + 2 * 4 + 3) * 16 == t.hbm_bytes("combine", "compact")
+    # (this rank's own 2 partials are read in place by combine_wait: only rank 1's 2 land and are read)
+    assert t.compact_combine_hbm_bytes == (3 + 2 * 2 + 3) * 16 == t.hbm_bytes("combine", "compact")
     assert t.hbm_bytes("combine") == t.combine_hbm_bytes
     # an FP8 format: dispatch moves 24-byte messages per token (combine stays bf16, 16-byte rows)
     f = rank_traffic([ids0, ids1], 0, n_local_experts=2, hidden=8, token_bytes=24)

@@ -44,9 +44,11 @@ DSV3_SYMMETRIC = {
     "combine_signal": ((2, 8), u64, 128, 1_415_580_160),
     # [R] u64 (monotonic credits, no group axis): 64 B; 1,415,580,160 + 128 -> 1,415,580,416
     "dispatch_token_credit": ((8,), u64, 64, 1_415_580_416),
+    # [R, T] u64 (monotonic row flags, no group axis): 8 * 4096 * 8 = 262,144 B; 1,415,580,416 + 64 -> 1,415,580,672
+    "combine_row_flag": ((8, 4096), u64, 262_144, 1_415_580_672),
 }
-# 1,415,580,416 + 64 -> round up to 256 = 1,415,580,672
-DSV3_SYMMETRIC_BYTES = 1_415_580_672
+# 1,415,580,672 + 262,144 = 1,415,842,816
+DSV3_SYMMETRIC_BYTES = 1_415_842_816
 
 DSV3_LOCAL = {
     # [2] i64: 16 B at 0
@@ -83,9 +85,11 @@ DSV3_LOCAL = {
     "dispatch_copy_go": ((1,), np.dtype(np.uint32), 4, 4_234_283_520),
     # [R] i32: 32 B; 4,234,283,520 + 4 -> round up to 256 = 4,234,283,776
     "recv_tokens": ((8,), i32, 32, 4_234_283_776),
+    # [2] i32: 8 B; 4,234,283,776 + 32 -> round up to 256 = 4,234,284,032
+    "combine_wait_claims": ((2,), i32, 8, 4_234_284_032),
 }
-# 4,234,283,776 + 32 -> round up to 256 = 4,234,284,032
-DSV3_LOCAL_BYTES = 4_234_284_032
+# 4,234,284,032 + 8 -> round up to 256 = 4,234,284,288
+DSV3_LOCAL_BYTES = 4_234_284_288
 
 SMALL_SYMMETRIC = {
     # [R, T, H] u16: 2 * 16 * 64 * 2 = 4096 B at 0
@@ -105,8 +109,9 @@ SMALL_SYMMETRIC = {
     # 32 B; 6144 + 8192 = 14336
     "combine_signal": ((2, 2), u64, 32, 14336),
     "dispatch_token_credit": ((2,), u64, 16, 14592),  # 14336 + 32 -> 14592
+    "combine_row_flag": ((2, 16), u64, 256, 14848),  # [R, T] u64; 14592 + 16 -> 14848
 }
-SMALL_SYMMETRIC_BYTES = 14848  # 14592 + 16 -> 14848
+SMALL_SYMMETRIC_BYTES = 15104  # 14848 + 256
 
 SMALL_LOCAL = {
     "dispatch_async_sync": ((2,), i64, 16, 0),
@@ -140,8 +145,9 @@ SMALL_LOCAL = {
     "status": ((32,), i64, 256, 13568),
     "dispatch_copy_go": ((1,), np.dtype(np.uint32), 4, 13824),  # 13568 + 256 -> 13824
     "recv_tokens": ((2,), i32, 8, 14080),  # 13824 + 4 -> 14080
+    "combine_wait_claims": ((2,), i32, 8, 14336),  # 14080 + 8 -> 14336
 }
-SMALL_LOCAL_BYTES = 14336  # 14080 + 8 -> 14336
+SMALL_LOCAL_BYTES = 14592  # 14336 + 8 -> 14592
 
 CASES = {
     "dsv3": (DSV3, DSV3_SYMMETRIC, DSV3_SYMMETRIC_BYTES, DSV3_LOCAL, DSV3_LOCAL_BYTES),
@@ -187,9 +193,10 @@ def test_totals(case):
 
 def test_dsv3_totals_in_mib():
     # [R, T, H] bf16 received tokens (one buffer: 448 MiB) and two groups of combine partials
-    # (896 MiB), plus 4 MiB of routing (ids and weights), 2 MiB of ranks and a few KiB.
+    # (896 MiB), plus 4 MiB of routing (ids and weights), 2 MiB of ranks, 0.25 MiB of combine row
+    # flags and a few KiB.
     layout = BufferLayout(DSV3)
-    assert 1350 < layout.symmetric_bytes / MiB < 1350.01
+    assert 1350.25 < layout.symmetric_bytes / MiB < 1350.26
     # combine_stage 448 MiB + expert_x 3584 MiB + token_rows 1 MiB + 5 row arrays of 1 MiB
     # + the sender's 0.125 MiB of staged ranks and a few KiB.
     assert 4038 < layout.local_bytes / MiB < 4038.2
@@ -216,7 +223,8 @@ def test_symmetric_regions_have_leading_group_dimension(case):
         if r.name == "dispatch_token_credit":  # monotonic over calls by design: [R], no group axis
             assert r.shape == (layout.cfg.n_ranks,), r.shape
             continue
-        if r.name == "dispatch_tokens":  # one buffer, guarded by the credits: [R, T, ...], no group axis
+        if r.name in ("dispatch_tokens", "combine_row_flag"):  # [R, T, ...], no group axis: one buffer
+            # guarded by the credits; row flags monotonic over calls (call numbers)
             assert r.shape[:2] == (layout.cfg.n_ranks, layout.cfg.max_tokens_per_rank), r.shape
             continue
         assert r.shape[0] == 2, f"{r.name} {r.shape}: no leading group dimension 2"
@@ -266,7 +274,7 @@ def test_describe_dsv3_figures():
     assert "448.000" in text          # dispatch_tokens (and combine_stage)
     assert "896.000" in text          # combine_partials
     assert "3584.000" in text         # expert_x
-    assert "symmetric total 1350.003 MiB" in text   # 1,415,580,672 / 2**20 = 1350.0029
+    assert "symmetric total 1350.253 MiB" in text   # 1,415,842,816 / 2**20 = 1350.2529
     assert "local total 4038.128 MiB" in text       # 4,234,284,032 / 2**20 = 4038.1280
 
 

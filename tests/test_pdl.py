@@ -57,18 +57,35 @@ def test_the_ep_kernels_are_marked_and_others_are_not(monkeypatch):
 
 def test_every_ep_kernel_waits_before_its_first_status_read():
     """The wait must come before anything stream-ordered is read: in the kernels' source every
-    ``status[STATUS_CODE]`` check (each kernel's first load) follows a dependency_wait."""
+    ``status[STATUS_CODE]`` check (each kernel's first load) follows a dependency_wait. The
+    dispatch kernels trigger their dependents first; the combine_async kernels after their
+    wait (combine_wait may then start early: docs/protocol.md, "Combine rows as they land");
+    combine_wait skips its first wait only in a call with flagged rows, and then waits before
+    it exits."""
     import inspect
 
     from ep_runtime.kernels import combine, dispatch
 
-    for module in (dispatch, combine):
-        lines = inspect.getsource(module).splitlines()
-        checks = [i for i, ln in enumerate(lines) if "if status[STATUS_CODE] != 0:" in ln]
-        assert len(checks) == (4 if module is dispatch else 3), module.__name__
-        for i in checks:
-            assert "pdl.dependency_wait()" in lines[i - 1], f"{module.__name__} line {i + 1}"
-            assert "pdl.trigger_dependents()" in lines[i - 2], f"{module.__name__} line {i + 1}"
+    lines = inspect.getsource(dispatch).splitlines()
+    checks = [i for i, ln in enumerate(lines) if "if status[STATUS_CODE] != 0:" in ln]
+    assert len(checks) == 4
+    for i in checks:
+        assert "pdl.dependency_wait()" in lines[i - 1], f"dispatch line {i + 1}"
+        assert "pdl.trigger_dependents()" in lines[i - 2], f"dispatch line {i + 1}"
+
+    lines = inspect.getsource(combine).splitlines()
+    checks = [i for i, ln in enumerate(lines) if "if status[STATUS_CODE] != 0:" in ln]
+    assert len(checks) == 3
+    for i in checks[:2]:  # combine_async, combine_async_rows
+        assert "pdl.trigger_dependents()" in lines[i - 1], f"combine line {i + 1}"
+        assert "pdl.dependency_wait()" in lines[i - 2], f"combine line {i + 1}"
+    i = checks[2]  # combine_wait
+    assert lines[i - 2].strip() == "if not flagged:" and "pdl.dependency_wait()" in lines[i - 1], lines[i - 2:i]
+    assert "pdl.dependency_wait()" in lines[i + 1], "combine_wait's early return must wait first"
+    body = lines[i:]
+    end = next(j for j, ln in enumerate(body) if "return pdl.programmatic(combine_async)" in ln)
+    last_wait = max(j for j, ln in enumerate(body[:end]) if "pdl.dependency_wait()" in ln)
+    assert "stamp_last(status, 22)" in body[last_wait - 1], "combine_wait must wait for combine_async last"
 
 
 @pytest.mark.parametrize("value, present", [("1", True), ("0", False)])

@@ -22,7 +22,8 @@ partials, ``4 H`` with ``combine_dtype="float32"``):
 - **HBM bytes of the compact layout** (``layout="compact"``: no expansion copy, the caller's
   combine input is one row per received token): dispatch: the sender reads its sent rows and the
   receive buffer is written (``sum(sent) + sum(recv)`` rows); combine: the caller's rows (partials)
-  are read (``sum(recv)``), partials land (``sum(sent)``), combine_wait reads them and writes ``T``
+  are read (``sum(recv)``: the peers' by combine_async, this rank's own by combine_wait, in place),
+  the peers' partials land (``sum(sent) - sent[r]``), combine_wait reads them and writes ``T``
   bf16 rows.
 """
 
@@ -86,7 +87,7 @@ def rank_traffic(ids_per_rank, rank: int, n_local_experts: int, hidden: int, tok
         dispatch_hbm_bytes=(sum(sent) + sum(recv) + 2 * rows) * tok,
         combine_hbm_bytes=(rows + T) * row + (2 * sum(recv) + 2 * sum(sent)) * part,
         compact_dispatch_hbm_bytes=(sum(sent) + sum(recv)) * tok,
-        compact_combine_hbm_bytes=T * row + (sum(recv) + 2 * sum(sent)) * part,
+        compact_combine_hbm_bytes=T * row + (sum(recv) + 2 * out_rows) * part,
     )
 
 

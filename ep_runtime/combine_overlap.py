@@ -1,0 +1,57 @@
+"""Combine rows as they land: the choices the runtime makes for it (docs/protocol.md,
+"Combine rows as they land").
+
+In a large call combine_async flags every partial row on arrival (``combine_row_flag``) and
+combine_wait, launched with programmatic dependent launch (PDL), starts on the SMs
+combine_async leaves free and reduces each token as soon as its rows are there, instead of
+after the last one. Two knobs, read when a runtime is built, the same on every rank:
+
+- ``EP_RUNTIME_COMBINE_ROW_FLAGS_FROM`` (default :data:`DEFAULT_ROW_FLAGS_FROM`): a call flags
+  its rows when some rank dispatched at least this many tokens (0: never; every call then
+  waits for the last block's signal, as small calls always do: there a per-row fence and flag
+  would cost more than the overlap wins).
+- ``EP_RUNTIME_COMBINE_WAIT_SMS`` (default :data:`DEFAULT_WAIT_SMS`): SMs combine_async leaves
+  free for combine_wait's first blocks, when the runtime's grid is the whole GPU
+  (``EPConfig.n_sms`` None) and PDL is on. With ``n_sms`` set, or without PDL, combine_async
+  keeps the whole grid (a caller who limits SMs gets no more than that at any time).
+"""
+
+from __future__ import annotations
+
+import os
+
+from .errors import EPConfigError
+
+ROW_FLAGS_ENV = "EP_RUNTIME_COMBINE_ROW_FLAGS_FROM"
+WAIT_SMS_ENV = "EP_RUNTIME_COMBINE_WAIT_SMS"
+#: Tokens from which a call's partial rows are flagged: at 2048 tokens and more, 2 ranks' rows
+#: outnumber the warps of an H200 grid, so whole rows per warp cost no parallelism.
+DEFAULT_ROW_FLAGS_FROM = 2048
+#: SMs left to combine_wait's early blocks (2 x H200: combine_async on 108 of 132 SMs).
+DEFAULT_WAIT_SMS = 24
+
+
+def _env_int(name: str, default: int) -> int:
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise EPConfigError(f"{name}={text!r}: expected an integer >= 0 (unset means {default}).")
+    return value
+
+
+def row_flags_from() -> int:
+    """The ``row_flags_from`` kernel argument (int, >= 0; 0: never flag rows)."""
+    return _env_int(ROW_FLAGS_ENV, DEFAULT_ROW_FLAGS_FROM)
+
+
+def combine_send_grid(grid: int, whole_gpu: bool, pdl_on: bool) -> int:
+    """combine_async's grid: ``grid`` less the SMs left to combine_wait's early blocks when the
+    grid is the whole GPU and PDL is on (at least half of ``grid`` kept); else ``grid``."""
+    if not (whole_gpu and pdl_on):
+        return grid
+    return max(grid - _env_int(WAIT_SMS_ENV, DEFAULT_WAIT_SMS), (grid + 1) // 2)
