@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The GPU checks in one device call (2 ranks), each section under its own time limit:
 #   source .devcarry/setup.sh && bash tests/gpu/run_all.sh [section ...]
-# Sections (default: all, in this order): shmem ep ep_puts ep_fused graph graph_compact fp8 soak stream zerocopy example bench
-# kernels stores host racecheck memcheck. graph / graph_compact: one CUDA graph, 100 replays, expanded / compact layout.
+# Sections (default: all, in this order): shmem ep ep_puts ep_fused ep_signalled graph graph_compact graph_rows fp8 soak
+# stream zerocopy example bench kernels stores host racecheck memcheck. graph / graph_compact: one CUDA graph, 100 replays,
+# expanded / compact layout; graph_rows: capacity 4096, so replays cross the combine row-flag threshold both ways.
+# ep_signalled: ep_check with combine's row flags off (EP_RUNTIME_COMBINE_ROW_FLAGS_FROM=0: every call waits for the signal).
 # ep_puts: ep_check with the kernels sending through NVSHMEM puts (EP_RUNTIME_PEER_STORES=0);
 # ep_fused: ep_check with the expanded rows copied inside dispatch_wait at every size (EP_RUNTIME_FUSED_COPY=1);
 # stores: dispatch_async's store pattern alone against the copy engine; host: host time per call, broken down.
@@ -11,21 +13,24 @@
 set -u
 out="${OUT:-/tmp/ep_gpu}"
 mkdir -p "$out"
-run="mpirun -np ${EP_RANKS:-2} ${EP_MPIRUN_ARGS:-} -x PYTHONPATH -x NVSHMEM_DISABLE_CUDA_VMM -x EP_RUNTIME_PEER_STORES -x EP_RUNTIME_FUSED_COPY"
+run="mpirun -np ${EP_RANKS:-2} ${EP_MPIRUN_ARGS:-} -x PYTHONPATH -x NVSHMEM_DISABLE_CUDA_VMM -x EP_RUNTIME_PEER_STORES -x EP_RUNTIME_FUSED_COPY -x EP_RUNTIME_COMBINE_ROW_FLAGS_FROM"
 export NVSHMEM_DISABLE_CUDA_VMM=1  # compute-sanitizer cannot follow NVSHMEM's VMM heap mappings
 peer_stores="${EP_RUNTIME_PEER_STORES:-1}"  # the caller's choice for every section but ep_puts
 fused_copy="${EP_RUNTIME_FUSED_COPY:-auto}"  # the caller's choice for every section but ep_fused
+row_flags="${EP_RUNTIME_COMBINE_ROW_FLAGS_FROM:-2048}"  # the caller's choice for every section but ep_signalled
 sections=("$@")
-[ ${#sections[@]} -eq 0 ] && sections=(shmem ep ep_puts ep_fused graph graph_compact fp8 soak stream zerocopy example bench kernels stores host racecheck
-                                        memcheck)
+[ ${#sections[@]} -eq 0 ] && sections=(shmem ep ep_puts ep_fused ep_signalled graph graph_compact graph_rows fp8 soak stream zerocopy
+                                        example bench kernels stores host racecheck memcheck)
 for s in "${sections[@]}"; do
   case "$s" in
     shmem)     cmd="timeout 180 $run python3 tests/gpu/shmem_check.py" ;;
     ep)        cmd="timeout 240 $run python3 tests/gpu/ep_check.py --calls 100" ;;
     ep_puts)   cmd="timeout 240 $run python3 tests/gpu/ep_check.py --calls 10 --replays 10" ;;
     ep_fused)  cmd="timeout 240 $run python3 tests/gpu/ep_check.py --calls 10 --replays 10" ;;
+    ep_signalled) cmd="timeout 240 $run python3 tests/gpu/ep_check.py --calls 10 --replays 10" ;;
     graph)     cmd="timeout 180 $run python3 tests/gpu/graph_check.py --replays 100" ;;
     graph_compact) cmd="timeout 180 $run python3 tests/gpu/graph_check.py --replays 100 --layout compact" ;;
+    graph_rows) cmd="timeout 240 $run python3 tests/gpu/graph_check.py --capacity 4096 --hidden 2048 --replays 20 --layout compact" ;;
     soak)      cmd="timeout 150 $run python3 tests/gpu/soak.py --calls 10000" ;;
     stream)    cmd="timeout 120 $run python3 tests/gpu/stream_order_check.py" ;;
     zerocopy)  cmd="timeout 120 $run python3 tests/gpu/zero_copy_check.py" ;;
@@ -42,6 +47,7 @@ for s in "${sections[@]}"; do
   echo "== $s: $cmd"
   if [ "$s" = ep_puts ]; then export EP_RUNTIME_PEER_STORES=0; else export EP_RUNTIME_PEER_STORES="$peer_stores"; fi
   if [ "$s" = ep_fused ]; then export EP_RUNTIME_FUSED_COPY=1; else export EP_RUNTIME_FUSED_COPY="$fused_copy"; fi
+  if [ "$s" = ep_signalled ]; then export EP_RUNTIME_COMBINE_ROW_FLAGS_FROM=0; else export EP_RUNTIME_COMBINE_ROW_FLAGS_FROM="$row_flags"; fi
   $cmd > "$out/$s.log" 2>&1
   echo "== $s: exit $?"
   grep -v "Warning\|warn(\|cuGetProcAddress\|Saved host backtrace" "$out/$s.log" | grep -E "SUMMARY|PASS|FAIL|rank|^ +[0-9]|ceilings|init|Error" | tail -14
