@@ -33,6 +33,9 @@ STATUS_LEN = 8
 PEER_REGIONS = ("dispatch_tokens", "combine_partials", "dispatch_counts", "dispatch_topk_ids",
                 "dispatch_topk_weights", "dispatch_ranks")
 PEER_TOKENS, PEER_PARTIALS, PEER_COUNTS, PEER_IDS, PEER_WEIGHTS, PEER_RANKS = range(len(PEER_REGIONS))
+#: Flags per partial row (``combine_row_flag``): a flagged call cuts each row into at most this
+#: many parts, each flagged on arrival (docs/protocol.md, "Combine rows as they land").
+COMBINE_FLAG_PARTS = 16
 #: Trace words after the error record (``kernels/trace.py``: phase time stamps, EP_RUNTIME_TRACE=1).
 TRACE_LEN = 24
 
@@ -181,9 +184,9 @@ def _regions(cfg: EPConfig) -> list[Region]:
                "call n may go into d once it is >= n + 1 (monotonic)"),
         # monotonic (call numbers), no group axis: a row of call n + 1 cannot come before
         # combine_wait of call n has finished (docs/protocol.md, "Combine rows as they land")
-        Region("combine_row_flag", (R, T), u64, 0, S, f"{CA} (peers, each row's warp)", (CW,),
-               "[r, t]: n + 1 once rank r's partial of my token t of call n has arrived (large calls only: "
-               "combine_wait reduces each row as it lands)"),
+        Region("combine_row_flag", (R, T, COMBINE_FLAG_PARTS), u64, 0, S, f"{CA} (peers, each part's warp)", (CW,),
+               "[r, t, p]: n + 1 once part p of rank r's partial of my token t of call n has arrived (flagged "
+               "calls: combine_wait reduces each part as it lands)"),
         # -- local: counters of dispatch_async -----------------------------------------------------
         Region("dispatch_async_sync", (2,), i64, 0, Lc, DA, (DA, DW, CA, CW),
                "[0] ticket: finished blocks of the launch (reset by the last block); "

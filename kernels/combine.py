@@ -26,6 +26,7 @@ from ep_runtime.kernels.cuda_api import cuda, kernel_jit
 from ep_runtime.kernels.trace import stamp_first, stamp_last
 from ep_runtime.kernels.vec import (address_of, load_pair, make_pair_loops, pack_bf16x2, pack_bf16x4, pack_f32x2,
                                    pairs_aligned, store_pair, store_pair_at)
+from ep_runtime.layout import COMBINE_FLAG_PARTS as FLAG_PARTS
 from ep_runtime.layout import PEER_PARTIALS, STATUS_CODE, SYNC_CALLS
 from ep_runtime.status import COUNTER_COMBINE_ROW_FLAG, COUNTER_COMBINE_SIGNAL, ERR_TIMEOUT, KERNEL_COMBINE_WAIT
 
@@ -36,35 +37,58 @@ from ep_runtime.status import COUNTER_COMBINE_ROW_FLAG, COUNTER_COMBINE_SIGNAL, 
 #: word pairs (``kernels/vec.py``: one 16-byte access each for uint64 words), U / 2 pairs.
 WORDS_IN_FLIGHT = 8
 
+#: Flagged calls (docs/protocol.md, "Combine rows as they land") cut rows into parts so that the
+#: sender's items number about this many (a grid's warps on an H200: 132 x 16), at most
+#: ``COMBINE_FLAG_PARTS`` parts a row.
+FLAG_ITEMS = 2048
+
 #: combine_wait modes
 MODE_REDUCE = 0      # out [T, H]: sum of the partials, epilogue, bf16
 MODE_PARTIALS = 1    # out [R, T, H]: each rank's partial (zero where the token did not go)
 
 
 @cuda.jit(device=True)
-def rows_flagged(counts, row_flags_from):
-    """Whether this call's partials go one whole row per warp item, each flagged on arrival
-    (``combine_row_flag``) so combine_wait reduces each row as it lands: the most tokens any
-    source dispatched (``counts`` [R, L + 1], the call's group of ``dispatch_counts``, the
-    same on every rank) is at least ``row_flags_from`` (int64; 0: never). Sender and receiver
-    decide alike."""
-    R = counts.shape[0]
+def most_tokens(counts):
+    """The most tokens any source dispatched this call (``counts`` [R, L + 1], the call's group
+    of ``dispatch_counts``: the same on every rank)."""
     L = counts.shape[1] - 1
     t_hi = 0
-    for s in range(R):
+    for s in range(counts.shape[0]):
         t_hi = max(t_hi, counts[s, L])
-    return row_flags_from > 0 and t_hi >= row_flags_from
+    return t_hi
 
 
 @cuda.jit(device=True)
-def flag_row(c_row_flag, me, t, n, s, lane):
-    """Every lane of a warp that stored its part of partial row t into rank s (plain stores,
-    through the mapping or locally): fence, meet, and lane 0 sets ``c_row_flag[me, t]`` on s
-    to n + 1 (data before flag)."""
+def rows_flagged(counts, row_flags_from):
+    """Whether this call's partials are flagged part by part on arrival (``combine_row_flag``)
+    so combine_wait reduces each part as it lands: the most tokens any source dispatched is at
+    least ``row_flags_from`` (int64; 0: never). Sender and receiver decide alike."""
+    return row_flags_from > 0 and most_tokens(counts) >= row_flags_from
+
+
+@cuda.jit(device=True)
+def flagged_parts(counts, PW, warp):
+    """``(parts, span)`` of a flagged call's partial rows of ``PW`` partial words, the same on
+    every rank whatever its grid and build: ``parts = ceil(FLAG_ITEMS / (R * most tokens))``
+    clamped to [1, FLAG_PARTS] and to the row's warp-wide chunks, ``ceil(PW / warp)`` (whole
+    rows for large batches, up to FLAG_PARTS parts of a row for small ones, so a small call still
+    spreads over many warps, and no part narrower than a warp), each part ``span`` partial words
+    (``part_words``: a multiple of ``warp``, so of P). Kernels that walk token words divide
+    ``span`` by P; combine_async_rows, one build for both partial formats, walks partial words."""
+    rows = counts.shape[0] * max(most_tokens(counts), 1)
+    parts = max(1, min(FLAG_PARTS, (PW + warp - 1) // warp, (FLAG_ITEMS + rows - 1) // rows))
+    return parts, part_words(PW, parts, warp)
+
+
+@cuda.jit(device=True)
+def flag_part(c_row_flag, me, t, part, n, s, lane):
+    """Every lane of a warp that stored its share of part ``part`` of partial row t into rank s
+    (plain stores, through the mapping or locally): fence, meet, and lane 0 sets
+    ``c_row_flag[me, t, part]`` on s to n + 1 (data before flag)."""
     cuda.threadfence_system()
     warp_sync()
     if lane == 0:
-        shmem.signal_op(c_row_flag[me, t:t + 1], uint64(n + 1), shmem.SIGNAL_SET, s)
+        shmem.signal_op(c_row_flag[me, t, part:part + 1], uint64(n + 1), shmem.SIGNAL_SET, s)
 
 
 @cuda.jit(device=True)
@@ -190,13 +214,15 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
         nothing. The last block (ticket) signals n + 1 to every rank after every block's puts
         and stores completed.
 
-        Large calls (``rows_flagged``: some source sent at least row_flags_from tokens): a warp
-        item is a whole row, and each row is flagged once stored (``flag_row``; staged rows by
-        ``put_signal_nbi_warp``), this rank's own too: c_row_flag [R, Tmax] uint64 symmetric,
-        ``[me, t]`` on rank src set to n + 1, so combine_wait (launched with PDL, started on the
-        SMs this grid leaves free) reduces each token as its rows land. The kernel lets its
-        dependent start only after its own dependency wait (the caller's expert outputs are
-        then complete for combine_wait too). c_row_flag, row_flags_from: as in combine_wait.
+        Flagged calls (``rows_flagged``: some source sent at least row_flags_from tokens; the
+        default, docs/protocol.md "Combine rows as they land"): a warp item is a part of a row
+        (``flagged_parts``: the same parts on every rank), each flagged once stored
+        (``flag_part``; staged parts by ``put_signal_nbi_warp``), this rank's own too:
+        c_row_flag [R, Tmax, FLAG_PARTS] uint64 symmetric, ``[me, t, p]`` on rank src set to
+        n + 1, so combine_wait (launched with PDL, started on the SMs this grid leaves free)
+        reduces each part as it lands; no ticket, no signal. The kernel lets its dependent start
+        only after its own dependency wait (the caller's expert outputs are then complete for
+        combine_wait too). c_row_flag, row_flags_from: as in combine_wait.
         """
         flag = cuda.shared.array(1, int32)
         acc = cuda.local.array(ACC, float32)
@@ -229,10 +255,10 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
         # rows for this rank (device memory only) and rows for peers (NVLink), so the two overlap
         parts, span, items = interleaved_rows(d_counts[g], W, all_warps, warp)
         flagged = rows_flagged(d_counts[g], row_flags_from)
-        if flagged:  # whole rows, each flagged
-            items = items // parts
-            parts = 1
-            span = part_words(W, 1, warp)
+        if flagged:  # parts every rank computes alike (in partial words), each flagged
+            parts, span = flagged_parts(d_counts[g], P * W, warp)
+            span = span // P  # token words
+            items = R * most_tokens(d_counts[g]) * parts
         q = cuda.blockIdx.x * warps + tid // warp
         while q < items:
             s, item = interleaved_item(q, all_warps, R)
@@ -296,16 +322,18 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
                         pw0 = 2 * w0 if F32 else w0
                         pw1 = 2 * w1 if F32 else w1
                         if flagged:
+                            p = item - t * parts
                             shmem.put_signal_nbi_warp(c_partials[g, me, t, pw0:pw1], stage[s, t, pw0:pw1],
-                                                      c_row_flag[me, t:t + 1], uint64(n + 1), shmem.SIGNAL_SET, s)
+                                                      c_row_flag[me, t, p:p + 1], uint64(n + 1), shmem.SIGNAL_SET, s)
                         else:
                             shmem.put_nbi_warp(c_partials[g, me, t, pw0:pw1], stage[s, t, pw0:pw1], s)
                     elif flagged:
-                        flag_row(c_row_flag, me, t, n, s, lane)
+                        flag_part(c_row_flag, me, t, item - t * parts, n, s, lane)
             q += all_warps
 
         stamp_last(status, 17)
-        publish_partials(ticket, flag, c_signal, g, me, n, R)
+        if not flagged:  # a flagged call's parts carry their own flags: no ticket, no signal
+            publish_partials(ticket, flag, c_signal, g, me, n, R)
         stamp_last(status, 18)
 
     @kernel_jit(threads)
@@ -327,8 +355,9 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
         as in combine_async; uint64 words) as 16-byte stores through its NVLink mapping,
         otherwise ``put_nbi_warp``. This rank's own rows (``s = me``) are not copied: combine_wait
         reads them from expert_out itself (its ``own_rows``), so every warp carries NVLink rows.
-        The last block (ticket) signals n + 1 to every rank. Large calls flag each row as
-        combine_async does (whole rows; ``put_signal_nbi_warp`` on the puts path).
+        The last block (ticket) signals n + 1 to every rank. Flagged calls flag each part as
+        combine_async does (parts of partial words: this one build serves both partial formats;
+        ``put_signal_nbi_warp`` on the puts path), with no ticket and no signal.
         """
         flag = cuda.shared.array(1, int32)
         lo = cuda.local.array(UP, word_t)
@@ -357,10 +386,9 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
         # skipped: combine_wait reads its own rows from expert_out)
         parts, span, items = interleaved_rows(d_counts[g], W, all_warps, warp)
         flagged = rows_flagged(d_counts[g], row_flags_from)
-        if flagged:  # whole rows, each flagged
-            items = items // parts
-            parts = 1
-            span = part_words(W, 1, warp)
+        if flagged:  # parts every rank computes alike (in partial words: this kernel's W), each flagged
+            parts, span = flagged_parts(d_counts[g], W, warp)
+            items = R * most_tokens(d_counts[g]) * parts
         items = items // R * (R - 1)
         q = cuda.blockIdx.x * warps + tid // warp
         while q < items:
@@ -380,16 +408,18 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
                             store_pairs_at(peer_row, w, w1, lo, hi)
                             w += 2 * UP * warp
                         if flagged:
-                            flag_row(c_row_flag, me, t, n, s, lane)
+                            flag_part(c_row_flag, me, t, item - t * parts, n, s, lane)
                     elif flagged:
-                        shmem.put_signal_nbi_warp(c_partials[g, me, t, w0:w1], src[w0:w1], c_row_flag[me, t:t + 1],
+                        p = item - t * parts
+                        shmem.put_signal_nbi_warp(c_partials[g, me, t, w0:w1], src[w0:w1], c_row_flag[me, t, p:p + 1],
                                                   uint64(n + 1), shmem.SIGNAL_SET, s)
                     else:
                         shmem.put_nbi_warp(c_partials[g, me, t, w0:w1], src[w0:w1], s)
             q += all_warps
 
         stamp_last(status, 17)
-        publish_partials(ticket, flag, c_signal, g, me, n, R)
+        if not flagged:  # a flagged call's parts carry their own flags: no ticket, no signal
+            publish_partials(ticket, flag, c_signal, g, me, n, R)
         stamp_last(status, 18)
 
     @kernel_jit(threads)
@@ -412,22 +442,21 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
         flight (UW = U / P token words). A wait past timeout_ns records an error and writes
         nothing.
 
-        Large calls (``rows_flagged``, decided as the senders decide): no signal wait and no
+        Flagged calls (``rows_flagged``, decided as the senders decide): no signal wait and no
         dependency wait first (combine_async lets this kernel start once the caller's data is
         complete, so with PDL its blocks start on the SMs combine_async leaves free and work
-        while the partials arrive). Each warp claims whole rows in turn (lane 0:
-        ``claims[g]``, int32 [2], an atomic counter that dispatch_wait of the call zeroes),
-        lane 0 waits for the row's flags
-        (``c_row_flag[r, t] >= n + 1`` for every rank r the token went to, this rank's own
-        row in expert_out excepted), and the warp reduces the row as above; rows are claimed
-        in token order, the order they are sent. The same sums in the same order as the
-        signalled path: results are bit-identical. Before it exits the kernel waits for
-        combine_async to complete (``dependency_wait``), so stream order still holds for
-        what follows. A row flag's timeout records the rank and the token, and the other
-        warps stop claiming.
+        while the partials arrive). Each warp claims the senders' parts (``flagged_parts``) in
+        turn (lane 0: ``claims[g]``, int32 [2], an atomic counter that dispatch_wait of the call
+        zeroes), lane 0 waits for the part's flags (``c_row_flag[r, t, p] >= n + 1`` for every
+        rank r the token went to, this rank's own row in expert_out excepted), and the warp
+        reduces the part as above; parts are claimed in token order, the order they are sent.
+        The same sums in the same order as the signalled path: results are bit-identical.
+        Before it exits the kernel waits for combine_async to complete (``dependency_wait``),
+        so stream order still holds for what follows. A flag's timeout records the rank and
+        the token, and the other warps stop claiming.
         """
         flag = cuda.shared.array(1, int32)
-        claim = cuda.shared.array(warps, int32)  # each warp's claimed row (flagged rows), then its flags' verdict
+        claim = cuda.shared.array(warps, int32)  # each warp's claimed part (flagged calls), then its flags' verdict
         acc = cuda.local.array(ACCW, float32)
         vals = cuda.local.array(U, word_t)
         lo = cuda.local.array(UP, word_t)
@@ -478,13 +507,17 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
         T = d_counts[g, me, L]
         Tmax = d_ids.shape[2]
         all_warps = cuda.gridDim.x * warps
-        parts = 1 if flagged else row_parts(T, W, all_warps, warp)
-        span = part_words(W, parts, warp)
+        if flagged:  # the senders' parts (flagged_parts counts partial words)
+            parts, span = flagged_parts(d_counts[g], P * W, warp)
+            span = span // P
+        else:
+            parts = row_parts(T, W, all_warps, warp)
+            span = part_words(W, parts, warp)
         i = cuda.blockIdx.x * warps + wid
         while True:
             if flagged:  # claim the next row (token order: the order the senders send them)
                 if lane == 0:
-                    c = T
+                    c = T * parts
                     if status[STATUS_CODE] == 0:
                         c = cuda.atomic.add(claims, g, int32(1))
                     claim[wid] = c
@@ -497,12 +530,13 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
             went = uint64(0)  # bit r: token t went to rank r
             for k in range(K):
                 went |= uint64(1) << uint64(d_ids[g, me, t, k] // L)
-            if flagged:  # lane 0 waits for the row's partials (its own in expert_out are there)
+            if flagged:  # lane 0 waits for the part's partials (its own in expert_out are there)
                 if lane == 0:
                     ok = 1
+                    p = i - t * parts
                     for r in range(R):
-                        if (went >> uint64(r)) & uint64(1) and not (own and r == me):
-                            seen = shmem.wait_signal_ge(c_row_flag[r, t:t + 1], n + 1, timeout_ns)
+                        if w0 < w1 and (went >> uint64(r)) & uint64(1) and not (own and r == me):
+                            seen = shmem.wait_signal_ge(c_row_flag[r, t, p:p + 1], n + 1, timeout_ns)
                             if seen < uint64(n + 1):  # observed: the token in the high half
                                 record_error(status, ERR_TIMEOUT, KERNEL_COMBINE_WAIT, me, r, COUNTER_COMBINE_ROW_FLAG,
                                              n + 1, (int64(t) << 32) | int64(seen & uint64(0xFFFFFFFF)), n + 1)

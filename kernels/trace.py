@@ -48,7 +48,7 @@ SLOTS = {
     17: ("combine_async", "partials sent (last block)"),
     18: ("combine_async", "end (last block)"),
     20: ("combine_wait", "start"),
-    21: ("combine_wait", "signals seen (last block; large calls: none awaited, row flags)"),
+    21: ("combine_wait", "signals seen (last block; flagged calls: none awaited)"),
     22: ("combine_wait", "end (last block)"),
 }
 assert max(SLOTS) < TRACE_LEN

@@ -9,10 +9,10 @@ small batches (threshold 1) and check:
 - both layouts' combine, bit-identical to the reference and to the signalled path (threshold
   0), over calls mixing the awkward routings (a rank with no tokens, an expert with none, every
   token to one expert), three ranks included;
-- the flags: after a call, ``combine_row_flag[r, t]`` is that call's number + 1 exactly where
-  token t went to rank r (the compact layout's own rows excepted: combine_wait reads them in
-  place), and the signalled path writes none;
-- every row was claimed (``combine_wait_claims``);
+- the flags: after a call, the parts of ``combine_row_flag[r, t]`` hold that call's number + 1
+  exactly where token t went to rank r (the compact layout's own rows excepted: combine_wait
+  reads them in place), the same parts for every such row, several of them; the signalled path
+  writes none; every part was claimed (``combine_wait_claims``);
 - a peer that never sends its rows times combine_wait out naming the flag, the rank and the
   token; ranks that disagree on the threshold are refused when the runtime is built.
 """
@@ -37,7 +37,9 @@ BF16 = reference.BF16
 
 
 def base_cfg(R: int, **changes) -> EPConfig:
-    return EPConfig(n_ranks=R, n_experts=2 * R, top_k=2, hidden=16, max_tokens_per_rank=6, **changes)
+    """hidden 256: 64 words a row, so a small call's rows are cut into several parts (8 with the
+    simulator's 8-lane warps; the other parts of the 16 are empty and never flagged)."""
+    return EPConfig(n_ranks=R, n_experts=2 * R, top_k=2, hidden=256, max_tokens_per_rank=6, **changes)
 
 
 def call_inputs(cfg: EPConfig, call: int):
@@ -49,12 +51,12 @@ def layout_of(call: int) -> str:
 
 
 def compact_rows(cfg: EPConfig, xs, ids, rank: int) -> np.ndarray:
-    """The compact combine input of ``rank``: row ``s * T + t`` = bf16((rank + 2) * x_s[t])
-    where token (s, t) came here, zero elsewhere."""
+    """The compact combine input of ``rank``: row ``s * T + t`` = (rank + 2) / 3 * x_s[t] where
+    token (s, t) came here, zero elsewhere: float32 with float32 partials, else bf16 bits."""
     x, defined = reference.receive_rows(xs, ids, cfg)[rank]
-    rows = (x.astype(np.float32) * np.float32(rank + 2)).astype(BF16).view(np.uint16)
+    rows = x.astype(np.float32) * np.float32(rank + 2) / np.float32(3)
     rows[~defined] = 0
-    return rows
+    return rows if cfg.combine_dtype == "float32" else rows.astype(BF16).view(np.uint16)
 
 
 def went_to(ids: np.ndarray, cfg: EPConfig, r: int) -> np.ndarray:
@@ -63,13 +65,13 @@ def went_to(ids: np.ndarray, cfg: EPConfig, r: int) -> np.ndarray:
 
 
 # -- per-rank bodies ------------------------------------------------------------------------------
-def cycle_pe(session, R: int, flags_from: int) -> dict:
+def cycle_pe(session, R: int, flags_from: int, combine_dtype: str) -> dict:
     """CALLS round trips, compact and expanded alternating; each call's combine result, and
     the row flags and claims after it."""
     from ep_runtime.runtime import EPRuntime
 
     os.environ[ROW_FLAGS_ENV] = str(flags_from)
-    r, cfg = session.rank, base_cfg(R)
+    r, cfg = session.rank, base_cfg(R, combine_dtype=combine_dtype)
     calls = []
     with EPRuntime(cfg, session) as rt:
         for call in range(CALLS):
@@ -120,17 +122,19 @@ def disagreeing_pe(session) -> dict:
 
 
 # -- parent side ------------------------------------------------------------------------------------
-@pytest.fixture(scope="module", params=[2, 3], ids=["R2", "R3"])
+@pytest.fixture(scope="module", params=[(2, "bfloat16"), (3, "bfloat16"), (3, "float32")],
+                ids=["R2", "R3", "R3-f32"])
 def cycles(request):
-    R = request.param
-    flagged = run_pes(cycle_pe, R, args=(R, 1), timeout_s=RUN_TIMEOUT_S)
-    signalled = run_pes(cycle_pe, R, args=(R, 0), timeout_s=RUN_TIMEOUT_S)
-    return R, flagged, signalled
+    """float32 partials: the compact rows kernel (one build for both formats) cuts partial words,
+    combine_wait token words: their parts must still match."""
+    R, combine_dtype = request.param
+    flagged = run_pes(cycle_pe, R, args=(R, 1, combine_dtype), timeout_s=RUN_TIMEOUT_S)
+    signalled = run_pes(cycle_pe, R, args=(R, 0, combine_dtype), timeout_s=RUN_TIMEOUT_S)
+    return R, flagged, signalled, base_cfg(R, combine_dtype=combine_dtype)
 
 
 def test_flagged_combine_equals_the_reference_and_the_signalled_path(cycles):
-    R, flagged, signalled = cycles
-    cfg = base_cfg(R)
+    R, flagged, signalled, cfg = cycles
     for call in range(CALLS):
         xs, ids, ws = call_inputs(cfg, call)
         if layout_of(call) == "compact":
@@ -146,22 +150,25 @@ def test_flagged_combine_equals_the_reference_and_the_signalled_path(cycles):
 
 
 def test_flags_mark_exactly_the_rows_that_came_and_every_row_is_claimed(cycles):
-    R, flagged, signalled = cycles
-    cfg = base_cfg(R)
+    R, flagged, signalled, cfg = cycles
     for call in range(CALLS):
         xs, ids, ws = call_inputs(cfg, call)
         for me in range(R):
-            flags = flagged[me]["calls"][call]["flags"]  # [R, Tmax]
+            flags = flagged[me]["calls"][call]["flags"]  # [R, Tmax, parts]
             T = len(xs[me])
             for r in range(R):
                 want = went_to(ids[me], cfg, r)
                 if layout_of(call) == "compact" and r == me:
                     want[:] = False  # own partials are read in place: never sent, never flagged
-                got = flags[r, :T] == call + 1
-                np.testing.assert_array_equal(got, want, f"rank {me} call {call}: flags from rank {r}")
+                now = flags[r, :T] == call + 1  # [T, parts]
+                what = f"rank {me} call {call}: flags from rank {r}"
+                np.testing.assert_array_equal(now.any(axis=1), want, what)
+                if want.any():  # every row that came: the same parts, several of them
+                    parts = now[want]
+                    assert (parts == parts[0]).all() and parts[0].sum() > 1, (what, parts[0])
                 assert (flags[r] <= call + 1).all(), f"rank {me} call {call}: a flag ahead of the call"
             assert not signalled[me]["calls"][call]["flags"].any(), f"rank {me}: the signalled path set a flag"
-            claims = flagged[me]["calls"][call]["claims"]  # every row claimed (then one failed claim per warp)
+            claims = flagged[me]["calls"][call]["claims"]  # every part claimed (then one failed claim per warp)
             assert claims[call % 2] >= T, f"rank {me} call {call}: claims {claims.tolist()}"
     # some call must have flagged rows from a peer, or the check proves nothing
     assert any((c["flags"] > 0).any() for c in flagged[0]["calls"])

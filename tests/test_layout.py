@@ -44,11 +44,12 @@ DSV3_SYMMETRIC = {
     "combine_signal": ((2, 8), u64, 128, 1_415_580_160),
     # [R] u64 (monotonic credits, no group axis): 64 B; 1,415,580,160 + 128 -> 1,415,580,416
     "dispatch_token_credit": ((8,), u64, 64, 1_415_580_416),
-    # [R, T] u64 (monotonic row flags, no group axis): 8 * 4096 * 8 = 262,144 B; 1,415,580,416 + 64 -> 1,415,580,672
-    "combine_row_flag": ((8, 4096), u64, 262_144, 1_415_580_672),
+    # [R, T, 16] u64 (monotonic part flags, no group axis): 8 * 4096 * 16 * 8 = 4,194,304 B;
+    # 1,415,580,416 + 64 -> 1,415,580,672
+    "combine_row_flag": ((8, 4096, 16), u64, 4_194_304, 1_415_580_672),
 }
-# 1,415,580,672 + 262,144 = 1,415,842,816
-DSV3_SYMMETRIC_BYTES = 1_415_842_816
+# 1,415,580,672 + 4,194,304 = 1,419,774,976
+DSV3_SYMMETRIC_BYTES = 1_419_774_976
 
 DSV3_LOCAL = {
     # [2] i64: 16 B at 0
@@ -109,9 +110,9 @@ SMALL_SYMMETRIC = {
     # 32 B; 6144 + 8192 = 14336
     "combine_signal": ((2, 2), u64, 32, 14336),
     "dispatch_token_credit": ((2,), u64, 16, 14592),  # 14336 + 32 -> 14592
-    "combine_row_flag": ((2, 16), u64, 256, 14848),  # [R, T] u64; 14592 + 16 -> 14848
+    "combine_row_flag": ((2, 16, 16), u64, 4096, 14848),  # [R, T, 16] u64; 14592 + 16 -> 14848
 }
-SMALL_SYMMETRIC_BYTES = 15104  # 14848 + 256
+SMALL_SYMMETRIC_BYTES = 18944  # 14848 + 4096
 
 SMALL_LOCAL = {
     "dispatch_async_sync": ((2,), i64, 16, 0),
@@ -193,10 +194,10 @@ def test_totals(case):
 
 def test_dsv3_totals_in_mib():
     # [R, T, H] bf16 received tokens (one buffer: 448 MiB) and two groups of combine partials
-    # (896 MiB), plus 4 MiB of routing (ids and weights), 2 MiB of ranks, 0.25 MiB of combine row
+    # (896 MiB), plus 4 MiB of routing (ids and weights), 2 MiB of ranks, 4 MiB of combine part
     # flags and a few KiB.
     layout = BufferLayout(DSV3)
-    assert 1350.25 < layout.symmetric_bytes / MiB < 1350.26
+    assert 1354 < layout.symmetric_bytes / MiB < 1354.01
     # combine_stage 448 MiB + expert_x 3584 MiB + token_rows 1 MiB + 5 row arrays of 1 MiB
     # + the sender's 0.125 MiB of staged ranks and a few KiB.
     assert 4038 < layout.local_bytes / MiB < 4038.2
@@ -274,7 +275,7 @@ def test_describe_dsv3_figures():
     assert "448.000" in text          # dispatch_tokens (and combine_stage)
     assert "896.000" in text          # combine_partials
     assert "3584.000" in text         # expert_x
-    assert "symmetric total 1350.253 MiB" in text   # 1,415,842,816 / 2**20 = 1350.2529
+    assert "symmetric total 1354.003 MiB" in text   # 1,419,774,976 / 2**20 = 1354.0029
     assert "local total 4038.128 MiB" in text       # 4,234,284,032 / 2**20 = 4038.1280
 
 

@@ -3,7 +3,7 @@
 #   source .devcarry/setup.sh && bash tests/gpu/run_all.sh [section ...]
 # Sections (default: all, in this order): shmem ep ep_puts ep_fused ep_signalled graph graph_compact graph_rows fp8 soak
 # stream zerocopy example bench kernels stores host racecheck memcheck. graph / graph_compact: one CUDA graph, 100 replays,
-# expanded / compact layout; graph_rows: capacity 4096, so replays cross the combine row-flag threshold both ways.
+# expanded / compact layout; graph_rows: capacity 4096 (whole flagged rows at the largest replays, parts at small ones).
 # ep_signalled: ep_check with combine's row flags off (EP_RUNTIME_COMBINE_ROW_FLAGS_FROM=0: every call waits for the signal).
 # ep_puts: ep_check with the kernels sending through NVSHMEM puts (EP_RUNTIME_PEER_STORES=0);
 # ep_fused: ep_check with the expanded rows copied inside dispatch_wait at every size (EP_RUNTIME_FUSED_COPY=1);
@@ -17,7 +17,7 @@ run="mpirun -np ${EP_RANKS:-2} ${EP_MPIRUN_ARGS:-} -x PYTHONPATH -x NVSHMEM_DISA
 export NVSHMEM_DISABLE_CUDA_VMM=1  # compute-sanitizer cannot follow NVSHMEM's VMM heap mappings
 peer_stores="${EP_RUNTIME_PEER_STORES:-1}"  # the caller's choice for every section but ep_puts
 fused_copy="${EP_RUNTIME_FUSED_COPY:-auto}"  # the caller's choice for every section but ep_fused
-row_flags="${EP_RUNTIME_COMBINE_ROW_FLAGS_FROM:-2048}"  # the caller's choice for every section but ep_signalled
+row_flags="${EP_RUNTIME_COMBINE_ROW_FLAGS_FROM:-1}"  # the caller's choice for every section but ep_signalled
 sections=("$@")
 [ ${#sections[@]} -eq 0 ] && sections=(shmem ep ep_puts ep_fused ep_signalled graph graph_compact graph_rows fp8 soak stream zerocopy
                                         example bench kernels stores host racecheck memcheck)
