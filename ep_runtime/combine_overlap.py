@@ -11,8 +11,9 @@ last block's signal. Two knobs, read when a runtime is built, the same on every 
   waits for the last block's signal, the protocol before v17, kept as the reference path).
 - ``EP_RUNTIME_COMBINE_WAIT_SMS`` (default :data:`DEFAULT_WAIT_SMS`): SMs combine_async leaves
   free for combine_wait's first blocks, when the runtime's grid is the whole GPU
-  (``EPConfig.n_sms`` None) and PDL is on. With ``n_sms`` set, or without PDL, combine_async
-  keeps the whole grid (a caller who limits SMs gets no more than that at any time).
+  (``EPConfig.n_sms`` None) and PDL is on (``EP_RUNTIME_PDL``, and the session's fast launcher,
+  which sets PDL's launch attribute). With ``n_sms`` set, or without PDL, combine_async keeps
+  the whole grid (a caller who limits SMs gets no more than that at any time).
 """
 
 from __future__ import annotations

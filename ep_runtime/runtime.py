@@ -154,8 +154,9 @@ class EPRuntime:
                                 f"alike on every rank (or unset it everywhere).")
         from .kernels import pdl  # (the kernel modules are imported when first needed)
 
+        # PDL takes effect through the session's fast launcher (the path that sets its attribute)
         self._combine_grid = combine_send_grid(self._grid, whole_gpu=cfg.n_sms is None and session.backend != "sim",
-                                               pdl_on=pdl.ENABLED)
+                                               pdl_on=pdl.ENABLED and bool(getattr(session, "fast_launch", False)))
         self.copy_engine = choose_copy_engine(cfg, self.peer_stores)
         modes = session.allgather_object(self.copy_engine)
         if len(set(modes)) != 1:

@@ -14,7 +14,8 @@ small batches (threshold 1) and check:
   reads them in place), the same parts for every such row, several of them; the signalled path
   writes none; every part was claimed (``combine_wait_claims``);
 - a peer that never sends its rows times combine_wait out naming the flag, the rank and the
-  token; ranks that disagree on the threshold are refused when the runtime is built.
+  token; ranks that disagree on the threshold are refused when the runtime is built;
+- the knobs (``ep_runtime.combine_overlap``): defaults, the sender's grid, bad values refused.
 """
 
 from __future__ import annotations
@@ -185,3 +186,27 @@ def test_a_silent_peer_times_the_flagged_wait_out_naming_the_flag_and_token():
 def test_ranks_that_disagree_on_the_threshold_are_refused():
     for r, res in enumerate(run_pes(disagreeing_pe, 2, timeout_s=RUN_TIMEOUT_S)):
         assert res["error"] is not None and ROW_FLAGS_ENV in res["error"] and "[1, 2]" in res["error"], (r, res)
+
+
+def test_the_knobs_and_the_senders_grid(monkeypatch):
+    """``combine_overlap``: combine_async leaves EP_RUNTIME_COMBINE_WAIT_SMS SMs (at most half its
+    grid) to combine_wait only on the whole GPU with PDL; bad values are refused with the name."""
+    from ep_runtime.combine_overlap import (DEFAULT_ROW_FLAGS_FROM, WAIT_SMS_ENV, combine_send_grid,
+                                            row_flags_from)
+    from ep_runtime.errors import EPConfigError
+
+    monkeypatch.delenv(ROW_FLAGS_ENV, raising=False)
+    monkeypatch.delenv(WAIT_SMS_ENV, raising=False)
+    assert row_flags_from() == DEFAULT_ROW_FLAGS_FROM == 1
+    assert combine_send_grid(132, whole_gpu=True, pdl_on=True) == 108
+    assert combine_send_grid(132, whole_gpu=False, pdl_on=True) == 132  # n_sms set: the caller's limit
+    assert combine_send_grid(132, whole_gpu=True, pdl_on=False) == 132  # no early start to make room for
+    assert combine_send_grid(10, whole_gpu=True, pdl_on=True) == 5      # at least half kept
+    monkeypatch.setenv(WAIT_SMS_ENV, "0")
+    assert combine_send_grid(132, whole_gpu=True, pdl_on=True) == 132
+    monkeypatch.setenv(ROW_FLAGS_ENV, "0")
+    assert row_flags_from() == 0
+    for name, bad in ((ROW_FLAGS_ENV, "-1"), (WAIT_SMS_ENV, "many")):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(EPConfigError, match=name):
+            row_flags_from() if name == ROW_FLAGS_ENV else combine_send_grid(132, True, True)
