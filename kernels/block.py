@@ -243,16 +243,24 @@ def interleaved_item(q, all_warps, R):
 
 
 @cuda.jit(device=True)
+def most_tokens(counts):
+    """The most tokens any source dispatched this call (``counts`` [R, L + 1], the call's group
+    of ``dispatch_counts``, ``counts[s, L]`` tokens of source s: the same on every rank)."""
+    L = counts.shape[1] - 1
+    t_hi = 0
+    for s in range(counts.shape[0]):
+        t_hi = max(t_hi, counts[s, L])
+    return t_hi
+
+
+@cuda.jit(device=True)
 def interleaved_rows(counts, W, all_warps, warp):
     """How :func:`interleaved_item` deals the rows of every source: ``(parts, span, items)``,
     each row of ``W`` words cut into ``parts`` parts of ``span`` words, ``items`` flat warp
     items (R times the most tokens a source sent, times parts: items past a source's own count
     are skipped by the caller). ``counts`` [R, L + 1]: ``counts[s, L]`` tokens of source s."""
     R = counts.shape[0]
-    L = counts.shape[1] - 1
-    t_hi = 0
-    for s in range(R):
-        t_hi = max(t_hi, counts[s, L])
+    t_hi = most_tokens(counts)
     parts = row_parts(R * t_hi, W, all_warps, warp)
     return parts, part_words(W, parts, warp), R * t_hi * parts
 

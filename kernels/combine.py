@@ -20,8 +20,8 @@ from numba import float32, from_dtype, int32, int64, uint64
 from ep_runtime.kernels import pdl, shmem
 from ep_runtime.kernels.bits import bf16_bits_at, f32_bits_at, f32_to_bf16, f32_word_at, word_f32
 from ep_runtime.kernels.block import (grant_token_credits, interleaved_item, interleaved_rows, last_block_ticket,
-                                      local_expert_count, part_bounds, part_words, record_error, row_parts,
-                                      warp_geometry, warp_sync)
+                                      local_expert_count, most_tokens, part_bounds, part_words, record_error,
+                                      row_parts, warp_geometry, warp_sync)
 from ep_runtime.kernels.cuda_api import cuda, kernel_jit
 from ep_runtime.kernels.trace import stamp_first, stamp_last
 from ep_runtime.kernels.vec import (address_of, load_pair, make_pair_loops, pack_bf16x2, pack_bf16x4, pack_f32x2,
@@ -45,17 +45,6 @@ FLAG_ITEMS = 2048
 #: combine_wait modes
 MODE_REDUCE = 0      # out [T, H]: sum of the partials, epilogue, bf16
 MODE_PARTIALS = 1    # out [R, T, H]: each rank's partial (zero where the token did not go)
-
-
-@cuda.jit(device=True)
-def most_tokens(counts):
-    """The most tokens any source dispatched this call (``counts`` [R, L + 1], the call's group
-    of ``dispatch_counts``: the same on every rank)."""
-    L = counts.shape[1] - 1
-    t_hi = 0
-    for s in range(counts.shape[0]):
-        t_hi = max(t_hi, counts[s, L])
-    return t_hi
 
 
 @cuda.jit(device=True)
