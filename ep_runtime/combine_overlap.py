@@ -32,7 +32,9 @@ DEFAULT_ROW_FLAGS_FROM = 1
 DEFAULT_WAIT_SMS = 24
 
 
-def _env_int(name: str, default: int) -> int:
+def env_int(name: str, default: int) -> int:
+    """Environment variable ``name`` as an integer >= 0 (``default`` when unset or empty); raises
+    EPConfigError naming the variable for anything else."""
     text = os.environ.get(name, "").strip()
     if not text:
         return default
@@ -47,12 +49,19 @@ def _env_int(name: str, default: int) -> int:
 
 def row_flags_from() -> int:
     """The ``row_flags_from`` kernel argument (int, >= 0; 0: never flag rows)."""
-    return _env_int(ROW_FLAGS_ENV, DEFAULT_ROW_FLAGS_FROM)
+    return env_int(ROW_FLAGS_ENV, DEFAULT_ROW_FLAGS_FROM)
+
+
+def sender_grid(grid: int, whole_gpu: bool, pdl_on: bool, sms_env: str, default_sms: int) -> int:
+    """A sending kernel's grid when its receiving kernel starts early on the SMs it leaves free:
+    ``grid`` less ``sms_env`` SMs (``default_sms`` when unset) when the grid is the whole GPU and
+    PDL is on (at least half of ``grid`` kept); else ``grid``."""
+    if not (whole_gpu and pdl_on):
+        return grid
+    return max(grid - env_int(sms_env, default_sms), (grid + 1) // 2)
 
 
 def combine_send_grid(grid: int, whole_gpu: bool, pdl_on: bool) -> int:
     """combine_async's grid: ``grid`` less the SMs left to combine_wait's early blocks when the
     grid is the whole GPU and PDL is on (at least half of ``grid`` kept); else ``grid``."""
-    if not (whole_gpu and pdl_on):
-        return grid
-    return max(grid - _env_int(WAIT_SMS_ENV, DEFAULT_WAIT_SMS), (grid + 1) // 2)
+    return sender_grid(grid, whole_gpu, pdl_on, WAIT_SMS_ENV, DEFAULT_WAIT_SMS)

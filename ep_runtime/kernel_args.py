@@ -46,7 +46,7 @@ WORD_ARRAYS = frozenset({"tokens", "expert_out", "own_rows", "out", "out_partial
                          "combine_partials", "combine_stage", "expert_x"})
 #: int64 scalar arguments.
 SCALARS = ("pad_multiple", "timeout_ns", "mode", "n_experts", "allow_negative", "use_valid", "prequantized",
-           "scales_col_major", "peer_stores", "copy_rows", "copy_engine", "row_flags_from")
+           "scales_col_major", "peer_stores", "copy_rows", "copy_engine", "row_flags_from", "land")
 
 KERNEL_ARGS = {
     "validate_routing": ("topk_ids", "topk_weights", "valid_tokens", "use_valid", "n_experts",
@@ -57,14 +57,19 @@ KERNEL_ARGS = {
         "dispatch_send_ranks", "dispatch_send_counts", "status", "token_scales", "prequantized",
         "dispatch_send_stage", "dispatch_send_stage:u8", "dispatch_tokens:u8",
         "peer_bases", "peer_stores", "copy_engine", "dispatch_token_credit", "dispatch_copy_go",
-        "timeout_ns"),
+        "timeout_ns", "dispatch_route_signal", "dispatch_row_flag", "land"),
     "dispatch_signal": ("tokens", "valid_tokens", "use_valid", "dispatch_signal", "dispatch_async_sync", "status"),
     "dispatch_wait": (
         "dispatch_topk_ids", "dispatch_topk_weights", "dispatch_counts", "dispatch_ranks", "dispatch_signal",
         "dispatch_async_sync", "row_offsets", "expert_counts", "row_src_rank", "row_src_token",
         "row_src_k", "row_weight", "row_gather", "recv_tokens", "token_rows", "status", "pad_multiple",
         "timeout_ns",
-        "dispatch_tokens", "expert_x", "copy_rows", "combine_wait_claims"),
+        "dispatch_tokens", "expert_x", "copy_rows", "combine_wait_claims", "dispatch_land_sync"),
+    "dispatch_land": (
+        "dispatch_topk_ids", "dispatch_topk_weights", "dispatch_counts", "dispatch_ranks", "dispatch_route_signal",
+        "dispatch_signal", "dispatch_land_sync", "row_offsets", "expert_counts", "row_src_rank", "row_src_token",
+        "row_src_k", "row_weight", "row_gather", "recv_tokens", "token_rows", "status", "pad_multiple",
+        "timeout_ns", "dispatch_tokens", "expert_x", "dispatch_row_flag", "copy_rows", "combine_wait_claims"),
     "dispatch_copy": (
         "dispatch_tokens", "dispatch_topk_ids", "dispatch_counts", "dispatch_async_sync",
         "token_rows", "row_offsets", "expert_counts", "expert_x", "status", "dispatch_tokens:u8",

@@ -36,8 +36,11 @@ PEER_TOKENS, PEER_PARTIALS, PEER_COUNTS, PEER_IDS, PEER_WEIGHTS, PEER_RANKS = ra
 #: Flags per partial row (``combine_row_flag``): a flagged call cuts each row into at most this
 #: many parts, each flagged on arrival (docs/protocol.md, "Combine rows as they land").
 COMBINE_FLAG_PARTS = 16
+#: Flags per token row (``dispatch_row_flag``): a landing call cuts each token row into at most
+#: this many parts, each flagged on arrival (docs/protocol.md, "Dispatch rows as they land").
+DISPATCH_FLAG_PARTS = 16
 #: Trace words after the error record (``kernels/trace.py``: phase time stamps, EP_RUNTIME_TRACE=1).
-TRACE_LEN = 24
+TRACE_LEN = 32
 
 #: dispatch_signal[g, src] after call n: ``(n + 1) << SIGNAL_TOKEN_BITS | T``, src's token
 #: count in the low bits (T <= max_tokens_per_rank < 2**31), so the receiver has T with the
@@ -53,6 +56,12 @@ def dispatch_signal_value(call: int, n_tokens: int) -> int:
 # Indices into dispatch_async_sync (int64).
 SYNC_TICKET = 0   # blocks of the current launch that finished; the last block resets it to 0
 SYNC_CALLS = 1    # completed dispatch calls: call n (0-based) sets it to n + 1
+SYNC_ROUTE_TICKET = 2  # landing calls: blocks whose routing rows went out; the last resets it to 0
+
+# Indices into dispatch_land_sync (int64; docs/protocol.md, "Dispatch rows as they land").
+LAND_TICKET = 0   # blocks of the current dispatch_land that finished; the last block resets it to 0
+LAND_CALLS = 1    # receive kernels completed (dispatch_wait or dispatch_land of call n sets n + 1)
+LAND_CLAIMS = 2   # [2 + g]: items dispatch_land of a call of group g has claimed; zeroed a call ahead
 
 
 def token_word(hidden: int) -> np.dtype:
@@ -155,6 +164,7 @@ def _regions(cfg: EPConfig) -> list[Region]:
     T, C, G = cfg.max_tokens_per_rank, cfg.recv_rows_capacity, N_GROUPS
     i32, i64, u64, f32 = (np.dtype(t) for t in ("int32", "int64", "uint64", "float32"))
     DA, DW, DC, CA, CW = "dispatch_async", "dispatch_wait", "dispatch_copy", "combine_async", "combine_wait"
+    DL = "dispatch_land"
     S, Lc = True, False
     fmt = cfg.token_format
     pdt, pname = partial_dtype(cfg), partial_format_name(cfg)
@@ -187,10 +197,19 @@ def _regions(cfg: EPConfig) -> list[Region]:
         Region("combine_row_flag", (R, T, COMBINE_FLAG_PARTS), u64, 0, S, f"{CA} (peers, each part's warp)", (CW,),
                "[r, t, p]: n + 1 once part p of rank r's partial of my token t of call n has arrived (flagged "
                "calls: combine_wait reduces each part as it lands)"),
+        # landing calls (v18), at the end of the heap so no earlier region moves
+        Region("dispatch_route_signal", (G, R), u64, 0, S, f"{DA} (peers, last route ticket)", (DL,),
+               "[g, src]: (n + 1) << 32 | T once src's routing of call n (ids, weights, ranks, counts) "
+               "has arrived, before its token rows (landing calls; monotonic)"),
+        # monotonic (call numbers), no group axis, as the token rows it flags
+        Region("dispatch_row_flag", (R, T, DISPATCH_FLAG_PARTS), u64, 0, S, f"{DA} (peers, each part's warp)",
+               (DL,), "[src, t, p]: n + 1 once part p of token t of rank src of call n has arrived (landing "
+               "calls: dispatch_land copies each part as it lands)"),
         # -- local: counters of dispatch_async -----------------------------------------------------
-        Region("dispatch_async_sync", (2,), i64, 0, Lc, DA, (DA, DW, CA, CW),
+        Region("dispatch_async_sync", (3,), i64, 0, Lc, DA, (DA, DW, CA, CW),
                "[0] ticket: finished blocks of the launch (reset by the last block); "
-               "[1] calls: completed dispatch calls (call n sets n + 1)"),
+               "[1] calls: completed dispatch calls (call n sets n + 1); "
+               "[2] route ticket (landing calls): blocks whose routing rows went out (reset by the last)"),
         Region("dispatch_send_ranks", (T, K), i32, 0, Lc, DA, (DA,),
                "staging of dispatch_ranks: [t, k] rank of token t among this rank's tokens with expert "
                "topk_ids[t, k]"),
@@ -232,6 +251,12 @@ def _regions(cfg: EPConfig) -> list[Region]:
         Region("combine_wait_claims", (2,), i32, 0, Lc, f"{CW} (claims); {DW} (reset)", (CW,),
                "[g]: rows combine_wait of a call of group g has claimed (reduced as they land); "
                "dispatch_wait of call n zeroes [n % 2]"),
+        # at the ends of both heaps (v18), so no earlier region moves
+        Region("dispatch_land_sync", (4,), i64, 0, Lc, f"{DW}, {DL}", (DL,),
+               "[0] ticket: finished blocks of dispatch_land (reset by the last block); [1] receive calls: "
+               "dispatch_wait or dispatch_land of call n sets n + 1 (dispatch_land reads its call number "
+               "here, while dispatch_async still runs); [2 + g] items dispatch_land of a call of group g "
+               "claimed (the receive kernel of call n zeroes [2 + (n + 1) % 2])"),
     ]
 
 

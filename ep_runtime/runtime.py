@@ -30,6 +30,7 @@ from .shmem.session import Session
 from .status import error_from_status
 from .transfer import choose_copy_engine, peer_token_slots
 from .combine_overlap import ROW_FLAGS_ENV, combine_send_grid, row_flags_from
+from .dispatch_overlap import LAND_ENV, dispatch_send_grid, landing
 
 _owner_ids = itertools.count(1)
 
@@ -113,6 +114,11 @@ class EPRuntime:
         Whether token rows reach the peers by copy-engine copies beside dispatch_async instead
         of its warps' stores (``EP_RUNTIME_TOKEN_TRANSFER=copy_engine``, bf16 tokens on NVLink
         peers; off by default: :mod:`ep_runtime.transfer` says why).
+    dispatch_land : bool
+        Whether dispatch_wait enqueues ``dispatch_land``, which starts while dispatch_async still
+        sends, places the rows as the routing arrives and copies each row part as it lands
+        (``EP_RUNTIME_DISPATCH_LAND=1``; off by default until measured on NVLink:
+        :mod:`ep_runtime.dispatch_overlap`).
     """
 
     def __init__(self, cfg: EPConfig, session: Session, debug: bool = False):
@@ -155,21 +161,30 @@ class EPRuntime:
         from .kernels import pdl  # (the kernel modules are imported when first needed)
 
         # PDL takes effect through the session's fast launcher (the path that sets its attribute)
-        self._combine_grid = combine_send_grid(self._grid, whole_gpu=cfg.n_sms is None and session.backend != "sim",
-                                               pdl_on=pdl.ENABLED and bool(getattr(session, "fast_launch", False)))
+        whole_gpu = cfg.n_sms is None and session.backend != "sim"
+        pdl_on = pdl.ENABLED and bool(getattr(session, "fast_launch", False))
+        self._combine_grid = combine_send_grid(self._grid, whole_gpu=whole_gpu, pdl_on=pdl_on)
         self.copy_engine = choose_copy_engine(cfg, self.peer_stores)
         modes = session.allgather_object(self.copy_engine)
         if len(set(modes)) != 1:
             raise EPConfigError(f"rank {self.rank}: the token transfer differs between ranks (copy engine per rank: "
                                 f"{modes}); set EP_RUNTIME_TOKEN_TRANSFER and EP_RUNTIME_PEER_STORES alike on every "
                                 f"rank.")
+        self.dispatch_land = landing(self.copy_engine)
+        lands = session.allgather_object(self.dispatch_land)
+        if len(set(lands)) != 1:
+            raise EPConfigError(f"rank {self.rank}: {LAND_ENV} differs between ranks (landing per rank: {lands}); "
+                                f"set it alike on every rank (or unset it everywhere).")
+        self._dispatch_grid = dispatch_send_grid(self._grid, whole_gpu, pdl_on) if self.dispatch_land else 0
         self._peer_slots = peer_token_slots(session, self._sym, self.layout, self.rank) if self.copy_engine else None
         self._partial = partial_dtype(cfg)  # uint16 (bf16 bits) or float32
         self._f32_partials = self._partial == np.float32
         builds = kernel_builds(cfg, self._threads)
         self._kernels = {name: kernel for name, kernel, _ in builds}
-        for _, kernel, types in builds:  # compile now, not inside a timed wait
-            session.precompile(kernel, types)
+        unused = set() if self.dispatch_land else {"dispatch_land"}  # never launched by this runtime
+        for name, kernel, types in builds:  # compile now, not inside a timed wait
+            if name not in unused:
+                session.precompile(kernel, types)
         # stand-ins for the combine_wait arrays a call does not use (allocated once: graph-safe)
         self._no_out = session.alloc_local("unused out", (0, 0), np.uint16)
         self._no_partials = session.alloc_local("unused out_partials", (0, 0, 0), np.uint16)
@@ -186,6 +201,8 @@ class EPRuntime:
         wait_scalars = dict(pad_multiple=np.int64(cfg.pad_multiple), timeout_ns=self._timeout_ns)
         self._fixed = {}
         self._fixed["dispatch_wait"] = self._prepare("dispatch_wait", copy_rows=_INT64[0], **wait_scalars)
+        for copy in (0, 1):  # landing runtimes: places only (compact; FP8), or places and copies (bf16 expanded)
+            self._fixed["dispatch_land", copy] = self._prepare("dispatch_land", copy_rows=_INT64[copy], **wait_scalars)
         if self.fused_copy:
             self._fixed["dispatch_wait", "copy"] = self._prepare("dispatch_wait", copy_rows=_INT64[1], **wait_scalars)
         for scales in SCALE_LAYOUTS:
@@ -287,14 +304,14 @@ class EPRuntime:
         valid = self._valid_tokens(n_tokens, c)
         call = self._prepare("dispatch_async", tokens=tokens, topk_ids=topk_ids, topk_weights=topk_weights, **valid,
                              token_scales=scales, prequantized=_INT64[fp8_in], copy_engine=_INT64[self.copy_engine],
-                             timeout_ns=self._timeout_ns)
+                             timeout_ns=self._timeout_ns, land=_INT64[self.dispatch_land])
         copies, then = (), None
         if self.copy_engine:
             nbytes = tokens.nbytes  # the whole batch (capacity rows under n_tokens)
             copies = tuple((dst, tokens, nbytes) for dst in self._peer_slots if dst is not None and nbytes)
             then = self._prepare("dispatch_signal", tokens=tokens, **valid)
         return PreparedCall(call.kernel, call.args, n_tokens=T, checked=(topk_ids, topk_weights, valid),
-                            copies=copies, then=then)
+                            copies=copies, then=then, grid=self._dispatch_grid)
 
     def _valid_tokens(self, n_tokens, call) -> dict:
         """The ``valid_tokens`` / ``use_valid`` kernel arguments for ``n_tokens`` (see dispatch_async)."""
@@ -355,10 +372,15 @@ class EPRuntime:
             raise EPInputError(f"dispatch_wait: scales={scales!r}; expected one of {SCALE_LAYOUTS} (row-major "
                                f"[rows, hidden / 128] or column-major [hidden / 128, rows]).")
         if layout == "compact":
-            self._run(self._fixed["dispatch_wait"])
+            self._run(self._fixed["dispatch_land", 0] if self.dispatch_land else self._fixed["dispatch_wait"])
             self._state = _State.DISPATCHED
             return from_fields(CompactBatch, {**self._batch_views["compact"], "handle": handle})
-        if self.fused_copy:  # bf16 decode sizes: placement and copy in one launch
+        if self.dispatch_land and not self._fmt.quantized:  # placed and copied as the rows land
+            self._run(self._fixed["dispatch_land", 1])
+        elif self.dispatch_land:  # FP8: placed while the rows fly, then the codes and scales laid out
+            self._run(self._fixed["dispatch_land", 0])
+            self._run(self._fixed["dispatch_copy", scales])
+        elif self.fused_copy:  # bf16 decode sizes: placement and copy in one launch
             self._run(self._fixed["dispatch_wait", "copy"])
         else:
             self._run(self._fixed["dispatch_wait"])
@@ -711,12 +733,13 @@ def _kernels_for(threads: int, word, quantized: bool = False, ue8m0: bool = Fals
     from .kernels.validate import validate_routing
 
     word, f32_partials = np.dtype(word), bool(f32_partials)
-    da, dw, dc, ds = _built(("dispatch", threads, bool(quantized), bool(ue8m0)),
-                        lambda: make_dispatch_kernels(threads, quantized, ue8m0))
+    da, dw, dc, ds, dl = _built(("dispatch", threads, bool(quantized), bool(ue8m0)),
+                                lambda: make_dispatch_kernels(threads, quantized, ue8m0))
     ca, cw, _ = _built(("combine", threads, word, f32_partials),
                        lambda: make_combine_kernels(threads, word, f32_partials=f32_partials))
     cr = _built(("combine", threads, word, False), lambda: make_combine_kernels(threads, word))[2]
-    return {"dispatch_async": da, "dispatch_signal": ds, "dispatch_wait": dw, "dispatch_copy": dc, "combine_async": ca,
+    return {"dispatch_async": da, "dispatch_signal": ds, "dispatch_wait": dw, "dispatch_copy": dc,
+            "dispatch_land": dl, "combine_async": ca,
             "combine_async_rows": cr, "combine_wait": cw, "validate_routing": validate_routing}
 
 

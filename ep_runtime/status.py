@@ -29,9 +29,10 @@ KERNEL_DISPATCH_WAIT = 2
 KERNEL_COMBINE_ASYNC = 3
 KERNEL_COMBINE_WAIT = 4
 KERNEL_VALIDATE_ROUTING = 5
+KERNEL_DISPATCH_LAND = 6
 KERNEL_NAMES = {KERNEL_DISPATCH_ASYNC: "dispatch_async", KERNEL_DISPATCH_WAIT: "dispatch_wait",
                 KERNEL_COMBINE_ASYNC: "combine_async", KERNEL_COMBINE_WAIT: "combine_wait",
-                KERNEL_VALIDATE_ROUTING: "validate_routing"}
+                KERNEL_VALIDATE_ROUTING: "validate_routing", KERNEL_DISPATCH_LAND: "dispatch_land"}
 
 # Counter ids (status[STATUS_COUNTER]).
 COUNTER_DISPATCH_SIGNAL = 1
@@ -39,11 +40,16 @@ COUNTER_COMBINE_SIGNAL = 2
 COUNTER_RECV_ROWS = 3
 COUNTER_TOKEN_CREDIT = 4
 COUNTER_COMBINE_ROW_FLAG = 5
+COUNTER_ROUTE_SIGNAL = 6
+COUNTER_DISPATCH_ROW_FLAG = 7
 COUNTER_NAMES = {COUNTER_DISPATCH_SIGNAL: "dispatch_signal", COUNTER_COMBINE_SIGNAL: "combine_signal",
                  COUNTER_RECV_ROWS: "expert-batch rows", COUNTER_TOKEN_CREDIT: "dispatch_token_credit",
-                 COUNTER_COMBINE_ROW_FLAG: "combine_row_flag"}
+                 COUNTER_COMBINE_ROW_FLAG: "combine_row_flag", COUNTER_ROUTE_SIGNAL: "dispatch_route_signal",
+                 COUNTER_DISPATCH_ROW_FLAG: "dispatch_row_flag"}
 #: Counters without a group axis (cumulative over calls): a timeout names them without ``[g]``.
-UNGROUPED_COUNTERS = (COUNTER_TOKEN_CREDIT, COUNTER_COMBINE_ROW_FLAG)
+UNGROUPED_COUNTERS = (COUNTER_TOKEN_CREDIT, COUNTER_COMBINE_ROW_FLAG, COUNTER_DISPATCH_ROW_FLAG)
+#: Per-row flags: a timeout's observed value holds the token in its high 32 bits.
+ROW_FLAG_COUNTERS = (COUNTER_COMBINE_ROW_FLAG, COUNTER_DISPATCH_ROW_FLAG)
 
 
 def error_from_status(status: np.ndarray, timeout_s: float) -> EPError | None:
@@ -59,7 +65,7 @@ def error_from_status(status: np.ndarray, timeout_s: float) -> EPError | None:
     if code == ERR_TIMEOUT:
         group = "" if int(status[STATUS_COUNTER]) in UNGROUPED_COUNTERS else f"[{(call - 1) % 2}]"
         where = f"[{peer}]"
-        if int(status[STATUS_COUNTER]) == COUNTER_COMBINE_ROW_FLAG:  # the token: observed's high bits
+        if int(status[STATUS_COUNTER]) in ROW_FLAG_COUNTERS:  # the token: observed's high bits
             where = f"[{peer}, token {observed >> 32}]"
             observed &= 0xFFFFFFFF
         return EPTimeoutError(

@@ -17,6 +17,9 @@ with ``blockDim.x`` threads in a 1-D block.
   into, so that small batches still give every warp work (a row is ``W`` words; a warp item is
   one part of one row), and which words an item covers; ``interleaved_item``: items of R sources
   dealt so that a warp alternates between them;
+- ``flag_rule`` / ``flag_part`` / ``await_part``: rows flagged part by part as they land
+  (combine since v17, dispatch since v18): how many parts a row is cut into, by a rule every
+  rank computes alike, the sending warp's fence and flag, and the receiver's bounded wait;
 - ``local_expert_count``: how many of a token's experts live on a rank;
 - ``grant_token_credits``: one thread tells every peer that its token rows of a call may be
   written into this rank (docs/protocol.md, "Token rows: one buffer, credits").
@@ -28,6 +31,7 @@ from ep_runtime.kernels import cuda_api, shmem
 from ep_runtime.kernels.cuda_api import cuda
 from ep_runtime.layout import (STATUS_CALL, STATUS_CODE, STATUS_COUNTER, STATUS_EXPECTED, STATUS_KERNEL,
                                STATUS_OBSERVED, STATUS_PEER, STATUS_RANK)
+from ep_runtime.status import ERR_TIMEOUT
 
 
 # -- static tile scheduler (MAX's MHATileScheduler role) ------------------------------------------
@@ -281,6 +285,52 @@ def part_bounds(item, parts, span, W):
     t = item // parts
     w0 = (item - t * parts) * span
     return t, w0, min(W, w0 + span)
+
+
+#: Rows flagged as they land are cut into parts so that the senders' items number about this
+#: many (a grid's warps on an H200: 132 x 16).
+FLAG_ITEMS = 2048
+
+
+@cuda.jit(device=True)
+def flag_rule(rows, PW, max_parts, warp):
+    """``(parts, span)`` of rows of ``PW`` words flagged part by part, when ``rows`` rows are
+    sent in all: ``parts = ceil(FLAG_ITEMS / rows)`` clamped to [1, max_parts] and to the row's
+    warp-wide chunks, ``ceil(PW / warp)`` (whole rows for large batches, several parts of a row
+    for small ones, so a small call still spreads over many warps, and no part narrower than a
+    warp), each part ``span`` words (``part_words``: a multiple of ``warp``). A rule of sizes
+    every rank knows, so senders and receivers cut rows alike whatever their grids."""
+    parts = max(1, min(max_parts, (PW + warp - 1) // warp, (FLAG_ITEMS + max(rows, 1) - 1) // max(rows, 1)))
+    return parts, part_words(PW, parts, warp)
+
+
+@cuda.jit(device=True)
+def flag_part(row_flag, me, t, part, n, dests, lane):
+    """Every lane of a warp that stored its share of part ``part`` of row t into the ranks whose
+    bits are set in ``dests`` (uint64; plain stores, through the mappings or locally): fence at
+    system scope, meet, and lane 0 sets ``row_flag[me, t, part]`` on each of them to n + 1
+    (data before flag; ``row_flag`` [R, T, parts] uint64 symmetric)."""
+    cuda.threadfence_system()
+    warp_sync()
+    if lane == 0:
+        for d in range(row_flag.shape[0]):
+            if (dests >> uint64(d)) & uint64(1):
+                shmem.signal_op(row_flag[me, t, part:part + 1], uint64(n + 1), shmem.SIGNAL_SET, d)
+
+
+@cuda.jit(device=True)
+def await_part(row_flag, r, t, part, n, timeout_ns, status, kernel, counter):
+    """One thread (lane 0 of the warp that will read the part): wait until
+    ``row_flag[r, t, part] >= n + 1`` (rank r's part of row t of call n is here), bounded by
+    ``timeout_ns``; a timeout is recorded naming ``kernel``, rank r and ``counter``, with the
+    token in the high half of the observed value. Returns whether the flag was seen. The
+    caller fences before its warp reads the part."""
+    seen = shmem.wait_signal_ge(row_flag[r, t, part:part + 1], uint64(n + 1), timeout_ns)
+    if seen < uint64(n + 1):
+        record_error(status, ERR_TIMEOUT, kernel, shmem.my_pe(), r, counter, n + 1,
+                     (int64(t) << 32) | int64(seen & uint64(0xFFFFFFFF)), n + 1)
+        return False
+    return True
 
 
 @cuda.jit(device=True)

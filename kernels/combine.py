@@ -19,9 +19,9 @@ from numba import float32, from_dtype, int32, int64, uint64
 
 from ep_runtime.kernels import pdl, shmem
 from ep_runtime.kernels.bits import bf16_bits_at, f32_bits_at, f32_to_bf16, f32_word_at, word_f32
-from ep_runtime.kernels.block import (grant_token_credits, interleaved_item, interleaved_rows, last_block_ticket,
-                                      local_expert_count, most_tokens, part_bounds, part_words, record_error,
-                                      row_parts, warp_geometry, warp_sync)
+from ep_runtime.kernels.block import (await_part, flag_part, flag_rule, grant_token_credits, interleaved_item,
+                                      interleaved_rows, last_block_ticket, local_expert_count, most_tokens,
+                                      part_bounds, part_words, record_error, row_parts, warp_geometry, warp_sync)
 from ep_runtime.kernels.cuda_api import cuda, kernel_jit
 from ep_runtime.kernels.trace import stamp_first, stamp_last
 from ep_runtime.kernels.vec import (address_of, load_pair, make_pair_loops, pack_bf16x2, pack_bf16x4, pack_f32x2,
@@ -36,11 +36,6 @@ from ep_runtime.status import COUNTER_COMBINE_ROW_FLAG, COUNTER_COMBINE_SIGNAL, 
 #: partials; within each row the U loads are independent. Where rows allow it they move as
 #: word pairs (``kernels/vec.py``: one 16-byte access each for uint64 words), U / 2 pairs.
 WORDS_IN_FLIGHT = 8
-
-#: Flagged calls (docs/protocol.md, "Combine rows as they land") cut rows into parts so that the
-#: sender's items number about this many (a grid's warps on an H200: 132 x 16), at most
-#: ``COMBINE_FLAG_PARTS`` parts a row.
-FLAG_ITEMS = 2048
 
 #: combine_wait modes
 MODE_REDUCE = 0      # out [T, H]: sum of the partials, epilogue, bf16
@@ -58,26 +53,11 @@ def rows_flagged(counts, row_flags_from):
 @cuda.jit(device=True)
 def flagged_parts(counts, PW, warp):
     """``(parts, span)`` of a flagged call's partial rows of ``PW`` partial words, the same on
-    every rank whatever its grid and build: ``parts = ceil(FLAG_ITEMS / (R * most tokens))``
-    clamped to [1, FLAG_PARTS] and to the row's warp-wide chunks, ``ceil(PW / warp)`` (whole
-    rows for large batches, up to FLAG_PARTS parts of a row for small ones, so a small call still
-    spreads over many warps, and no part narrower than a warp), each part ``span`` partial words
-    (``part_words``: a multiple of ``warp``, so of P). Kernels that walk token words divide
+    every rank whatever its grid and build: :func:`~ep_runtime.kernels.block.flag_rule` for the
+    R x (most tokens) rows of the call, at most FLAG_PARTS parts a row, each part ``span``
+    partial words (a multiple of ``warp``, so of P). Kernels that walk token words divide
     ``span`` by P; combine_async_rows, one build for both partial formats, walks partial words."""
-    rows = counts.shape[0] * max(most_tokens(counts), 1)
-    parts = max(1, min(FLAG_PARTS, (PW + warp - 1) // warp, (FLAG_ITEMS + rows - 1) // rows))
-    return parts, part_words(PW, parts, warp)
-
-
-@cuda.jit(device=True)
-def flag_part(c_row_flag, me, t, part, n, s, lane):
-    """Every lane of a warp that stored its share of part ``part`` of partial row t into rank s
-    (plain stores, through the mapping or locally): fence, meet, and lane 0 sets
-    ``c_row_flag[me, t, part]`` on s to n + 1 (data before flag)."""
-    cuda.threadfence_system()
-    warp_sync()
-    if lane == 0:
-        shmem.signal_op(c_row_flag[me, t, part:part + 1], uint64(n + 1), shmem.SIGNAL_SET, s)
+    return flag_rule(counts.shape[0] * max(most_tokens(counts), 1), PW, FLAG_PARTS, warp)
 
 
 @cuda.jit(device=True)
@@ -317,7 +297,7 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
                         else:
                             shmem.put_nbi_warp(c_partials[g, me, t, pw0:pw1], stage[s, t, pw0:pw1], s)
                     elif flagged:
-                        flag_part(c_row_flag, me, t, item - t * parts, n, s, lane)
+                        flag_part(c_row_flag, me, t, item - t * parts, n, uint64(1) << uint64(s), lane)
             q += all_warps
 
         stamp_last(status, 17)
@@ -397,7 +377,7 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
                             store_pairs_at(peer_row, w, w1, lo, hi)
                             w += 2 * UP * warp
                         if flagged:
-                            flag_part(c_row_flag, me, t, item - t * parts, n, s, lane)
+                            flag_part(c_row_flag, me, t, item - t * parts, n, uint64(1) << uint64(s), lane)
                     elif flagged:
                         p = item - t * parts
                         shmem.put_signal_nbi_warp(c_partials[g, me, t, w0:w1], src[w0:w1], c_row_flag[me, t, p:p + 1],
@@ -525,10 +505,8 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
                     p = i - t * parts
                     for r in range(R):
                         if w0 < w1 and (went >> uint64(r)) & uint64(1) and not (own and r == me):
-                            seen = shmem.wait_signal_ge(c_row_flag[r, t, p:p + 1], n + 1, timeout_ns)
-                            if seen < uint64(n + 1):  # observed: the token in the high half
-                                record_error(status, ERR_TIMEOUT, KERNEL_COMBINE_WAIT, me, r, COUNTER_COMBINE_ROW_FLAG,
-                                             n + 1, (int64(t) << 32) | int64(seen & uint64(0xFFFFFFFF)), n + 1)
+                            if not await_part(c_row_flag, r, t, p, n, timeout_ns, status, KERNEL_COMBINE_WAIT,
+                                              COUNTER_COMBINE_ROW_FLAG):
                                 ok = 0
                                 break
                     claim[wid] = ok

@@ -1,5 +1,7 @@
-"""The dispatch kernels: ``dispatch_async`` (send), ``dispatch_wait`` (receive, place) and
-``dispatch_copy`` (lay the received rows out expert-major).
+"""The dispatch kernels: ``dispatch_async`` (send), ``dispatch_wait`` (receive, place),
+``dispatch_copy`` (lay the received rows out expert-major), ``dispatch_signal`` (the copy-engine
+transfer's signal) and ``dispatch_land`` (receive, place and copy while the rows land: the
+receive kernel of a landing runtime, docs/protocol.md "Dispatch rows as they land").
 
 Built by :func:`make_dispatch_kernels` for a block size (a compile-time constant: shared-memory
 scans are sized by it). Symbols as in :mod:`ep_runtime.layout`; ``g = n % 2`` is the buffer
@@ -16,17 +18,19 @@ from numba import int32, int64, uint32, uint64
 from ep_runtime.config import MAX_RANKS
 from ep_runtime.kernels import pdl, shmem
 from ep_runtime.kernels.bits import f32_bits
-from ep_runtime.kernels.block import (block_exclusive_scan, grant_token_credits, last_block_ticket,
-                                      local_expert_count, part_bounds, part_words, popc32, record_error, row_parts,
-                                      warp_exclusive_count, warp_geometry, warp_sync)
+from ep_runtime.kernels.block import (await_part, block_exclusive_scan, flag_part, flag_rule, grant_token_credits,
+                                      last_block_ticket, local_expert_count, part_bounds, part_words, popc32,
+                                      record_error, row_parts, warp_exclusive_count, warp_geometry, warp_sync)
 from ep_runtime.kernels.cuda_api import SIMULATED, cuda, kernel_jit
 from ep_runtime.kernels.token_codec import BLOCK_WORDS, CODE_WORDS, make_token_codec
 from ep_runtime.kernels.trace import stamp_first, stamp_last
 from ep_runtime.kernels.vec import address_of, load_u32_at, make_pair_loops, pairs_aligned, store_u32_at, store_u8_at
-from ep_runtime.layout import (PEER_COUNTS, PEER_IDS, PEER_RANKS, PEER_TOKENS, PEER_WEIGHTS, SIGNAL_TOKEN_BITS,
-                              STATUS_CODE, SYNC_CALLS, SYNC_TICKET)
-from ep_runtime.status import (COUNTER_DISPATCH_SIGNAL, COUNTER_RECV_ROWS, COUNTER_TOKEN_CREDIT, ERR_CAPACITY,
-                               ERR_TIMEOUT, KERNEL_DISPATCH_ASYNC, KERNEL_DISPATCH_WAIT)
+from ep_runtime.layout import (DISPATCH_FLAG_PARTS, LAND_CALLS, LAND_CLAIMS, LAND_TICKET, PEER_COUNTS, PEER_IDS,
+                              PEER_RANKS, PEER_TOKENS, PEER_WEIGHTS, SIGNAL_TOKEN_BITS, STATUS_CODE, SYNC_CALLS,
+                              SYNC_ROUTE_TICKET, SYNC_TICKET)
+from ep_runtime.status import (COUNTER_DISPATCH_ROW_FLAG, COUNTER_DISPATCH_SIGNAL, COUNTER_RECV_ROWS,
+                               COUNTER_ROUTE_SIGNAL, COUNTER_TOKEN_CREDIT, ERR_CAPACITY, ERR_TIMEOUT,
+                               KERNEL_DISPATCH_ASYNC, KERNEL_DISPATCH_LAND, KERNEL_DISPATCH_WAIT)
 
 #: Words of a row each lane loads before storing any in dispatch_copy (memory-level
 #: parallelism: 64 bytes per lane, 32 KB per 512-thread block in flight); as word pairs
@@ -47,8 +51,8 @@ RUN_BATCH = 8
 
 
 def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = False):
-    """Build ``(dispatch_async, dispatch_wait, dispatch_copy)`` for blocks of ``threads``
-    threads (a power of 2), for bf16 tokens or (``quantized``) an FP8 token format with float32
+    """Build ``(dispatch_async, dispatch_wait, dispatch_copy, dispatch_signal, dispatch_land)`` for
+    blocks of ``threads`` threads (a power of 2), for bf16 tokens or (``quantized``) an FP8 token format with float32
     or (``ue8m0``) power-of-two scales (:mod:`ep_runtime.kernels.token_codec` encodes and lays
     out the messages; the protocol below is the same for every format)."""
     warp, warps = warp_geometry(threads)
@@ -124,6 +128,82 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                 dst[w] = src[w]
 
     @cuda.jit(device=True)
+    def copy_to_rows(src, rows, n_local, expert_x, w0, w1, pairs, lane, lo, hi, vals):
+        """Every lane of one warp: words ``[w0, w1)`` of the received row ``src`` into the
+        ``n_local`` expert rows ``expert_x[rows[j]]``, each word loaded once: ``UP`` word pairs
+        per lane in flight when ``pairs`` (w0, w1 even), else ``U`` words."""
+        w = w0 + 2 * lane
+        while pairs and w < w1:
+            load_pairs(src, w, w1, lo, hi)
+            for j in range(n_local):
+                store_pairs(expert_x[rows[j]], w, w1, lo, hi)
+            w += 2 * UP * warp
+        w = w0 + lane
+        while not pairs and w < w1:
+            for u in range(U):
+                if w + u * warp < w1:
+                    vals[u] = src[w + u * warp]
+            for j in range(n_local):
+                dst = expert_x[rows[j]]
+                for u in range(U):
+                    if w + u * warp < w1:
+                        dst[w + u * warp] = vals[u]
+            w += U * warp
+
+    @cuda.jit(device=True)
+    def await_sources(d_sig, g, n, timeout_ns, status, kernel, counter, src_T, flag):
+        """Every thread of the block: thread s waits until source s's signal of call n is in
+        (``d_sig[g, s] >= (n + 1) << 32``; its low half, the source's token count, goes to
+        ``src_T[s]``, shared int32), bounded by ``timeout_ns``; a timeout is recorded naming
+        ``kernel``, the source and ``counter``. Then a system fence (what the signal published
+        is visible) and a block barrier. Returns whether every signal was seen."""
+        me = shmem.my_pe()
+        if cuda.threadIdx.x == 0:
+            flag[0] = 0
+        cuda.syncthreads()
+        want = uint64(n + 1) << uint64(SIGNAL_TOKEN_BITS)  # call n's signal, any token count
+        for s in range(cuda.threadIdx.x, d_sig.shape[1], threads):
+            seen = shmem.wait_signal_ge(d_sig[g, s:s + 1], want, timeout_ns)
+            if seen < want:
+                record_error(status, ERR_TIMEOUT, kernel, me, s, counter, n + 1,
+                             int64(seen >> uint64(SIGNAL_TOKEN_BITS)), n + 1)
+                flag[0] = 1
+            src_T[s] = int32(seen & uint64(0xFFFFFFFF))  # stale on a timeout: unused
+        cuda.threadfence_system()
+        cuda.syncthreads()
+        ok = flag[0] == 0
+        cuda.syncthreads()  # flag read by every thread before it is used again
+        return ok
+
+    @cuda.jit(device=True)
+    def write_segments(d_counts, g, pad_multiple, per, run_first, row_offsets, expert_counts, row_src_rank,
+                       row_src_token, row_src_k, row_weight, row_gather, expert_x, zero_padding, lane):
+        """A warp per local expert, from the grid's last block down (the first blocks place the
+        rows): its offset and count, and its padding rows (source -1, weight 0; their data
+        zeroed here when ``zero_padding``, else by dispatch_copy)."""
+        L = d_counts.shape[2] - 1
+        W = expert_x.shape[1]
+        e = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * warps + cuda.threadIdx.x // warp
+        while e < L:
+            base = expert_first_row(d_counts, g, e, pad_multiple, per, run_first)
+            count = expert_rows(d_counts, g, e)
+            end = base + padded(count, pad_multiple)
+            for r in range(base + count + lane, end, warp):
+                row_src_rank[r] = -1
+                row_src_token[r] = -1
+                row_src_k[r] = -1
+                row_weight[r] = 0.0
+                row_gather[r] = -1
+            if zero_padding:
+                for r in range(base + count, end):
+                    for w in range(lane, W, warp):
+                        expert_x[r, w] = 0
+            if lane == 0:
+                row_offsets[e] = base
+                expert_counts[e] = count
+            e += cuda.gridDim.x * warps
+
+    @cuda.jit(device=True)
     def send_prequantized(codes, scales8, b0, b1, PB, peer_bases, sent, slot, lane, lo, hi):
         """Every lane of one warp: the caller's E4M3 code words of blocks ``[b0, b1)`` (``codes``:
         the token's row of uint64 words, 16-byte aligned) and their scale bytes (``scales8``:
@@ -154,6 +234,26 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         row_weight[r] = w
         row_gather[r] = s * Tmax + t
         token_rows[s, t, j] = r
+
+    @cuda.jit(device=True)
+    def row_of(d_ids, d_counts, d_ranks, g, s, t, k, first_mine, pad_multiple, per, run_first):
+        """``(r, j)``: the batch row of received (source s, token t, slot k) and the rank of its
+        expert among the token's local experts (ascending), or ``(-1, -1)`` when the expert is
+        not local. r = the expert's first row (:func:`scan_expert_rows` done) + its rows from
+        earlier sources + the rank the source gave the token (docs/protocol.md, "Placement")."""
+        L = d_counts.shape[2] - 1
+        x = d_ids[g, s, t, k]
+        e = x - first_mine
+        if e < 0 or e >= L:
+            return int32(-1), int32(-1)
+        r = int32(expert_first_row(d_counts, g, e, pad_multiple, per, run_first) + source_rows(d_counts, g, s, e)
+                  + d_ranks[g, s, t, k])
+        j = int32(0)
+        for k2 in range(d_ids.shape[3]):
+            x2 = d_ids[g, s, t, k2]
+            if x2 >= first_mine and x2 < x:
+                j += 1
+        return r, j
 
     @cuda.jit(device=True)
     def copy_warp_hits(hit, r, t, below, hits, src_rows, expert_x, W, pairs, hit_row, hit_token, lane, lo, hi):
@@ -204,6 +304,21 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
             store_u32_at(ranks_src, j, uint32(warp_rows[m] + popc32(masks[m] & lanes_below)))
 
     @cuda.jit(device=True)
+    def publish_route(sync, flag, d_route, g, me, n, T, R, status):
+        """Every thread of a block of dispatch_async in a landing call, once, when the block's
+        share of the routing (routing rows; ranks and counts) is out: the route ticket
+        (``last_block_ticket``: fence, quiet, ticket); the block that takes the last sets
+        ``d_route[g, me]`` on every rank to ``(n + 1) << 32 | T`` and resets the ticket."""
+        if last_block_ticket(sync[SYNC_ROUTE_TICKET:SYNC_ROUTE_TICKET + 1], flag):
+            signal = (uint64(n + 1) << uint64(SIGNAL_TOKEN_BITS)) | uint64(T)  # layout.dispatch_signal_value
+            for d in range(cuda.threadIdx.x, R, threads):
+                shmem.signal_op(d_route[g, me:me + 1], signal, shmem.SIGNAL_SET, d)
+            if cuda.threadIdx.x == 0:
+                sync[SYNC_ROUTE_TICKET] = 0
+            stamp_last(status, 29)
+        cuda.syncthreads()  # flag read by every thread before the next ticket reuses it
+
+    @cuda.jit(device=True)
     def await_credits(d_credit, n, status, timeout_ns):
         """One thread: wait until every peer granted call ``n`` its token rows (``d_credit[d]
         >= n + 1``; ``grant_token_credits``), bounded by ``timeout_ns``; a timeout is recorded
@@ -236,7 +351,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                        d_tokens, d_ids, d_weights, d_counts, d_ranks, d_signal,
                        sync, send_ranks, send_counts, status,
                        token_scales, prequantized, stage64, stage8, d_tokens8, peer_bases, peer_stores,
-                       copy_engine, d_credit, copy_go, timeout_ns):
+                       copy_engine, d_credit, copy_go, timeout_ns, d_route, d_row_flag, land):
         """Send this rank's tokens, once per destination rank, and signal each destination.
 
         tokens [Tc, W] words, topk_ids [Tc, K] int32, topk_weights [Tc, K] float32: this rank's
@@ -302,6 +417,20 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         into the peers' regions and (3) is one ``signal_op`` per rank; otherwise NVSHMEM block
         puts (ranks and counts from the staging), and (3) one ``put_signal`` per rank carrying
         its counts row.
+
+        land (int64) nonzero: a landing call (docs/protocol.md, "Dispatch rows as they land";
+        not with the copy engine). Each block, once its share of the routing is out (a token
+        block after (1a), the routing block after (2); on the puts path the routing block puts
+        the counts rows first), fences, quiets and takes the route ticket
+        (``sync[SYNC_ROUTE_TICKET]``); the last sets d_route [G, R] uint64 (symmetric,
+        ``dispatch_route_signal``) ``[g, me]`` on every rank to ``(n + 1) << 32 | T``, before the
+        token rows are all out, so the receiver's dispatch_land places rows while they fly. With
+        bf16 tokens each row is cut into the parts of ``flag_rule(T, W, DISPATCH_FLAG_PARTS)``
+        (every receiver cuts alike from T) and each part, once stored into a rank, is flagged
+        there (d_row_flag [R, Tmax, DISPATCH_FLAG_PARTS] uint64 symmetric, ``[me, t, p]`` set to
+        n + 1 after a system fence; on the puts path ``put_signal_nbi_warp``). The ticket and
+        the signal of (3) are unchanged. This kernel triggers its dependents after its own
+        dependency wait, so a dispatch_land started early finds everything before it complete.
         """
         flag = cuda.shared.array(1, int32)
         masks = cuda.shared.array(RANK_WORDS, uint32)  # (2): [warp, expert] lanes with the expert
@@ -310,8 +439,8 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         lo = cuda.local.array(UP, uint64)
         hi = cuda.local.array(UP, uint64)
         run_l = cuda.local.array(RUN_BATCH, uint32)  # (2): ranks loaded before they are stored
-        pdl.trigger_dependents()
         pdl.dependency_wait()  # nothing stream-ordered is read before this (kernels/pdl.py)
+        pdl.trigger_dependents()  # after the wait: a dispatch_land started now finds all before this complete
         if status[STATUS_CODE] != 0:
             if copy_engine != 0 and cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
                 copy_go[0] = uint32(1)  # releases the copies (they write rows no one will read)
@@ -339,6 +468,8 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         token_blocks = max(cuda.gridDim.x - 1, 1)
         routing_block = cuda.blockIdx.x == cuda.gridDim.x - 1
         meta_stores = peer_stores != 0  # routing rows, ranks, counts: 4-byte stores into peers
+        route = land != 0  # landing call: the routing is signalled on its own (route ticket)
+        flag_rows = route and not QUANT  # ... and the bf16 rows part by part
 
         # (1a) routing rows (ids, weights) to every rank, spread over the token blocks
         if cuda.blockIdx.x < token_blocks:
@@ -362,6 +493,8 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                         shmem.put_nbi_block(d_ids[g, me, t0:t1], topk_ids[t0:t1], d)
                         shmem.put_nbi_block(d_weights[g, me, t0:t1], topk_weights[t0:t1], d)
         stamp_last(status, 4)
+        if route and cuda.blockIdx.x < token_blocks and not routing_block:
+            publish_route(sync, flag, d_route, g, me, n, T, R, status)  # this block's share of the routing is out
 
         # every peer's credit of call n before any token row goes to it (the copy engine's
         # block 0 waited above; a block without token rows, or with only its own, need not)
@@ -425,6 +558,8 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
             T_parts = T
         parts = row_parts(T_parts, W, all_warps, warp)
         span = part_words(W, parts, warp)
+        if flag_rows:  # the receivers cut rows alike from T (dispatch_land)
+            parts, span = flag_rule(T_parts, W, DISPATCH_FLAG_PARTS, warp)
         direct = (peer_stores != 0 and tokens.itemsize == 8 and W % 2 == 0 and pairs_aligned(tokens)
                   and pairs_aligned(d_tokens))
         lane = tid % warp
@@ -437,7 +572,11 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                     d = topk_ids[t, k] // L
                     if (sent >> uint64(d)) & uint64(1) == uint64(0) and (by_engine >> uint64(d)) & uint64(1) == 0:
                         sent |= uint64(1) << uint64(d)
-                        if not direct:
+                        if not direct and flag_rows:  # the part's flag travels with it
+                            p = i - t * parts
+                            shmem.put_signal_nbi_warp(d_tokens[me, t, w0:w1], tokens[t, w0:w1],
+                                                      d_row_flag[me, t, p:p + 1], uint64(n + 1), shmem.SIGNAL_SET, d)
+                        elif not direct:
                             shmem.put_nbi_warp(d_tokens[me, t, w0:w1], tokens[t, w0:w1], d)
                 if direct:  # UP word pairs per lane loaded once, stored to every destination
                     src = tokens[t]
@@ -449,6 +588,8 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                             if (sent >> uint64(d)) & uint64(1):
                                 store_pairs_at(peer_bases[PEER_TOKENS, d] + slot, w, w1, lo, hi)
                         w += 2 * UP * warp
+                    if flag_rows:  # the part is in every destination: flag it there
+                        flag_part(d_row_flag, me, t, i - t * parts, n, sent, lane)
             i += all_warps
 
         stamp_last(status, 1)
@@ -517,6 +658,11 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
             elif T > 0:
                 for d in range(R):
                     shmem.put_nbi_block(d_ranks[g, me, 0:T], send_ranks[0:T], d)
+            if route:
+                if not meta_stores:  # the counts rows before the route signal (the ticket's quiet)
+                    for d in range(R):
+                        shmem.put_nbi_block(d_counts[g, me], send_counts[d], d)
+                publish_route(sync, flag, d_route, g, me, n, T, R, status)
         stamp_last(status, 2)
 
         # (3) the last block signals every rank (with its counts row, on the puts path), then
@@ -568,7 +714,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
     def dispatch_wait(d_ids, d_weights, d_counts, d_ranks, d_signal, sync,
                       row_offsets, expert_counts, row_src_rank, row_src_token, row_src_k,
                       row_weight, row_gather, recv_tokens, token_rows, status, pad_multiple, timeout_ns,
-                      d_tokens, expert_x, copy_rows, combine_claims):
+                      d_tokens, expert_x, copy_rows, combine_claims, land_sync):
         """Wait for every source rank, then place every received (token, local expert) pair.
 
         Symmetric inputs as in dispatch_async (group g of the last call): d_counts [G, R, L + 1]
@@ -587,7 +733,9 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         follows (a row is read once per local expert instead of once: the token-major
         dispatch_copy stays the better choice for large batches). combine_claims (int32 [2],
         ``combine_wait_claims``): block 0 zeroes ``[n % 2]`` for this call's combine_wait (its
-        last user, combine_wait of call n - 2, has completed).
+        last user, combine_wait of call n - 2, has completed). land_sync (int64 [4],
+        ``dispatch_land_sync``): ``[LAND_CALLS]`` set to n + 1 and the next call's claims zeroed,
+        as dispatch_land does (so the two receive kernels may follow each other).
 
         Every block waits for all R signals itself (each carries its source's token count),
         scans the local experts' padded row counts (a thread per run of experts, one block scan:
@@ -606,7 +754,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         run_first = cuda.shared.array(threads, int64)
         hit_row = cuda.shared.array(threads, int32)  # fused copy: each warp's hits of one step
         hit_token = cuda.shared.array(threads, int32)
-        src_items = cuda.shared.array(MAX_RANKS, int32)  # (token, k) pairs each source sent this call
+        src_items = cuda.shared.array(MAX_RANKS, int32)  # T, then (token, k) pairs, each source sent this call
         lo = cuda.local.array(UP, uint64)
         hi = cuda.local.array(UP, uint64)
         pdl.trigger_dependents()
@@ -626,28 +774,20 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         g = n % 2
         if cuda.blockIdx.x == 0 and tid == 0:
             combine_claims[g] = 0  # rows this call's combine_wait claims (flagged rows)
+            land_sync[LAND_CALLS] = n + 1  # receive kernels done, for a dispatch_land of the next call
+            land_sync[LAND_CLAIMS + 1 - g] = 0  # its claims (their last user, call n - 1, has completed)
 
-        # wait for every source rank's signal (thread s waits for rank s)
-        if tid == 0:
-            flag[0] = 0
-        cuda.syncthreads()
-        want = uint64(n + 1) << uint64(SIGNAL_TOKEN_BITS)  # call n's signal, any token count
-        for s in range(tid, R, threads):
-            seen = shmem.wait_signal_ge(d_signal[g, s:s + 1], want, timeout_ns)
-            if seen < want:
-                record_error(status, ERR_TIMEOUT, KERNEL_DISPATCH_WAIT, me, s, COUNTER_DISPATCH_SIGNAL,
-                             n + 1, int64(seen >> uint64(SIGNAL_TOKEN_BITS)), n + 1)
-                flag[0] = 1
-            src_items[s] = int32(seen & uint64(0xFFFFFFFF)) * K  # T of source s, with its signal (stale on a timeout: unused)
-        cuda.threadfence_system()
-        cuda.syncthreads()
-        if flag[0] != 0:
+        # wait for every source rank's signal (thread s waits for rank s; each carries its T)
+        if not await_sources(d_signal, g, n, timeout_ns, status, KERNEL_DISPATCH_WAIT, COUNTER_DISPATCH_SIGNAL,
+                             src_items, flag):
             return
         stamp_first(status, 15)
         stamp_last(status, 9)
-        if cuda.blockIdx.x == 0:
-            for s in range(tid, R, threads):
-                recv_tokens[s] = src_items[s] // K
+        for s in range(tid, R, threads):
+            if cuda.blockIdx.x == 0:
+                recv_tokens[s] = src_items[s]
+            src_items[s] *= K  # (token, k) pairs of source s
+        cuda.syncthreads()
 
         # every expert's first row and the total (padded): every block scans them itself
         per = (L + threads - 1) // threads  # local experts per thread
@@ -667,28 +807,9 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         W = expert_x.shape[1]
         pairs = W % 2 == 0 and d_tokens.shape[2] % 2 == 0 and pairs_aligned(d_tokens) and pairs_aligned(expert_x)
 
-        # (a) a warp per local expert, from the grid's last block down (the first blocks place
-        # the rows): offset, count, padding rows (source -1, weight 0; their data zeroed by
-        # dispatch_copy, or here when copying)
-        e = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * warps + tid // warp
-        while e < L:
-            base = expert_first_row(d_counts, g, e, pad_multiple, per, run_first)
-            count = expert_rows(d_counts, g, e)
-            end = base + padded(count, pad_multiple)
-            for r in range(base + count + lane, end, warp):
-                row_src_rank[r] = -1
-                row_src_token[r] = -1
-                row_src_k[r] = -1
-                row_weight[r] = 0.0
-                row_gather[r] = -1
-            if copy:
-                for r in range(base + count, end):
-                    for w in range(lane, W, warp):
-                        expert_x[r, w] = 0
-            if lane == 0:
-                row_offsets[e] = base
-                expert_counts[e] = count
-            e += all_warps
+        # (a) a warp per local expert: offset, count, padding rows
+        write_segments(d_counts, g, pad_multiple, per, run_first, row_offsets, expert_counts, row_src_rank,
+                       row_src_token, row_src_k, row_weight, row_gather, expert_x, copy, lane)
         stamp_last(status, 10)
 
         # (b) a thread per received (source, token, k), a warp per 32 consecutive pairs of one
@@ -710,17 +831,9 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
             hit = False
             r = int32(0)
             if p < src_items[s]:
-                x = d_ids[g, s, t, k]
-                e = x - first_mine
-                if e >= 0 and e < L:
+                r, j = row_of(d_ids, d_counts, d_ranks, g, s, t, k, first_mine, pad_multiple, per, run_first)
+                if r >= 0:
                     hit = True
-                    r = int32(expert_first_row(d_counts, g, e, pad_multiple, per, run_first)
-                              + source_rows(d_counts, g, s, e) + d_ranks[g, s, t, k])
-                    j = 0  # rank of the expert among the token's local experts (ascending)
-                    for k2 in range(K):
-                        x2 = d_ids[g, s, t, k2]
-                        if x2 >= first_mine and x2 < x:
-                            j += 1
                     describe_row(r, s, t, k, j, Tmax, d_weights[g, s, t, k], row_src_rank, row_src_token,
                                  row_src_k, row_weight, row_gather, token_rows)
             if copy:  # the step's hits
@@ -729,6 +842,187 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                                lane, lo, hi)
             i += all_warps
         stamp_last(status, 11)
+
+    @cuda.jit(device=True)
+    def land_rows(d_ids, d_weights, d_counts, d_ranks, d_route, d_signal, land_sync, row_offsets, expert_counts,
+                  row_src_rank, row_src_token, row_src_k, row_weight, row_gather, recv_tokens, token_rows, status,
+                  pad_multiple, timeout_ns, d_tokens, expert_x, d_row_flag, copy_rows, combine_claims,
+                  flag, sum_buf, run_first, src_T, claim, lo, hi, vals):
+        """dispatch_land's work, every thread of a block (the kernel waits for its predecessor after
+        it, whatever path returns). Arguments as the kernel's; the rest is scratch (shared:
+        flag [1], sum_buf / run_first [threads], src_T [MAX_RANKS], claim [warps]; local: lo, hi,
+        vals)."""
+        if status[STATUS_CODE] != 0:
+            return
+        stamp_first(status, 24)
+        me = shmem.my_pe()
+        R = d_counts.shape[1]
+        L = d_counts.shape[2] - 1
+        Tmax = d_ids.shape[2]
+        K = d_ids.shape[3]
+        C = row_src_rank.shape[0]
+        tid = cuda.threadIdx.x
+        lane = tid % warp
+        wid = tid // warp
+        # the receive kernel of the previous call completed before dispatch_async of this one
+        # started, and that kernel starts this one only after its own dependency wait
+        n = land_sync[LAND_CALLS]
+        g = n % 2
+        if cuda.blockIdx.x == 0 and tid == 0:
+            combine_claims[g] = 0  # rows this call's combine_wait claims (its last user, call n - 2, is done)
+            land_sync[LAND_CLAIMS + 1 - g] = 0  # the next call's claims (their last user, call n - 1, is done)
+
+        # every source's routing (thread s waits for rank s; the signal carries its T)
+        if not await_sources(d_route, g, n, timeout_ns, status, KERNEL_DISPATCH_LAND, COUNTER_ROUTE_SIGNAL,
+                             src_T, flag):
+            return
+        stamp_last(status, 25)
+        if cuda.blockIdx.x == 0:
+            for s in range(tid, R, threads):
+                recv_tokens[s] = src_T[s]
+        per = (L + threads - 1) // threads  # local experts per thread
+        total = scan_expert_rows(d_counts, g, pad_multiple, per, run_first, sum_buf)
+        if total > C:
+            if cuda.blockIdx.x == 0 and tid == 0:
+                record_error(status, ERR_CAPACITY, KERNEL_DISPATCH_LAND, me, -1, COUNTER_RECV_ROWS, C, total, n + 1)
+            return
+        if cuda.blockIdx.x == 0 and tid == 0:
+            row_offsets[L] = total
+        copy = copy_rows != 0 and not QUANT
+        W = expert_x.shape[1]
+        pairs = W % 2 == 0 and d_tokens.shape[2] % 2 == 0 and pairs_aligned(d_tokens) and pairs_aligned(expert_x)
+        write_segments(d_counts, g, pad_multiple, per, run_first, row_offsets, expert_counts, row_src_rank,
+                       row_src_token, row_src_k, row_weight, row_gather, expert_x, copy, lane)
+        stamp_last(status, 26)
+
+        # items (token t, source s, part p), token-major so the sources' rows, landing together,
+        # are taken together; claimed one at a time, so blocks that start late take what is left
+        P = 1  # the most parts of any source's rows (the senders' rule, from each T)
+        T_hi = 0
+        for s in range(R):
+            T_hi = max(T_hi, src_T[s])
+            if copy:
+                P = max(P, flag_rule(src_T[s], W, DISPATCH_FLAG_PARTS, warp)[0])
+        items = T_hi * R * P
+        first_mine = me * L
+        while True:
+            if lane == 0:
+                c = int64(items)
+                if status[STATUS_CODE] == 0:
+                    c = cuda.atomic.add(land_sync, LAND_CLAIMS + g, int64(1))
+                claim[wid] = int32(min(c, int64(items)))
+            warp_sync()
+            i = claim[wid]
+            warp_sync()  # read by every lane before lane 0 writes it again
+            if i >= items:
+                break
+            t = i // (R * P)
+            s = (i - t * R * P) // P
+            p = i - t * R * P - s * P
+            parts = 1
+            span = W
+            if copy:
+                parts, span = flag_rule(src_T[s], W, DISPATCH_FLAG_PARTS, warp)
+            if t >= src_T[s] or p >= parts:
+                continue
+            t, w0, w1 = part_bounds(t * parts + p, parts, span, W)
+            n_local = local_expert_count(d_ids[g, s, t], L, me)
+            if n_local == 0 or w0 >= w1:
+                continue  # nothing of this token here (never flagged), or an empty part
+            if copy:  # lane 0 waits for the part
+                if lane == 0:
+                    claim[wid] = int32(await_part(d_row_flag, s, t, p, n, timeout_ns, status, KERNEL_DISPATCH_LAND,
+                                                  COUNTER_DISPATCH_ROW_FLAG))
+                    cuda.threadfence_system()
+                warp_sync()
+                ok = claim[wid]
+                warp_sync()
+                if ok == 0:
+                    break
+            # the token's rows (every part's warp writes the same token_rows); descriptions once
+            for k in range(lane, K, warp):
+                r, j = row_of(d_ids, d_counts, d_ranks, g, s, t, k, first_mine, pad_multiple, per, run_first)
+                if r >= 0:
+                    if p == 0:
+                        describe_row(r, s, t, k, j, Tmax, d_weights[g, s, t, k], row_src_rank, row_src_token,
+                                     row_src_k, row_weight, row_gather, token_rows)
+                    else:
+                        token_rows[s, t, j] = r
+            warp_sync()  # the warp's token_rows stores are seen by its lanes
+            if copy:
+                copy_to_rows(d_tokens[s, t], token_rows[s, t], n_local, expert_x, w0, w1, pairs, lane, lo, hi, vals)
+        # every warp is out of the loop (one whose flag timed out left it, the others then claimed
+        # nothing more): the block decides together whether to go on
+        if tid == 0:
+            flag[0] = int32(status[STATUS_CODE] != 0)
+        cuda.syncthreads()
+        failed = flag[0] != 0
+        cuda.syncthreads()  # flag read by every thread before it is used again
+        if failed:
+            return
+        stamp_last(status, 27)
+        if not copy:  # the rows stay where they land (compact; FP8: dispatch_copy follows): all of them in
+            if cuda.blockIdx.x == 0:
+                if not await_sources(d_signal, g, n, timeout_ns, status, KERNEL_DISPATCH_LAND,
+                                     COUNTER_DISPATCH_SIGNAL, src_T, flag):
+                    return
+        # the last block advances the receive count (the next call's dispatch_land reads it)
+        if last_block_ticket(land_sync[LAND_TICKET:LAND_TICKET + 1], flag):
+            if tid == 0:
+                land_sync[LAND_CALLS] = n + 1
+                land_sync[LAND_TICKET] = 0
+        stamp_last(status, 28)
+
+    @kernel_jit(threads)
+    def dispatch_land(d_ids, d_weights, d_counts, d_ranks, d_route, d_signal, land_sync,
+                      row_offsets, expert_counts, row_src_rank, row_src_token, row_src_k,
+                      row_weight, row_gather, recv_tokens, token_rows, status, pad_multiple, timeout_ns,
+                      d_tokens, expert_x, d_row_flag, copy_rows, combine_claims):
+        """dispatch_wait for landing calls: place every received row while the rows are still in
+        flight, and (bf16, expanded) copy each part of each row to its expert rows as it lands
+        (docs/protocol.md, "Dispatch rows as they land").
+
+        Launched right after dispatch_async with PDL, its blocks start on the SMs dispatch_async
+        leaves free (``EP_RUNTIME_DISPATCH_LAND_SMS``) while that kernel still sends; the rest
+        start as its blocks exit. It reads nothing of this call before the peers' signals: its
+        call number is ``land_sync[LAND_CALLS]`` (int64 [4], ``dispatch_land_sync``; the previous
+        call's receive kernel set it, and combine_wait_claims / the claims it zeroes were last
+        used by kernels that have completed).
+
+        Every block waits for each source's route signal (d_route [G, R] uint64,
+        ``dispatch_route_signal``: ``(n + 1) << 32 | T`` once its ids, weights, ranks and counts
+        are here), scans the local experts' offsets and checks the capacity as dispatch_wait
+        does, and a warp per local expert writes its segment. Then each warp claims items
+        (``land_sync[LAND_CLAIMS + g]``, an atomic counter): (token t, source s, part p),
+        token-major, the parts being the senders' (``flag_rule`` from s's T; one per row
+        unless copy_rows). For a token with an expert here, it computes the rows of its local
+        experts (the formula of dispatch_wait), writes their descriptions (part 0) and
+        token_rows, and with copy_rows (int64; bf16 builds: the expanded layout in one kernel)
+        lane 0 first waits for the part's flag (d_row_flag [R, Tmax, DISPATCH_FLAG_PARTS]
+        uint64, ``[s, t, p] >= n + 1``) and the warp copies the part to every expert row, each
+        word read once. Without copy_rows the rows stay where they landed (the compact layout;
+        FP8 expanded, dispatch_copy follows) and block 0 waits for every source's dispatch
+        signal (all of its rows in) before the kernel ends. The last block (ticket
+        ``land_sync[LAND_TICKET]``) sets ``land_sync[LAND_CALLS] = n + 1``. Finally every block
+        waits for dispatch_async to complete (``dependency_wait``), so stream order holds for
+        what follows. Outputs and their values are dispatch_wait's (and dispatch_copy's),
+        bit for bit. A timeout names the route signal or the part's flag (rank and token); more
+        rows than C records a capacity error and writes nothing.
+        """
+        flag = cuda.shared.array(1, int32)
+        sum_buf = cuda.shared.array(threads, int64)
+        run_first = cuda.shared.array(threads, int64)
+        src_T = cuda.shared.array(MAX_RANKS, int32)
+        claim = cuda.shared.array(warps, int32)  # each warp's claimed item, then its flag's verdict
+        lo = cuda.local.array(UP, uint64)
+        hi = cuda.local.array(UP, uint64)
+        vals = cuda.local.array(U, uint64)
+        pdl.trigger_dependents()
+        land_rows(d_ids, d_weights, d_counts, d_ranks, d_route, d_signal, land_sync, row_offsets, expert_counts,
+                  row_src_rank, row_src_token, row_src_k, row_weight, row_gather, recv_tokens, token_rows, status,
+                  pad_multiple, timeout_ns, d_tokens, expert_x, d_row_flag, copy_rows, combine_claims,
+                  flag, sum_buf, run_first, src_T, claim, lo, hi, vals)
+        pdl.dependency_wait()  # completes after dispatch_async: stream order for what follows
 
     @kernel_jit(threads)
     def dispatch_copy(d_tokens, d_ids, d_counts, sync, token_rows, row_offsets, expert_counts,
@@ -781,24 +1075,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
             while i < T_s * parts:
                 t, w0, w1 = part_bounds(i, parts, span, W)
                 n_local = local_expert_count(d_ids[g, s, t], L, me)
-                src = d_tokens[s, t]
-                w = w0 + 2 * lane
-                while pairs and w < w1:  # UP pairs per lane loaded before any is stored (w0, w1 even)
-                    load_pairs(src, w, w1, lo, hi)
-                    for j in range(n_local):
-                        store_pairs(expert_x[token_rows[s, t, j]], w, w1, lo, hi)
-                    w += 2 * UP * warp
-                w = w0 + lane
-                while not pairs and w < w1:  # U words per lane loaded before any is stored
-                    for u in range(U):
-                        if w + u * warp < w1:
-                            vals[u] = src[w + u * warp]
-                    for j in range(n_local):
-                        dst = expert_x[token_rows[s, t, j]]
-                        for u in range(U):
-                            if w + u * warp < w1:
-                                dst[w + u * warp] = vals[u]
-                    w += U * warp
+                copy_to_rows(d_tokens[s, t], token_rows[s, t], n_local, expert_x, w0, w1, pairs, lane, lo, hi, vals)
                 if QUANT and w0 == 0:
                     for j in range(n_local):
                         store_scales(d_tokens8[s, t], W * 8, SBYTES, expert_scales8, token_rows[s, t, j], C,
@@ -818,4 +1095,4 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
     # each waits for its predecessor on the device first: launchable with PDL (dispatch_signal
     # follows a join with the side stream, a full dependency: launched without PDL)
     return (pdl.programmatic(dispatch_async), pdl.programmatic(dispatch_wait), pdl.programmatic(dispatch_copy),
-            dispatch_signal)
+            dispatch_signal, pdl.programmatic(dispatch_land))

@@ -50,6 +50,12 @@ SLOTS = {
     20: ("combine_wait", "start"),
     21: ("combine_wait", "signals seen (last block; flagged calls: none awaited)"),
     22: ("combine_wait", "end (last block)"),
+    29: ("dispatch_async", "routing signalled (landing calls; last route ticket)"),
+    24: ("dispatch_land", "start"),
+    25: ("dispatch_land", "routing seen (last block)"),
+    26: ("dispatch_land", "segments written (last block)"),
+    27: ("dispatch_land", "rows placed and landed (last block)"),
+    28: ("dispatch_land", "end (last block)"),
 }
 assert max(SLOTS) < TRACE_LEN
 

@@ -197,7 +197,8 @@ def test_smoke_run_on_the_simulator(tmp_path):
             assert res["traffic"]["tokens"] == res["config"]["max_tokens_per_rank"]
             assert res["mode"] == "eager" and res["layout"] == "expanded"
             # the runtime's choices are recorded
-            assert res["paths"] == {"fused_copy": True, "peer_stores": True, "copy_engine": False}, res["paths"]
+            assert res["paths"] == {"fused_copy": True, "peer_stores": True, "copy_engine": False,
+                                    "dispatch_land": False}, res["paths"]
     assert data["args"]["mode"] == ["eager"]
 
 

@@ -104,7 +104,8 @@ def test_every_ep_kernel_fits_its_block_size(gate_runs):
     _, report, _ = gate_runs["positive"]
     limit = max_registers_for(GPU_THREADS)
     ep = [r for r in report["results"] if r["name"].split(" ")[0] in
-          ("dispatch_async", "dispatch_wait", "dispatch_copy", "combine_async", "combine_async_rows", "combine_wait")]
+          ("dispatch_async", "dispatch_wait", "dispatch_copy", "dispatch_land", "combine_async", "combine_async_rows",
+           "combine_wait")]
     assert len(ep) >= 8, [r["name"] for r in report["results"]]
     for r in ep:
         assert r["max_registers"] == limit, r

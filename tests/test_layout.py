@@ -47,13 +47,17 @@ DSV3_SYMMETRIC = {
     # [R, T, 16] u64 (monotonic part flags, no group axis): 8 * 4096 * 16 * 8 = 4,194,304 B;
     # 1,415,580,416 + 64 -> 1,415,580,672
     "combine_row_flag": ((8, 4096, 16), u64, 4_194_304, 1_415_580_672),
+    # [G, R] u64 (landing calls' routing signals): 128 B; 1,415,580,672 + 4,194,304 = 1,419,774,976
+    "dispatch_route_signal": ((2, 8), u64, 128, 1_419_774_976),
+    # [R, T, 16] u64 (monotonic token-part flags): 4,194,304 B; 1,419,774,976 + 128 -> 1,419,775,232
+    "dispatch_row_flag": ((8, 4096, 16), u64, 4_194_304, 1_419_775_232),
 }
-# 1,415,580,672 + 4,194,304 = 1,419,774,976
-DSV3_SYMMETRIC_BYTES = 1_419_774_976
+# 1,419,775,232 + 4,194,304 = 1,423,969,536
+DSV3_SYMMETRIC_BYTES = 1_423_969_536
 
 DSV3_LOCAL = {
-    # [2] i64: 16 B at 0
-    "dispatch_async_sync": ((2,), i64, 16, 0),
+    # [3] i64: 24 B at 0
+    "dispatch_async_sync": ((3,), i64, 24, 0),
     # [T, K] i32: 4096 * 8 * 4 = 131,072 B; 16 -> 256
     "dispatch_send_ranks": ((4096, 8), i32, 131_072, 256),
     # [R, L + 1] i32: 8 * 33 * 4 = 1056 B; 256 + 131,072 = 131,328
@@ -80,17 +84,19 @@ DSV3_LOCAL = {
     "row_weight": ((262144,), f32, 1_048_576, 4_232_186_112),
     # [C] i32 (compact gather index); + 1,048,576 = 4,233,234,688
     "row_gather": ((262144,), i32, 1_048_576, 4_233_234_688),
-    # [32] i64: 256 B; + 1,048,576 = 4,234,283,264
-    "status": ((32,), i64, 256, 4_234_283_264),  # 8 error words + TRACE_LEN trace words
-    # [1] u32: 4 B; 4,234,283,264 + 256 = 4,234,283,520
-    "dispatch_copy_go": ((1,), np.dtype(np.uint32), 4, 4_234_283_520),
-    # [R] i32: 32 B; 4,234,283,520 + 4 -> round up to 256 = 4,234,283,776
-    "recv_tokens": ((8,), i32, 32, 4_234_283_776),
-    # [2] i32: 8 B; 4,234,283,776 + 32 -> round up to 256 = 4,234,284,032
-    "combine_wait_claims": ((2,), i32, 8, 4_234_284_032),
+    # [40] i64: 320 B; + 1,048,576 = 4,234,283,264
+    "status": ((40,), i64, 320, 4_234_283_264),  # 8 error words + TRACE_LEN (32) trace words
+    # [1] u32: 4 B; 4,234,283,264 + 320 -> round up to 256 = 4,234,283,776
+    "dispatch_copy_go": ((1,), np.dtype(np.uint32), 4, 4_234_283_776),
+    # [R] i32: 32 B; 4,234,283,776 + 4 -> round up to 256 = 4,234,284,032
+    "recv_tokens": ((8,), i32, 32, 4_234_284_032),
+    # [2] i32: 8 B; 4,234,284,032 + 32 -> round up to 256 = 4,234,284,288
+    "combine_wait_claims": ((2,), i32, 8, 4_234_284_288),
+    # [4] i64: 32 B; 4,234,284,288 + 8 -> round up to 256 = 4,234,284,544
+    "dispatch_land_sync": ((4,), i64, 32, 4_234_284_544),
 }
-# 4,234,284,032 + 8 -> round up to 256 = 4,234,284,288
-DSV3_LOCAL_BYTES = 4_234_284_288
+# 4,234,284,544 + 32 -> round up to 256 = 4,234,284,800
+DSV3_LOCAL_BYTES = 4_234_284_800
 
 SMALL_SYMMETRIC = {
     # [R, T, H] u16: 2 * 16 * 64 * 2 = 4096 B at 0
@@ -111,11 +117,13 @@ SMALL_SYMMETRIC = {
     "combine_signal": ((2, 2), u64, 32, 14336),
     "dispatch_token_credit": ((2,), u64, 16, 14592),  # 14336 + 32 -> 14592
     "combine_row_flag": ((2, 16, 16), u64, 4096, 14848),  # [R, T, 16] u64; 14592 + 16 -> 14848
+    "dispatch_route_signal": ((2, 2), u64, 32, 18944),  # [G, R] u64; 14848 + 4096 = 18944
+    "dispatch_row_flag": ((2, 16, 16), u64, 4096, 19200),  # [R, T, 16] u64; 18944 + 32 -> 19200
 }
-SMALL_SYMMETRIC_BYTES = 18944  # 14848 + 4096
+SMALL_SYMMETRIC_BYTES = 23296  # 19200 + 4096
 
 SMALL_LOCAL = {
-    "dispatch_async_sync": ((2,), i64, 16, 0),
+    "dispatch_async_sync": ((3,), i64, 24, 0),
     # [T, K] i32: 16 * 2 * 4 = 128 B; 16 -> 256
     "dispatch_send_ranks": ((16, 2), i32, 128, 256),
     # [R, L + 1] i32: 2 * 5 * 4 = 40 B; 256 + 128 = 384 -> 512
@@ -142,13 +150,14 @@ SMALL_LOCAL = {
     "row_weight": ((50,), f32, 200, 13056),
     # [C] i32 (compact gather index); 13056 + 200 -> 13312
     "row_gather": ((50,), i32, 200, 13312),
-    # [8] i64: 64 B; 13312 + 200 -> 13568
-    "status": ((32,), i64, 256, 13568),
-    "dispatch_copy_go": ((1,), np.dtype(np.uint32), 4, 13824),  # 13568 + 256 -> 13824
-    "recv_tokens": ((2,), i32, 8, 14080),  # 13824 + 4 -> 14080
-    "combine_wait_claims": ((2,), i32, 8, 14336),  # 14080 + 8 -> 14336
+    # [40] i64: 320 B; 13312 + 200 -> 13568
+    "status": ((40,), i64, 320, 13568),
+    "dispatch_copy_go": ((1,), np.dtype(np.uint32), 4, 14080),  # 13568 + 320 -> 14080
+    "recv_tokens": ((2,), i32, 8, 14336),  # 14080 + 4 -> 14336
+    "combine_wait_claims": ((2,), i32, 8, 14592),  # 14336 + 8 -> 14592
+    "dispatch_land_sync": ((4,), i64, 32, 14848),  # 14592 + 8 -> 14848
 }
-SMALL_LOCAL_BYTES = 14592  # 14336 + 8 -> 14592
+SMALL_LOCAL_BYTES = 15104  # 14848 + 32 -> 15104
 
 CASES = {
     "dsv3": (DSV3, DSV3_SYMMETRIC, DSV3_SYMMETRIC_BYTES, DSV3_LOCAL, DSV3_LOCAL_BYTES),
@@ -195,9 +204,9 @@ def test_totals(case):
 def test_dsv3_totals_in_mib():
     # [R, T, H] bf16 received tokens (one buffer: 448 MiB) and two groups of combine partials
     # (896 MiB), plus 4 MiB of routing (ids and weights), 2 MiB of ranks, 4 MiB of combine part
-    # flags and a few KiB.
+    # flags, 4 MiB of token part flags and a few KiB.
     layout = BufferLayout(DSV3)
-    assert 1354 < layout.symmetric_bytes / MiB < 1354.01
+    assert 1358 < layout.symmetric_bytes / MiB < 1358.01
     # combine_stage 448 MiB + expert_x 3584 MiB + token_rows 1 MiB + 5 row arrays of 1 MiB
     # + the sender's 0.125 MiB of staged ranks and a few KiB.
     assert 4038 < layout.local_bytes / MiB < 4038.2
@@ -224,8 +233,8 @@ def test_symmetric_regions_have_leading_group_dimension(case):
         if r.name == "dispatch_token_credit":  # monotonic over calls by design: [R], no group axis
             assert r.shape == (layout.cfg.n_ranks,), r.shape
             continue
-        if r.name in ("dispatch_tokens", "combine_row_flag"):  # [R, T, ...], no group axis: one buffer
-            # guarded by the credits; row flags monotonic over calls (call numbers)
+        if r.name in ("dispatch_tokens", "combine_row_flag", "dispatch_row_flag"):  # [R, T, ...], no group axis:
+            # one buffer guarded by the credits; row flags monotonic over calls (call numbers)
             assert r.shape[:2] == (layout.cfg.n_ranks, layout.cfg.max_tokens_per_rank), r.shape
             continue
         assert r.shape[0] == 2, f"{r.name} {r.shape}: no leading group dimension 2"
@@ -275,8 +284,8 @@ def test_describe_dsv3_figures():
     assert "448.000" in text          # dispatch_tokens (and combine_stage)
     assert "896.000" in text          # combine_partials
     assert "3584.000" in text         # expert_x
-    assert "symmetric total 1354.003 MiB" in text   # 1,419,774,976 / 2**20 = 1354.0029
-    assert "local total 4038.128 MiB" in text       # 4,234,284,032 / 2**20 = 4038.1280
+    assert "symmetric total 1358.003 MiB" in text   # 1,423,969,536 / 2**20 = 1358.0032
+    assert "local total 4038.129 MiB" in text       # 4,234,284,800 / 2**20 = 4038.1287
 
 
 def test_region_unknown_name_raises_key_error():

@@ -39,7 +39,8 @@ def test_the_ep_kernels_are_marked_and_others_are_not(monkeypatch):
     from ep_runtime.kernels.dispatch import make_dispatch_kernels
     import numpy as np
 
-    *kernels, dispatch_signal = make_dispatch_kernels(8)
+    dispatch_async, dispatch_wait, dispatch_copy, dispatch_signal, dispatch_land = make_dispatch_kernels(8)
+    kernels = [dispatch_async, dispatch_wait, dispatch_copy, dispatch_land]
     kernels += list(make_combine_kernels(8, np.uint64))
     # dispatch_signal follows the join with the copy stream (an event wait): never with PDL
     assert not pdl.is_programmatic(dispatch_signal)
@@ -58,20 +59,37 @@ def test_the_ep_kernels_are_marked_and_others_are_not(monkeypatch):
 def test_every_ep_kernel_waits_before_its_first_status_read():
     """The wait must come before anything stream-ordered is read: in the kernels' source every
     ``status[STATUS_CODE]`` check (each kernel's first load) follows a dependency_wait. The
-    dispatch kernels trigger their dependents first; the combine_async kernels after their
-    wait (combine_wait may then start early: docs/protocol.md, "Combine rows as they land");
-    combine_wait skips its first wait only in a call with flagged rows, and then waits before
-    it exits."""
+    receiving dispatch kernels trigger their dependents first; dispatch_async and the
+    combine_async kernels after their wait (the receiver may then start early: docs/protocol.md,
+    "Dispatch rows as they land", "Combine rows as they land"); dispatch_land never waits
+    first (its work reads only what the previous calls completed and what peers signal) and
+    waits before it exits; combine_wait skips its first wait only in a call with flagged rows,
+    and then waits before it exits."""
     import inspect
 
     from ep_runtime.kernels import combine, dispatch
 
     lines = inspect.getsource(dispatch).splitlines()
     checks = [i for i, ln in enumerate(lines) if "if status[STATUS_CODE] != 0:" in ln]
-    assert len(checks) == 4
-    for i in checks:
-        assert "pdl.dependency_wait()" in lines[i - 1], f"dispatch line {i + 1}"
-        assert "pdl.trigger_dependents()" in lines[i - 2], f"dispatch line {i + 1}"
+    assert len(checks) == 5
+    kernel_of = {i: next(ln for ln in reversed(lines[:i]) if ln.strip().startswith("def ")).split("(")[0].split()[-1]
+                 for i in checks}
+    assert sorted(kernel_of.values()) == sorted(["dispatch_async", "dispatch_signal", "dispatch_wait", "land_rows",
+                                                 "dispatch_copy"]), kernel_of
+    for i, name in kernel_of.items():
+        if name == "dispatch_async":
+            assert "pdl.trigger_dependents()" in lines[i - 1], f"dispatch line {i + 1}"
+            assert "pdl.dependency_wait()" in lines[i - 2], f"dispatch line {i + 1}"
+        elif name == "land_rows":  # dispatch_land's body: no wait before it, one after it
+            start = next(j for j, ln in enumerate(lines) if ln.strip().startswith("def dispatch_land("))
+            end = next(j for j in range(start, len(lines)) if lines[j].strip().startswith("land_rows("))
+            body = [ln.strip() for ln in lines[start:end]]
+            assert "pdl.trigger_dependents()" in body and "pdl.dependency_wait()" not in body
+            nxt = next(ln.strip() for ln in lines[end + 1:] if ln.strip().startswith(("pdl.", "return", "if ", "for ")))
+            assert nxt.startswith("pdl.dependency_wait()"), nxt
+        else:
+            assert "pdl.dependency_wait()" in lines[i - 1], f"dispatch line {i + 1}"
+            assert "pdl.trigger_dependents()" in lines[i - 2], f"dispatch line {i + 1}"
 
     lines = inspect.getsource(combine).splitlines()
     checks = [i for i, ln in enumerate(lines) if "if status[STATUS_CODE] != 0:" in ln]

@@ -89,10 +89,12 @@ def test_plans_every_kernel_of_every_format_once():
     jobs = plan(7168, TOKEN_DTYPES, COMBINE_DTYPES)
     labels = [j[0] for j in jobs]
     assert len(labels) == len(set(labels))
-    # 7 bf16 kernels, float32 partials' combine pair, and each FP8 format's 3 dispatch kernels
-    assert len(labels) == 8 + 2 + 4 + 4, labels
+    # 9 bf16 kernels (with the routing check), float32 partials' combine pair, and each FP8 format's
+    # 5 dispatch kernels
+    assert len(labels) == 9 + 2 + 5 + 5, labels
     for fmt in ("fp8_e4m3", "fp8_e4m3_ue8m0"):
-        assert {f"{k} ({fmt})" for k in ("dispatch_async", "dispatch_signal", "dispatch_wait", "dispatch_copy")} <= set(labels)
+        assert {f"{k} ({fmt})" for k in ("dispatch_async", "dispatch_signal", "dispatch_wait", "dispatch_copy",
+                                         "dispatch_land")} <= set(labels)
     assert {"combine_async (bfloat16, float32 partials)", "combine_wait (bfloat16, float32 partials)"} <= set(labels)
 
 

@@ -1,8 +1,9 @@
 """Phase time stamps (``kernels/trace.py``, ``EP_RUNTIME_TRACE=1``) on the simulator: the real
 kernels, one process per rank.
 
-With the switch on, every traced point of a round trip is stamped, each kernel's points come
-after its start, and the kernels come in stream order; the results stay exact (tracing writes
+With the switch on, every traced point of a round trip is stamped (the landing runtime's too,
+``EP_RUNTIME_DISPATCH_LAND=1``), each kernel's points come after its start, and the kernels come
+in stream order; the results stay exact (tracing writes
 only the trace words). With it off (the default), the trace words stay zero.
 """
 
@@ -31,6 +32,7 @@ def trace_pe(session) -> dict:
     out = {"trace_on": TRACE}
     with EPRuntime(cfg, session) as rt:
         out["fused_copy"] = rt.fused_copy
+        out["land"] = rt.dispatch_land
         status = rt.buffers["status"]
         for layout in ("expanded", "compact"):
             status[STATUS_LEN:] = 0
@@ -41,11 +43,12 @@ def trace_pe(session) -> dict:
     return out
 
 
-@pytest.fixture(scope="module", params=["on", "off", "on_separate_copy"])
+@pytest.fixture(scope="module", params=["on", "off", "on_separate_copy", "on_land"])
 def traced(request):
     with pytest.MonkeyPatch.context() as mp:  # the PEs are spawned with this environment
         mp.setenv("EP_RUNTIME_TRACE", "0" if request.param == "off" else "1")
         mp.setenv("EP_RUNTIME_FUSED_COPY", "0" if request.param == "on_separate_copy" else "auto")
+        mp.setenv("EP_RUNTIME_DISPATCH_LAND", "1" if request.param == "on_land" else "0")
         return request.param.partition("_")[0], run_pes(trace_pe, CFG["n_ranks"], timeout_s=240)
 
 
@@ -80,8 +83,9 @@ def test_stamps_are_written_in_order_only_when_on(traced):
             if mode == "off":
                 assert not st.any(), f"{layout}: trace words written with tracing off"
                 continue
-            copy_kernel = layout == "expanded" and not res["fused_copy"]
-            kernels = ["dispatch_async", "dispatch_wait"] + (["dispatch_copy"] if copy_kernel else [])
+            copy_kernel = layout == "expanded" and not res["fused_copy"] and not res["land"]
+            kernels = ["dispatch_async", "dispatch_land" if res["land"] else "dispatch_wait"]
+            kernels += ["dispatch_copy"] if copy_kernel else []
             starts = []
             for k in kernels:
                 points = slots_of(k)
@@ -91,8 +95,13 @@ def test_stamps_are_written_in_order_only_when_on(traced):
                     if "copy engine" in point:  # this runtime stores the rows: never stamped
                         assert st[slot] == 0, f"{layout}: {k} '{point}' stamped without the copy engine"
                         continue
+                    if "landing calls" in point and not res["land"]:
+                        assert st[slot] == 0, f"{layout}: {k} '{point}' stamped in a call that does not land"
+                        continue
                     assert st[slot] >= start, f"{layout}: {k} '{point}' ({st[slot]}) before its start ({start})"
                 starts.append(start)
             assert starts == sorted(starts), f"{layout}: kernels out of stream order {starts}"
             if not copy_kernel:
                 assert st[slots_of("dispatch_copy")["start"]] == 0, f"{layout}: dispatch_copy ran"
+            other = "dispatch_wait" if res["land"] else "dispatch_land"
+            assert st[slots_of(other)["start"]] == 0, f"{layout}: {other} ran"

@@ -36,7 +36,8 @@ layout's combine input is then float32. The table marks it ``/f32`` after the to
 
 Results print as a table (rank 0; ``mode`` and ``layout`` columns) and, with ``--json FILE``, as JSON with
 the configuration, mode, the runtime's choices for it (``paths``: ``EPRuntime.fused_copy``,
-``peer_stores``), git sha, devices and versions; ``--plot FILE.png`` draws time
+``peer_stores``, ``copy_engine``, ``dispatch_land``: the environment's knobs, e.g.
+``EP_RUNTIME_DISPATCH_LAND=1``, are read when the runtime is built), git sha, devices and versions; ``--plot FILE.png`` draws time
 against tokens (matplotlib).
 """
 

@@ -204,7 +204,8 @@ def main() -> int:
     all_fail = comm.gather(failures, root=0)
     if me == 0:
         print(f"init {t_init:.2f} s, runtime build (kernels compiled) {t_build:.2f} s; token transfer: "
-              f"{'copy engine' if rt.copy_engine else 'stores'}")
+              f"{'copy engine' if rt.copy_engine else 'stores'}; dispatch_wait kernel: "
+              f"{'dispatch_land (rows as they land)' if rt.dispatch_land else 'dispatch_wait'}")
         for f in sum(all_fail, []):
             print("FAIL:", f)
         print(f"{'rank':>4} {'T':>5} {'rows':>6} {'combine exact':>13} {'max err':>8} {'b2b same':>8} "

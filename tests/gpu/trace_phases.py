@@ -82,7 +82,7 @@ def main() -> int:
     session.close()
     if session.rank != 0:
         return 0
-    kernels = ["dispatch_async", "dispatch_wait", "dispatch_copy", "combine_async", "combine_wait"]
+    kernels = ["dispatch_async", "dispatch_wait", "dispatch_land", "dispatch_copy", "combine_async", "combine_wait"]
     start = {k: next(s for s, (kk, p) in SLOTS.items() if kk == k and p == "start") for k in kernels}
     print(f"{R} rank(s), hidden {args.hidden}, top-{args.top_k} of {args.experts}, {args.token_dtype}; "
           f"us from each kernel's start, median of {args.samples}")
@@ -103,6 +103,11 @@ def main() -> int:
                 print(f"  {k:16} {point:28} {np.median((st[:, slot] - st[:, s0]) / 1e3):6.1f}")
                 last = np.maximum(last, st[:, slot])
             prev_end = last
+        if (st[:, start["dispatch_land"]] > 0).all():  # it overlaps dispatch_async: its points on that clock too
+            for slot, (kk, point) in SLOTS.items():
+                if kk == "dispatch_land" and (st[:, slot] > 0).all():
+                    t = np.median((st[:, slot] - st[:, start["dispatch_async"]]) / 1e3)
+                    print(f"  {kk:16} {point:28} {t:6.1f} from dispatch_async's start")
     return 0
 
 

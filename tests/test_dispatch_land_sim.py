@@ -1,0 +1,373 @@
+"""Dispatch rows as they land (docs/protocol.md, "Dispatch rows as they land"), on the simulator:
+the real kernels, one process per rank.
+
+With ``EP_RUNTIME_DISPATCH_LAND=1`` dispatch_async signals each rank's routing on its own
+(``dispatch_route_signal``) and flags every part of every bf16 token row on arrival
+(``dispatch_row_flag``), and dispatch_wait enqueues ``dispatch_land``, which places the rows
+once the routing is in and copies each part once its flag is set. The simulator runs a rank's
+kernels in stream order (no early start; the ranks' processes run concurrently, so a kernel may
+still wait for a peer), so these tests check the protocol's data and bookkeeping:
+
+- both layouts' batches (every field) and the combine after them, bit-identical to the reference
+  and to the dispatch_wait path, over calls mixing the awkward routings (a rank with no tokens,
+  an expert with none, every token to one expert), at 2 and 3 ranks, on peer stores and on puts,
+  with the token count from a device scalar (as a CUDA graph passes it), top-k 1, padding, and
+  rows cut into several parts;
+- the flags: after call c, ``dispatch_row_flag[s, t, p]`` holds c + 1 exactly where token t of
+  rank s came to this rank, for the parts the senders' rule gives (several at hidden 256), and
+  nowhere else; the route signals carry each source's call and token count; the receive count
+  and the claims advance;
+- FP8 (E4M3) tokens: dispatch_land places, dispatch_copy lays out codes and scales, exact;
+- a rank that never dispatches times dispatch_land out naming ``dispatch_route_signal`` and the
+  rank; too many rows is a capacity error; ranks that disagree are refused; the knobs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from ep_runtime import reference
+from ep_runtime.config import EPConfig
+from ep_runtime.dispatch_overlap import LAND_ENV
+from ep_runtime.layout import dispatch_signal_value, token_word
+from ep_runtime.shmem.launch import run_pes
+from ep_runtime.testing import expert_outputs, make_inputs
+
+RUN_TIMEOUT_S = 300
+SCENARIOS = ("random", "zero_rank", "empty_expert", "one_expert")
+CALLS = 6
+FIELDS = ("x", "row_offsets", "expert_counts", "src_rank", "src_token", "src_k", "weight")
+
+
+def base_cfg(R: int, **changes) -> EPConfig:
+    """hidden 256: 64 uint64 words a row, so a call of 6 tokens cuts rows into 8 parts of an
+    8-lane simulated warp's 8 words (the senders' rule; the other 8 of the 16 are never used)."""
+    return EPConfig(**{**dict(n_ranks=R, n_experts=2 * R, top_k=2, hidden=256, max_tokens_per_rank=6), **changes})
+
+
+def layout_of(call: int) -> str:
+    return "expanded" if call % 3 != 1 else "compact"
+
+
+def call_counts(cfg: EPConfig, call: int):
+    """Token counts per rank: full, then varying (one rank with none every fourth call)."""
+    if call == 0:
+        return None
+    return [(call + 2 * r) % (cfg.max_tokens_per_rank + 1) for r in range(cfg.n_ranks)]
+
+
+def call_inputs(cfg: EPConfig, call: int):
+    return make_inputs(cfg, SCENARIOS[call % len(SCENARIOS)], 900 + call, call_counts(cfg, call))
+
+
+# -- per-rank bodies ------------------------------------------------------------------------------
+def cycle_pe(session, land: str, cfg: EPConfig, device_count: bool) -> dict:
+    """CALLS round trips on one runtime (layouts mixed): each call's batch, combine output, and
+    the landing bookkeeping after it. ``device_count``: the inputs are capacity-sized and the
+    token count is a device scalar (``n_tokens``), as a captured CUDA graph passes it."""
+    from ep_runtime.runtime import EPRuntime
+
+    os.environ[LAND_ENV] = land
+    r = session.rank
+    calls = []
+    with EPRuntime(cfg, session) as rt:
+        assert rt.dispatch_land == (land == "1")
+        for call in range(CALLS):
+            xs, ids, ws = call_inputs(cfg, call)
+            layout = layout_of(call)
+            x, i, w, n_tokens = xs[r].view(np.uint16), ids[r], ws[r], None
+            if device_count:
+                T, n = cfg.max_tokens_per_rank, len(x)
+                x = np.vstack([x, np.full((T - n, cfg.hidden), 0x7FC0, np.uint16)])  # NaN rows past n
+                i = np.vstack([i, np.zeros((T - n, cfg.top_k), np.int32) + np.arange(cfg.top_k, dtype=np.int32)])
+                w = np.vstack([w, np.ones((T - n, cfg.top_k), np.float32)])
+                n_tokens = session.to_device(np.array([n], np.int32))
+            batch = rt.dispatch_wait(rt.dispatch_async(x, i, w, n_tokens=n_tokens), layout=layout)
+            got = {k: session.to_host(getattr(batch, k)).copy() for k in FIELDS}
+            if layout == "compact":
+                got["gather"] = session.to_host(batch.gather).copy()
+                got["recv_tokens"] = session.to_host(batch.recv_tokens).copy()
+            refs = reference.dispatch(xs, ids, ws, cfg)
+            y = expert_outputs(cfg, refs[r], r)  # a gathering GEMM writes expanded-order outputs
+            got["out"] = session.to_host(rt.combine(y, batch.handle)).copy()[:len(xs[r])]
+            session.barrier()  # every rank done with this call: no peer's next call writes here yet
+            for name in ("dispatch_row_flag", "dispatch_route_signal", "dispatch_land_sync"):
+                got[name] = session.to_host(rt.buffers[name]).copy()
+            session.barrier()
+            calls.append(got)
+    return {"calls": calls}
+
+
+def fp8_pe(session, land: str) -> dict:
+    """E4M3 tokens quantized in dispatch_async, both layouts (column-major scales too)."""
+    from ep_runtime.runtime import EPRuntime
+
+    os.environ[LAND_ENV] = land
+    r, cfg = session.rank, fp8_cfg()
+    out = []
+    with EPRuntime(cfg, session) as rt:
+        for call, (layout, scales) in enumerate((("expanded", "row"), ("compact", "row"), ("expanded", "column"))):
+            xs, ids, ws = make_inputs(cfg, SCENARIOS[call], 950 + call)
+            batch = rt.dispatch_wait(rt.dispatch_async(xs[r].view(np.uint16), ids[r], ws[r]), layout=layout,
+                                     scales=scales)
+            out.append({k: session.to_host(getattr(batch, k)).copy() for k in FIELDS + ("scales",)})
+            rt.synchronize()
+    return {"calls": out}
+
+
+def fp8_cfg() -> EPConfig:
+    return EPConfig(n_ranks=2, n_experts=4, top_k=2, hidden=256, max_tokens_per_rank=5, token_dtype="fp8_e4m3")
+
+
+def silent_peer_pe(session) -> dict:
+    """One round trip on both ranks (so rank 1's combine grants call 1 its token credits), then
+    rank 1 skips its second dispatch: rank 0's dispatch_land of call 1 times out."""
+    from ep_runtime.errors import EPTimeoutError
+    from ep_runtime.runtime import EPRuntime
+
+    os.environ[LAND_ENV] = "1"
+    r, cfg = session.rank, base_cfg(2, wait_timeout_s=1.0)
+    xs, ids, ws = make_inputs(cfg, "random", 31)
+    res = {"error": None}
+    with EPRuntime(cfg, session) as rt:
+        batch = rt.dispatch(xs[r].view(np.uint16), ids[r], ws[r])
+        rt.combine(expert_outputs(cfg, reference.dispatch(xs, ids, ws, cfg)[r], r), batch.handle)
+        if r == 0:
+            try:
+                rt.dispatch(xs[r].view(np.uint16), ids[r], ws[r])
+            except EPTimeoutError as exc:
+                res["error"] = str(exc)
+        session.barrier()
+    return res
+
+
+def lost_flags_pe(session) -> dict:
+    """Call 1 sent by both ranks, then rank 0 erases the part flags rank 1 set in it (a fault
+    injected by the host, as if they were lost) before its dispatch_land: that must wait for
+    them, and time out naming the flag, the rank and a token, instead of copying the rows."""
+    from ep_runtime.errors import EPTimeoutError
+    from ep_runtime.runtime import EPRuntime
+
+    os.environ[LAND_ENV] = "1"
+    r, cfg = session.rank, base_cfg(2, wait_timeout_s=1.0)
+    xs, ids, ws = make_inputs(cfg, "one_expert", 33, n_tokens=[6, 6])  # every token to rank 0
+    res = {"error": None}
+    with EPRuntime(cfg, session) as rt:
+        batch = rt.dispatch(xs[r].view(np.uint16), ids[r], ws[r])
+        rt.combine(expert_outputs(cfg, reference.dispatch(xs, ids, ws, cfg)[r], r), batch.handle)
+        handle = rt.dispatch_async(xs[r].view(np.uint16), ids[r], ws[r])
+        session.barrier()  # both ranks' call 1 sent
+        if r == 0:
+            session.fill(rt.buffers["dispatch_row_flag"][1], 0)
+            try:
+                rt.dispatch_wait(handle)
+            except EPTimeoutError as exc:
+                res["error"] = str(exc)
+        else:
+            rt.dispatch_wait(handle)
+        session.barrier()
+    return res
+
+
+def capacity_pe(session) -> dict:
+    """Every token to the same two experts, a batch capacity below what arrives there."""
+    from ep_runtime.errors import EPCapacityError
+    from ep_runtime.runtime import EPRuntime
+
+    os.environ[LAND_ENV] = "1"
+    r, cfg = session.rank, base_cfg(2, max_recv_rows=4)
+    xs, ids, ws = make_inputs(cfg, "one_expert", 32, n_tokens=[6, 6])
+    res = {"error": None}
+    with EPRuntime(cfg, session) as rt:
+        try:
+            rt.dispatch(xs[r].view(np.uint16), ids[r], ws[r])
+        except EPCapacityError as exc:
+            res["error"] = str(exc)
+        session.barrier()
+    return res
+
+
+def disagreeing_pe(session) -> dict:
+    from ep_runtime.errors import EPConfigError
+    from ep_runtime.runtime import EPRuntime
+
+    os.environ[LAND_ENV] = str(session.rank)
+    try:
+        EPRuntime(base_cfg(2), session).close()
+    except EPConfigError as exc:
+        return {"error": str(exc)}
+    return {"error": None}
+
+
+# -- parent side ------------------------------------------------------------------------------------
+CYCLE_CASES = {
+    "R2": (2, {}, "1", False),
+    "R3": (3, {}, "1", False),
+    "R2-puts": (2, {}, "0", False),
+    "R2-device-count": (2, {}, "1", True),
+    "R3-top1-pad4": (3, {"top_k": 1, "pad_multiple": 4}, "1", False),
+    "R2-hidden5": (2, {"hidden": 5}, "1", False),  # uint16 words: no word pairs, one part a row
+}
+
+
+@pytest.fixture(scope="module", params=list(CYCLE_CASES))
+def cycles(request):
+    R, changes, peer_stores, device_count = CYCLE_CASES[request.param]
+    cfg = base_cfg(R, **changes)
+    with pytest.MonkeyPatch.context() as mp:  # the PEs are spawned with this environment
+        mp.setenv("EP_RUNTIME_PEER_STORES", peer_stores)
+        landed = run_pes(cycle_pe, R, args=("1", cfg, device_count), timeout_s=RUN_TIMEOUT_S)
+        waited = run_pes(cycle_pe, R, args=("0", cfg, device_count), timeout_s=RUN_TIMEOUT_S)
+    return cfg, landed, waited
+
+
+def test_landing_batches_equal_the_reference_and_dispatch_wait(cycles):
+    cfg, landed, waited = cycles
+    for call in range(CALLS):
+        xs, ids, ws = call_inputs(cfg, call)
+        refs = reference.dispatch(xs, ids, ws, cfg)
+        for r in range(cfg.n_ranks):
+            got, want, ref = landed[r]["calls"][call], waited[r]["calls"][call], refs[r]
+            what = f"rank {r} call {call} ({layout_of(call)})"
+            n = ref.n_rows
+            np.testing.assert_array_equal(got["row_offsets"], ref.row_offsets, err_msg=what)
+            np.testing.assert_array_equal(got["expert_counts"], ref.expert_counts, err_msg=what)
+            for k in ("src_rank", "src_token", "src_k"):
+                np.testing.assert_array_equal(got[k][:n], getattr(ref, k), err_msg=f"{what}: {k}")
+            np.testing.assert_array_equal(got["weight"][:n].view(np.uint32), ref.weight.view(np.uint32), what)
+            if layout_of(call) == "expanded":
+                np.testing.assert_array_equal(got["x"][:n], ref.x.view(np.uint16), err_msg=f"{what}: x")
+            else:
+                assert got["recv_tokens"].tolist() == [len(x) for x in xs], what
+                np.testing.assert_array_equal(got["gather"][:n], reference.gather_index(ref, cfg), what)
+                real = got["gather"][:n] >= 0
+                np.testing.assert_array_equal(got["x"][got["gather"][:n][real]], ref.x.view(np.uint16)[real],
+                                              err_msg=f"{what}: x[gather]")
+            for k in FIELDS + (("gather", "recv_tokens") if layout_of(call) == "compact" else ()):
+                np.testing.assert_array_equal(got[k], want[k], err_msg=f"{what}: {k}: landing != dispatch_wait")
+
+
+def test_combine_after_landing_equals_the_reference(cycles):
+    cfg, landed, waited = cycles
+    for call in range(CALLS):
+        xs, ids, ws = call_inputs(cfg, call)
+        refs = reference.dispatch(xs, ids, ws, cfg)
+        want = reference.combine([expert_outputs(cfg, refs[s], s) for s in range(cfg.n_ranks)], refs, ids, cfg)
+        for r in range(cfg.n_ranks):
+            got = landed[r]["calls"][call]["out"]
+            np.testing.assert_array_equal(got, want[r].view(np.uint16), err_msg=f"rank {r} call {call}")
+            np.testing.assert_array_equal(got, waited[r]["calls"][call]["out"], err_msg=f"rank {r} call {call}")
+
+
+def sender_parts(T: int, words: int, warp: int = 8) -> int:
+    """The senders' rule (``kernels/block.flag_rule``) for T tokens of ``words`` words, at
+    most 16 parts: worked out here for the simulator's 8-lane warps."""
+    if T == 0:
+        return 1
+    return max(1, min(16, -(-words // warp), -(-2048 // T)))
+
+
+def test_flags_route_signals_and_counters(cycles):
+    cfg, landed, waited = cycles
+    R, L = cfg.n_ranks, cfg.n_local_experts
+    words = cfg.hidden * 2 // token_word(cfg.hidden).itemsize
+    several = False
+    for call in range(CALLS):
+        xs, ids, ws = call_inputs(cfg, call)
+        for r in range(R):
+            got = landed[r]["calls"][call]
+            flags = got["dispatch_row_flag"]
+            for s in range(R):
+                T = len(xs[s])
+                parts = sender_parts(T, words)
+                several |= parts > 1
+                here = (np.asarray(ids[s]) // L == r).any(axis=1)  # [T]: token t of s came to r
+                assert (flags[s, :T, :parts][here] == call + 1).all(), f"rank {r} call {call} src {s}: unflagged"
+                assert (flags[s, :T, :parts][~here] <= call).all(), f"rank {r} call {call} src {s}: flagged, not sent"
+                assert (flags[s, :, parts:] <= call).all() and (flags[s, T:] <= call).all(), (r, call, s)
+            route = got["dispatch_route_signal"][call % 2]
+            assert route.tolist() == [dispatch_signal_value(call, len(x)) for x in xs], (r, call)
+            sync = got["dispatch_land_sync"]
+            assert sync[0] == 0 and sync[1] == call + 1, (r, call, sync)  # ticket reset, receive count
+            for s in range(R):
+                assert (waited[r]["calls"][call]["dispatch_row_flag"] == 0).all(), "dispatch_wait path flagged rows"
+    if cfg.hidden == 256:
+        assert several, "no call cut its rows into several parts"
+
+
+def test_fp8_landing_equals_the_reference():
+    cfg = fp8_cfg()
+    landed = run_pes(fp8_pe, 2, args=("1",), timeout_s=RUN_TIMEOUT_S)
+    waited = run_pes(fp8_pe, 2, args=("0",), timeout_s=RUN_TIMEOUT_S)
+    for call, layout in enumerate(("expanded", "compact", "expanded")):
+        xs, ids, ws = make_inputs(cfg, SCENARIOS[call], 950 + call)
+        refs = reference.dispatch(xs, ids, ws, cfg)
+        for r in range(2):
+            got, want = landed[r]["calls"][call], waited[r]["calls"][call]
+            n = refs[r].n_rows
+            np.testing.assert_array_equal(got["row_offsets"], refs[r].row_offsets)
+            if layout == "expanded":
+                np.testing.assert_array_equal(got["x"][:n], refs[r].x.view(np.uint8), err_msg=f"call {call}")
+            for k in FIELDS + ("scales",):
+                np.testing.assert_array_equal(got[k], want[k], err_msg=f"rank {r} call {call}: {k}")
+
+
+def test_a_silent_rank_times_dispatch_land_out_naming_the_route_signal():
+    res = run_pes(silent_peer_pe, 2, timeout_s=RUN_TIMEOUT_S)
+    msg = res[0]["error"]
+    assert msg is not None, "no timeout"
+    assert "dispatch_land of call 1" in msg and "dispatch_route_signal[1][1]" in msg and "rank 1" in msg, msg
+
+
+def test_dispatch_land_waits_for_each_part_flag():
+    res = run_pes(lost_flags_pe, 2, timeout_s=RUN_TIMEOUT_S)
+    msg = res[0]["error"]
+    assert msg is not None, "dispatch_land copied rows whose flags were never set"
+    assert "dispatch_land of call 1" in msg and "dispatch_row_flag[1, token 0]" in msg and "rank 1" in msg, msg
+    assert res[1]["error"] is None, res[1]
+
+
+def test_too_many_rows_is_a_capacity_error():
+    res = run_pes(capacity_pe, 2, timeout_s=RUN_TIMEOUT_S)
+    # experts 0 and 1 (every token's) live on rank 0: 2 x 12 rows for a capacity of 4; rank 1 gets none
+    msg = res[0]["error"]
+    assert msg is not None and "dispatch_land" in msg and "needed 24" in msg and "capacity is 4" in msg, msg
+    assert res[1]["error"] is None, res[1]
+
+
+def test_ranks_that_disagree_are_refused():
+    res = run_pes(disagreeing_pe, 2, timeout_s=RUN_TIMEOUT_S)
+    for r in range(2):
+        assert res[r]["error"] is not None and LAND_ENV in res[r]["error"], res[r]
+
+
+def test_knobs(monkeypatch):
+    """``dispatch_overlap``: off by default; 1 on; other values and the copy engine refused;
+    dispatch_async leaves EP_RUNTIME_DISPATCH_LAND_SMS SMs (at most half its grid) only on a
+    whole GPU with PDL."""
+    from ep_runtime.dispatch_overlap import LAND_SMS_ENV, dispatch_send_grid, landing
+    from ep_runtime.errors import EPConfigError
+
+    monkeypatch.delenv(LAND_ENV, raising=False)
+    monkeypatch.delenv(LAND_SMS_ENV, raising=False)
+    assert landing(copy_engine=False) is False
+    monkeypatch.setenv(LAND_ENV, "1")
+    assert landing(copy_engine=False) is True
+    with pytest.raises(EPConfigError, match="copy_engine"):
+        landing(copy_engine=True)
+    for bad in ("2", "-1", "yes"):
+        monkeypatch.setenv(LAND_ENV, bad)
+        with pytest.raises(EPConfigError, match=LAND_ENV):
+            landing(copy_engine=False)
+    assert dispatch_send_grid(132, whole_gpu=True, pdl_on=True) == 108
+    assert dispatch_send_grid(132, whole_gpu=False, pdl_on=True) == 132
+    assert dispatch_send_grid(132, whole_gpu=True, pdl_on=False) == 132
+    assert dispatch_send_grid(10, whole_gpu=True, pdl_on=True) == 5
+    monkeypatch.setenv(LAND_SMS_ENV, "0")
+    assert dispatch_send_grid(132, whole_gpu=True, pdl_on=True) == 132
+    monkeypatch.setenv(LAND_SMS_ENV, "few")
+    with pytest.raises(EPConfigError, match=LAND_SMS_ENV):
+        dispatch_send_grid(132, True, True)
