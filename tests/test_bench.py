@@ -7,6 +7,7 @@ import inspect
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -248,3 +249,19 @@ def test_float32_combine_partials_are_timed_and_counted_on_the_simulator(tmp_pat
         bf16, f32 = runs["bfloat16", "compact"]["traffic"], runs["float32", "compact"]["traffic"]
         assert f32["combine_nvlink_bytes"] == 2 * bf16["combine_nvlink_bytes"]  # partials: 4 H bytes
         assert f32["logical_bytes"] == bf16["logical_bytes"] and f32["dispatch_hbm_bytes"] == bf16["dispatch_hbm_bytes"]
+
+
+def test_land_sweep_runs_each_setting_on_the_simulator(tmp_path):
+    """tests/gpu/land_sweep.py (the v18 measurement for a GPU call), as a simulator smoke: the
+    bench once with dispatch_wait and once landing, one table with both settings' rows."""
+    script = Path(__file__).resolve().parent / "gpu" / "land_sweep.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--backend", "sim", "--tokens", "4", "--sms", "24", "--out", str(tmp_path),
+         "--bench-args", "--hidden 64 --experts 4 --top-k 2 --samples 3 --warmup 1"],
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = [ln for ln in proc.stdout.splitlines() if "| " in ln and "setting" not in ln]
+    assert len(rows) == 4, proc.stdout
+    assert sum("dispatch_wait" in ln for ln in rows) == 2 and sum("land, 24 SMs left" in ln for ln in rows) == 2
+    landed = json.loads((tmp_path / "land_sweep_1.json").read_text())["results"][0]
+    assert all(res["paths"]["dispatch_land"] for res in landed)
