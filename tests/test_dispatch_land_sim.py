@@ -10,9 +10,9 @@ still wait for a peer), so these tests check the protocol's data and bookkeeping
 
 - both layouts' batches (every field) and the combine after them, bit-identical to the reference
   and to the dispatch_wait path, over calls mixing the awkward routings (a rank with no tokens,
-  an expert with none, every token to one expert), at 2 and 3 ranks, on peer stores and on puts,
-  with the token count from a device scalar (as a CUDA graph passes it), top-k 1, padding, and
-  rows cut into several parts;
+  no token anywhere, an expert with none, every token to one expert), at 2 and 3 ranks, on peer
+  stores and on puts, with the token count from a device scalar (as a CUDA graph passes it),
+  top-k 1, padding, rows cut into several parts (empty ones among them), a grid of 3 blocks;
 - the flags: after call c, ``dispatch_row_flag[s, t, p]`` holds c + 1 exactly where token t of
   rank s came to this rank, for the parts the senders' rule gives (several at hidden 256), and
   nowhere else; the route signals carry each source's call and token count; the receive count
@@ -53,9 +53,12 @@ def layout_of(call: int) -> str:
 
 
 def call_counts(cfg: EPConfig, call: int):
-    """Token counts per rank: full, then varying (one rank with none every fourth call)."""
+    """Token counts per rank: random, then varying (some rank with none), and a call with no
+    token anywhere."""
     if call == 0:
         return None
+    if call == 3:
+        return [0] * cfg.n_ranks
     return [(call + 2 * r) % (cfg.max_tokens_per_rank + 1) for r in range(cfg.n_ranks)]
 
 
@@ -210,6 +213,9 @@ CYCLE_CASES = {
     "R2-device-count": (2, {}, "1", True),
     "R3-top1-pad4": (3, {"top_k": 1, "pad_multiple": 4}, "1", False),
     "R2-hidden5": (2, {"hidden": 5}, "1", False),  # uint16 words: no word pairs, one part a row
+    # 138 words a row: several passes of the copy loop per part, 16 parts of 16 words (the last 7
+    # empty: neither sent nor awaited), a grid of 3 blocks
+    "R2-hidden552-nsms3": (2, {"hidden": 552, "n_sms": 3}, "1", False),
 }
 
 
@@ -262,12 +268,14 @@ def test_combine_after_landing_equals_the_reference(cycles):
             np.testing.assert_array_equal(got, waited[r]["calls"][call]["out"], err_msg=f"rank {r} call {call}")
 
 
-def sender_parts(T: int, words: int, warp: int = 8) -> int:
-    """The senders' rule (``kernels/block.flag_rule``) for T tokens of ``words`` words, at
-    most 16 parts: worked out here for the simulator's 8-lane warps."""
-    if T == 0:
-        return 1
-    return max(1, min(16, -(-words // warp), -(-2048 // T)))
+def sender_parts(T: int, words: int, warp: int = 8) -> tuple[int, int]:
+    """The senders' rule (``kernels/block.flag_rule``) for T tokens of ``words`` words, at most
+    16 parts, worked out here for the simulator's 8-lane warps: ``(parts, parts with words)``;
+    a part spans ``ceil(words / parts)`` words rounded up to whole warps, so the last parts of a
+    row may be empty (never sent, never flagged)."""
+    parts = 1 if T == 0 else max(1, min(16, -(-words // warp), -(-2048 // T)))
+    span = -(-(-(-words // parts)) // warp) * warp
+    return parts, -(-words // span)
 
 
 def test_flags_route_signals_and_counters(cycles):
@@ -282,7 +290,7 @@ def test_flags_route_signals_and_counters(cycles):
             flags = got["dispatch_row_flag"]
             for s in range(R):
                 T = len(xs[s])
-                parts = sender_parts(T, words)
+                _, parts = sender_parts(T, words)  # the parts with words: the flagged ones
                 several |= parts > 1
                 here = (np.asarray(ids[s]) // L == r).any(axis=1)  # [T]: token t of s came to r
                 assert (flags[s, :T, :parts][here] == call + 1).all(), f"rank {r} call {call} src {s}: unflagged"
