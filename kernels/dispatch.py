@@ -44,6 +44,12 @@ COPY_UNROLL = 8
 #: configurations take several passes and the window arithmetic is tested on every run.
 RANK_WINDOW = 4 if SIMULATED else 256
 
+#: Landing calls rank their tokens in several routing blocks (the grid's last), each a chunk of
+#: the tokens, so the routing arrives sooner (``route_blocks``): at most this many, one per
+#: ``ROUTE_GRID_SHARE`` blocks of the grid beyond the first. The simulator takes 2 from a grid of 3.
+ROUTE_BLOCKS = 2 if SIMULATED else 8
+ROUTE_GRID_SHARE = 1 if SIMULATED else 12
+
 #: Staged ranks each thread of the routing block loads before it stores any to the ranks'
 #: destinations (the loads are independent; the stores, through raw addresses, would otherwise
 #: wait for each load in turn).
@@ -304,6 +310,13 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
             store_u32_at(ranks_src, j, uint32(warp_rows[m] + popc32(masks[m] & lanes_below)))
 
     @cuda.jit(device=True)
+    def route_blocks(grid):
+        """Routing blocks of a landing call's grid of ``grid`` blocks: one per ROUTE_GRID_SHARE
+        blocks beyond the first, at least 1, at most ROUTE_BLOCKS (8 of 108 on an H200 with 24
+        SMs left to dispatch_land)."""
+        return max(1, min(ROUTE_BLOCKS, (grid - 1) // ROUTE_GRID_SHARE))
+
+    @cuda.jit(device=True)
     def publish_route(sync, flag, d_route, g, me, n, T, R, status):
         """Every thread of a block of dispatch_async in a landing call, once, when the block's
         share of the routing (routing rows; ranks and counts) is out: the route ticket
@@ -386,8 +399,9 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         stream never hangs); the token blocks store each row to this rank only; and the ticket
         does not signal (``dispatch_signal`` does, after the copies).
 
-        The last block is the routing block (with one block, block 0 is both); the others are
-        token blocks.
+        The last block is the routing block (with one block, block 0 is both; a landing call has
+        ``route_blocks`` of them, the grid's last, each ranking a chunk of the tokens); the others
+        are token blocks.
         (1) The token blocks send every token's routing row (ids and weights) to every rank,
         then each of their warps takes items (grid-strided): part of token row t (``row_parts``:
         whole rows for large batches) and puts it into slot [me, t] of every rank that holds
@@ -419,9 +433,12 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         its counts row.
 
         land (int64) nonzero: a landing call (docs/protocol.md, "Dispatch rows as they land";
-        not with the copy engine). Each block, once its share of the routing is out (a token
-        block after (1a), the routing block after (2); on the puts path the routing block puts
-        the counts rows first), fences, quiets and takes the route ticket
+        not with the copy engine). The ranking is split over ``route_blocks`` routing blocks,
+        block b ranking a chunk of the tokens from the count of each expert's tokens before the
+        chunk (a shared histogram of their ids; the last chunk's block stores the counts), so
+        the ranks are out sooner. Each block, once its share of the routing is out (a token
+        block after (1a), a routing block after (2); on the puts path the last puts the counts
+        rows first), fences, quiets and takes the route ticket
         (``sync[SYNC_ROUTE_TICKET]``); the last sets d_route [G, R] uint64 (symmetric,
         ``dispatch_route_signal``) ``[g, me]`` on every rank to ``(n + 1) << 32 | T``, before the
         token rows are all out, so the receiver's dispatch_land places rows while they fly. With
@@ -465,11 +482,13 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         n = sync[SYNC_CALLS]
         g = n % 2
         by_engine = uint64(0) if copy_engine == 0 else ~(uint64(1) << uint64(me))  # destinations the copy engine serves
-        token_blocks = max(cuda.gridDim.x - 1, 1)
-        routing_block = cuda.blockIdx.x == cuda.gridDim.x - 1
         meta_stores = peer_stores != 0  # routing rows, ranks, counts: 4-byte stores into peers
         route = land != 0  # landing call: the routing is signalled on its own (route ticket)
         flag_rows = route and not QUANT  # ... and the bf16 rows part by part
+        n_route = route_blocks(cuda.gridDim.x) if route else 1  # routing blocks: the grid's last
+        token_blocks = max(cuda.gridDim.x - n_route, 1)
+        rb = cuda.blockIdx.x - (cuda.gridDim.x - n_route)  # this block's routing chunk (< 0: none)
+        routing_block = rb >= 0
 
         # (1a) routing rows (ids, weights) to every rank, spread over the token blocks
         if cuda.blockIdx.x < token_blocks:
@@ -594,9 +613,13 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
 
         stamp_last(status, 1)
 
-        # (2) the routing block: each (token, k)'s rank among this rank's tokens to its expert,
+        # (2) the routing block(s): each (token, k)'s rank among this rank's tokens to its expert,
         # stored on the expert's rank, and each expert's token count, stored on its rank
         if routing_block:
+            chunk = (T + n_route - 1) // n_route  # this block ranks tokens [c0, c1)
+            c0 = min(rb * chunk, T)
+            c1 = min(c0 + chunk, T)
+            counts_here = rb == n_route - 1  # the last chunk's block knows every expert's total
             E = R * L
             lane = tid % warp
             wid = tid // warp
@@ -611,9 +634,14 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                 for m in range(tid, RANK_WORDS, threads):
                     masks[m] = uint32(0)
                 cuda.syncthreads()
-                for tb in range(0, T, threads):
+                for j in range(tid, c0 * K, threads):  # tokens before the chunk: each expert's first rank
+                    el = int32(load_u32_at(ids_src, j)) - w0
+                    if el >= 0 and el < SW:
+                        cuda.atomic.add(next_rank, el, int32(1))
+                cuda.syncthreads()
+                for tb in range(c0, c1, threads):
                     t = tb + tid
-                    valid = t < T
+                    valid = t < c1
                     # this lane's bit in its warp's mask of each of its token's experts in the window
                     if valid:
                         for k in range(K):
@@ -637,7 +665,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                         masks[m] = uint32(0)
                     cuda.syncthreads()
                 # the window's counts, each to its expert's rank
-                for el in range(tid, SW, threads):
+                for el in range(tid, SW if counts_here else 0, threads):
                     x = w0 + el
                     if x < E:
                         d = x // L
@@ -646,20 +674,21 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                         else:
                             send_counts[d, x - d * L] = next_rank[el]
                 cuda.syncthreads()  # next_rank read before the next window resets it
-            for d in range(tid, R, threads):  # T, even when 0
+            for d in range(tid, R if counts_here else 0, threads):  # T, even when 0
                 if meta_stores:
                     store_u32_at(peer_bases[PEER_COUNTS, d] + counts_at, L, uint32(T))
                 else:
                     send_counts[d, L] = T
             cuda.syncthreads()  # the ranks are staged before the block sends them
             stamp_last(status, 19)
-            if meta_stores:  # the staged run to every rank, 128 bytes per warp store
-                send_rank_run(ranks_src, T * K, R, peer_bases, ranks_at, tid, run_l)
-            elif T > 0:
+            if meta_stores:  # the staged run of the chunk to every rank, 128 bytes per warp store
+                send_rank_run(ranks_src + uint64(4 * c0 * K), (c1 - c0) * K, R, peer_bases,
+                              ranks_at + uint64(4 * c0 * K), tid, run_l)
+            elif c1 > c0:
                 for d in range(R):
-                    shmem.put_nbi_block(d_ranks[g, me, 0:T], send_ranks[0:T], d)
+                    shmem.put_nbi_block(d_ranks[g, me, c0:c1], send_ranks[c0:c1], d)
             if route:
-                if not meta_stores:  # the counts rows before the route signal (the ticket's quiet)
+                if not meta_stores and counts_here:  # the counts rows before the route signal (its quiet)
                     for d in range(R):
                         shmem.put_nbi_block(d_counts[g, me], send_counts[d], d)
                 publish_route(sync, flag, d_route, g, me, n, T, R, status)

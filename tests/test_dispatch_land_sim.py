@@ -12,7 +12,8 @@ still wait for a peer), so these tests check the protocol's data and bookkeeping
   and to the dispatch_wait path, over calls mixing the awkward routings (a rank with no tokens,
   no token anywhere, an expert with none, every token to one expert), at 2 and 3 ranks, on peer
   stores and on puts, with the token count from a device scalar (as a CUDA graph passes it),
-  top-k 1, padding, rows cut into several parts (empty ones among them), a grid of 3 blocks;
+  top-k 1, padding, rows cut into several parts (empty ones among them), grids of 3 and 4 blocks
+  (two routing blocks: each ranks a chunk of the tokens);
 - the flags: after call c, ``dispatch_row_flag[s, t, p]`` holds c + 1 exactly where token t of
   rank s came to this rank, for the parts the senders' rule gives (several at hidden 256), and
   nowhere else; the route signals carry each source's call and token count; the receive count
@@ -216,6 +217,9 @@ CYCLE_CASES = {
     # 138 words a row: several passes of the copy loop per part, 16 parts of 16 words (the last 7
     # empty: neither sent nor awaited), a grid of 3 blocks
     "R2-hidden552-nsms3": (2, {"hidden": 552, "n_sms": 3}, "1", False),
+    # 2 routing blocks (each ranks half the tokens), on puts and on stores
+    "R3-nsms4-puts": (3, {"n_sms": 4}, "0", False),
+    "R3-nsms4-top1-pad4": (3, {"n_sms": 4, "top_k": 1, "pad_multiple": 4}, "1", False),
 }
 
 
