@@ -134,6 +134,14 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                 dst[w] = src[w]
 
     @cuda.jit(device=True)
+    def copy_in_pairs(d_tokens, expert_x):
+        """Whether received rows (``d_tokens`` [R, Tmax, W'] words) go to ``expert_x`` [C, W]
+        words as word pairs (one 16-byte access for uint64 words): every row of both starts
+        aligned to two words."""
+        return (expert_x.shape[1] % 2 == 0 and d_tokens.shape[2] % 2 == 0 and pairs_aligned(d_tokens)
+                and pairs_aligned(expert_x))
+
+    @cuda.jit(device=True)
     def copy_to_rows(src, rows, n_local, expert_x, w0, w1, pairs, lane, lo, hi, vals):
         """Every lane of one warp: words ``[w0, w1)`` of the received row ``src`` into the
         ``n_local`` expert rows ``expert_x[rows[j]]``, each word loaded once: ``UP`` word pairs
@@ -834,7 +842,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         all_warps = cuda.gridDim.x * warps
         copy = copy_rows != 0 and not QUANT
         W = expert_x.shape[1]
-        pairs = W % 2 == 0 and d_tokens.shape[2] % 2 == 0 and pairs_aligned(d_tokens) and pairs_aligned(expert_x)
+        pairs = copy_in_pairs(d_tokens, expert_x)
 
         # (a) a warp per local expert: offset, count, padding rows
         write_segments(d_counts, g, pad_multiple, per, run_first, row_offsets, expert_counts, row_src_rank,
@@ -919,7 +927,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
             row_offsets[L] = total
         copy = copy_rows != 0 and not QUANT
         W = expert_x.shape[1]
-        pairs = W % 2 == 0 and d_tokens.shape[2] % 2 == 0 and pairs_aligned(d_tokens) and pairs_aligned(expert_x)
+        pairs = copy_in_pairs(d_tokens, expert_x)
         write_segments(d_counts, g, pad_multiple, per, run_first, row_offsets, expert_counts, row_src_rank,
                        row_src_token, row_src_k, row_weight, row_gather, expert_x, copy, lane)
         stamp_last(status, 26)
@@ -1087,8 +1095,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         L = d_counts.shape[2] - 1
         W = expert_x.shape[1]
         C = expert_x.shape[0]
-        # rows as word pairs (one 16-byte access for uint64 words) when every row starts aligned
-        pairs = W % 2 == 0 and d_tokens.shape[2] % 2 == 0 and pairs_aligned(d_tokens) and pairs_aligned(expert_x)
+        pairs = copy_in_pairs(d_tokens, expert_x)
         SBYTES = expert_scales8.shape[0] // C if C > 0 else 0  # scale bytes per row (FP8 formats)
         n = sync[SYNC_CALLS] - 1
         g = n % 2
