@@ -126,6 +126,14 @@ def fp8_cfg() -> EPConfig:
     return EPConfig(n_ranks=2, n_experts=4, top_k=2, hidden=256, max_tokens_per_rank=5, token_dtype="fp8_e4m3")
 
 
+def round_trip(rt, session, cfg: EPConfig, xs, ids, ws) -> None:
+    """One dispatch and combine of this rank's inputs (its combine grants the peers the next
+    call's token credits)."""
+    r = session.rank
+    batch = rt.dispatch(xs[r].view(np.uint16), ids[r], ws[r])
+    rt.combine(expert_outputs(cfg, reference.dispatch(xs, ids, ws, cfg)[r], r), batch.handle)
+
+
 def silent_peer_pe(session) -> dict:
     """One round trip on both ranks (so rank 1's combine grants call 1 its token credits), then
     rank 1 skips its second dispatch: rank 0's dispatch_land of call 1 times out."""
@@ -137,8 +145,7 @@ def silent_peer_pe(session) -> dict:
     xs, ids, ws = make_inputs(cfg, "random", 31)
     res = {"error": None}
     with EPRuntime(cfg, session) as rt:
-        batch = rt.dispatch(xs[r].view(np.uint16), ids[r], ws[r])
-        rt.combine(expert_outputs(cfg, reference.dispatch(xs, ids, ws, cfg)[r], r), batch.handle)
+        round_trip(rt, session, cfg, xs, ids, ws)
         if r == 0:
             try:
                 rt.dispatch(xs[r].view(np.uint16), ids[r], ws[r])
@@ -160,8 +167,7 @@ def lost_flags_pe(session) -> dict:
     xs, ids, ws = make_inputs(cfg, "one_expert", 33, n_tokens=[6, 6])  # every token to rank 0
     res = {"error": None}
     with EPRuntime(cfg, session) as rt:
-        batch = rt.dispatch(xs[r].view(np.uint16), ids[r], ws[r])
-        rt.combine(expert_outputs(cfg, reference.dispatch(xs, ids, ws, cfg)[r], r), batch.handle)
+        round_trip(rt, session, cfg, xs, ids, ws)
         handle = rt.dispatch_async(xs[r].view(np.uint16), ids[r], ws[r])
         session.barrier()  # both ranks' call 1 sent
         if r == 0:
