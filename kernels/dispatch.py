@@ -44,10 +44,15 @@ COPY_UNROLL = 8
 #: configurations take several passes and the window arithmetic is tested on every run.
 RANK_WINDOW = 4 if SIMULATED else 256
 
-#: Landing calls rank their tokens in several routing blocks (the grid's last), each a chunk of
-#: the tokens, so the routing arrives sooner (``route_blocks``): at most this many, one per
-#: ``ROUTE_GRID_SHARE`` blocks of the grid beyond the first. The simulator takes 2 from a grid of 3.
+#: dispatch_async ranks its tokens in several routing blocks (the grid's last), each a chunk of
+#: the tokens, so the routing (and with it the ticket) is out sooner (``route_blocks``): at most
+#: this many, one per ``ROUTE_GRID_SHARE`` blocks of the grid beyond the first. The simulator
+#: takes 2 from a grid of 3. Measured on one H100 at T=4096 (docs/throughput.md, "v19"): bf16
+#: rows, bound by the routing with fewer, want 8 (dispatch_async 103 us with 1, 86 with 2, 75
+#: with 4, 65 with 8 or 16); the FP8 encoder, bound by its SMs, wants 4 (91, 75, 75, 94, 94:
+#: 124 encoding blocks leave 128 warps a third row, 128 blocks deal 4096 rows evenly).
 ROUTE_BLOCKS = 2 if SIMULATED else 8
+ROUTE_BLOCKS_QUANT = 2 if SIMULATED else 4
 ROUTE_GRID_SHARE = 1 if SIMULATED else 12
 
 #: Staged ranks each thread of the routing block loads before it stores any to the ranks'
@@ -319,10 +324,10 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
 
     @cuda.jit(device=True)
     def route_blocks(grid):
-        """Routing blocks of a landing call's grid of ``grid`` blocks: one per ROUTE_GRID_SHARE
-        blocks beyond the first, at least 1, at most ROUTE_BLOCKS (8 of 108 on an H200 with 24
-        SMs left to dispatch_land)."""
-        return max(1, min(ROUTE_BLOCKS, (grid - 1) // ROUTE_GRID_SHARE))
+        """Routing blocks of dispatch_async's grid of ``grid`` blocks: one per ROUTE_GRID_SHARE
+        blocks beyond the first, at least 1, at most ROUTE_BLOCKS (bf16 rows: 8 of an H200's
+        132 SMs, and of the 108 a landing call leaves itself) or ROUTE_BLOCKS_QUANT (FP8)."""
+        return max(1, min(ROUTE_BLOCKS_QUANT if QUANT else ROUTE_BLOCKS, (grid - 1) // ROUTE_GRID_SHARE))
 
     @cuda.jit(device=True)
     def publish_route(sync, flag, d_route, g, me, n, T, R, status):
@@ -407,9 +412,8 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         stream never hangs); the token blocks store each row to this rank only; and the ticket
         does not signal (``dispatch_signal`` does, after the copies).
 
-        The last block is the routing block (with one block, block 0 is both; a landing call has
-        ``route_blocks`` of them, the grid's last, each ranking a chunk of the tokens); the others
-        are token blocks.
+        The grid's last ``route_blocks`` blocks are routing blocks, each ranking a chunk of the
+        tokens (with one block, block 0 is both); the others are token blocks.
         (1) The token blocks send every token's routing row (ids and weights) to every rank,
         then each of their warps takes items (grid-strided): part of token row t (``row_parts``:
         whole rows for large batches) and puts it into slot [me, t] of every rank that holds
@@ -422,13 +426,15 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         scale bytes); otherwise it encodes it into stage row t, then puts its codes and its
         scale bytes (pre-quantized input: straight from the caller's arrays, no stage). The
         message's padding is never sent.
-        (2) The routing block, beside them, ranks every (token, k): its rank among this rank's
+        (2) The routing blocks, beside them, rank every (token, k): its rank among this rank's
         tokens with expert ``topk_ids[t, k]``, in token order, staged in send_ranks and then
-        sent whole to every rank (``d_ranks[g, me]``: contiguous stores, so the block's share
-        of the busy links carries 4 bytes per rank, not a 32-byte sector each), and counts each
-        expert's tokens (``d_counts[g, me, :L]`` on each rank, with T at ``[g, me, L]``), so
-        dispatch_wait places every row without a scan over tokens (docs/protocol.md,
-        "Placement"). Experts go in windows of ``RANK_WINDOW``; within a window the tokens go
+        sent to every rank (``d_ranks[g, me]``: contiguous stores, so the blocks' share of the
+        busy links carries 4 bytes per rank, not a 32-byte sector each). Routing block b ranks
+        chunk b of the tokens, starting from the count of each expert's tokens before the chunk
+        (a shared-memory histogram of their ids), so no block waits for another; the last
+        chunk's block counts each expert's tokens (``d_counts[g, me, :L]`` on each rank, with T
+        at ``[g, me, L]``), so dispatch_wait places every row without a scan over tokens
+        (docs/protocol.md, "Placement"). Experts go in windows of ``RANK_WINDOW``; within a window the tokens go
         in rounds of a token per thread: each lane sets its bit in its warp's shared mask of
         each of its token's experts (atomic OR), a thread per expert turns the masks into each
         warp's first rank, and a lane's rank is that plus the mask's bits below it. No atomic
@@ -441,10 +447,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         its counts row.
 
         land (int64) nonzero: a landing call (docs/protocol.md, "Dispatch rows as they land";
-        not with the copy engine). The ranking is split over ``route_blocks`` routing blocks,
-        block b ranking a chunk of the tokens from the count of each expert's tokens before the
-        chunk (a shared histogram of their ids; the last chunk's block stores the counts), so
-        the ranks are out sooner. Each block, once its share of the routing is out (a token
+        not with the copy engine). Each block, once its share of the routing is out (a token
         block after (1a), a routing block after (2); on the puts path the last puts the counts
         rows first), fences, quiets and takes the route ticket
         (``sync[SYNC_ROUTE_TICKET]``); the last sets d_route [G, R] uint64 (symmetric,
@@ -493,7 +496,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         meta_stores = peer_stores != 0  # routing rows, ranks, counts: 4-byte stores into peers
         route = land != 0  # landing call: the routing is signalled on its own (route ticket)
         flag_rows = route and not QUANT  # ... and the bf16 rows part by part
-        n_route = route_blocks(cuda.gridDim.x) if route else 1  # routing blocks: the grid's last
+        n_route = route_blocks(cuda.gridDim.x)  # routing blocks: the grid's last
         token_blocks = max(cuda.gridDim.x - n_route, 1)
         rb = cuda.blockIdx.x - (cuda.gridDim.x - n_route)  # this block's routing chunk (< 0: none)
         routing_block = rb >= 0

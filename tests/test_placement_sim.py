@@ -1,8 +1,9 @@
 """Placement from the sender's ranks, on the simulator (the real kernels, one process per rank).
 
-dispatch_async's routing block ranks each (token, k) among its rank's tokens with that expert
+dispatch_async's routing blocks rank each (token, k) among its rank's tokens with that expert
 (experts in windows of :data:`ep_runtime.kernels.dispatch.RANK_WINDOW`, tokens in rounds of a
-block) and counts each expert's tokens; dispatch_wait gives each received (token, k) its row
+block; two routing blocks in a grid of 3, each a chunk of the tokens from a histogram of the
+ids before it) and the last chunk's block counts each expert's tokens; dispatch_wait gives each received (token, k) its row
 from them alone: the expert's first row, plus its rows from earlier sources, plus the rank.
 The rows and counts travel by 4-byte stores into the peers' heaps or, with
 ``EP_RUNTIME_PEER_STORES=0``, by NVSHMEM block puts and the counts row put with the signal.
@@ -68,10 +69,11 @@ def run_case(session, rt, cfg, xs, ids, ws) -> dict:
 
 
 def placement_pe(session) -> dict:
-    from ep_runtime.kernels.dispatch import RANK_WINDOW
+    from ep_runtime.kernels.dispatch import RANK_WINDOW, ROUTE_BLOCKS, ROUTE_GRID_SHARE
     from ep_runtime.runtime import EPRuntime
 
-    results = {"window": RANK_WINDOW}  # as the simulated kernels see it
+    # as the simulated kernels see them
+    results = {"window": RANK_WINDOW, "route_blocks": ROUTE_BLOCKS, "route_share": ROUTE_GRID_SHARE}
     for name, cfg_d, scenario, seed, counts in CASES:
         cfg = EPConfig(**cfg_d)
         xs, ids, ws = make_inputs(cfg, scenario, seed, None if counts is None else list(counts))
@@ -113,9 +115,12 @@ def test_the_path_is_the_one_asked_for(sim):
 
 def test_the_cases_have_several_windows_rounds_and_expert_runs(sim):
     """Guard the test itself: more experts than one ranking window, more tokens than one
-    round, and a case with more local experts than threads (runs of experts in the scan)."""
+    round, a case with more local experts than threads (runs of experts in the scan), and two
+    routing blocks in the base grid (``route_blocks``: one per ROUTE_GRID_SHARE blocks beyond the
+    first, at most ROUTE_BLOCKS), so the chunks' histograms are exercised."""
     cfg = EPConfig(**base_cfg())
     assert all(cfg.n_experts >= 3 * res["window"] for res in sim[2])
+    assert all(min(res["route_blocks"], (cfg.n_sms - 1) // res["route_share"]) == 2 for res in sim[2])
     assert cfg.max_tokens_per_rank >= 4 * THREADS
     many = EPConfig(**{name: cfg_d for name, cfg_d, *_ in CASES}["many_local_experts"])
     assert many.n_local_experts > THREADS
