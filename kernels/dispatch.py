@@ -434,11 +434,11 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         (a shared-memory histogram of their ids), so no block waits for another; the last
         chunk's block counts each expert's tokens (``d_counts[g, me, :L]`` on each rank, with T
         at ``[g, me, L]``), so dispatch_wait places every row without a scan over tokens
-        (docs/protocol.md, "Placement"). Experts go in windows of ``RANK_WINDOW``; within a window the tokens go
-        in rounds of a token per thread: each lane sets its bit in its warp's shared mask of
-        each of its token's experts (atomic OR), a thread per expert turns the masks into each
-        warp's first rank, and a lane's rank is that plus the mask's bits below it. No atomic
-        decides a rank (the OR's result does not depend on its order).
+        (docs/protocol.md, "Placement"). Experts go in windows of ``RANK_WINDOW``; within a
+        window the tokens go in rounds of a token per thread: each lane sets its bit in its
+        warp's shared mask of each of its token's experts (atomic OR), a thread per expert turns
+        the masks into each warp's first rank, and a lane's rank is that plus the mask's bits
+        below it. No atomic decides a rank (the OR's result does not depend on its order).
         (3) The last block (ticket) signals every rank (every block fenced and quieted first:
         data before signal; the value is ``(n + 1) << 32 | T``) and advances the call counter.
         Nobody waits. With peer_stores, the routing rows, ranks and counts are 4-byte stores

@@ -3,8 +3,9 @@
 dispatch_async's routing blocks rank each (token, k) among its rank's tokens with that expert
 (experts in windows of :data:`ep_runtime.kernels.dispatch.RANK_WINDOW`, tokens in rounds of a
 block; two routing blocks in a grid of 3, each a chunk of the tokens from a histogram of the
-ids before it) and the last chunk's block counts each expert's tokens; dispatch_wait gives each received (token, k) its row
-from them alone: the expert's first row, plus its rows from earlier sources, plus the rank.
+ids before it) and the last chunk's block counts each expert's tokens; dispatch_wait gives
+each received (token, k) its row from them alone: the expert's first row, plus its rows from
+earlier sources, plus the rank.
 The rows and counts travel by 4-byte stores into the peers' heaps or, with
 ``EP_RUNTIME_PEER_STORES=0``, by NVSHMEM block puts and the counts row put with the signal.
 
