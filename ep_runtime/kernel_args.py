@@ -46,7 +46,7 @@ WORD_ARRAYS = frozenset({"tokens", "expert_out", "own_rows", "out", "out_partial
                          "combine_partials", "combine_stage", "expert_x"})
 #: int64 scalar arguments.
 SCALARS = ("pad_multiple", "timeout_ns", "mode", "n_experts", "allow_negative", "use_valid", "prequantized",
-           "scales_col_major", "peer_stores", "copy_rows", "copy_engine", "row_flags_from", "land")
+           "scales_col_major", "copy_rows", "row_flags_from")
 
 KERNEL_ARGS = {
     "validate_routing": ("topk_ids", "topk_weights", "valid_tokens", "use_valid", "n_experts",
@@ -56,8 +56,8 @@ KERNEL_ARGS = {
         "dispatch_topk_weights", "dispatch_counts", "dispatch_ranks", "dispatch_signal", "dispatch_async_sync",
         "dispatch_send_ranks", "dispatch_send_counts", "status", "token_scales", "prequantized",
         "dispatch_send_stage", "dispatch_send_stage:u8", "dispatch_tokens:u8",
-        "peer_bases", "peer_stores", "copy_engine", "dispatch_token_credit", "dispatch_copy_go",
-        "timeout_ns", "dispatch_route_signal", "dispatch_row_flag", "land"),
+        "peer_bases", "dispatch_token_credit", "dispatch_copy_go",
+        "timeout_ns", "dispatch_route_signal", "dispatch_row_flag"),
     "dispatch_signal": ("tokens", "valid_tokens", "use_valid", "dispatch_signal", "dispatch_async_sync", "status"),
     "dispatch_wait": (
         "dispatch_topk_ids", "dispatch_topk_weights", "dispatch_counts", "dispatch_ranks", "dispatch_signal",
@@ -77,11 +77,11 @@ KERNEL_ARGS = {
     "combine_async": (
         "expert_out", "dispatch_topk_ids", "dispatch_counts", "combine_partials", "combine_signal",
         "dispatch_async_sync", "token_rows", "row_weight", "combine_stage", "combine_async_sync",
-        "status", "peer_bases", "peer_stores", "dispatch_token_credit", "combine_row_flag",
+        "status", "peer_bases", "dispatch_token_credit", "combine_row_flag",
         "row_flags_from"),
     "combine_async_rows": (
         "expert_out", "dispatch_topk_ids", "dispatch_counts", "combine_partials", "combine_signal",
-        "dispatch_async_sync", "combine_async_sync", "status", "peer_bases", "peer_stores", "dispatch_token_credit",
+        "dispatch_async_sync", "combine_async_sync", "status", "peer_bases", "dispatch_token_credit",
         "combine_row_flag", "row_flags_from"),
     "combine_wait": (
         "out", "out_partials", "dispatch_topk_ids", "dispatch_counts", "combine_partials",

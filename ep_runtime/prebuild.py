@@ -18,7 +18,10 @@ step, then prepares the cache for H100/H200 hosts that have the same software (t
 carry the versions of numba-cuda, NVSHMEM, NVRTC, nvJitLink and NVVM, and the kernel source).
 
 ``EP_RUNTIME_TRACE=1`` in the environment builds the traced kernels (``kernels/trace.py``), which
-the cache keys apart. Prints one line per kernel and a summary last; exit status 0 when every
+the cache keys apart. The send path is compiled into the dispatch and combine kernels
+(:class:`ep_runtime.transfer.SendPaths`): the tool builds the one ``EP_RUNTIME_PEER_STORES``,
+``EP_RUNTIME_TOKEN_TRANSFER`` and ``EP_RUNTIME_DISPATCH_LAND`` select
+(:func:`ep_runtime.runtime.expected_send_paths`), so run it with the job's settings. Prints one line per kernel and a summary last; exit status 0 when every
 kernel is cached, 1 when one failed to build, 2 when the tool cannot run here.
 """
 

@@ -28,7 +28,7 @@ from .handles import CombineHandle, CompactBatch, DispatchHandle, ExpertBatch, f
 from .layout import PEER_REGIONS, SYNC_CALLS, BufferLayout, partial_dtype, token_word
 from .shmem.session import Session
 from .status import error_from_status
-from .transfer import choose_copy_engine, peer_token_slots
+from .transfer import SendPaths, choose_copy_engine, peer_token_slots
 from .combine_overlap import ROW_FLAGS_ENV, combine_send_grid, row_flags_from
 from .dispatch_overlap import LAND_ENV, dispatch_send_grid, landing
 
@@ -119,6 +119,8 @@ class EPRuntime:
         sends, places the rows as the routing arrives and copies each row part as it lands
         (``EP_RUNTIME_DISPATCH_LAND=1``; off by default until measured on NVLink:
         :mod:`ep_runtime.dispatch_overlap`).
+    send_paths : SendPaths
+        The three choices above that the kernels are compiled for (:mod:`ep_runtime.transfer`).
     """
 
     def __init__(self, cfg: EPConfig, session: Session, debug: bool = False):
@@ -179,7 +181,9 @@ class EPRuntime:
         self._peer_slots = peer_token_slots(session, self._sym, self.layout, self.rank) if self.copy_engine else None
         self._partial = partial_dtype(cfg)  # uint16 (bf16 bits) or float32
         self._f32_partials = self._partial == np.float32
-        builds = kernel_builds(cfg, self._threads)
+        #: what the kernels are built for (compile-time send path)
+        self.send_paths = SendPaths(self.peer_stores, self.copy_engine, self.dispatch_land)
+        builds = kernel_builds(cfg, self._threads, self.send_paths)
         self._kernels = {name: kernel for name, kernel, _ in builds}
         unused = set() if self.dispatch_land else {"dispatch_land"}  # never launched by this runtime
         for name, kernel, types in builds:  # compile now, not inside a timed wait
@@ -303,8 +307,7 @@ class EPRuntime:
             scales = token_scales.view(np.uint8)
         valid = self._valid_tokens(n_tokens, c)
         call = self._prepare("dispatch_async", tokens=tokens, topk_ids=topk_ids, topk_weights=topk_weights, **valid,
-                             token_scales=scales, prequantized=_INT64[fp8_in], copy_engine=_INT64[self.copy_engine],
-                             timeout_ns=self._timeout_ns, land=_INT64[self.dispatch_land])
+                             token_scales=scales, prequantized=_INT64[fp8_in], timeout_ns=self._timeout_ns)
         copies, then = (), None
         if self.copy_engine:
             nbytes = tokens.nbytes  # the whole batch (capacity rows under n_tokens)
@@ -614,19 +617,17 @@ class EPRuntime:
                                f"'{self._state.value}' and expects {nxt} next.")
 
     def _peer_bases(self, session: Session) -> bool:
-        """Set the ``peer_bases`` / ``peer_stores`` kernel arguments (kernel_args.RUNTIME_ARRAYS):
+        """Set the ``peer_bases`` kernel argument (kernel_args.RUNTIME_ARRAYS):
         the address of each of ``layout.PEER_REGIONS`` on every PE as mapped here, a row per region.
-        Returns whether the kernels store into peers' heaps directly: every PE's heap mapped and
-        ``EP_RUNTIME_PEER_STORES`` not ``0``."""
+        Returns whether the kernels store into peers' heaps directly (``SendPaths.stores``): every
+        PE's heap mapped and ``EP_RUNTIME_PEER_STORES`` not ``0``."""
         table = np.zeros((len(PEER_REGIONS), self.cfg.n_ranks), np.uint64)
-        wanted = os.environ.get(PEER_STORES_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
-        bases = session.peer_addresses(self._sym) if wanted else None  # the allocation: NVSHMEM tracks it
+        bases = session.peer_addresses(self._sym) if _peer_stores_wanted() else None  # the allocation: NVSHMEM tracks it
         on = bases is not None
         if on:
             for row, name in enumerate(PEER_REGIONS):
                 table[row] = [base + self.layout.region(name).offset for base in bases]
         self._arg["peer_bases"] = session.as_kernel_arg(session.to_device(table))
-        self._arg["peer_stores"] = np.int64(on)
         return on
 
     def _prepare(self, name, epilogue=None, **values) -> PreparedCall:
@@ -721,40 +722,59 @@ def _fused_copy(cfg: EPConfig) -> bool:
     return cfg.max_tokens_per_rank <= FUSED_COPY_MAX_TOKENS
 
 def _kernels_for(threads: int, word, quantized: bool = False, ue8m0: bool = False,
-                 f32_partials: bool = False) -> dict:
+                 f32_partials: bool = False, paths: SendPaths = SendPaths()) -> dict:
     """The EP kernels (and the debug-mode routing check) for a block size, token word
     (:func:`ep_runtime.layout.token_word`), token format (FP8: ``quantized``, with UE8M0
     scales: ``ue8m0``) and partial format (float32 combine partials: ``f32_partials``), built
     once per process: the dispatch kernels per (block size, token format), the combine kernels
     per (block size, word, partial format). combine_async_rows copies partial words unchanged,
-    so the bf16 build serves float32 partials too (the same code and argument types)."""
+    so the bf16 build serves float32 partials too (the same code and argument types). ``paths``:
+    the send path the dispatch and combine kernels are built for (:class:`SendPaths`)."""
     from .kernels.combine import make_combine_kernels
     from .kernels.dispatch import make_dispatch_kernels
     from .kernels.validate import validate_routing
 
     word, f32_partials = np.dtype(word), bool(f32_partials)
-    da, dw, dc, ds, dl = _built(("dispatch", threads, bool(quantized), bool(ue8m0)),
-                                lambda: make_dispatch_kernels(threads, quantized, ue8m0))
-    ca, cw, _ = _built(("combine", threads, word, f32_partials),
-                       lambda: make_combine_kernels(threads, word, f32_partials=f32_partials))
-    cr = _built(("combine", threads, word, False), lambda: make_combine_kernels(threads, word))[2]
+    paths = SendPaths(*map(bool, paths))
+    da, dw, dc, ds, dl = _built(("dispatch", threads, bool(quantized), bool(ue8m0), paths),
+                                lambda: make_dispatch_kernels(threads, quantized, ue8m0, *paths))
+    ca, cw, _ = _built(("combine", threads, word, f32_partials, paths.stores),
+                       lambda: make_combine_kernels(threads, word, f32_partials=f32_partials, stores=paths.stores))
+    cr = _built(("combine", threads, word, False, paths.stores),
+                lambda: make_combine_kernels(threads, word, stores=paths.stores))[2]
     return {"dispatch_async": da, "dispatch_signal": ds, "dispatch_wait": dw, "dispatch_copy": dc,
             "dispatch_land": dl, "combine_async": ca,
             "combine_async_rows": cr, "combine_wait": cw, "validate_routing": validate_routing}
 
 
-def kernel_builds(cfg: EPConfig, threads: int = GPU_THREADS) -> list:
+def kernel_builds(cfg: EPConfig, threads: int = GPU_THREADS, paths: SendPaths | None = None) -> list:
     """``[(name, kernel, argtypes)]``: every kernel an :class:`EPRuntime` of ``cfg`` compiles
     when it is built, with the Numba signature it launches (what ``python -m
     ep_runtime.prebuild`` stores in the kernel cache ahead of time). The kernels depend on the
     block size, the token word (``token_word(cfg.hidden)``), the token format and the partial
-    format only, not on the sizes."""
+    format and the send path (``paths``; None: :func:`expected_send_paths`) only, not on the
+    sizes."""
     fmt = cfg.token_format
     kernels = _kernels_for(threads, token_word(cfg.hidden), fmt.quantized,
                            fmt.scale is not None and fmt.scale.dtype == np.uint8,
-                           partial_dtype(cfg) == np.float32)
+                           partial_dtype(cfg) == np.float32, paths or expected_send_paths(cfg))
     layout = BufferLayout(cfg)
     return [(name, kernel, argtypes(name, layout)) for name, kernel in kernels.items()]
+
+
+def _peer_stores_wanted() -> bool:
+    """Whether ``EP_RUNTIME_PEER_STORES`` lets the kernels store into mapped peers (default 1)."""
+    return os.environ.get(PEER_STORES_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def expected_send_paths(cfg: EPConfig) -> SendPaths:
+    """The send path a runtime of ``cfg`` takes in this environment when every PE's heap is
+    mapped (NVLink), from ``EP_RUNTIME_PEER_STORES``, ``EP_RUNTIME_TOKEN_TRANSFER`` and
+    ``EP_RUNTIME_DISPATCH_LAND``: what ``python -m ep_runtime.prebuild`` builds ahead of time. A
+    runtime whose PEs are not all mapped takes the puts and compiles that build when it starts."""
+    stores = _peer_stores_wanted()
+    copy_engine = choose_copy_engine(cfg, stores)
+    return SendPaths(stores, copy_engine, landing(copy_engine))
 
 
 def _combine_wait_with(threads: int, word, epilogue, f32_partials: bool = False):

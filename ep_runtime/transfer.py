@@ -21,9 +21,25 @@ Two transfers, one protocol (docs/protocol.md, "Copy-engine transfer"):
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 from .config import EPConfig
 from .errors import EPConfigError
+
+
+class SendPaths(NamedTuple):
+    """The send path a runtime's kernels are built for (compile-time constants of
+    ``make_dispatch_kernels`` and ``make_combine_kernels``, so a build holds only the code its
+    runtime runs: docs/throughput.md, "v20").
+
+    ``stores``: routing, token rows and partials stored into the peers' heaps through the
+    NVLink mappings (else NVSHMEM puts; ``EP_RUNTIME_PEER_STORES``). ``copy_engine``: the
+    token rows by copy-engine copies (:func:`choose_copy_engine`). ``land``: dispatch_async
+    serves dispatch_land (``EP_RUNTIME_DISPATCH_LAND``)."""
+
+    stores: bool = True
+    copy_engine: bool = False
+    land: bool = False
 
 #: Environment variable choosing the token transfer: ``auto``, ``stores`` or ``copy_engine``.
 TOKEN_TRANSFER_ENV = "EP_RUNTIME_TOKEN_TRANSFER"

@@ -78,7 +78,8 @@ def partial_words(word_dtype, f32_partials: bool) -> int:
     return 2
 
 
-def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f32_partials: bool = False):
+def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f32_partials: bool = False,
+                         stores: bool = True):
     """Build ``(combine_async, combine_wait, combine_async_rows)`` for blocks of ``threads`` threads and token
     words of ``word_dtype`` (NumPy uint64, uint32 or uint16: 4, 2 or 1 bf16 values).
 
@@ -92,8 +93,13 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
     same either way (word views); only the partial arrays' word counts differ. The choice is
     a closure constant (``F32``): its ``if F32`` branches are folded at compile time, so the
     bf16 kernels are the code they were before the option existed.
+
+    ``stores`` (compile time, as for the dispatch kernels): combine_async and combine_async_rows
+    store the partials into the peers' heaps through the NVLink mappings (``peer_bases``),
+    else they put them with NVSHMEM; combine_wait does not depend on it.
     """
     warp, warps = warp_geometry(threads)
+    STORES = bool(stores)  # peer stores (else NVSHMEM puts)
     word_t = from_dtype(np.dtype(word_dtype))
     pack = np.dtype(word_dtype).itemsize // 2
     P = partial_words(word_dtype, f32_partials)
@@ -155,7 +161,7 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
 
     @kernel_jit(threads)
     def combine_async(expert_out, d_ids, d_counts, c_partials, c_signal,
-                      sync, token_rows, row_weight, stage, ticket, status, peer_bases, peer_stores, d_credit,
+                      sync, token_rows, row_weight, stage, ticket, status, peer_bases, d_credit,
                       c_row_flag, row_flags_from):
         """Weight and pre-reduce the expert outputs per token, send each partial home, signal.
 
@@ -164,7 +170,7 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
         c_partials [G, R, Tmax, P W] partial words, c_signal [G, R] uint64. Local: sync (calls),
         token_rows [R, Tmax, K], row_weight [C] float32, stage [R, Tmax, P W] partial words,
         ticket [1] int64, status [8] int64. peer_bases [2, R] uint64: row 1 the address of
-        c_partials on each PE as mapped here, used when peer_stores (int64) is nonzero.
+        c_partials on each PE as mapped here, used by a ``stores`` build.
         d_credit [R] uint64 symmetric (``dispatch_token_credit``): block 0 first grants every
         peer the next call's token rows (``grant_token_credits``): this rank's reads of the
         received rows (dispatch_copy, the caller's expert compute on a compact batch) come
@@ -177,7 +183,7 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
         token's local experts in ascending order of weight * output, in float32 from 0,
         rounded to bf16 (or kept float32: token word w becomes partial words P w .. P w + P - 1).
         A partial for this rank's own token is stored straight into its slot [g, me, t]; one
-        for a peer goes to slot [g, me, t] of rank src: with peer_stores (uint64 words, word
+        for a peer goes to slot [g, me, t] of rank src: with stores (uint64 words, word
         pairs), stored there through its NVLink mapping; otherwise staged in stage[src, t] and
         its partial words [P w0, P w1) put (``put_nbi_warp``). Tokens that hit no local expert send
         nothing. The last block (ticket) signals n + 1 to every rank after every block's puts
@@ -218,7 +224,7 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
         g = n % 2
         all_warps = cuda.gridDim.x * warps
         pairs = W % 2 == 0 and pairs_aligned(expert_out) and pairs_aligned(stage) and pairs_aligned(c_partials)
-        direct = PEER_WORDS and pairs and peer_stores != 0
+        direct = PEER_WORDS and pairs and STORES
 
         # items of every source interleaved (``interleaved_item``): each warp alternates between
         # rows for this rank (device memory only) and rows for peers (NVLink), so the two overlap
@@ -307,7 +313,7 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
 
     @kernel_jit(threads)
     def combine_async_rows(expert_out, d_ids, d_counts, c_partials, c_signal, sync, ticket, status, peer_bases,
-                           peer_stores, d_credit, c_row_flag, row_flags_from):
+                           d_credit, c_row_flag, row_flags_from):
         """Compact layout: send the caller's per-(source, token) rows home as the partials.
 
         expert_out [R * Tmax, P W] partial words (bf16, or float32 with ``f32_partials``): row
@@ -320,7 +326,7 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
 
         A warp per item (part of a row, ``row_parts``; the peers' items interleaved,
         ``interleaved_item`` over the R - 1 peers): a row for a peer goes straight from
-        expert_out to slot [g, me, t] of rank s (no staging): with peer_stores (peer_bases row 1,
+        expert_out to slot [g, me, t] of rank s (no staging): with stores (peer_bases row 1,
         as in combine_async; uint64 words) as 16-byte stores through its NVLink mapping,
         otherwise ``put_nbi_warp``. This rank's own rows (``s = me``) are not copied: combine_wait
         reads them from expert_out itself (its ``own_rows``), so every warp carries NVLink rows.
@@ -344,7 +350,7 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
         Tmax = d_ids.shape[2]
         W = c_partials.shape[3]
         pairs = W % 2 == 0 and pairs_aligned(expert_out) and pairs_aligned(c_partials)
-        direct = PEER_WORDS and pairs and peer_stores != 0
+        direct = PEER_WORDS and pairs and STORES
         tid = cuda.threadIdx.x
         lane = tid % warp
         n = sync[SYNC_CALLS] - 1
@@ -467,8 +473,7 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
                 record_error(status, ERR_TIMEOUT, KERNEL_COMBINE_WAIT, me, r, COUNTER_COMBINE_SIGNAL,
                              n + 1, int64(seen), n + 1)
                 flag[0] = 1
-        cuda.threadfence_system()
-        cuda.syncthreads()
+        cuda.syncthreads()  # the waits' acquire loads, then the barrier: the signalled data is visible
         if flag[0] != 0:
             return
         stamp_last(status, 21)
@@ -510,7 +515,6 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
                                 ok = 0
                                 break
                     claim[wid] = ok
-                    cuda.threadfence_system()
                 warp_sync()
                 ok = claim[wid]
                 warp_sync()

@@ -18,9 +18,10 @@ from numba import int32, int64, uint32, uint64
 from ep_runtime.config import MAX_RANKS
 from ep_runtime.kernels import pdl, shmem
 from ep_runtime.kernels.bits import f32_bits
-from ep_runtime.kernels.block import (await_part, block_exclusive_scan, flag_part, flag_rule, grant_token_credits,
-                                      last_block_ticket, local_expert_count, part_bounds, part_words, popc32,
-                                      record_error, row_parts, warp_exclusive_count, warp_geometry, warp_sync)
+from ep_runtime.kernels.block import (await_part, block_exclusive_scan, flag_part, flag_rule,
+                                      grant_token_credits, last_block_ticket, local_expert_count, part_bounds,
+                                      part_words, popc32, record_error, row_parts, warp_exclusive_count,
+                                      warp_geometry, warp_sync)
 from ep_runtime.kernels.cuda_api import SIMULATED, cuda, kernel_jit
 from ep_runtime.kernels.token_codec import BLOCK_WORDS, CODE_WORDS, make_token_codec
 from ep_runtime.kernels.trace import stamp_first, stamp_last
@@ -61,13 +62,28 @@ ROUTE_GRID_SHARE = 1 if SIMULATED else 12
 RUN_BATCH = 8
 
 
-def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = False):
+def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = False, stores: bool = True,
+                          copy_engine: bool = False, land: bool = False):
     """Build ``(dispatch_async, dispatch_wait, dispatch_copy, dispatch_signal, dispatch_land)`` for
     blocks of ``threads`` threads (a power of 2), for bf16 tokens or (``quantized``) an FP8 token format with float32
     or (``ue8m0``) power-of-two scales (:mod:`ep_runtime.kernels.token_codec` encodes and lays
-    out the messages; the protocol below is the same for every format)."""
+    out the messages; the protocol below is the same for every format).
+
+    The send path is fixed when the kernels are built, not read per call, so a build holds only
+    the code its runtime runs (docs/throughput.md, "v20": dispatch_async's code was a third
+    smaller and 1-5 us faster at decode sizes without the paths it never took): ``stores``,
+    dispatch_async stores routing rows, ranks, counts and token rows into the peers' heaps
+    through the NVLink mappings (``peer_bases``), else NVSHMEM puts; ``copy_engine``, the copy
+    engine carries the token rows (bf16, with ``stores``); ``land``, dispatch_async serves
+    dispatch_land (the routing signalled on its own, bf16 row parts flagged; not with the
+    copy engine). The other four kernels do not depend on them."""
+    if copy_engine and (not stores or land):
+        raise ValueError("make_dispatch_kernels: copy_engine needs stores and excludes land")
     warp, warps = warp_geometry(threads)
     QUANT = bool(quantized)
+    STORES = bool(stores)  # peer stores (else NVSHMEM puts)
+    ENGINE = bool(copy_engine)  # the copy engine carries the token rows
+    LAND = bool(land)  # calls for dispatch_land
     encode_blocks, store_scales = make_token_codec(warp, bool(ue8m0))
     SB = 1 if ue8m0 else 4  # scale bytes per 128-element block
     U = COPY_UNROLL
@@ -174,8 +190,9 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         """Every thread of the block: thread s waits until source s's signal of call n is in
         (``d_sig[g, s] >= (n + 1) << 32``; its low half, the source's token count, goes to
         ``src_T[s]``, shared int32), bounded by ``timeout_ns``; a timeout is recorded naming
-        ``kernel``, the source and ``counter``. Then a system fence (what the signal published
-        is visible) and a block barrier. Returns whether every signal was seen."""
+        ``kernel``, the source and ``counter``. The waits poll with acquire loads
+        (``shmem.wait_signal_ge``) and the block then meets, so what the signals published is
+        visible to every thread. Returns whether every signal was seen."""
         me = shmem.my_pe()
         if cuda.threadIdx.x == 0:
             flag[0] = 0
@@ -188,7 +205,6 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                              int64(seen >> uint64(SIGNAL_TOKEN_BITS)), n + 1)
                 flag[0] = 1
             src_T[s] = int32(seen & uint64(0xFFFFFFFF))  # stale on a timeout: unused
-        cuda.threadfence_system()
         cuda.syncthreads()
         ok = flag[0] == 0
         cuda.syncthreads()  # flag read by every thread before it is used again
@@ -376,8 +392,8 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
     def dispatch_async(tokens, topk_ids, topk_weights, valid_tokens, use_valid,
                        d_tokens, d_ids, d_weights, d_counts, d_ranks, d_signal,
                        sync, send_ranks, send_counts, status,
-                       token_scales, prequantized, stage64, stage8, d_tokens8, peer_bases, peer_stores,
-                       copy_engine, d_credit, copy_go, timeout_ns, d_route, d_row_flag, land):
+                       token_scales, prequantized, stage64, stage8, d_tokens8, peer_bases,
+                       d_credit, copy_go, timeout_ns, d_route, d_row_flag):
         """Send this rank's tokens, once per destination rank, and signal each destination.
 
         tokens [Tc, W] words, topk_ids [Tc, K] int32, topk_weights [Tc, K] float32: this rank's
@@ -394,7 +410,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         uint64 and uint8 views (stage64/8); d_tokens is then [R, Tmax, MW]
         messages, d_tokens8 their uint8 view. peer_bases [P, R] uint64: the address of each of
         ``layout.PEER_REGIONS`` on each PE as mapped here (``Session.peer_addresses``), used
-        when peer_stores (int64) is nonzero.
+        by a ``stores`` build.
 
         Token rows have one buffer (no group axis: a compact batch's ``x`` is the same memory
         every call, so one CUDA graph serves every step), guarded by credits: block 0 first
@@ -405,7 +421,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         timeout_ns; a timeout is recorded naming the peer and ``dispatch_token_credit``, and
         the blocks then send nothing more, so no signal goes out).
 
-        copy_engine (int64) nonzero: the copy-engine transfer (bf16 tokens; docs/protocol.md,
+        A ``copy_engine`` build: the copy-engine transfer (bf16 tokens; docs/protocol.md,
         "Copy-engine transfer"). The host has enqueued, on a side stream, a copy of the
         token rows into every peer's slot, held until ``copy_go[0]`` (uint32, local) is 1:
         block 0 sets it once every credit is seen (always, also after a timeout, so the side
@@ -417,10 +433,10 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         (1) The token blocks send every token's routing row (ids and weights) to every rank,
         then each of their warps takes items (grid-strided): part of token row t (``row_parts``:
         whole rows for large batches) and puts it into slot [me, t] of every rank that holds
-        one of the token's experts: with peer_stores (bf16 rows of uint64 words), 16-byte
+        one of the token's experts: in a ``stores`` build (bf16 rows of uint64 words), 16-byte
         stores through the NVLink mappings, each word pair loaded once for all destinations;
         otherwise ``put_nbi_warp`` (a warp-wide copy) per destination. In an FP8 format a part
-        is a run of 128-element blocks: with peer_stores the warp encodes it straight into
+        is a run of 128-element blocks: with stores the warp encodes it straight into
         every destination's slot (``encode_blocks``: 8 lanes a block, 16-byte stores of 16
         codes, the blocks' scales; pre-quantized input: ``send_prequantized``, the caller's code word pairs and
         scale bytes); otherwise it encodes it into stage row t, then puts its codes and its
@@ -441,12 +457,12 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         below it. No atomic decides a rank (the OR's result does not depend on its order).
         (3) The last block (ticket) signals every rank (every block fenced and quieted first:
         data before signal; the value is ``(n + 1) << 32 | T``) and advances the call counter.
-        Nobody waits. With peer_stores, the routing rows, ranks and counts are 4-byte stores
+        Nobody waits. With stores, the routing rows, ranks and counts are 4-byte stores
         into the peers' regions and (3) is one ``signal_op`` per rank; otherwise NVSHMEM block
         puts (ranks and counts from the staging), and (3) one ``put_signal`` per rank carrying
         its counts row.
 
-        land (int64) nonzero: a landing call (docs/protocol.md, "Dispatch rows as they land";
+        A ``land`` build: landing calls (docs/protocol.md, "Dispatch rows as they land";
         not with the copy engine). Each block, once its share of the routing is out (a token
         block after (1a), a routing block after (2); on the puts path the last puts the counts
         rows first), fences, quiets and takes the route ticket
@@ -470,16 +486,16 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         pdl.dependency_wait()  # nothing stream-ordered is read before this (kernels/pdl.py)
         pdl.trigger_dependents()  # after the wait: a dispatch_land started now finds all before this complete
         if status[STATUS_CODE] != 0:
-            if copy_engine != 0 and cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
+            if ENGINE and cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
                 copy_go[0] = uint32(1)  # releases the copies (they write rows no one will read)
                 cuda.threadfence_system()
             return  # an earlier call failed: send nothing, so peers time out naming this rank
         stamp_first(status, 0)
         if cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
             grant_token_credits(d_credit, sync[SYNC_CALLS])
-            if copy_engine != 0:
+            if ENGINE:
                 exchange_credits(d_credit, copy_go, sync[SYNC_CALLS], status, timeout_ns)
-        if copy_engine != 0 and status[STATUS_CODE] != 0:
+        if ENGINE and status[STATUS_CODE] != 0:
             return  # a peer's credit timed out (block 0 recorded it): send nothing more
         me = shmem.my_pe()
         R = d_counts.shape[1]
@@ -492,9 +508,9 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         tid = cuda.threadIdx.x
         n = sync[SYNC_CALLS]
         g = n % 2
-        by_engine = uint64(0) if copy_engine == 0 else ~(uint64(1) << uint64(me))  # destinations the copy engine serves
-        meta_stores = peer_stores != 0  # routing rows, ranks, counts: 4-byte stores into peers
-        route = land != 0  # landing call: the routing is signalled on its own (route ticket)
+        by_engine = uint64(0) if not ENGINE else ~(uint64(1) << uint64(me))  # destinations the copy engine serves
+        meta_stores = STORES  # routing rows, ranks, counts: 4-byte stores into peers
+        route = LAND  # landing call: the routing is signalled on its own (route ticket)
         flag_rows = route and not QUANT  # ... and the bf16 rows part by part
         n_route = route_blocks(cuda.gridDim.x)  # routing blocks: the grid's last
         token_blocks = max(cuda.gridDim.x - n_route, 1)
@@ -528,7 +544,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
 
         # every peer's credit of call n before any token row goes to it (the copy engine's
         # block 0 waited above; a block without token rows, or with only its own, need not)
-        if copy_engine == 0 and cuda.blockIdx.x < token_blocks and T > 0 and R > 1:
+        if not ENGINE and cuda.blockIdx.x < token_blocks and T > 0 and R > 1:
             if cuda.threadIdx.x == 0:
                 flag[0] = int32(await_credits(d_credit, n, status, timeout_ns))
                 stamp_first(status, 5)
@@ -551,7 +567,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
             span = part_words(S, parts, 1)  # blocks per part
             # straight into peers' slots (16-byte stores): encoded, or the caller's codes (word pairs)
             src_pairs = pairs_aligned(tokens)  # rows of whole word pairs (messages and bf16 blocks)
-            direct = peer_stores != 0 and (prequantized == 0 or src_pairs)
+            direct = STORES and (prequantized == 0 or src_pairs)
             i = cuda.blockIdx.x * warps + tid // warp
             while cuda.blockIdx.x < token_blocks and i < T * parts:
                 t, b0, b1 = part_bounds(i, parts, span, S)
@@ -590,7 +606,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         span = part_words(W, parts, warp)
         if flag_rows:  # the receivers cut rows alike from T (dispatch_land)
             parts, span = flag_rule(T_parts, W, DISPATCH_FLAG_PARTS, warp)
-        direct = (peer_stores != 0 and tokens.itemsize == 8 and W % 2 == 0 and pairs_aligned(tokens)
+        direct = (STORES and tokens.itemsize == 8 and W % 2 == 0 and pairs_aligned(tokens)
                   and pairs_aligned(d_tokens))
         lane = tid % warp
         i = cuda.blockIdx.x * warps + tid // warp
@@ -710,7 +726,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         if last_block_ticket(sync[SYNC_TICKET:SYNC_TICKET + 1], flag):
             stamp_last(status, 3)
             signal = (uint64(n + 1) << uint64(SIGNAL_TOKEN_BITS)) | uint64(T)  # layout.dispatch_signal_value
-            for d in range(tid, R if copy_engine == 0 else 0, threads):  # copy engine: dispatch_signal signals
+            for d in range(tid, R if not ENGINE else 0, threads):  # copy engine: dispatch_signal signals
                 if meta_stores:
                     shmem.signal_op(d_signal[g, me:me + 1], signal, shmem.SIGNAL_SET, d)
                 else:
@@ -973,7 +989,6 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                 if lane == 0:
                     claim[wid] = int32(await_part(d_row_flag, s, t, p, n, timeout_ns, status, KERNEL_DISPATCH_LAND,
                                                   COUNTER_DISPATCH_ROW_FLAG))
-                    cuda.threadfence_system()
                 warp_sync()
                 ok = claim[wid]
                 warp_sync()

@@ -40,7 +40,10 @@ complete (delivered) only after ``quiet()``; ``fence()`` orders them before late
 signals to the same PE. A ``signal_op`` is *not* ordered after earlier puts without a fence.
 Direct stores into an NVLink peer's copy go through host-made peer views
 (:meth:`ep_runtime.shmem.session.Session.peer_view`) passed as kernel arguments; publish them with
-``cuda.threadfence_system()`` in every storing thread, a barrier, then the signal.
+a barrier of the storing threads, then one thread's system fence (``cuda.threadfence_system()``,
+or ``quiet()``, which fences on NVLink; cumulative over what the barrier ordered) and the
+signal. The reader's ``wait_signal_ge`` polls with acquire loads; a barrier after it extends
+the ordering to its block or warp (no fence on the reading side).
 
 Constants: ``SIGNAL_SET``, ``SIGNAL_ADD``; ``CMP_EQ``, ``CMP_NE``, ``CMP_GT``, ``CMP_LE``,
 ``CMP_LT``, ``CMP_GE`` (NVSHMEM's values).

@@ -44,11 +44,12 @@ GATE_ENTRIES = [
 def ep_kernel_entries():
     """The EP kernels, at the GPU block size, with the exact signatures the runtime launches
     (from ``ep_runtime.kernel_args``, the lists the runtime builds its arguments from), and the
-    variants of the FP8 token formats and of float32 combine partials."""
+    variants of the FP8 token formats, of float32 combine partials and of the send paths."""
     from ep_runtime.config import EPConfig
     from ep_runtime.kernel_args import argtypes
     from ep_runtime.layout import BufferLayout, token_word
     from ep_runtime.runtime import GPU_THREADS, _kernels_for
+    from ep_runtime.transfer import SendPaths
 
     layout = BufferLayout(EPConfig(n_ranks=2, n_experts=8, top_k=2, hidden=64, max_tokens_per_rank=16))
     kernels = _kernels_for(GPU_THREADS, token_word(layout.cfg.hidden))
@@ -69,6 +70,16 @@ def ep_kernel_entries():
     assert ck["combine_async_rows"] is kernels["combine_async_rows"]
     entries += [(f"{name} (float32 partials)", ck[name], argtypes(name, f32))
                 for name in ("combine_async", "combine_wait")]
+    # the other send paths (compile time: ep_runtime.transfer.SendPaths), for the kernels that depend on them
+    for label, paths, names in (("puts", SendPaths(stores=False), ("dispatch_async", "combine_async",
+                                                                     "combine_async_rows")),
+                                ("copy engine", SendPaths(copy_engine=True), ("dispatch_async",)),
+                                ("land", SendPaths(land=True), ("dispatch_async",))):
+        pk = _kernels_for(GPU_THREADS, token_word(layout.cfg.hidden), paths=paths)
+        entries += [(f"{name} ({label})", pk[name], argtypes(name, layout)) for name in names]
+    fp8_puts = _kernels_for(GPU_THREADS, token_word(fp8.cfg.hidden), True, True, paths=SendPaths(stores=False))
+    entries.append(("dispatch_async (fp8_e4m3_ue8m0, puts)", fp8_puts["dispatch_async"],
+                    argtypes("dispatch_async", fp8)))
     return entries
 
 

@@ -75,7 +75,8 @@ def paths_pe(session, R: int, misaligned: bool) -> dict:
         xs, ids, ws = inputs(cfg, seed, counts)
         T = len(xs[r])
         with EPRuntime(cfg, session) as rt:
-            got = {"peer_stores": rt.peer_stores, "fused_copy": rt.fused_copy}
+            got = {"peer_stores": rt.peer_stores, "fused_copy": rt.fused_copy, "send_paths": tuple(rt.send_paths),
+                   "built_for": build_constants(rt._kernels["dispatch_async"], ("STORES", "ENGINE", "LAND"))}
             batch = rt.dispatch(place(xs[r].view(np.uint16)), ids[r], ws[r])
             got["x"] = session.to_host(batch.x)
             y = expanded_outputs(cfg, reference.dispatch(xs, ids, ws, cfg)[r], r)
@@ -88,6 +89,12 @@ def paths_pe(session, R: int, misaligned: bool) -> dict:
                                                             layout="compact", out=out))
         results[name] = got
     return results
+
+
+def build_constants(kernel, names) -> dict:
+    """The compile-time constants ``names`` a kernel was built with (its function's closure cells)."""
+    func = kernel.py_func
+    return {v: c.cell_contents for v, c in zip(func.__code__.co_freevars, func.__closure__ or ()) if v in names}
 
 
 @pytest.fixture(scope="module", params=sorted(MODES))
@@ -108,6 +115,36 @@ def test_the_runtime_takes_the_send_path_asked_for(sim):
         for name, got in res.items():
             assert got["peer_stores"] == (MODES[mode][0] == "1"), f"{mode} {name}"
             assert got["fused_copy"] == (MODES[mode][2] == "auto"), f"{mode} {name}"
+            # the path is compiled in: the kernels the runtime launches are the build for it
+            assert got["send_paths"] == (got["peer_stores"], False, False), f"{mode} {name}"
+            assert got["built_for"] == {"STORES": got["peer_stores"], "ENGINE": False, "LAND": False}, f"{mode} {name}"
+
+
+def test_prebuild_builds_the_send_path_the_environment_selects(monkeypatch):
+    from ep_runtime.runtime import expected_send_paths
+    from ep_runtime.transfer import SendPaths
+
+    cfg = EPConfig(n_ranks=2, n_experts=8, top_k=2, hidden=64, max_tokens_per_rank=16)
+    for var in ("EP_RUNTIME_PEER_STORES", "EP_RUNTIME_TOKEN_TRANSFER", "EP_RUNTIME_DISPATCH_LAND"):
+        monkeypatch.delenv(var, raising=False)
+    assert expected_send_paths(cfg) == SendPaths(stores=True, copy_engine=False, land=False)
+    monkeypatch.setenv("EP_RUNTIME_PEER_STORES", "0")
+    assert expected_send_paths(cfg) == SendPaths(stores=False)
+    monkeypatch.setenv("EP_RUNTIME_PEER_STORES", "1")
+    monkeypatch.setenv("EP_RUNTIME_DISPATCH_LAND", "1")
+    assert expected_send_paths(cfg) == SendPaths(land=True)
+    monkeypatch.delenv("EP_RUNTIME_DISPATCH_LAND")
+    monkeypatch.setenv("EP_RUNTIME_TOKEN_TRANSFER", "copy_engine")
+    assert expected_send_paths(cfg) == SendPaths(copy_engine=True)
+
+
+def test_a_build_refuses_send_paths_that_cannot_go_together():
+    from ep_runtime.kernels.dispatch import make_dispatch_kernels
+
+    with pytest.raises(ValueError, match="copy_engine needs stores"):
+        make_dispatch_kernels(8, stores=False, copy_engine=True)
+    with pytest.raises(ValueError, match="excludes land"):
+        make_dispatch_kernels(8, copy_engine=True, land=True)
 
 
 def test_dispatch_equals_the_reference_exactly(sim):
