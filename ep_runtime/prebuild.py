@@ -21,8 +21,9 @@ carry the versions of numba-cuda, NVSHMEM, NVRTC, nvJitLink and NVVM, and the ke
 the cache keys apart. The send path is compiled into the dispatch and combine kernels
 (:class:`ep_runtime.transfer.SendPaths`): the tool builds the one ``EP_RUNTIME_PEER_STORES``,
 ``EP_RUNTIME_TOKEN_TRANSFER`` and ``EP_RUNTIME_DISPATCH_LAND`` select
-(:func:`ep_runtime.runtime.expected_send_paths`), so run it with the job's settings. Prints one line per kernel and a summary last; exit status 0 when every
-kernel is cached, 1 when one failed to build, 2 when the tool cannot run here.
+(:func:`ep_runtime.runtime.expected_send_paths`), so run it with the job's settings. Prints
+one line per kernel and a summary last; exit status 0 when every kernel is cached, 1 when one
+failed to build, 2 when the tool cannot run here.
 """
 
 from __future__ import annotations

@@ -622,7 +622,8 @@ class EPRuntime:
         Returns whether the kernels store into peers' heaps directly (``SendPaths.stores``): every
         PE's heap mapped and ``EP_RUNTIME_PEER_STORES`` not ``0``."""
         table = np.zeros((len(PEER_REGIONS), self.cfg.n_ranks), np.uint64)
-        bases = session.peer_addresses(self._sym) if _peer_stores_wanted() else None  # the allocation: NVSHMEM tracks it
+        # the allocation: NVSHMEM tracks it
+        bases = session.peer_addresses(self._sym) if _peer_stores_wanted() else None
         on = bases is not None
         if on:
             for row, name in enumerate(PEER_REGIONS):

@@ -41,6 +41,7 @@ class SendPaths(NamedTuple):
     copy_engine: bool = False
     land: bool = False
 
+
 #: Environment variable choosing the token transfer: ``auto``, ``stores`` or ``copy_engine``.
 TOKEN_TRANSFER_ENV = "EP_RUNTIME_TOKEN_TRANSFER"
 
