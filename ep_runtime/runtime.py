@@ -181,8 +181,6 @@ class EPRuntime:
         self._peer_slots = peer_token_slots(session, self._sym, self.layout, self.rank) if self.copy_engine else None
         self._partial = partial_dtype(cfg)  # uint16 (bf16 bits) or float32
         self._f32_partials = self._partial == np.float32
-        #: what the kernels are built for (compile-time send path)
-        self.send_paths = SendPaths(self.peer_stores, self.copy_engine, self.dispatch_land)
         builds = kernel_builds(cfg, self._threads, self.send_paths)
         self._kernels = {name: kernel for name, kernel, _ in builds}
         unused = set() if self.dispatch_land else {"dispatch_land"}  # never launched by this runtime
@@ -572,6 +570,11 @@ class EPRuntime:
     def __exit__(self, *exc):
         self.close()
         return False
+
+    @property
+    def send_paths(self) -> SendPaths:
+        """What the kernels are built for: ``peer_stores``, ``copy_engine`` and ``dispatch_land``."""
+        return SendPaths(self.peer_stores, self.copy_engine, self.dispatch_land)
 
     @property
     def calls(self) -> int:
