@@ -12,7 +12,8 @@ with ``blockDim.x`` threads in a 1-D block.
 - ``warp_exclusive_count`` / ``warp_sum`` / ``group_max_u32``: a warp's ballot prefix count
   and sum, and the maximum over each group of its lanes (shuffles and ballots on a GPU, no
   shared memory);
-- ``popc32``: set bits of a 32-bit mask (any thread, no barrier);
+- ``popc32``: set bits of a 32-bit mask (any thread, no barrier); ``udiv32``: a 32-bit unsigned
+  quotient (Numba divides integers in 64 bits: a call to a division routine on a GPU);
 - ``row_parts`` / ``part_words`` / ``part_bounds``: how many warp items each token row is cut
   into, so that small batches still give every warp work (a row is ``W`` words; a warp item is
   one part of one row), and which words an item covers; ``interleaved_item``: items of R sources
@@ -163,6 +164,10 @@ if cuda_api.SIMULATED:
         """See the GPU version."""
         return bin(int(mask) & 0xFFFFFFFF).count("1")
 
+    def udiv32(a, b):
+        """See the GPU version."""
+        return uint32((int(a) & 0xFFFFFFFF) // (int(b) & 0xFFFFFFFF))
+
     def group_max_u32(value, group, buf64):
         """See the GPU version: the maximum over the lanes of this thread's group of ``group``
         consecutive lanes, through ``buf64``."""
@@ -177,6 +182,9 @@ if cuda_api.SIMULATED:
         return uint32(m)
 
 else:
+    from llvmlite import ir
+    from numba import types
+    from numba.core.extending import intrinsic
 
     @cuda.jit(device=True)
     def warp_sync():
@@ -196,6 +204,28 @@ else:
     def popc32(mask):
         """Set bits of the 32-bit ``mask`` (one ``POPC``). Any thread; no barrier."""
         return cuda.popc(uint32(mask))
+
+    def _to_u32(builder, value, ty):
+        """LLVM ``i32`` of integer ``value`` of Numba type ``ty`` (truncated or zero-extended)."""
+        i32 = ir.IntType(32)
+        if ty.bitwidth > 32:
+            return builder.trunc(value, i32)
+        return builder.zext(value, i32) if ty.bitwidth < 32 else value
+
+    @intrinsic
+    def udiv32(typingctx, a, b):
+        """``uint32(a) // uint32(b)`` (``b > 0``; both taken modulo 2**32) as one 32-bit unsigned
+        division, which ptxas expands inline (a reciprocal and a correction). Numba's ``//`` on
+        integers divides in 64 bits, which compiles to a 32-bit fast path plus a call to a
+        64-bit division routine (docs/throughput.md, "v21")."""
+        if not (isinstance(a, types.Integer) and isinstance(b, types.Integer)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            (ta, tb), (va, vb) = signature.args, args
+            return builder.udiv(_to_u32(builder, va, ta), _to_u32(builder, vb, tb))
+
+        return types.uint32(a, b), codegen
 
     @cuda.jit(device=True)
     def group_max_u32(value, group, buf64):

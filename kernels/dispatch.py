@@ -20,12 +20,13 @@ from ep_runtime.kernels import pdl, shmem
 from ep_runtime.kernels.bits import f32_bits
 from ep_runtime.kernels.block import (await_part, block_exclusive_scan, flag_part, flag_rule,
                                       grant_token_credits, last_block_ticket, local_expert_count, part_bounds,
-                                      part_words, popc32, record_error, row_parts, warp_exclusive_count,
+                                      part_words, popc32, record_error, row_parts, udiv32, warp_exclusive_count,
                                       warp_geometry, warp_sync)
 from ep_runtime.kernels.cuda_api import SIMULATED, cuda, kernel_jit
 from ep_runtime.kernels.token_codec import BLOCK_WORDS, CODE_WORDS, make_token_codec
 from ep_runtime.kernels.trace import stamp_first, stamp_last
-from ep_runtime.kernels.vec import address_of, load_u32_at, make_pair_loops, pairs_aligned, store_u32_at, store_u8_at
+from ep_runtime.kernels.vec import (address_of, load_u32_at, make_pair_loops, pairs_aligned, store_u32_at, store_u8_at,
+                                    store_word_at)
 from ep_runtime.layout import (DISPATCH_FLAG_PARTS, LAND_CALLS, LAND_CLAIMS, LAND_TICKET, PEER_COUNTS, PEER_IDS,
                               PEER_RANKS, PEER_TOKENS, PEER_WEIGHTS, SIGNAL_TOKEN_BITS, STATUS_CODE, SYNC_CALLS,
                               SYNC_ROUTE_TICKET, SYNC_TICKET)
@@ -55,6 +56,10 @@ RANK_WINDOW = 4 if SIMULATED else 256
 ROUTE_BLOCKS = 2 if SIMULATED else 8
 ROUTE_BLOCKS_QUANT = 2 if SIMULATED else 4
 ROUTE_GRID_SHARE = 1 if SIMULATED else 12
+
+#: Expert ids of a token loaded together, before any is used (:func:`token_destinations`):
+#: independent loads in flight instead of a loop of load-then-use steps.
+ID_BATCH = 8
 
 #: Staged ranks each thread of the routing block loads before it stores any to the ranks'
 #: destinations (the loads are independent; the stores, through raw addresses, would otherwise
@@ -237,6 +242,24 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                 row_offsets[e] = base
                 expert_counts[e] = count
             e += cuda.gridDim.x * warps
+
+    @cuda.jit(device=True)
+    def token_destinations(ids_at, K, L, skip, ids_l):
+        """Bit d set (uint64) for every rank d holding one of a token's ``K`` experts, but not for
+        the ranks set in ``skip``: the token's ids are the int32 at address ``ids_at`` (its row of
+        ``topk_ids``), rank d holds experts ``[d L, (d + 1) L)``. The ids are loaded ``ID_BATCH``
+        at a time into ``ids_l`` (local int32 [ID_BATCH]), all before any is used: a loop that
+        loaded one id and tested it before the next load left one memory latency per id on the
+        token rows' path (docs/throughput.md, "v21")."""
+        sent = uint64(0)
+        for k0 in range(0, K, ID_BATCH):
+            for u in range(ID_BATCH):  # a constant trip count: unrolled, ids_l in registers
+                if k0 + u < K:
+                    ids_l[u] = int32(load_u32_at(ids_at, k0 + u))
+            for u in range(ID_BATCH):
+                if k0 + u < K:
+                    sent |= uint64(1) << uint64(udiv32(ids_l[u], L))
+        return sent & ~skip
 
     @cuda.jit(device=True)
     def send_prequantized(codes, scales8, b0, b1, PB, peer_bases, sent, slot, lane, lo, hi):
@@ -433,9 +456,11 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         (1) The token blocks send every token's routing row (ids and weights) to every rank,
         then each of their warps takes items (grid-strided): part of token row t (``row_parts``:
         whole rows for large batches) and puts it into slot [me, t] of every rank that holds
-        one of the token's experts: in a ``stores`` build (bf16 rows of uint64 words), 16-byte
-        stores through the NVLink mappings, each word pair loaded once for all destinations;
-        otherwise ``put_nbi_warp`` (a warp-wide copy) per destination. In an FP8 format a part
+        one of the token's experts (``token_destinations``: the token's ids loaded together).
+        A ``stores`` build stores through the NVLink mappings, each word loaded once for all
+        destinations: 16-byte word pairs where the rows allow it (uint64 words, 16-byte
+        aligned), else a word per lane per step; a puts build, ``put_nbi_warp`` (a warp-wide
+        copy) per destination. In an FP8 format a part
         is a run of 128-element blocks: with stores the warp encodes it straight into
         every destination's slot (``encode_blocks``: 8 lanes a block, 16-byte stores of 16
         codes, the blocks' scales; pre-quantized input: ``send_prequantized``, the caller's code word pairs and
@@ -483,6 +508,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         lo = cuda.local.array(UP, uint64)
         hi = cuda.local.array(UP, uint64)
         run_l = cuda.local.array(RUN_BATCH, uint32)  # (2): ranks loaded before they are stored
+        ids_l = cuda.local.array(ID_BATCH, int32)  # (1): a token's expert ids
         pdl.dependency_wait()  # nothing stream-ordered is read before this (kernels/pdl.py)
         pdl.trigger_dependents()  # after the wait: a dispatch_land started now finds all before this complete
         if status[STATUS_CODE] != 0:
@@ -491,6 +517,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                 cuda.threadfence_system()
             return  # an earlier call failed: send nothing, so peers time out naming this rank
         stamp_first(status, 0)
+        stamp_last(status, 30)
         if cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
             grant_token_credits(d_credit, sync[SYNC_CALLS])
             if ENGINE:
@@ -508,6 +535,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         tid = cuda.threadIdx.x
         n = sync[SYNC_CALLS]
         g = n % 2
+        ids_base = address_of(topk_ids)  # [Tc, K] C-contiguous: token t's ids at 4 t K bytes past it
         by_engine = uint64(0) if not ENGINE else ~(uint64(1) << uint64(me))  # destinations the copy engine serves
         meta_stores = STORES  # routing rows, ranks, counts: 4-byte stores into peers
         route = LAND  # landing call: the routing is signalled on its own (route ticket)
@@ -554,6 +582,8 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
             cuda.syncthreads()  # flag read by every thread before the ticket reuses it
 
         # (1) token rows, deduplicated per destination rank, a warp per row part, in the token blocks
+        if cuda.blockIdx.x < token_blocks:
+            stamp_last(status, 31)
         all_warps = token_blocks * warps
         if QUANT:  # a warp per part of a token (a run of 128-element blocks): encode once, put to each rank
             mbuf = cuda.shared.array(threads, int64)  # the simulator's warp-max scratch
@@ -572,9 +602,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
             while cuda.blockIdx.x < token_blocks and i < T * parts:
                 t, b0, b1 = part_bounds(i, parts, span, S)
                 if b0 < b1:
-                    sent = uint64(0)  # bit d: the token goes to rank d
-                    for k in range(K):
-                        sent |= uint64(1) << uint64(topk_ids[t, k] // L)
+                    sent = token_destinations(ids_base + uint64(4 * t * K), K, L, uint64(0), ids_l)  # bit d: to rank d
                     if direct:
                         slot = address_of(d_tokens[me, t]) - address_of(d_tokens)  # the same on every PE
                         if prequantized == 0:
@@ -613,29 +641,37 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         while cuda.blockIdx.x < token_blocks and i < T_parts * parts:
             t, w0, w1 = part_bounds(i, parts, span, W)
             if w0 < w1:
-                sent = uint64(0)  # bit d: this part goes to rank d (by these warps, not the copy engine)
-                for k in range(K):
-                    d = topk_ids[t, k] // L
-                    if (sent >> uint64(d)) & uint64(1) == uint64(0) and (by_engine >> uint64(d)) & uint64(1) == 0:
-                        sent |= uint64(1) << uint64(d)
-                        if not direct and flag_rows:  # the part's flag travels with it
-                            p = i - t * parts
-                            shmem.put_signal_nbi_warp(d_tokens[me, t, w0:w1], tokens[t, w0:w1],
-                                                      d_row_flag[me, t, p:p + 1], uint64(n + 1), shmem.SIGNAL_SET, d)
-                        elif not direct:
-                            shmem.put_nbi_warp(d_tokens[me, t, w0:w1], tokens[t, w0:w1], d)
-                if direct:  # UP word pairs per lane loaded once, stored to every destination
-                    src = tokens[t]
+                # bit d: this part goes to rank d (by these warps, not the copy engine)
+                sent = token_destinations(ids_base + uint64(4 * t * K), K, L, by_engine, ids_l)
+                p = i - t * parts
+                src = tokens[t]
+                if not STORES:  # an NVSHMEM put per destination (landing: the part's flag travels with it)
+                    for d in range(R):
+                        if (sent >> uint64(d)) & uint64(1):
+                            if flag_rows:
+                                shmem.put_signal_nbi_warp(d_tokens[me, t, w0:w1], src[w0:w1],
+                                                          d_row_flag[me, t, p:p + 1], uint64(n + 1),
+                                                          shmem.SIGNAL_SET, d)
+                            else:
+                                shmem.put_nbi_warp(d_tokens[me, t, w0:w1], src[w0:w1], d)
+                else:
                     slot = address_of(d_tokens[me, t]) - address_of(d_tokens)  # the same on every PE
-                    w = w0 + 2 * lane
-                    while w < w1:
-                        load_pairs(src, w, w1, lo, hi)
-                        for d in range(R):
-                            if (sent >> uint64(d)) & uint64(1):
-                                store_pairs_at(peer_bases[PEER_TOKENS, d] + slot, w, w1, lo, hi)
-                        w += 2 * UP * warp
+                    if direct:  # UP word pairs per lane loaded once, stored to every destination
+                        w = w0 + 2 * lane
+                        while w < w1:
+                            load_pairs(src, w, w1, lo, hi)
+                            for d in range(R):
+                                if (sent >> uint64(d)) & uint64(1):
+                                    store_pairs_at(peer_bases[PEER_TOKENS, d] + slot, w, w1, lo, hi)
+                            w += 2 * UP * warp
+                    else:  # rows without 16-byte word pairs: a word per lane per step, loaded once
+                        for w in range(w0 + lane, w1, warp):
+                            v = src[w]
+                            for d in range(R):
+                                if (sent >> uint64(d)) & uint64(1):
+                                    store_word_at(peer_bases[PEER_TOKENS, d] + slot, w, v)
                     if flag_rows:  # the part is in every destination: flag it there
-                        flag_part(d_row_flag, me, t, i - t * parts, n, sent, lane)
+                        flag_part(d_row_flag, me, t, p, n, sent, lane)
             i += all_warps
 
         stamp_last(status, 1)
@@ -667,6 +703,10 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                         cuda.atomic.add(next_rank, el, int32(1))
                 cuda.syncthreads()
                 for tb in range(c0, c1, threads):
+                    if tb > c0:  # a later round: clear the masks the last one set (read by all: its last barrier)
+                        for m in range(tid, RANK_WORDS, threads):
+                            masks[m] = uint32(0)
+                        cuda.syncthreads()
                     t = tb + tid
                     valid = t < c1
                     # this lane's bit in its warp's mask of each of its token's experts in the window
@@ -687,10 +727,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                         for k in range(K):
                             stage_rank(masks, warp_rows, int32(load_u32_at(ids_src, t * K + k)) - w0, wid,
                                        lanes_below, ranks_src, t * K + k)
-                    cuda.syncthreads()  # every mask read before the next round clears it
-                    for m in range(tid, RANK_WORDS, threads):
-                        masks[m] = uint32(0)
-                    cuda.syncthreads()
+                    cuda.syncthreads()  # every mask read before the next round (or window) clears it
                 # the window's counts, each to its expert's rank
                 for el in range(tid, SW if counts_here else 0, threads):
                     x = w0 + el

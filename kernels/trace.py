@@ -27,8 +27,10 @@ TRACE = os.environ.get("EP_RUNTIME_TRACE", "").strip().lower() in ("1", "true", 
 #: slot -> (kernel, point). A kernel's points are measured from its ``start`` slot.
 SLOTS = {
     0: ("dispatch_async", "start"),
+    30: ("dispatch_async", "started (last block)"),
     5: ("dispatch_async", "token credits seen (block 0)"),
     4: ("dispatch_async", "routing rows sent (last block)"),
+    31: ("dispatch_async", "token rows begun (last token block)"),
     1: ("dispatch_async", "tokens sent (last block)"),
     19: ("dispatch_async", "ranks computed and staged (routing block)"),
     2: ("dispatch_async", "ranks and counts sent (last block)"),

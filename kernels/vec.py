@@ -25,6 +25,9 @@ instruction (``cvt.rn.bf16x2.f32``).
 - ``store_u32_at(addr, i, v)``, ``store_u8_at(addr, i, v)``: one uint32 at ``addr + 4 i``
   (4-byte aligned) or one byte at ``addr + i``, the same way (FP8 messages encoded straight
   into peers' receive slots: four E4M3 codes, a float32 scale, a UE8M0 scale code).
+- ``store_word_at(addr, i, v)``: one unsigned word ``v`` (uint16, uint32 or uint64: a token
+  word) at ``addr + i * size(v)``, aligned to its size (token rows stored into peers' slots
+  a word at a time where their word pairs are not 16-byte aligned).
 - ``pack_bf16x2(lo, hi) -> uint32``: ``lo`` and ``hi`` (float32) rounded to bf16, ``lo`` in
   bits 0-15: the same bits as :func:`ep_runtime.kernels.bits.f32_to_bf16` for every input
   (the hardware's canonical NaN is replaced by ml_dtypes' quiet NaN with the input's sign).
@@ -77,6 +80,13 @@ if _config.ENABLE_CUDASIM:
     def store_u8_at(addr, i, v):
         """The low byte of ``v`` at address ``addr + i``."""
         ctypes.c_uint8.from_address(int(addr) + int(i)).value = int(v) & 0xFF
+
+    _WORD_TYPES = {1: ctypes.c_uint8, 2: ctypes.c_uint16, 4: ctypes.c_uint32, 8: ctypes.c_uint64}
+
+    def store_word_at(addr, i, v):
+        """Word ``v`` (a NumPy unsigned integer) at address ``addr + i * v.itemsize``."""
+        size = np.asarray(v).dtype.itemsize
+        _WORD_TYPES[size].from_address(int(addr) + size * int(i)).value = int(v)
 
     def load_u32_at(addr, i):
         """The uint32 at address ``addr + 4 i``."""
@@ -230,6 +240,23 @@ else:
             i64 = ir.IntType(64)
             byte = builder.add(args[0], builder.mul(args[1], ir.Constant(i64, 4)))
             return builder.load(builder.inttoptr(byte, ir.IntType(32).as_pointer()), align=4)
+
+        return sig, codegen
+
+    @intrinsic
+    def store_word_at(typingctx, addr, i, v):
+        """Unsigned word ``v`` (16, 32 or 64 bits) stored at byte address ``addr + i * size(v)``."""
+        if not (isinstance(addr, types.Integer) and isinstance(i, types.Integer) and isinstance(v, types.Integer)
+                and not v.signed and v.bitwidth in (16, 32, 64)):
+            return None
+        sig = types.void(types.uint64, types.int64, v)
+
+        def codegen(context, builder, signature, args):
+            i64 = ir.IntType(64)
+            bits = signature.args[2].bitwidth
+            byte = builder.add(args[0], builder.mul(args[1], ir.Constant(i64, bits // 8)))
+            builder.store(args[2], builder.inttoptr(byte, ir.IntType(bits).as_pointer()), align=bits // 8)
+            return context.get_dummy_value()
 
         return sig, codegen
 
