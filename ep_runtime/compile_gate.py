@@ -9,6 +9,10 @@ sm_90 device, ``(9, 0, "a")``. The link runs NVRTC over NVSHMEM's headers (nvshm
 and nvJitLink over everything, so typing errors against nvshmem4py's overloads, lowering
 errors and unresolved device symbols all show up here, without a GPU and without a driver.
 
+Each result also reports what the linked code holds: registers per thread, SASS instructions
+(code a kernel runs once per call costs its fetch) and the NVSHMEM transfer routines it still
+calls (what its send path leaves to NVSHMEM).
+
 Entries come from ``ep_runtime.kernels.signatures.gate_entries()`` unless ``--entries`` names
 another module (dotted name or ``.py`` path) with a ``gate_entries()`` function; the tests use
 that for the negative control, which must FAIL.
@@ -68,12 +72,21 @@ class CompileResult:
     #: was compiled under (``max_registers``; None: no cap). None when not built.
     registers: int | None = None
     max_registers: int | None = None
+    #: SASS instructions of the linked cubin's code (``.text`` sections, 16 bytes each): code a
+    #: kernel runs once per call is fetched cold, about 0.7 ns an instruction on an H100
+    #: (docs/throughput.md, "v21"). None when not built.
+    instructions: int | None = None
+    #: the NVSHMEM transfer routines (``nvshmemi_transfer_*``) the linked code still calls, by
+    #: name, sorted: what a build's send path leaves to NVSHMEM. None when not built.
+    nvshmem_transfers: list | None = None
 
     def line(self) -> str:
         size = f"{self.cubin_bytes / 1024:8.1f} KB" if self.ok else "       - KB"
         text = f"{self.name:<44} {'OK' if self.ok else 'FAIL':<4} {self.seconds:7.2f} s {size}"
         if self.registers is not None:
             text += f" {self.registers:4d} regs"
+        if self.instructions is not None:
+            text += f" {self.instructions:6d} instr"
         if not self.ok:
             text += f"  [{self.stage}]"
             detail = (self.error or "").strip().splitlines()
@@ -201,11 +214,8 @@ _EIATTR_REGCOUNT = 0x2F
 _EIFMT_SVAL = 4
 
 
-def cubin_registers(cubin: bytes) -> int:
-    """Registers per thread of the most demanding function in a linked sm_90 cubin (an ELF64
-    file): the largest EIATTR_REGCOUNT of its ``.nv.info`` sections. What the driver reports as
-    the kernel's NUM_REGS, read here without a GPU, so a kernel too large for its block size
-    fails the gate instead of its first launch."""
+def _elf_sections(cubin: bytes) -> list[tuple[bytes, int, int]]:
+    """``(name, offset, size)`` of every section of an ELF64 cubin."""
     import struct
 
     if cubin[:4] != b"\x7fELF" or cubin[4] != 2:
@@ -214,9 +224,17 @@ def cubin_registers(cubin: bytes) -> int:
     shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
     sections = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
     names_at = sections[shstrndx][4]
+    return [(cubin[names_at + name_off:cubin.index(b"\0", names_at + name_off)], offset, size)
+            for name_off, _, _, _, offset, size, *_ in sections]
+
+
+def cubin_registers(cubin: bytes) -> int:
+    """Registers per thread of the most demanding function in a linked sm_90 cubin (an ELF64
+    file): the largest EIATTR_REGCOUNT of its ``.nv.info`` sections. What the driver reports as
+    the kernel's NUM_REGS, read here without a GPU, so a kernel too large for its block size
+    fails the gate instead of its first launch."""
     regs = []
-    for name_off, _, _, _, offset, size, *_ in sections:
-        name = cubin[names_at + name_off:cubin.index(b"\0", names_at + name_off)]
+    for name, offset, size in _elf_sections(cubin):
         if not name.startswith(b".nv.info"):
             continue
         data, i = cubin[offset:offset + size], 0
@@ -231,6 +249,20 @@ def cubin_registers(cubin: bytes) -> int:
     if not regs:
         raise ValueError("no EIATTR_REGCOUNT in the cubin")
     return max(regs)
+
+
+def cubin_instructions(cubin: bytes) -> int:
+    """SASS instructions in a linked sm_90 cubin: its ``.text`` sections' bytes over 16 (one
+    instruction each), the kernel and any function not inlined into it."""
+    return sum(size for name, _, size in _elf_sections(cubin) if name.startswith(b".text")) // 16
+
+
+def cubin_nvshmem_transfers(cubin: bytes) -> list[str]:
+    """Names of the NVSHMEM transfer routines (``nvshmemi_transfer_<what>``, from their mangled
+    symbols) a linked cubin still holds, sorted and without repeats."""
+    import re
+
+    return sorted({m.decode() for m in re.findall(rb"nvshmemi_transfer_[a-z_]+[a-z]", cubin)})
 
 
 def compile_for_sm90(py_func, argtypes, name: str | None = None) -> CompileResult:
@@ -255,9 +287,11 @@ def compile_for_sm90(py_func, argtypes, name: str | None = None) -> CompileResul
         size = len(bytes(data))
         if size == 0:
             raise RuntimeError("linker returned an empty cubin")
+        data = bytes(data)
         return CompileResult(name, True, time.perf_counter() - start, size,
-                             cooperative=bool(kernel.cooperative), registers=cubin_registers(bytes(data)),
-                             max_registers=options.get("max_registers"))
+                             cooperative=bool(kernel.cooperative), registers=cubin_registers(data),
+                             max_registers=options.get("max_registers"), instructions=cubin_instructions(data),
+                             nvshmem_transfers=cubin_nvshmem_transfers(data))
     except GateSetupError:
         raise
     except Exception as exc:  # noqa: BLE001 - every kernel error is a gate FAIL

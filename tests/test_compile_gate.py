@@ -91,6 +91,23 @@ def test_every_kernel_compiles_and_links_for_sm90(gate_runs):
     for r in report["results"]:
         assert r["ok"] and r["cubin_bytes"] > 0, r
         assert 0 < r["registers"] <= 255, r
+        assert 0 < r["instructions"] < r["cubin_bytes"] // 16, r
+
+
+def test_the_stores_dispatch_leaves_no_rma_to_nvshmem(gate_runs):
+    """The send path is a build constant (docs/protocol.md, "Send path at build time"): the
+    stores build of the bf16 dispatch_async moves every token row, routing row, rank and count
+    through the peers' mappings, so its linked code holds no NVSHMEM RMA routine (since v21 not
+    even a fallback for rows without 16-byte word pairs: a word per lane instead), while the
+    puts build does. The signal and the quiet stay NVSHMEM's in both. (combine_async's stores
+    build still stages and puts rows without word pairs: docs/throughput.md, "v21", Next.)"""
+    _, report, _ = gate_runs["positive"]
+    results = {r["name"]: r for r in report["results"]}
+    stores, puts = results["dispatch_async"], results["dispatch_async (puts)"]
+    assert [f for f in stores["nvshmem_transfers"] if "rma" in f] == [], stores
+    assert any("rma" in f for f in puts["nvshmem_transfers"]), puts
+    for r in (stores, puts):
+        assert {"nvshmemi_transfer_amo_nonfetch", "nvshmemi_transfer_quiet"} <= set(r["nvshmem_transfers"]), r
 
 
 def test_every_ep_kernel_fits_its_block_size(gate_runs):
