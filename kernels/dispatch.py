@@ -535,7 +535,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         tid = cuda.threadIdx.x
         n = sync[SYNC_CALLS]
         g = n % 2
-        ids_base = address_of(topk_ids)  # [Tc, K] C-contiguous: token t's ids at 4 t K bytes past it
+        ids_base = address_of(topk_ids)  # [Tc, K] C-contiguous: (t, k) is flat element t K + k
         by_engine = uint64(0) if not ENGINE else ~(uint64(1) << uint64(me))  # destinations the copy engine serves
         meta_stores = STORES  # routing rows, ranks, counts: 4-byte stores into peers
         route = LAND  # landing call: the routing is signalled on its own (route ticket)
@@ -689,7 +689,6 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
             lanes_below = (uint32(1) << uint32(lane)) - uint32(1)
             ranks_at = address_of(d_ranks[g, me]) - address_of(d_ranks)  # element t * K + k of the run
             counts_at = address_of(d_counts[g, me]) - address_of(d_counts)
-            ids_src = address_of(topk_ids)  # [T, K] C-contiguous: (t, k) is flat element t K + k
             ranks_src = address_of(send_ranks)  # likewise [Tmax, K]
             for w0 in range(0, E, SW):
                 for el in range(tid, SW, threads):
@@ -698,7 +697,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                     masks[m] = uint32(0)
                 cuda.syncthreads()
                 for j in range(tid, c0 * K, threads):  # tokens before the chunk: each expert's first rank
-                    el = int32(load_u32_at(ids_src, j)) - w0
+                    el = int32(load_u32_at(ids_base, j)) - w0
                     if el >= 0 and el < SW:
                         cuda.atomic.add(next_rank, el, int32(1))
                 cuda.syncthreads()
@@ -712,7 +711,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                     # this lane's bit in its warp's mask of each of its token's experts in the window
                     if valid:
                         for k in range(K):
-                            mark_expert(masks, int32(load_u32_at(ids_src, t * K + k)) - w0, wid, lane)
+                            mark_expert(masks, int32(load_u32_at(ids_base, t * K + k)) - w0, wid, lane)
                     cuda.syncthreads()
                     # a thread per expert: each warp's first rank for it, warps in order
                     for el in range(tid, SW, threads):
@@ -725,7 +724,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                     # each (token, k)'s rank: its warp's first rank plus the lanes below with the expert
                     if valid:
                         for k in range(K):
-                            stage_rank(masks, warp_rows, int32(load_u32_at(ids_src, t * K + k)) - w0, wid,
+                            stage_rank(masks, warp_rows, int32(load_u32_at(ids_base, t * K + k)) - w0, wid,
                                        lanes_below, ranks_src, t * K + k)
                     cuda.syncthreads()  # every mask read before the next round (or window) clears it
                 # the window's counts, each to its expert's rank

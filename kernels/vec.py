@@ -205,10 +205,21 @@ else:
 
         return sig, codegen
 
+    def _store_codegen(bits: int):
+        """Codegen of ``(addr, i, v)``: ``v`` stored as a ``bits``-bit integer at byte address
+        ``addr + i * bits / 8`` (aligned to its size)."""
+        size = bits // 8
+
+        def codegen(context, builder, signature, args):
+            byte = builder.add(args[0], builder.mul(args[1], ir.Constant(ir.IntType(64), size)))
+            builder.store(args[2], builder.inttoptr(byte, ir.IntType(bits).as_pointer()), align=size)
+            return context.get_dummy_value()
+
+        return codegen
+
     def _scalar_store_at(bits: int):
         """An intrinsic ``(addr: uint64, i: int64, v)`` storing ``v`` as a ``bits``-bit integer
         at byte address ``addr + i * bits / 8`` (aligned to its size)."""
-        size = bits // 8
         nty = types.uint32 if bits == 32 else types.uint8
 
         @intrinsic
@@ -216,15 +227,7 @@ else:
             if not (isinstance(addr, types.Integer) and isinstance(i, types.Integer)
                     and isinstance(v, types.Integer)):
                 return None
-            sig = types.void(types.uint64, types.int64, nty)
-
-            def codegen(context, builder, signature, args):
-                i64 = ir.IntType(64)
-                byte = builder.add(args[0], builder.mul(args[1], ir.Constant(i64, size)))
-                builder.store(args[2], builder.inttoptr(byte, ir.IntType(bits).as_pointer()), align=size)
-                return context.get_dummy_value()
-
-            return sig, codegen
+            return types.void(types.uint64, types.int64, nty), _store_codegen(bits)
 
         return store_at
 
@@ -249,16 +252,7 @@ else:
         if not (isinstance(addr, types.Integer) and isinstance(i, types.Integer) and isinstance(v, types.Integer)
                 and not v.signed and v.bitwidth in (16, 32, 64)):
             return None
-        sig = types.void(types.uint64, types.int64, v)
-
-        def codegen(context, builder, signature, args):
-            i64 = ir.IntType(64)
-            bits = signature.args[2].bitwidth
-            byte = builder.add(args[0], builder.mul(args[1], ir.Constant(i64, bits // 8)))
-            builder.store(args[2], builder.inttoptr(byte, ir.IntType(bits).as_pointer()), align=bits // 8)
-            return context.get_dummy_value()
-
-        return sig, codegen
+        return types.void(types.uint64, types.int64, v), _store_codegen(v.bitwidth)
 
     #: uint32 ``v`` at byte address ``addr + 4 i``
     store_u32_at = _scalar_store_at(32)
