@@ -25,7 +25,7 @@ from ep_runtime.kernels.block import (await_part, flag_part, flag_rule, grant_to
 from ep_runtime.kernels.cuda_api import cuda, kernel_jit
 from ep_runtime.kernels.trace import stamp_first, stamp_last
 from ep_runtime.kernels.vec import (address_of, load_pair, make_pair_loops, pack_bf16x2, pack_bf16x4, pack_f32x2,
-                                   pairs_aligned, store_pair, store_pair_at)
+                                   pairs_aligned, store_pair, store_pair_at, store_word_at)
 from ep_runtime.layout import COMBINE_FLAG_PARTS as FLAG_PARTS
 from ep_runtime.layout import PEER_PARTIALS, STATUS_CODE, SYNC_CALLS
 from ep_runtime.status import COUNTER_COMBINE_ROW_FLAG, COUNTER_COMBINE_SIGNAL, ERR_TIMEOUT, KERNEL_COMBINE_WAIT
@@ -183,9 +183,11 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
         token's local experts in ascending order of weight * output, in float32 from 0,
         rounded to bf16 (or kept float32: token word w becomes partial words P w .. P w + P - 1).
         A partial for this rank's own token is stored straight into its slot [g, me, t]; one
-        for a peer goes to slot [g, me, t] of rank src: with stores (uint64 words, word
-        pairs), stored there through its NVLink mapping; otherwise staged in stage[src, t] and
-        its partial words [P w0, P w1) put (``put_nbi_warp``). Tokens that hit no local expert send
+        for a peer goes to slot [g, me, t] of rank src: in a ``stores`` build stored there
+        through its NVLink mapping, as word pairs where the arrays allow it (uint64 words,
+        16-byte aligned), else a partial word per lane per step (no NVSHMEM put in the build);
+        in a puts build staged in stage[src, t] and its partial words [P w0, P w1) put
+        (``put_nbi_warp``). Tokens that hit no local expert send
         nothing. The last block (ticket) signals n + 1 to every rank after every block's puts
         and stores completed.
 
@@ -242,13 +244,15 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
                 n_local = local_expert_count(d_ids[g, s, t], L, me)
                 if n_local > 0 and w0 < w1:
                     dst = c_partials[g, me, t] if s == me else stage[s, t]
-                    to_peer = direct and s != me
+                    stored = STORES and s != me  # stored into rank s through its mapping (else staged, put)
+                    to_peer = direct and s != me  # ... as word pairs
+                    in_pairs = pairs and (to_peer or not stored)  # else a word per lane per step
                     peer_row = uint64(0)
-                    if to_peer:  # slot [g, me, t] of rank s: the same offset on every PE
+                    if stored:  # slot [g, me, t] of rank s: the same offset on every PE
                         peer_row = peer_bases[PEER_PARTIALS, s] + (address_of(c_partials[g, me, t])
                                                                    - address_of(c_partials))
                     w = w0 + 2 * lane
-                    while pairs and w < w1:  # UP word pairs per lane: every row's loads issued before use
+                    while in_pairs and w < w1:  # UP word pairs per lane: every row's loads issued before use
                         for x in range(U * pack):
                             acc[x] = float32(0.0)
                         for j in range(n_local):
@@ -267,7 +271,7 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
                                     store_partial_pair(dst, w + 2 * u * warp, acc, 2 * u * pack)
                         w += 2 * UP * warp
                     w = w0 + lane
-                    while not pairs and w < w1:  # U words per lane: every row's loads issued before use
+                    while not in_pairs and w < w1:  # U words per lane: every row's loads issued before use
                         for x in range(U * pack):
                             acc[x] = float32(0.0)
                         for j in range(n_local):
@@ -284,15 +288,24 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
                             if w + u * warp < w1:
                                 if F32:  # unrounded: partial words 2 wu, 2 wu + 1
                                     wu = w + u * warp
-                                    dst[2 * wu] = f32_bits_at(acc[u * 4], 0) | f32_bits_at(acc[u * 4 + 1], 1)
-                                    dst[2 * wu + 1] = f32_bits_at(acc[u * 4 + 2], 0) | f32_bits_at(acc[u * 4 + 3], 1)
+                                    p0 = f32_bits_at(acc[u * 4], 0) | f32_bits_at(acc[u * 4 + 1], 1)
+                                    p1 = f32_bits_at(acc[u * 4 + 2], 0) | f32_bits_at(acc[u * 4 + 3], 1)
+                                    if stored:
+                                        store_word_at(peer_row, 2 * wu, uint64(p0))
+                                        store_word_at(peer_row, 2 * wu + 1, uint64(p1))
+                                    else:
+                                        dst[2 * wu] = p0
+                                        dst[2 * wu + 1] = p1
                                 else:
                                     packed = uint64(0)
                                     for x in range(pack):
                                         packed |= bf16_bits_at(acc[u * pack + x], x)
-                                    dst[w + u * warp] = word_t(packed)
+                                    if stored:
+                                        store_word_at(peer_row, w + u * warp, word_t(packed))
+                                    else:
+                                        dst[w + u * warp] = word_t(packed)
                         w += U * warp
-                    if s != me and not to_peer:
+                    if s != me and not stored:
                         warp_sync()  # the whole staged part is written before the warp's put
                         pw0 = 2 * w0 if F32 else w0
                         pw1 = 2 * w1 if F32 else w1
@@ -326,9 +339,10 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
 
         A warp per item (part of a row, ``row_parts``; the peers' items interleaved,
         ``interleaved_item`` over the R - 1 peers): a row for a peer goes straight from
-        expert_out to slot [g, me, t] of rank s (no staging): with stores (peer_bases row 1,
-        as in combine_async; uint64 words) as 16-byte stores through its NVLink mapping,
-        otherwise ``put_nbi_warp``. This rank's own rows (``s = me``) are not copied: combine_wait
+        expert_out to slot [g, me, t] of rank s (no staging): in a ``stores`` build through its
+        NVLink mapping (peer_bases row 1, as in combine_async), 16-byte stores of word pairs
+        where the arrays allow it, else a word per lane per step; in a puts build
+        ``put_nbi_warp``. This rank's own rows (``s = me``) are not copied: combine_wait
         reads them from expert_out itself (its ``own_rows``), so every warp carries NVLink rows.
         The last block (ticket) signals n + 1 to every rank. Flagged calls flag each part as
         combine_async does (parts of partial words: this one build serves both partial formats;
@@ -382,6 +396,13 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
                             load_pairs(src, w, w1, lo, hi)
                             store_pairs_at(peer_row, w, w1, lo, hi)
                             w += 2 * UP * warp
+                        if flagged:
+                            flag_part(c_row_flag, me, t, item - t * parts, n, uint64(1) << uint64(s), lane)
+                    elif STORES:  # rows without 16-byte word pairs: a word per lane per step, through the mapping
+                        peer_row = peer_bases[PEER_PARTIALS, s] + (address_of(c_partials[g, me, t])
+                                                                   - address_of(c_partials))
+                        for w in range(w0 + lane, w1, warp):
+                            store_word_at(peer_row, w, src[w])
                         if flagged:
                             flag_part(c_row_flag, me, t, item - t * parts, n, uint64(1) << uint64(s), lane)
                     elif flagged:

@@ -94,20 +94,23 @@ def test_every_kernel_compiles_and_links_for_sm90(gate_runs):
         assert 0 < r["instructions"] < r["cubin_bytes"] // 16, r
 
 
-def test_the_stores_dispatch_leaves_no_rma_to_nvshmem(gate_runs):
+def test_a_stores_build_leaves_no_rma_to_nvshmem(gate_runs):
     """The send path is a build constant (docs/protocol.md, "Send path at build time"): the
-    stores build of the bf16 dispatch_async moves every token row, routing row, rank and count
-    through the peers' mappings, so its linked code holds no NVSHMEM RMA routine (since v21 not
-    even a fallback for rows without 16-byte word pairs: a word per lane instead), while the
-    puts build does. The signal and the quiet stay NVSHMEM's in both. (combine_async's stores
-    build still stages and puts rows without word pairs: docs/throughput.md, "v21", Next.)"""
+    stores builds of the bf16 dispatch_async, of combine_async (both partial formats) and of
+    combine_async_rows move every row through the peers' mappings, so their linked code holds no
+    NVSHMEM RMA routine (not even a fallback for rows without 16-byte word pairs: a word per lane
+    instead; dispatch since v21, combine on this branch), while the puts builds do. Signals and
+    the quiet stay NVSHMEM's in both."""
     _, report, _ = gate_runs["positive"]
     results = {r["name"]: r for r in report["results"]}
-    stores, puts = results["dispatch_async"], results["dispatch_async (puts)"]
-    assert [f for f in stores["nvshmem_transfers"] if "rma" in f] == [], stores
-    assert any("rma" in f for f in puts["nvshmem_transfers"]), puts
-    for r in (stores, puts):
-        assert {"nvshmemi_transfer_amo_nonfetch", "nvshmemi_transfer_quiet"} <= set(r["nvshmem_transfers"]), r
+    for stores, puts in (("dispatch_async", "dispatch_async (puts)"), ("combine_async", "combine_async (puts)"),
+                         ("combine_async (float32 partials)", "combine_async (puts)"),
+                         ("combine_async_rows", "combine_async_rows (puts)")):
+        rma = [f for f in results[stores]["nvshmem_transfers"] if "rma" in f]
+        assert rma == [], f"{stores}: {rma}"
+        assert any("rma" in f for f in results[puts]["nvshmem_transfers"]), results[puts]
+        for r in (results[stores], results[puts]):
+            assert {"nvshmemi_transfer_amo_nonfetch", "nvshmemi_transfer_quiet"} <= set(r["nvshmem_transfers"]), r
 
 
 def test_every_ep_kernel_fits_its_block_size(gate_runs):
