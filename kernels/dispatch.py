@@ -511,7 +511,15 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         ids_l = cuda.local.array(ID_BATCH, int32)  # (1): a token's expert ids
         pdl.dependency_wait()  # nothing stream-ordered is read before this (kernels/pdl.py)
         pdl.trigger_dependents()  # after the wait: a dispatch_land started now finds all before this complete
-        if status[STATUS_CODE] != 0:
+        # the prologue's loads issued together, before the first branch on any of them (one
+        # memory latency for all, not one each; ``n < 0`` never holds: it keeps the compiler
+        # from sinking the counter's load past the early return)
+        code = status[STATUS_CODE]
+        n = sync[SYNC_CALLS]
+        T = tokens.shape[0]
+        if use_valid != 0:
+            T = max(0, min(T, valid_tokens[0]))
+        if code != 0 or n < 0:
             if ENGINE and cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
                 copy_go[0] = uint32(1)  # releases the copies (they write rows no one will read)
                 cuda.threadfence_system()
@@ -519,9 +527,9 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         stamp_first(status, 0)
         stamp_last(status, 30)
         if cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
-            grant_token_credits(d_credit, sync[SYNC_CALLS])
+            grant_token_credits(d_credit, n)
             if ENGINE:
-                exchange_credits(d_credit, copy_go, sync[SYNC_CALLS], status, timeout_ns)
+                exchange_credits(d_credit, copy_go, n, status, timeout_ns)
         if ENGINE and status[STATUS_CODE] != 0:
             return  # a peer's credit timed out (block 0 recorded it): send nothing more
         me = shmem.my_pe()
@@ -529,11 +537,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         L = d_counts.shape[2] - 1
         K = topk_ids.shape[1]
         W = tokens.shape[1]
-        T = tokens.shape[0]
-        if use_valid != 0:
-            T = max(0, min(T, valid_tokens[0]))
         tid = cuda.threadIdx.x
-        n = sync[SYNC_CALLS]
         g = n % 2
         ids_base = address_of(topk_ids)  # [Tc, K] C-contiguous: (t, k) is flat element t K + k
         by_engine = uint64(0) if not ENGINE else ~(uint64(1) << uint64(me))  # destinations the copy engine serves
@@ -851,8 +855,11 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         hi = cuda.local.array(UP, uint64)
         pdl.trigger_dependents()
         pdl.dependency_wait()  # nothing stream-ordered is read before this (kernels/pdl.py)
-        if status[STATUS_CODE] != 0:
+        code = status[STATUS_CODE]  # loaded together with the call counter (one latency for both;
+        calls = sync[SYNC_CALLS]  # ``calls < 0`` never holds: it keeps the load before the branch)
+        if code != 0 or calls < 0:
             return
+        n = calls - 1
         stamp_first(status, 8)
         stamp_last(status, 23)
         me = shmem.my_pe()
@@ -862,7 +869,6 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         Tmax = d_ids.shape[2]
         C = row_src_rank.shape[0]
         tid = cuda.threadIdx.x
-        n = sync[SYNC_CALLS] - 1
         g = n % 2
         if cuda.blockIdx.x == 0 and tid == 0:
             combine_claims[g] = 0  # rows this call's combine_wait claims (flagged rows)
