@@ -56,6 +56,17 @@ def test_nccl_permutation_builds_the_reference_batch(scenario):
         np.testing.assert_array_equal(buf[perm].view(np.uint16), batches[r].x.view(np.uint16))
 
 
+def test_ranks_sharing_a_gpu_are_found_so_the_nccl_baseline_is_skipped_on_all_alike():
+    """Ranks on one GPU (CUDA MPS runs) cannot form an NCCL communicator ("Duplicate GPU
+    detected"): the NCCL baseline finds them from every rank's GPU first and is skipped."""
+    from ep_runtime.bench.measure import ranks_sharing_a_gpu
+
+    assert ranks_sharing_a_gpu(["0000:3B:00.0", "0000:5C:00.0"]) == []
+    assert ranks_sharing_a_gpu(["a"] * 8) == [list(range(8))]
+    assert ranks_sharing_a_gpu(["a", "b", "a", "c", "b"]) == [[0, 2], [1, 4]]
+    assert ranks_sharing_a_gpu([]) == []
+
+
 def test_stats():
     s = summarize([3.0, 1.0, 2.0, 10.0])
     assert s["median"] == 2.5 and s["n"] == 4 and s["p10"] < s["median"] < s["p90"]

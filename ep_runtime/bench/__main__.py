@@ -7,7 +7,9 @@ crossed NVLink in the busier direction); the floor, the larger of NVLink bytes /
 and device-memory bytes / HBM ceiling, with both ceilings measured in this run, and the measured
 time as a fraction of it; baselines moving the same rows in the same run (NCCL
 ``all_to_all_single`` when torch is importable, alone and with the permutation its users need
-to reach our layout; nvshmem4py's host ``alltoall``). Lists of values sweep their cartesian
+to reach our layout, recorded as not run where ranks share a GPU, as under CUDA MPS: NCCL needs
+a GPU per rank; nvshmem4py's host ``alltoall``). A baseline that fails is recorded with its
+error and never stops the benchmark. Lists of values sweep their cartesian
 product. Outside mpirun (or with ``--backend sim``) it runs on the simulator, as a smoke test:
 no ceilings or baselines, host-clock times.
 

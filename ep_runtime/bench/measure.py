@@ -268,6 +268,10 @@ def nccl_all_to_all(session, sent, recv, hidden: int, perm, samples: int, warmup
     import torch.distributed as dist
 
     if not dist.is_initialized():
+        shared = ranks_sharing_a_gpu(session.allgather_object(_device_uuid()))
+        if shared:  # every rank sees the same list, so all skip alike (no rank left in a collective)
+            raise RuntimeError(f"ranks {shared} share one GPU (e.g. CUDA MPS); NCCL needs a GPU of its own per "
+                               f"rank, so this baseline is not run")
         port = session.allgather_object(_free_port() if session.rank == 0 else None)[0]
         torch.cuda.set_device(torch.device("cuda", _device_index()))
         dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=session.rank,
@@ -324,6 +328,23 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def ranks_sharing_a_gpu(uuids: list) -> list[list[int]]:
+    """Groups of ranks (each group in rank order, two or more) whose GPU identifiers in ``uuids``
+    (one per rank, by rank) are equal; empty when every rank has a GPU of its own."""
+    by_gpu: dict = {}
+    for rank, uuid in enumerate(uuids):
+        by_gpu.setdefault(uuid, []).append(rank)
+    return [ranks for ranks in by_gpu.values() if len(ranks) > 1]
+
+
+def _device_uuid() -> str:
+    """This process's current GPU as a string that is the same in every process using it (its
+    PCI bus id; device ordinals differ between processes with different visible devices)."""
+    import cupy
+
+    return cupy.cuda.Device().pci_bus_id
 
 
 def _device_index() -> int:

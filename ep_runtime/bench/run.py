@@ -38,15 +38,21 @@ def layouts(args) -> list[str]:
     return list(dict.fromkeys(getattr(args, "layout", None) or ["expanded"]))
 
 
-def close_baselines() -> None:
+def close_baselines(session) -> None:
     """Leave torch.distributed if a baseline joined it, so no rank's NCCL heartbeat outlives the
-    TCP store of rank 0 (which printed a c10d 'recvValue failed' traceback at exit)."""
+    TCP store of rank 0 (which printed a c10d 'recvValue failed' traceback at exit). Collective:
+    the ranks meet on the session's barrier, not NCCL's, which a failed baseline may have left
+    unusable (an optional baseline never stops the benchmark, nor its end)."""
     if "torch.distributed" in sys.modules:
         import torch.distributed as dist
 
         if dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
+            session.barrier()
+            try:
+                dist.destroy_process_group()
+            except Exception as e:  # noqa: BLE001 - the results are complete; say why NCCL did not close
+                print(f"ep_runtime.bench: rank {session.rank}: torch.distributed did not close cleanly: "
+                      f"{type(e).__name__}: {e}", file=sys.stderr)
 
 
 def bench_rank(session, args_dict) -> list[dict]:
@@ -112,7 +118,7 @@ def bench_rank(session, args_dict) -> list[dict]:
     if session.rank == 0:
         print(file=sys.stderr)
     if gpu:
-        close_baselines()
+        close_baselines(session)
     return results
 
 
