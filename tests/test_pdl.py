@@ -69,8 +69,19 @@ def test_every_ep_kernel_waits_before_its_first_status_read():
 
     from ep_runtime.kernels import combine, dispatch
 
+    def first_status_reads(lines):
+        """Lines that read the error word first in a kernel: the check itself, or the load of
+        ``code`` that a prologue issues together with the call counter's before its branch."""
+        return [i for i, ln in enumerate(lines)
+                if "if status[STATUS_CODE] != 0:" in ln or ln.strip().startswith("code = status[STATUS_CODE]")]
+
+    def before(lines, i, back):
+        """The ``back``-th line of code (comments and blank lines skipped) before line ``i``."""
+        code = [ln for ln in lines[:i] if ln.strip() and not ln.strip().startswith("#")]
+        return code[-back]
+
     lines = inspect.getsource(dispatch).splitlines()
-    checks = [i for i, ln in enumerate(lines) if "if status[STATUS_CODE] != 0:" in ln]
+    checks = first_status_reads(lines)
     assert len(checks) == 5
     kernel_of = {i: next(ln for ln in reversed(lines[:i]) if ln.strip().startswith("def ")).split("(")[0].split()[-1]
                  for i in checks}
@@ -78,8 +89,8 @@ def test_every_ep_kernel_waits_before_its_first_status_read():
                                                  "dispatch_copy"]), kernel_of
     for i, name in kernel_of.items():
         if name == "dispatch_async":
-            assert "pdl.trigger_dependents()" in lines[i - 1], f"dispatch line {i + 1}"
-            assert "pdl.dependency_wait()" in lines[i - 2], f"dispatch line {i + 1}"
+            assert "pdl.trigger_dependents()" in before(lines, i, 1), f"dispatch line {i + 1}"
+            assert "pdl.dependency_wait()" in before(lines, i, 2), f"dispatch line {i + 1}"
         elif name == "land_rows":  # dispatch_land's body: no wait before it, one after it
             start = next(j for j, ln in enumerate(lines) if ln.strip().startswith("def dispatch_land("))
             end = next(j for j in range(start, len(lines)) if lines[j].strip().startswith("land_rows("))
@@ -88,11 +99,11 @@ def test_every_ep_kernel_waits_before_its_first_status_read():
             nxt = next(ln.strip() for ln in lines[end + 1:] if ln.strip().startswith(("pdl.", "return", "if ", "for ")))
             assert nxt.startswith("pdl.dependency_wait()"), nxt
         else:
-            assert "pdl.dependency_wait()" in lines[i - 1], f"dispatch line {i + 1}"
-            assert "pdl.trigger_dependents()" in lines[i - 2], f"dispatch line {i + 1}"
+            assert "pdl.dependency_wait()" in before(lines, i, 1), f"dispatch line {i + 1}"
+            assert "pdl.trigger_dependents()" in before(lines, i, 2), f"dispatch line {i + 1}"
 
     lines = inspect.getsource(combine).splitlines()
-    checks = [i for i, ln in enumerate(lines) if "if status[STATUS_CODE] != 0:" in ln]
+    checks = first_status_reads(lines)
     assert len(checks) == 3
     for i in checks[:2]:  # combine_async, combine_async_rows
         assert "pdl.trigger_dependents()" in lines[i - 1], f"combine line {i + 1}"
