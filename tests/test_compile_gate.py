@@ -99,7 +99,7 @@ def test_a_stores_build_leaves_no_rma_to_nvshmem(gate_runs):
     stores builds of the bf16 dispatch_async, of combine_async (both partial formats) and of
     combine_async_rows move every row through the peers' mappings, so their linked code holds no
     NVSHMEM RMA routine (not even a fallback for rows without 16-byte word pairs: a word per lane
-    instead; dispatch since v21, combine on this branch), while the puts builds do. Signals and
+    instead; dispatch since v21, combine since v22), while the puts builds do. Signals and
     the quiet stay NVSHMEM's in both."""
     _, report, _ = gate_runs["positive"]
     results = {r["name"]: r for r in report["results"]}
