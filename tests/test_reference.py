@@ -406,3 +406,20 @@ def test_hand_worked_combine():
     out = ref.combine(ys, batches, HAND_IDS, HAND)
     assert out[0].astype(np.float32).tolist() == [[1.75, 3.5, 5.25, 7], [-3.25, 1.625, 0, 26]]
     assert out[1].astype(np.float32).tolist() == [[25, 50, 75, 100], [0.96875, -7.75, 15.5, 3.875]]
+
+
+@pytest.mark.parametrize("reduce", [True, False])
+def test_combine_for_some_home_ranks_equals_those_of_the_whole_combine(reduce):
+    """``home_ranks``: a rank checking its own output computes only it (the GPU checks at EP8),
+    bit for bit what the combine of every rank gives it; the others are None."""
+    cfg = CONFIGS["R4_E8_K3_pad4"]
+    xs, ids, ws = make_inputs(cfg, "random", 9)
+    batches = ref.dispatch(xs, ids, ws, cfg)
+    ys = expert_outputs(cfg, batches, "linear")
+    whole = ref.combine(ys, batches, ids, cfg, reduce=reduce)
+    for me in range(cfg.n_ranks):
+        mine = ref.combine(ys, batches, ids, cfg, reduce=reduce, home_ranks=[me])
+        assert [s for s, out in enumerate(mine) if out is not None] == [me]
+        assert bits16(mine[me]).tolist() == bits16(whole[me]).tolist()
+    with pytest.raises(ValueError, match="home_ranks"):
+        ref.combine(ys, batches, ids, cfg, home_ranks=[cfg.n_ranks])

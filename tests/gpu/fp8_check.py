@@ -153,7 +153,7 @@ def main() -> int:
                 dec[~np.isfinite(dec)] = 0.0
                 dec[rb.src_rank < 0] = 0.0
                 ys.append(linear_experts(dec.astype(reference.BF16), rb.row_offsets, cfg.n_local_experts, r))
-            want = reference.combine(ys, refs, ids, cfg)[me].astype(np.float32)
+            want = reference.combine(ys, refs, ids, cfg, home_ranks=[me])[me].astype(np.float32)
             y = cupy.zeros((cfg.recv_rows_capacity, cfg.hidden), cupy.uint16)
             y[:n] = cupy.asarray(ys[me].view(np.uint16))
             b = rt.dispatch(tok, tid, tw)
