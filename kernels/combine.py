@@ -388,21 +388,18 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
             if t < d_counts[g, s, L]:
                 if w0 < w1 and local_expert_count(d_ids[g, s, t], L, me) > 0:
                     src = expert_out[s * Tmax + t]
-                    if direct:  # UP pairs per lane in flight, stored through the mapping
+                    if STORES:  # through the mapping: slot [g, me, t] of rank s, the same offset on every PE
                         peer_row = peer_bases[PEER_PARTIALS, s] + (address_of(c_partials[g, me, t])
                                                                    - address_of(c_partials))
-                        w = w0 + 2 * lane
-                        while w < w1:
-                            load_pairs(src, w, w1, lo, hi)
-                            store_pairs_at(peer_row, w, w1, lo, hi)
-                            w += 2 * UP * warp
-                        if flagged:
-                            flag_part(c_row_flag, me, t, item - t * parts, n, uint64(1) << uint64(s), lane)
-                    elif STORES:  # rows without 16-byte word pairs: a word per lane per step, through the mapping
-                        peer_row = peer_bases[PEER_PARTIALS, s] + (address_of(c_partials[g, me, t])
-                                                                   - address_of(c_partials))
-                        for w in range(w0 + lane, w1, warp):
-                            store_word_at(peer_row, w, src[w])
+                        if direct:  # UP pairs per lane in flight
+                            w = w0 + 2 * lane
+                            while w < w1:
+                                load_pairs(src, w, w1, lo, hi)
+                                store_pairs_at(peer_row, w, w1, lo, hi)
+                                w += 2 * UP * warp
+                        else:  # rows without 16-byte word pairs: a word per lane per step
+                            for w in range(w0 + lane, w1, warp):
+                                store_word_at(peer_row, w, src[w])
                         if flagged:
                             flag_part(c_row_flag, me, t, item - t * parts, n, uint64(1) << uint64(s), lane)
                     elif flagged:
