@@ -9,41 +9,67 @@ dispatch_async leaves free: it places the rows while they fly and, in the expand
 copies each part to its expert rows as it lands (the FP8 formats keep ``dispatch_copy`` after
 it). Two knobs, read when a runtime is built, the same on every rank:
 
-- ``EP_RUNTIME_DISPATCH_LAND`` (default :data:`DEFAULT_LAND`, off): ``1`` builds a landing
-  runtime; ``0`` keeps dispatch_wait (and dispatch_copy), the path measured on 2 x H200. Not
-  with the copy-engine transfer (its rows are not flagged).
+- ``EP_RUNTIME_DISPATCH_LAND`` (default ``auto``): ``1`` builds a landing runtime; ``0`` keeps
+  dispatch_wait (and dispatch_copy); ``auto`` lands where it was measured faster
+  (:func:`auto_landing`: bf16 tokens, at least two ranks, a whole-GPU grid and
+  ``max_tokens_per_rank`` >= :data:`LAND_AUTO_MIN_TOKENS`). Not with the copy-engine transfer
+  (its rows are not flagged): ``auto`` then keeps dispatch_wait, ``1`` is refused.
 - ``EP_RUNTIME_DISPATCH_LAND_SMS`` (default :data:`DEFAULT_LAND_SMS`): SMs dispatch_async
   leaves free for dispatch_land's first blocks, when the runtime's grid is the whole GPU
   (``EPConfig.n_sms`` None) and PDL is on (``EP_RUNTIME_PDL`` and the session's fast launcher).
   With ``n_sms`` set, or without PDL, dispatch_async keeps the whole grid.
 
-Off by default until it is measured on NVLink: the prediction is in docs/throughput.md, "v18".
+Measured on 2 x H100 over NVLink (docs/throughput.md, "v23"): landing takes 13-160 us off the
+expanded dispatch from 1024 tokens per rank up (T=4096: 420.8 -> 351.5 us) and leaves the
+compact one within -2.3 / +2.1 us there, but costs 5-13 us below 1024 tokens and with FP8 tokens.
 """
 
 from __future__ import annotations
 
-from .combine_overlap import env_int, sender_grid
+import os
+
+from .combine_overlap import sender_grid
+from .config import EPConfig
 from .errors import EPConfigError
 
 LAND_ENV = "EP_RUNTIME_DISPATCH_LAND"
 LAND_SMS_ENV = "EP_RUNTIME_DISPATCH_LAND_SMS"
-#: Landing off: dispatch_wait and dispatch_copy, as measured on 2 x H200 (docs/throughput.md).
-DEFAULT_LAND = 0
-#: SMs left to dispatch_land's early blocks (2 x H200: dispatch_async on 108 of 132 SMs, as
-#: combine_async in a flagged combine).
+#: Values of :data:`LAND_ENV` (unset or empty: ``auto``).
+LAND_CHOICES = ("auto", "0", "1")
+#: Tokens per rank (the runtime's capacity) from which ``auto`` lands bf16 dispatches. 2 x H100,
+#: NVLink, graph replay, dispatch (async + wait) us, dispatch_wait -> landing on 24 SMs left:
+#: expanded T=512 80.8 -> 80.8, 1024 132.0 -> 119.0, 2048 230.3 -> 200.9, 4096 420.8 -> 351.5,
+#: 8192 801.4 -> 641.7; compact 1024 74.0 -> 76.1, 2048 117.4 -> 115.1, 4096 193.7 -> 194.7,
+#: 8192 359.9 -> 361.1; T=128 compact 28.7 -> 41.6 (docs/throughput.md, "v23").
+LAND_AUTO_MIN_TOKENS = 1024
+#: SMs left to dispatch_land's early blocks (2 x H100, T=4096: 24 SMs cost the compact dispatch
+#: 0.9 us and take 69 us off the expanded one; 64 SMs take 88 us off it but cost 20 compact).
 DEFAULT_LAND_SMS = 24
 
 
-def landing(copy_engine: bool) -> bool:
-    """Whether a runtime lands its dispatches (``EP_RUNTIME_DISPATCH_LAND``: 0 or 1). Raises
-    EPConfigError for another value, or for 1 with the copy-engine transfer."""
-    value = env_int(LAND_ENV, DEFAULT_LAND)
-    if value > 1:
-        raise EPConfigError(f"{LAND_ENV}={value}: expected 0 (dispatch_wait) or 1 (dispatch_land).")
-    if value and copy_engine:
+def auto_landing(cfg: EPConfig) -> bool:
+    """Whether ``auto`` lands a runtime of ``cfg``'s dispatches: bf16 tokens (FP8 landing measured
+    5-6 us slower), at least two ranks (at one rank no row is in flight: nothing to overlap),
+    the whole GPU (``cfg.n_sms`` None: the early start needs SMs left free; the only case
+    measured) and ``cfg.max_tokens_per_rank >= LAND_AUTO_MIN_TOKENS``."""
+    return (cfg.n_ranks >= 2 and not cfg.token_format.quantized and cfg.n_sms is None
+            and cfg.max_tokens_per_rank >= LAND_AUTO_MIN_TOKENS)
+
+
+def landing(cfg: EPConfig, copy_engine: bool) -> bool:
+    """Whether a runtime of ``cfg`` lands its dispatches (``EP_RUNTIME_DISPATCH_LAND``: ``auto``,
+    ``0`` or ``1``). Raises EPConfigError for another value, or for ``1`` with the copy-engine
+    transfer; ``auto`` with the copy engine keeps dispatch_wait."""
+    value = os.environ.get(LAND_ENV, "").strip().lower() or "auto"
+    if value not in LAND_CHOICES:
+        raise EPConfigError(f"{LAND_ENV}={value!r}: expected auto (unset: where measured faster), 0 (dispatch_wait) "
+                            f"or 1 (dispatch_land).")
+    if value == "1" and copy_engine:
         raise EPConfigError(f"{LAND_ENV}=1 with EP_RUNTIME_TOKEN_TRANSFER=copy_engine: the copy engine's rows "
                             f"carry no flags; unset one of the two.")
-    return bool(value)
+    if value == "auto":
+        return auto_landing(cfg) and not copy_engine
+    return value == "1"
 
 
 def dispatch_send_grid(grid: int, whole_gpu: bool, pdl_on: bool) -> int:

@@ -21,7 +21,8 @@ carry the versions of numba-cuda, NVSHMEM, NVRTC, nvJitLink and NVVM, and the ke
 the cache keys apart. The send path is compiled into the dispatch and combine kernels
 (:class:`ep_runtime.transfer.SendPaths`): the tool builds the one ``EP_RUNTIME_PEER_STORES``,
 ``EP_RUNTIME_TOKEN_TRANSFER`` and ``EP_RUNTIME_DISPATCH_LAND`` select
-(:func:`ep_runtime.runtime.expected_send_paths`), so run it with the job's settings. Prints
+(:func:`ep_runtime.runtime.expected_send_paths`; under ``EP_RUNTIME_DISPATCH_LAND=auto``, the
+default, both paths it takes: see :data:`CAPACITIES`), so run it with the job's settings. Prints
 one line per kernel and a summary last; exit status 0 when every kernel is cached, 1 when one
 failed to build, 2 when the tool cannot run here.
 """
@@ -35,17 +36,26 @@ import sys
 import time
 
 from .config import COMBINE_DTYPES, TOKEN_DTYPES
+from .dispatch_overlap import LAND_AUTO_MIN_TOKENS
 
-#: Sizes of the configurations built (any valid ones: the kernels do not depend on them).
-_CONFIG_SIZES = dict(n_ranks=2, n_experts=8, top_k=2, max_tokens_per_rank=16)
+#: Sizes of the configurations built (any valid ones: the kernels do not depend on them, only on
+#: the send path, which ``EP_RUNTIME_DISPATCH_LAND=auto`` chooses by capacity: see
+#: :data:`CAPACITIES`).
+_CONFIG_SIZES = dict(n_ranks=2, n_experts=8, top_k=2)
+#: Tokens per rank of the configurations built: one below and one at
+#: :data:`ep_runtime.dispatch_overlap.LAND_AUTO_MIN_TOKENS`, so both send paths ``auto`` takes
+#: are built (the same kernel twice is built once).
+CAPACITIES = (16, LAND_AUTO_MIN_TOKENS)
 
 
-def _config(hidden: int, token_dtype: str, combine_dtype: str):
-    """A configuration whose kernels are those of every configuration with these formats and
-    this hidden size's token word (the sizes do not enter the kernels' signatures)."""
+def _config(hidden: int, token_dtype: str, combine_dtype: str, tokens: int = CAPACITIES[0]):
+    """A configuration whose kernels are those of every configuration with these formats, this
+    hidden size's token word and the send path this environment takes at ``tokens`` per rank
+    (the sizes do not enter the kernels' signatures)."""
     from .config import EPConfig
 
-    return EPConfig(hidden=hidden, token_dtype=token_dtype, combine_dtype=combine_dtype, **_CONFIG_SIZES)
+    return EPConfig(hidden=hidden, token_dtype=token_dtype, combine_dtype=combine_dtype,
+                    max_tokens_per_rank=tokens, **_CONFIG_SIZES)
 
 
 def _parse_cc(text: str | None):
@@ -62,28 +72,34 @@ def _parse_cc(text: str | None):
         raise SystemExit(f"prebuild: --cc {text!r}: expected a compute capability such as 9.0a or 90a") from None
 
 
-def _label(name: str, token_dtype: str, combine_dtype: str) -> str:
-    return f"{name} ({token_dtype}" + ("" if combine_dtype == "bfloat16" else f", {combine_dtype} partials") + ")"
+def _label(name: str, token_dtype: str, combine_dtype: str, land: bool = False) -> str:
+    return (f"{name} ({token_dtype}" + ("" if combine_dtype == "bfloat16" else f", {combine_dtype} partials")
+            + (", landing" if land else "") + ")")
 
 
 def plan(hidden: int, token_dtypes, combine_dtypes, only=None) -> list[tuple]:
-    """``[(label, hidden, token_dtype, combine_dtype, name)]``: one per distinct (kernel,
-    signature) of the configurations, in build order (a kernel shared by several formats once)."""
-    from .runtime import GPU_THREADS, kernel_builds
+    """``[(label, hidden, token_dtype, combine_dtype, tokens, name)]``: one per distinct (kernel,
+    signature) of the configurations (each format at each of :data:`CAPACITIES`), in build
+    order (a kernel shared by several formats or capacities once)."""
+    from .runtime import GPU_THREADS, expected_send_paths, kernel_builds
 
     seen, out = set(), []
     for td in token_dtypes:
         for cd in combine_dtypes:
-            for name, kernel, types in kernel_builds(_config(hidden, td, cd), GPU_THREADS):
-                ident = (id(kernel), tuple(repr(t) for t in types))
-                if ident in seen or (only and name not in only):
-                    continue
-                seen.add(ident)
-                out.append((_label(name, td, cd), hidden, td, cd, name))
+            for tokens in CAPACITIES:
+                cfg = _config(hidden, td, cd, tokens)
+                land = expected_send_paths(cfg).land
+                for name, kernel, types in kernel_builds(cfg, GPU_THREADS):
+                    ident = (id(kernel), tuple(repr(t) for t in types))
+                    if ident in seen or (only and name not in only):
+                        continue
+                    seen.add(ident)
+                    out.append((_label(name, td, cd, land and name.startswith("dispatch")), hidden, td, cd, tokens,
+                                name))
     return out
 
 
-def build_one(hidden: int, token_dtype: str, combine_dtype: str, name: str, cc=None) -> tuple:
+def build_one(hidden: int, token_dtype: str, combine_dtype: str, tokens: int, name: str, cc=None) -> tuple:
     """Compile and store (or find in the cache) one kernel of :func:`plan`, without loading it
     (``KernelCache.prepare``); ``(outcome, seconds)``, outcome ``"hit"`` or ``"compiled"``.
     Runs in a worker process."""
@@ -91,7 +107,7 @@ def build_one(hidden: int, token_dtype: str, combine_dtype: str, name: str, cc=N
     from .shmem.kernel_cache import KernelCache, target_cc
 
     cache = KernelCache.from_env()
-    (_, kernel, types), = [b for b in kernel_builds(_config(hidden, token_dtype, combine_dtype), GPU_THREADS)
+    (_, kernel, types), = [b for b in kernel_builds(_config(hidden, token_dtype, combine_dtype, tokens), GPU_THREADS)
                            if b[0] == name]
     start = time.perf_counter()
     with contextlib.redirect_stdout(sys.stderr):  # compiler chatter stays off the report

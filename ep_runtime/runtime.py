@@ -172,7 +172,7 @@ class EPRuntime:
             raise EPConfigError(f"rank {self.rank}: the token transfer differs between ranks (copy engine per rank: "
                                 f"{modes}); set EP_RUNTIME_TOKEN_TRANSFER and EP_RUNTIME_PEER_STORES alike on every "
                                 f"rank.")
-        self.dispatch_land = landing(self.copy_engine)
+        self.dispatch_land = landing(cfg, self.copy_engine)
         lands = session.allgather_object(self.dispatch_land)
         if len(set(lands)) != 1:
             raise EPConfigError(f"rank {self.rank}: {LAND_ENV} differs between ranks (landing per rank: {lands}); "
@@ -778,7 +778,7 @@ def expected_send_paths(cfg: EPConfig) -> SendPaths:
     runtime whose PEs are not all mapped takes the puts and compiles that build when it starts."""
     stores = _peer_stores_wanted()
     copy_engine = choose_copy_engine(cfg, stores)
-    return SendPaths(stores, copy_engine, landing(copy_engine))
+    return SendPaths(stores, copy_engine, landing(cfg, copy_engine))
 
 
 def _combine_wait_with(threads: int, word, epilogue, f32_partials: bool = False):

@@ -29,10 +29,14 @@ def test_traffic_of_a_hand_worked_example():
     # out: 2 rows to rank 1 + routing of 3 tokens x 2 x 8 B; in: 1 row + routing of 1 token
     assert t.dispatch_nvlink_bytes == max(2 * 16 + 3 * 16, 1 * 16 + 1 * 16)
     assert t.combine_nvlink_bytes == 2 * 16
-    assert t.dispatch_hbm_bytes == (4 + 3 + 2 * 4) * 16
-    assert t.combine_hbm_bytes == (4 + 2 * 3 + 2 * 4 + 3) * 16
+    # dispatch: 3 tokens read once each (token 1 serves both ranks with one read), 3 received rows
+    # written, then read once each by the expansion copy, which writes the 4 batch rows
+    assert t.dispatch_hbm_bytes == (3 + 3 + 3 + 4) * 16
+    # combine: 4 expert outputs read; 4 partials of this rank's tokens written here (its own 2,
+    # rank 1's 2 through NVLink) and read; 3 results written
+    assert t.combine_hbm_bytes == (4 + 2 * 4 + 3) * 16
     # compact: no expansion copy; combine reads one caller row per received token
-    assert t.compact_dispatch_hbm_bytes == (4 + 3) * 16 == t.hbm_bytes("dispatch", "compact")
+    assert t.compact_dispatch_hbm_bytes == (3 + 3) * 16 == t.hbm_bytes("dispatch", "compact")
     # (this rank's own 2 partials are read in place by combine_wait: only rank 1's 2 land and are read)
     assert t.compact_combine_hbm_bytes == (3 + 2 * 2 + 3) * 16 == t.hbm_bytes("combine", "compact")
     assert t.hbm_bytes("combine") == t.combine_hbm_bytes
@@ -40,7 +44,9 @@ def test_traffic_of_a_hand_worked_example():
     f = rank_traffic([ids0, ids1], 0, n_local_experts=2, hidden=8, token_bytes=24)
     assert f.logical_bytes == 3 * 24 and f.combine_nvlink_bytes == t.combine_nvlink_bytes
     assert f.dispatch_nvlink_bytes == max(2 * 24 + 3 * 16, 1 * 24 + 1 * 16)
-    assert f.dispatch_hbm_bytes == (4 + 3 + 2 * 4) * 24 and f.combine_hbm_bytes == t.combine_hbm_bytes
+    # (the sender reads its bf16 rows, 16 bytes, and encodes them; the rest moves 24-byte messages)
+    assert f.dispatch_hbm_bytes == 3 * 16 + (3 + 3 + 4) * 24 and f.combine_hbm_bytes == t.combine_hbm_bytes
+    assert f.compact_dispatch_hbm_bytes == 3 * 16 + 3 * 24
 
 
 @pytest.mark.parametrize("scenario", ["random", "zero_rank", "one_expert"])

@@ -363,23 +363,41 @@ def test_ranks_that_disagree_are_refused():
 
 
 def test_knobs(monkeypatch):
-    """``dispatch_overlap``: off by default; 1 on; other values and the copy engine refused;
-    dispatch_async leaves EP_RUNTIME_DISPATCH_LAND_SMS SMs (at most half its grid) only on a
-    whole GPU with PDL."""
-    from ep_runtime.dispatch_overlap import LAND_SMS_ENV, dispatch_send_grid, landing
+    """``dispatch_overlap``: ``auto`` by default (bf16 tokens, two ranks or more, the whole GPU,
+    at least LAND_AUTO_MIN_TOKENS tokens per rank; never with the copy engine); 0 off, 1 on;
+    other values and 1 with the copy engine refused; dispatch_async leaves
+    EP_RUNTIME_DISPATCH_LAND_SMS SMs (at most half its grid) only on a whole GPU with PDL."""
+    from ep_runtime.dispatch_overlap import LAND_AUTO_MIN_TOKENS, LAND_SMS_ENV, dispatch_send_grid, landing
     from ep_runtime.errors import EPConfigError
 
-    monkeypatch.delenv(LAND_ENV, raising=False)
+    def cfg(**kw):
+        base = dict(n_ranks=2, n_experts=8, top_k=2, hidden=256, max_tokens_per_rank=LAND_AUTO_MIN_TOKENS)
+        return EPConfig(**{**base, **kw})
+
+    big, small = cfg(), cfg(max_tokens_per_rank=LAND_AUTO_MIN_TOKENS - 1)
     monkeypatch.delenv(LAND_SMS_ENV, raising=False)
-    assert landing(copy_engine=False) is False
+    for unset in (None, "", "auto", " AUTO "):
+        if unset is None:
+            monkeypatch.delenv(LAND_ENV, raising=False)
+        else:
+            monkeypatch.setenv(LAND_ENV, unset)
+        assert landing(big, copy_engine=False) is True
+        assert landing(small, copy_engine=False) is False
+        assert landing(big, copy_engine=True) is False  # auto never lands the copy engine's rows
+        assert landing(cfg(token_dtype="fp8_e4m3"), copy_engine=False) is False
+        assert landing(cfg(n_ranks=1, n_experts=4), copy_engine=False) is False
+        assert landing(cfg(n_sms=16), copy_engine=False) is False
+    monkeypatch.setenv(LAND_ENV, "0")
+    assert landing(big, copy_engine=False) is False
     monkeypatch.setenv(LAND_ENV, "1")
-    assert landing(copy_engine=False) is True
+    assert landing(small, copy_engine=False) is True
+    assert landing(cfg(token_dtype="fp8_e4m3"), copy_engine=False) is True
     with pytest.raises(EPConfigError, match="copy_engine"):
-        landing(copy_engine=True)
+        landing(small, copy_engine=True)
     for bad in ("2", "-1", "yes"):
         monkeypatch.setenv(LAND_ENV, bad)
         with pytest.raises(EPConfigError, match=LAND_ENV):
-            landing(copy_engine=False)
+            landing(small, copy_engine=False)
     assert dispatch_send_grid(132, whole_gpu=True, pdl_on=True) == 108
     assert dispatch_send_grid(132, whole_gpu=False, pdl_on=True) == 132
     assert dispatch_send_grid(132, whole_gpu=True, pdl_on=False) == 132

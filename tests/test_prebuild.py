@@ -82,20 +82,30 @@ def test_stores_the_runtime_s_entry_then_hits_then_rebuilds_a_damaged_one(tmp_pa
     assert rc == 0 and "1 hit, 0 compiled" in out, out + err[-3000:]  # and good
 
 
-def test_plans_every_kernel_of_every_format_once():
+def test_plans_every_kernel_of_every_format_once(monkeypatch):
     from ep_runtime.config import COMBINE_DTYPES, TOKEN_DTYPES
     from ep_runtime.prebuild import plan
 
+    for var in ("EP_RUNTIME_PEER_STORES", "EP_RUNTIME_TOKEN_TRANSFER", "EP_RUNTIME_DISPATCH_LAND"):
+        monkeypatch.delenv(var, raising=False)
     jobs = plan(7168, TOKEN_DTYPES, COMBINE_DTYPES)
     labels = [j[0] for j in jobs]
     assert len(labels) == len(set(labels))
-    # 9 bf16 kernels (with the routing check), float32 partials' combine pair, and each FP8 format's
-    # 5 dispatch kernels
-    assert len(labels) == 9 + 2 + 5 + 5, labels
+    # 9 bf16 kernels (with the routing check), the 5 dispatch kernels of the landing build that
+    # EP_RUNTIME_DISPATCH_LAND=auto takes from LAND_AUTO_MIN_TOKENS tokens per rank, float32
+    # partials' combine pair, and each FP8 format's 5 dispatch kernels (FP8 never lands by default)
+    assert len(labels) == 9 + 5 + 2 + 5 + 5, labels
+    dispatch = ("dispatch_async", "dispatch_signal", "dispatch_wait", "dispatch_copy", "dispatch_land")
+    assert {f"{k} (bfloat16, landing)" for k in dispatch} <= set(labels)
     for fmt in ("fp8_e4m3", "fp8_e4m3_ue8m0"):
-        assert {f"{k} ({fmt})" for k in ("dispatch_async", "dispatch_signal", "dispatch_wait", "dispatch_copy",
-                                         "dispatch_land")} <= set(labels)
+        assert {f"{k} ({fmt})" for k in dispatch} <= set(labels)
     assert {"combine_async (bfloat16, float32 partials)", "combine_wait (bfloat16, float32 partials)"} <= set(labels)
+    # a job carries the capacity its build is taken at: the landing ones at the threshold
+    assert {j[4] for j in jobs if "landing" in j[0]} == {1024}
+
+    monkeypatch.setenv("EP_RUNTIME_DISPATCH_LAND", "0")  # one path: nothing lands
+    labels = [j[0] for j in plan(7168, TOKEN_DTYPES, COMBINE_DTYPES)]
+    assert len(labels) == 9 + 2 + 5 + 5 and not any("landing" in x for x in labels), labels
 
 
 @pytest.mark.parametrize("args,env,message", [

@@ -24,6 +24,7 @@ import pytest
 
 from ep_runtime import reference
 from ep_runtime.config import EPConfig
+from ep_runtime.dispatch_overlap import LAND_AUTO_MIN_TOKENS
 from ep_runtime.reference import BF16
 from ep_runtime.shmem.launch import run_pes
 from ep_runtime.testing import POISON_BF16, make_inputs, off_by_8
@@ -136,6 +137,9 @@ def test_prebuild_builds_the_send_path_the_environment_selects(monkeypatch):
     monkeypatch.delenv("EP_RUNTIME_DISPATCH_LAND")
     monkeypatch.setenv("EP_RUNTIME_TOKEN_TRANSFER", "copy_engine")
     assert expected_send_paths(cfg) == SendPaths(copy_engine=True)
+    monkeypatch.delenv("EP_RUNTIME_TOKEN_TRANSFER")  # auto lands bf16 from LAND_AUTO_MIN_TOKENS tokens per rank
+    big = EPConfig(n_ranks=2, n_experts=8, top_k=2, hidden=64, max_tokens_per_rank=LAND_AUTO_MIN_TOKENS)
+    assert expected_send_paths(big) == SendPaths(land=True)
 
 
 def test_a_build_refuses_send_paths_that_cannot_go_together():

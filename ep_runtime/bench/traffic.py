@@ -8,23 +8,30 @@ partials, ``4 H`` with ``combine_dtype="float32"``):
 
 - ``sent[d]``: tokens of ``r`` with at least one expert on rank ``d`` (one message each,
   deduplicated per rank); ``recv[s]``: tokens of ``s`` with an expert on ``r``;
-  ``rows``: expert-batch rows of ``r`` (one per (token, local expert)).
+  ``rows``: expert-batch rows of ``r`` (one per (token, local expert)); ``sent_any``: tokens of
+  ``r`` with an expert on any rank.
 - **logical bytes** (DeepEP's definition): every received token row, the rank's own included,
   ``sum(recv) * token_bytes``.
 - **NVLink bytes** per direction: rows to and from the other ranks, plus the routing tables
   (``8K`` bytes per token to every other rank); the larger direction bounds the time.
-- **HBM bytes** (device-memory reads and writes of the expanded path):
-  dispatch: the sender reads its sent rows, the receive buffer is written (``sum(recv)`` rows),
-  dispatch_wait reads one received row and writes one batch row per batch row;
-  combine: reads the expert outputs (``rows``, bf16), writes and reads the staged partials
-  (``2 sum(recv)`` partials), receives partials (``sum(sent)``) that combine_wait reads, and
-  writes ``T`` bf16 rows. Combine's NVLink bytes are partials.
+- **HBM bytes** (device-memory reads and writes of the expanded path, each byte counted once,
+  as the kernels move it): dispatch: the sender reads each of its tokens that goes anywhere
+  once (``sent_any`` bf16 rows, whatever the format: the bench's tokens are bf16, quantized in
+  dispatch_async for FP8, and one read serves every destination), the receive buffer is written
+  (``sum(recv)`` rows), and the expansion copy reads each received row once and writes one batch
+  row per batch row (``sum(recv) + rows``: token-major, dispatch_copy or dispatch_land);
+  combine: reads the expert outputs (``rows``, bf16), the partials of this rank's tokens are
+  written here (its own by combine_async, the peers' through NVLink: ``sum(sent)``) and read
+  by combine_wait, which writes ``T`` bf16 rows. Combine's NVLink bytes are partials. (Before
+  v23 this model read a received row once per batch row and counted staged partials that the
+  stores path does not stage: 54 % more bytes for the expanded dispatch at T=4096, hidden 7168,
+  top-8 of 256 on 2 ranks, so its %floor read high; docs/throughput.md, "v23".)
 - **HBM bytes of the compact layout** (``layout="compact"``: no expansion copy, the caller's
-  combine input is one row per received token): dispatch: the sender reads its sent rows and the
-  receive buffer is written (``sum(sent) + sum(recv)`` rows); combine: the caller's rows (partials)
-  are read (``sum(recv)``: the peers' by combine_async, this rank's own by combine_wait, in place),
-  the peers' partials land (``sum(sent) - sent[r]``), combine_wait reads them and writes ``T``
-  bf16 rows.
+  combine input is one row per received token): dispatch: the sender reads its tokens
+  (``sent_any`` bf16 rows) and the receive buffer is written (``sum(recv)`` rows); combine: the
+  caller's rows (partials) are read (``sum(recv)``: the peers' by combine_async, this rank's own
+  by combine_wait, in place), the peers' partials land (``sum(sent) - sent[r]``), combine_wait
+  reads them and writes ``T`` bf16 rows.
 """
 
 from __future__ import annotations
@@ -75,6 +82,8 @@ def rank_traffic(ids_per_rank, rank: int, n_local_experts: int, hidden: int, tok
     recv = tuple(hits(ids_per_rank[s], rank) for s in range(R))
     rows = sum(int((np.asarray(ids) // n_local_experts == rank).sum()) for ids in ids_per_rank)
     T = np.asarray(ids_per_rank[rank]).shape[0]
+    mine = np.asarray(ids_per_rank[rank])
+    sent_any = int(((mine >= 0) & (mine < R * n_local_experts)).any(axis=1).sum()) if mine.size else 0
     routing_out = (R - 1) * T * K * 8
     routing_in = sum(np.asarray(ids_per_rank[s]).shape[0] * K * 8 for s in range(R) if s != rank)
     out_rows = sum(sent) - sent[rank]
@@ -84,9 +93,9 @@ def rank_traffic(ids_per_rank, rank: int, n_local_experts: int, hidden: int, tok
         logical_bytes=sum(recv) * tok,
         dispatch_nvlink_bytes=max(out_rows * tok + routing_out, in_rows * tok + routing_in),
         combine_nvlink_bytes=max(in_rows, out_rows) * part,
-        dispatch_hbm_bytes=(sum(sent) + sum(recv) + 2 * rows) * tok,
-        combine_hbm_bytes=(rows + T) * row + (2 * sum(recv) + 2 * sum(sent)) * part,
-        compact_dispatch_hbm_bytes=(sum(sent) + sum(recv)) * tok,
+        dispatch_hbm_bytes=sent_any * row + (2 * sum(recv) + rows) * tok,
+        combine_hbm_bytes=(rows + T) * row + 2 * sum(sent) * part,
+        compact_dispatch_hbm_bytes=sent_any * row + sum(recv) * tok,
         compact_combine_hbm_bytes=T * row + (sum(recv) + 2 * out_rows) * part,
     )
 
