@@ -43,7 +43,8 @@ LAND_CHOICES = ("auto", "0", "1")
 #: 8192 359.9 -> 361.1; T=128 compact 28.7 -> 41.6 (docs/throughput.md, "v23").
 LAND_AUTO_MIN_TOKENS = 1024
 #: SMs left to dispatch_land's early blocks (2 x H100, T=4096: 24 SMs cost the compact dispatch
-#: 0.9 us and take 69 us off the expanded one; 64 SMs take 88 us off it but cost 20 compact).
+#: 0.9 us and take 69 us off the expanded one; 64 SMs take 88 us off it but cost 20 compact; 8
+#: and 16 cost the compact one 4.9 and 0.7 us and take only 54 and 63 off the expanded one).
 DEFAULT_LAND_SMS = 24
 
 

@@ -468,7 +468,8 @@ def test_traffic_counts_float32_partials_twice():
     t = rank_traffic([ids0, ids1], 0, n_local_experts=2, hidden=8)
     f = rank_traffic([ids0, ids1], 0, n_local_experts=2, hidden=8, partial_bytes=32)
     assert f.combine_nvlink_bytes == 2 * t.combine_nvlink_bytes == 2 * 32
-    # expert outputs (4 rows) and the result (3 rows) stay bf16; partials (2 x 3 staged, 2 x 4 landed) double
-    assert f.combine_hbm_bytes == (4 + 3) * 16 + (2 * 3 + 2 * 4) * 32
+    # expert outputs (4 rows) and the result (3 rows) stay bf16; the 4 partials of this rank's
+    # tokens, written here and read by combine_wait, double
+    assert f.combine_hbm_bytes == (4 + 3) * 16 + 2 * 4 * 32
     assert f.compact_combine_hbm_bytes == 3 * 16 + (3 + 2 * 2) * 32  # own partials read in place
     assert (f.dispatch_hbm_bytes, f.logical_bytes) == (t.dispatch_hbm_bytes, t.logical_bytes)
