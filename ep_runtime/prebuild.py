@@ -48,7 +48,7 @@ _CONFIG_SIZES = dict(n_ranks=2, n_experts=8, top_k=2)
 CAPACITIES = (16, LAND_AUTO_MIN_TOKENS)
 
 
-def _config(hidden: int, token_dtype: str, combine_dtype: str, tokens: int = CAPACITIES[0]):
+def _config(hidden: int, token_dtype: str, combine_dtype: str, tokens: int):
     """A configuration whose kernels are those of every configuration with these formats, this
     hidden size's token word and the send path this environment takes at ``tokens`` per rank
     (the sizes do not enter the kernels' signatures)."""
