@@ -25,6 +25,10 @@ COMBINE_DTYPES = ("bfloat16", "float32")
 F32_PARTIALS_HIDDEN_MULTIPLE = 4
 #: combine_wait keeps the set of ranks a token went to in a 64-bit mask.
 MAX_RANKS = 64
+#: The receive kernels keep a placement table of ``(n_ranks + 1) * (n_experts / n_ranks)`` int32
+#: words in shared memory (each source's first row per local expert: kernels/dispatch.py,
+#: ``scan_placement``), 16 KB at most: 2,048 experts or more on any number of ranks.
+PLACEMENT_WORDS = 4096
 #: Row indices of the expert batch are int32.
 MAX_ROWS = 2**31 - 1
 #: Default bound on a device-side wait: long enough for a slow peer's first-call compile to be
@@ -42,7 +46,9 @@ class EPConfig:
         Ranks (PEs) in the expert-parallel group; 1 <= n_ranks <= 64.
     n_experts : int
         Global experts, a multiple of ``n_ranks``; rank r holds experts
-        ``[r * n_local_experts, (r + 1) * n_local_experts)``.
+        ``[r * n_local_experts, (r + 1) * n_local_experts)``. At most
+        ``PLACEMENT_WORDS / (n_ranks + 1)`` local experts (2,048 experts on one rank, 2,730 on
+        two, 4,032 on 64).
     top_k : int
         Experts per token, 1 <= top_k <= n_experts (ids unique within a token).
     hidden : int
@@ -102,6 +108,14 @@ class EPConfig:
             raise EPConfigError(
                 f"EPConfig.n_experts={self.n_experts}: n_experts must be a multiple of n_ranks "
                 f"({self.n_ranks}) so every rank holds the same number of experts; {fix}")
+        L = self.n_experts // self.n_ranks
+        if (self.n_ranks + 1) * L > PLACEMENT_WORDS:
+            most = PLACEMENT_WORDS // (self.n_ranks + 1) * self.n_ranks
+            raise EPConfigError(
+                f"EPConfig.n_experts={self.n_experts}: with n_ranks={self.n_ranks}, (n_ranks + 1) * n_experts / "
+                f"n_ranks = {(self.n_ranks + 1) * L} exceeds {PLACEMENT_WORDS} (dispatch_wait places rows from a "
+                f"table of each source's first row per local expert in shared memory); use at most {most} experts "
+                f"on {self.n_ranks} ranks, or more ranks")
         _check(1 <= self.top_k <= self.n_experts, "top_k", self.top_k,
                f"must be in [1, n_experts={self.n_experts}]", "use the router's k")
         _check(self.hidden >= 1, "hidden", self.hidden, "must be >= 1", "use the model's hidden size")

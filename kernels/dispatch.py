@@ -15,7 +15,7 @@ the kernel boundary is the grid-wide barrier between "every row's position is kn
 
 from numba import int32, int64, uint32, uint64
 
-from ep_runtime.config import MAX_RANKS
+from ep_runtime.config import MAX_RANKS, PLACEMENT_WORDS
 from ep_runtime.kernels import pdl, shmem
 from ep_runtime.kernels.bits import f32_bits
 from ep_runtime.kernels.block import (await_part, block_exclusive_scan, flag_part, flag_rule,
@@ -98,20 +98,6 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
     RANK_WORDS = warps * SW  # the routing block's shared masks and rows (a compile-time size)
 
     @cuda.jit(device=True)
-    def source_rows(d_counts, g, s_end, e):
-        """Rows local expert ``e`` receives in group ``g`` from sources ``[0, s_end)``: the sum of
-        their counts (each source stores its own, ``d_counts[g, s, e]``)."""
-        c = int64(0)
-        for s in range(s_end):
-            c += d_counts[g, s, e]
-        return c
-
-    @cuda.jit(device=True)
-    def expert_rows(d_counts, g, e):
-        """Rows local expert ``e`` receives in group ``g``: its tokens from every source."""
-        return source_rows(d_counts, g, d_counts.shape[1], e)
-
-    @cuda.jit(device=True)
     def padded(rows, pad_multiple):
         """``rows`` rounded up to a multiple of ``pad_multiple`` (an expert's segment size)."""
         if pad_multiple == 1:
@@ -119,31 +105,51 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         return (rows + pad_multiple - 1) // pad_multiple * pad_multiple
 
     @cuda.jit(device=True)
-    def scan_expert_rows(d_counts, g, pad_multiple, per, run_first, sum_buf):
-        """Every thread of the block: thread i sums the padded rows of local experts
-        ``[i per, (i + 1) per)`` and the block scans the sums, so ``run_first[i]`` (shared,
-        int64, one per thread) is the first batch row of expert ``i per``. Returns the total
-        padded rows. Deterministic; every block computes it (none waits for another)."""
-        L = d_counts.shape[2] - 1
-        e_lo = min(cuda.threadIdx.x * per, L)
+    def scan_placement(d_counts, g, pad_multiple, place, scan_buf):
+        """Every thread of the block: the placement table of group ``g`` in shared memory, and
+        the total padded rows (returned, int64). ``place`` (shared int32, at least
+        ``(R + 1) L`` words, ``config.PLACEMENT_WORDS``): ``place[s L + e]`` = the first batch
+        row of source s's rows of local expert e, ``place[R L + e]`` = the end of expert e's
+        received rows (its padding follows), so expert e starts at ``place[e]`` and holds
+        ``place[R L + e] - place[e]`` rows.
+
+        The counts (``d_counts[g]``, [R, L + 1] int32, each written by its source) are loaded
+        once, a word per thread, into rows 1..R of the table; a thread per run of local experts
+        sums its padded rows and the block scans the sums (``block_exclusive_scan``); each
+        thread then turns its experts' counts into first rows in place (row s + 1 holds source
+        s's count until row s takes its first row). Deterministic; every block computes it
+        (none waits for another). Before v24 the counts were read from device memory in each of
+        dispatch_wait's three phases (docs/throughput.md, "v24")."""
+        R = d_counts.shape[1]
+        L1 = d_counts.shape[2]
+        L = L1 - 1
+        tid = cuda.threadIdx.x
+        for i in range(tid, R * L1, threads):  # coalesced: the group's counts rows are contiguous
+            s = int32(udiv32(i, L1))
+            e = i - s * L1
+            if e < L:
+                place[(s + 1) * L + e] = d_counts[g, s, e]
+        cuda.syncthreads()
+        per = (L + threads - 1) // threads  # local experts per thread
+        e_lo = min(tid * per, L)
+        e_hi = min(e_lo + per, L)
         part = int64(0)
-        for e in range(e_lo, min(e_lo + per, L)):
-            part += padded(expert_rows(d_counts, g, e), pad_multiple)
-        prefix, total = block_exclusive_scan(sum_buf, part)
-        run_first[cuda.threadIdx.x] = prefix
+        for e in range(e_lo, e_hi):
+            rows = int64(0)
+            for s in range(R):
+                rows += place[(s + 1) * L + e]
+            part += padded(rows, pad_multiple)
+        first, total = block_exclusive_scan(scan_buf, part)
+        for e in range(e_lo, e_hi):
+            row = first
+            for s in range(R):
+                c = place[(s + 1) * L + e]
+                place[s * L + e] = int32(row)
+                row += c
+            place[R * L + e] = int32(row)
+            first += padded(row - place[e], pad_multiple)
         cuda.syncthreads()
         return total
-
-    @cuda.jit(device=True)
-    def expert_first_row(d_counts, g, e, pad_multiple, per, run_first):
-        """The first batch row of local expert ``e`` (after :func:`scan_expert_rows`): its
-        run's first row plus the padded rows of the run's experts before it (none when there
-        are no more local experts than threads)."""
-        run = e // per
-        row = run_first[run]
-        for e2 in range(run * per, e):
-            row += padded(expert_rows(d_counts, g, e2), pad_multiple)
-        return row
 
     @cuda.jit(device=True)
     def copy_row(src, dst, W, pairs, lane, lo, hi):
@@ -216,17 +222,17 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         return ok
 
     @cuda.jit(device=True)
-    def write_segments(d_counts, g, pad_multiple, per, run_first, row_offsets, expert_counts, row_src_rank,
-                       row_src_token, row_src_k, row_weight, row_gather, expert_x, zero_padding, lane):
+    def write_segments(place, R, L, pad_multiple, row_offsets, expert_counts, row_src_rank, row_src_token, row_src_k,
+                       row_weight, row_gather, expert_x, zero_padding, lane):
         """A warp per local expert, from the grid's last block down (the first blocks place the
-        rows): its offset and count, and its padding rows (source -1, weight 0; their data
-        zeroed here when ``zero_padding``, else by dispatch_copy)."""
-        L = d_counts.shape[2] - 1
+        rows): its offset and count (from the placement table ``place`` of R sources and L local
+        experts, :func:`scan_placement` done), and its padding rows (source -1, weight 0; their
+        data zeroed here when ``zero_padding``, else by dispatch_copy)."""
         W = expert_x.shape[1]
         e = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * warps + cuda.threadIdx.x // warp
         while e < L:
-            base = expert_first_row(d_counts, g, e, pad_multiple, per, run_first)
-            count = expert_rows(d_counts, g, e)
+            base = place[e]
+            count = place[R * L + e] - base
             end = base + padded(count, pad_multiple)
             for r in range(base + count + lane, end, warp):
                 row_src_rank[r] = -1
@@ -294,18 +300,18 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         token_rows[s, t, j] = r
 
     @cuda.jit(device=True)
-    def row_of(d_ids, d_counts, d_ranks, g, s, t, k, first_mine, pad_multiple, per, run_first):
+    def row_of(d_ids, d_ranks, place, L, g, s, t, k, first_mine):
         """``(r, j)``: the batch row of received (source s, token t, slot k) and the rank of its
         expert among the token's local experts (ascending), or ``(-1, -1)`` when the expert is
-        not local. r = the expert's first row (:func:`scan_expert_rows` done) + its rows from
-        earlier sources + the rank the source gave the token (docs/protocol.md, "Placement")."""
-        L = d_counts.shape[2] - 1
+        not local. r = the first row of source s's rows of the expert (the placement table
+        ``place``, :func:`scan_placement` done) + the rank the source gave the token
+        (docs/protocol.md, "Placement"). The id and the rank are loaded together."""
         x = d_ids[g, s, t, k]
+        rank = d_ranks[g, s, t, k]
         e = x - first_mine
         if e < 0 or e >= L:
             return int32(-1), int32(-1)
-        r = int32(expert_first_row(d_counts, g, e, pad_multiple, per, run_first) + source_rows(d_counts, g, s, e)
-                  + d_ranks[g, s, t, k])
+        r = int32(place[s * L + e] + rank)
         j = int32(0)
         for k2 in range(d_ids.shape[3]):
             x2 = d_ids[g, s, t, k2]
@@ -847,7 +853,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         flag = cuda.shared.array(1, int32)
         scan_buf = cuda.shared.array(threads, int32)
         sum_buf = cuda.shared.array(threads, int64)
-        run_first = cuda.shared.array(threads, int64)
+        place = cuda.shared.array(PLACEMENT_WORDS, int32)  # scan_placement's table
         hit_row = cuda.shared.array(threads, int32)  # fused copy: each warp's hits of one step
         hit_token = cuda.shared.array(threads, int32)
         src_items = cuda.shared.array(MAX_RANKS, int32)  # T, then (token, k) pairs, each source sent this call
@@ -887,9 +893,8 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
             src_items[s] *= K  # (token, k) pairs of source s
         cuda.syncthreads()
 
-        # every expert's first row and the total (padded): every block scans them itself
-        per = (L + threads - 1) // threads  # local experts per thread
-        total = scan_expert_rows(d_counts, g, pad_multiple, per, run_first, sum_buf)
+        # every (source, expert)'s first row and the total (padded): every block scans them itself
+        total = scan_placement(d_counts, g, pad_multiple, place, sum_buf)
         stamp_last(status, 14)
         if total > C:
             if cuda.blockIdx.x == 0 and tid == 0:
@@ -906,8 +911,8 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         pairs = copy_in_pairs(d_tokens, expert_x)
 
         # (a) a warp per local expert: offset, count, padding rows
-        write_segments(d_counts, g, pad_multiple, per, run_first, row_offsets, expert_counts, row_src_rank,
-                       row_src_token, row_src_k, row_weight, row_gather, expert_x, copy, lane)
+        write_segments(place, R, L, pad_multiple, row_offsets, expert_counts, row_src_rank, row_src_token, row_src_k,
+                       row_weight, row_gather, expert_x, copy, lane)
         stamp_last(status, 10)
 
         # (b) a thread per received (source, token, k), a warp per 32 consecutive pairs of one
@@ -929,11 +934,12 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
             hit = False
             r = int32(0)
             if p < src_items[s]:
-                r, j = row_of(d_ids, d_counts, d_ranks, g, s, t, k, first_mine, pad_multiple, per, run_first)
+                weight = d_weights[g, s, t, k]  # loaded beside row_of's id and rank
+                r, j = row_of(d_ids, d_ranks, place, L, g, s, t, k, first_mine)
                 if r >= 0:
                     hit = True
-                    describe_row(r, s, t, k, j, Tmax, d_weights[g, s, t, k], row_src_rank, row_src_token,
-                                 row_src_k, row_weight, row_gather, token_rows)
+                    describe_row(r, s, t, k, j, Tmax, weight, row_src_rank, row_src_token, row_src_k, row_weight,
+                                 row_gather, token_rows)
             if copy:  # the step's hits
                 below, hits = warp_exclusive_count(hit, scan_buf)
                 copy_warp_hits(hit, r, t, below, hits, d_tokens[s], expert_x, W, pairs, hit_row, hit_token,
@@ -945,10 +951,10 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
     def land_rows(d_ids, d_weights, d_counts, d_ranks, d_route, d_signal, land_sync, row_offsets, expert_counts,
                   row_src_rank, row_src_token, row_src_k, row_weight, row_gather, recv_tokens, token_rows, status,
                   pad_multiple, timeout_ns, d_tokens, expert_x, d_row_flag, copy_rows, combine_claims,
-                  flag, sum_buf, run_first, src_T, claim, lo, hi, vals):
+                  flag, sum_buf, place, src_T, claim, lo, hi, vals):
         """dispatch_land's work, every thread of a block (the kernel waits for its predecessor after
         it, whatever path returns). Arguments as the kernel's; the rest is scratch (shared:
-        flag [1], sum_buf / run_first [threads], src_T [MAX_RANKS], claim [warps]; local: lo, hi,
+        flag [1], sum_buf [threads], place [PLACEMENT_WORDS], src_T [MAX_RANKS], claim [warps]; local: lo, hi,
         vals)."""
         if status[STATUS_CODE] != 0:
             return
@@ -978,8 +984,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         if cuda.blockIdx.x == 0:
             for s in range(tid, R, threads):
                 recv_tokens[s] = src_T[s]
-        per = (L + threads - 1) // threads  # local experts per thread
-        total = scan_expert_rows(d_counts, g, pad_multiple, per, run_first, sum_buf)
+        total = scan_placement(d_counts, g, pad_multiple, place, sum_buf)
         if total > C:
             if cuda.blockIdx.x == 0 and tid == 0:
                 record_error(status, ERR_CAPACITY, KERNEL_DISPATCH_LAND, me, -1, COUNTER_RECV_ROWS, C, total, n + 1)
@@ -989,8 +994,8 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         copy = copy_rows != 0 and not QUANT
         W = expert_x.shape[1]
         pairs = copy_in_pairs(d_tokens, expert_x)
-        write_segments(d_counts, g, pad_multiple, per, run_first, row_offsets, expert_counts, row_src_rank,
-                       row_src_token, row_src_k, row_weight, row_gather, expert_x, copy, lane)
+        write_segments(place, R, L, pad_multiple, row_offsets, expert_counts, row_src_rank, row_src_token, row_src_k,
+                       row_weight, row_gather, expert_x, copy, lane)
         stamp_last(status, 26)
 
         # items (token t, source s, part p), token-major so the sources' rows, landing together,
@@ -1038,11 +1043,12 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                     break
             # the token's rows (every part's warp writes the same token_rows); descriptions once
             for k in range(lane, K, warp):
-                r, j = row_of(d_ids, d_counts, d_ranks, g, s, t, k, first_mine, pad_multiple, per, run_first)
+                weight = d_weights[g, s, t, k]
+                r, j = row_of(d_ids, d_ranks, place, L, g, s, t, k, first_mine)
                 if r >= 0:
                     if p == 0:
-                        describe_row(r, s, t, k, j, Tmax, d_weights[g, s, t, k], row_src_rank, row_src_token,
-                                     row_src_k, row_weight, row_gather, token_rows)
+                        describe_row(r, s, t, k, j, Tmax, weight, row_src_rank, row_src_token, row_src_k, row_weight,
+                                     row_gather, token_rows)
                     else:
                         token_rows[s, t, j] = r
             warp_sync()  # the warp's token_rows stores are seen by its lanes
@@ -1108,7 +1114,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         """
         flag = cuda.shared.array(1, int32)
         sum_buf = cuda.shared.array(threads, int64)
-        run_first = cuda.shared.array(threads, int64)
+        place = cuda.shared.array(PLACEMENT_WORDS, int32)
         src_T = cuda.shared.array(MAX_RANKS, int32)
         claim = cuda.shared.array(warps, int32)  # each warp's claimed item, then its flag's verdict
         lo = cuda.local.array(UP, uint64)
@@ -1118,7 +1124,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         land_rows(d_ids, d_weights, d_counts, d_ranks, d_route, d_signal, land_sync, row_offsets, expert_counts,
                   row_src_rank, row_src_token, row_src_k, row_weight, row_gather, recv_tokens, token_rows, status,
                   pad_multiple, timeout_ns, d_tokens, expert_x, d_row_flag, copy_rows, combine_claims,
-                  flag, sum_buf, run_first, src_T, claim, lo, hi, vals)
+                  flag, sum_buf, place, src_T, claim, lo, hi, vals)
         pdl.dependency_wait()  # completes after dispatch_async: stream order for what follows
 
     @kernel_jit(threads)

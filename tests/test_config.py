@@ -58,6 +58,19 @@ def test_n_experts_below_n_ranks_suggests_only_the_multiple_above():
     assert "use 0" not in msg
 
 
+@pytest.mark.parametrize("n_ranks", [1, 2, 8, 64])
+def test_local_experts_beyond_the_placement_table_are_refused_with_the_largest_that_fits(n_ranks):
+    """dispatch_wait keeps (n_ranks + 1) * n_local_experts int32 in shared memory (PLACEMENT_WORDS)."""
+    from ep_runtime.config import PLACEMENT_WORDS
+
+    most = PLACEMENT_WORDS // (n_ranks + 1) * n_ranks
+    assert cfg(n_ranks=n_ranks, n_experts=most, top_k=1).n_local_experts == most // n_ranks
+    msg = config_error(n_ranks=n_ranks, n_experts=most + n_ranks, top_k=1)
+    assert_fragments(msg, f"EPConfig.n_experts={most + n_ranks}", f"exceeds {PLACEMENT_WORDS}",
+                     f"use at most {most} experts on {n_ranks} ranks")
+    assert most >= 2048  # every model we know of fits on any number of ranks
+
+
 @settings(max_examples=40, deadline=None, derandomize=True, database=None)
 @given(n_ranks=st.integers(2, 64), n_experts=st.integers(1, 1024))
 def test_n_experts_fix_is_the_nearest_valid_multiples(n_ranks, n_experts):

@@ -154,6 +154,10 @@ def correctness_cases(R: int) -> list[Case]:
         Case("scan_chunks_unrolled_copy", base_cfg(R, hidden=552, max_tokens_per_rank=70, n_sms=2), seed=23,
              n_tokens=(70,) * R),
         Case("no_tokens_anywhere", base_cfg(R), seed=17, n_tokens=(0,) * R),
+        # more local experts than the block's 8 threads: each thread of the placement scan sums a run
+        # of 3 experts (kernels/dispatch.py, scan_placement), padded segments inside a run
+        Case("local_experts_beyond_threads_pad_2", base_cfg(R, n_experts=20 * R, top_k=5, pad_multiple=2,
+                                                            max_tokens_per_rank=9), seed=25, n_tokens=(9,) * R),
         # few rows, wide rows, many warps: rows cut into parts (kernels/block.py, row_parts):
         # 3 rows x 4 parts of 16 words on 8 blocks of one 8-lane warp
         Case("row_parts_small_batch_wide_rows", base_cfg(R, hidden=256, max_tokens_per_rank=3, n_sms=8),

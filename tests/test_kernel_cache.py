@@ -468,6 +468,25 @@ def test_params_match_numba_field_by_field():
     assert buf.address == ctypes.addressof(buf.pointers)
 
 
+def test_params_as_one_block_only_where_every_parameter_is_8_bytes():
+    """The ``extra`` block the driver copies in one piece is the slots themselves, which is the
+    kernel's parameter layout only when every parameter is 8 bytes; a 4- or 1-byte scalar
+    (packed at its own alignment by the ABI) leaves the launcher on a pointer per parameter."""
+    t = _types()
+    wide = (_c(t.uint16, 2), t.int64, _c(t.float32, 3), t.uint64, t.float64)
+    buf = fl.ParamBuffer(wide)
+    assert buf.abi_block and buf.n_params == 9 + 1 + 11 + 1 + 1
+    extra = (ctypes.c_void_p * 5).from_address(buf.extra)
+    size = ctypes.c_size_t.from_address(extra[3]).value
+    assert [extra[0], extra[2], extra[4]] == [1, 2, None]  # BUFFER_POINTER, BUFFER_SIZE, END
+    assert extra[1] == ctypes.addressof(buf.slots) and size == 8 * buf.n_params
+    for narrow in (t.int32, t.float32, t.boolean, t.uint8):
+        b = fl.ParamBuffer(wide + (narrow,))
+        assert not b.abi_block and b.extra is None
+    argtypes, _ = _case()
+    assert fl.ParamBuffer(argtypes).extra is None  # int32, float32, bool, uint8 among them
+
+
 def test_params_follow_new_objects_and_skip_unchanged_ones():
     argtypes, args = _case()
     buf = fl.ParamBuffer(argtypes)

@@ -109,6 +109,17 @@ class ParamBuffer:
         self.pointers = (ctypes.c_void_p * max(n, 1))(*[base + 8 * k for k in range(max(n, 1))])
         #: what ``cuLaunchKernel`` takes as ``kernelParams`` (the address of ``pointers``)
         self.address = ctypes.addressof(self.pointers)
+        #: whether every parameter is 8 bytes (arrays, 64-bit scalars), so the slots are the kernel's
+        #: parameter block as the ABI lays it out (each parameter at its 8-byte-aligned offset)
+        self.abi_block = all(_param_bytes(ty) == 8 for ty in self.argtypes)
+        self._block_size = ctypes.c_size_t(8 * n)
+        #: what ``cuLaunchKernel`` takes as ``extra`` to copy the slots as one block
+        #: (CU_LAUNCH_PARAM_BUFFER_POINTER = 1, CU_LAUNCH_PARAM_BUFFER_SIZE = 2, CU_LAUNCH_PARAM_END = 0),
+        #: or None when :attr:`abi_block` is False
+        self.extra = None
+        if self.abi_block and n:
+            self._extra = (ctypes.c_void_p * 5)(1, base, 2, ctypes.addressof(self._block_size), 0)
+            self.extra = ctypes.addressof(self._extra)
         self._writers = [make(self.slots, *spec) for make, *spec in plan]
         self._last = [_UNSET] * len(self._writers)
         self._last_args = None  # the last tuple packed whole (the runtime's prepared calls repeat theirs)
@@ -146,6 +157,19 @@ class ParamBuffer:
 
 
 _UNSET = object()
+
+
+def _param_bytes(ty) -> int:
+    """Bytes of each kernel parameter of Numba type ``ty`` (every field of an array is 8)."""
+    from numba.cuda import types
+
+    if isinstance(ty, types.Array):
+        return 8
+    if isinstance(ty, types.Integer):
+        return ty.bitwidth // 8
+    if ty == types.float64:
+        return 8
+    return 4 if ty == types.float32 else 1
 
 
 # Slot writers: ``make(slots, offset, ...)`` returns ``write(value) -> bool``; False means the
@@ -243,12 +267,16 @@ class FastLauncher:
         ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``: the kernel may start while its
         predecessor on the stream finishes; it must wait for it on the device,
         :mod:`ep_runtime.kernels.pdl`). Ignored for cooperative kernels.
+    param_block : hand the driver the parameters as one block (``extra`` with
+        ``CU_LAUNCH_PARAM_BUFFER_POINTER``: one copy) instead of a pointer per parameter
+        (``kernelParams``: the driver copies each of them, about 200 for dispatch_async), where
+        every parameter is 8 bytes (:attr:`ParamBuffer.abi_block`); else ignored.
 
     Raises :class:`Unsupported` if Numba would launch this kernel with more than the parameters
     (debug error reporting, argument extensions, launch-config-dependent overloads).
     """
 
-    def __init__(self, kernel, stream_handle: int, programmatic: bool = False):
+    def __init__(self, kernel, stream_handle: int, programmatic: bool = False, param_block: bool = False):
         from cuda.bindings import driver
 
         if kernel.debug:
@@ -261,6 +289,9 @@ class FastLauncher:
         self.name = kernel.entry_name
         self.cooperative = bool(kernel.cooperative)
         self.params = ParamBuffer(kernel.argument_types)
+        self.param_block = bool(param_block) and self.params.extra is not None
+        # (kernelParams, extra) of every launch: the pointer array, or the block
+        self._param_args = (0, self.params.extra) if self.param_block else (self.params.address, 0)
         handle = kernel.library.get_cufunc().handle
         if isinstance(handle, driver.CUfunction):
             self._func = handle
@@ -310,11 +341,11 @@ class FastLauncher:
                 config.gridDimX, config.gridDimY, config.gridDimZ = gx, gy, gz
                 config.blockDimX, config.blockDimY, config.blockDimZ = bx, by, bz
                 self._config_dims = dims
-            result = self._launch_ex(config, self._func, self.params.address, 0)
+            result = self._launch_ex(config, self._func, *self._param_args)
         elif self.cooperative:
             result = self._launch(self._func, gx, gy, gz, bx, by, bz, 0, self._stream, self.params.address)
         else:
-            result = self._launch(self._func, gx, gy, gz, bx, by, bz, 0, self._stream, self.params.address, 0)
+            result = self._launch(self._func, gx, gy, gz, bx, by, bz, 0, self._stream, *self._param_args)
         err = result[0] if type(result) is tuple else result  # cuda.bindings returns (CUresult,)
         if err != self._ok:
             raise ShmemError(f"{'cooperative ' if self.cooperative else ''}launch of {self.name[:80]} "

@@ -42,6 +42,21 @@ log = logging.getLogger("ep_runtime.shmem")
 FAST_LAUNCH_ENV = "EP_RUNTIME_FAST_LAUNCH"
 
 
+#: Environment variable: how the fast launcher hands the driver a kernel's parameters, ``block``
+#: (default: one ``CU_LAUNCH_PARAM_BUFFER_POINTER`` block where every parameter is 8 bytes) or
+#: ``pointers`` (``kernelParams``, a pointer per parameter), read at :meth:`NvshmemSession.open`.
+LAUNCH_PARAMS_ENV = "EP_RUNTIME_LAUNCH_PARAMS"
+LAUNCH_PARAMS = ("block", "pointers")
+
+
+def _param_block_from_env() -> bool:
+    v = os.environ.get(LAUNCH_PARAMS_ENV, "block").strip().lower()
+    if v not in LAUNCH_PARAMS:
+        raise ShmemError(f"{LAUNCH_PARAMS_ENV}={v!r}: expected one of {LAUNCH_PARAMS}; unset it for the default "
+                         f"'block'")
+    return v == "block"
+
+
 def _is_cupy(a) -> bool:
     return type(a).__module__.startswith("cupy")
 
@@ -89,6 +104,7 @@ class NvshmemSession(Session):
         from numba import cuda as numba_cuda
 
         self = cls.__new__(cls)
+        self._param_block = _param_block_from_env()  # a bad value fails before anything starts
         self._comm = comm or MPI.COMM_WORLD
         self.rank, self.n_ranks = self._comm.Get_rank(), self._comm.Get_size()
         self.local_rank = self._comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
@@ -237,7 +253,8 @@ class NvshmemSession(Session):
             return
         try:
             entries.append((kernel, FastLauncher(compiled, int(self._core_stream.handle),
-                                                 programmatic=pdl.is_programmatic(kernel))))
+                                                 programmatic=pdl.is_programmatic(kernel),
+                                                 param_block=self._param_block)))
         except Unsupported as exc:
             log.info("rank %d: %s launches through Numba: %s", self.rank,
                      getattr(kernel, "__qualname__", kernel), exc)

@@ -35,6 +35,37 @@ def _median_ns(fn, repeat: int, drain=None, every: int = 50) -> float:
     return statistics.median(out) / 1e3
 
 
+def _param_block_rows(session, repeat: int) -> list:
+    """A do-nothing kernel with 24 3-D array arguments (264 parameters, as many as the EP kernels
+    take) launched by two fast launchers on the session's stream: the parameters as a pointer
+    each (``kernelParams``) and as one block (``extra``, ``CU_LAUNCH_PARAM_BUFFER_POINTER``)."""
+    import cupy
+    from numba import cuda, types
+
+    from ep_runtime.shmem.fast_launch import FastLauncher
+
+    n = 24
+    names = [f"a{i}" for i in range(n)]
+    src = f"def many({', '.join(names)}):\n    if a0.shape[0] < 0:\n        a0[0, 0, 0] = 0\n"
+    scope: dict = {}
+    exec(src, scope)
+    kernel = cuda.jit(scope["many"])
+    argtype = types.Array(types.int32, 3, "C")
+    compiled = kernel.compile((argtype,) * n)
+    arrays = tuple(cupy.zeros((2, 3, 4), np.int32) for _ in range(n))
+    stream = int(session._core_stream.handle)
+    rows = []
+    for block in (False, True):
+        launcher = FastLauncher(compiled, stream, param_block=block)
+        assert launcher.param_block == block
+        launcher.launch(132, 512, arrays)
+        cupy.cuda.runtime.deviceSynchronize()
+        rows.append((f"24-array launch, {'one block' if block else 'pointer each'} ({launcher.params.n_params} "
+                     f"params)", _median_ns(lambda: launcher.launch(132, 512, arrays), repeat,
+                                            cupy.cuda.runtime.deviceSynchronize)))
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=128)
@@ -117,7 +148,7 @@ def main() -> int:
     rows.append(("tokens.flags.c_contiguous", _median_ns(lambda: tok.flags.c_contiguous, args.repeat)))
     tv = arrays.word_view(tok, word, c, "tokens")
     values = dict(tokens=tv, topk_ids=tid, topk_weights=tw, valid_tokens=rt._no_valid, use_valid=np.int64(0),
-                  token_scales=rt._no_scales, prequantized=np.int64(0))
+                  token_scales=rt._no_scales, prequantized=np.int64(0), timeout_ns=rt._timeout_ns)
     rows.append(("build_args(dispatch_async)", _median_ns(lambda: build_args(c, rt._arg, values), args.repeat)))
 
     # The fast launcher of the debug-mode routing check (not collective: safe to launch alone).
@@ -155,6 +186,7 @@ def main() -> int:
     except (OSError, AttributeError, TypeError) as exc:  # informational only
         rows.append((f"ctypes launch not timed ({type(exc).__name__})", float("nan")))
     rt.synchronize()
+    rows += _param_block_rows(session, args.repeat)
 
     if args.profile:
         prof = cProfile.Profile()
