@@ -588,3 +588,27 @@ def test_session_launch_prefers_the_fast_launcher_and_falls_back():
     session.launch(kern, 4, 32, (3,))
     assert calls == [("fast", 4, 32, (1,)), ("numba", (4, 32, "stream"), (2,)), ("numba", (4, 32, "stream"), (3,))]
     assert session.launch_counts == {"fast": 1, "numba": 2}
+
+
+@pytest.mark.parametrize("cooperative, param_block, uses_block", [
+    (False, True, True), (False, False, False), (True, True, False)])
+def test_launcher_hands_the_driver_the_block_or_the_pointers(cooperative, param_block, uses_block):
+    """A launch passes ``extra`` = the parameter block (kernelParams NULL) when asked and possible,
+    else ``kernelParams`` = the pointer array (extra NULL); cooperative launches have no extra."""
+    driver = pytest.importorskip("cuda.bindings.driver")
+    t = _types()
+    argtypes = (_c(t.uint16, 2), t.int64)
+    kernel = SimpleNamespace(debug=False, extensions=[], launch_config_sensitive=False, entry_name="k",
+                             cooperative=cooperative, argument_types=argtypes,
+                             library=SimpleNamespace(get_cufunc=lambda: SimpleNamespace(handle=driver.CUfunction())))
+    launcher = fl.FastLauncher(kernel, 0, param_block=param_block)
+    assert launcher.param_block == uses_block
+    seen = []
+    launcher._launch = lambda *a: seen.append(a) or (driver.CUresult.CUDA_SUCCESS,)
+    assert launcher.launch(2, 32, (_devarray((4, 7), np.uint16, 0x7F0000001000), np.int64(3)))
+    params = launcher.params
+    if cooperative:  # cuLaunchCooperativeKernel(f, grid, block, shared, stream, kernelParams)
+        assert seen[0][-1] == params.address
+    else:  # cuLaunchKernel(f, grid, block, shared, stream, kernelParams, extra)
+        assert seen[0][-2:] == ((0, params.extra) if uses_block else (params.address, 0))
+    assert params.slots[params.offsets[1]] == 3

@@ -270,7 +270,8 @@ class FastLauncher:
     param_block : hand the driver the parameters as one block (``extra`` with
         ``CU_LAUNCH_PARAM_BUFFER_POINTER``: one copy) instead of a pointer per parameter
         (``kernelParams``: the driver copies each of them, about 200 for dispatch_async), where
-        every parameter is 8 bytes (:attr:`ParamBuffer.abi_block`); else ignored.
+        every parameter is 8 bytes (:attr:`ParamBuffer.abi_block`) and the launch is not
+        cooperative (``cuLaunchCooperativeKernel`` takes no ``extra``); else ignored.
 
     Raises :class:`Unsupported` if Numba would launch this kernel with more than the parameters
     (debug error reporting, argument extensions, launch-config-dependent overloads).
@@ -289,7 +290,7 @@ class FastLauncher:
         self.name = kernel.entry_name
         self.cooperative = bool(kernel.cooperative)
         self.params = ParamBuffer(kernel.argument_types)
-        self.param_block = bool(param_block) and self.params.extra is not None
+        self.param_block = bool(param_block) and self.params.extra is not None and not self.cooperative
         # (kernelParams, extra) of every launch: the pointer array, or the block
         self._param_args = (0, self.params.extra) if self.param_block else (self.params.address, 0)
         handle = kernel.library.get_cufunc().handle
