@@ -37,8 +37,8 @@ def _median_ns(fn, repeat: int, drain=None, every: int = 50) -> float:
 
 def _param_block_rows(session, repeat: int) -> list:
     """A do-nothing kernel with 24 3-D array arguments (264 parameters, as many as the EP kernels
-    take) launched by two fast launchers on the session's stream: the parameters as a pointer
-    each (``kernelParams``) and as one block (``extra``, ``CU_LAUNCH_PARAM_BUFFER_POINTER``)."""
+    take) launched by two fast launchers on the session's stream, alternately: the parameters as
+    a pointer each (``kernelParams``) and as one block (``extra``, ``CU_LAUNCH_PARAM_BUFFER_POINTER``)."""
     import cupy
     from numba import cuda, types
 
@@ -54,16 +54,21 @@ def _param_block_rows(session, repeat: int) -> list:
     compiled = kernel.compile((argtype,) * n)
     arrays = tuple(cupy.zeros((2, 3, 4), np.int32) for _ in range(n))
     stream = int(session._core_stream.handle)
-    rows = []
-    for block in (False, True):
-        launcher = FastLauncher(compiled, stream, param_block=block)
-        assert launcher.param_block == block
-        launcher.launch(132, 512, arrays)
-        cupy.cuda.runtime.deviceSynchronize()
-        rows.append((f"24-array launch, {'one block' if block else 'pointer each'} ({launcher.params.n_params} "
-                     f"params)", _median_ns(lambda: launcher.launch(132, 512, arrays), repeat,
-                                            cupy.cuda.runtime.deviceSynchronize)))
-    return rows
+    launchers = [FastLauncher(compiled, stream, param_block=block) for block in (False, True)]
+    assert [x.param_block for x in launchers] == [False, True]
+    times = ([], [])
+    pc = time.perf_counter_ns
+    for i in range(repeat):  # interleaved, so drift of the host's speed falls on both alike
+        for which in ((0, 1) if i % 2 else (1, 0)):
+            t = pc()
+            launchers[which].launch(132, 512, arrays)
+            times[which].append(pc() - t)
+        if i % 25 == 24:
+            cupy.cuda.runtime.deviceSynchronize()
+    cupy.cuda.runtime.deviceSynchronize()
+    n = launchers[0].params.n_params
+    return [(f"24-array launch, {name} ({n} params, interleaved)", statistics.median(t) / 1e3)
+            for name, t in zip(("pointer each", "one block"), times)]
 
 
 def main() -> int:
