@@ -108,7 +108,7 @@ class EPConfig:
             raise EPConfigError(
                 f"EPConfig.n_experts={self.n_experts}: n_experts must be a multiple of n_ranks "
                 f"({self.n_ranks}) so every rank holds the same number of experts; {fix}")
-        L = self.n_experts // self.n_ranks
+        L = self.n_local_experts
         if (self.n_ranks + 1) * L > PLACEMENT_WORDS:
             most = PLACEMENT_WORDS // (self.n_ranks + 1) * self.n_ranks
             raise EPConfigError(

@@ -13,7 +13,7 @@ the kernel boundary is the grid-wide barrier between "every row's position is kn
 "copy each received row once to all its expert rows".
 """
 
-from numba import int32, int64, uint32, uint64
+from numba import float32, int32, int64, uint32, uint64
 
 from ep_runtime.config import MAX_RANKS, PLACEMENT_WORDS
 from ep_runtime.kernels import pdl, shmem
@@ -1043,7 +1043,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                     break
             # the token's rows (every part's warp writes the same token_rows); descriptions once
             for k in range(lane, K, warp):
-                weight = d_weights[g, s, t, k]
+                weight = d_weights[g, s, t, k] if p == 0 else float32(0.0)  # part 0 describes the rows
                 r, j = row_of(d_ids, d_ranks, place, L, g, s, t, k, first_mine)
                 if r >= 0:
                     if p == 0:
