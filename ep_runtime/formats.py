@@ -17,12 +17,12 @@ helpers in :mod:`ep_runtime.kernels.fp8`). Formats:
 Message layout (one token, every format)
     ``payload_bytes`` bytes of payload (the elements, little-endian), then ``scale_bytes``
     bytes of scales (block order), then zero padding to a whole number of 8-byte words
-    (``MESSAGE_ALIGN``; for the quantized formats of 16-byte word pairs,
-    ``QUANTIZED_MESSAGE_ALIGN``, so every slot starts 16-byte aligned):
+    (``MESSAGE_ALIGN``; for the quantized formats ``QUANTIZED_MESSAGE_ALIGN``, 128 bytes,
+    so every slot starts on a cache line):
     ``message_bytes = message_words * 8``. Scales start at ``scale_offset_bytes =
     payload_bytes``, itself a multiple of 16 for FP8 (hidden % 128 == 0). Example: hidden 7168
-    in FP8_E4M3 is 7168 + 56 * 4 = 7392 bytes (924 words); in FP8_E4M3_UE8M0 7168 + 56 = 7224
-    bytes padded to 7232 (904 words); in BF16 14336 bytes (1792 words).
+    in FP8_E4M3 is 7168 + 56 * 4 = 7392 bytes padded to 7424 (928 words); in FP8_E4M3_UE8M0
+    7168 + 56 = 7224 bytes padded to 7296 (912 words); in BF16 14336 bytes (1792 words).
 
 Quantization rule (FP8 formats; the device code in kernels/fp8.py gives the same bits)
     Per token and per block of 128 elements (bf16 values ``x``, widened exactly to float32):
@@ -80,10 +80,12 @@ from .errors import EPConfigError, EPInputError
 
 #: Every message is a whole number of these bytes (uint64 words: what the kernels move).
 MESSAGE_ALIGN = 8
-#: A quantized format's message is a whole number of word pairs (16 bytes), so every receive slot
-#: and stage row starts 16-byte aligned and the encoder and the copies move it as 16-byte pairs
-#: (kernels/token_codec.py); the padding is never written or sent.
-QUANTIZED_MESSAGE_ALIGN = 2 * MESSAGE_ALIGN
+#: A quantized format's message is a whole number of 128-byte lines, so every receive slot and
+#: stage row starts line-aligned: the encoder's 512-byte warp stores of codes (16-byte pairs,
+#: kernels/token_codec.py) then fill whole lines, and a peer receives 4 full-line writes per
+#: warp step instead of 5 partial ones (a 16-byte multiple left three rows in four off the
+#: line at hidden 7168). The padding is never written or sent.
+QUANTIZED_MESSAGE_ALIGN = 128
 #: Elements per scale block of the FP8 formats.
 FP8_BLOCK = 128
 #: Largest finite E4M3 magnitude (code 0x7E): a block's amax maps to it.

@@ -23,7 +23,7 @@ from ep_runtime.kernels.block import (await_part, block_exclusive_scan, flag_par
                                       part_words, popc32, record_error, row_parts, udiv32, warp_exclusive_count,
                                       warp_geometry, warp_sync)
 from ep_runtime.kernels.cuda_api import SIMULATED, cuda, kernel_jit
-from ep_runtime.kernels.token_codec import BLOCK_WORDS, CODE_WORDS, make_token_codec
+from ep_runtime.kernels.token_codec import BLOCK_WORDS, CODE_WORDS, HELD_SCALES, make_token_codec
 from ep_runtime.kernels.trace import stamp_first, stamp_last
 from ep_runtime.kernels.vec import (address_of, load_u32_at, make_pair_loops, pairs_aligned, store_u32_at, store_u8_at,
                                     store_word_at)
@@ -96,6 +96,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
     load_pairs, store_pairs, store_pairs_at = make_pair_loops(UP, warp)
     SW = RANK_WINDOW
     RANK_WORDS = warps * SW  # the routing block's shared masks and rows (a compile-time size)
+    HELD_WORDS = warps * HELD_SCALES  # the FP8 encoder's held scales (a compile-time size)
 
     @cuda.jit(device=True)
     def padded(rows, pad_multiple):
@@ -597,6 +598,8 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         all_warps = token_blocks * warps
         if QUANT:  # a warp per part of a token (a run of 128-element blocks): encode once, put to each rank
             mbuf = cuda.shared.array(threads, int64)  # the simulator's warp-max scratch
+            held = cuda.shared.array(HELD_WORDS, uint32)  # each warp's part's scales (HELD_SCALES)
+            h0 = (tid // warp) * HELD_SCALES
             lane = tid % warp
             if prequantized != 0:
                 S = tokens.shape[1] // CODE_WORDS
@@ -617,14 +620,14 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                         slot = address_of(d_tokens[me, t]) - address_of(d_tokens)  # the same on every PE
                         if prequantized == 0:
                             encode_blocks(tokens, t, b0, b1, src_pairs, uint64(0), PB, lane, mbuf, peer_bases, sent,
-                                          slot)
+                                          slot, held, h0)
                         else:
                             send_prequantized(tokens[t], token_scales[t], b0, b1, PB, peer_bases, sent, slot, lane,
                                               lo, hi)
                     else:
                         if prequantized == 0:
                             encode_blocks(tokens, t, b0, b1, src_pairs, address_of(stage64[t]), PB, lane, mbuf,
-                                          peer_bases, uint64(0), uint64(0))
+                                          peer_bases, uint64(0), uint64(0), held, h0)
                             warp_sync()  # the part is staged before the warp's puts read it
                         for d in range(R):
                             if (sent >> uint64(d)) & uint64(1):

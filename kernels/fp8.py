@@ -42,6 +42,7 @@ from numba import float32, int32, uint32, uint64
 from ep_runtime.formats import E4M3_MAX, E4M3_NAN, UE8M0_NAN
 from ep_runtime.kernels.bits import bf16_to_f32, f32_bits, word_f32
 from ep_runtime.kernels.cuda_api import SIMULATED, cuda
+from ep_runtime.kernels.vec import max_u16x2
 
 #: Largest quotient magnitude the hardware conversion rounds as ml_dtypes does (464 rounds to
 #: even, 448; above it ml_dtypes gives NaN, the hardware's satfinite 448).
@@ -217,6 +218,33 @@ def bf16_abs_max(acc, word):
 
 
 @cuda.jit(device=True)
+def bf16_abs_max4(w0, w1, w2, w3):
+    """:func:`bf16_abs_max` of the sixteen bf16 values of uint64 words ``w0..w3`` from 0 (uint32
+    magnitude pattern), two values per operation: each 32-bit half word masked to its two
+    magnitudes, folded with ``max_u16x2``, then the larger half."""
+    mask = uint32(0x7FFF7FFF)
+    m = max_u16x2(uint32(w0) & mask, uint32(uint64(w0) >> uint64(32)) & mask)
+    m = max_u16x2(m, uint32(w1) & mask)
+    m = max_u16x2(m, uint32(uint64(w1) >> uint64(32)) & mask)
+    m = max_u16x2(m, uint32(w2) & mask)
+    m = max_u16x2(m, uint32(uint64(w2) >> uint64(32)) & mask)
+    m = max_u16x2(m, uint32(w3) & mask)
+    m = max_u16x2(m, uint32(uint64(w3) >> uint64(32)) & mask)
+    return max(m & uint32(0xFFFF), m >> uint32(16))
+
+
+@cuda.jit(device=True)
+def scaled_directly(scale, inv):
+    """Whether a block of scale ``scale`` and multiplier ``inv`` (:func:`e4m3_inverse`, or
+    :func:`ue8m0_inverse` of the scale's code) quantizes as ``x * inv`` with every quotient
+    within the hardware's exact range, so :func:`quantize4_scaled` applies: the scale is not
+    NaN and ``inv`` is not 0. Then ``|x| <= amax`` gives ``|x * inv| <= 448 (1 + 2**-24)``
+    rounded (E4M3: ``inv = 448 / amax`` rounded once) or ``<= 448`` (UE8M0: ``scale >= amax /
+    448`` and ``inv`` its exact reciprocal), below 464."""
+    return (f32_bits(scale) & uint32(0x7FFFFFFF)) <= uint32(0x7F800000) and inv != float32(0.0)
+
+
+@cuda.jit(device=True)
 def pack4(c0, c1, c2, c3):
     """uint32 of four codes (low 8 bits each), ``c0`` in the lowest byte."""
     return uint32((uint32(c0) & uint32(0xFF)) | ((uint32(c1) & uint32(0xFF)) << uint32(8))
@@ -258,9 +286,19 @@ def quantize4_by_software(word, scale, inv):
                  e4m3_bits(word_f32(word, 2) * s), e4m3_bits(word_f32(word, 3) * s))
 
 
+@cuda.jit(device=True)
+def quantize4_scaled_software(word, inv):
+    """The E4M3 codes of ``x * inv`` for the four bf16 values of uint64 ``word`` (no scale
+    checks: the caller's block passed :func:`scaled_directly`)."""
+    s = float32(inv)
+    return pack4(e4m3_bits(word_f32(word, 0) * s), e4m3_bits(word_f32(word, 1) * s),
+                 e4m3_bits(word_f32(word, 2) * s), e4m3_bits(word_f32(word, 3) * s))
+
+
 if SIMULATED:
     quantize4 = quantize4_software
     quantize4_by = quantize4_by_software
+    quantize4_scaled = quantize4_scaled_software
 else:
     from ep_runtime.kernels.vec import f32_pair_conversion
 
@@ -304,7 +342,18 @@ else:
             return quantize4_by_software(word, scale, inv)
         return _cvt_e4m3x2(q0, q1) | (_cvt_e4m3x2(q2, q3) << uint32(16))
 
+    @cuda.jit(device=True)
+    def quantize4_scaled(word, inv):
+        """As :func:`quantize4_scaled_software`, with the hardware conversion: four
+        multiplications and two conversions, nothing else (the block passed
+        :func:`scaled_directly`, so every quotient is within 464 and the hardware's rounding is
+        ml_dtypes')."""
+        s = float32(inv)
+        return (_cvt_e4m3x2(word_f32(word, 0) * s, word_f32(word, 1) * s)
+                | (_cvt_e4m3x2(word_f32(word, 2) * s, word_f32(word, 3) * s) << uint32(16)))
+
 
 __all__ = ["E4M3_MAX", "E4M3_NAN", "UE8M0_NAN", "e4m3_bits", "e4m3_value", "e4m3_quantize", "e4m3_scale",
            "e4m3_inverse", "ue8m0_scale", "ue8m0_value", "ue8m0_inverse", "bf16_abs_max", "pack4", "pack8", "code_at",
-           "quantize4", "quantize4_software", "quantize4_by", "quantize4_by_software"]
+           "quantize4", "quantize4_software", "quantize4_by", "quantize4_by_software", "bf16_abs_max4",
+           "scaled_directly", "quantize4_scaled", "quantize4_scaled_software"]

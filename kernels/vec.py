@@ -28,6 +28,8 @@ instruction (``cvt.rn.bf16x2.f32``).
 - ``store_word_at(addr, i, v)``: one unsigned word ``v`` (uint16, uint32 or uint64: a token
   word) at ``addr + i * size(v)``, aligned to its size (token rows stored into peers' slots
   a word at a time where their word pairs are not 16-byte aligned).
+- ``max_u16x2(a, b) -> uint32``: the larger unsigned 16-bit half of each pair of halves (one
+  ``max.u16x2``: the FP8 encoder's block amax over bf16 magnitude patterns, two at a time).
 - ``pack_bf16x2(lo, hi) -> uint32``: ``lo`` and ``hi`` (float32) rounded to bf16, ``lo`` in
   bits 0-15: the same bits as :func:`ep_runtime.kernels.bits.f32_to_bf16` for every input
   (the hardware's canonical NaN is replaced by ml_dtypes' quiet NaN with the input's sign).
@@ -91,6 +93,11 @@ if _config.ENABLE_CUDASIM:
     def load_u32_at(addr, i):
         """The uint32 at address ``addr + 4 i``."""
         return np.uint32(ctypes.c_uint32.from_address(int(addr) + 4 * int(i)).value)
+
+    def max_u16x2(a, b):
+        """Per 16-bit half, the larger of uint32 ``a``'s and ``b``'s (unsigned)."""
+        a, b = int(a), int(b)
+        return np.uint32(max(a & 0xFFFF, b & 0xFFFF) | (max(a >> 16, b >> 16) << 16))
 
     def pack_bf16x2(lo, hi):
         """bf16(lo) | bf16(hi) << 16, as uint32."""
@@ -282,6 +289,22 @@ else:
 
         return convert
 
+    @intrinsic
+    def max_u16x2(typingctx, a, b):
+        """Per 16-bit half, the larger of ``a``'s and ``b``'s low 32 bits (unsigned halves):
+        one ``max.u16x2`` (sm_90)."""
+        if not (isinstance(a, types.Integer) and isinstance(b, types.Integer)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            i32 = ir.IntType(32)
+            ops = [builder.trunc(v, i32) if v.type.width > 32 else builder.zext(v, i32) if v.type.width < 32 else v
+                   for v in args]  # the low 32 bits (Numba widens integer arithmetic to 64)
+            asm = ir.InlineAsm(ir.FunctionType(i32, [i32, i32]), "max.u16x2 $0, $1, $2;", "=r,r,r")
+            return builder.call(asm, ops)
+
+        return types.uint32(a, b), codegen
+
     #: bf16(hi) << 16 | bf16(lo), NaN as the hardware's canonical NaN
     _cvt_bf16x2 = f32_pair_conversion("cvt.rn.bf16x2.f32", 32)
 
@@ -348,4 +371,4 @@ def make_pair_loops(n: int, warp: int):
 
 
 __all__ = ["load_pair", "store_pair", "pairs_aligned", "address_of", "store_pair_at", "load_u32_at", "store_u32_at",
-           "store_u8_at", "pack_bf16x2", "pack_bf16x4", "pack_f32x2", "make_pair_loops"]
+           "store_u8_at", "max_u16x2", "pack_bf16x2", "pack_bf16x4", "pack_f32x2", "make_pair_loops"]

@@ -290,7 +290,9 @@ def _device_signatures():
             ("e4m3_quantize", (f32, f32)), ("e4m3_scale", (f32,)), ("ue8m0_scale", (f32,)),
             ("ue8m0_value", (u32,)), ("ue8m0_inverse", (u32,)), ("e4m3_inverse", (f32,)),
             ("quantize4_by_software", (u64, f32, f32)),
-            ("bf16_abs_max", (u32, u64)), ("pack4", (u32, u32, u32, u32)),
+            ("bf16_abs_max", (u32, u64)), ("bf16_abs_max4", (u64, u64, u64, u64)),
+            ("scaled_directly", (f32, f32)), ("quantize4_scaled", (u64, f32)),
+            ("quantize4_scaled_software", (u64, f32)), ("pack4", (u32, u32, u32, u32)),
             ("pack8", (u32, u32)), ("code_at", (u64, i64))]
 
 
@@ -545,10 +547,10 @@ def test_device_messages_match_reference(sim, fmt):
 LAYOUTS = {  # (format, hidden): payload, scale count, scale bytes, message bytes, message words
     ("bf16", 128): (256, 0, 0, 256, 32), ("bf16", 384): (768, 0, 0, 768, 96),
     ("bf16", 7168): (14336, 0, 0, 14336, 1792),
-    ("fp8_e4m3", 128): (128, 1, 4, 144, 18), ("fp8_e4m3", 384): (384, 3, 12, 400, 50),
-    ("fp8_e4m3", 7168): (7168, 56, 224, 7392, 924),
-    ("fp8_e4m3_ue8m0", 128): (128, 1, 1, 144, 18), ("fp8_e4m3_ue8m0", 384): (384, 3, 3, 400, 50),
-    ("fp8_e4m3_ue8m0", 7168): (7168, 56, 56, 7232, 904),
+    ("fp8_e4m3", 128): (128, 1, 4, 256, 32), ("fp8_e4m3", 384): (384, 3, 12, 512, 64),
+    ("fp8_e4m3", 7168): (7168, 56, 224, 7424, 928),
+    ("fp8_e4m3_ue8m0", 128): (128, 1, 1, 256, 32), ("fp8_e4m3_ue8m0", 384): (384, 3, 3, 512, 64),
+    ("fp8_e4m3_ue8m0", 7168): (7168, 56, 56, 7296, 912),
 }
 
 
@@ -756,7 +758,7 @@ def test_argument_errors():
         F.FP8_E4M3.quantize(np.zeros((2, 128), np.float32))
     with pytest.raises(EPInputError, match=r"scales must be \[2, 1\] float32"):
         F.FP8_E4M3.pack_messages(np.zeros((2, 128), np.uint8), np.zeros((2, 1), np.uint8))
-    with pytest.raises(EPInputError, match=r"\[T, 18\] uint64"):
+    with pytest.raises(EPInputError, match=r"\[T, 32\] uint64"):
         F.FP8_E4M3_UE8M0.unpack_messages(np.zeros((2, 16), np.uint64), 128)
     with pytest.raises(EPConfigError, match="multiple of 128"):
         F.FP8_E4M3.quantize(np.zeros((2, 100), np.uint16))

@@ -19,6 +19,7 @@ import pytest
 
 from ep_runtime import reference
 from ep_runtime.config import EPConfig
+from ep_runtime.kernels.token_codec import HELD_SCALES
 from ep_runtime.reference import BF16
 from ep_runtime.shmem.launch import run_pes
 from ep_runtime.testing import input_error_of, make_inputs, off_by_8
@@ -52,6 +53,12 @@ def cases(R: int) -> list:
                  "column"),
                 (f"{f}_prequantized_misaligned_row", {**base, "token_dtype": fmt}, "random", 8, "misaligned", "row"),
             ]
+        if R == 2 and fmt == "fp8_e4m3":
+            # a token part longer than the encoder's held scales (token_codec.HELD_SCALES blocks):
+            # its scales go out a step at a time instead of together after the codes
+            out.append((f"{f}_scales_past_held_h{128 * (HELD_SCALES + 1)}",
+                        {**base, "token_dtype": fmt, "hidden": 128 * (HELD_SCALES + 1), "max_tokens_per_rank": 2},
+                        "random", 9, False, "row"))
     return out
 
 

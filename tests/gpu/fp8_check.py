@@ -16,7 +16,9 @@ awkward blocks planted (a block of zeros: amax 0; an inf and a NaN: non-finite b
   against its software rule (``quantize4_software``, checked against ml_dtypes for every bf16
   pattern by tests/test_formats.py) for every bf16 pattern under scales 1 (every E4M3 rounding
   tie of a bf16 value), arbitrary float32, power-of-two, float32-subnormal (quotients past
-  464: the software fallback) and NaN.
+  464: the software fallback) and NaN; and the encoder's unchecked fast path
+  (``quantize4_scaled``, taken where ``scaled_directly`` holds) for every bf16 word in blocks
+  whose amax is the word's own or a few multiples of it, E4M3 and UE8M0 scales.
 
 Prints a table last (rank 0); exits non-zero on any failure.
 """
@@ -47,13 +49,23 @@ def plant_awkward_blocks(xs, BF16) -> None:
 CONVERSION_SCALES = (1.0, 0.37109375 / 448, 3.0 / 448, 1234.5 / 448, 2.0 ** -9, 2.0 ** 7, 1.5e-39, float("nan"))
 
 
+#: Factors on a word's own amax for the fast path's check (1: the word holds the block's amax).
+SCALED_WIDEN = (1.0, 1.0009765625, 1.5, 3.0, 1000.0)
+
+
 def check_hardware_conversion() -> tuple[int, int]:
     """``(words that differ, words checked)`` between quantize4 and quantize4_software on the
-    GPU, for every bf16 pattern (as 16,384 words of 4) under each of CONVERSION_SCALES."""
+    GPU, for every bf16 pattern (as 16,384 words of 4) under each of CONVERSION_SCALES; and
+    between the encoder's unchecked fast path (``quantize4_scaled``) and the software rule for
+    every bf16 word whose block amax is its own times each of SCALED_WIDEN, in both scale
+    kinds, wherever ``scaled_directly`` admits the block."""
     import cupy
     from numba import cuda as ncuda
 
-    from ep_runtime.kernels.fp8 import quantize4, quantize4_software
+    from ep_runtime.kernels.bits import bf16_to_f32
+    from ep_runtime.kernels.fp8 import (bf16_abs_max4, e4m3_inverse, e4m3_scale, quantize4, quantize4_by_software,
+                                        quantize4_scaled, quantize4_software, scaled_directly, ue8m0_inverse,
+                                        ue8m0_scale)
 
     @ncuda.jit
     def both(words, scales, hw, sw):
@@ -64,13 +76,41 @@ def check_hardware_conversion() -> tuple[int, int]:
             hw[i] = quantize4(w, s)
             sw[i] = quantize4_software(w, s)
 
+    @ncuda.jit
+    def scaled(words, widen, hw, sw, used):
+        """The encoder's fast path: a block whose amax is the word's own (times ``widen``),
+        its E4M3 and UE8M0 scales, and where ``scaled_directly`` lets the encoder skip the
+        checks, ``quantize4_scaled`` against the checked software rule."""
+        i = ncuda.grid(1)
+        n = words.size * widen.size
+        if i < n:
+            w = words[i % words.size]
+            amax = bf16_to_f32(bf16_abs_max4(w, w, w, w)) * widen[i // words.size]
+            for kind in range(2):
+                if kind == 0:
+                    scale = e4m3_scale(amax)
+                    inv = e4m3_inverse(amax)
+                else:
+                    scale, code = ue8m0_scale(amax)
+                    inv = ue8m0_inverse(code)
+                j = kind * n + i
+                if scaled_directly(scale, inv):
+                    used[j] = 1
+                    hw[j] = quantize4_scaled(w, inv)
+                    sw[j] = quantize4_by_software(w, scale, inv)
+
     words = cupy.asarray(np.arange(65536, dtype=np.uint16).view(np.uint64))
     scales = cupy.asarray(np.array(CONVERSION_SCALES, np.float32))
     n = words.size * scales.size
     hw, sw = cupy.zeros(n, cupy.uint32), cupy.ones(n, cupy.uint32)
     both[(n + 255) // 256, 256](words, scales, hw, sw)
+    widen = cupy.asarray(np.array(SCALED_WIDEN, np.float32))
+    m = words.size * widen.size
+    hw2, sw2, used = cupy.zeros(2 * m, cupy.uint32), cupy.zeros(2 * m, cupy.uint32), cupy.zeros(2 * m, cupy.uint8)
+    scaled[(m + 255) // 256, 256](words, widen, hw2, sw2, used)
     cupy.cuda.runtime.deviceSynchronize()
-    return int((hw != sw).sum()), n
+    assert int(used.sum()) > m, "the fast path's check took too few words"
+    return int((hw != sw).sum()) + int((hw2 != sw2).sum()), n + int(used.sum())
 
 
 def main() -> int:
