@@ -234,6 +234,20 @@ def bf16_abs_max4(w0, w1, w2, w3):
 
 
 @cuda.jit(device=True)
+def block_scale(amax, ue8m0):
+    """``(scale, code, inv)`` of a block whose largest magnitude is float32 ``amax``: FP8_E4M3's
+    (``ue8m0`` false: :func:`e4m3_scale`, its float32 bits, :func:`e4m3_inverse`) or
+    FP8_E4M3_UE8M0's (:func:`ue8m0_scale`, its code, :func:`ue8m0_inverse`: the exact
+    reciprocal, whose products are the division's quotients). ``code`` is what the message
+    stores; ``inv`` is what :func:`quantize4_by` / :func:`quantize4_scaled` multiply by."""
+    if ue8m0:
+        scale, code = ue8m0_scale(amax)
+        return scale, code, ue8m0_inverse(code)
+    scale = e4m3_scale(amax)
+    return scale, f32_bits(scale), e4m3_inverse(amax)
+
+
+@cuda.jit(device=True)
 def scaled_directly(scale, inv):
     """Whether a block of scale ``scale`` and multiplier ``inv`` (:func:`e4m3_inverse`, or
     :func:`ue8m0_inverse` of the scale's code) quantizes as ``x * inv`` with every quotient
@@ -272,6 +286,15 @@ def quantize4_software(word, scale):
 
 
 @cuda.jit(device=True)
+def quantize4_scaled_software(word, inv):
+    """The E4M3 codes of ``x * inv`` for the four bf16 values of uint64 ``word`` (no scale
+    checks: the caller's block passed :func:`scaled_directly`)."""
+    s = float32(inv)
+    return pack4(e4m3_bits(word_f32(word, 0) * s), e4m3_bits(word_f32(word, 1) * s),
+                 e4m3_bits(word_f32(word, 2) * s), e4m3_bits(word_f32(word, 3) * s))
+
+
+@cuda.jit(device=True)
 def quantize4_by_software(word, scale, inv):
     """The codes of the four bf16 values of uint64 ``word`` (as :func:`quantize4_software`)
     with the quotients taken as products ``x * inv`` (``inv``: :func:`e4m3_inverse`, or
@@ -281,18 +304,7 @@ def quantize4_by_software(word, scale, inv):
         return uint32(_NAN4)
     if inv == float32(0.0):
         return quantize4_software(word, scale)
-    s = float32(inv)
-    return pack4(e4m3_bits(word_f32(word, 0) * s), e4m3_bits(word_f32(word, 1) * s),
-                 e4m3_bits(word_f32(word, 2) * s), e4m3_bits(word_f32(word, 3) * s))
-
-
-@cuda.jit(device=True)
-def quantize4_scaled_software(word, inv):
-    """The E4M3 codes of ``x * inv`` for the four bf16 values of uint64 ``word`` (no scale
-    checks: the caller's block passed :func:`scaled_directly`)."""
-    s = float32(inv)
-    return pack4(e4m3_bits(word_f32(word, 0) * s), e4m3_bits(word_f32(word, 1) * s),
-                 e4m3_bits(word_f32(word, 2) * s), e4m3_bits(word_f32(word, 3) * s))
+    return quantize4_scaled_software(word, inv)
 
 
 if SIMULATED:
@@ -356,4 +368,4 @@ else:
 __all__ = ["E4M3_MAX", "E4M3_NAN", "UE8M0_NAN", "e4m3_bits", "e4m3_value", "e4m3_quantize", "e4m3_scale",
            "e4m3_inverse", "ue8m0_scale", "ue8m0_value", "ue8m0_inverse", "bf16_abs_max", "pack4", "pack8", "code_at",
            "quantize4", "quantize4_software", "quantize4_by", "quantize4_by_software", "bf16_abs_max4",
-           "scaled_directly", "quantize4_scaled", "quantize4_scaled_software"]
+           "block_scale", "scaled_directly", "quantize4_scaled", "quantize4_scaled_software"]

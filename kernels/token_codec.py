@@ -11,11 +11,10 @@ code), then padding to ``MW`` words (``TokenFormat.message_words``; never writte
 
 from numba import uint32, uint64
 
-from ep_runtime.kernels.bits import bf16_to_f32, f32_bits
+from ep_runtime.kernels.bits import bf16_to_f32
 from ep_runtime.kernels.block import group_max_u32, warp_sync
 from ep_runtime.kernels.cuda_api import cuda
-from ep_runtime.kernels.fp8 import (bf16_abs_max4, e4m3_inverse, e4m3_scale, pack8, quantize4_by, quantize4_scaled,
-                                    scaled_directly, ue8m0_inverse, ue8m0_scale)
+from ep_runtime.kernels.fp8 import bf16_abs_max4, block_scale, pack8, quantize4_by, quantize4_scaled, scaled_directly
 from ep_runtime.kernels.vec import load_pair, store_pair_at, store_u8_at, store_u32_at
 from ep_runtime.layout import PEER_TOKENS
 
@@ -83,13 +82,7 @@ def make_token_codec(warp: int, ue8m0: bool):
             m = bf16_abs_max4(w0, w1, w2, w3)
         a = bf16_to_f32(group_max_u32(m, BLOCK_LANES, buf64))  # every lane: full-warp shuffles
         if b < b1:
-            if ue8m0:  # a power of two: its exact reciprocal (the division's quotients)
-                scale, code = ue8m0_scale(a)
-                inv = ue8m0_inverse(code)
-            else:  # the rule's multiplier, 448 / amax (0: divide)
-                scale = e4m3_scale(a)
-                code = f32_bits(scale)
-                inv = e4m3_inverse(a)
+            scale, code, inv = block_scale(a, ue8m0)
             if scaled_directly(scale, inv):  # every block of finite values: products, converted
                 lo = pack8(quantize4_scaled(w0, inv), quantize4_scaled(w1, inv))
                 hi = pack8(quantize4_scaled(w2, inv), quantize4_scaled(w3, inv))

@@ -291,7 +291,7 @@ def _device_signatures():
             ("ue8m0_value", (u32,)), ("ue8m0_inverse", (u32,)), ("e4m3_inverse", (f32,)),
             ("quantize4_by_software", (u64, f32, f32)),
             ("bf16_abs_max", (u32, u64)), ("bf16_abs_max4", (u64, u64, u64, u64)),
-            ("scaled_directly", (f32, f32)), ("quantize4_scaled", (u64, f32)),
+            ("block_scale", (f32, types.boolean)), ("scaled_directly", (f32, f32)), ("quantize4_scaled", (u64, f32)),
             ("quantize4_scaled_software", (u64, f32)), ("pack4", (u32, u32, u32, u32)),
             ("pack8", (u32, u32)), ("code_at", (u64, i64))]
 

@@ -63,9 +63,8 @@ def check_hardware_conversion() -> tuple[int, int]:
     from numba import cuda as ncuda
 
     from ep_runtime.kernels.bits import bf16_to_f32
-    from ep_runtime.kernels.fp8 import (bf16_abs_max4, e4m3_inverse, e4m3_scale, quantize4, quantize4_by_software,
-                                        quantize4_scaled, quantize4_software, scaled_directly, ue8m0_inverse,
-                                        ue8m0_scale)
+    from ep_runtime.kernels.fp8 import (bf16_abs_max4, block_scale, quantize4, quantize4_by_software, quantize4_scaled,
+                                        quantize4_software, scaled_directly)
 
     @ncuda.jit
     def both(words, scales, hw, sw):
@@ -87,12 +86,7 @@ def check_hardware_conversion() -> tuple[int, int]:
             w = words[i % words.size]
             amax = bf16_to_f32(bf16_abs_max4(w, w, w, w)) * widen[i // words.size]
             for kind in range(2):
-                if kind == 0:
-                    scale = e4m3_scale(amax)
-                    inv = e4m3_inverse(amax)
-                else:
-                    scale, code = ue8m0_scale(amax)
-                    inv = ue8m0_inverse(code)
+                scale, code, inv = block_scale(amax, kind == 1)
                 j = kind * n + i
                 if scaled_directly(scale, inv):
                     used[j] = 1
