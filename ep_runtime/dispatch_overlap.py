@@ -19,9 +19,17 @@ it). Two knobs, read when a runtime is built, the same on every rank:
   (``EPConfig.n_sms`` None) and PDL is on (``EP_RUNTIME_PDL`` and the session's fast launcher).
   With ``n_sms`` set, or without PDL, dispatch_async keeps the whole grid.
 
+- ``EP_RUNTIME_DISPATCH_PLACE`` (default ``auto``, v26): ``1`` builds a placing runtime:
+  dispatch_async's routing blocks place the received rows while the token rows fly and
+  dispatch_wait only waits for the rows (peer stores only, not with landing or the copy
+  engine); ``0`` keeps the placement in dispatch_wait; ``auto`` places where landing is off
+  and it was measured faster (:func:`auto_placing`: bf16, two ranks or more, the whole GPU, from
+  :data:`PLACE_AUTO_MIN_TOKENS` tokens per rank). So a runtime that serves the compact layout
+  sets ``EP_RUNTIME_DISPATCH_LAND=0`` and gets placement during the transfer.
 Measured on 2 x H100 over NVLink (docs/throughput.md, "v23"): landing takes 13-160 us off the
 expanded dispatch from 1024 tokens per rank up (T=4096: 420.8 -> 351.5 us) and leaves the
 compact one within -2.3 / +2.1 us there, but costs 5-13 us below 1024 tokens and with FP8 tokens.
+On 2 x H200 (v26): landing 288.7 us expanded and 189.2 compact at T=4096, placing 348.8 and 183.0.
 """
 
 from __future__ import annotations
@@ -70,6 +78,52 @@ def landing(cfg: EPConfig, copy_engine: bool) -> bool:
                             f"carry no flags; unset one of the two.")
     if value == "auto":
         return auto_landing(cfg) and not copy_engine
+    return value == "1"
+
+
+#: Chooses placement during the transfer (docs/protocol.md, "Placement during the transfer", v26).
+PLACE_ENV = "EP_RUNTIME_DISPATCH_PLACE"
+#: Values of :data:`PLACE_ENV` (unset or empty: ``auto``).
+PLACE_CHOICES = ("auto", "0", "1")
+#: Tokens per rank (the runtime's capacity) from which ``auto`` places bf16 dispatches during the
+#: transfer when the runtime does not land them (``EP_RUNTIME_DISPATCH_LAND=0``, or a grid set by
+#: ``n_sms``). 2 x H200, NVLink, graph replay, dispatch (async + wait) us, placing against
+#: dispatch_wait / landing: compact T=1024 62.4 / - / 69.9, 4096 183.0 / 196.4 / 189.2, 8192
+#: 343.2 / - / 359.0; expanded 4096 348.8 / 364.3 / 288.7 (landing copies rows as they land:
+#: it stays the default); at T=128 the routing is out only after the token rows and placing
+#: cost 1-3 us (docs/throughput.md, "v26").
+PLACE_AUTO_MIN_TOKENS = 1024
+
+
+def auto_placing(cfg: EPConfig) -> bool:
+    """Whether ``auto`` places a runtime of ``cfg``'s dispatches during the transfer (where it
+    does not land them): bf16 tokens (the FP8 encoder's 4 routing blocks get their routing out
+    late and place slowly: 124 -> 158 us at T=4096), at least two ranks, the whole GPU
+    (``cfg.n_sms`` None: a small grid has one routing block to place every row; the only case
+    measured) and ``cfg.max_tokens_per_rank >= PLACE_AUTO_MIN_TOKENS``."""
+    return (cfg.n_ranks >= 2 and not cfg.token_format.quantized and cfg.n_sms is None
+            and cfg.max_tokens_per_rank >= PLACE_AUTO_MIN_TOKENS)
+
+
+def placing(cfg: EPConfig, stores: bool, copy_engine: bool, land: bool) -> bool:
+    """Whether a runtime of ``cfg`` places its dispatches' rows in dispatch_async's routing blocks
+    (``EP_RUNTIME_DISPATCH_PLACE``: ``auto``, ``0`` or ``1``). Only the peer-store send path
+    places (the puts path's counts travel with the signal); landing runtimes place in
+    dispatch_land and the copy-engine transfer has no routing blocks beside its rows. Raises
+    EPConfigError for another value, or for ``1`` where the send path cannot place."""
+    value = os.environ.get(PLACE_ENV, "").strip().lower() or "auto"
+    if value not in PLACE_CHOICES:
+        raise EPConfigError(f"{PLACE_ENV}={value!r}: expected auto (unset: where measured faster), 0 (dispatch_wait "
+                            f"places after the signal) or 1 (dispatch_async places during the transfer).")
+    possible = stores and not copy_engine and not land
+    if value == "1" and not possible:
+        why = ("the puts path (EP_RUNTIME_PEER_STORES=0 or unmapped peers) sends the counts with the signal"
+               if not stores else "landing (EP_RUNTIME_DISPATCH_LAND=1) places in dispatch_land" if land
+               else "the copy-engine transfer (EP_RUNTIME_TOKEN_TRANSFER=copy_engine) has no routing blocks beside "
+                    "its rows")
+        raise EPConfigError(f"{PLACE_ENV}=1 cannot be honoured: {why}; unset one of the two.")
+    if value == "auto":
+        return possible and auto_placing(cfg)
     return value == "1"
 
 

@@ -44,7 +44,9 @@ class ExpertBatch:
     """This rank's expert-major ragged batch (device arrays, views into runtime buffers).
 
     Rows are grouped by local expert, then source rank, then source token. Views stay valid
-    until the next ``dispatch_wait`` on this runtime.
+    until the next ``dispatch_wait`` on this runtime; in a placing runtime
+    (``EPRuntime.dispatch_place``) the row descriptions (``row_offsets``, ``expert_counts``,
+    ``src_*``, ``weight``) until the next ``dispatch_async``, which rewrites them while its rows fly.
 
     Attributes
     ----------
@@ -93,7 +95,8 @@ class CompactBatch:
     recv_tokens : [n_ranks] int32, tokens each source rank dispatched in this call (written by
         dispatch_wait; the same memory every call).
     row_offsets, expert_counts, src_rank, src_token, src_k, weight : as :class:`ExpertBatch`
-        (valid until the next ``dispatch_wait``).
+        (valid until the next ``dispatch_wait``; in a placing runtime until the next
+        ``dispatch_async``, as ``gather``).
     gather : [capacity] int32, the ``x`` row of each batch row (``src_rank * T + src_token``;
         -1 on padding rows).
     handle : the :class:`DispatchHandle` of the call, for ``combine_async``.

@@ -57,7 +57,9 @@ KERNEL_ARGS = {
         "dispatch_send_ranks", "dispatch_send_counts", "status", "token_scales", "prequantized",
         "dispatch_send_stage", "dispatch_send_stage:u8", "dispatch_tokens:u8",
         "peer_bases", "dispatch_token_credit", "dispatch_copy_go",
-        "timeout_ns", "dispatch_route_signal", "dispatch_row_flag"),
+        "timeout_ns", "dispatch_route_signal", "dispatch_row_flag", "dispatch_route_chunk", "row_offsets",
+        "expert_counts", "row_src_rank", "row_src_token", "row_src_k", "row_weight", "row_gather", "token_rows",
+        "pad_multiple"),
     "dispatch_signal": ("tokens", "valid_tokens", "use_valid", "dispatch_signal", "dispatch_async_sync", "status"),
     "dispatch_wait": (
         "dispatch_topk_ids", "dispatch_topk_weights", "dispatch_counts", "dispatch_ranks", "dispatch_signal",

@@ -39,8 +39,13 @@ COMBINE_FLAG_PARTS = 16
 #: Flags per token row (``dispatch_row_flag``): a landing call cuts each token row into at most
 #: this many parts, each flagged on arrival (docs/protocol.md, "Dispatch rows as they land").
 DISPATCH_FLAG_PARTS = 16
+#: Routing chunks a sender flags per call (``dispatch_route_chunk``): dispatch_async ranks its
+#: tokens in at most this many routing blocks (``kernels/dispatch.py``, ``ROUTE_BLOCKS``), each of
+#: which flags its chunk's routing on every rank once it is there (docs/protocol.md, "Placement
+#: during the transfer").
+ROUTE_CHUNKS = 8
 #: Trace words after the error record (``kernels/trace.py``: phase time stamps, EP_RUNTIME_TRACE=1).
-TRACE_LEN = 32
+TRACE_LEN = 40
 
 #: dispatch_signal[g, src] after call n: ``(n + 1) << SIGNAL_TOKEN_BITS | T``, src's token
 #: count in the low bits (T <= max_tokens_per_rank < 2**31), so the receiver has T with the
@@ -205,6 +210,12 @@ def _regions(cfg: EPConfig) -> list[Region]:
         Region("dispatch_row_flag", (R, T, DISPATCH_FLAG_PARTS), u64, 0, S, f"{DA} (peers, each part's warp)",
                (DL,), "[src, t, p]: n + 1 once part p of token t of rank src of call n has arrived (landing "
                "calls: dispatch_land copies each part as it lands)"),
+        # monotonic (call numbers), no group axis (v26): the receiver's placement reads group g's
+        # routing before its dispatch_wait of call n, as dispatch_wait did after the signal
+        Region("dispatch_route_chunk", (R, ROUTE_CHUNKS), u64, 0, S, f"{DA} (peers, each routing block)", (DA,),
+               "[src, c]: n + 1 once routing chunk c of rank src's call n (its ids, weights and ranks; chunk 0 "
+               "also the counts and T) has arrived (peer-store builds without landing: the routing blocks "
+               "place the received rows during the transfer)"),
         # -- local: counters of dispatch_async -----------------------------------------------------
         Region("dispatch_async_sync", (3,), i64, 0, Lc, DA, (DA, DW, CA, CW),
                "[0] ticket: finished blocks of the launch (reset by the last block); "

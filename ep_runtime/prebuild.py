@@ -20,9 +20,10 @@ carry the versions of numba-cuda, NVSHMEM, NVRTC, nvJitLink and NVVM, and the ke
 ``EP_RUNTIME_TRACE=1`` in the environment builds the traced kernels (``kernels/trace.py``), which
 the cache keys apart. The send path is compiled into the dispatch and combine kernels
 (:class:`ep_runtime.transfer.SendPaths`): the tool builds the one ``EP_RUNTIME_PEER_STORES``,
-``EP_RUNTIME_TOKEN_TRANSFER`` and ``EP_RUNTIME_DISPATCH_LAND`` select
-(:func:`ep_runtime.runtime.expected_send_paths`; under ``EP_RUNTIME_DISPATCH_LAND=auto``, the
-default, both paths it takes: see :data:`CAPACITIES`), so run it with the job's settings. Prints
+``EP_RUNTIME_TOKEN_TRANSFER``, ``EP_RUNTIME_DISPATCH_LAND`` and ``EP_RUNTIME_DISPATCH_PLACE``
+select (:func:`ep_runtime.runtime.expected_send_paths`; under ``auto``, the default, both paths
+it takes: see :data:`CAPACITIES`; with ``EP_RUNTIME_DISPATCH_LAND=0`` the large capacity's is the
+placing build), so run it with the job's settings. Prints
 one line per kernel and a summary last; exit status 0 when every kernel is cached, 1 when one
 failed to build, 2 when the tool cannot run here.
 """
@@ -72,9 +73,10 @@ def _parse_cc(text: str | None):
         raise SystemExit(f"prebuild: --cc {text!r}: expected a compute capability such as 9.0a or 90a") from None
 
 
-def _label(name: str, token_dtype: str, combine_dtype: str, land: bool = False) -> str:
+def _label(name: str, token_dtype: str, combine_dtype: str, path: str = "") -> str:
+    """``path``: "landing" or "placing" for the dispatch kernels of those send paths, else ""."""
     return (f"{name} ({token_dtype}" + ("" if combine_dtype == "bfloat16" else f", {combine_dtype} partials")
-            + (", landing" if land else "") + ")")
+            + (f", {path}" if path else "") + ")")
 
 
 def plan(hidden: int, token_dtypes, combine_dtypes, only=None) -> list[tuple]:
@@ -88,14 +90,15 @@ def plan(hidden: int, token_dtypes, combine_dtypes, only=None) -> list[tuple]:
         for cd in combine_dtypes:
             for tokens in CAPACITIES:
                 cfg = _config(hidden, td, cd, tokens)
-                land = expected_send_paths(cfg).land
+                paths = expected_send_paths(cfg)
+                path = "landing" if paths.land else "placing" if paths.place else ""
                 for name, kernel, types in kernel_builds(cfg, GPU_THREADS):
                     ident = (id(kernel), tuple(repr(t) for t in types))
                     if ident in seen or (only and name not in only):
                         continue
                     seen.add(ident)
-                    out.append((_label(name, td, cd, land and name.startswith("dispatch")), hidden, td, cd, tokens,
-                                name))
+                    out.append((_label(name, td, cd, path if name.startswith("dispatch") else ""), hidden, td, cd,
+                                tokens, name))
     return out
 
 

@@ -30,7 +30,7 @@ from .shmem.session import Session
 from .status import error_from_status
 from .transfer import SendPaths, choose_copy_engine, peer_token_slots
 from .combine_overlap import ROW_FLAGS_ENV, combine_send_grid, row_flags_from
-from .dispatch_overlap import LAND_ENV, dispatch_send_grid, landing
+from .dispatch_overlap import LAND_ENV, PLACE_ENV, dispatch_send_grid, landing, placing
 
 _owner_ids = itertools.count(1)
 
@@ -120,8 +120,13 @@ class EPRuntime:
         (``EP_RUNTIME_DISPATCH_LAND``: by default bf16 runtimes of two ranks or more on the
         whole GPU from 1024 tokens per rank, where it was measured faster on NVLink:
         :mod:`ep_runtime.dispatch_overlap`).
+    dispatch_place : bool
+        Whether dispatch_async's routing blocks place the received rows while the token rows
+        fly, so dispatch_wait only waits for them (``EP_RUNTIME_DISPATCH_PLACE``; peer stores
+        without landing or the copy engine: :mod:`ep_runtime.dispatch_overlap`). The batch's
+        row descriptions are then rewritten by the next dispatch_async.
     send_paths : SendPaths
-        The three choices above that the kernels are compiled for (:mod:`ep_runtime.transfer`).
+        The four choices above that the kernels are compiled for (:mod:`ep_runtime.transfer`).
     """
 
     def __init__(self, cfg: EPConfig, session: Session, debug: bool = False):
@@ -178,6 +183,11 @@ class EPRuntime:
         if len(set(lands)) != 1:
             raise EPConfigError(f"rank {self.rank}: {LAND_ENV} differs between ranks (landing per rank: {lands}); "
                                 f"set it alike on every rank (or unset it everywhere).")
+        self.dispatch_place = placing(cfg, self.peer_stores, self.copy_engine, self.dispatch_land)
+        places = session.allgather_object(self.dispatch_place)
+        if len(set(places)) != 1:
+            raise EPConfigError(f"rank {self.rank}: {PLACE_ENV} differs between ranks (placing per rank: {places}); "
+                                f"set it alike on every rank (or unset it everywhere).")
         self._dispatch_grid = dispatch_send_grid(self._grid, whole_gpu, pdl_on) if self.dispatch_land else 0
         self._peer_slots = peer_token_slots(session, self._sym, self.layout, self.rank) if self.copy_engine else None
         self._partial = partial_dtype(cfg)  # uint16 (bf16 bits) or float32
@@ -201,7 +211,8 @@ class EPRuntime:
         self._batch_views = _batch_views(cfg, self.buffers)
         #: launches whose arguments are all the runtime's own, prepared once
         self.fused_copy = _fused_copy(cfg)
-        wait_scalars = dict(pad_multiple=np.int64(cfg.pad_multiple), timeout_ns=self._timeout_ns)
+        self._pad_multiple = np.int64(cfg.pad_multiple)
+        wait_scalars = dict(pad_multiple=self._pad_multiple, timeout_ns=self._timeout_ns)
         self._fixed = {}
         self._fixed["dispatch_wait"] = self._prepare("dispatch_wait", copy_rows=_INT64[0], **wait_scalars)
         for copy in (0, 1):  # landing runtimes: places only (compact; FP8), or places and copies (bf16 expanded)
@@ -306,7 +317,8 @@ class EPRuntime:
             scales = token_scales.view(np.uint8)
         valid = self._valid_tokens(n_tokens, c)
         call = self._prepare("dispatch_async", tokens=tokens, topk_ids=topk_ids, topk_weights=topk_weights, **valid,
-                             token_scales=scales, prequantized=_INT64[fp8_in], timeout_ns=self._timeout_ns)
+                             token_scales=scales, prequantized=_INT64[fp8_in], timeout_ns=self._timeout_ns,
+                             pad_multiple=self._pad_multiple)
         copies, then = (), None
         if self.copy_engine:
             nbytes = tokens.nbytes  # the whole batch (capacity rows under n_tokens)
@@ -354,7 +366,8 @@ class EPRuntime:
         local expert), expert-major, in a local buffer (two kernels: ``dispatch_wait`` places
         every row, ``dispatch_copy`` copies each received row to its expert rows; one kernel
         doing both where :attr:`fused_copy`: bf16 tokens at decode sizes). Its views are
-        valid until the next ``dispatch_wait``.
+        valid until the next ``dispatch_wait`` (in a placing runtime, :attr:`dispatch_place`, the
+        row descriptions until the next ``dispatch_async``).
 
         ``layout="compact"`` returns a :class:`CompactBatch`: no expansion copy (one kernel).
         The received rows stay where they landed, one per (token, source rank), and the batch
@@ -574,8 +587,9 @@ class EPRuntime:
 
     @property
     def send_paths(self) -> SendPaths:
-        """What the kernels are built for: ``peer_stores``, ``copy_engine`` and ``dispatch_land``."""
-        return SendPaths(self.peer_stores, self.copy_engine, self.dispatch_land)
+        """What the kernels are built for: ``peer_stores``, ``copy_engine``, ``dispatch_land`` and
+        ``dispatch_place``."""
+        return SendPaths(self.peer_stores, self.copy_engine, self.dispatch_land, self.dispatch_place)
 
     @property
     def calls(self) -> int:
@@ -774,12 +788,13 @@ def _peer_stores_wanted() -> bool:
 
 def expected_send_paths(cfg: EPConfig) -> SendPaths:
     """The send path a runtime of ``cfg`` takes in this environment when every PE's heap is
-    mapped (NVLink), from ``EP_RUNTIME_PEER_STORES``, ``EP_RUNTIME_TOKEN_TRANSFER`` and
-    ``EP_RUNTIME_DISPATCH_LAND``: what ``python -m ep_runtime.prebuild`` builds ahead of time. A
+    mapped (NVLink), from ``EP_RUNTIME_PEER_STORES``, ``EP_RUNTIME_TOKEN_TRANSFER``,
+    ``EP_RUNTIME_DISPATCH_LAND`` and ``EP_RUNTIME_DISPATCH_PLACE``: what ``python -m ep_runtime.prebuild`` builds ahead of time. A
     runtime whose PEs are not all mapped takes the puts and compiles that build when it starts."""
     stores = _peer_stores_wanted()
     copy_engine = choose_copy_engine(cfg, stores)
-    return SendPaths(stores, copy_engine, landing(cfg, copy_engine))
+    land = landing(cfg, copy_engine)
+    return SendPaths(stores, copy_engine, land, placing(cfg, stores, copy_engine, land))
 
 
 def _combine_wait_with(threads: int, word, epilogue, f32_partials: bool = False):

@@ -42,14 +42,17 @@ COUNTER_TOKEN_CREDIT = 4
 COUNTER_COMBINE_ROW_FLAG = 5
 COUNTER_ROUTE_SIGNAL = 6
 COUNTER_DISPATCH_ROW_FLAG = 7
+COUNTER_ROUTE_CHUNK = 8
 COUNTER_NAMES = {COUNTER_DISPATCH_SIGNAL: "dispatch_signal", COUNTER_COMBINE_SIGNAL: "combine_signal",
                  COUNTER_RECV_ROWS: "expert-batch rows", COUNTER_TOKEN_CREDIT: "dispatch_token_credit",
                  COUNTER_COMBINE_ROW_FLAG: "combine_row_flag", COUNTER_ROUTE_SIGNAL: "dispatch_route_signal",
-                 COUNTER_DISPATCH_ROW_FLAG: "dispatch_row_flag"}
+                 COUNTER_DISPATCH_ROW_FLAG: "dispatch_row_flag", COUNTER_ROUTE_CHUNK: "dispatch_route_chunk"}
 #: Counters without a group axis (cumulative over calls): a timeout names them without ``[g]``.
-UNGROUPED_COUNTERS = (COUNTER_TOKEN_CREDIT, COUNTER_COMBINE_ROW_FLAG, COUNTER_DISPATCH_ROW_FLAG)
+UNGROUPED_COUNTERS = (COUNTER_TOKEN_CREDIT, COUNTER_COMBINE_ROW_FLAG, COUNTER_DISPATCH_ROW_FLAG, COUNTER_ROUTE_CHUNK)
 #: Per-row flags: a timeout's observed value holds the token in its high 32 bits.
 ROW_FLAG_COUNTERS = (COUNTER_COMBINE_ROW_FLAG, COUNTER_DISPATCH_ROW_FLAG)
+#: Per-chunk flags: a timeout's observed value holds the routing chunk in its high 32 bits.
+CHUNK_FLAG_COUNTERS = (COUNTER_ROUTE_CHUNK,)
 
 
 def error_from_status(status: np.ndarray, timeout_s: float) -> EPError | None:
@@ -67,6 +70,9 @@ def error_from_status(status: np.ndarray, timeout_s: float) -> EPError | None:
         where = f"[{peer}]"
         if int(status[STATUS_COUNTER]) in ROW_FLAG_COUNTERS:  # the token: observed's high bits
             where = f"[{peer}, token {observed >> 32}]"
+            observed &= 0xFFFFFFFF
+        elif int(status[STATUS_COUNTER]) in CHUNK_FLAG_COUNTERS:  # the routing chunk: observed's high bits
+            where = f"[{peer}, chunk {observed >> 32}]"
             observed &= 0xFFFFFFFF
         return EPTimeoutError(
             f"rank {rank}: {kernel} of call {call - 1} timed out after {timeout_s:g} s waiting for rank "

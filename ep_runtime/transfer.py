@@ -35,11 +35,15 @@ class SendPaths(NamedTuple):
     ``stores``: routing, token rows and partials stored into the peers' heaps through the
     NVLink mappings (else NVSHMEM puts; ``EP_RUNTIME_PEER_STORES``). ``copy_engine``: the
     token rows by copy-engine copies (:func:`choose_copy_engine`). ``land``: dispatch_async
-    serves dispatch_land (``EP_RUNTIME_DISPATCH_LAND``)."""
+    serves dispatch_land (``EP_RUNTIME_DISPATCH_LAND``). ``place``: dispatch_async's routing
+    blocks place the received rows during the transfer and dispatch_wait only waits for the
+    rows (``EP_RUNTIME_DISPATCH_PLACE``; with ``stores`` only, not with ``copy_engine`` or
+    ``land``)."""
 
     stores: bool = True
     copy_engine: bool = False
     land: bool = False
+    place: bool = False
 
 
 #: Environment variable choosing the token transfer: ``auto``, ``stores`` or ``copy_engine``.

@@ -31,7 +31,8 @@ from ep_runtime.layout import (DISPATCH_FLAG_PARTS, LAND_CALLS, LAND_CLAIMS, LAN
                               PEER_RANKS, PEER_TOKENS, PEER_WEIGHTS, SIGNAL_TOKEN_BITS, STATUS_CODE, SYNC_CALLS,
                               SYNC_ROUTE_TICKET, SYNC_TICKET)
 from ep_runtime.status import (COUNTER_DISPATCH_ROW_FLAG, COUNTER_DISPATCH_SIGNAL, COUNTER_RECV_ROWS,
-                               COUNTER_ROUTE_SIGNAL, COUNTER_TOKEN_CREDIT, ERR_CAPACITY, ERR_TIMEOUT,
+                               COUNTER_ROUTE_CHUNK, COUNTER_ROUTE_SIGNAL, COUNTER_TOKEN_CREDIT, ERR_CAPACITY,
+                               ERR_TIMEOUT,
                                KERNEL_DISPATCH_ASYNC, KERNEL_DISPATCH_LAND, KERNEL_DISPATCH_WAIT)
 
 #: Words of a row each lane loads before storing any in dispatch_copy (memory-level
@@ -68,7 +69,7 @@ RUN_BATCH = 8
 
 
 def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = False, stores: bool = True,
-                          copy_engine: bool = False, land: bool = False):
+                          copy_engine: bool = False, land: bool = False, place: bool = False):
     """Build ``(dispatch_async, dispatch_wait, dispatch_copy, dispatch_signal, dispatch_land)`` for
     blocks of ``threads`` threads (a power of 2), for bf16 tokens or (``quantized``) an FP8 token format with float32
     or (``ue8m0``) power-of-two scales (:mod:`ep_runtime.kernels.token_codec` encodes and lays
@@ -81,14 +82,22 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
     through the NVLink mappings (``peer_bases``), else NVSHMEM puts; ``copy_engine``, the copy
     engine carries the token rows (bf16, with ``stores``); ``land``, dispatch_async serves
     dispatch_land (the routing signalled on its own, bf16 row parts flagged; not with the
-    copy engine). The other four kernels do not depend on them."""
+    copy engine); ``place``, dispatch_async's routing blocks place the received rows during
+    the transfer and dispatch_wait only waits for the rows (v26; with ``stores``, not with
+    ``copy_engine`` or ``land``). dispatch_copy and dispatch_signal do not depend on them."""
     if copy_engine and (not stores or land):
         raise ValueError("make_dispatch_kernels: copy_engine needs stores and excludes land")
+    if place and (not stores or land or copy_engine):
+        raise ValueError("make_dispatch_kernels: place needs stores and excludes land and copy_engine")
     warp, warps = warp_geometry(threads)
     QUANT = bool(quantized)
     STORES = bool(stores)  # peer stores (else NVSHMEM puts)
     ENGINE = bool(copy_engine)  # the copy engine carries the token rows
     LAND = bool(land)  # calls for dispatch_land
+    # dispatch_async's routing blocks place the received rows while the token rows fly (v26;
+    # docs/protocol.md, "Placement during the transfer"); dispatch_wait then only waits for the
+    # token rows (and copies them when asked)
+    EARLY = bool(place)
     encode_blocks, store_scales = make_token_codec(warp, bool(ue8m0))
     SB = 1 if ue8m0 else 4  # scale bytes per 128-element block
     U = COPY_UNROLL
@@ -97,6 +106,9 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
     SW = RANK_WINDOW
     RANK_WORDS = warps * SW  # the routing block's shared masks and rows (a compile-time size)
     HELD_WORDS = warps * HELD_SCALES  # the FP8 encoder's held scales (a compile-time size)
+    # the routing blocks' row words double as the placement table once the ranks are out
+    ROW_WORDS = max(RANK_WORDS, PLACEMENT_WORDS) if EARLY else RANK_WORDS
+    SCAN_WORDS = threads if EARLY else 1  # the placement scan's sums (int64)
 
     @cuda.jit(device=True)
     def padded(rows, pad_multiple):
@@ -224,13 +236,11 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
 
     @cuda.jit(device=True)
     def write_segments(place, R, L, pad_multiple, row_offsets, expert_counts, row_src_rank, row_src_token, row_src_k,
-                       row_weight, row_gather, expert_x, zero_padding, lane):
-        """A warp per local expert, from the grid's last block down (the first blocks place the
-        rows): its offset and count (from the placement table ``place`` of R sources and L local
-        experts, :func:`scan_placement` done), and its padding rows (source -1, weight 0; their
-        data zeroed here when ``zero_padding``, else by dispatch_copy)."""
-        W = expert_x.shape[1]
-        e = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * warps + cuda.threadIdx.x // warp
+                       row_weight, row_gather, e0, stride, lane):
+        """A warp per local expert (``e0``, ``e0 + stride``, ...): its offset and count (from the
+        placement table ``place`` of R sources and L local experts, :func:`scan_placement` done)
+        and its padding rows' descriptions (source -1, weight 0)."""
+        e = e0
         while e < L:
             base = place[e]
             count = place[R * L + e] - base
@@ -241,14 +251,30 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                 row_src_k[r] = -1
                 row_weight[r] = 0.0
                 row_gather[r] = -1
-            if zero_padding:
-                for r in range(base + count, end):
-                    for w in range(lane, W, warp):
-                        expert_x[r, w] = 0
             if lane == 0:
                 row_offsets[e] = base
                 expert_counts[e] = count
-            e += cuda.gridDim.x * warps
+            e += stride
+
+    @cuda.jit(device=True)
+    def zero_padding_rows(place, R, L, pad_multiple, expert_x, e0, stride, lane):
+        """A warp per local expert (``e0``, ``e0 + stride``, ...): zero its padding rows of
+        expert_x [C, W] words (the placement table ``place``, :func:`scan_placement` done)."""
+        W = expert_x.shape[1]
+        e = e0
+        while e < L:
+            base = place[e]
+            count = place[R * L + e] - base
+            for r in range(base + count, base + padded(count, pad_multiple)):
+                for w in range(lane, W, warp):
+                    expert_x[r, w] = 0
+            e += stride
+
+    @cuda.jit(device=True)
+    def expert_warps(tid):
+        """``(e0, stride)`` of a warp per local expert from the grid's last block down (the
+        first blocks place the rows)."""
+        return (cuda.gridDim.x - 1 - cuda.blockIdx.x) * warps + tid // warp, cuda.gridDim.x * warps
 
     @cuda.jit(device=True)
     def token_destinations(ids_at, K, L, skip, ids_l):
@@ -418,12 +444,103 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         copy_go[0] = uint32(1)
         cuda.threadfence_system()  # the stream's wait polls copy_go from outside the SMs
 
+    @cuda.jit(device=True)
+    def publish_chunk(d_chunk, rb, n, R):
+        """Every thread of routing block ``rb``, once its chunk's routing (ids, weights, ranks;
+        chunk 0 also the counts and T) is stored into every rank: the block meets, thread 0
+        quiets (a system fence, cumulative over what the barrier ordered: data before flag, as
+        in ``last_block_ticket``) and sets ``d_chunk[me, rb]`` (uint64 symmetric [R,
+        ROUTE_CHUNKS], ``dispatch_route_chunk``) to ``n + 1`` on every rank."""
+        me = shmem.my_pe()
+        cuda.syncthreads()
+        if cuda.threadIdx.x == 0:
+            shmem.quiet()
+            for d in range(R):
+                shmem.signal_op(d_chunk[me, rb:rb + 1], uint64(n + 1), shmem.SIGNAL_SET, d)
+
+    @cuda.jit(device=True)
+    def await_chunks(d_chunk, rb, n, timeout_ns, status, flag):
+        """Every thread of routing block ``rb``: wait until every source's routing chunks 0 (the
+        counts) and ``rb`` of call n are here (``d_chunk[s, c] >= n + 1``), bounded by
+        ``timeout_ns``; a timeout is recorded naming ``dispatch_async``, the source and
+        ``dispatch_route_chunk`` (the chunk in the observed value's high half). The waits poll
+        with acquire loads and the block then meets. Returns whether every flag was seen.
+        A block waits only for chunks its peers' blocks of the same or a lower index flag before
+        they wait themselves, so no wait depends on a block that waits (the simulator runs a
+        kernel's blocks one at a time, in order)."""
+        me = shmem.my_pe()
+        R = d_chunk.shape[0]
+        if cuda.threadIdx.x == 0:
+            flag[0] = 0
+        cuda.syncthreads()
+        for i in range(cuda.threadIdx.x, 2 * R, threads):
+            s = i % R
+            c = 0 if i < R else rb
+            seen = shmem.wait_signal_ge(d_chunk[s, c:c + 1], uint64(n + 1), timeout_ns)
+            if seen < uint64(n + 1):
+                record_error(status, ERR_TIMEOUT, KERNEL_DISPATCH_ASYNC, me, s, COUNTER_ROUTE_CHUNK, n + 1,
+                             (int64(c) << int64(32)) | int64(seen & uint64(0xFFFFFFFF)), n + 1)
+                flag[0] = 1
+        cuda.syncthreads()
+        ok = flag[0] == 0
+        cuda.syncthreads()  # flag read by every thread before it is used again
+        return ok
+
+    @cuda.jit(device=True)
+    def place_chunk(d_ids, d_weights, d_counts, d_ranks, g, n, rb, n_route, row_offsets, expert_counts,
+                    row_src_rank, row_src_token, row_src_k, row_weight, row_gather, token_rows, status,
+                    pad_multiple, place, scan_buf):
+        """Every thread of routing block ``rb`` of ``n_route``, as receiver (every source's
+        chunks 0 and rb here, :func:`await_chunks`): the placement dispatch_wait made after the
+        signal until v25. The block scans every expert's first row (:func:`scan_placement`,
+        the same table in every routing block) and checks the capacity (routing block 0 records
+        an overflow, and no block writes anything); its warps write their share of the local
+        experts' segments (a warp per expert over the routing blocks' warps); and for each
+        (token, k) of chunk rb of every source (the sender's cut: ``ceil(T_s / n_route)``
+        tokens per chunk) whose expert is local it writes the row's description and token_rows
+        entry (``describe_row``: row = the expert's first row + the expert's rows from earlier
+        sources + the rank the source gave it), a thread per pair. Outputs as dispatch_wait's,
+        bit for bit."""
+        me = shmem.my_pe()
+        R = d_counts.shape[1]
+        L = d_counts.shape[2] - 1
+        K = d_ids.shape[3]
+        Tmax = d_ids.shape[2]
+        C = row_src_rank.shape[0]
+        tid = cuda.threadIdx.x
+        total = scan_placement(d_counts, g, pad_multiple, place, scan_buf)
+        if total > C:
+            if rb == 0 and tid == 0:
+                record_error(status, ERR_CAPACITY, KERNEL_DISPATCH_ASYNC, me, -1, COUNTER_RECV_ROWS, C, total, n + 1)
+            return
+        if rb == 0 and tid == 0:
+            row_offsets[L] = total
+        write_segments(place, R, L, pad_multiple, row_offsets, expert_counts, row_src_rank, row_src_token, row_src_k,
+                       row_weight, row_gather, rb * warps + tid // warp, n_route * warps, tid % warp)
+        first_mine = me * L
+        for s in range(R):
+            T_s = d_counts[g, s, L]
+            chunk = (T_s + n_route - 1) // n_route
+            c0 = min(rb * chunk, T_s)
+            c1 = min(c0 + chunk, T_s)
+            # a thread per (token, k), as dispatch_wait (tried: a thread per token, its pairs in
+            # turn: 12.7 us instead of 6.7 at T=128, 33 instead of 37 at T=4096; 2 x H200)
+            for p in range(c0 * K + tid, c1 * K, threads):
+                t = int32(udiv32(p, K))
+                k = p - t * K
+                weight = d_weights[g, s, t, k]  # loaded beside row_of's id and rank
+                r, j = row_of(d_ids, d_ranks, place, L, g, s, t, k, first_mine)
+                if r >= 0:
+                    describe_row(r, s, t, k, j, Tmax, weight, row_src_rank, row_src_token, row_src_k, row_weight,
+                                 row_gather, token_rows)
+
     @kernel_jit(threads)
     def dispatch_async(tokens, topk_ids, topk_weights, valid_tokens, use_valid,
                        d_tokens, d_ids, d_weights, d_counts, d_ranks, d_signal,
                        sync, send_ranks, send_counts, status,
                        token_scales, prequantized, stage64, stage8, d_tokens8, peer_bases,
-                       d_credit, copy_go, timeout_ns, d_route, d_row_flag):
+                       d_credit, copy_go, timeout_ns, d_route, d_row_flag, d_chunk, row_offsets, expert_counts,
+                       row_src_rank, row_src_token, row_src_k, row_weight, row_gather, token_rows, pad_multiple):
         """Send this rank's tokens, once per destination rank, and signal each destination.
 
         tokens [Tc, W] words, topk_ids [Tc, K] int32, topk_weights [Tc, K] float32: this rank's
@@ -489,7 +606,19 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         below it. No atomic decides a rank (the OR's result does not depend on its order).
         (3) The last block (ticket) signals every rank (every block fenced and quieted first:
         data before signal; the value is ``(n + 1) << 32 | T``) and advances the call counter.
-        Nobody waits. With stores, the routing rows, ranks and counts are 4-byte stores
+        (4) A ``place`` build (v26, docs/protocol.md,
+        "Placement during the transfer"): the routing blocks send their chunk's routing rows
+        themselves (the token blocks send none, so token rows start at once), block 0 of them
+        counts every expert's tokens, and each flags its chunk on every rank once its routing
+        is there (``publish_chunk``: d_chunk [R, ROUTE_CHUNKS] uint64 symmetric,
+        ``dispatch_route_chunk``, ``[me, rb]`` = n + 1). After its ticket (the signal never
+        waits for what follows), routing block rb waits for chunks 0 and rb of every source
+        (``await_chunks``, bounded by timeout_ns) and places them as receiver
+        (``place_chunk``): the outputs dispatch_wait used to write after the signal, row_offsets
+        [L + 1], expert_counts [L], row_src_rank / row_src_token / row_src_k [C] int32,
+        row_weight [C] float32, row_gather [C] int32 and token_rows [R, Tmax, K] int32, with
+        padding to pad_multiple (int64), written while the token rows fly. The kernel then
+        completes only once the peers' routing is here (bounded). Otherwise nobody waits. With stores, the routing rows, ranks and counts are 4-byte stores
         into the peers' regions and (3) is one ``signal_op`` per rank; otherwise NVSHMEM block
         puts (ranks and counts from the staging), and (3) one ``put_signal`` per rank carrying
         its counts row.
@@ -510,7 +639,8 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         """
         flag = cuda.shared.array(1, int32)
         masks = cuda.shared.array(RANK_WORDS, uint32)  # (2): [warp, expert] lanes with the expert
-        warp_rows = cuda.shared.array(RANK_WORDS, int32)  # (2): [warp, expert] the warp's first rank
+        warp_rows = cuda.shared.array(ROW_WORDS, int32)  # (2): [warp, expert] the warp's first rank; (4): placement
+        scan_sums = cuda.shared.array(SCAN_WORDS, int64)  # (4): the placement scan's scratch
         next_rank = cuda.shared.array(SW, int32)  # (2): [expert] the next round's first rank
         lo = cuda.local.array(UP, uint64)
         hi = cuda.local.array(UP, uint64)
@@ -556,8 +686,9 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         rb = cuda.blockIdx.x - (cuda.gridDim.x - n_route)  # this block's routing chunk (< 0: none)
         routing_block = rb >= 0
 
-        # (1a) routing rows (ids, weights) to every rank, spread over the token blocks
-        if cuda.blockIdx.x < token_blocks:
+        # (1a) routing rows (ids, weights) to every rank, spread over the token blocks (placing
+        # builds: each routing block sends its chunk's, see (2))
+        if cuda.blockIdx.x < token_blocks and not EARLY:
             if meta_stores:  # rows 0..T are contiguous on both sides: element j of the run
                 ids_at = address_of(d_ids[g, me]) - address_of(d_ids)
                 weights_at = address_of(d_weights[g, me]) - address_of(d_weights)
@@ -695,13 +826,26 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
             chunk = (T + n_route - 1) // n_route  # this block ranks tokens [c0, c1)
             c0 = min(rb * chunk, T)
             c1 = min(c0 + chunk, T)
-            counts_here = rb == n_route - 1  # the last chunk's block knows every expert's total
+            # the block that counts every expert's tokens: the last chunk's (it knows them after
+            # ranking), or in a placing build the first's (it counts the tokens after its chunk
+            # too), so a receiver's chunk-rb placement waits only for chunks 0 and rb
+            counts_here = rb == 0 if EARLY else rb == n_route - 1
             E = R * L
             lane = tid % warp
             wid = tid // warp
             lanes_below = (uint32(1) << uint32(lane)) - uint32(1)
             ranks_at = address_of(d_ranks[g, me]) - address_of(d_ranks)  # element t * K + k of the run
             counts_at = address_of(d_counts[g, me]) - address_of(d_counts)
+            if EARLY:  # the chunk's routing rows (ids, weights) to every rank: contiguous on both sides
+                ids_at = address_of(d_ids[g, me]) - address_of(d_ids)
+                weights_at = address_of(d_weights[g, me]) - address_of(d_weights)
+                for j in range(c0 * K + tid, c1 * K, threads):
+                    t = int32(udiv32(j, K))
+                    x = uint32(topk_ids[t, j - t * K])
+                    wbits = f32_bits(topk_weights[t, j - t * K])
+                    for d in range(R):
+                        store_u32_at(peer_bases[PEER_IDS, d] + ids_at, j, x)
+                        store_u32_at(peer_bases[PEER_WEIGHTS, d] + weights_at, j, wbits)
             ranks_src = address_of(send_ranks)  # likewise [Tmax, K]
             for w0 in range(0, E, SW):
                 for el in range(tid, SW, threads):
@@ -740,6 +884,12 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                             stage_rank(masks, warp_rows, int32(load_u32_at(ids_base, t * K + k)) - w0, wid,
                                        lanes_below, ranks_src, t * K + k)
                     cuda.syncthreads()  # every mask read before the next round (or window) clears it
+                if EARLY and counts_here:  # the tokens after the chunk: every expert's total
+                    for j in range(c1 * K + tid, T * K, threads):
+                        el = int32(load_u32_at(ids_base, j)) - w0
+                        if el >= 0 and el < SW:
+                            cuda.atomic.add(next_rank, el, int32(1))
+                    cuda.syncthreads()
                 # the window's counts, each to its expert's rank
                 for el in range(tid, SW if counts_here else 0, threads):
                     x = w0 + el
@@ -768,6 +918,9 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                     for d in range(R):
                         shmem.put_nbi_block(d_counts[g, me], send_counts[d], d)
                 publish_route(sync, flag, d_route, g, me, n, T, R, status)
+            if EARLY:
+                publish_chunk(d_chunk, rb, n, R)
+                stamp_last(status, 32)
         stamp_last(status, 2)
 
         # (3) the last block signals every rank (with its counts row, on the puts path), then
@@ -785,6 +938,19 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                 sync[SYNC_TICKET] = 0
                 sync[SYNC_CALLS] = n + 1
             stamp_last(status, 6)
+
+        # (4) placing builds: the routing blocks, their ticket taken (so the signal never waits
+        # for this), place the rows every source sends here, chunk by chunk, while the token rows
+        # fly; this kernel completes when they are placed, and dispatch_wait, which waits for it,
+        # then only waits for the token rows
+        if EARLY and routing_block:
+            cuda.syncthreads()  # the ticket's flag read by every thread before await_chunks reuses it
+            if await_chunks(d_chunk, rb, n, timeout_ns, status, flag):
+                stamp_last(status, 33)
+                place_chunk(d_ids, d_weights, d_counts, d_ranks, g, n, rb, n_route, row_offsets, expert_counts,
+                            row_src_rank, row_src_token, row_src_k, row_weight, row_gather, token_rows, status,
+                            pad_multiple, warp_rows, scan_sums)
+                stamp_last(status, 34)
 
     @kernel_jit(threads)
     def dispatch_signal(tokens, valid_tokens, use_valid, d_signal, sync, status):
@@ -814,6 +980,34 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
             for d in range(cuda.threadIdx.x, R, threads):
                 shmem.signal_op(d_signal[g, me:me + 1], signal, shmem.SIGNAL_SET, d)
         stamp_last(status, 7)
+
+    @cuda.jit(device=True)
+    def copy_received_rows(d_tokens, d_ids, d_counts, g, token_rows, row_offsets, expert_counts, expert_x, pairs,
+                           lane, first_warp, all_warps, lo, hi, vals):
+        """Every warp of the grid (bf16): each received token row part (``row_parts``) read once
+        and stored to the token's local expert rows (``token_rows``), then a warp per local
+        expert zeroes its padding rows: dispatch_copy's work, for a dispatch_wait that copies
+        rows placed by an earlier kernel."""
+        me = shmem.my_pe()
+        R = d_counts.shape[1]
+        L = d_counts.shape[2] - 1
+        W = expert_x.shape[1]
+        for s in range(R):
+            T_s = d_counts[g, s, L]
+            parts = row_parts(T_s, W, all_warps, warp)
+            span = part_words(W, parts, warp)
+            i = first_warp
+            while i < T_s * parts:
+                t, w0, w1 = part_bounds(i, parts, span, W)
+                n_local = local_expert_count(d_ids[g, s, t], L, me)
+                copy_to_rows(d_tokens[s, t], token_rows[s, t], n_local, expert_x, w0, w1, pairs, lane, lo, hi, vals)
+                i += all_warps
+        e = first_warp
+        while e < L:
+            for r in range(row_offsets[e] + expert_counts[e], row_offsets[e + 1]):
+                for w in range(lane, W, warp):
+                    expert_x[r, w] = 0
+            e += all_warps
 
     @kernel_jit(threads)
     def dispatch_wait(d_ids, d_weights, d_counts, d_ranks, d_signal, sync,
@@ -852,6 +1046,12 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         source rank, source token, as the reference's; no atomic decides a position, and no
         thread's row depends on another's. A wait past timeout_ns or more rows than C records
         an error and writes nothing (dispatch_copy then copies nothing).
+
+        A ``place`` build (v26; see dispatch_async (4)): dispatch_async's routing blocks have
+        placed every row before that kernel completed, and this kernel, which waits for it
+        (PDL's dependency wait), only waits for the signals (the token rows are in) and writes
+        recv_tokens; with copy_rows it copies each received row to its expert rows token-major
+        and zeroes the padding rows (``copy_received_rows``, dispatch_copy's work).
         """
         flag = cuda.shared.array(1, int32)
         scan_buf = cuda.shared.array(threads, int32)
@@ -862,6 +1062,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         src_items = cuda.shared.array(MAX_RANKS, int32)  # T, then (token, k) pairs, each source sent this call
         lo = cuda.local.array(UP, uint64)
         hi = cuda.local.array(UP, uint64)
+        vals = cuda.local.array(U, uint64)  # placing builds' copy
         pdl.trigger_dependents()
         pdl.dependency_wait()  # nothing stream-ordered is read before this (kernels/pdl.py)
         code = status[STATUS_CODE]  # loaded together with the call counter (one latency for both;
@@ -895,6 +1096,13 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                 recv_tokens[s] = src_items[s]
             src_items[s] *= K  # (token, k) pairs of source s
         cuda.syncthreads()
+        if EARLY:  # dispatch_async's routing blocks placed every row before it completed (v26)
+            if copy_rows != 0 and not QUANT:
+                copy_received_rows(d_tokens, d_ids, d_counts, g, token_rows, row_offsets, expert_counts, expert_x,
+                                   copy_in_pairs(d_tokens, expert_x), tid % warp,
+                                   cuda.blockIdx.x * warps + tid // warp, cuda.gridDim.x * warps, lo, hi, vals)
+            stamp_last(status, 11)
+            return
 
         # every (source, expert)'s first row and the total (padded): every block scans them itself
         total = scan_placement(d_counts, g, pad_multiple, place, sum_buf)
@@ -914,8 +1122,11 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         pairs = copy_in_pairs(d_tokens, expert_x)
 
         # (a) a warp per local expert: offset, count, padding rows
+        e0, stride = expert_warps(tid)
         write_segments(place, R, L, pad_multiple, row_offsets, expert_counts, row_src_rank, row_src_token, row_src_k,
-                       row_weight, row_gather, expert_x, copy, lane)
+                       row_weight, row_gather, e0, stride, lane)
+        if copy:
+            zero_padding_rows(place, R, L, pad_multiple, expert_x, e0, stride, lane)
         stamp_last(status, 10)
 
         # (b) a thread per received (source, token, k), a warp per 32 consecutive pairs of one
@@ -997,8 +1208,11 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         copy = copy_rows != 0 and not QUANT
         W = expert_x.shape[1]
         pairs = copy_in_pairs(d_tokens, expert_x)
+        e0, stride = expert_warps(tid)
         write_segments(place, R, L, pad_multiple, row_offsets, expert_counts, row_src_rank, row_src_token, row_src_k,
-                       row_weight, row_gather, expert_x, copy, lane)
+                       row_weight, row_gather, e0, stride, lane)
+        if copy:
+            zero_padding_rows(place, R, L, pad_multiple, expert_x, e0, stride, lane)
         stamp_last(status, 26)
 
         # items (token t, source s, part p), token-major so the sources' rows, landing together,

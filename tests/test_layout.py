@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ep_runtime.config import EPConfig
-from ep_runtime.layout import BufferLayout
+from ep_runtime.layout import ROUTE_CHUNKS, BufferLayout
 
 MiB = 1 << 20
 
@@ -51,9 +51,11 @@ DSV3_SYMMETRIC = {
     "dispatch_route_signal": ((2, 8), u64, 128, 1_419_774_976),
     # [R, T, 16] u64 (monotonic token-part flags): 4,194,304 B; 1,419,774,976 + 128 -> 1,419,775,232
     "dispatch_row_flag": ((8, 4096, 16), u64, 4_194_304, 1_419_775_232),
+    # [R, ROUTE_CHUNKS] u64 (monotonic chunk flags): 8 * 8 * 8 = 512 B; 1,419,775,232 + 4,194,304 = 1,423,969,536
+    "dispatch_route_chunk": ((8, 8), u64, 512, 1_423_969_536),
 }
-# 1,419,775,232 + 4,194,304 = 1,423,969,536
-DSV3_SYMMETRIC_BYTES = 1_423_969_536
+# 1,423,969,536 + 512 = 1,423,970,048
+DSV3_SYMMETRIC_BYTES = 1_423_970_048
 
 DSV3_LOCAL = {
     # [3] i64: 24 B at 0
@@ -85,7 +87,7 @@ DSV3_LOCAL = {
     # [C] i32 (compact gather index); + 1,048,576 = 4,233,234,688
     "row_gather": ((262144,), i32, 1_048_576, 4_233_234_688),
     # [40] i64: 320 B; + 1,048,576 = 4,234,283,264
-    "status": ((40,), i64, 320, 4_234_283_264),  # 8 error words + TRACE_LEN (32) trace words
+    "status": ((48,), i64, 384, 4_234_283_264),  # 8 error words + TRACE_LEN (40) trace words
     # [1] u32: 4 B; 4,234,283,264 + 320 -> round up to 256 = 4,234,283,776
     "dispatch_copy_go": ((1,), np.dtype(np.uint32), 4, 4_234_283_776),
     # [R] i32: 32 B; 4,234,283,776 + 4 -> round up to 256 = 4,234,284,032
@@ -119,8 +121,9 @@ SMALL_SYMMETRIC = {
     "combine_row_flag": ((2, 16, 16), u64, 4096, 14848),  # [R, T, 16] u64; 14592 + 16 -> 14848
     "dispatch_route_signal": ((2, 2), u64, 32, 18944),  # [G, R] u64; 14848 + 4096 = 18944
     "dispatch_row_flag": ((2, 16, 16), u64, 4096, 19200),  # [R, T, 16] u64; 18944 + 32 -> 19200
+    "dispatch_route_chunk": ((2, 8), u64, 128, 23296),  # [R, ROUTE_CHUNKS] u64; 19200 + 4096 = 23296
 }
-SMALL_SYMMETRIC_BYTES = 23296  # 19200 + 4096
+SMALL_SYMMETRIC_BYTES = 23552  # 23296 + 128 -> 23552 (256-byte alignment)
 
 SMALL_LOCAL = {
     "dispatch_async_sync": ((3,), i64, 24, 0),
@@ -151,7 +154,7 @@ SMALL_LOCAL = {
     # [C] i32 (compact gather index); 13056 + 200 -> 13312
     "row_gather": ((50,), i32, 200, 13312),
     # [40] i64: 320 B; 13312 + 200 -> 13568
-    "status": ((40,), i64, 320, 13568),
+    "status": ((48,), i64, 384, 13568),
     "dispatch_copy_go": ((1,), np.dtype(np.uint32), 4, 14080),  # 13568 + 320 -> 14080
     "recv_tokens": ((2,), i32, 8, 14336),  # 14080 + 4 -> 14336
     "combine_wait_claims": ((2,), i32, 8, 14592),  # 14336 + 8 -> 14592
@@ -233,6 +236,9 @@ def test_symmetric_regions_have_leading_group_dimension(case):
         if r.name == "dispatch_token_credit":  # monotonic over calls by design: [R], no group axis
             assert r.shape == (layout.cfg.n_ranks,), r.shape
             continue
+        if r.name == "dispatch_route_chunk":  # monotonic chunk flags: [R, ROUTE_CHUNKS], no group axis
+            assert r.shape == (layout.cfg.n_ranks, ROUTE_CHUNKS), r.shape
+            continue
         if r.name in ("dispatch_tokens", "combine_row_flag", "dispatch_row_flag"):  # [R, T, ...], no group axis:
             # one buffer guarded by the credits; row flags monotonic over calls (call numbers)
             assert r.shape[:2] == (layout.cfg.n_ranks, layout.cfg.max_tokens_per_rank), r.shape
@@ -284,7 +290,7 @@ def test_describe_dsv3_figures():
     assert "448.000" in text          # dispatch_tokens (and combine_stage)
     assert "896.000" in text          # combine_partials
     assert "3584.000" in text         # expert_x
-    assert "symmetric total 1358.003 MiB" in text   # 1,423,969,536 / 2**20 = 1358.0032
+    assert "symmetric total 1358.004 MiB" in text   # 1,423,970,048 / 2**20 = 1358.0037
     assert "local total 4038.129 MiB" in text       # 4,234,284,800 / 2**20 = 4038.1287
 
 

@@ -86,7 +86,8 @@ def test_plans_every_kernel_of_every_format_once(monkeypatch):
     from ep_runtime.config import COMBINE_DTYPES, TOKEN_DTYPES
     from ep_runtime.prebuild import plan
 
-    for var in ("EP_RUNTIME_PEER_STORES", "EP_RUNTIME_TOKEN_TRANSFER", "EP_RUNTIME_DISPATCH_LAND"):
+    for var in ("EP_RUNTIME_PEER_STORES", "EP_RUNTIME_TOKEN_TRANSFER", "EP_RUNTIME_DISPATCH_LAND",
+                "EP_RUNTIME_DISPATCH_PLACE"):
         monkeypatch.delenv(var, raising=False)
     jobs = plan(7168, TOKEN_DTYPES, COMBINE_DTYPES)
     labels = [j[0] for j in jobs]
@@ -103,9 +104,17 @@ def test_plans_every_kernel_of_every_format_once(monkeypatch):
     # a job carries the capacity its build is taken at: the landing ones at the threshold
     assert {j[4] for j in jobs if "landing" in j[0]} == {1024}
 
-    monkeypatch.setenv("EP_RUNTIME_DISPATCH_LAND", "0")  # one path: nothing lands
+    monkeypatch.setenv("EP_RUNTIME_DISPATCH_LAND", "0")  # nothing lands: the large capacity places (bf16)
+    jobs = plan(7168, TOKEN_DTYPES, COMBINE_DTYPES)
+    labels = [j[0] for j in jobs]
+    assert len(labels) == len(set(labels))
+    # the placing build's 5 dispatch kernels, as the landing build's above
+    assert len(labels) == 9 + 5 + 2 + 5 + 5 and not any("landing" in x for x in labels), labels
+    assert {x for x in labels if "placing" in x} == {f"{k} (bfloat16, placing)" for k in dispatch}, labels
+    assert {j[4] for j in jobs if "placing" in j[0]} == {1024}
+    monkeypatch.setenv("EP_RUNTIME_DISPATCH_PLACE", "0")  # one path: nothing lands or places
     labels = [j[0] for j in plan(7168, TOKEN_DTYPES, COMBINE_DTYPES)]
-    assert len(labels) == 9 + 2 + 5 + 5 and not any("landing" in x for x in labels), labels
+    assert len(labels) == 9 + 2 + 5 + 5 and not any("landing" in x or "placing" in x for x in labels), labels
 
 
 @pytest.mark.parametrize("args,env,message", [

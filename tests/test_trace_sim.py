@@ -33,6 +33,7 @@ def trace_pe(session) -> dict:
     with EPRuntime(cfg, session) as rt:
         out["fused_copy"] = rt.fused_copy
         out["land"] = rt.dispatch_land
+        out["place"] = rt.dispatch_place
         status = rt.buffers["status"]
         for layout in ("expanded", "compact"):
             status[STATUS_LEN:] = 0
@@ -43,12 +44,13 @@ def trace_pe(session) -> dict:
     return out
 
 
-@pytest.fixture(scope="module", params=["on", "off", "on_separate_copy", "on_land"])
+@pytest.fixture(scope="module", params=["on", "off", "on_separate_copy", "on_land", "on_place"])
 def traced(request):
     with pytest.MonkeyPatch.context() as mp:  # the PEs are spawned with this environment
         mp.setenv("EP_RUNTIME_TRACE", "0" if request.param == "off" else "1")
         mp.setenv("EP_RUNTIME_FUSED_COPY", "0" if request.param == "on_separate_copy" else "auto")
         mp.setenv("EP_RUNTIME_DISPATCH_LAND", "1" if request.param == "on_land" else "0")
+        mp.setenv("EP_RUNTIME_DISPATCH_PLACE", "1" if request.param == "on_place" else "0")
         return request.param.partition("_")[0], run_pes(trace_pe, CFG["n_ranks"], timeout_s=240)
 
 
@@ -97,6 +99,13 @@ def test_stamps_are_written_in_order_only_when_on(traced):
                         continue
                     if "landing calls" in point and not res["land"]:
                         assert st[slot] == 0, f"{layout}: {k} '{point}' stamped in a call that does not land"
+                        continue
+                    if "placing builds" in point and not res["place"]:
+                        assert st[slot] == 0, f"{layout}: {k} '{point}' stamped in a runtime that does not place"
+                        continue
+                    if res["place"] and k == "dispatch_wait" and point.startswith("offsets"):
+                        # a placing dispatch_wait only waits for the signals: dispatch_async placed
+                        assert st[slot] == 0, f"{layout}: {k} '{point}' stamped in a runtime that places"
                         continue
                     assert st[slot] >= start, f"{layout}: {k} '{point}' ({st[slot]}) before its start ({start})"
                 starts.append(start)

@@ -153,7 +153,8 @@ def main() -> int:
     rows.append(("tokens.flags.c_contiguous", _median_ns(lambda: tok.flags.c_contiguous, args.repeat)))
     tv = arrays.word_view(tok, word, c, "tokens")
     values = dict(tokens=tv, topk_ids=tid, topk_weights=tw, valid_tokens=rt._no_valid, use_valid=np.int64(0),
-                  token_scales=rt._no_scales, prequantized=np.int64(0), timeout_ns=rt._timeout_ns)
+                  token_scales=rt._no_scales, prequantized=np.int64(0), timeout_ns=rt._timeout_ns,
+                  pad_multiple=rt._pad_multiple)
     rows.append(("build_args(dispatch_async)", _median_ns(lambda: build_args(c, rt._arg, values), args.repeat)))
 
     # The fast launcher of the debug-mode routing check (not collective: safe to launch alone).

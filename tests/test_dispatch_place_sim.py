@@ -1,0 +1,309 @@
+"""Placement during the transfer (docs/protocol.md, "Placement during the transfer", v26), on the
+simulator: the real kernels, one process per rank.
+
+With ``EP_RUNTIME_DISPATCH_PLACE=1`` dispatch_async's routing blocks send their chunks' routing,
+flag each chunk on every rank (``dispatch_route_chunk``), wait for every source's chunks 0 and
+their own, and write the batch's row descriptions themselves; dispatch_wait only waits for the
+token rows (and copies them in a fused expanded call). The simulator runs a kernel's blocks one
+at a time in index order, so these tests also show that no routing block waits for a block
+that waits. They check:
+
+- both layouts' batches (every field) and the combine after them, bit-identical to the reference
+  and to the dispatch_wait path (``EP_RUNTIME_DISPATCH_PLACE=0``), over calls mixing the awkward
+  routings (a rank with no tokens, no token anywhere, an expert with none, every token to one
+  expert), at 2 and 3 ranks, with the token count from a device scalar, top-k 1, padding, rows
+  without word pairs, the expanded copy fused into dispatch_wait and not, and grids of 4 blocks
+  (two routing blocks: each places its chunk of every source);
+- the chunk flags: after call c, ``dispatch_route_chunk[s, b]`` is c + 1 for every source s and
+  routing block b, and 0 beyond the routing blocks;
+- FP8 (E4M3) tokens placed this way: exact against the reference and the dispatch_wait path;
+- a rank that never dispatches times dispatch_async out naming ``dispatch_route_chunk``, the
+  rank and the chunk; too many rows is a capacity error naming dispatch_async; ranks that
+  disagree are refused; the knob.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from ep_runtime import reference
+from ep_runtime.config import EPConfig
+from ep_runtime.dispatch_overlap import PLACE_ENV
+from ep_runtime.shmem.launch import run_pes
+from ep_runtime.testing import expert_outputs, make_inputs
+
+RUN_TIMEOUT_S = 300
+SCENARIOS = ("random", "zero_rank", "empty_expert", "one_expert")
+CALLS = 6
+FIELDS = ("x", "row_offsets", "expert_counts", "src_rank", "src_token", "src_k", "weight")
+
+
+def base_cfg(R: int, **changes) -> EPConfig:
+    return EPConfig(**{**dict(n_ranks=R, n_experts=2 * R, top_k=2, hidden=64, max_tokens_per_rank=6), **changes})
+
+
+def layout_of(call: int) -> str:
+    return "expanded" if call % 3 != 1 else "compact"
+
+
+def call_inputs(cfg: EPConfig, call: int):
+    """Random token counts, then varying ones (some rank with none), and a call with no token."""
+    counts = None if call == 0 else [0] * cfg.n_ranks if call == 3 else \
+        [(call + 2 * r) % (cfg.max_tokens_per_rank + 1) for r in range(cfg.n_ranks)]
+    return make_inputs(cfg, SCENARIOS[call % len(SCENARIOS)], 700 + call, counts)
+
+
+# -- per-rank bodies ------------------------------------------------------------------------------
+def cycle_pe(session, place: str, cfg: EPConfig, device_count: bool) -> dict:
+    """CALLS round trips on one runtime (layouts mixed): each call's batch, its combine output and
+    the chunk flags after it. ``device_count``: capacity-sized inputs, the token count a device
+    scalar (``n_tokens``), as a captured CUDA graph passes it."""
+    from ep_runtime.runtime import EPRuntime
+
+    os.environ[PLACE_ENV] = place
+    r = session.rank
+    calls = []
+    with EPRuntime(cfg, session) as rt:
+        assert rt.dispatch_place == (place == "1") and not rt.dispatch_land
+        for call in range(CALLS):
+            xs, ids, ws = call_inputs(cfg, call)
+            layout = layout_of(call)
+            x, i, w, n_tokens = xs[r].view(np.uint16), ids[r], ws[r], None
+            if device_count:
+                T, n = cfg.max_tokens_per_rank, len(x)
+                x = np.vstack([x, np.full((T - n, cfg.hidden), 0x7FC0, np.uint16)])  # NaN rows past n
+                i = np.vstack([i, np.zeros((T - n, cfg.top_k), np.int32) + np.arange(cfg.top_k, dtype=np.int32)])
+                w = np.vstack([w, np.ones((T - n, cfg.top_k), np.float32)])
+                n_tokens = session.to_device(np.array([n], np.int32))
+            batch = rt.dispatch_wait(rt.dispatch_async(x, i, w, n_tokens=n_tokens), layout=layout)
+            got = {k: session.to_host(getattr(batch, k)).copy() for k in FIELDS}
+            if layout == "compact":
+                got["gather"] = session.to_host(batch.gather).copy()
+                got["recv_tokens"] = session.to_host(batch.recv_tokens).copy()
+            refs = reference.dispatch(xs, ids, ws, cfg)
+            got["out"] = session.to_host(rt.combine(expert_outputs(cfg, refs[r], r), batch.handle)).copy()[:len(xs[r])]
+            session.barrier()  # every rank done with this call: no peer's next call writes here yet
+            got["chunks"] = session.to_host(rt.buffers["dispatch_route_chunk"]).copy()
+            session.barrier()
+            calls.append(got)
+    from ep_runtime.kernels.dispatch import ROUTE_BLOCKS, ROUTE_GRID_SHARE  # the simulator's, in this PE
+
+    return {"calls": calls, "routing_blocks": max(1, min(ROUTE_BLOCKS, (rt._grid - 1) // ROUTE_GRID_SHARE))}
+
+
+def fp8_pe(session, place: str) -> dict:
+    """E4M3 tokens quantized in dispatch_async, both layouts (column-major scales too)."""
+    from ep_runtime.runtime import EPRuntime
+
+    os.environ[PLACE_ENV] = place
+    r, cfg = session.rank, fp8_cfg()
+    out = []
+    with EPRuntime(cfg, session) as rt:
+        assert rt.dispatch_place == (place == "1")
+        for call, (layout, scales) in enumerate((("expanded", "row"), ("compact", "row"), ("expanded", "column"))):
+            xs, ids, ws = make_inputs(cfg, SCENARIOS[call], 750 + call)
+            batch = rt.dispatch_wait(rt.dispatch_async(xs[r].view(np.uint16), ids[r], ws[r]), layout=layout,
+                                     scales=scales)
+            out.append({k: session.to_host(getattr(batch, k)).copy() for k in FIELDS + ("scales",)})
+            rt.synchronize()
+    return {"calls": out}
+
+
+def fp8_cfg() -> EPConfig:
+    return EPConfig(n_ranks=2, n_experts=4, top_k=2, hidden=256, max_tokens_per_rank=5, token_dtype="fp8_e4m3")
+
+
+def silent_peer_pe(session) -> dict:
+    """One round trip on both ranks (rank 1's combine grants call 1 its token credits), then rank
+    1 skips its second dispatch: rank 0's dispatch_async of call 1 waits for rank 1's routing."""
+    from ep_runtime.errors import EPTimeoutError
+    from ep_runtime.runtime import EPRuntime
+
+    os.environ[PLACE_ENV] = "1"
+    r, cfg = session.rank, base_cfg(2, wait_timeout_s=1.0)
+    xs, ids, ws = make_inputs(cfg, "random", 41)
+    res = {"error": None}
+    with EPRuntime(cfg, session) as rt:
+        batch = rt.dispatch(xs[r].view(np.uint16), ids[r], ws[r])
+        rt.combine(expert_outputs(cfg, reference.dispatch(xs, ids, ws, cfg)[r], r), batch.handle)
+        if r == 0:
+            try:
+                rt.dispatch(xs[r].view(np.uint16), ids[r], ws[r])
+            except EPTimeoutError as exc:
+                res["error"] = str(exc)
+        session.barrier()
+    return res
+
+
+def capacity_pe(session) -> dict:
+    """Every token to the same two experts, a batch capacity below what arrives there."""
+    from ep_runtime.errors import EPCapacityError
+    from ep_runtime.runtime import EPRuntime
+
+    os.environ[PLACE_ENV] = "1"
+    r, cfg = session.rank, base_cfg(2, max_recv_rows=4)
+    xs, ids, ws = make_inputs(cfg, "one_expert", 42, n_tokens=[6, 6])
+    res = {"error": None}
+    with EPRuntime(cfg, session) as rt:
+        try:
+            rt.dispatch(xs[r].view(np.uint16), ids[r], ws[r])
+        except EPCapacityError as exc:
+            res["error"] = str(exc)
+        session.barrier()
+    return res
+
+
+def disagreeing_pe(session) -> dict:
+    from ep_runtime.errors import EPConfigError
+    from ep_runtime.runtime import EPRuntime
+
+    os.environ[PLACE_ENV] = str(session.rank)
+    try:
+        EPRuntime(base_cfg(2), session).close()
+    except EPConfigError as exc:
+        return {"error": str(exc)}
+    return {"error": None}
+
+
+# -- parent side ------------------------------------------------------------------------------------
+#: name: (ranks, config changes, EP_RUNTIME_FUSED_COPY, device count)
+CYCLE_CASES = {
+    "R2": (2, {}, "auto", False),
+    "R3-top1-pad4": (3, {"top_k": 1, "pad_multiple": 4}, "auto", False),
+    "R2-device-count": (2, {}, "auto", True),
+    "R2-copy-kernel": (2, {}, "0", False),  # the expanded copy in dispatch_copy, not in dispatch_wait
+    "R2-hidden5": (2, {"hidden": 5}, "auto", False),  # uint16 words: no word pairs
+    # 2 routing blocks (each places its chunk of every source), 3 ranks, padding
+    "R3-nsms4-pad3": (3, {"n_sms": 4, "pad_multiple": 3}, "auto", False),
+}
+
+
+@pytest.fixture(scope="module", params=list(CYCLE_CASES))
+def cycles(request):
+    R, changes, fused, device_count = CYCLE_CASES[request.param]
+    cfg = base_cfg(R, **changes)
+    with pytest.MonkeyPatch.context() as mp:  # the PEs are spawned with this environment
+        mp.setenv("EP_RUNTIME_FUSED_COPY", fused)
+        placed = run_pes(cycle_pe, R, args=("1", cfg, device_count), timeout_s=RUN_TIMEOUT_S)
+        waited = run_pes(cycle_pe, R, args=("0", cfg, device_count), timeout_s=RUN_TIMEOUT_S)
+    return cfg, placed, waited
+
+
+def test_placed_batches_equal_the_reference_and_dispatch_wait(cycles):
+    cfg, placed, waited = cycles
+    for call in range(CALLS):
+        xs, ids, ws = call_inputs(cfg, call)
+        refs = reference.dispatch(xs, ids, ws, cfg)
+        for r in range(cfg.n_ranks):
+            got, want, ref = placed[r]["calls"][call], waited[r]["calls"][call], refs[r]
+            what = f"rank {r} call {call} ({layout_of(call)})"
+            n = ref.n_rows
+            np.testing.assert_array_equal(got["row_offsets"], ref.row_offsets, err_msg=what)
+            np.testing.assert_array_equal(got["expert_counts"], ref.expert_counts, err_msg=what)
+            for k in ("src_rank", "src_token", "src_k"):
+                np.testing.assert_array_equal(got[k][:n], getattr(ref, k), err_msg=f"{what}: {k}")
+            np.testing.assert_array_equal(got["weight"][:n].view(np.uint32), ref.weight.view(np.uint32), what)
+            if layout_of(call) == "expanded":
+                np.testing.assert_array_equal(got["x"][:n], ref.x.view(np.uint16), err_msg=f"{what}: x")
+            else:
+                assert got["recv_tokens"].tolist() == [len(x) for x in xs], what
+                np.testing.assert_array_equal(got["gather"][:n], reference.gather_index(ref, cfg), what)
+            for k in FIELDS + (("gather", "recv_tokens") if layout_of(call) == "compact" else ()):
+                np.testing.assert_array_equal(got[k], want[k], err_msg=f"{what}: {k}: placed != dispatch_wait")
+            want_out = reference.combine([expert_outputs(cfg, refs[s], s) for s in range(cfg.n_ranks)], refs, ids,
+                                         cfg)[r]
+            np.testing.assert_array_equal(got["out"], want_out.view(np.uint16), err_msg=f"{what}: combine")
+
+
+def test_every_routing_chunk_is_flagged_each_call(cycles):
+    cfg, placed, waited = cycles
+    blocks = placed[0]["routing_blocks"]  # kernels/dispatch.py route_blocks, as the PE computed it
+    for call in range(CALLS):
+        for r in range(cfg.n_ranks):
+            chunks = placed[r]["calls"][call]["chunks"]
+            assert (chunks[:, :blocks] == call + 1).all(), (r, call, chunks)
+            assert (chunks[:, blocks:] == 0).all(), (r, call, chunks)
+            assert (waited[r]["calls"][call]["chunks"] == 0).all(), "the dispatch_wait path flagged chunks"
+    if cfg.n_sms == 4:
+        assert blocks == 2, "the 4-block grid was meant to have two routing blocks"
+
+
+def test_fp8_placed_equals_the_reference():
+    cfg = fp8_cfg()
+    placed = run_pes(fp8_pe, 2, args=("1",), timeout_s=RUN_TIMEOUT_S)
+    waited = run_pes(fp8_pe, 2, args=("0",), timeout_s=RUN_TIMEOUT_S)
+    for call, layout in enumerate(("expanded", "compact", "expanded")):
+        xs, ids, ws = make_inputs(cfg, SCENARIOS[call], 750 + call)
+        refs = reference.dispatch(xs, ids, ws, cfg)
+        for r in range(2):
+            got, want = placed[r]["calls"][call], waited[r]["calls"][call]
+            n = refs[r].n_rows
+            np.testing.assert_array_equal(got["row_offsets"], refs[r].row_offsets)
+            if layout == "expanded":
+                np.testing.assert_array_equal(got["x"][:n], refs[r].x.view(np.uint8), err_msg=f"call {call}")
+            for k in FIELDS + ("scales",):
+                np.testing.assert_array_equal(got[k], want[k], err_msg=f"rank {r} call {call}: {k}")
+
+
+def test_a_silent_rank_times_dispatch_async_out_naming_the_route_chunk():
+    res = run_pes(silent_peer_pe, 2, timeout_s=RUN_TIMEOUT_S)
+    msg = res[0]["error"]
+    assert msg is not None, "no timeout"
+    assert ("rank 0: dispatch_async of call 1" in msg and "dispatch_route_chunk[1, chunk 0] expected >= 2, observed 1"
+            in msg and "waiting for rank 1" in msg), msg
+
+
+def test_too_many_rows_is_a_capacity_error_of_dispatch_async():
+    res = run_pes(capacity_pe, 2, timeout_s=RUN_TIMEOUT_S)
+    # experts 0 and 1 (every token's) live on rank 0: 2 x 12 rows for a capacity of 4; rank 1 gets none
+    msg = res[0]["error"]
+    assert msg is not None and "rank 0: dispatch_async of call 0 needed 24" in msg and "capacity is 4" in msg, msg
+    assert res[1]["error"] is None, res[1]
+
+
+def test_ranks_that_disagree_are_refused():
+    res = run_pes(disagreeing_pe, 2, timeout_s=RUN_TIMEOUT_S)
+    for r in range(2):
+        assert res[r]["error"] is not None and PLACE_ENV in res[r]["error"], res[r]
+
+
+def test_knob(monkeypatch):
+    """``auto`` places bf16 runtimes of two ranks or more on the whole GPU from
+    PLACE_AUTO_MIN_TOKENS tokens per rank on the peer-store path without landing or the copy engine; 0 never; 1 wherever the send
+    path can place (FP8 included), refused where it cannot; other values refused."""
+    from ep_runtime.dispatch_overlap import PLACE_AUTO_MIN_TOKENS, placing
+    from ep_runtime.errors import EPConfigError
+
+    def cfg(**kw):
+        base = dict(n_ranks=2, n_experts=8, top_k=2, hidden=256, max_tokens_per_rank=PLACE_AUTO_MIN_TOKENS)
+        return EPConfig(**{**base, **kw})
+
+    big, small = cfg(), cfg(max_tokens_per_rank=PLACE_AUTO_MIN_TOKENS - 1)
+    for unset in (None, "", "auto", " AUTO "):
+        if unset is None:
+            monkeypatch.delenv(PLACE_ENV, raising=False)
+        else:
+            monkeypatch.setenv(PLACE_ENV, unset)
+        assert placing(big, True, False, False) is True
+        assert placing(small, True, False, False) is False
+        assert placing(big, False, False, False) is False  # puts
+        assert placing(big, True, True, False) is False  # copy engine
+        assert placing(big, True, False, True) is False  # landing
+        assert placing(cfg(token_dtype="fp8_e4m3"), True, False, False) is False
+        assert placing(cfg(n_ranks=1, n_experts=4), True, False, False) is False
+        assert placing(cfg(n_sms=16), True, False, False) is False
+    monkeypatch.setenv(PLACE_ENV, "0")
+    assert placing(big, True, False, False) is False
+    monkeypatch.setenv(PLACE_ENV, "1")
+    assert placing(small, True, False, False) is True
+    assert placing(cfg(token_dtype="fp8_e4m3"), True, False, False) is True
+    for paths, why in (((False, False, False), "puts"), ((True, True, False), "copy"), ((True, False, True), "land")):
+        with pytest.raises(EPConfigError, match=why):
+            placing(small, *paths)
+    for bad in ("2", "-1", "yes"):
+        monkeypatch.setenv(PLACE_ENV, bad)
+        with pytest.raises(EPConfigError, match=PLACE_ENV):
+            placing(small, True, False, False)
