@@ -109,7 +109,7 @@ class EPRuntime:
     fused_copy : bool
         Whether the expanded ``dispatch_wait`` copies the rows in its own kernel (one launch)
         instead of a following ``dispatch_copy`` (``EP_RUNTIME_FUSED_COPY``; bf16 tokens at
-        decode sizes by default).
+        decode sizes by default; never in a placing runtime, whose dispatch_wait places nothing).
     copy_engine : bool
         Whether token rows reach the peers by copy-engine copies beside dispatch_async instead
         of its warps' stores (``EP_RUNTIME_TOKEN_TRANSFER=copy_engine``, bf16 tokens on NVLink
@@ -210,7 +210,10 @@ class EPRuntime:
         self._no_scales = session.alloc_local("unused token_scales", (0, 0), np.uint8)
         self._batch_views = _batch_views(cfg, self.buffers)
         #: launches whose arguments are all the runtime's own, prepared once
-        self.fused_copy = _fused_copy(cfg)
+        # placement and copy in one dispatch_wait; a placing runtime places in dispatch_async, so
+        # dispatch_copy copies (fused copies serve decode sizes, placing large batches: by default
+        # the two never meet)
+        self.fused_copy = _fused_copy(cfg) and not self.dispatch_place
         self._pad_multiple = np.int64(cfg.pad_multiple)
         wait_scalars = dict(pad_multiple=self._pad_multiple, timeout_ns=self._timeout_ns)
         self._fixed = {}

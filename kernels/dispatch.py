@@ -981,34 +981,6 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                 shmem.signal_op(d_signal[g, me:me + 1], signal, shmem.SIGNAL_SET, d)
         stamp_last(status, 7)
 
-    @cuda.jit(device=True)
-    def copy_received_rows(d_tokens, d_ids, d_counts, g, token_rows, row_offsets, expert_counts, expert_x, pairs,
-                           lane, first_warp, all_warps, lo, hi, vals):
-        """Every warp of the grid (bf16): each received token row part (``row_parts``) read once
-        and stored to the token's local expert rows (``token_rows``), then a warp per local
-        expert zeroes its padding rows: dispatch_copy's work, for a dispatch_wait that copies
-        rows placed by an earlier kernel."""
-        me = shmem.my_pe()
-        R = d_counts.shape[1]
-        L = d_counts.shape[2] - 1
-        W = expert_x.shape[1]
-        for s in range(R):
-            T_s = d_counts[g, s, L]
-            parts = row_parts(T_s, W, all_warps, warp)
-            span = part_words(W, parts, warp)
-            i = first_warp
-            while i < T_s * parts:
-                t, w0, w1 = part_bounds(i, parts, span, W)
-                n_local = local_expert_count(d_ids[g, s, t], L, me)
-                copy_to_rows(d_tokens[s, t], token_rows[s, t], n_local, expert_x, w0, w1, pairs, lane, lo, hi, vals)
-                i += all_warps
-        e = first_warp
-        while e < L:
-            for r in range(row_offsets[e] + expert_counts[e], row_offsets[e + 1]):
-                for w in range(lane, W, warp):
-                    expert_x[r, w] = 0
-            e += all_warps
-
     @kernel_jit(threads)
     def dispatch_wait(d_ids, d_weights, d_counts, d_ranks, d_signal, sync,
                       row_offsets, expert_counts, row_src_rank, row_src_token, row_src_k,
@@ -1050,8 +1022,8 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         A ``place`` build (v26; see dispatch_async (4)): dispatch_async's routing blocks have
         placed every row before that kernel completed, and this kernel, which waits for it
         (PDL's dependency wait), only waits for the signals (the token rows are in) and writes
-        recv_tokens; with copy_rows it copies each received row to its expert rows token-major
-        and zeroes the padding rows (``copy_received_rows``, dispatch_copy's work).
+        recv_tokens; copy_rows is ignored (a placing runtime never fuses the copy: the expanded
+        layout's dispatch_copy follows).
         """
         flag = cuda.shared.array(1, int32)
         scan_buf = cuda.shared.array(threads, int32)
@@ -1062,7 +1034,6 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         src_items = cuda.shared.array(MAX_RANKS, int32)  # T, then (token, k) pairs, each source sent this call
         lo = cuda.local.array(UP, uint64)
         hi = cuda.local.array(UP, uint64)
-        vals = cuda.local.array(U, uint64)  # placing builds' copy
         pdl.trigger_dependents()
         pdl.dependency_wait()  # nothing stream-ordered is read before this (kernels/pdl.py)
         code = status[STATUS_CODE]  # loaded together with the call counter (one latency for both;
@@ -1097,10 +1068,6 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
             src_items[s] *= K  # (token, k) pairs of source s
         cuda.syncthreads()
         if EARLY:  # dispatch_async's routing blocks placed every row before it completed (v26)
-            if copy_rows != 0 and not QUANT:
-                copy_received_rows(d_tokens, d_ids, d_counts, g, token_rows, row_offsets, expert_counts, expert_x,
-                                   copy_in_pairs(d_tokens, expert_x), tid % warp,
-                                   cuda.blockIdx.x * warps + tid // warp, cuda.gridDim.x * warps, lo, hi, vals)
             stamp_last(status, 11)
             return
 

@@ -4,7 +4,7 @@ simulator: the real kernels, one process per rank.
 With ``EP_RUNTIME_DISPATCH_PLACE=1`` dispatch_async's routing blocks send their chunks' routing,
 flag each chunk on every rank (``dispatch_route_chunk``), wait for every source's chunks 0 and
 their own, and write the batch's row descriptions themselves; dispatch_wait only waits for the
-token rows (and copies them in a fused expanded call). The simulator runs a kernel's blocks one
+token rows (the expanded copy is dispatch_copy's). The simulator runs a kernel's blocks one
 at a time in index order, so these tests also show that no routing block waits for a block
 that waits. They check:
 
@@ -12,7 +12,7 @@ that waits. They check:
   and to the dispatch_wait path (``EP_RUNTIME_DISPATCH_PLACE=0``), over calls mixing the awkward
   routings (a rank with no tokens, no token anywhere, an expert with none, every token to one
   expert), at 2 and 3 ranks, with the token count from a device scalar, top-k 1, padding, rows
-  without word pairs, the expanded copy fused into dispatch_wait and not, and grids of 4 blocks
+  without word pairs, the dispatch_wait path with its copy fused and not, and grids of 4 blocks
   (two routing blocks: each places its chunk of every source);
 - the chunk flags: after call c, ``dispatch_route_chunk[s, b]`` is c + 1 for every source s and
   routing block b, and 0 beyond the routing blocks;
@@ -68,6 +68,7 @@ def cycle_pe(session, place: str, cfg: EPConfig, device_count: bool) -> dict:
     calls = []
     with EPRuntime(cfg, session) as rt:
         assert rt.dispatch_place == (place == "1") and not rt.dispatch_land
+        assert not (rt.dispatch_place and rt.fused_copy), "a placing runtime fused the expanded copy"
         for call in range(CALLS):
             xs, ids, ws = call_inputs(cfg, call)
             layout = layout_of(call)
@@ -169,7 +170,8 @@ def disagreeing_pe(session) -> dict:
 
 
 # -- parent side ------------------------------------------------------------------------------------
-#: name: (ranks, config changes, EP_RUNTIME_FUSED_COPY, device count)
+#: name: (ranks, config changes, EP_RUNTIME_FUSED_COPY, device count); a placing runtime never
+#: fuses the copy, whatever EP_RUNTIME_FUSED_COPY asks (asserted in cycle_pe)
 CYCLE_CASES = {
     "R2": (2, {}, "auto", False),
     "R3-top1-pad4": (3, {"top_k": 1, "pad_multiple": 4}, "auto", False),
