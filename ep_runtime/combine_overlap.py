@@ -9,7 +9,9 @@ last block's signal. Two knobs, read when a runtime is built, the same on every 
 - ``EP_RUNTIME_COMBINE_ROW_FLAGS_FROM`` (default :data:`DEFAULT_ROW_FLAGS_FROM`): a call flags
   its parts when some rank dispatched at least this many tokens; 0: never (every call then
   waits for the last block's signal, the protocol before v17, kept as the reference path).
-- ``EP_RUNTIME_COMBINE_WAIT_SMS`` (default :data:`DEFAULT_WAIT_SMS`): SMs combine_async leaves
+- ``EP_RUNTIME_COMBINE_WAIT_SMS`` (default :data:`DEFAULT_WAIT_SMS` for the compact layout's
+  combine_async_rows, :data:`DEFAULT_WAIT_SMS_EXPANDED` for the expanded layout's
+  combine_async; when set, the value for both): SMs combine_async leaves
   free for combine_wait's first blocks, when the runtime's grid is the whole GPU
   (``EPConfig.n_sms`` None) and PDL is on (``EP_RUNTIME_PDL``, and the session's fast launcher,
   which sets PDL's launch attribute). With ``n_sms`` set, or without PDL, combine_async keeps
@@ -28,8 +30,13 @@ WAIT_SMS_ENV = "EP_RUNTIME_COMBINE_WAIT_SMS"
 #: one rank, graph replay (docs/throughput.md, "v17"): combine at T=128 18.4 us flagged against
 #: 24.0 signalled (compact), 33.5 against 45.8 (expanded); T=4096 expanded 273.1 against 289.8.
 DEFAULT_ROW_FLAGS_FROM = 1
-#: SMs left to combine_wait's early blocks (2 x H200: combine_async on 108 of 132 SMs).
+#: SMs left to combine_wait's early blocks in the compact layout (2 x H200: combine_async_rows
+#: on 108 of 132 SMs; T=4096 combine 201.9 us with 24 left, 220.1 with 8).
 DEFAULT_WAIT_SMS = 24
+#: ... and in the expanded layout, where the sender reads every expert row (0.47 GB at T=4096)
+#: and is the longer half: 2 x H200, T=4096, combine 291.5 / 293.2 us with 24 SMs left against
+#: 274.3 with 8 (and 359.3 with 48; docs/throughput.md, "v27").
+DEFAULT_WAIT_SMS_EXPANDED = 8
 
 
 def env_int(name: str, default: int) -> int:
@@ -61,7 +68,10 @@ def sender_grid(grid: int, whole_gpu: bool, pdl_on: bool, sms_env: str, default_
     return max(grid - env_int(sms_env, default_sms), (grid + 1) // 2)
 
 
-def combine_send_grid(grid: int, whole_gpu: bool, pdl_on: bool) -> int:
-    """combine_async's grid: ``grid`` less the SMs left to combine_wait's early blocks when the
-    grid is the whole GPU and PDL is on (at least half of ``grid`` kept); else ``grid``."""
-    return sender_grid(grid, whole_gpu, pdl_on, WAIT_SMS_ENV, DEFAULT_WAIT_SMS)
+def combine_send_grid(grid: int, whole_gpu: bool, pdl_on: bool, layout: str = "compact") -> int:
+    """The sending kernel's grid for expert outputs in ``layout`` (``"compact"``:
+    combine_async_rows, ``"expanded"``: combine_async): ``grid`` less the SMs left to
+    combine_wait's early blocks when the grid is the whole GPU and PDL is on (at least half of
+    ``grid`` kept); else ``grid``."""
+    default = DEFAULT_WAIT_SMS_EXPANDED if layout == "expanded" else DEFAULT_WAIT_SMS
+    return sender_grid(grid, whole_gpu, pdl_on, WAIT_SMS_ENV, default)

@@ -13,6 +13,8 @@ runs synchronously), after which the runtime refuses calls until :meth:`reset`.
 
 from __future__ import annotations
 
+import dataclasses
+
 import itertools
 import os
 from enum import Enum
@@ -171,7 +173,8 @@ class EPRuntime:
         # PDL takes effect through the session's fast launcher (the path that sets its attribute)
         whole_gpu = cfg.n_sms is None and session.backend != "sim"
         pdl_on = pdl.ENABLED and bool(getattr(session, "fast_launch", False))
-        self._combine_grid = combine_send_grid(self._grid, whole_gpu=whole_gpu, pdl_on=pdl_on)
+        self._combine_grid = {layout: combine_send_grid(self._grid, whole_gpu, pdl_on, layout)
+                              for layout in ("compact", "expanded")}
         self.copy_engine = choose_copy_engine(cfg, self.peer_stores)
         modes = session.allgather_object(self.copy_engine)
         if len(set(modes)) != 1:
@@ -218,6 +221,8 @@ class EPRuntime:
         wait_scalars = dict(pad_multiple=self._pad_multiple, timeout_ns=self._timeout_ns)
         self._fixed = {}
         self._fixed["dispatch_wait"] = self._prepare("dispatch_wait", copy_rows=_INT64[0], **wait_scalars)
+        if self.dispatch_place:  # one block waits for the rows, started early by PDL (kernels/dispatch.py)
+            self._fixed["dispatch_wait"] = dataclasses.replace(self._fixed["dispatch_wait"], grid=1)
         for copy in (0, 1):  # landing runtimes: places only (compact; FP8), or places and copies (bf16 expanded)
             self._fixed["dispatch_land", copy] = self._prepare("dispatch_land", copy_rows=_INT64[copy], **wait_scalars)
         if self.fused_copy:
@@ -474,7 +479,7 @@ class EPRuntime:
             call = self._prepare("combine_async", expert_out=expert_out)
             own = self._no_own
         return PreparedCall(call.kernel, call.args, n_tokens=expert_out.shape[0], checked=(own,),
-                            grid=self._combine_grid)
+                            grid=self._combine_grid[layout])
 
     def combine_wait(self, handle: CombineHandle, out=None, epilogue=None, aux=None, reduce: bool = True):
         """Complete the combine of ``handle``. Collective; enqueued on the stream.

@@ -40,6 +40,12 @@ from ep_runtime.status import (COUNTER_DISPATCH_ROW_FLAG, COUNTER_DISPATCH_SIGNA
 #: (``kernels/vec.py``) where rows allow it, ``COPY_UNROLL // 2`` pairs.
 COPY_UNROLL = 8
 
+#: Word pairs per lane that copy_to_rows (dispatch_land, dispatch_copy: a received row to its
+#: expert rows) loads before storing any: 128 bytes per lane, 64 KB per 512-thread block in
+#: flight, twice the send loops' ``COPY_UNROLL // 2`` (2 x H200, T=4096: the expanded
+#: dispatch's copy moved ~25 GB/s per SM with 64 bytes per lane; docs/throughput.md, "v27").
+COPY_PAIRS = 8
+
 
 #: Experts the routing block ranks per pass over this rank's tokens (dispatch_async (2): shared
 #: lane masks of warps x RANK_WINDOW words, 16 KB at 16 warps, and as many row words): one pass
@@ -103,6 +109,8 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
     U = COPY_UNROLL
     UP = U // 2  # word pairs per lane in flight
     load_pairs, store_pairs, store_pairs_at = make_pair_loops(UP, warp)
+    CP = COPY_PAIRS  # copy_to_rows' word pairs per lane in flight
+    copy_load_pairs, copy_store_pairs, _ = make_pair_loops(CP, warp)
     SW = RANK_WINDOW
     RANK_WORDS = warps * SW  # the routing block's shared masks and rows (a compile-time size)
     HELD_WORDS = warps * HELD_SCALES  # the FP8 encoder's held scales (a compile-time size)
@@ -189,14 +197,14 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
     @cuda.jit(device=True)
     def copy_to_rows(src, rows, n_local, expert_x, w0, w1, pairs, lane, lo, hi, vals):
         """Every lane of one warp: words ``[w0, w1)`` of the received row ``src`` into the
-        ``n_local`` expert rows ``expert_x[rows[j]]``, each word loaded once: ``UP`` word pairs
-        per lane in flight when ``pairs`` (w0, w1 even), else ``U`` words."""
+        ``n_local`` expert rows ``expert_x[rows[j]]``, each word loaded once: ``CP`` word pairs
+        per lane in flight when ``pairs`` (w0, w1 even; lo, hi local [CP]), else ``U`` words."""
         w = w0 + 2 * lane
         while pairs and w < w1:
-            load_pairs(src, w, w1, lo, hi)
+            copy_load_pairs(src, w, w1, lo, hi)
             for j in range(n_local):
-                store_pairs(expert_x[rows[j]], w, w1, lo, hi)
-            w += 2 * UP * warp
+                copy_store_pairs(expert_x[rows[j]], w, w1, lo, hi)
+            w += 2 * CP * warp
         w = w0 + lane
         while not pairs and w < w1:
             for u in range(U):
@@ -981,6 +989,39 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                 shmem.signal_op(d_signal[g, me:me + 1], signal, shmem.SIGNAL_SET, d)
         stamp_last(status, 7)
 
+    @cuda.jit(device=True)
+    def await_placed(d_signal, land_sync, recv_tokens, combine_claims, status, timeout_ns, src_items, flag):
+        """dispatch_wait of a placing build (v27), every thread, before the kernel's dependency
+        wait: started early by PDL (as soon as every block of dispatch_async has started, on
+        an SM it leaves; the runtime launches one block), block 0 waits for every source's
+        dispatch signal while the token rows still fly and writes recv_tokens, so the kernel
+        completes as soon as dispatch_async does. It reads nothing dispatch_async writes: the
+        call number is ``land_sync[LAND_CALLS]`` (advanced here by the previous call's
+        dispatch_wait, which completed before this call's dispatch_async started), and an
+        error recorded by an earlier call stops it. A timeout names dispatch_wait and the
+        dispatch signal of the silent source, as in the other builds."""
+        if cuda.blockIdx.x != 0:
+            return
+        code = status[STATUS_CODE]
+        n = land_sync[LAND_CALLS]
+        if code != 0:
+            return
+        stamp_first(status, 8)
+        stamp_last(status, 23)
+        g = n % 2
+        if cuda.threadIdx.x == 0:
+            combine_claims[g] = 0  # rows this call's combine_wait claims (its last user, call n - 2, is done)
+        if not await_sources(d_signal, g, n, timeout_ns, status, KERNEL_DISPATCH_WAIT, COUNTER_DISPATCH_SIGNAL,
+                             src_items, flag):
+            return
+        stamp_first(status, 15)
+        stamp_last(status, 9)
+        for s in range(cuda.threadIdx.x, d_signal.shape[1], threads):
+            recv_tokens[s] = src_items[s]
+        if cuda.threadIdx.x == 0:
+            land_sync[LAND_CALLS] = n + 1  # this call's number, read by the next call's dispatch_wait
+        stamp_last(status, 11)
+
     @kernel_jit(threads)
     def dispatch_wait(d_ids, d_weights, d_counts, d_ranks, d_signal, sync,
                       row_offsets, expert_counts, row_src_rank, row_src_token, row_src_k,
@@ -1020,10 +1061,11 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         an error and writes nothing (dispatch_copy then copies nothing).
 
         A ``place`` build (v26; see dispatch_async (4)): dispatch_async's routing blocks have
-        placed every row before that kernel completed, and this kernel, which waits for it
-        (PDL's dependency wait), only waits for the signals (the token rows are in) and writes
-        recv_tokens; copy_rows is ignored (a placing runtime never fuses the copy: the expanded
-        layout's dispatch_copy follows).
+        placed every row before that kernel completed, and this kernel only waits for the
+        signals (the token rows are in) and writes recv_tokens, before its dependency wait
+        (``await_placed``, v27: launched with one block, it waits while dispatch_async still
+        sends, and completes right after it); copy_rows is ignored (a placing runtime never
+        fuses the copy: the expanded layout's dispatch_copy follows).
         """
         flag = cuda.shared.array(1, int32)
         scan_buf = cuda.shared.array(threads, int32)
@@ -1035,6 +1077,10 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         lo = cuda.local.array(UP, uint64)
         hi = cuda.local.array(UP, uint64)
         pdl.trigger_dependents()
+        if EARLY:  # placing builds: the rows awaited while dispatch_async still runs (v27)
+            await_placed(d_signal, land_sync, recv_tokens, combine_claims, status, timeout_ns, src_items, flag)
+            pdl.dependency_wait()  # completes after dispatch_async (its placement): stream order for what follows
+            return
         pdl.dependency_wait()  # nothing stream-ordered is read before this (kernels/pdl.py)
         code = status[STATUS_CODE]  # loaded together with the call counter (one latency for both;
         calls = sync[SYNC_CALLS]  # ``calls < 0`` never holds: it keeps the load before the branch)
@@ -1067,9 +1113,6 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                 recv_tokens[s] = src_items[s]
             src_items[s] *= K  # (token, k) pairs of source s
         cuda.syncthreads()
-        if EARLY:  # dispatch_async's routing blocks placed every row before it completed (v26)
-            stamp_last(status, 11)
-            return
 
         # every (source, expert)'s first row and the total (padded): every block scans them itself
         total = scan_placement(d_counts, g, pad_multiple, place, sum_buf)
@@ -1301,8 +1344,8 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         place = cuda.shared.array(PLACEMENT_WORDS, int32)
         src_T = cuda.shared.array(MAX_RANKS, int32)
         claim = cuda.shared.array(warps, int32)  # each warp's claimed item, then its flag's verdict
-        lo = cuda.local.array(UP, uint64)
-        hi = cuda.local.array(UP, uint64)
+        lo = cuda.local.array(CP, uint64)  # copy_to_rows' pairs
+        hi = cuda.local.array(CP, uint64)
         vals = cuda.local.array(U, uint64)
         pdl.trigger_dependents()
         land_rows(d_ids, d_weights, d_counts, d_ranks, d_route, d_signal, land_sync, row_offsets, expert_counts,
@@ -1333,8 +1376,8 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         scales_col_major, int64, is nonzero; ``store_scales``); padding rows get zero scales.
         """
         vals = cuda.local.array(U, uint64)
-        lo = cuda.local.array(UP, uint64)
-        hi = cuda.local.array(UP, uint64)
+        lo = cuda.local.array(CP, uint64)  # copy_to_rows' pairs
+        hi = cuda.local.array(CP, uint64)
         pdl.trigger_dependents()
         pdl.dependency_wait()  # nothing stream-ordered is read before this (kernels/pdl.py)
         if status[STATUS_CODE] != 0:

@@ -191,8 +191,8 @@ def test_ranks_that_disagree_on_the_threshold_are_refused():
 def test_the_knobs_and_the_senders_grid(monkeypatch):
     """``combine_overlap``: combine_async leaves EP_RUNTIME_COMBINE_WAIT_SMS SMs (at most half its
     grid) to combine_wait only on the whole GPU with PDL; bad values are refused with the name."""
-    from ep_runtime.combine_overlap import (DEFAULT_ROW_FLAGS_FROM, WAIT_SMS_ENV, combine_send_grid,
-                                            row_flags_from)
+    from ep_runtime.combine_overlap import (DEFAULT_ROW_FLAGS_FROM, DEFAULT_WAIT_SMS_EXPANDED, WAIT_SMS_ENV,
+                                            combine_send_grid, row_flags_from)
     from ep_runtime.errors import EPConfigError
 
     monkeypatch.delenv(ROW_FLAGS_ENV, raising=False)
@@ -202,8 +202,13 @@ def test_the_knobs_and_the_senders_grid(monkeypatch):
     assert combine_send_grid(132, whole_gpu=False, pdl_on=True) == 132  # n_sms set: the caller's limit
     assert combine_send_grid(132, whole_gpu=True, pdl_on=False) == 132  # no early start to make room for
     assert combine_send_grid(10, whole_gpu=True, pdl_on=True) == 5      # at least half kept
+    # the expanded layout's sender reads every expert row: it keeps more of the GPU
+    assert combine_send_grid(132, True, True, "expanded") == 132 - DEFAULT_WAIT_SMS_EXPANDED == 124
+    assert combine_send_grid(132, False, True, "expanded") == 132
     monkeypatch.setenv(WAIT_SMS_ENV, "0")
     assert combine_send_grid(132, whole_gpu=True, pdl_on=True) == 132
+    monkeypatch.setenv(WAIT_SMS_ENV, "40")  # when set, the value for both layouts
+    assert combine_send_grid(132, True, True, "compact") == combine_send_grid(132, True, True, "expanded") == 92
     monkeypatch.setenv(ROW_FLAGS_ENV, "0")
     assert row_flags_from() == 0
     for name, bad in ((ROW_FLAGS_ENV, "-1"), (WAIT_SMS_ENV, "many")):
