@@ -29,7 +29,8 @@ it). Two knobs, read when a runtime is built, the same on every rank:
 Measured on 2 x H100 over NVLink (docs/throughput.md, "v23"): landing takes 13-160 us off the
 expanded dispatch from 1024 tokens per rank up (T=4096: 420.8 -> 351.5 us) and leaves the
 compact one within -2.3 / +2.1 us there, but costs 5-13 us below 1024 tokens and with FP8 tokens.
-On 2 x H200 (v26): landing 288.7 us expanded and 189.2 compact at T=4096, placing 348.8 and 183.0.
+On 2 x H200 (v26): landing 288.7 us expanded and 189.2 compact at T=4096, placing 348.8 and 183.0;
+v27 leaves dispatch_land 48 SMs (expanded 268.3 us) and the placing compact dispatch takes 178.4.
 """
 
 from __future__ import annotations
@@ -50,10 +51,14 @@ LAND_CHOICES = ("auto", "0", "1")
 #: 8192 801.4 -> 641.7; compact 1024 74.0 -> 76.1, 2048 117.4 -> 115.1, 4096 193.7 -> 194.7,
 #: 8192 359.9 -> 361.1; T=128 compact 28.7 -> 41.6 (docs/throughput.md, "v23").
 LAND_AUTO_MIN_TOKENS = 1024
-#: SMs left to dispatch_land's early blocks (2 x H100, T=4096: 24 SMs cost the compact dispatch
-#: 0.9 us and take 69 us off the expanded one; 64 SMs take 88 us off it but cost 20 compact; 8
-#: and 16 cost the compact one 4.9 and 0.7 us and take only 54 and 63 off the expanded one).
-DEFAULT_LAND_SMS = 24
+#: SMs left to dispatch_land's early blocks. 2 x H200 (v27), landing, graph, dispatch (async +
+#: wait) us, expanded / compact, with 24 / 48 / 72 SMs left: T=1024 103.8 / 70.6, 101.2 / 68.8,
+#: 100.2 / 76.5; T=2048 173.5 / 111.3, 160.0 / 110.1, 156.0 / 120.1; T=4096 ~289 / ~190,
+#: 268.3 / 201.6, 262.5 / 206.0; T=8192 518.0 / 358.5, 498.0 / 355.6, 492.2 / 371.4. 48 takes
+#: most of the expanded layout's gain (the copy runs on more SMs while the rows fly) and leaves
+#: the compact one within 3 us but at T=4096 (+11; a runtime serving the compact layout places
+#: instead: ``EP_RUNTIME_DISPATCH_LAND=0``, 178.4 us there). 2 x H100 (v23) had 24.
+DEFAULT_LAND_SMS = 48
 
 
 def auto_landing(cfg: EPConfig) -> bool:

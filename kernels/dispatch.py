@@ -46,6 +46,14 @@ COPY_UNROLL = 8
 #: dispatch's copy moved ~25 GB/s per SM with 64 bytes per lane; docs/throughput.md, "v27").
 COPY_PAIRS = 8
 
+#: Items per warp dispatch_async's bf16 token loop aims at when a batch has a row for every warp
+#: (``send_warps``): the rows are cut into parts so that the transfer's last round, in which the
+#: warps with one item more than the others still send, is short. 2 x H200, placing, compact,
+#: dispatch (async + wait) us, one row per item -> 4 -> 8 items per warp: T=2048 102.3 -> 98.2 ->
+#: 97.9, T=4096 181.4 -> 180.0 -> 178.3, T=8192 342.8 -> 342.6 -> 340.5. The FP8 encoder keeps
+#: a part per warp: e4m3 T=4096 124.2 -> 125.8 -> 127.6 (docs/throughput.md, "v27").
+SEND_ROUNDS = 8
+
 
 #: Experts the routing block ranks per pass over this rank's tokens (dispatch_async (2): shared
 #: lane masks of warps x RANK_WINDOW words, 16 KB at 16 warps, and as many row words): one pass
@@ -403,6 +411,16 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
             store_u32_at(ranks_src, j, uint32(warp_rows[m] + popc32(masks[m] & lanes_below)))
 
     @cuda.jit(device=True)
+    def send_warps(rows, all_warps):
+        """The warp count dispatch_async's bf16 token loop cuts ``rows`` rows for (``row_parts``):
+        ``all_warps``, or ``SEND_ROUNDS`` times it for a batch with a row for every warp, so
+        each warp takes about SEND_ROUNDS items and the last round, when fewer warps still send,
+        moves smaller parts (v27)."""
+        if rows >= all_warps:
+            return all_warps * SEND_ROUNDS
+        return all_warps
+
+    @cuda.jit(device=True)
     def route_blocks(grid):
         """Routing blocks of dispatch_async's grid of ``grid`` blocks: one per ROUTE_GRID_SHARE
         blocks beyond the first, at least 1, at most ROUTE_BLOCKS (bf16 rows: 8 of an H200's
@@ -745,7 +763,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
             else:
                 S = tokens.shape[1] // BLOCK_WORDS
             PB = S * CODE_WORDS * 8  # code bytes of a message (= H)
-            parts = row_parts(T, S, all_warps, 1)
+            parts = row_parts(T, S, all_warps, 1)  # (finer cuts measured slower here: SEND_ROUNDS)
             span = part_words(S, parts, 1)  # blocks per part
             # straight into peers' slots (16-byte stores): encoded, or the caller's codes (word pairs)
             src_pairs = pairs_aligned(tokens)  # rows of whole word pairs (messages and bf16 blocks)
@@ -782,7 +800,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
             T_parts = 0  # no bf16 row parts
         else:
             T_parts = T
-        parts = row_parts(T_parts, W, all_warps, warp)
+        parts = row_parts(T_parts, W, send_warps(T_parts, all_warps), warp)
         span = part_words(W, parts, warp)
         if flag_rows:  # the receivers cut rows alike from T (dispatch_land)
             parts, span = flag_rule(T_parts, W, DISPATCH_FLAG_PARTS, warp)
