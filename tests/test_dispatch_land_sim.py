@@ -367,7 +367,8 @@ def test_knobs(monkeypatch):
     at least LAND_AUTO_MIN_TOKENS tokens per rank; never with the copy engine); 0 off, 1 on;
     other values and 1 with the copy engine refused; dispatch_async leaves
     EP_RUNTIME_DISPATCH_LAND_SMS SMs (at most half its grid) only on a whole GPU with PDL."""
-    from ep_runtime.dispatch_overlap import LAND_AUTO_MIN_TOKENS, LAND_SMS_ENV, dispatch_send_grid, landing
+    from ep_runtime.dispatch_overlap import (DEFAULT_LAND_SMS, LAND_AUTO_MIN_TOKENS, LAND_SMS_ENV, dispatch_send_grid,
+                                            landing)
     from ep_runtime.errors import EPConfigError
 
     def cfg(**kw):
@@ -398,7 +399,7 @@ def test_knobs(monkeypatch):
         monkeypatch.setenv(LAND_ENV, bad)
         with pytest.raises(EPConfigError, match=LAND_ENV):
             landing(small, copy_engine=False)
-    assert dispatch_send_grid(132, whole_gpu=True, pdl_on=True) == 108
+    assert dispatch_send_grid(132, whole_gpu=True, pdl_on=True) == 132 - DEFAULT_LAND_SMS == 84
     assert dispatch_send_grid(132, whole_gpu=False, pdl_on=True) == 132
     assert dispatch_send_grid(132, whole_gpu=True, pdl_on=False) == 132
     assert dispatch_send_grid(10, whole_gpu=True, pdl_on=True) == 5
