@@ -263,10 +263,10 @@ def _regions(cfg: EPConfig) -> list[Region]:
                "[g]: rows combine_wait of a call of group g has claimed (reduced as they land); "
                "dispatch_wait of call n zeroes [n % 2]"),
         # at the ends of both heaps (v18), so no earlier region moves
-        Region("dispatch_land_sync", (4,), i64, 0, Lc, f"{DW}, {DL}", (DL,),
+        Region("dispatch_land_sync", (4,), i64, 0, Lc, f"{DW}, {DL}", (DW, DL),
                "[0] ticket: finished blocks of dispatch_land (reset by the last block); [1] receive calls: "
-               "dispatch_wait or dispatch_land of call n sets n + 1 (dispatch_land reads its call number "
-               "here, while dispatch_async still runs); [2 + g] items dispatch_land of a call of group g "
+               "dispatch_wait or dispatch_land of call n sets n + 1 (dispatch_land, and dispatch_wait in a "
+               "placing runtime, read their call number here, while dispatch_async still runs); [2 + g] items dispatch_land of a call of group g "
                "claimed (the receive kernel of call n zeroes [2 + (n + 1) % 2])"),
     ]
 

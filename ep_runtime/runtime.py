@@ -14,7 +14,6 @@ runs synchronously), after which the runtime refuses calls until :meth:`reset`.
 from __future__ import annotations
 
 import dataclasses
-
 import itertools
 import os
 from enum import Enum
