@@ -128,3 +128,43 @@ def off_by_8(a: np.ndarray) -> np.ndarray:
     out[...] = a
     assert out.ctypes.data % 16 == 8 and out.flags.c_contiguous
     return out
+
+
+# -- per-rank bodies shared by the simulator tests of the runtime's build knobs (run_pes targets) --
+def knob_disagreement_pe(session, env: str, values: tuple, cfg: EPConfig) -> dict:
+    """Build a runtime of ``cfg`` with environment variable ``env`` set to ``values[rank]``:
+    ``{"error": message}`` of the EPConfigError the runtime raises when the ranks disagree, or
+    ``{"error": None}``."""
+    import os
+
+    from .errors import EPConfigError
+    from .runtime import EPRuntime
+
+    os.environ[env] = values[session.rank]
+    try:
+        EPRuntime(cfg, session).close()
+    except EPConfigError as exc:
+        return {"error": str(exc)}
+    return {"error": None}
+
+
+def capacity_pe(session, env: str, value: str, cfg: EPConfig, seed: int) -> dict:
+    """With ``env`` = ``value``, dispatch "one_expert" inputs of ``seed`` (6 tokens a rank) in a
+    runtime of ``cfg`` (a batch capacity below what arrives): ``{"error": message}`` of the
+    EPCapacityError, or ``{"error": None}`` on a rank that raised none."""
+    import os
+
+    from .errors import EPCapacityError
+    from .runtime import EPRuntime
+
+    os.environ[env] = value
+    r = session.rank
+    xs, ids, ws = make_inputs(cfg, "one_expert", seed, n_tokens=[6] * cfg.n_ranks)
+    res = {"error": None}
+    with EPRuntime(cfg, session) as rt:
+        try:
+            rt.dispatch(xs[r].view(np.uint16), ids[r], ws[r])
+        except EPCapacityError as exc:
+            res["error"] = str(exc)
+        session.barrier()
+    return res

@@ -29,7 +29,7 @@ from ep_runtime import reference
 from ep_runtime.combine_overlap import ROW_FLAGS_ENV
 from ep_runtime.config import EPConfig
 from ep_runtime.shmem.launch import run_pes
-from ep_runtime.testing import expert_outputs, make_inputs
+from ep_runtime.testing import expert_outputs, knob_disagreement_pe, make_inputs
 
 RUN_TIMEOUT_S = 240
 SCENARIOS = ("random", "zero_rank", "empty_expert", "one_expert")
@@ -109,19 +109,6 @@ def silent_peer_pe(session) -> dict:
     return res
 
 
-def disagreeing_pe(session) -> dict:
-    """The ranks build a runtime with different thresholds."""
-    from ep_runtime.errors import EPConfigError
-    from ep_runtime.runtime import EPRuntime
-
-    os.environ[ROW_FLAGS_ENV] = str(1 + session.rank)
-    try:
-        EPRuntime(base_cfg(2), session).close()
-    except EPConfigError as exc:
-        return {"error": str(exc)}
-    return {"error": None}
-
-
 # -- parent side ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module", params=[(2, "bfloat16"), (3, "bfloat16"), (3, "float32")],
                 ids=["R2", "R3", "R3-f32"])
@@ -184,7 +171,8 @@ def test_a_silent_peer_times_the_flagged_wait_out_naming_the_flag_and_token():
 
 
 def test_ranks_that_disagree_on_the_threshold_are_refused():
-    for r, res in enumerate(run_pes(disagreeing_pe, 2, timeout_s=RUN_TIMEOUT_S)):
+    res_all = run_pes(knob_disagreement_pe, 2, args=(ROW_FLAGS_ENV, ("1", "2"), base_cfg(2)), timeout_s=RUN_TIMEOUT_S)
+    for r, res in enumerate(res_all):
         assert res["error"] is not None and ROW_FLAGS_ENV in res["error"] and "[1, 2]" in res["error"], (r, res)
 
 

@@ -35,7 +35,7 @@ from ep_runtime.config import EPConfig
 from ep_runtime.dispatch_overlap import LAND_ENV
 from ep_runtime.layout import dispatch_signal_value, token_word
 from ep_runtime.shmem.launch import run_pes
-from ep_runtime.testing import expert_outputs, make_inputs
+from ep_runtime.testing import capacity_pe, expert_outputs, knob_disagreement_pe, make_inputs
 
 RUN_TIMEOUT_S = 300
 SCENARIOS = ("random", "zero_rank", "empty_expert", "one_expert")
@@ -182,36 +182,6 @@ def lost_flags_pe(session) -> dict:
     return res
 
 
-def capacity_pe(session) -> dict:
-    """Every token to the same two experts, a batch capacity below what arrives there."""
-    from ep_runtime.errors import EPCapacityError
-    from ep_runtime.runtime import EPRuntime
-
-    os.environ[LAND_ENV] = "1"
-    r, cfg = session.rank, base_cfg(2, max_recv_rows=4)
-    xs, ids, ws = make_inputs(cfg, "one_expert", 32, n_tokens=[6, 6])
-    res = {"error": None}
-    with EPRuntime(cfg, session) as rt:
-        try:
-            rt.dispatch(xs[r].view(np.uint16), ids[r], ws[r])
-        except EPCapacityError as exc:
-            res["error"] = str(exc)
-        session.barrier()
-    return res
-
-
-def disagreeing_pe(session) -> dict:
-    from ep_runtime.errors import EPConfigError
-    from ep_runtime.runtime import EPRuntime
-
-    os.environ[LAND_ENV] = str(session.rank)
-    try:
-        EPRuntime(base_cfg(2), session).close()
-    except EPConfigError as exc:
-        return {"error": str(exc)}
-    return {"error": None}
-
-
 # -- parent side ------------------------------------------------------------------------------------
 CYCLE_CASES = {
     "R2": (2, {}, "1", False),
@@ -349,7 +319,8 @@ def test_dispatch_land_waits_for_each_part_flag():
 
 
 def test_too_many_rows_is_a_capacity_error():
-    res = run_pes(capacity_pe, 2, timeout_s=RUN_TIMEOUT_S)
+    res = run_pes(capacity_pe, 2, args=(LAND_ENV, "1", base_cfg(2, max_recv_rows=4), 32),
+                  timeout_s=RUN_TIMEOUT_S)
     # experts 0 and 1 (every token's) live on rank 0: 2 x 12 rows for a capacity of 4; rank 1 gets none
     msg = res[0]["error"]
     assert msg is not None and "dispatch_land" in msg and "needed 24" in msg and "capacity is 4" in msg, msg
@@ -357,7 +328,8 @@ def test_too_many_rows_is_a_capacity_error():
 
 
 def test_ranks_that_disagree_are_refused():
-    res = run_pes(disagreeing_pe, 2, timeout_s=RUN_TIMEOUT_S)
+    res = run_pes(knob_disagreement_pe, 2, args=(LAND_ENV, ("0", "1"), base_cfg(2)),
+                  timeout_s=RUN_TIMEOUT_S)
     for r in range(2):
         assert res[r]["error"] is not None and LAND_ENV in res[r]["error"], res[r]
 

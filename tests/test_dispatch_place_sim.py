@@ -33,7 +33,7 @@ from ep_runtime import reference
 from ep_runtime.config import EPConfig
 from ep_runtime.dispatch_overlap import PLACE_ENV
 from ep_runtime.shmem.launch import run_pes
-from ep_runtime.testing import expert_outputs, make_inputs
+from ep_runtime.testing import capacity_pe, expert_outputs, knob_disagreement_pe, make_inputs
 
 RUN_TIMEOUT_S = 300
 SCENARIOS = ("random", "zero_rank", "empty_expert", "one_expert")
@@ -139,36 +139,6 @@ def silent_peer_pe(session) -> dict:
     return res
 
 
-def capacity_pe(session) -> dict:
-    """Every token to the same two experts, a batch capacity below what arrives there."""
-    from ep_runtime.errors import EPCapacityError
-    from ep_runtime.runtime import EPRuntime
-
-    os.environ[PLACE_ENV] = "1"
-    r, cfg = session.rank, base_cfg(2, max_recv_rows=4)
-    xs, ids, ws = make_inputs(cfg, "one_expert", 42, n_tokens=[6, 6])
-    res = {"error": None}
-    with EPRuntime(cfg, session) as rt:
-        try:
-            rt.dispatch(xs[r].view(np.uint16), ids[r], ws[r])
-        except EPCapacityError as exc:
-            res["error"] = str(exc)
-        session.barrier()
-    return res
-
-
-def disagreeing_pe(session) -> dict:
-    from ep_runtime.errors import EPConfigError
-    from ep_runtime.runtime import EPRuntime
-
-    os.environ[PLACE_ENV] = str(session.rank)
-    try:
-        EPRuntime(base_cfg(2), session).close()
-    except EPConfigError as exc:
-        return {"error": str(exc)}
-    return {"error": None}
-
-
 # -- parent side ------------------------------------------------------------------------------------
 #: name: (ranks, config changes, EP_RUNTIME_FUSED_COPY, device count); a placing runtime never
 #: fuses the copy, whatever EP_RUNTIME_FUSED_COPY asks (asserted in cycle_pe)
@@ -259,7 +229,8 @@ def test_a_silent_rank_times_dispatch_async_out_naming_the_route_chunk():
 
 
 def test_too_many_rows_is_a_capacity_error_of_dispatch_async():
-    res = run_pes(capacity_pe, 2, timeout_s=RUN_TIMEOUT_S)
+    res = run_pes(capacity_pe, 2, args=(PLACE_ENV, "1", base_cfg(2, max_recv_rows=4), 42),
+                  timeout_s=RUN_TIMEOUT_S)
     # experts 0 and 1 (every token's) live on rank 0: 2 x 12 rows for a capacity of 4; rank 1 gets none
     msg = res[0]["error"]
     assert msg is not None and "rank 0: dispatch_async of call 0 needed 24" in msg and "capacity is 4" in msg, msg
@@ -267,7 +238,8 @@ def test_too_many_rows_is_a_capacity_error_of_dispatch_async():
 
 
 def test_ranks_that_disagree_are_refused():
-    res = run_pes(disagreeing_pe, 2, timeout_s=RUN_TIMEOUT_S)
+    res = run_pes(knob_disagreement_pe, 2, args=(PLACE_ENV, ("0", "1"), base_cfg(2)),
+                  timeout_s=RUN_TIMEOUT_S)
     for r in range(2):
         assert res[r]["error"] is not None and PLACE_ENV in res[r]["error"], res[r]
 
