@@ -63,8 +63,9 @@ def test_every_ep_kernel_waits_before_its_first_status_read():
     combine_async kernels after their wait (the receiver may then start early: docs/protocol.md,
     "Dispatch rows as they land", "Combine rows as they land"); dispatch_land never waits
     first (its work reads only what the previous calls completed and what peers signal) and
-    waits before it exits; combine_wait skips its first wait only in a call with flagged rows,
-    and then waits before it exits."""
+    waits before it exits, as does a placing build's dispatch_wait (``await_placed``, v27);
+    combine_wait skips its first wait only in a call with flagged rows, and then waits before
+    it exits."""
     import inspect
 
     from ep_runtime.kernels import combine, dispatch
@@ -82,13 +83,19 @@ def test_every_ep_kernel_waits_before_its_first_status_read():
 
     lines = inspect.getsource(dispatch).splitlines()
     checks = first_status_reads(lines)
-    assert len(checks) == 5
+    assert len(checks) == 6
     kernel_of = {i: next(ln for ln in reversed(lines[:i]) if ln.strip().startswith("def ")).split("(")[0].split()[-1]
                  for i in checks}
     assert sorted(kernel_of.values()) == sorted(["dispatch_async", "dispatch_signal", "dispatch_wait", "land_rows",
-                                                 "dispatch_copy"]), kernel_of
+                                                 "dispatch_copy", "await_placed"]), kernel_of
     for i, name in kernel_of.items():
-        if name == "dispatch_async":
+        if name == "await_placed":  # a placing dispatch_wait's body: called before its wait, which follows it
+            start = next(j for j, ln in enumerate(lines) if ln.strip().startswith("def dispatch_wait("))
+            call = next(j for j in range(start, len(lines)) if lines[j].strip().startswith("await_placed("))
+            assert "pdl.dependency_wait()" not in "".join(lines[start:call])
+            assert lines[call + 1].strip().startswith("pdl.dependency_wait()"), lines[call + 1]
+            assert lines[call + 2].strip() == "return", lines[call + 2]
+        elif name == "dispatch_async":
             assert "pdl.trigger_dependents()" in before(lines, i, 1), f"dispatch line {i + 1}"
             assert "pdl.dependency_wait()" in before(lines, i, 2), f"dispatch line {i + 1}"
         elif name == "land_rows":  # dispatch_land's body: no wait before it, one after it
@@ -98,6 +105,13 @@ def test_every_ep_kernel_waits_before_its_first_status_read():
             assert "pdl.trigger_dependents()" in body and "pdl.dependency_wait()" not in body
             nxt = next(ln.strip() for ln in lines[end + 1:] if ln.strip().startswith(("pdl.", "return", "if ", "for ")))
             assert nxt.startswith("pdl.dependency_wait()"), nxt
+        elif name == "dispatch_wait":  # (exp/early-wait) it reads only an earlier call's error and
+            # its call number, waits for the signals, then for its predecessor, before anything else
+            assert "pdl.trigger_dependents()" in before(lines, i, 5), f"dispatch line {i + 1}"
+            assert "n = land_sync[LAND_CALLS]" in lines[i + 1], lines[i + 1]
+            body = [ln.strip() for ln in lines[i:]]
+            sig = next(j for j, ln in enumerate(body) if ln.startswith("ok = await_sources("))
+            assert "pdl.dependency_wait()" in body[sig + 2], body[sig + 2]
         else:
             assert "pdl.dependency_wait()" in before(lines, i, 1), f"dispatch line {i + 1}"
             assert "pdl.trigger_dependents()" in before(lines, i, 2), f"dispatch line {i + 1}"
