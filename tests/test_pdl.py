@@ -105,10 +105,16 @@ def test_every_ep_kernel_waits_before_its_first_status_read():
             assert "pdl.trigger_dependents()" in body and "pdl.dependency_wait()" not in body
             nxt = next(ln.strip() for ln in lines[end + 1:] if ln.strip().startswith(("pdl.", "return", "if ", "for ")))
             assert nxt.startswith("pdl.dependency_wait()"), nxt
-        elif name == "dispatch_wait":  # its placing build's branch (above) sits between trigger and wait
-            assert "pdl.dependency_wait()" in before(lines, i, 1), f"dispatch line {i + 1}"
-            assert before(lines, i, 5).strip().startswith("if EARLY:"), before(lines, i, 5)
-            assert "pdl.trigger_dependents()" in before(lines, i, 6), f"dispatch line {i + 1}"
+        elif name == "dispatch_wait":  # after its placing build's branch (above), it reads only an
+            # earlier call's error and its call number, waits for the signals, then for its predecessor
+            assert before(lines, i, 4).strip().startswith("if EARLY:"), before(lines, i, 4)
+            assert "pdl.trigger_dependents()" in before(lines, i, 5), f"dispatch line {i + 1}"
+            assert "n = land_sync[LAND_CALLS]" in lines[i + 1], lines[i + 1]
+            body = [ln.strip() for ln in lines[i:]]
+            sig = next(j for j, ln in enumerate(body) if ln.startswith("ok = await_sources("))
+            assert "pdl.dependency_wait()" in body[sig + 2], body[sig + 2]
+            waits = [j for j in range(sig) if body[j].startswith("pdl.dependency_wait()")]
+            assert all(body[j - 1] == "if code != 0:" and body[j + 1] == "return" for j in waits), waits  # errors only
         else:
             assert "pdl.dependency_wait()" in before(lines, i, 1), f"dispatch line {i + 1}"
             assert "pdl.trigger_dependents()" in before(lines, i, 2), f"dispatch line {i + 1}"
