@@ -41,6 +41,10 @@ class PreparedCall:
     then: Any = None
     #: blocks of the launch (0: the runtime's grid); combine_async leaves SMs to combine_wait
     grid: int = 0
+    #: dispatch_async of a landing runtime: the dispatch_land launches dispatch_wait enqueues,
+    #: ``(places only, places and copies)`` (copy_rows 0, 1), which read the call's tokens
+    #: (this rank's own rows, never sent: docs/protocol.md, "Dispatch rows as they land")
+    land: tuple = ()
 
 
 class CallMemo:

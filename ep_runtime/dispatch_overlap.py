@@ -30,7 +30,9 @@ Measured on 2 x H100 over NVLink (docs/throughput.md, "v23"): landing takes 13-1
 expanded dispatch from 1024 tokens per rank up (T=4096: 420.8 -> 351.5 us) and leaves the
 compact one within -2.3 / +2.1 us there, but costs 5-13 us below 1024 tokens and with FP8 tokens.
 On 2 x H200 (v26): landing 288.7 us expanded and 189.2 compact at T=4096, placing 348.8 and 183.0;
-v27 leaves dispatch_land 48 SMs (expanded 268.3 us) and the placing compact dispatch takes 178.4.
+v27 leaves dispatch_land 48 SMs (expanded 268.3 us) and the placing compact dispatch takes 178.4;
+v28's dispatch_land reads this rank's own rows from the caller's tokens (they are never sent):
+expanded 252.7-253.2 us, compact (landing) 195.8-196.1.
 """
 
 from __future__ import annotations
@@ -57,7 +59,11 @@ LAND_AUTO_MIN_TOKENS = 1024
 #: 268.3 / 201.6, 262.5 / 206.0; T=8192 518.0 / 358.5, 498.0 / 355.6, 492.2 / 371.4. 48 takes
 #: most of the expanded layout's gain (the copy runs on more SMs while the rows fly) and leaves
 #: the compact one within 3 us but at T=4096 (+11; a runtime serving the compact layout places
-#: instead: ``EP_RUNTIME_DISPATCH_LAND=0``, 178.4 us there). 2 x H100 (v23) had 24.
+#: instead: ``EP_RUNTIME_DISPATCH_LAND=0``, 178.4 us there). 2 x H100 (v23) had 24. v28 (own
+#: rows from the caller's tokens), 48 / 64 / 80 SMs left, expanded / compact: T=1024 98.1 / 69.2,
+#: 96.4 / 73.6, 95.9 / 73.6; T=2048 150.1 / 108.3, 146.6 / 114.8, 146.7 / 113.9; T=4096 253.0 /
+#: 196.0, 248.3 / 202.5, 247.5 / 201.0; T=8192 457.3 / 354.4, 454.7 / 368.7, 454.0 / 364.1: 48
+#: stays (64-80 gain the expanded layout 3-5 us and cost the compact one 4-14).
 DEFAULT_LAND_SMS = 48
 
 

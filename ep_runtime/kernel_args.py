@@ -71,7 +71,8 @@ KERNEL_ARGS = {
         "dispatch_topk_ids", "dispatch_topk_weights", "dispatch_counts", "dispatch_ranks", "dispatch_route_signal",
         "dispatch_signal", "dispatch_land_sync", "row_offsets", "expert_counts", "row_src_rank", "row_src_token",
         "row_src_k", "row_weight", "row_gather", "recv_tokens", "token_rows", "status", "pad_multiple",
-        "timeout_ns", "dispatch_tokens", "expert_x", "dispatch_row_flag", "copy_rows", "combine_wait_claims"),
+        "timeout_ns", "dispatch_tokens", "expert_x", "dispatch_row_flag", "copy_rows", "combine_wait_claims",
+        "tokens"),
     "dispatch_copy": (
         "dispatch_tokens", "dispatch_topk_ids", "dispatch_counts", "dispatch_async_sync",
         "token_rows", "row_offsets", "expert_counts", "expert_x", "status", "dispatch_tokens:u8",

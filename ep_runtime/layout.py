@@ -209,7 +209,8 @@ def _regions(cfg: EPConfig) -> list[Region]:
         # monotonic (call numbers), no group axis, as the token rows it flags
         Region("dispatch_row_flag", (R, T, DISPATCH_FLAG_PARTS), u64, 0, S, f"{DA} (peers, each part's warp)",
                (DL,), "[src, t, p]: n + 1 once part p of token t of rank src of call n has arrived (landing "
-               "calls: dispatch_land copies each part as it lands)"),
+               "calls: dispatch_land copies each part as it lands; src != this rank, whose own bf16 rows "
+               "dispatch_land reads from the caller's tokens, v28)"),
         # monotonic (call numbers), no group axis (v26): the receiver's placement reads group g's
         # routing before its dispatch_wait of call n, as dispatch_wait did after the signal
         Region("dispatch_route_chunk", (R, ROUTE_CHUNKS), u64, 0, S, f"{DA} (peers, each routing block)", (DA,),

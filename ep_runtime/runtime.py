@@ -222,8 +222,9 @@ class EPRuntime:
         self._fixed["dispatch_wait"] = self._prepare("dispatch_wait", copy_rows=_INT64[0], **wait_scalars)
         if self.dispatch_place:  # one block waits for the rows, started early by PDL (kernels/dispatch.py)
             self._fixed["dispatch_wait"] = dataclasses.replace(self._fixed["dispatch_wait"], grid=1)
-        for copy in (0, 1):  # landing runtimes: places only (compact; FP8), or places and copies (bf16 expanded)
-            self._fixed["dispatch_land", copy] = self._prepare("dispatch_land", copy_rows=_INT64[copy], **wait_scalars)
+        self._wait_scalars = wait_scalars  # (dispatch_land is prepared with each call's tokens: _prepare_dispatch_async)
+        self._land: tuple = ()  # the last dispatch_async's dispatch_land launches
+        self._no_tokens = session.alloc_local("unused tokens", (0, cfg.hidden), np.uint16)
         if self.fused_copy:
             self._fixed["dispatch_wait", "copy"] = self._prepare("dispatch_wait", copy_rows=_INT64[1], **wait_scalars)
         for scales in SCALE_LAYOUTS:
@@ -266,6 +267,7 @@ class EPRuntime:
         call = self._memo.get_or_prepare("dispatch_async", (), inputs, lambda: self._prepare_dispatch_async(*inputs))
         if self.debug:
             self._check_routing(*call.checked)
+        self._land = call.land
         if call.then is None:
             self._run(call)
         else:  # the copy-engine transfer: copies on the copy stream beside the kernel, then the signal
@@ -326,13 +328,17 @@ class EPRuntime:
         call = self._prepare("dispatch_async", tokens=tokens, topk_ids=topk_ids, topk_weights=topk_weights, **valid,
                              token_scales=scales, prequantized=_INT64[fp8_in], timeout_ns=self._timeout_ns,
                              pad_multiple=self._pad_multiple)
-        copies, then = (), None
+        copies, then, land = (), None, ()
+        if self.dispatch_land:  # places only (compact; FP8), or places and copies (bf16 expanded); bf16: own rows
+            own = tokens if not fmt.quantized else self._no_tokens  # from the caller's tokens (FP8: sent as before)
+            land = tuple(self._prepare("dispatch_land", tokens=own, copy_rows=_INT64[copy], **self._wait_scalars)
+                         for copy in (0, 1))
         if self.copy_engine:
             nbytes = tokens.nbytes  # the whole batch (capacity rows under n_tokens)
             copies = tuple((dst, tokens, nbytes) for dst in self._peer_slots if dst is not None and nbytes)
             then = self._prepare("dispatch_signal", tokens=tokens, **valid)
         return PreparedCall(call.kernel, call.args, n_tokens=T, checked=(topk_ids, topk_weights, valid),
-                            copies=copies, then=then, grid=self._dispatch_grid)
+                            copies=copies, then=then, grid=self._dispatch_grid, land=land)
 
     def _valid_tokens(self, n_tokens, call) -> dict:
         """The ``valid_tokens`` / ``use_valid`` kernel arguments for ``n_tokens`` (see dispatch_async)."""
@@ -394,13 +400,13 @@ class EPRuntime:
             raise EPInputError(f"dispatch_wait: scales={scales!r}; expected one of {SCALE_LAYOUTS} (row-major "
                                f"[rows, hidden / 128] or column-major [hidden / 128, rows]).")
         if layout == "compact":
-            self._run(self._fixed["dispatch_land", 0] if self.dispatch_land else self._fixed["dispatch_wait"])
+            self._run(self._land[0] if self.dispatch_land else self._fixed["dispatch_wait"])
             self._state = _State.DISPATCHED
             return from_fields(CompactBatch, {**self._batch_views["compact"], "handle": handle})
         if self.dispatch_land and not self._fmt.quantized:  # placed and copied as the rows land
-            self._run(self._fixed["dispatch_land", 1])
+            self._run(self._land[1])
         elif self.dispatch_land:  # FP8: placed while the rows fly, then the codes and scales laid out
-            self._run(self._fixed["dispatch_land", 0])
+            self._run(self._land[0])
             self._run(self._fixed["dispatch_copy", scales])
         elif self.fused_copy:  # bf16 decode sizes: placement and copy in one launch
             self._run(self._fixed["dispatch_wait", "copy"])

@@ -95,8 +95,8 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
     dispatch_async stores routing rows, ranks, counts and token rows into the peers' heaps
     through the NVLink mappings (``peer_bases``), else NVSHMEM puts; ``copy_engine``, the copy
     engine carries the token rows (bf16, with ``stores``); ``land``, dispatch_async serves
-    dispatch_land (the routing signalled on its own, bf16 row parts flagged; not with the
-    copy engine); ``place``, dispatch_async's routing blocks place the received rows during
+    dispatch_land (the routing signalled on its own, bf16 row parts flagged, none sent to
+    this rank; not with the copy engine); ``place``, dispatch_async's routing blocks place the received rows during
     the transfer and dispatch_wait only waits for the rows (v26; with ``stores``, not with
     ``copy_engine`` or ``land``). dispatch_copy and dispatch_signal do not depend on them."""
     if copy_engine and (not stores or land):
@@ -659,7 +659,8 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         bf16 tokens each row is cut into the parts of ``flag_rule(T, W, DISPATCH_FLAG_PARTS)``
         (every receiver cuts alike from T) and each part, once stored into a rank, is flagged
         there (d_row_flag [R, Tmax, DISPATCH_FLAG_PARTS] uint64 symmetric, ``[me, t, p]`` set to
-        n + 1 after a system fence; on the puts path ``put_signal_nbi_warp``). The ticket and
+        n + 1 after a system fence; on the puts path ``put_signal_nbi_warp``); a bf16 row is not
+        sent to this rank at all (v28: dispatch_land reads it from ``tokens``). The ticket and
         the signal of (3) are unchanged. This kernel triggers its dependents after its own
         dependency wait, so a dispatch_land started early finds everything before it complete.
         """
@@ -707,6 +708,8 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         meta_stores = STORES  # routing rows, ranks, counts: 4-byte stores into peers
         route = LAND  # landing call: the routing is signalled on its own (route ticket)
         flag_rows = route and not QUANT  # ... and the bf16 rows part by part
+        # ... but none to this rank: dispatch_land reads its own rows from the caller's tokens (v28)
+        own_skip = uint64(1) << uint64(me) if flag_rows else uint64(0)
         n_route = route_blocks(cuda.gridDim.x)  # routing blocks: the grid's last
         token_blocks = max(cuda.gridDim.x - n_route, 1)
         rb = cuda.blockIdx.x - (cuda.gridDim.x - n_route)  # this block's routing chunk (< 0: none)
@@ -812,10 +815,12 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
             t, w0, w1 = part_bounds(i, parts, span, W)
             if w0 < w1:
                 # bit d: this part goes to rank d (by these warps, not the copy engine)
-                sent = token_destinations(ids_base + uint64(4 * t * K), K, L, by_engine, ids_l)
+                sent = token_destinations(ids_base + uint64(4 * t * K), K, L, by_engine | own_skip, ids_l)
                 p = i - t * parts
                 src = tokens[t]
-                if not STORES:  # an NVSHMEM put per destination (landing: the part's flag travels with it)
+                if sent == 0:
+                    pass  # a landing build's row for this rank only (dispatch_land copies it)
+                elif not STORES:  # an NVSHMEM put per destination (landing: the part's flag travels with it)
                     for d in range(R):
                         if (sent >> uint64(d)) & uint64(1):
                             if flag_rows:
@@ -1207,12 +1212,13 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
     @cuda.jit(device=True)
     def land_rows(d_ids, d_weights, d_counts, d_ranks, d_route, d_signal, land_sync, row_offsets, expert_counts,
                   row_src_rank, row_src_token, row_src_k, row_weight, row_gather, recv_tokens, token_rows, status,
-                  pad_multiple, timeout_ns, d_tokens, expert_x, d_row_flag, copy_rows, combine_claims,
-                  flag, sum_buf, place, src_T, claim, lo, hi, vals):
+                  pad_multiple, timeout_ns, d_tokens, expert_x, d_row_flag, copy_rows, combine_claims, tokens,
+                  flag, sum_buf, place, src_T, claim, item_rows, lo, hi, vals):
         """dispatch_land's work, every thread of a block (the kernel waits for its predecessor after
         it, whatever path returns). Arguments as the kernel's; the rest is scratch (shared:
-        flag [1], sum_buf [threads], place [PLACEMENT_WORDS], src_T [MAX_RANKS], claim [warps]; local: lo, hi,
-        vals)."""
+        flag [1], sum_buf [threads], place [PLACEMENT_WORDS], src_T [MAX_RANKS], claim [warps],
+        item_rows [warps, warp] (each warp's token: its local experts' rows, for the copy); local:
+        lo, hi, vals)."""
         if status[STATUS_CODE] != 0:
             return
         stamp_first(status, 24)
@@ -1251,6 +1257,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         copy = copy_rows != 0 and not QUANT
         W = expert_x.shape[1]
         pairs = copy_in_pairs(d_tokens, expert_x)
+        own_pairs = copy_in_pairs(d_tokens, expert_x) and tokens.shape[1] % 2 == 0 and pairs_aligned(tokens)
         e0, stride = expert_warps(tid)
         write_segments(place, R, L, pad_multiple, row_offsets, expert_counts, row_src_rank, row_src_token, row_src_k,
                        row_weight, row_gather, e0, stride, lane)
@@ -1292,7 +1299,8 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
             n_local = local_expert_count(d_ids[g, s, t], L, me)
             if n_local == 0 or w0 >= w1:
                 continue  # nothing of this token here (never flagged), or an empty part
-            if copy:  # lane 0 waits for the part
+            own = not QUANT and s == me  # bf16: this rank's own row is the caller's (never sent, v28)
+            if copy and not own:  # lane 0 waits for the part
                 if lane == 0:
                     claim[wid] = int32(await_part(d_row_flag, s, t, p, n, timeout_ns, status, KERNEL_DISPATCH_LAND,
                                                   COUNTER_DISPATCH_ROW_FLAG))
@@ -1306,14 +1314,27 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                 weight = d_weights[g, s, t, k] if p == 0 else float32(0.0)  # part 0 describes the rows
                 r, j = row_of(d_ids, d_ranks, place, L, g, s, t, k, first_mine)
                 if r >= 0:
+                    if j < warp:
+                        item_rows[wid, j] = r  # the copy's rows, read from shared memory (v28)
                     if p == 0:
                         describe_row(r, s, t, k, j, Tmax, weight, row_src_rank, row_src_token, row_src_k, row_weight,
                                      row_gather, token_rows)
                     else:
                         token_rows[s, t, j] = r
-            warp_sync()  # the warp's token_rows stores are seen by its lanes
-            if copy:
+            warp_sync()  # the warp's token_rows and item_rows stores are seen by its lanes
+            if copy and own and n_local <= warp:  # straight from the caller's tokens
+                copy_to_rows(tokens[t], item_rows[wid], n_local, expert_x, w0, w1, own_pairs, lane, lo, hi, vals)
+            elif copy and own:
+                copy_to_rows(tokens[t], token_rows[s, t], n_local, expert_x, w0, w1, own_pairs, lane, lo, hi, vals)
+            elif copy and n_local <= warp:
+                copy_to_rows(d_tokens[s, t], item_rows[wid], n_local, expert_x, w0, w1, pairs, lane, lo, hi, vals)
+            elif copy:
                 copy_to_rows(d_tokens[s, t], token_rows[s, t], n_local, expert_x, w0, w1, pairs, lane, lo, hi, vals)
+            elif own:  # the compact layout: the caller's row into this rank's slot of the receive buffer
+                if lane == 0:
+                    item_rows[wid, 0] = t
+                warp_sync()
+                copy_to_rows(tokens[t], item_rows[wid], 1, d_tokens[me], w0, w1, own_pairs, lane, lo, hi, vals)
         # every warp is out of the loop (one whose flag timed out left it, the others then claimed
         # nothing more): the block decides together whether to go on
         if tid == 0:
@@ -1340,7 +1361,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
     def dispatch_land(d_ids, d_weights, d_counts, d_ranks, d_route, d_signal, land_sync,
                       row_offsets, expert_counts, row_src_rank, row_src_token, row_src_k,
                       row_weight, row_gather, recv_tokens, token_rows, status, pad_multiple, timeout_ns,
-                      d_tokens, expert_x, d_row_flag, copy_rows, combine_claims):
+                      d_tokens, expert_x, d_row_flag, copy_rows, combine_claims, tokens):
         """dispatch_wait for landing calls: place every received row while the rows are still in
         flight, and (bf16, expanded) copy each part of each row to its expert rows as it lands
         (docs/protocol.md, "Dispatch rows as they land").
@@ -1363,7 +1384,12 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         token_rows, and with copy_rows (int64; bf16 builds: the expanded layout in one kernel)
         lane 0 first waits for the part's flag (d_row_flag [R, Tmax, DISPATCH_FLAG_PARTS]
         uint64, ``[s, t, p] >= n + 1``) and the warp copies the part to every expert row, each
-        word read once. Without copy_rows the rows stay where they landed (the compact layout;
+        word read once (the token's rows from shared memory, ``item_rows``). This rank's own bf16
+        rows were never sent (dispatch_async's landing build skips its own rank, v28): they come
+        from ``tokens`` (the caller's [T, W] words of this call, unmodified until dispatch_wait
+        has run; an empty stand-in for FP8, whose own rows are sent), with no flag to wait for,
+        copied to the expert rows, or in the compact layout to this rank's slots
+        ``d_tokens[me, t]``. Without copy_rows the rows stay where they landed (the compact layout;
         FP8 expanded, dispatch_copy follows) and block 0 waits for every source's dispatch
         signal (all of its rows in) before the kernel ends. The last block (ticket
         ``land_sync[LAND_TICKET]``) sets ``land_sync[LAND_CALLS] = n + 1``. Finally every block
@@ -1377,14 +1403,15 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         place = cuda.shared.array(PLACEMENT_WORDS, int32)
         src_T = cuda.shared.array(MAX_RANKS, int32)
         claim = cuda.shared.array(warps, int32)  # each warp's claimed item, then its flag's verdict
+        item_rows = cuda.shared.array((warps, warp), int32)  # each warp's token: its local experts' rows
         lo = cuda.local.array(CP, uint64)  # copy_to_rows' pairs
         hi = cuda.local.array(CP, uint64)
         vals = cuda.local.array(U, uint64)
         pdl.trigger_dependents()
         land_rows(d_ids, d_weights, d_counts, d_ranks, d_route, d_signal, land_sync, row_offsets, expert_counts,
                   row_src_rank, row_src_token, row_src_k, row_weight, row_gather, recv_tokens, token_rows, status,
-                  pad_multiple, timeout_ns, d_tokens, expert_x, d_row_flag, copy_rows, combine_claims,
-                  flag, sum_buf, place, src_T, claim, lo, hi, vals)
+                  pad_multiple, timeout_ns, d_tokens, expert_x, d_row_flag, copy_rows, combine_claims, tokens,
+                  flag, sum_buf, place, src_T, claim, item_rows, lo, hi, vals)
         pdl.dependency_wait()  # completes after dispatch_async: stream order for what follows
 
     @kernel_jit(threads)

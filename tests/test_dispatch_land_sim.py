@@ -233,6 +233,8 @@ def test_landing_batches_equal_the_reference_and_dispatch_wait(cycles):
                 np.testing.assert_array_equal(got["x"][got["gather"][:n][real]], ref.x.view(np.uint16)[real],
                                               err_msg=f"{what}: x[gather]")
             for k in FIELDS + (("gather", "recv_tokens") if layout_of(call) == "compact" else ()):
+                if k == "x" and layout_of(call) == "compact":  # the receive buffer: rows no expert gathers
+                    continue  # are unspecified (a landing runtime writes its own rows only when asked, v28)
                 np.testing.assert_array_equal(got[k], want[k], err_msg=f"{what}: {k}: landing != dispatch_wait")
 
 
@@ -273,6 +275,9 @@ def test_flags_route_signals_and_counters(cycles):
                 _, parts = sender_parts(T, words)  # the parts with words: the flagged ones
                 several |= parts > 1
                 here = (np.asarray(ids[s]) // L == r).any(axis=1)  # [T]: token t of s came to r
+                if s == r:  # a rank's own rows are never sent (dispatch_land reads the caller's, v28)
+                    assert (flags[s] <= call).all(), f"rank {r} call {call}: its own rows flagged"
+                    continue
                 assert (flags[s, :T, :parts][here] == call + 1).all(), f"rank {r} call {call} src {s}: unflagged"
                 assert (flags[s, :T, :parts][~here] <= call).all(), f"rank {r} call {call} src {s}: flagged, not sent"
                 assert (flags[s, :, parts:] <= call).all() and (flags[s, T:] <= call).all(), (r, call, s)
