@@ -120,7 +120,8 @@ class EPRuntime:
         sends, places the rows as the routing arrives and copies each row part as it lands
         (``EP_RUNTIME_DISPATCH_LAND``: by default bf16 runtimes of two ranks or more on the
         whole GPU from 1024 tokens per rank, where it was measured faster on NVLink:
-        :mod:`ep_runtime.dispatch_overlap`).
+        :mod:`ep_runtime.dispatch_overlap`). Its bf16 rows for this rank are not sent:
+        dispatch_land reads them from the tokens dispatch_async was given (v28).
     dispatch_place : bool
         Whether dispatch_async's routing blocks place the received rows while the token rows
         fly, so dispatch_wait only waits for them (``EP_RUNTIME_DISPATCH_PLACE``; peer stores
