@@ -1257,7 +1257,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         copy = copy_rows != 0 and not QUANT
         W = expert_x.shape[1]
         pairs = copy_in_pairs(d_tokens, expert_x)
-        own_pairs = copy_in_pairs(d_tokens, expert_x) and tokens.shape[1] % 2 == 0 and pairs_aligned(tokens)
+        own_pairs = pairs and pairs_aligned(tokens)  # the caller's rows (this rank's own) as word pairs too
         e0, stride = expert_warps(tid)
         write_segments(place, R, L, pad_multiple, row_offsets, expert_counts, row_src_rank, row_src_token, row_src_k,
                        row_weight, row_gather, e0, stride, lane)
