@@ -174,6 +174,17 @@ def routing(tokens: int, ranks: int, experts: int, top_k: int, seed: int):
     return trows, nloc, int(first[-1])
 
 
+def blocks_per_sm(regs: int, threads: int, shared: int) -> int:
+    """Resident blocks per SM on sm_90 from the kernel's registers and shared bytes (CuPy's
+    RawKernel exposes no occupancy call): 64 K registers (256 per warp granule), 2,048 threads,
+    228 KB shared (1 KB reserved per block), at most 32 blocks."""
+    warps = threads // 32
+    by_regs = 65536 // (-(-regs * 32 // 256) * 256 * warps)
+    by_threads = 2048 // threads
+    by_shared = 228 * 1024 // (shared + 1024)
+    return max(1, min(by_regs, by_threads, by_shared, 32))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=4096)
@@ -214,8 +225,7 @@ def main() -> int:
             if shared > 227 * 1024:
                 continue
             k.max_dynamic_shared_size_bytes = shared
-        per_sm = 1 if one_per_sm else max(1, cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
-            k.ptr, threads, shared))
+        per_sm = 1 if one_per_sm else blocks_per_sm(k.num_regs, threads, shared)
         grid = sms * per_sm
         out = cupy.zeros((items, W16 * 8), cupy.uint16)
         launch = lambda: k((grid,), (threads,), (x, d_trows, d_nloc, w, out, np.int32(items), np.int32(W16),  # noqa: E731
