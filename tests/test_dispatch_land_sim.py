@@ -19,6 +19,8 @@ still wait for a peer), so these tests check the protocol's data and bookkeeping
   nowhere else; the route signals carry each source's call and token count; the receive count
   and the claims advance;
 - FP8 (E4M3) tokens: dispatch_land places, dispatch_copy lays out codes and scales, exact;
+- parts that land after dispatch_land claimed them (flags erased, then set again by a host
+  thread): awaited, and the batches and combine exact;
 - a rank that never dispatches times dispatch_land out naming ``dispatch_route_signal`` and the
   rank; too many rows is a capacity error; ranks that disagree are refused; the knobs.
 """
@@ -182,6 +184,43 @@ def lost_flags_pe(session) -> dict:
     return res
 
 
+def late_flags_pe(session, delay_s: float) -> dict:
+    """Both ranks send, then rank 0 erases the part flags rank 1 set (as if its rows had not
+    landed yet) and a host thread sets them again ``delay_s`` later, while rank 0's dispatch_land
+    runs: its warps claim parts that have not landed and wait for them, as on a GPU while the
+    rows fly. (In the simulator a sender's rows are all flagged before its routing is signalled,
+    so without this no part is ever awaited.) Expanded, compact, expanded."""
+    import threading
+    import time
+
+    from ep_runtime.runtime import EPRuntime
+
+    os.environ[LAND_ENV] = "1"
+    r, cfg = session.rank, base_cfg(2, wait_timeout_s=60.0)
+    out = []
+    with EPRuntime(cfg, session) as rt:
+        for call, layout in enumerate(("expanded", "compact", "expanded")):
+            xs, ids, ws = make_inputs(cfg, "random", 970 + call)
+            handle = rt.dispatch_async(xs[r].view(np.uint16), ids[r], ws[r])
+            session.barrier()  # both ranks' rows of this call sent and flagged
+            if r == 0:
+                flags = rt.buffers["dispatch_row_flag"][1]
+                session.fill(flags, 0)
+                later = threading.Timer(delay_s, session.fill, (flags, call + 1))
+                later.start()
+            batch = rt.dispatch_wait(handle, layout=layout)
+            if r == 0:
+                later.join()
+            got = {k: session.to_host(getattr(batch, k)).copy() for k in FIELDS}
+            if layout == "compact":
+                got["gather"] = session.to_host(batch.gather).copy()
+            refs = reference.dispatch(xs, ids, ws, cfg)
+            got["out"] = session.to_host(rt.combine(expert_outputs(cfg, refs[r], r), batch.handle)).copy()
+            session.barrier()
+            out.append(got)
+    return {"calls": out}
+
+
 # -- parent side ------------------------------------------------------------------------------------
 CYCLE_CASES = {
     "R2": (2, {}, "1", False),
@@ -321,6 +360,28 @@ def test_dispatch_land_waits_for_each_part_flag():
     assert msg is not None, "dispatch_land copied rows whose flags were never set"
     assert "dispatch_land of call 1" in msg and "dispatch_row_flag[1, token 0]" in msg and "rank 1" in msg, msg
     assert res[1]["error"] is None, res[1]
+
+
+def test_parts_that_land_late_are_awaited_and_exact():
+    cfg = base_cfg(2)
+    res = run_pes(late_flags_pe, 2, args=(1.0,), timeout_s=RUN_TIMEOUT_S)
+    for call, layout in enumerate(("expanded", "compact", "expanded")):
+        xs, ids, ws = make_inputs(cfg, "random", 970 + call)
+        refs = reference.dispatch(xs, ids, ws, cfg)
+        want = reference.combine([expert_outputs(cfg, refs[s], s) for s in range(2)], refs, ids, cfg)
+        for r in range(2):
+            got, ref, what = res[r]["calls"][call], refs[r], f"rank {r} call {call} ({layout})"
+            n = ref.n_rows
+            np.testing.assert_array_equal(got["row_offsets"], ref.row_offsets, err_msg=what)
+            for k in ("src_rank", "src_token", "src_k"):
+                np.testing.assert_array_equal(got[k][:n], getattr(ref, k), err_msg=f"{what}: {k}")
+            if layout == "expanded":
+                np.testing.assert_array_equal(got["x"][:n], ref.x.view(np.uint16), err_msg=f"{what}: x")
+            else:
+                real = got["gather"][:n] >= 0
+                np.testing.assert_array_equal(got["x"][got["gather"][:n][real]], ref.x.view(np.uint16)[real],
+                                              err_msg=f"{what}: x[gather]")
+            np.testing.assert_array_equal(got["out"][:len(xs[r])], want[r].view(np.uint16), err_msg=what)
 
 
 def test_too_many_rows_is_a_capacity_error():
