@@ -72,8 +72,8 @@ def auto_landing(cfg: EPConfig) -> bool:
     5-6 us slower on 2 x H100; on 2 x H200, e4m3 compact, 8 / 16 / 32 / 48 SMs left against
     dispatch_wait: T=1024 57.6 / 57.8 / 56.0 / 54.7 against 54.2, T=4096 128.1 / 126.5 / 124.6 /
     139.2 against 122.3, T=8192 214.5 / 209.7 / 223.1 / 231.0 against 215.4: the routing queues
-    behind the encoder's stores; docs/throughput.md, "Session 27"), at least two ranks (at one rank no row is in flight: nothing to overlap),
-    the whole GPU (``cfg.n_sms`` None: the early start needs SMs left free; the only case
+    behind the encoder's stores; docs/throughput.md, "Session 27"), at least two ranks (at one
+    rank no row is in flight: nothing to overlap), the whole GPU (``cfg.n_sms`` None: the early start needs SMs left free; the only case
     measured) and ``cfg.max_tokens_per_rank >= LAND_AUTO_MIN_TOKENS``."""
     return (cfg.n_ranks >= 2 and not cfg.token_format.quantized and cfg.n_sms is None
             and cfg.max_tokens_per_rank >= LAND_AUTO_MIN_TOKENS)
