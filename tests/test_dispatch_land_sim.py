@@ -214,6 +214,7 @@ def late_flags_pe(session, delay_s: float) -> dict:
             got = {k: session.to_host(getattr(batch, k)).copy() for k in FIELDS}
             if layout == "compact":
                 got["gather"] = session.to_host(batch.gather).copy()
+                got["recv_tokens"] = session.to_host(batch.recv_tokens).copy()
             refs = reference.dispatch(xs, ids, ws, cfg)
             got["out"] = session.to_host(rt.combine(expert_outputs(cfg, refs[r], r), batch.handle)).copy()
             session.barrier()
@@ -238,6 +239,26 @@ CYCLE_CASES = {
 }
 
 
+def assert_batch_is_the_reference(got: dict, ref, layout: str, xs, cfg: EPConfig, what: str) -> None:
+    """One rank's batch (``got``: FIELDS, and for the compact layout ``gather`` and
+    ``recv_tokens``) against the reference's ``ref``: offsets, counts, row descriptions and
+    weights bit for bit; the expanded rows, or the compact rows each gather index picks."""
+    n = ref.n_rows
+    np.testing.assert_array_equal(got["row_offsets"], ref.row_offsets, err_msg=what)
+    np.testing.assert_array_equal(got["expert_counts"], ref.expert_counts, err_msg=what)
+    for k in ("src_rank", "src_token", "src_k"):
+        np.testing.assert_array_equal(got[k][:n], getattr(ref, k), err_msg=f"{what}: {k}")
+    np.testing.assert_array_equal(got["weight"][:n].view(np.uint32), ref.weight.view(np.uint32), what)
+    if layout == "expanded":
+        np.testing.assert_array_equal(got["x"][:n], ref.x.view(np.uint16), err_msg=f"{what}: x")
+    else:
+        assert got["recv_tokens"].tolist() == [len(x) for x in xs], what
+        np.testing.assert_array_equal(got["gather"][:n], reference.gather_index(ref, cfg), what)
+        real = got["gather"][:n] >= 0
+        np.testing.assert_array_equal(got["x"][got["gather"][:n][real]], ref.x.view(np.uint16)[real],
+                                      err_msg=f"{what}: x[gather]")
+
+
 @pytest.fixture(scope="module", params=list(CYCLE_CASES))
 def cycles(request):
     R, changes, peer_stores, device_count = CYCLE_CASES[request.param]
@@ -257,20 +278,7 @@ def test_landing_batches_equal_the_reference_and_dispatch_wait(cycles):
         for r in range(cfg.n_ranks):
             got, want, ref = landed[r]["calls"][call], waited[r]["calls"][call], refs[r]
             what = f"rank {r} call {call} ({layout_of(call)})"
-            n = ref.n_rows
-            np.testing.assert_array_equal(got["row_offsets"], ref.row_offsets, err_msg=what)
-            np.testing.assert_array_equal(got["expert_counts"], ref.expert_counts, err_msg=what)
-            for k in ("src_rank", "src_token", "src_k"):
-                np.testing.assert_array_equal(got[k][:n], getattr(ref, k), err_msg=f"{what}: {k}")
-            np.testing.assert_array_equal(got["weight"][:n].view(np.uint32), ref.weight.view(np.uint32), what)
-            if layout_of(call) == "expanded":
-                np.testing.assert_array_equal(got["x"][:n], ref.x.view(np.uint16), err_msg=f"{what}: x")
-            else:
-                assert got["recv_tokens"].tolist() == [len(x) for x in xs], what
-                np.testing.assert_array_equal(got["gather"][:n], reference.gather_index(ref, cfg), what)
-                real = got["gather"][:n] >= 0
-                np.testing.assert_array_equal(got["x"][got["gather"][:n][real]], ref.x.view(np.uint16)[real],
-                                              err_msg=f"{what}: x[gather]")
+            assert_batch_is_the_reference(got, ref, layout_of(call), xs, cfg, what)
             for k in FIELDS + (("gather", "recv_tokens") if layout_of(call) == "compact" else ()):
                 if k == "x" and layout_of(call) == "compact":  # the receive buffer: rows no expert gathers
                     continue  # are unspecified (a landing runtime writes its own rows only when asked, v28)
@@ -371,16 +379,7 @@ def test_parts_that_land_late_are_awaited_and_exact():
         want = reference.combine([expert_outputs(cfg, refs[s], s) for s in range(2)], refs, ids, cfg)
         for r in range(2):
             got, ref, what = res[r]["calls"][call], refs[r], f"rank {r} call {call} ({layout})"
-            n = ref.n_rows
-            np.testing.assert_array_equal(got["row_offsets"], ref.row_offsets, err_msg=what)
-            for k in ("src_rank", "src_token", "src_k"):
-                np.testing.assert_array_equal(got[k][:n], getattr(ref, k), err_msg=f"{what}: {k}")
-            if layout == "expanded":
-                np.testing.assert_array_equal(got["x"][:n], ref.x.view(np.uint16), err_msg=f"{what}: x")
-            else:
-                real = got["gather"][:n] >= 0
-                np.testing.assert_array_equal(got["x"][got["gather"][:n][real]], ref.x.view(np.uint16)[real],
-                                              err_msg=f"{what}: x[gather]")
+            assert_batch_is_the_reference(got, ref, layout, xs, cfg, what)
             np.testing.assert_array_equal(got["out"][:len(xs[r])], want[r].view(np.uint16), err_msg=what)
 
 
