@@ -26,6 +26,14 @@ it). Two knobs, read when a runtime is built, the same on every rank:
   and it was measured faster (:func:`auto_placing`: bf16, two ranks or more, the whole GPU, from
   :data:`PLACE_AUTO_MIN_TOKENS` tokens per rank). So a runtime that serves the compact layout
   sets ``EP_RUNTIME_DISPATCH_LAND=0`` and gets placement during the transfer.
+- ``EP_RUNTIME_DISPATCH_ROUTE_FIRST`` (default ``auto``, v29): ``1`` builds a route-first
+  runtime: dispatch_async sends and signals the routing rows first and ranks nothing, and
+  dispatch_wait, one block started early by PDL on the SM dispatch_async leaves, places the
+  rows from them while the token rows fly (peer stores only, not with landing, placing or the
+  copy engine; docs/protocol.md, "Route first"); ``0`` keeps dispatch_wait's placement after
+  the signal; ``auto`` takes it where it was measured faster (:func:`auto_route_first`: bf16,
+  two ranks or more, the whole GPU with PDL, up to :data:`ROUTE_FIRST_MAX_TOKENS` tokens per
+  rank: T=128 compact dispatch 27.9 -> 24.7 us on 2 x H200).
 Measured on 2 x H100 over NVLink (docs/throughput.md, "v23"): landing takes 13-160 us off the
 expanded dispatch from 1024 tokens per rank up (T=4096: 420.8 -> 351.5 us) and leaves the
 compact one within -2.3 / +2.1 us there, but costs 5-13 us below 1024 tokens and with FP8 tokens.
@@ -145,3 +153,47 @@ def dispatch_send_grid(grid: int, whole_gpu: bool, pdl_on: bool) -> int:
     """dispatch_async's grid in a landing runtime: ``grid`` less the SMs left to dispatch_land's
     early blocks when the grid is the whole GPU and PDL is on (at least half kept); else ``grid``."""
     return sender_grid(grid, whole_gpu, pdl_on, LAND_SMS_ENV, DEFAULT_LAND_SMS)
+
+
+#: Chooses the route-first dispatch (v29; docs/protocol.md, "Route first").
+ROUTE_FIRST_ENV = "EP_RUNTIME_DISPATCH_ROUTE_FIRST"
+#: Values of :data:`ROUTE_FIRST_ENV` (unset or empty: ``auto``).
+ROUTE_FIRST_CHOICES = ("auto", "0", "1")
+#: Tokens per rank (the runtime's capacity) up to which ``auto`` takes the route-first dispatch.
+#: 2 x H200, NVLink, graph replay, compact dispatch (async + wait) us, ROUTE_FIRST=0 -> 1, twice
+#: each (docs/throughput.md, "v29"): T=1 24.4 -> 21.6 / 21.7, T=32 25.2-25.5 -> 21.7 / 21.9, T=128
+#: 28.3 -> 25.0 / 24.9, T=256 33.9 -> 38.9 / 39.4 (one block places 512 received tokens slower
+#: than 132 blocks place them after the signal).
+ROUTE_FIRST_MAX_TOKENS = 128
+
+
+def auto_route_first(cfg: EPConfig) -> bool:
+    """Whether ``auto`` takes the route-first dispatch for ``cfg``: bf16 tokens (the FP8 formats
+    were not measured), at least two ranks, the whole GPU (``cfg.n_sms`` None: dispatch_async
+    leaves one SM to dispatch_wait's block) and ``cfg.max_tokens_per_rank <=
+    ROUTE_FIRST_MAX_TOKENS`` (one block ranks every received token)."""
+    return (cfg.n_ranks >= 2 and not cfg.token_format.quantized and cfg.n_sms is None
+            and cfg.max_tokens_per_rank <= ROUTE_FIRST_MAX_TOKENS)
+
+
+def routing_first(cfg: EPConfig, stores: bool, copy_engine: bool, land: bool, place: bool, early: bool) -> bool:
+    """Whether a runtime of ``cfg`` sends and signals the routing rows first and places the rows
+    in a one-block dispatch_wait started early (``EP_RUNTIME_DISPATCH_ROUTE_FIRST``: ``auto``,
+    ``0`` or ``1``). Only the peer-store send path, without landing, placing or the copy
+    engine; ``auto`` also wants ``early`` (PDL on, so the block starts beside dispatch_async).
+    Raises EPConfigError for another value, or for ``1`` where the send path cannot."""
+    value = os.environ.get(ROUTE_FIRST_ENV, "").strip().lower() or "auto"
+    if value not in ROUTE_FIRST_CHOICES:
+        raise EPConfigError(f"{ROUTE_FIRST_ENV}={value!r}: expected auto (unset: where measured faster), 0 "
+                            f"(dispatch_wait places after the signal) or 1 (the routing first, placed while the "
+                            f"token rows fly).")
+    possible = stores and not copy_engine and not land and not place
+    if value == "1" and not possible:
+        why = ("the puts path (EP_RUNTIME_PEER_STORES=0 or unmapped peers) sends the routing with NVSHMEM puts"
+               if not stores else "the copy-engine transfer (EP_RUNTIME_TOKEN_TRANSFER=copy_engine) signals "
+               "after its copies" if copy_engine else "landing (EP_RUNTIME_DISPATCH_LAND=1) places in dispatch_land"
+               if land else "placing (EP_RUNTIME_DISPATCH_PLACE=1) places in dispatch_async")
+        raise EPConfigError(f"{ROUTE_FIRST_ENV}=1 cannot be honoured: {why}; unset one of the two.")
+    if value == "auto":
+        return possible and early and auto_route_first(cfg)
+    return value == "1"

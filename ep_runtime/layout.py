@@ -202,10 +202,11 @@ def _regions(cfg: EPConfig) -> list[Region]:
         Region("combine_row_flag", (R, T, COMBINE_FLAG_PARTS), u64, 0, S, f"{CA} (peers, each part's warp)", (CW,),
                "[r, t, p]: n + 1 once part p of rank r's partial of my token t of call n has arrived (flagged "
                "calls: combine_wait reduces each part as it lands)"),
-        # landing calls (v18), at the end of the heap so no earlier region moves
-        Region("dispatch_route_signal", (G, R), u64, 0, S, f"{DA} (peers, last route ticket)", (DL,),
-               "[g, src]: (n + 1) << 32 | T once src's routing of call n (ids, weights, ranks, counts) "
-               "has arrived, before its token rows (landing calls; monotonic)"),
+        # landing calls (v18) and route-first builds (v29), at the end of the heap so no earlier region moves
+        Region("dispatch_route_signal", (G, R), u64, 0, S, f"{DA} (peers, last route ticket or the routing block)",
+               (DL, DW), "[g, src]: (n + 1) << 32 | T once src's routing of call n has arrived, before its token "
+               "rows (landing calls: ids, weights, ranks, counts; route-first builds: ids, weights and T; "
+               "monotonic)"),
         # monotonic (call numbers), no group axis, as the token rows it flags
         Region("dispatch_row_flag", (R, T, DISPATCH_FLAG_PARTS), u64, 0, S, f"{DA} (peers, each part's warp)",
                (DL,), "[src, t, p]: n + 1 once part p of token t of rank src of call n has arrived (landing "

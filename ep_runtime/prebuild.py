@@ -91,7 +91,8 @@ def plan(hidden: int, token_dtypes, combine_dtypes, only=None) -> list[tuple]:
             for tokens in CAPACITIES:
                 cfg = _config(hidden, td, cd, tokens)
                 paths = expected_send_paths(cfg)
-                path = "landing" if paths.land else "placing" if paths.place else ""
+                path = ("landing" if paths.land else "placing" if paths.place else "route-first" if paths.route_first
+                        else "")
                 for name, kernel, types in kernel_builds(cfg, GPU_THREADS):
                     ident = (id(kernel), tuple(repr(t) for t in types))
                     if ident in seen or (only and name not in only):

@@ -31,7 +31,8 @@ from .shmem.session import Session
 from .status import error_from_status
 from .transfer import SendPaths, choose_copy_engine, peer_token_slots
 from .combine_overlap import ROW_FLAGS_ENV, combine_send_grid, row_flags_from
-from .dispatch_overlap import LAND_ENV, PLACE_ENV, dispatch_send_grid, landing, placing
+from .dispatch_overlap import (LAND_ENV, PLACE_ENV, ROUTE_FIRST_ENV, dispatch_send_grid, landing, placing,
+                               routing_first)
 
 _owner_ids = itertools.count(1)
 
@@ -127,6 +128,13 @@ class EPRuntime:
         fly, so dispatch_wait only waits for them (``EP_RUNTIME_DISPATCH_PLACE``; peer stores
         without landing or the copy engine: :mod:`ep_runtime.dispatch_overlap`). The batch's
         row descriptions are then rewritten by the next dispatch_async.
+    dispatch_route_first : bool
+        Whether dispatch_async sends and signals the routing rows first and ranks nothing, and
+        dispatch_wait, one block started early by PDL on an SM dispatch_async leaves, ranks and
+        places the received rows from them while the token rows fly
+        (``EP_RUNTIME_DISPATCH_ROUTE_FIRST``; peer stores without landing, placing or the copy
+        engine: :mod:`ep_runtime.dispatch_overlap`). The expanded layout then copies with
+        dispatch_copy.
     send_paths : SendPaths
         The four choices above that the kernels are compiled for (:mod:`ep_runtime.transfer`).
     """
@@ -191,7 +199,15 @@ class EPRuntime:
         if len(set(places)) != 1:
             raise EPConfigError(f"rank {self.rank}: {PLACE_ENV} differs between ranks (placing per rank: {places}); "
                                 f"set it alike on every rank (or unset it everywhere).")
+        self.dispatch_route_first = routing_first(cfg, self.peer_stores, self.copy_engine, self.dispatch_land,
+                                                  self.dispatch_place, whole_gpu and pdl_on)
+        firsts = session.allgather_object(self.dispatch_route_first)
+        if len(set(firsts)) != 1:
+            raise EPConfigError(f"rank {self.rank}: {ROUTE_FIRST_ENV} differs between ranks (route-first per rank: "
+                                f"{firsts}); set it alike on every rank (or unset it everywhere).")
         self._dispatch_grid = dispatch_send_grid(self._grid, whole_gpu, pdl_on) if self.dispatch_land else 0
+        if self.dispatch_route_first and whole_gpu and pdl_on:  # one SM left to dispatch_wait's block
+            self._dispatch_grid = max(self._grid - 1, 1)
         self._peer_slots = peer_token_slots(session, self._sym, self.layout, self.rank) if self.copy_engine else None
         self._partial = partial_dtype(cfg)  # uint16 (bf16 bits) or float32
         self._f32_partials = self._partial == np.float32
@@ -216,12 +232,12 @@ class EPRuntime:
         # placement and copy in one dispatch_wait; a placing runtime places in dispatch_async, so
         # dispatch_copy copies (fused copies serve decode sizes, placing large batches: by default
         # the two never meet)
-        self.fused_copy = _fused_copy(cfg) and not self.dispatch_place
+        self.fused_copy = _fused_copy(cfg) and not self.dispatch_place and not self.dispatch_route_first
         self._pad_multiple = np.int64(cfg.pad_multiple)
         wait_scalars = dict(pad_multiple=self._pad_multiple, timeout_ns=self._timeout_ns)
         self._fixed = {}
         self._fixed["dispatch_wait"] = self._prepare("dispatch_wait", copy_rows=_INT64[0], **wait_scalars)
-        if self.dispatch_place:  # one block waits for the rows, started early by PDL (kernels/dispatch.py)
+        if self.dispatch_place or self.dispatch_route_first:  # one block, started early by PDL (kernels/dispatch.py)
             self._fixed["dispatch_wait"] = dataclasses.replace(self._fixed["dispatch_wait"], grid=1)
         self._wait_scalars = wait_scalars  # (dispatch_land is prepared with each call's tokens: _prepare_dispatch_async)
         self._land: tuple = ()  # the last dispatch_async's dispatch_land launches
@@ -603,7 +619,8 @@ class EPRuntime:
     def send_paths(self) -> SendPaths:
         """What the kernels are built for: ``peer_stores``, ``copy_engine``, ``dispatch_land`` and
         ``dispatch_place``."""
-        return SendPaths(self.peer_stores, self.copy_engine, self.dispatch_land, self.dispatch_place)
+        return SendPaths(self.peer_stores, self.copy_engine, self.dispatch_land, self.dispatch_place,
+                         self.dispatch_route_first)
 
     @property
     def calls(self) -> int:
@@ -808,7 +825,11 @@ def expected_send_paths(cfg: EPConfig) -> SendPaths:
     stores = _peer_stores_wanted()
     copy_engine = choose_copy_engine(cfg, stores)
     land = landing(cfg, copy_engine)
-    return SendPaths(stores, copy_engine, land, placing(cfg, stores, copy_engine, land))
+    place = placing(cfg, stores, copy_engine, land)
+    from .kernels import pdl
+
+    return SendPaths(stores, copy_engine, land, place, routing_first(cfg, stores, copy_engine, land, place,
+                                                                     cfg.n_sms is None and pdl.ENABLED))
 
 
 def _combine_wait_with(threads: int, word, epilogue, f32_partials: bool = False):

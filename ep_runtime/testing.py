@@ -168,3 +168,138 @@ def capacity_pe(session, env: str, value: str, cfg: EPConfig, seed: int) -> dict
             res["error"] = str(exc)
         session.barrier()
     return res
+
+
+# -- the dispatch knobs' tests (landing, placing, route first): one runtime per knob value ------------
+#: The routings those tests cycle through, one a call in turn (the awkward ones included).
+KNOB_SCENARIOS = ("random", "zero_rank", "empty_expert", "one_expert")
+
+
+def knob_layout(call: int) -> str:
+    """The layout of call ``call`` in those tests: expanded, compact, expanded, expanded, ..."""
+    return "expanded" if call % 3 != 1 else "compact"
+
+
+def knob_inputs(cfg: EPConfig, call: int, seed: int):
+    """The inputs of call ``call`` in those tests (``seed + call``, the routing of
+    :data:`KNOB_SCENARIOS` in turn): random token counts at call 0, none anywhere at call 3,
+    varying ones (some rank with none) at the others."""
+    counts = None if call == 0 else [0] * cfg.n_ranks if call == 3 else \
+        [(call + 2 * r) % (cfg.max_tokens_per_rank + 1) for r in range(cfg.n_ranks)]
+    return make_inputs(cfg, KNOB_SCENARIOS[call % len(KNOB_SCENARIOS)], seed + call, counts)
+
+
+#: The batch fields those tests compare (``ExpertBatch`` and ``CompactBatch`` attributes).
+BATCH_FIELDS = ("x", "row_offsets", "expert_counts", "src_rank", "src_token", "src_k", "weight")
+#: The FP8 calls of those tests: (layout, scale layout).
+FP8_CALLS = (("expanded", "row"), ("compact", "row"), ("expanded", "column"))
+
+
+def dispatch_to_host(session, rt, cfg: EPConfig, x, i, w, layout: str, device_count: bool = False):
+    """One dispatch of this rank's ``x`` (bf16 bits), ``i`` (ids), ``w`` (weights) in ``layout``:
+    ``(got, batch)``, ``got`` the batch's :data:`BATCH_FIELDS` as host copies (the compact
+    layout's ``gather`` and ``recv_tokens`` too). ``device_count``: the inputs padded to the
+    runtime's capacity (NaN token rows, distinct ids, weights 1) and the token count passed as a
+    device scalar (``n_tokens``), as a captured CUDA graph passes it."""
+    n_tokens = None
+    if device_count:
+        T, n = cfg.max_tokens_per_rank, len(x)
+        x = np.vstack([x, np.full((T - n, cfg.hidden), POISON_BF16, np.uint16)])
+        i = np.vstack([i, np.zeros((T - n, cfg.top_k), np.int32) + np.arange(cfg.top_k, dtype=np.int32)])
+        w = np.vstack([w, np.ones((T - n, cfg.top_k), np.float32)])
+        n_tokens = session.to_device(np.array([n], np.int32))
+    batch = rt.dispatch_wait(rt.dispatch_async(x, i, w, n_tokens=n_tokens), layout=layout)
+    got = {k: session.to_host(getattr(batch, k)).copy() for k in BATCH_FIELDS}
+    if layout == "compact":
+        got["gather"] = session.to_host(batch.gather).copy()
+        got["recv_tokens"] = session.to_host(batch.recv_tokens).copy()
+    return got, batch
+
+
+def assert_batch_is_the_reference(got: dict, ref, layout: str, xs, cfg: EPConfig, what: str) -> None:
+    """One rank's batch (``got``, from :func:`dispatch_to_host`) against the reference's ``ref``:
+    offsets, counts, row descriptions and weights bit for bit; the expanded rows, or the compact
+    rows each gather index picks, and each source's token count."""
+    from . import reference
+
+    n = ref.n_rows
+    np.testing.assert_array_equal(got["row_offsets"], ref.row_offsets, err_msg=what)
+    np.testing.assert_array_equal(got["expert_counts"], ref.expert_counts, err_msg=what)
+    for k in ("src_rank", "src_token", "src_k"):
+        np.testing.assert_array_equal(got[k][:n], getattr(ref, k), err_msg=f"{what}: {k}")
+    np.testing.assert_array_equal(got["weight"][:n].view(np.uint32), ref.weight.view(np.uint32), what)
+    if layout == "expanded":
+        np.testing.assert_array_equal(got["x"][:n], ref.x.view(np.uint16), err_msg=f"{what}: x")
+    else:
+        assert got["recv_tokens"].tolist() == [len(x) for x in xs], what
+        np.testing.assert_array_equal(got["gather"][:n], reference.gather_index(ref, cfg), what)
+        real = got["gather"][:n] >= 0
+        np.testing.assert_array_equal(got["x"][got["gather"][:n][real]], ref.x.view(np.uint16)[real],
+                                      err_msg=f"{what}: x[gather]")
+
+
+def assert_runs_agree(cfg: EPConfig, on: list, off: list, calls: int, inputs_of, layout_of, label: str,
+                      same_compact_x: bool = True) -> None:
+    """A knob's runs against the reference and against the dispatch_wait path: for every call
+    and rank, ``on[r]["calls"][call]`` (from :func:`dispatch_to_host`, with the combine output
+    as ``"out"`` when recorded) is the reference's batch, every field equals ``off``'s (the
+    compact ``x`` too, unless ``same_compact_x`` is False: rows of the receive buffer that no
+    expert gathers are unspecified), and ``"out"`` is the reference's combine. ``inputs_of(cfg,
+    call)`` gives the call's ``(xs, ids, ws)``, ``layout_of(call)`` its layout."""
+    from . import reference
+
+    for call in range(calls):
+        xs, ids, ws = inputs_of(cfg, call)
+        refs = reference.dispatch(xs, ids, ws, cfg)
+        layout = layout_of(call)
+        for r in range(cfg.n_ranks):
+            got, want = on[r]["calls"][call], off[r]["calls"][call]
+            what = f"rank {r} call {call} ({layout})"
+            assert_batch_is_the_reference(got, refs[r], layout, xs, cfg, what)
+            for k in BATCH_FIELDS + (("gather", "recv_tokens") if layout == "compact" else ()):
+                if k == "x" and layout == "compact" and not same_compact_x:
+                    continue
+                np.testing.assert_array_equal(got[k], want[k], err_msg=f"{what}: {k}: {label} != dispatch_wait")
+            if "out" in got:
+                outs = reference.combine([expert_outputs(cfg, refs[s], s) for s in range(cfg.n_ranks)], refs, ids, cfg)
+                np.testing.assert_array_equal(got["out"], outs[r].view(np.uint16), err_msg=f"{what}: combine")
+
+
+def fp8_knob_pe(session, env: str, value: str, cfg: EPConfig, scenarios, seed: int, attr: str | None = None):
+    """With environment variable ``env`` = ``value``: FP8 tokens quantized in dispatch_async,
+    the calls of :data:`FP8_CALLS` (inputs of ``scenarios[call]`` and ``seed + call``), each
+    batch's :data:`BATCH_FIELDS` and scales as host copies. ``attr``: the runtime attribute the
+    knob sets, asserted to be ``value == "1"``."""
+    import os
+
+    from .runtime import EPRuntime
+
+    os.environ[env] = value
+    r, out = session.rank, []
+    with EPRuntime(cfg, session) as rt:
+        assert attr is None or getattr(rt, attr) == (value == "1"), (attr, value)
+        for call, (layout, scales) in enumerate(FP8_CALLS):
+            xs, ids, ws = make_inputs(cfg, scenarios[call], seed + call)
+            batch = rt.dispatch_wait(rt.dispatch_async(xs[r].view(np.uint16), ids[r], ws[r]), layout=layout,
+                                     scales=scales)
+            out.append({k: session.to_host(getattr(batch, k)).copy() for k in BATCH_FIELDS + ("scales",)})
+            rt.synchronize()
+    return {"calls": out}
+
+
+def assert_fp8_runs_agree(cfg: EPConfig, on: list, off: list, scenarios, seed: int) -> None:
+    """:func:`fp8_knob_pe`'s runs: the offsets and the expanded codes the reference's, every
+    field and the scales equal to the dispatch_wait path's."""
+    from . import reference
+
+    for call, (layout, _) in enumerate(FP8_CALLS):
+        xs, ids, ws = make_inputs(cfg, scenarios[call], seed + call)
+        refs = reference.dispatch(xs, ids, ws, cfg)
+        for r in range(cfg.n_ranks):
+            got, want = on[r]["calls"][call], off[r]["calls"][call]
+            n = refs[r].n_rows
+            np.testing.assert_array_equal(got["row_offsets"], refs[r].row_offsets, err_msg=f"rank {r} call {call}")
+            if layout == "expanded":
+                np.testing.assert_array_equal(got["x"][:n], refs[r].x.view(np.uint8), err_msg=f"call {call}")
+            for k in BATCH_FIELDS + ("scales",):
+                np.testing.assert_array_equal(got[k], want[k], err_msg=f"rank {r} call {call}: {k}")

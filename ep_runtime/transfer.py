@@ -38,12 +38,16 @@ class SendPaths(NamedTuple):
     serves dispatch_land (``EP_RUNTIME_DISPATCH_LAND``). ``place``: dispatch_async's routing
     blocks place the received rows during the transfer and dispatch_wait only waits for the
     rows (``EP_RUNTIME_DISPATCH_PLACE``; with ``stores`` only, not with ``copy_engine`` or
-    ``land``)."""
+    ``land``). ``route_first``: dispatch_async sends and signals the routing rows first and ranks
+    nothing; dispatch_wait (one block, started early) places the rows from them while the token
+    rows fly (``EP_RUNTIME_DISPATCH_ROUTE_FIRST``; with ``stores`` only, not with ``copy_engine``,
+    ``land`` or ``place``)."""
 
     stores: bool = True
     copy_engine: bool = False
     land: bool = False
     place: bool = False
+    route_first: bool = False
 
 
 #: Environment variable choosing the token transfer: ``auto``, ``stores`` or ``copy_engine``.

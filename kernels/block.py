@@ -156,6 +156,10 @@ if cuda_api.SIMULATED:
         """See the GPU version. Simulated blocks are one warp: a block scan over ``buf32``."""
         return block_exclusive_scan(buf32, 1 if pred else 0)
 
+    def warp_exclusive_sum(value, buf64):
+        """See the GPU version. Simulated blocks are one warp: a block scan over ``buf64``."""
+        return block_exclusive_scan(buf64, int64(value))
+
     def warp_sum(value, buf64):
         """See the GPU version. Simulated blocks are one warp: a block sum over ``buf64``."""
         return block_sum(buf64, int64(value))
@@ -240,6 +244,20 @@ else:
             v = max(v, cuda.shfl_xor_sync(0xFFFFFFFF, v, offset))
             offset //= 2
         return uint32(v)
+
+    @cuda.jit(device=True)
+    def warp_exclusive_sum(value, buf64):
+        """Every lane of the warp: ``(the int64 sum of value over the lanes below, over all
+        lanes)``, in lane order, by five shuffles up (no barrier; ``buf64`` is the simulator's
+        scratch, unused here). Every lane of the warp must call it."""
+        v = int64(value)
+        offset = 1
+        while offset < 32:
+            y = cuda.shfl_up_sync(0xFFFFFFFF, v, offset)
+            if cuda.laneid >= offset:
+                v += y
+            offset *= 2
+        return v - int64(value), cuda.shfl_sync(0xFFFFFFFF, v, 31)
 
     @cuda.jit(device=True)
     def warp_sum(value, buf64):

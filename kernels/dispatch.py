@@ -21,7 +21,7 @@ from ep_runtime.kernels.bits import f32_bits
 from ep_runtime.kernels.block import (await_part, block_exclusive_scan, flag_part, flag_rule,
                                       grant_token_credits, last_block_ticket, local_expert_count, part_bounds,
                                       part_words, popc32, record_error, row_parts, udiv32, warp_exclusive_count,
-                                      warp_geometry, warp_sync)
+                                      warp_exclusive_sum, warp_geometry, warp_sync)
 from ep_runtime.kernels.cuda_api import SIMULATED, cuda, kernel_jit
 from ep_runtime.kernels.token_codec import BLOCK_WORDS, CODE_WORDS, HELD_SCALES, make_token_codec
 from ep_runtime.kernels.trace import stamp_first, stamp_last
@@ -55,6 +55,12 @@ COPY_PAIRS = 8
 SEND_ROUNDS = 8
 
 
+#: Local experts the single block of a route-first dispatch_wait ranks per pass over the received
+#: tokens (shared lane masks and row words of warps x RECV_WINDOW words each, 8 KB apiece at 16
+#: warps): one pass for up to 128 local experts (256 experts on 2 ranks). The simulator's windows
+#: are 4 experts, so its configurations take several passes.
+RECV_WINDOW = 4 if SIMULATED else 128
+
 #: Experts the routing block ranks per pass over this rank's tokens (dispatch_async (2): shared
 #: lane masks of warps x RANK_WINDOW words, 16 KB at 16 warps, and as many row words): one pass
 #: for up to 256 experts on a GPU. The simulator's windows are 4 experts, so its small
@@ -83,7 +89,8 @@ RUN_BATCH = 8
 
 
 def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = False, stores: bool = True,
-                          copy_engine: bool = False, land: bool = False, place: bool = False):
+                          copy_engine: bool = False, land: bool = False, place: bool = False,
+                          route_first: bool = False):
     """Build ``(dispatch_async, dispatch_wait, dispatch_copy, dispatch_signal, dispatch_land)`` for
     blocks of ``threads`` threads (a power of 2), for bf16 tokens or (``quantized``) an FP8 token format with float32
     or (``ue8m0``) power-of-two scales (:mod:`ep_runtime.kernels.token_codec` encodes and lays
@@ -98,11 +105,16 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
     dispatch_land (the routing signalled on its own, bf16 row parts flagged, none sent to
     this rank; not with the copy engine); ``place``, dispatch_async's routing blocks place the received rows during
     the transfer and dispatch_wait only waits for the rows (v26; with ``stores``, not with
-    ``copy_engine`` or ``land``). dispatch_copy and dispatch_signal do not depend on them."""
+    ``copy_engine`` or ``land``); ``route_first``, dispatch_async sends and signals the routing
+    rows first and ranks nothing, and dispatch_wait, one block started early by PDL, places every
+    received row from the routing rows while the token rows fly (v29; with ``stores``, not with
+    ``copy_engine``, ``land`` or ``place``). dispatch_copy and dispatch_signal do not depend on them."""
     if copy_engine and (not stores or land):
         raise ValueError("make_dispatch_kernels: copy_engine needs stores and excludes land")
     if place and (not stores or land or copy_engine):
         raise ValueError("make_dispatch_kernels: place needs stores and excludes land and copy_engine")
+    if route_first and (not stores or land or copy_engine or place):
+        raise ValueError("make_dispatch_kernels: route_first needs stores and excludes land, copy_engine and place")
     warp, warps = warp_geometry(threads)
     QUANT = bool(quantized)
     STORES = bool(stores)  # peer stores (else NVSHMEM puts)
@@ -112,6 +124,8 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
     # docs/protocol.md, "Placement during the transfer"); dispatch_wait then only waits for the
     # token rows (and copies them when asked)
     EARLY = bool(place)
+    # the routing rows first, signalled on their own; the receiver ranks and places from them (v29)
+    FIRST = bool(route_first)
     encode_blocks, store_scales = make_token_codec(warp, bool(ue8m0))
     SB = 1 if ue8m0 else 4  # scale bytes per 128-element block
     U = COPY_UNROLL
@@ -125,6 +139,9 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
     # the routing blocks' row words double as the placement table once the ranks are out
     ROW_WORDS = max(RANK_WORDS, PLACEMENT_WORDS) if EARLY else RANK_WORDS
     SCAN_WORDS = threads if EARLY else 1  # the placement scan's sums (int64)
+    RW = RECV_WINDOW
+    RECV_WORDS = warps * RW if FIRST else 1  # a route-first dispatch_wait's masks and warp rows
+    RECV_NEXT = RW if FIRST else 1
 
     @cuda.jit(device=True)
     def padded(rows, pad_multiple):
@@ -411,6 +428,35 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
             store_u32_at(ranks_src, j, uint32(warp_rows[m] + popc32(masks[m] & lanes_below)))
 
     @cuda.jit(device=True)
+    def send_routing_rows(topk_ids, topk_weights, d_ids, d_weights, peer_bases, g, me, R, K, j0, j1):
+        """Every thread of a block: elements ``[j0, j1)`` of this rank's routing rows (flat ``t K +
+        k``: topk_ids [Tc, K] int32, topk_weights [Tc, K] float32) into ``d_ids[g, me]`` and
+        ``d_weights[g, me]`` of every rank, 4-byte stores through the peer mappings (the runs are
+        contiguous on both sides)."""
+        ids_at = address_of(d_ids[g, me]) - address_of(d_ids)
+        weights_at = address_of(d_weights[g, me]) - address_of(d_weights)
+        for j in range(j0 + cuda.threadIdx.x, j1, threads):
+            t = int32(udiv32(j, K))
+            x = uint32(topk_ids[t, j - t * K])
+            wbits = f32_bits(topk_weights[t, j - t * K])
+            for d in range(R):
+                store_u32_at(peer_bases[PEER_IDS, d] + ids_at, j, x)
+                store_u32_at(peer_bases[PEER_WEIGHTS, d] + weights_at, j, wbits)
+
+    @cuda.jit(device=True)
+    def warp_first_ranks(masks, warp_rows, next_rank, width):
+        """A thread per window expert ``el < width`` (the masks and rows are [warp, width]): each
+        warp's first rank of the expert (``warp_rows``, warps in order, from ``next_rank[el]``)
+        and ``next_rank[el]`` advanced past every warp's lanes with it (``masks``). The routing
+        block's and the route-first dispatch_wait's ranking step."""
+        for el in range(cuda.threadIdx.x, width, threads):
+            r = next_rank[el]
+            for w in range(warps):
+                warp_rows[w * width + el] = r
+                r += popc32(masks[w * width + el])
+            next_rank[el] = r
+
+    @cuda.jit(device=True)
     def send_warps(rows, all_warps):
         """The warp count dispatch_async's bf16 token loop cuts ``rows`` rows for (``row_parts``):
         ``all_warps``, or ``SEND_ROUNDS`` times it for a batch with a row for every warp, so
@@ -425,6 +471,8 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         """Routing blocks of dispatch_async's grid of ``grid`` blocks: one per ROUTE_GRID_SHARE
         blocks beyond the first, at least 1, at most ROUTE_BLOCKS (bf16 rows: 8 of an H200's
         132 SMs, and of the 108 a landing call leaves itself) or ROUTE_BLOCKS_QUANT (FP8)."""
+        if FIRST:
+            return 1  # it only sends the routing rows (a route-first build ranks nothing)
         return max(1, min(ROUTE_BLOCKS_QUANT if QUANT else ROUTE_BLOCKS, (grid - 1) // ROUTE_GRID_SHARE))
 
     @cuda.jit(device=True)
@@ -663,6 +711,13 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         sent to this rank at all (v28: dispatch_land reads it from ``tokens``). The ticket and
         the signal of (3) are unchanged. This kernel triggers its dependents after its own
         dependency wait, so a dispatch_land started early finds everything before it complete.
+
+        A ``route_first`` build (v29, docs/protocol.md, "Route first"): one routing block, which
+        (2') stores the routing rows (ids, weights) and T (``d_counts[g, me, L]``, read by
+        combine) into every rank and, after a quiet, sets ``d_route[g, me]`` on every rank to
+        ``(n + 1) << 32 | T``; nothing is ranked or counted here (each receiver's dispatch_wait
+        places from the routing rows alone), and the token blocks send no routing rows. The
+        token rows, the ticket and the signal of (3) are unchanged.
         """
         flag = cuda.shared.array(1, int32)
         masks = cuda.shared.array(RANK_WORDS, uint32)  # (2): [warp, expert] lanes with the expert
@@ -717,7 +772,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
 
         # (1a) routing rows (ids, weights) to every rank, spread over the token blocks (placing
         # builds: each routing block sends its chunk's, see (2))
-        if cuda.blockIdx.x < token_blocks and not EARLY:
+        if cuda.blockIdx.x < token_blocks and not EARLY and not FIRST:
             if meta_stores:  # rows 0..T are contiguous on both sides: element j of the run
                 ids_at = address_of(d_ids[g, me]) - address_of(d_ids)
                 weights_at = address_of(d_weights[g, me]) - address_of(d_weights)
@@ -851,9 +906,25 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
 
         stamp_last(status, 1)
 
+        # (2') a route-first build's routing block: the routing rows (ids, weights) to every rank,
+        # T into every rank's counts row, then the route signal (nothing is ranked here: each
+        # receiver's dispatch_wait ranks and places from the routing rows, v29)
+        if routing_block and FIRST:
+            send_routing_rows(topk_ids, topk_weights, d_ids, d_weights, peer_bases, g, me, R, K, 0, T * K)
+            counts_at = address_of(d_counts[g, me]) - address_of(d_counts)
+            for d in range(tid, R, threads):  # T (combine reads it there)
+                store_u32_at(peer_bases[PEER_COUNTS, d] + counts_at, L, uint32(T))
+            cuda.syncthreads()
+            if tid == 0:  # data before signal: quiet's system fence is cumulative over the barrier
+                shmem.quiet()
+                signal = (uint64(n + 1) << uint64(SIGNAL_TOKEN_BITS)) | uint64(T)  # layout.dispatch_signal_value
+                for d in range(R):
+                    shmem.signal_op(d_route[g, me:me + 1], signal, shmem.SIGNAL_SET, d)
+            stamp_last(status, 29)
+
         # (2) the routing block(s): each (token, k)'s rank among this rank's tokens to its expert,
         # stored on the expert's rank, and each expert's token count, stored on its rank
-        if routing_block:
+        if routing_block and not FIRST:
             chunk = (T + n_route - 1) // n_route  # this block ranks tokens [c0, c1)
             c0 = min(rb * chunk, T)
             c1 = min(c0 + chunk, T)
@@ -867,16 +938,8 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
             lanes_below = (uint32(1) << uint32(lane)) - uint32(1)
             ranks_at = address_of(d_ranks[g, me]) - address_of(d_ranks)  # element t * K + k of the run
             counts_at = address_of(d_counts[g, me]) - address_of(d_counts)
-            if EARLY:  # the chunk's routing rows (ids, weights) to every rank: contiguous on both sides
-                ids_at = address_of(d_ids[g, me]) - address_of(d_ids)
-                weights_at = address_of(d_weights[g, me]) - address_of(d_weights)
-                for j in range(c0 * K + tid, c1 * K, threads):
-                    t = int32(udiv32(j, K))
-                    x = uint32(topk_ids[t, j - t * K])
-                    wbits = f32_bits(topk_weights[t, j - t * K])
-                    for d in range(R):
-                        store_u32_at(peer_bases[PEER_IDS, d] + ids_at, j, x)
-                        store_u32_at(peer_bases[PEER_WEIGHTS, d] + weights_at, j, wbits)
+            if EARLY:  # the chunk's routing rows (ids, weights) to every rank
+                send_routing_rows(topk_ids, topk_weights, d_ids, d_weights, peer_bases, g, me, R, K, c0 * K, c1 * K)
             ranks_src = address_of(send_ranks)  # likewise [Tmax, K]
             for w0 in range(0, E, SW):
                 for el in range(tid, SW, threads):
@@ -901,13 +964,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                         for k in range(K):
                             mark_expert(masks, int32(load_u32_at(ids_base, t * K + k)) - w0, wid, lane)
                     cuda.syncthreads()
-                    # a thread per expert: each warp's first rank for it, warps in order
-                    for el in range(tid, SW, threads):
-                        r = next_rank[el]
-                        for w in range(warps):
-                            warp_rows[w * SW + el] = r
-                            r += popc32(masks[w * SW + el])
-                        next_rank[el] = r
+                    warp_first_ranks(masks, warp_rows, next_rank, SW)
                     cuda.syncthreads()
                     # each (token, k)'s rank: its warp's first rank plus the lanes below with the expert
                     if valid:
@@ -1045,11 +1102,231 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
             land_sync[LAND_CALLS] = n + 1  # this call's number, read by the next call's dispatch_wait
         stamp_last(status, 11)
 
+    @cuda.jit(device=True)
+    def token_of(q, src_T, R):
+        """``(s, t)``: received token ``q`` of every source's tokens in order (source 0's first;
+        ``src_T`` [R] shared int32, each source's T)."""
+        s = 0
+        while s < R - 1 and q >= src_T[s]:
+            q -= src_T[s]
+            s += 1
+        return s, q
+
+    @cuda.jit(device=True)
+    def load_token(d_ids, d_weights, g, s, t, K, ids_l, w_l):
+        """The first ``ID_BATCH`` expert ids and weights of received token (s, t) into ``ids_l`` /
+        ``w_l`` (local), all loaded before any is used (one memory latency, not one per id: a
+        loop that marked each id before loading the next took 17 us at T=128, v29). The loops
+        that use them are unrolled too (constant indices: registers); indexed at run time they
+        live in local memory, and that build was 2.8-5.6 us slower at T=1-128 (v29)."""
+        for u in range(ID_BATCH):  # a constant trip count: unrolled, the arrays in registers
+            if u < K:
+                ids_l[u] = d_ids[g, s, t, u]
+                w_l[u] = d_weights[g, s, t, u]
+
+    @cuda.jit(device=True)
+    def mark_window(masks, x, x0, wid, lane):
+        """Set this lane's bit in its warp's mask of expert ``x`` (global id) if it is in the
+        window ``[x0, x0 + RECV_WINDOW)``."""
+        el = x - x0
+        if el >= 0 and el < RW:
+            cuda.atomic.or_(masks, wid * RW + el, uint32(1) << uint32(lane))
+
+    @cuda.jit(device=True)
+    def rank_round(d_ids, g, s, t, K, valid, ids_l, x0, masks, warp_rows, next_rank, wid, lane):
+        """Every thread of a route-first dispatch_wait, one round of a received token per thread
+        (``valid``: this thread has one, (s, t), its first ids in ``ids_l``): the lane sets its
+        bit in its warp's mask of each of its token's experts in the window ``[x0, x0 +
+        RECV_WINDOW)`` (global ids), then a thread per window expert turns the masks into each
+        warp's first rank (``warp_rows``, from ``next_rank``, which it advances past the round).
+        Three barriers; the masks and warp rows stay valid until the next round."""
+        tid = cuda.threadIdx.x
+        for m in range(tid, RECV_WORDS, threads):
+            masks[m] = uint32(0)
+        cuda.syncthreads()
+        if valid:
+            for u in range(ID_BATCH):
+                if u < K:
+                    mark_window(masks, ids_l[u], x0, wid, lane)
+            for k in range(ID_BATCH, K):
+                mark_window(masks, d_ids[g, s, t, k], x0, wid, lane)
+        cuda.syncthreads()
+        warp_first_ranks(masks, warp_rows, next_rank, RW)
+        cuda.syncthreads()
+
+    @cuda.jit(device=True)
+    def local_rank(d_ids, g, s, t, K, ids_l, lo, x):
+        """How many of token (s, t)'s experts are in ``[lo, x)``: the rank of expert x among its
+        local experts (ascending), from ``ids_l`` and, past ID_BATCH, memory."""
+        j = int32(0)
+        for u in range(ID_BATCH):
+            if u < K and ids_l[u] >= lo and ids_l[u] < x:
+                j += 1
+        for k in range(ID_BATCH, K):
+            x2 = d_ids[g, s, t, k]
+            if x2 >= lo and x2 < x:
+                j += 1
+        return j
+
+    @cuda.jit(device=True)
+    def describe_pair(d_ids, g, s, t, k, K, x, w, ids_l, L, Tmax, first_mine, w0, place, masks, warp_rows, wid,
+                      below, row_src_rank, row_src_token, row_src_k, row_weight, row_gather, token_rows):
+        """The description of received (s, t, k), expert ``x`` and weight ``w``, if the expert is
+        local and in the window from local expert ``w0``: row = the expert's first row
+        (``place[e]``) + its warp's first rank + the lanes below with the expert."""
+        e = x - first_mine
+        el = e - w0
+        if el >= 0 and el < RW and e < L:
+            m = wid * RW + el
+            r = int32(place[e] + warp_rows[m] + popc32(masks[m] & below))
+            j = local_rank(d_ids, g, s, t, K, ids_l, first_mine, x)
+            describe_row(r, s, t, k, j, Tmax, w, row_src_rank, row_src_token, row_src_k, row_weight, row_gather,
+                         token_rows)
+
+    @cuda.jit(device=True)
+    def describe_round(d_ids, d_weights, g, s, t, K, valid, ids_l, w_l, L, Tmax, first_mine, w0, place, masks,
+                       warp_rows, wid, lane, row_src_rank, row_src_token, row_src_k, row_weight, row_gather,
+                       token_rows):
+        """One thread per received token of the round :func:`rank_round` ranked: the description
+        of each of its (token, k) whose expert is local and in the window (:func:`describe_pair`)."""
+        if valid:
+            below = (uint32(1) << uint32(lane)) - uint32(1)
+            for u in range(ID_BATCH):
+                if u < K:
+                    describe_pair(d_ids, g, s, t, u, K, ids_l[u], w_l[u], ids_l, L, Tmax, first_mine, w0, place,
+                                  masks, warp_rows, wid, below, row_src_rank, row_src_token, row_src_k,
+                                  row_weight, row_gather, token_rows)
+            for k in range(ID_BATCH, K):
+                describe_pair(d_ids, g, s, t, k, K, d_ids[g, s, t, k], d_weights[g, s, t, k], ids_l, L, Tmax,
+                              first_mine, w0, place, masks, warp_rows, wid, below, row_src_rank, row_src_token,
+                              row_src_k, row_weight, row_gather, token_rows)
+
+    @cuda.jit(device=True)
+    def first_rows(place, R, L, pad_multiple, row_offsets, expert_counts, sum_buf):
+        """Every thread: ``place[R L + e]`` (expert e's received rows) -> ``place[e]`` its first
+        row and ``place[R L + e]`` the end of its received rows (its padding follows, to a
+        multiple of pad_multiple), the table :func:`write_segments` reads, scanned by the first
+        warp alone (shuffles, no block barrier but the last), which also writes row_offsets [L +
+        1] and expert_counts [L]. Returns the total padded rows (int64)."""
+        tid = cuda.threadIdx.x
+        if tid < warp:
+            per = (L + warp - 1) // warp  # local experts per lane
+            e_lo = min(tid * per, L)
+            e_hi = min(e_lo + per, L)
+            part = int64(0)
+            for e in range(e_lo, e_hi):
+                part += padded(int64(place[R * L + e]), pad_multiple)
+            first, total = warp_exclusive_sum(part, sum_buf)
+            for e in range(e_lo, e_hi):
+                c = place[R * L + e]
+                place[e] = int32(first)
+                place[R * L + e] = int32(first + c)
+                row_offsets[e] = int32(first)
+                expert_counts[e] = c
+                first += padded(int64(c), pad_multiple)
+            if tid == 0:
+                sum_buf[threads - 1] = total  # (the simulator's scan used the buffer: read before this)
+                row_offsets[L] = int32(total)
+        cuda.syncthreads()
+        total = sum_buf[threads - 1]
+        cuda.syncthreads()  # read by every thread before the buffer is used again
+        return total
+
+    @cuda.jit(device=True)
+    def place_from_routing(d_ids, d_weights, d_route, d_signal, g, n, me, R, L, K, Tmax, C, timeout_ns, status,
+                           pad_multiple, row_offsets, expert_counts, row_src_rank, row_src_token, row_src_k,
+                           row_weight, row_gather, recv_tokens, token_rows, src_T, flag, place, sum_buf, masks,
+                           warp_rows, next_rank):
+        """A route-first dispatch_wait (v29), every thread of its one block, started early by PDL
+        on the SM dispatch_async leaves: wait for every source's route signal (``d_route[g, s]``:
+        its routing rows, ids and weights, are here; its T in the low half), rank and place every
+        received (token, local expert) from them while the token rows still fly, then wait for
+        every source's dispatch signal (the token rows) and write recv_tokens.
+
+        The received tokens, source 0's first, go in rounds of a token per thread; a row's
+        position is its expert's first row plus its rank among all received tokens with that
+        expert, in (source, token) order: the order the reference lays rows out in, with no
+        ranks from the sources and no atomic deciding a position. Pass 1 counts each local
+        expert's rows (window by window, :func:`rank_round`), the first warp scans them into
+        first rows (:func:`first_rows`, with the offsets and counts), padding rows are described
+        (:func:`write_segments`, when pad_multiple > 1); pass 2 ranks again and writes each row's
+        description (with one window and one round, the decode case, pass 1's masks are reused).
+        More rows than C records an error and describes no row (the offsets and counts are
+        written: the runtime raises the capacity error, and the batch is not returned).
+
+        One block on one SM: each phase costs 1-4 us whatever its work (traced at T=1 and 128:
+        counting 2-3, the scan 1-2, padding rows 2, descriptions 3-6), so the phases are few: the
+        scan is one warp's, the segments' offsets and counts are written by it, and padding
+        rows are described only when there are any. A dry pass over stale routing first (to
+        fetch the code while the routing flies) made the real pass 3-5 us faster but took longer
+        than the routing's flight (v29)."""
+        tid = cuda.threadIdx.x
+        lane = tid % warp
+        wid = tid // warp
+        if not await_sources(d_route, g, n, timeout_ns, status, KERNEL_DISPATCH_WAIT, COUNTER_ROUTE_SIGNAL,
+                             src_T, flag):
+            return
+        stamp_last(status, 35)
+        Q = 0  # every source's tokens
+        for s in range(R):
+            Q += src_T[s]
+        first_mine = me * L
+        ids_l = cuda.local.array(ID_BATCH, int32)  # this thread's token's first ids and weights
+        w_l = cuda.local.array(ID_BATCH, float32)
+        again = L > RW or Q > threads  # more than one window or round: pass 2 ranks again
+        for w0 in range(0, L, RW):  # pass 1: each local expert's received rows
+            for el in range(tid, RW, threads):
+                next_rank[el] = 0
+            for q0 in range(0, Q, threads):
+                valid = q0 + tid < Q
+                s, t = token_of(min(q0 + tid, Q - 1), src_T, R)
+                if valid:
+                    load_token(d_ids, d_weights, g, s, t, K, ids_l, w_l)
+                rank_round(d_ids, g, s, t, K, valid, ids_l, first_mine + w0, masks, warp_rows, next_rank, wid, lane)
+            for el in range(tid, min(RW, L - w0), threads):
+                place[R * L + w0 + el] = next_rank[el]
+            cuda.syncthreads()
+        stamp_last(status, 37)
+        total = first_rows(place, R, L, pad_multiple, row_offsets, expert_counts, sum_buf)
+        stamp_last(status, 38)
+        if total > C:
+            if tid == 0:
+                record_error(status, ERR_CAPACITY, KERNEL_DISPATCH_WAIT, me, -1, COUNTER_RECV_ROWS, C, total, n + 1)
+            return
+        if pad_multiple != 1:
+            e0, stride = expert_warps(tid)
+            write_segments(place, R, L, pad_multiple, row_offsets, expert_counts, row_src_rank, row_src_token,
+                           row_src_k, row_weight, row_gather, e0, stride, lane)
+        stamp_last(status, 39)
+        for w0 in range(0, L, RW):  # pass 2: each row's description (one window and round: pass 1's ranks)
+            if again:
+                for el in range(tid, RW, threads):
+                    next_rank[el] = 0
+            for q0 in range(0, Q, threads):
+                valid = q0 + tid < Q
+                s, t = token_of(min(q0 + tid, Q - 1), src_T, R)
+                if again:
+                    if valid:
+                        load_token(d_ids, d_weights, g, s, t, K, ids_l, w_l)
+                    rank_round(d_ids, g, s, t, K, valid, ids_l, first_mine + w0, masks, warp_rows, next_rank, wid,
+                               lane)
+                describe_round(d_ids, d_weights, g, s, t, K, valid, ids_l, w_l, L, Tmax, first_mine, w0, place,
+                               masks, warp_rows, wid, lane, row_src_rank, row_src_token, row_src_k, row_weight,
+                               row_gather, token_rows)
+                cuda.syncthreads()  # the masks read before the next round clears them
+        stamp_last(status, 36)
+        if await_sources(d_signal, g, n, timeout_ns, status, KERNEL_DISPATCH_WAIT, COUNTER_DISPATCH_SIGNAL, src_T,
+                         flag):
+            stamp_last(status, 9)
+            for s in range(tid, R, threads):
+                recv_tokens[s] = src_T[s]
+        stamp_last(status, 11)
+
     @kernel_jit(threads)
     def dispatch_wait(d_ids, d_weights, d_counts, d_ranks, d_signal, sync,
                       row_offsets, expert_counts, row_src_rank, row_src_token, row_src_k,
                       row_weight, row_gather, recv_tokens, token_rows, status, pad_multiple, timeout_ns,
-                      d_tokens, expert_x, copy_rows, combine_claims, land_sync):
+                      d_tokens, expert_x, copy_rows, combine_claims, land_sync, d_route):
         """Wait for every source rank, then place every received (token, local expert) pair.
 
         Symmetric inputs as in dispatch_async (group g of the last call): d_counts [G, R, L + 1]
@@ -1096,6 +1373,13 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         (``await_placed``, v27: launched with one block, it waits while dispatch_async still
         sends, and completes right after it); copy_rows is ignored (a placing runtime never
         fuses the copy: the expanded layout's dispatch_copy follows).
+
+        A ``route_first`` build (v29; d_route [G, R] uint64, ``dispatch_route_signal``): launched
+        with one block, started early by PDL on the SM dispatch_async leaves, it waits for every
+        source's routing, ranks and places every received row from the routing rows alone while
+        the token rows still fly (``place_from_routing``: d_counts and d_ranks are not read),
+        then waits for the dispatch signals and writes recv_tokens; its dependency wait comes
+        last. copy_rows is ignored (dispatch_copy follows for the expanded layout).
         """
         flag = cuda.shared.array(1, int32)
         scan_buf = cuda.shared.array(threads, int32)
@@ -1104,6 +1388,9 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         hit_row = cuda.shared.array(threads, int32)  # fused copy: each warp's hits of one step
         hit_token = cuda.shared.array(threads, int32)
         src_items = cuda.shared.array(MAX_RANKS, int32)  # T, then (token, k) pairs, each source sent this call
+        masks = cuda.shared.array(RECV_WORDS, uint32)  # route-first builds: [warp, window expert] lanes
+        warp_rows = cuda.shared.array(RECV_WORDS, int32)  # ... and each warp's first rank
+        next_rank = cuda.shared.array(RECV_NEXT, int32)  # ... and the next round's
         lo = cuda.local.array(UP, uint64)
         hi = cuda.local.array(UP, uint64)
         pdl.trigger_dependents()
@@ -1137,6 +1424,14 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         if cuda.blockIdx.x == 0 and tid == 0:
             combine_claims[g] = 0  # rows this call's combine_wait claims (flagged rows)
             land_sync[LAND_CLAIMS + 1 - g] = 0  # a dispatch_land's claims (their last user, call n - 1, has completed)
+        if FIRST:  # one block (the runtime launches one): placed from the routing rows while the rows fly
+            if cuda.blockIdx.x == 0:
+                place_from_routing(d_ids, d_weights, d_route, d_signal, g, n, me, R, L, K, Tmax, C, timeout_ns,
+                                   status, pad_multiple, row_offsets, expert_counts, row_src_rank, row_src_token,
+                                   row_src_k, row_weight, row_gather, recv_tokens, token_rows, src_items, flag, place,
+                                   sum_buf, masks, warp_rows, next_rank)
+            pdl.dependency_wait()  # completes after dispatch_async: stream order for what follows
+            return
 
         # wait for every source rank's signal (thread s waits for rank s; each carries its T)
         ok = await_sources(d_signal, g, n, timeout_ns, status, KERNEL_DISPATCH_WAIT, COUNTER_DISPATCH_SIGNAL,

@@ -216,7 +216,8 @@ def test_smoke_run_on_the_simulator(tmp_path):
             assert res["mode"] == "eager" and res["layout"] == "expanded"
             # the runtime's choices are recorded
             assert res["paths"] == {"fused_copy": True, "peer_stores": True, "copy_engine": False,
-                                    "dispatch_land": False}, res["paths"]
+                                    "dispatch_land": False, "dispatch_place": False,
+                                    "dispatch_route_first": False}, res["paths"]
     assert data["args"]["mode"] == ["eager"]
 
 

@@ -33,27 +33,22 @@ from ep_runtime import reference
 from ep_runtime.config import EPConfig
 from ep_runtime.dispatch_overlap import PLACE_ENV
 from ep_runtime.shmem.launch import run_pes
-from ep_runtime.testing import capacity_pe, expert_outputs, knob_disagreement_pe, make_inputs
+from ep_runtime.testing import (KNOB_SCENARIOS, assert_fp8_runs_agree, assert_runs_agree, capacity_pe,
+                                dispatch_to_host, expert_outputs, fp8_knob_pe, knob_disagreement_pe, knob_inputs,
+                                make_inputs)
+from ep_runtime.testing import knob_layout as layout_of
 
 RUN_TIMEOUT_S = 300
-SCENARIOS = ("random", "zero_rank", "empty_expert", "one_expert")
 CALLS = 6
-FIELDS = ("x", "row_offsets", "expert_counts", "src_rank", "src_token", "src_k", "weight")
+FP8_SEED = 750
 
 
 def base_cfg(R: int, **changes) -> EPConfig:
     return EPConfig(**{**dict(n_ranks=R, n_experts=2 * R, top_k=2, hidden=64, max_tokens_per_rank=6), **changes})
 
 
-def layout_of(call: int) -> str:
-    return "expanded" if call % 3 != 1 else "compact"
-
-
 def call_inputs(cfg: EPConfig, call: int):
-    """Random token counts, then varying ones (some rank with none), and a call with no token."""
-    counts = None if call == 0 else [0] * cfg.n_ranks if call == 3 else \
-        [(call + 2 * r) % (cfg.max_tokens_per_rank + 1) for r in range(cfg.n_ranks)]
-    return make_inputs(cfg, SCENARIOS[call % len(SCENARIOS)], 700 + call, counts)
+    return knob_inputs(cfg, call, 700)
 
 
 # -- per-rank bodies ------------------------------------------------------------------------------
@@ -71,19 +66,8 @@ def cycle_pe(session, place: str, cfg: EPConfig, device_count: bool) -> dict:
         assert not (rt.dispatch_place and rt.fused_copy), "a placing runtime fused the expanded copy"
         for call in range(CALLS):
             xs, ids, ws = call_inputs(cfg, call)
-            layout = layout_of(call)
-            x, i, w, n_tokens = xs[r].view(np.uint16), ids[r], ws[r], None
-            if device_count:
-                T, n = cfg.max_tokens_per_rank, len(x)
-                x = np.vstack([x, np.full((T - n, cfg.hidden), 0x7FC0, np.uint16)])  # NaN rows past n
-                i = np.vstack([i, np.zeros((T - n, cfg.top_k), np.int32) + np.arange(cfg.top_k, dtype=np.int32)])
-                w = np.vstack([w, np.ones((T - n, cfg.top_k), np.float32)])
-                n_tokens = session.to_device(np.array([n], np.int32))
-            batch = rt.dispatch_wait(rt.dispatch_async(x, i, w, n_tokens=n_tokens), layout=layout)
-            got = {k: session.to_host(getattr(batch, k)).copy() for k in FIELDS}
-            if layout == "compact":
-                got["gather"] = session.to_host(batch.gather).copy()
-                got["recv_tokens"] = session.to_host(batch.recv_tokens).copy()
+            got, batch = dispatch_to_host(session, rt, cfg, xs[r].view(np.uint16), ids[r], ws[r], layout_of(call),
+                                          device_count)
             refs = reference.dispatch(xs, ids, ws, cfg)
             got["out"] = session.to_host(rt.combine(expert_outputs(cfg, refs[r], r), batch.handle)).copy()[:len(xs[r])]
             session.barrier()  # every rank done with this call: no peer's next call writes here yet
@@ -93,24 +77,6 @@ def cycle_pe(session, place: str, cfg: EPConfig, device_count: bool) -> dict:
     from ep_runtime.kernels.dispatch import ROUTE_BLOCKS, ROUTE_GRID_SHARE  # the simulator's, in this PE
 
     return {"calls": calls, "routing_blocks": max(1, min(ROUTE_BLOCKS, (rt._grid - 1) // ROUTE_GRID_SHARE))}
-
-
-def fp8_pe(session, place: str) -> dict:
-    """E4M3 tokens quantized in dispatch_async, both layouts (column-major scales too)."""
-    from ep_runtime.runtime import EPRuntime
-
-    os.environ[PLACE_ENV] = place
-    r, cfg = session.rank, fp8_cfg()
-    out = []
-    with EPRuntime(cfg, session) as rt:
-        assert rt.dispatch_place == (place == "1")
-        for call, (layout, scales) in enumerate((("expanded", "row"), ("compact", "row"), ("expanded", "column"))):
-            xs, ids, ws = make_inputs(cfg, SCENARIOS[call], 750 + call)
-            batch = rt.dispatch_wait(rt.dispatch_async(xs[r].view(np.uint16), ids[r], ws[r]), layout=layout,
-                                     scales=scales)
-            out.append({k: session.to_host(getattr(batch, k)).copy() for k in FIELDS + ("scales",)})
-            rt.synchronize()
-    return {"calls": out}
 
 
 def fp8_cfg() -> EPConfig:
@@ -166,28 +132,7 @@ def cycles(request):
 
 def test_placed_batches_equal_the_reference_and_dispatch_wait(cycles):
     cfg, placed, waited = cycles
-    for call in range(CALLS):
-        xs, ids, ws = call_inputs(cfg, call)
-        refs = reference.dispatch(xs, ids, ws, cfg)
-        for r in range(cfg.n_ranks):
-            got, want, ref = placed[r]["calls"][call], waited[r]["calls"][call], refs[r]
-            what = f"rank {r} call {call} ({layout_of(call)})"
-            n = ref.n_rows
-            np.testing.assert_array_equal(got["row_offsets"], ref.row_offsets, err_msg=what)
-            np.testing.assert_array_equal(got["expert_counts"], ref.expert_counts, err_msg=what)
-            for k in ("src_rank", "src_token", "src_k"):
-                np.testing.assert_array_equal(got[k][:n], getattr(ref, k), err_msg=f"{what}: {k}")
-            np.testing.assert_array_equal(got["weight"][:n].view(np.uint32), ref.weight.view(np.uint32), what)
-            if layout_of(call) == "expanded":
-                np.testing.assert_array_equal(got["x"][:n], ref.x.view(np.uint16), err_msg=f"{what}: x")
-            else:
-                assert got["recv_tokens"].tolist() == [len(x) for x in xs], what
-                np.testing.assert_array_equal(got["gather"][:n], reference.gather_index(ref, cfg), what)
-            for k in FIELDS + (("gather", "recv_tokens") if layout_of(call) == "compact" else ()):
-                np.testing.assert_array_equal(got[k], want[k], err_msg=f"{what}: {k}: placed != dispatch_wait")
-            want_out = reference.combine([expert_outputs(cfg, refs[s], s) for s in range(cfg.n_ranks)], refs, ids,
-                                         cfg)[r]
-            np.testing.assert_array_equal(got["out"], want_out.view(np.uint16), err_msg=f"{what}: combine")
+    assert_runs_agree(cfg, placed, waited, CALLS, call_inputs, layout_of, "placed")
 
 
 def test_every_routing_chunk_is_flagged_each_call(cycles):
@@ -205,19 +150,9 @@ def test_every_routing_chunk_is_flagged_each_call(cycles):
 
 def test_fp8_placed_equals_the_reference():
     cfg = fp8_cfg()
-    placed = run_pes(fp8_pe, 2, args=("1",), timeout_s=RUN_TIMEOUT_S)
-    waited = run_pes(fp8_pe, 2, args=("0",), timeout_s=RUN_TIMEOUT_S)
-    for call, layout in enumerate(("expanded", "compact", "expanded")):
-        xs, ids, ws = make_inputs(cfg, SCENARIOS[call], 750 + call)
-        refs = reference.dispatch(xs, ids, ws, cfg)
-        for r in range(2):
-            got, want = placed[r]["calls"][call], waited[r]["calls"][call]
-            n = refs[r].n_rows
-            np.testing.assert_array_equal(got["row_offsets"], refs[r].row_offsets)
-            if layout == "expanded":
-                np.testing.assert_array_equal(got["x"][:n], refs[r].x.view(np.uint8), err_msg=f"call {call}")
-            for k in FIELDS + ("scales",):
-                np.testing.assert_array_equal(got[k], want[k], err_msg=f"rank {r} call {call}: {k}")
+    placed, waited = (run_pes(fp8_knob_pe, 2, args=(PLACE_ENV, v, cfg, KNOB_SCENARIOS, FP8_SEED, "dispatch_place"),
+                              timeout_s=RUN_TIMEOUT_S) for v in ("1", "0"))
+    assert_fp8_runs_agree(cfg, placed, waited, KNOB_SCENARIOS, FP8_SEED)
 
 
 def test_a_silent_rank_times_dispatch_async_out_naming_the_route_chunk():

@@ -63,7 +63,8 @@ def test_every_ep_kernel_waits_before_its_first_status_read():
     combine_async kernels after their wait (the receiver may then start early: docs/protocol.md,
     "Dispatch rows as they land", "Combine rows as they land"); dispatch_land never waits
     first (its work reads only what the previous calls completed and what peers signal) and
-    waits before it exits, as does a placing build's dispatch_wait (``await_placed``, v27);
+    waits before it exits, as does a placing build's dispatch_wait (``await_placed``, v27) and a
+    route-first build's (``place_from_routing``, v29);
     combine_wait skips its first wait only in a call with flagged rows, and then waits before
     it exits."""
     import inspect
@@ -114,7 +115,12 @@ def test_every_ep_kernel_waits_before_its_first_status_read():
             sig = next(j for j, ln in enumerate(body) if ln.startswith("ok = await_sources("))
             assert "pdl.dependency_wait()" in body[sig + 2], body[sig + 2]
             waits = [j for j in range(sig) if body[j].startswith("pdl.dependency_wait()")]
-            assert all(body[j - 1] == "if code != 0:" and body[j + 1] == "return" for j in waits), waits  # errors only
+            # before the signals: on an earlier call's error, or after a route-first build's
+            # placement (v29: it reads only what the routing and dispatch signals publish)
+            first = next(j for j, ln in enumerate(body) if ln.startswith("if FIRST:"))
+            placed = next(j for j in range(first, sig) if body[j].startswith("place_from_routing("))
+            assert all(body[j + 1] == "return" and (body[j - 1] == "if code != 0:" or first < placed < j < first + 8)
+                       for j in waits), waits
         else:
             assert "pdl.dependency_wait()" in before(lines, i, 1), f"dispatch line {i + 1}"
             assert "pdl.trigger_dependents()" in before(lines, i, 2), f"dispatch line {i + 1}"

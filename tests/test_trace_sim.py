@@ -1,8 +1,9 @@
 """Phase time stamps (``kernels/trace.py``, ``EP_RUNTIME_TRACE=1``) on the simulator: the real
 kernels, one process per rank.
 
-With the switch on, every traced point of a round trip is stamped (the landing runtime's too,
-``EP_RUNTIME_DISPATCH_LAND=1``), each kernel's points come after its start, and the kernels come
+With the switch on, every traced point of a round trip is stamped (the landing, placing and
+route-first runtimes' too, ``EP_RUNTIME_DISPATCH_LAND=1``, ``..._PLACE=1``, ``..._ROUTE_FIRST=1``),
+each kernel's points come after its start, and the kernels come
 in stream order; the results stay exact (tracing writes
 only the trace words). With it off (the default), the trace words stay zero.
 """
@@ -34,6 +35,7 @@ def trace_pe(session) -> dict:
         out["fused_copy"] = rt.fused_copy
         out["land"] = rt.dispatch_land
         out["place"] = rt.dispatch_place
+        out["route_first"] = rt.dispatch_route_first
         status = rt.buffers["status"]
         for layout in ("expanded", "compact"):
             status[STATUS_LEN:] = 0
@@ -44,13 +46,14 @@ def trace_pe(session) -> dict:
     return out
 
 
-@pytest.fixture(scope="module", params=["on", "off", "on_separate_copy", "on_land", "on_place"])
+@pytest.fixture(scope="module", params=["on", "off", "on_separate_copy", "on_land", "on_place", "on_first"])
 def traced(request):
     with pytest.MonkeyPatch.context() as mp:  # the PEs are spawned with this environment
         mp.setenv("EP_RUNTIME_TRACE", "0" if request.param == "off" else "1")
         mp.setenv("EP_RUNTIME_FUSED_COPY", "0" if request.param == "on_separate_copy" else "auto")
         mp.setenv("EP_RUNTIME_DISPATCH_LAND", "1" if request.param == "on_land" else "0")
         mp.setenv("EP_RUNTIME_DISPATCH_PLACE", "1" if request.param == "on_place" else "0")
+        mp.setenv("EP_RUNTIME_DISPATCH_ROUTE_FIRST", "1" if request.param == "on_first" else "0")
         return request.param.partition("_")[0], run_pes(trace_pe, CFG["n_ranks"], timeout_s=240)
 
 
@@ -86,6 +89,7 @@ def test_stamps_are_written_in_order_only_when_on(traced):
                 assert not st.any(), f"{layout}: trace words written with tracing off"
                 continue
             copy_kernel = layout == "expanded" and not res["fused_copy"] and not res["land"]
+            assert not (res["route_first"] and res["fused_copy"]), "a route-first runtime fused the copy"
             kernels = ["dispatch_async", "dispatch_land" if res["land"] else "dispatch_wait"]
             kernels += ["dispatch_copy"] if copy_kernel else []
             starts = []
@@ -94,6 +98,17 @@ def test_stamps_are_written_in_order_only_when_on(traced):
                 start = st[points.pop("start")]
                 assert start > 0, f"{layout}: {k} start not stamped"
                 for point, slot in points.items():
+                    if "route-first" in point and res["route_first"]:  # its routing block, its one block
+                        assert st[slot] >= start, f"{layout}: {k} '{point}' ({st[slot]}) before its start ({start})"
+                        continue
+                    if "route-first builds" in point:
+                        assert st[slot] == 0, f"{layout}: {k} '{point}' stamped in a runtime without route first"
+                        continue
+                    if res["route_first"] and (point.startswith(("offsets", "ranks computed"))
+                                               or point == "signals seen (block 0)"):
+                        # nothing ranked in dispatch_async; the one block's points are its own
+                        assert st[slot] == 0, f"{layout}: {k} '{point}' stamped in a route-first runtime"
+                        continue
                     if "copy engine" in point:  # this runtime stores the rows: never stamped
                         assert st[slot] == 0, f"{layout}: {k} '{point}' stamped without the copy engine"
                         continue

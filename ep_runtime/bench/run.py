@@ -79,7 +79,8 @@ def bench_rank(session, args_dict) -> list[dict]:
         with EPRuntime(cfg, session) as rt:
             # the runtime's choices for this configuration (environment and grid), for the record
             paths = {"fused_copy": rt.fused_copy, "peer_stores": rt.peer_stores, "copy_engine": rt.copy_engine,
-                     "dispatch_land": rt.dispatch_land}
+                     "dispatch_land": rt.dispatch_land, "dispatch_place": rt.dispatch_place,
+                     "dispatch_route_first": rt.dispatch_route_first}
             inputs = tuple(session.to_device(a) for a in (xs[r].view(np.uint16), ids[r], ws[r]))
             outs = {"expanded": session.alloc_local("bench.expert_out", (cfg.recv_rows_capacity, cfg.hidden), np.uint16),
                     "compact": None}

@@ -1,0 +1,215 @@
+"""The route-first dispatch (docs/protocol.md, "Route first", v29), on the simulator: the real
+kernels, one process per rank.
+
+With ``EP_RUNTIME_DISPATCH_ROUTE_FIRST=1`` dispatch_async's routing block sends the routing rows
+(ids, weights) and T to every rank and signals them (``dispatch_route_signal``) before anything
+else, and ranks nothing; dispatch_wait, one block, waits for every source's routing, ranks and
+places every received row from the routing rows alone, then waits for the token rows' signal.
+The expanded layout's copy is dispatch_copy's. The simulator's receive window is 4 local experts
+and its blocks have a few warps, so its configurations take several windows and rounds (the
+GPU's common case, one window and one round, reuses pass 1's masks: the configurations with at
+most 4 local experts and few tokens take that branch too). They check:
+
+- both layouts' batches (every field) and the combine after them, bit-identical to the reference
+  and to the dispatch_wait path (``EP_RUNTIME_DISPATCH_ROUTE_FIRST=0``), over calls mixing the
+  awkward routings (a rank with no tokens, no token anywhere, an expert with none, every token
+  to one expert), at 2 and 3 ranks, top-k 1, padding, the token count from a device scalar,
+  rows without word pairs, many local experts (several windows) and many tokens (several
+  rounds), and FP8 (E4M3) tokens;
+- the route signals: after call c, ``dispatch_route_signal[c % 2, s]`` is ``(c + 1) << 32 | T_s``;
+- a rank that never dispatches times dispatch_wait out naming ``dispatch_route_signal``; too many
+  rows is a capacity error naming dispatch_wait; ranks that disagree are refused; the knob.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from ep_runtime import reference
+from ep_runtime.config import EPConfig
+from ep_runtime.dispatch_overlap import ROUTE_FIRST_ENV
+from ep_runtime.shmem.launch import run_pes
+from ep_runtime.testing import (KNOB_SCENARIOS, assert_fp8_runs_agree, assert_runs_agree, capacity_pe,
+                                dispatch_to_host, expert_outputs, fp8_knob_pe, knob_disagreement_pe, knob_inputs,
+                                make_inputs)
+from ep_runtime.testing import knob_layout as layout_of
+
+RUN_TIMEOUT_S = 300
+CALLS = 6
+FP8_SEED = 950
+
+
+def base_cfg(R: int, **changes) -> EPConfig:
+    return EPConfig(**{**dict(n_ranks=R, n_experts=2 * R, top_k=2, hidden=64, max_tokens_per_rank=6), **changes})
+
+
+def call_inputs(cfg: EPConfig, call: int):
+    return knob_inputs(cfg, call, 900)
+
+
+# -- per-rank bodies ------------------------------------------------------------------------------
+def cycle_pe(session, first: str, cfg: EPConfig, device_count: bool) -> dict:
+    """CALLS round trips on one runtime (layouts mixed): each call's batch, its combine output and
+    the route signals after it. ``device_count``: capacity-sized inputs, the token count a device
+    scalar (``n_tokens``), as a captured CUDA graph passes it."""
+    from ep_runtime.runtime import EPRuntime
+
+    os.environ[ROUTE_FIRST_ENV] = first
+    r = session.rank
+    calls = []
+    with EPRuntime(cfg, session) as rt:
+        assert rt.dispatch_route_first == (first == "1") and not rt.dispatch_land and not rt.dispatch_place
+        assert not (rt.dispatch_route_first and rt.fused_copy), "a route-first runtime fused the expanded copy"
+        for call in range(CALLS):
+            xs, ids, ws = call_inputs(cfg, call)
+            got, batch = dispatch_to_host(session, rt, cfg, xs[r].view(np.uint16), ids[r], ws[r], layout_of(call),
+                                          device_count)
+            refs = reference.dispatch(xs, ids, ws, cfg)
+            got["out"] = session.to_host(rt.combine(expert_outputs(cfg, refs[r], r), batch.handle)).copy()[:len(xs[r])]
+            session.barrier()  # every rank done with this call: no peer's next call writes here yet
+            got["route"] = session.to_host(rt.buffers["dispatch_route_signal"]).copy()
+            session.barrier()
+            calls.append(got)
+    return {"calls": calls}
+
+
+def fp8_cfg() -> EPConfig:
+    return EPConfig(n_ranks=2, n_experts=4, top_k=2, hidden=256, max_tokens_per_rank=5, token_dtype="fp8_e4m3")
+
+
+def silent_peer_pe(session) -> dict:
+    """One round trip on both ranks, then rank 1 skips its second dispatch: rank 0's
+    dispatch_wait of call 1 waits for rank 1's routing."""
+    from ep_runtime.errors import EPTimeoutError
+    from ep_runtime.runtime import EPRuntime
+
+    os.environ[ROUTE_FIRST_ENV] = "1"
+    r, cfg = session.rank, base_cfg(2, wait_timeout_s=1.0)
+    xs, ids, ws = make_inputs(cfg, "random", 43)
+    res = {"error": None}
+    with EPRuntime(cfg, session) as rt:
+        batch = rt.dispatch(xs[r].view(np.uint16), ids[r], ws[r])
+        rt.combine(expert_outputs(cfg, reference.dispatch(xs, ids, ws, cfg)[r], r), batch.handle)
+        if r == 0:
+            try:
+                rt.dispatch(xs[r].view(np.uint16), ids[r], ws[r])
+            except EPTimeoutError as exc:
+                res["error"] = str(exc)
+        session.barrier()
+    return res
+
+
+# -- parent side ------------------------------------------------------------------------------------
+#: name: (ranks, config changes, device count)
+CYCLE_CASES = {
+    "R2": (2, {}, False),
+    "R3-top1-pad4": (3, {"top_k": 1, "pad_multiple": 4}, False),
+    "R2-device-count": (2, {}, True),
+    "R2-hidden5": (2, {"hidden": 5}, False),  # uint16 words: no word pairs
+    # 6 local experts (two windows of 4) and up to 3 x 40 tokens (several rounds), padding
+    "R3-windows-rounds-pad3": (3, {"n_experts": 18, "top_k": 4, "max_tokens_per_rank": 40, "pad_multiple": 3},
+                               False),
+}
+
+
+@pytest.fixture(scope="module", params=list(CYCLE_CASES))
+def cycles(request):
+    R, changes, device_count = CYCLE_CASES[request.param]
+    cfg = base_cfg(R, **changes)
+    first = run_pes(cycle_pe, R, args=("1", cfg, device_count), timeout_s=RUN_TIMEOUT_S)
+    waited = run_pes(cycle_pe, R, args=("0", cfg, device_count), timeout_s=RUN_TIMEOUT_S)
+    return cfg, first, waited
+
+
+def test_route_first_batches_equal_the_reference_and_dispatch_wait(cycles):
+    cfg, first, waited = cycles
+    assert_runs_agree(cfg, first, waited, CALLS, call_inputs, layout_of, "route-first")
+
+
+def test_every_route_signal_carries_the_call_and_its_token_count(cycles):
+    cfg, first, waited = cycles
+    for call in range(CALLS):
+        xs, _, _ = call_inputs(cfg, call)
+        want = np.array([(call + 1) << 32 | len(x) for x in xs], np.uint64)
+        for r in range(cfg.n_ranks):
+            route = first[r]["calls"][call]["route"]
+            np.testing.assert_array_equal(route[call % 2], want, err_msg=f"rank {r} call {call}")
+            assert (waited[r]["calls"][call]["route"] == 0).all(), "the dispatch_wait path signalled routing"
+
+
+def test_fp8_route_first_equals_the_reference():
+    cfg = fp8_cfg()
+    first, waited = (run_pes(fp8_knob_pe, 2, timeout_s=RUN_TIMEOUT_S,
+                             args=(ROUTE_FIRST_ENV, v, cfg, KNOB_SCENARIOS, FP8_SEED, "dispatch_route_first"))
+                     for v in ("1", "0"))
+    assert_fp8_runs_agree(cfg, first, waited, KNOB_SCENARIOS, FP8_SEED)
+
+
+def test_a_silent_rank_times_dispatch_wait_out_naming_the_route_signal():
+    res = run_pes(silent_peer_pe, 2, timeout_s=RUN_TIMEOUT_S)
+    msg = res[0]["error"]
+    assert msg is not None, "no timeout"
+    assert ("rank 0: dispatch_wait of call 1" in msg
+            and "dispatch_route_signal[1][1] expected >= 2, observed 0" in msg), msg
+
+
+def test_too_many_rows_is_a_capacity_error_of_dispatch_wait():
+    res = run_pes(capacity_pe, 2, args=(ROUTE_FIRST_ENV, "1", base_cfg(2, max_recv_rows=4), 44),
+                  timeout_s=RUN_TIMEOUT_S)
+    # experts 0 and 1 (every token's) live on rank 0: 2 x 12 rows for a capacity of 4; rank 1 gets none
+    msg = res[0]["error"]
+    assert msg is not None and "rank 0: dispatch_wait of call 0 needed 24" in msg and "capacity is 4" in msg, msg
+    assert res[1]["error"] is None, res[1]
+
+
+def test_ranks_that_disagree_are_refused():
+    res = run_pes(knob_disagreement_pe, 2, args=(ROUTE_FIRST_ENV, ("0", "1"), base_cfg(2)),
+                  timeout_s=RUN_TIMEOUT_S)
+    for r in range(2):
+        assert res[r]["error"] is not None and ROUTE_FIRST_ENV in res[r]["error"], res[r]
+
+
+def test_knob(monkeypatch):
+    """``auto`` takes the route first for bf16 runtimes of two ranks or more on the whole GPU with
+    PDL (``early``) up to ROUTE_FIRST_MAX_TOKENS tokens per rank, on the peer-store path without
+    landing, placing or the copy engine; 0 never; 1 wherever the send path allows (FP8 and the
+    simulator included), refused where it does not; other values refused."""
+    from ep_runtime.dispatch_overlap import ROUTE_FIRST_MAX_TOKENS, routing_first
+    from ep_runtime.errors import EPConfigError
+
+    def cfg(**kw):
+        base = dict(n_ranks=2, n_experts=8, top_k=2, hidden=256, max_tokens_per_rank=ROUTE_FIRST_MAX_TOKENS)
+        return EPConfig(**{**base, **kw})
+
+    small, big = cfg(), cfg(max_tokens_per_rank=ROUTE_FIRST_MAX_TOKENS + 1)
+    for unset in (None, "", "auto", " AUTO "):
+        if unset is None:
+            monkeypatch.delenv(ROUTE_FIRST_ENV, raising=False)
+        else:
+            monkeypatch.setenv(ROUTE_FIRST_ENV, unset)
+        assert routing_first(small, True, False, False, False, True) is True
+        assert routing_first(small, True, False, False, False, False) is False  # no early start (PDL off, sim)
+        assert routing_first(big, True, False, False, False, True) is False
+        assert routing_first(small, False, False, False, False, True) is False  # puts
+        assert routing_first(small, True, True, False, False, True) is False  # copy engine
+        assert routing_first(small, True, False, True, False, True) is False  # landing
+        assert routing_first(small, True, False, False, True, True) is False  # placing
+        assert routing_first(cfg(token_dtype="fp8_e4m3"), True, False, False, False, True) is False
+        assert routing_first(cfg(n_ranks=1, n_experts=4), True, False, False, False, True) is False
+        assert routing_first(cfg(n_sms=16), True, False, False, False, True) is False
+    monkeypatch.setenv(ROUTE_FIRST_ENV, "0")
+    assert routing_first(small, True, False, False, False, True) is False
+    monkeypatch.setenv(ROUTE_FIRST_ENV, "1")
+    assert routing_first(big, True, False, False, False, False) is True
+    assert routing_first(cfg(token_dtype="fp8_e4m3"), True, False, False, False, False) is True
+    for paths, why in (((False, False, False, False), "puts"), ((True, True, False, False), "copy"),
+                       ((True, False, True, False), "landing"), ((True, False, False, True), "placing")):
+        with pytest.raises(EPConfigError, match=why):
+            routing_first(small, *paths, True)
+    for bad in ("2", "-1", "yes"):
+        monkeypatch.setenv(ROUTE_FIRST_ENV, bad)
+        with pytest.raises(EPConfigError, match=ROUTE_FIRST_ENV):
+            routing_first(small, True, False, False, False, True)
