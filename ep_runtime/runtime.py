@@ -136,7 +136,7 @@ class EPRuntime:
         engine: :mod:`ep_runtime.dispatch_overlap`). The expanded layout then copies with
         dispatch_copy.
     send_paths : SendPaths
-        The four choices above that the kernels are compiled for (:mod:`ep_runtime.transfer`).
+        The five choices above that the kernels are compiled for (:mod:`ep_runtime.transfer`).
     """
 
     def __init__(self, cfg: EPConfig, session: Session, debug: bool = False):
@@ -617,8 +617,8 @@ class EPRuntime:
 
     @property
     def send_paths(self) -> SendPaths:
-        """What the kernels are built for: ``peer_stores``, ``copy_engine``, ``dispatch_land`` and
-        ``dispatch_place``."""
+        """What the kernels are built for: ``peer_stores``, ``copy_engine``, ``dispatch_land``,
+        ``dispatch_place`` and ``dispatch_route_first``."""
         return SendPaths(self.peer_stores, self.copy_engine, self.dispatch_land, self.dispatch_place,
                          self.dispatch_route_first)
 
@@ -820,8 +820,10 @@ def _peer_stores_wanted() -> bool:
 def expected_send_paths(cfg: EPConfig) -> SendPaths:
     """The send path a runtime of ``cfg`` takes in this environment when every PE's heap is
     mapped (NVLink), from ``EP_RUNTIME_PEER_STORES``, ``EP_RUNTIME_TOKEN_TRANSFER``,
-    ``EP_RUNTIME_DISPATCH_LAND`` and ``EP_RUNTIME_DISPATCH_PLACE``: what ``python -m ep_runtime.prebuild`` builds ahead of time. A
-    runtime whose PEs are not all mapped takes the puts and compiles that build when it starts."""
+    ``EP_RUNTIME_DISPATCH_LAND``, ``EP_RUNTIME_DISPATCH_PLACE`` and
+    ``EP_RUNTIME_DISPATCH_ROUTE_FIRST`` (whose ``auto`` assumes PDL where the GPU has it, as the
+    session's fast launcher does): what ``python -m ep_runtime.prebuild`` builds ahead of time.
+    A runtime whose PEs are not all mapped takes the puts and compiles that build when it starts."""
     stores = _peer_stores_wanted()
     copy_engine = choose_copy_engine(cfg, stores)
     land = landing(cfg, copy_engine)
