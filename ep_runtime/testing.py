@@ -216,6 +216,31 @@ def dispatch_to_host(session, rt, cfg: EPConfig, x, i, w, layout: str, device_co
     return got, batch
 
 
+def knob_round_trips(session, rt, cfg: EPConfig, calls: int, inputs_of, layout_of, device_count: bool,
+                     buffers: tuple = ()) -> list:
+    """``calls`` round trips on ``rt`` (call c: ``inputs_of(cfg, c)`` in ``layout_of(c)``), each
+    with the combine of the reference's expert outputs: per call, :func:`dispatch_to_host`'s
+    fields, the combine output (``"out"``, this rank's tokens) and a host copy of each runtime
+    region named in ``buffers``, taken once every rank has finished the call (no peer's next
+    call writes there yet)."""
+    from . import reference
+
+    r, out = session.rank, []
+    for call in range(calls):
+        xs, ids, ws = inputs_of(cfg, call)
+        got, batch = dispatch_to_host(session, rt, cfg, xs[r].view(np.uint16), ids[r], ws[r], layout_of(call),
+                                      device_count)
+        refs = reference.dispatch(xs, ids, ws, cfg)
+        y = expert_outputs(cfg, refs[r], r)  # a gathering GEMM writes expanded-order outputs
+        got["out"] = session.to_host(rt.combine(y, batch.handle)).copy()[:len(xs[r])]
+        session.barrier()
+        for name in buffers:
+            got[name] = session.to_host(rt.buffers[name]).copy()
+        session.barrier()
+        out.append(got)
+    return out
+
+
 def assert_batch_is_the_reference(got: dict, ref, layout: str, xs, cfg: EPConfig, what: str) -> None:
     """One rank's batch (``got``, from :func:`dispatch_to_host`) against the reference's ``ref``:
     offsets, counts, row descriptions and weights bit for bit; the expanded rows, or the compact

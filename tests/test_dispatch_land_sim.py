@@ -37,9 +37,9 @@ from ep_runtime.config import EPConfig
 from ep_runtime.dispatch_overlap import LAND_ENV
 from ep_runtime.layout import dispatch_signal_value, token_word
 from ep_runtime.shmem.launch import run_pes
-from ep_runtime.testing import (BATCH_FIELDS, KNOB_SCENARIOS, assert_batch_is_the_reference, assert_fp8_runs_agree,
-                                assert_runs_agree, capacity_pe, dispatch_to_host, expert_outputs, fp8_knob_pe,
-                                knob_disagreement_pe, knob_inputs, make_inputs)
+from ep_runtime.testing import (BATCH_FIELDS, KNOB_SCENARIOS, assert_batch_is_the_reference,
+                                assert_fp8_runs_agree, assert_runs_agree, capacity_pe, expert_outputs, fp8_knob_pe,
+                                knob_disagreement_pe, knob_inputs, knob_round_trips, make_inputs)
 from ep_runtime.testing import knob_layout as layout_of
 
 RUN_TIMEOUT_S = 300
@@ -65,22 +65,10 @@ def cycle_pe(session, land: str, cfg: EPConfig, device_count: bool) -> dict:
     from ep_runtime.runtime import EPRuntime
 
     os.environ[LAND_ENV] = land
-    r = session.rank
-    calls = []
     with EPRuntime(cfg, session) as rt:
         assert rt.dispatch_land == (land == "1")
-        for call in range(CALLS):
-            xs, ids, ws = call_inputs(cfg, call)
-            got, batch = dispatch_to_host(session, rt, cfg, xs[r].view(np.uint16), ids[r], ws[r], layout_of(call),
-                                          device_count)
-            refs = reference.dispatch(xs, ids, ws, cfg)
-            y = expert_outputs(cfg, refs[r], r)  # a gathering GEMM writes expanded-order outputs
-            got["out"] = session.to_host(rt.combine(y, batch.handle)).copy()[:len(xs[r])]
-            session.barrier()  # every rank done with this call: no peer's next call writes here yet
-            for name in ("dispatch_row_flag", "dispatch_route_signal", "dispatch_land_sync"):
-                got[name] = session.to_host(rt.buffers[name]).copy()
-            session.barrier()
-            calls.append(got)
+        calls = knob_round_trips(session, rt, cfg, CALLS, call_inputs, layout_of, device_count,
+                                 ("dispatch_row_flag", "dispatch_route_signal", "dispatch_land_sync"))
     return {"calls": calls}
 
 

@@ -34,7 +34,7 @@ from ep_runtime.config import EPConfig
 from ep_runtime.dispatch_overlap import PLACE_ENV
 from ep_runtime.shmem.launch import run_pes
 from ep_runtime.testing import (KNOB_SCENARIOS, assert_fp8_runs_agree, assert_runs_agree, capacity_pe,
-                                dispatch_to_host, expert_outputs, fp8_knob_pe, knob_disagreement_pe, knob_inputs,
+                                expert_outputs, fp8_knob_pe, knob_disagreement_pe, knob_inputs, knob_round_trips,
                                 make_inputs)
 from ep_runtime.testing import knob_layout as layout_of
 
@@ -59,21 +59,11 @@ def cycle_pe(session, place: str, cfg: EPConfig, device_count: bool) -> dict:
     from ep_runtime.runtime import EPRuntime
 
     os.environ[PLACE_ENV] = place
-    r = session.rank
-    calls = []
     with EPRuntime(cfg, session) as rt:
         assert rt.dispatch_place == (place == "1") and not rt.dispatch_land
         assert not (rt.dispatch_place and rt.fused_copy), "a placing runtime fused the expanded copy"
-        for call in range(CALLS):
-            xs, ids, ws = call_inputs(cfg, call)
-            got, batch = dispatch_to_host(session, rt, cfg, xs[r].view(np.uint16), ids[r], ws[r], layout_of(call),
-                                          device_count)
-            refs = reference.dispatch(xs, ids, ws, cfg)
-            got["out"] = session.to_host(rt.combine(expert_outputs(cfg, refs[r], r), batch.handle)).copy()[:len(xs[r])]
-            session.barrier()  # every rank done with this call: no peer's next call writes here yet
-            got["chunks"] = session.to_host(rt.buffers["dispatch_route_chunk"]).copy()
-            session.barrier()
-            calls.append(got)
+        calls = knob_round_trips(session, rt, cfg, CALLS, call_inputs, layout_of, device_count,
+                                 ("dispatch_route_chunk",))
     from ep_runtime.kernels.dispatch import ROUTE_BLOCKS, ROUTE_GRID_SHARE  # the simulator's, in this PE
 
     return {"calls": calls, "routing_blocks": max(1, min(ROUTE_BLOCKS, (rt._grid - 1) // ROUTE_GRID_SHARE))}
@@ -140,10 +130,11 @@ def test_every_routing_chunk_is_flagged_each_call(cycles):
     blocks = placed[0]["routing_blocks"]  # kernels/dispatch.py route_blocks, as the PE computed it
     for call in range(CALLS):
         for r in range(cfg.n_ranks):
-            chunks = placed[r]["calls"][call]["chunks"]
+            chunks = placed[r]["calls"][call]["dispatch_route_chunk"]
             assert (chunks[:, :blocks] == call + 1).all(), (r, call, chunks)
             assert (chunks[:, blocks:] == 0).all(), (r, call, chunks)
-            assert (waited[r]["calls"][call]["chunks"] == 0).all(), "the dispatch_wait path flagged chunks"
+            unflagged = waited[r]["calls"][call]["dispatch_route_chunk"] == 0
+            assert unflagged.all(), "the dispatch_wait path flagged chunks"
     if cfg.n_sms == 4:
         assert blocks == 2, "the 4-block grid was meant to have two routing blocks"
 

@@ -33,7 +33,7 @@ from ep_runtime.config import EPConfig
 from ep_runtime.dispatch_overlap import ROUTE_FIRST_ENV
 from ep_runtime.shmem.launch import run_pes
 from ep_runtime.testing import (KNOB_SCENARIOS, assert_fp8_runs_agree, assert_runs_agree, capacity_pe,
-                                dispatch_to_host, expert_outputs, fp8_knob_pe, knob_disagreement_pe, knob_inputs,
+                                expert_outputs, fp8_knob_pe, knob_disagreement_pe, knob_inputs, knob_round_trips,
                                 make_inputs)
 from ep_runtime.testing import knob_layout as layout_of
 
@@ -58,21 +58,11 @@ def cycle_pe(session, first: str, cfg: EPConfig, device_count: bool) -> dict:
     from ep_runtime.runtime import EPRuntime
 
     os.environ[ROUTE_FIRST_ENV] = first
-    r = session.rank
-    calls = []
     with EPRuntime(cfg, session) as rt:
         assert rt.dispatch_route_first == (first == "1") and not rt.dispatch_land and not rt.dispatch_place
         assert not (rt.dispatch_route_first and rt.fused_copy), "a route-first runtime fused the expanded copy"
-        for call in range(CALLS):
-            xs, ids, ws = call_inputs(cfg, call)
-            got, batch = dispatch_to_host(session, rt, cfg, xs[r].view(np.uint16), ids[r], ws[r], layout_of(call),
-                                          device_count)
-            refs = reference.dispatch(xs, ids, ws, cfg)
-            got["out"] = session.to_host(rt.combine(expert_outputs(cfg, refs[r], r), batch.handle)).copy()[:len(xs[r])]
-            session.barrier()  # every rank done with this call: no peer's next call writes here yet
-            got["route"] = session.to_host(rt.buffers["dispatch_route_signal"]).copy()
-            session.barrier()
-            calls.append(got)
+        calls = knob_round_trips(session, rt, cfg, CALLS, call_inputs, layout_of, device_count,
+                                 ("dispatch_route_signal",))
     return {"calls": calls}
 
 
@@ -135,9 +125,10 @@ def test_every_route_signal_carries_the_call_and_its_token_count(cycles):
         xs, _, _ = call_inputs(cfg, call)
         want = np.array([(call + 1) << 32 | len(x) for x in xs], np.uint64)
         for r in range(cfg.n_ranks):
-            route = first[r]["calls"][call]["route"]
+            route = first[r]["calls"][call]["dispatch_route_signal"]
             np.testing.assert_array_equal(route[call % 2], want, err_msg=f"rank {r} call {call}")
-            assert (waited[r]["calls"][call]["route"] == 0).all(), "the dispatch_wait path signalled routing"
+            unsignalled = waited[r]["calls"][call]["dispatch_route_signal"] == 0
+            assert unsignalled.all(), "the dispatch_wait path signalled routing"
 
 
 def test_fp8_route_first_equals_the_reference():
