@@ -67,7 +67,7 @@ KERNEL_ARGS = {
         "row_src_k", "row_weight", "row_gather", "recv_tokens", "token_rows", "status", "pad_multiple",
         "timeout_ns",
         "dispatch_tokens", "expert_x", "copy_rows", "combine_wait_claims", "dispatch_land_sync",
-        "dispatch_route_signal"),
+        "dispatch_route_signal", "dispatch_placed"),
     "dispatch_land": (
         "dispatch_topk_ids", "dispatch_topk_weights", "dispatch_counts", "dispatch_ranks", "dispatch_route_signal",
         "dispatch_signal", "dispatch_land_sync", "row_offsets", "expert_counts", "row_src_rank", "row_src_token",

@@ -218,6 +218,12 @@ def _regions(cfg: EPConfig) -> list[Region]:
                "[src, c]: n + 1 once routing chunk c of rank src's call n (its ids, weights and ranks; chunk 0 "
                "also the counts and T) has arrived (peer-store builds without landing: the routing blocks "
                "place the received rows during the transfer)"),
+        # monotonic (call numbers), no group axis (v30): written by this rank to itself, symmetric
+        # so the waits and the simulator treat it as every other flag
+        Region("dispatch_placed", (1,), u64, 0, S, f"{DW} (its placing block)", (DW,),
+               "[0]: (n + 1) << 1 (plus 1 if it failed) once the placing block of a copying route-first "
+               "dispatch_wait of call n has described every row and seen every token row (its other blocks "
+               "wait for it, then copy)"),
         # -- local: counters of dispatch_async -----------------------------------------------------
         Region("dispatch_async_sync", (3,), i64, 0, Lc, DA, (DA, DW, CA, CW),
                "[0] ticket: finished blocks of the launch (reset by the last block); "

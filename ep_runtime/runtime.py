@@ -56,6 +56,7 @@ SIM_THREADS = 8
 PEER_STORES_ENV = "EP_RUNTIME_PEER_STORES"
 #: Environment variable choosing how the expanded dispatch_wait copies rows (read when a runtime
 #: is built): ``auto`` (default) fuses the copy into the dispatch_wait kernel for bf16 tokens
+#: in a route-first runtime (its placing block, then every block copying token-major: v30), or
 #: when ``max_tokens_per_rank <= FUSED_COPY_MAX_TOKENS`` (decode sizes: one launch, no
 #: dispatch_copy), ``1`` fuses it for bf16 at any size, ``0`` never (EPRuntime.fused_copy).
 FUSED_COPY_ENV = "EP_RUNTIME_FUSED_COPY"
@@ -111,7 +112,8 @@ class EPRuntime:
     fused_copy : bool
         Whether the expanded ``dispatch_wait`` copies the rows in its own kernel (one launch)
         instead of a following ``dispatch_copy`` (``EP_RUNTIME_FUSED_COPY``; bf16 tokens at
-        decode sizes by default; never in a placing runtime, whose dispatch_wait places nothing).
+        decode sizes or in a route-first runtime by default; never in a placing runtime, whose
+        dispatch_wait places nothing).
     copy_engine : bool
         Whether token rows reach the peers by copy-engine copies beside dispatch_async instead
         of its warps' stores (``EP_RUNTIME_TOKEN_TRANSFER=copy_engine``, bf16 tokens on NVLink
@@ -232,7 +234,7 @@ class EPRuntime:
         # placement and copy in one dispatch_wait; a placing runtime places in dispatch_async, so
         # dispatch_copy copies (fused copies serve decode sizes, placing large batches: by default
         # the two never meet)
-        self.fused_copy = _fused_copy(cfg) and not self.dispatch_place and not self.dispatch_route_first
+        self.fused_copy = _fused_copy(cfg, self.dispatch_route_first) and not self.dispatch_place
         self._pad_multiple = np.int64(cfg.pad_multiple)
         wait_scalars = dict(pad_multiple=self._pad_multiple, timeout_ns=self._timeout_ns)
         self._fixed = {}
@@ -242,7 +244,7 @@ class EPRuntime:
         self._wait_scalars = wait_scalars  # (dispatch_land is prepared with each call's tokens: _prepare_dispatch_async)
         self._land: tuple = ()  # the last dispatch_async's dispatch_land launches
         self._no_tokens = session.alloc_local("unused tokens", (0, cfg.hidden), np.uint16)
-        if self.fused_copy:
+        if self.fused_copy:  # (route first: the whole grid, its first block placing; kernels/dispatch.py)
             self._fixed["dispatch_wait", "copy"] = self._prepare("dispatch_wait", copy_rows=_INT64[1], **wait_scalars)
         for scales in SCALE_LAYOUTS:
             self._fixed["dispatch_copy", scales] = self._prepare("dispatch_copy",
@@ -755,11 +757,13 @@ def _built(key: tuple, build):
 
 
 
-def _fused_copy(cfg: EPConfig) -> bool:
+def _fused_copy(cfg: EPConfig, route_first: bool) -> bool:
     """Whether the expanded dispatch_wait copies the rows itself (one launch, no dispatch_copy):
     bf16 tokens only (the FP8 scales are laid out by dispatch_copy), per ``EP_RUNTIME_FUSED_COPY``
-    (``auto``: batch capacity <= FUSED_COPY_MAX_TOKENS per rank, where launches and fixed costs
-    outweigh reading each received row once per local expert instead of once)."""
+    (``auto``: a route-first runtime, whose copy is dispatch_copy's token-major one after its
+    placing block, v30; otherwise batch capacity <= FUSED_COPY_MAX_TOKENS per rank, where
+    launches and fixed costs outweigh reading each received row once per local expert instead
+    of once)."""
     if cfg.token_format.quantized:
         return False
     choice = os.environ.get(FUSED_COPY_ENV, "auto").strip().lower()
@@ -769,7 +773,7 @@ def _fused_copy(cfg: EPConfig) -> bool:
         return True
     if choice != "auto":
         raise EPConfigError(f"{FUSED_COPY_ENV}={choice!r}; expected auto, 1 or 0 (unset means auto).")
-    return cfg.max_tokens_per_rank <= FUSED_COPY_MAX_TOKENS
+    return route_first or cfg.max_tokens_per_rank <= FUSED_COPY_MAX_TOKENS
 
 def _kernels_for(threads: int, word, quantized: bool = False, ue8m0: bool = False,
                  f32_partials: bool = False, paths: SendPaths = SendPaths()) -> dict:

@@ -43,12 +43,15 @@ COUNTER_COMBINE_ROW_FLAG = 5
 COUNTER_ROUTE_SIGNAL = 6
 COUNTER_DISPATCH_ROW_FLAG = 7
 COUNTER_ROUTE_CHUNK = 8
+COUNTER_DISPATCH_PLACED = 9
 COUNTER_NAMES = {COUNTER_DISPATCH_SIGNAL: "dispatch_signal", COUNTER_COMBINE_SIGNAL: "combine_signal",
                  COUNTER_RECV_ROWS: "expert-batch rows", COUNTER_TOKEN_CREDIT: "dispatch_token_credit",
                  COUNTER_COMBINE_ROW_FLAG: "combine_row_flag", COUNTER_ROUTE_SIGNAL: "dispatch_route_signal",
-                 COUNTER_DISPATCH_ROW_FLAG: "dispatch_row_flag", COUNTER_ROUTE_CHUNK: "dispatch_route_chunk"}
+                 COUNTER_DISPATCH_ROW_FLAG: "dispatch_row_flag", COUNTER_ROUTE_CHUNK: "dispatch_route_chunk",
+                 COUNTER_DISPATCH_PLACED: "dispatch_placed"}
 #: Counters without a group axis (cumulative over calls): a timeout names them without ``[g]``.
-UNGROUPED_COUNTERS = (COUNTER_TOKEN_CREDIT, COUNTER_COMBINE_ROW_FLAG, COUNTER_DISPATCH_ROW_FLAG, COUNTER_ROUTE_CHUNK)
+UNGROUPED_COUNTERS = (COUNTER_TOKEN_CREDIT, COUNTER_COMBINE_ROW_FLAG, COUNTER_DISPATCH_ROW_FLAG, COUNTER_ROUTE_CHUNK,
+                      COUNTER_DISPATCH_PLACED)
 #: Per-row flags: a timeout's observed value holds the token in its high 32 bits.
 ROW_FLAG_COUNTERS = (COUNTER_COMBINE_ROW_FLAG, COUNTER_DISPATCH_ROW_FLAG)
 #: Per-chunk flags: a timeout's observed value holds the routing chunk in its high 32 bits.
@@ -74,6 +77,13 @@ def error_from_status(status: np.ndarray, timeout_s: float) -> EPError | None:
         elif int(status[STATUS_COUNTER]) in CHUNK_FLAG_COUNTERS:  # the routing chunk: observed's high bits
             where = f"[{peer}, chunk {observed >> 32}]"
             observed &= 0xFFFFFFFF
+        if int(status[STATUS_COUNTER]) == COUNTER_DISPATCH_PLACED:  # a block of this rank, not a peer
+            return EPTimeoutError(
+                f"rank {rank}: {kernel} of call {call - 1} timed out after {3 * timeout_s:g} s waiting for its "
+                f"placing block: {counter}[0] expected >= {expected} (call {call - 1} placed), observed "
+                f"{observed}. The placing block publishes even when it fails, so it never ran: a block "
+                f"scheduling fault, or the kernel was launched without the route-first dispatch_async. The "
+                f"runtime refuses further calls until reset() or close().")
         return EPTimeoutError(
             f"rank {rank}: {kernel} of call {call - 1} timed out after {timeout_s:g} s waiting for rank "
             f"{peer}: {counter}{group}{where} expected >= {expected}, observed {observed}. "

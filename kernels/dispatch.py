@@ -10,7 +10,8 @@ credits) and ``me`` this rank; ``W = H / pack`` words per token row (token rows 
 as words of ``pack`` bf16 values: :func:`ep_runtime.layout.token_word`). See docs/protocol.md
 for the timeline. The host's ``dispatch_wait`` enqueues ``dispatch_wait`` then ``dispatch_copy``:
 the kernel boundary is the grid-wide barrier between "every row's position is known" and
-"copy each received row once to all its expert rows".
+"copy each received row once to all its expert rows" (a route-first runtime's dispatch_wait
+does both in one launch instead: its placing block publishes ``dispatch_placed``, v30).
 """
 
 from numba import float32, int32, int64, uint32, uint64
@@ -30,9 +31,9 @@ from ep_runtime.kernels.vec import (address_of, load_u32_at, make_pair_loops, pa
 from ep_runtime.layout import (DISPATCH_FLAG_PARTS, LAND_CALLS, LAND_CLAIMS, LAND_TICKET, PEER_COUNTS, PEER_IDS,
                               PEER_RANKS, PEER_TOKENS, PEER_WEIGHTS, SIGNAL_TOKEN_BITS, STATUS_CODE, SYNC_CALLS,
                               SYNC_ROUTE_TICKET, SYNC_TICKET)
-from ep_runtime.status import (COUNTER_DISPATCH_ROW_FLAG, COUNTER_DISPATCH_SIGNAL, COUNTER_RECV_ROWS,
-                               COUNTER_ROUTE_CHUNK, COUNTER_ROUTE_SIGNAL, COUNTER_TOKEN_CREDIT, ERR_CAPACITY,
-                               ERR_TIMEOUT,
+from ep_runtime.status import (COUNTER_DISPATCH_PLACED, COUNTER_DISPATCH_ROW_FLAG, COUNTER_DISPATCH_SIGNAL,
+                               COUNTER_RECV_ROWS, COUNTER_ROUTE_CHUNK, COUNTER_ROUTE_SIGNAL, COUNTER_TOKEN_CREDIT,
+                               ERR_CAPACITY, ERR_TIMEOUT,
                                KERNEL_DISPATCH_ASYNC, KERNEL_DISPATCH_LAND, KERNEL_DISPATCH_WAIT)
 
 #: Words of a row each lane loads before storing any in dispatch_copy (memory-level
@@ -45,6 +46,11 @@ COPY_UNROLL = 8
 #: flight, twice the send loops' ``COPY_UNROLL // 2`` (2 x H200, T=4096: the expanded
 #: dispatch's copy moved ~25 GB/s per SM with 64 bytes per lane; docs/throughput.md, "v27").
 COPY_PAIRS = 8
+
+#: The same for the copy inside a route-first dispatch_wait (``expand_rows_in_wait``): that
+#: kernel's placement leaves fewer registers, and 8 pairs spilled there (ptxas: 96 bytes of
+#: stack); 4 pairs fit with no spill (v30; on 2 x H100 the two measured alike at T <= 128).
+WAIT_COPY_PAIRS = 4
 
 #: Items per warp dispatch_async's bf16 token loop aims at when a batch has a row for every warp
 #: (``send_warps``): the rows are cut into parts so that the transfer's last round, in which the
@@ -132,7 +138,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
     UP = U // 2  # word pairs per lane in flight
     load_pairs, store_pairs, store_pairs_at = make_pair_loops(UP, warp)
     CP = COPY_PAIRS  # copy_to_rows' word pairs per lane in flight
-    copy_load_pairs, copy_store_pairs, _ = make_pair_loops(CP, warp)
+    WCP = WAIT_COPY_PAIRS  # ... in a route-first dispatch_wait's copy
     SW = RANK_WINDOW
     RANK_WORDS = warps * SW  # the routing block's shared masks and rows (a compile-time size)
     HELD_WORDS = warps * HELD_SCALES  # the FP8 encoder's held scales (a compile-time size)
@@ -142,6 +148,9 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
     RW = RECV_WINDOW
     RECV_WORDS = warps * RW if FIRST else 1  # a route-first dispatch_wait's masks and warp rows
     RECV_NEXT = RW if FIRST else 1
+    # a route-first dispatch_wait may copy the expanded layout itself (bf16 only: the FP8 scales
+    # are laid out by dispatch_copy)
+    FIRST_COPY = FIRST and not QUANT
 
     @cuda.jit(device=True)
     def padded(rows, pad_multiple):
@@ -219,28 +228,38 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         return (expert_x.shape[1] % 2 == 0 and d_tokens.shape[2] % 2 == 0 and pairs_aligned(d_tokens)
                 and pairs_aligned(expert_x))
 
-    @cuda.jit(device=True)
-    def copy_to_rows(src, rows, n_local, expert_x, w0, w1, pairs, lane, lo, hi, vals):
-        """Every lane of one warp: words ``[w0, w1)`` of the received row ``src`` into the
-        ``n_local`` expert rows ``expert_x[rows[j]]``, each word loaded once: ``CP`` word pairs
-        per lane in flight when ``pairs`` (w0, w1 even; lo, hi local [CP]), else ``U`` words."""
-        w = w0 + 2 * lane
-        while pairs and w < w1:
-            copy_load_pairs(src, w, w1, lo, hi)
-            for j in range(n_local):
-                copy_store_pairs(expert_x[rows[j]], w, w1, lo, hi)
-            w += 2 * CP * warp
-        w = w0 + lane
-        while not pairs and w < w1:
-            for u in range(U):
-                if w + u * warp < w1:
-                    vals[u] = src[w + u * warp]
-            for j in range(n_local):
-                dst = expert_x[rows[j]]
+    def make_copy_to_rows(cp):
+        """``copy_to_rows`` with ``cp`` word pairs per lane in flight (``COPY_PAIRS``, or
+        ``WAIT_COPY_PAIRS`` in a kernel with fewer registers to spare)."""
+        load_cp, store_cp, _ = make_pair_loops(cp, warp)
+
+        @cuda.jit(device=True)
+        def copy_to_rows(src, rows, n_local, expert_x, w0, w1, pairs, lane, lo, hi, vals):
+            """Every lane of one warp: words ``[w0, w1)`` of the received row ``src`` into the
+            ``n_local`` expert rows ``expert_x[rows[j]]``, each word loaded once: ``cp`` word
+            pairs per lane in flight when ``pairs`` (w0, w1 even; lo, hi local [cp]), else ``U``
+            words."""
+            w = w0 + 2 * lane
+            while pairs and w < w1:
+                load_cp(src, w, w1, lo, hi)
+                for j in range(n_local):
+                    store_cp(expert_x[rows[j]], w, w1, lo, hi)
+                w += 2 * cp * warp
+            w = w0 + lane
+            while not pairs and w < w1:
                 for u in range(U):
                     if w + u * warp < w1:
-                        dst[w + u * warp] = vals[u]
-            w += U * warp
+                        vals[u] = src[w + u * warp]
+                for j in range(n_local):
+                    dst = expert_x[rows[j]]
+                    for u in range(U):
+                        if w + u * warp < w1:
+                            dst[w + u * warp] = vals[u]
+                w += U * warp
+
+        return copy_to_rows
+
+    copy_to_rows = make_copy_to_rows(CP)
 
     @cuda.jit(device=True)
     def await_sources(d_sig, g, n, timeout_ns, status, kernel, counter, src_T, flag):
@@ -1232,6 +1251,103 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         cuda.syncthreads()  # read by every thread before the buffer is used again
         return total
 
+    def make_expand_rows(copy_rows_of):
+        """``expand_rows`` copying with ``copy_rows_of`` (a ``copy_to_rows``)."""
+
+        @cuda.jit(device=True)
+        def expand_rows(d_tokens, d_ids, d_counts, g, token_rows, row_offsets, expert_counts, expert_x, status,
+                        d_tokens8, expert_scales8, SBYTES, scales_col_major, lo, hi, vals):
+            """Every thread of the grid, once every row of call group g is described (token_rows,
+            row_offsets, expert_counts) and every token row is in: copy each received row once to
+            all its expert rows, then zero the padding rows (dispatch_copy, and the copying blocks
+            of a route-first dispatch_wait).
+
+            Token-major: a warp per received row part (``row_parts``: whole rows for large
+            batches; source s's T from ``d_counts[g, s, L]``) reads each word once and stores it to
+            the token's n_local expert rows (``copy_to_rows``). Then a warp per local expert
+            zeroes its padding rows. FP8 token formats (``d_tokens8``, ``expert_scales8``,
+            ``SBYTES`` scale bytes per row, ``scales_col_major``: dispatch_copy's): the warp
+            holding a row's first part lays its scale bytes out; padding rows get zero scales.
+            Scratch: lo, hi local [CP] (``WCP`` for ``expand_rows_in_wait``), vals local [U]."""
+            stamp_first(status, 12)
+            me = shmem.my_pe()
+            R = d_counts.shape[1]
+            L = d_counts.shape[2] - 1
+            W = expert_x.shape[1]
+            C = expert_x.shape[0]
+            pairs = copy_in_pairs(d_tokens, expert_x)
+            lane = cuda.threadIdx.x % warp
+            first_warp = cuda.blockIdx.x * warps + cuda.threadIdx.x // warp
+            all_warps = cuda.gridDim.x * warps
+
+            for s in range(R):
+                T_s = d_counts[g, s, L]
+                parts = row_parts(T_s, W, all_warps, warp)
+                span = part_words(W, parts, warp)
+                i = first_warp
+                while i < T_s * parts:
+                    t, w0, w1 = part_bounds(i, parts, span, W)
+                    n_local = local_expert_count(d_ids[g, s, t], L, me)
+                    copy_rows_of(d_tokens[s, t], token_rows[s, t], n_local, expert_x, w0, w1, pairs, lane, lo, hi,
+                                 vals)
+                    if QUANT:
+                        if w0 == 0:
+                            for j in range(n_local):
+                                store_scales(d_tokens8[s, t], W * 8, SBYTES, expert_scales8, token_rows[s, t, j], C,
+                                             scales_col_major, lane, 0)
+                    i += all_warps
+
+            e = first_warp
+            while e < L:
+                for r in range(row_offsets[e] + expert_counts[e], row_offsets[e + 1]):
+                    for w in range(lane, W, warp):
+                        expert_x[r, w] = 0
+                    if QUANT:
+                        store_scales(d_tokens8[0, 0], W * 8, SBYTES, expert_scales8, r, C, scales_col_major, lane, 1)
+                e += all_warps
+            stamp_last(status, 13)
+
+        return expand_rows
+
+    expand_rows = make_expand_rows(copy_to_rows)
+    expand_rows_in_wait = make_expand_rows(make_copy_to_rows(WCP))
+
+    @cuda.jit(device=True)
+    def publish_placed(d_placed, n, ok):
+        """Every thread of the placing block of a copying route-first dispatch_wait, once it has
+        described every row and seen every token row (``ok``), or failed: the block meets,
+        thread 0 fences at GPU scope (what the block wrote, and what its acquire loads saw of
+        the peers' stores, before the flag: the readers are blocks of this GPU) and sets
+        ``d_placed[0]`` to ``(n + 1) << 1``, plus 1 if it failed (the copying blocks then copy
+        nothing; the error is recorded), by an atomic exchange (no NVSHMEM call: the flag is
+        this rank's own)."""
+        cuda.syncthreads()
+        if cuda.threadIdx.x == 0:
+            cuda.threadfence()
+            cuda.atomic.exch(d_placed, 0, (uint64(n + 1) << uint64(1)) | uint64(0 if ok else 1))
+
+    @cuda.jit(device=True)
+    def await_placed_rows(d_placed, n, timeout_ns, status, flag):
+        """Every thread of a block of a copying route-first dispatch_wait: thread 0 waits until the
+        placing block published call n (``d_placed[0] >= (n + 1) << 1``, an acquire poll; the
+        block then meets, so every thread sees what the placing block wrote and saw). Bounded by
+        three times ``timeout_ns`` (the placing block's two waits are bounded by one each); a
+        timeout is recorded naming dispatch_wait, this rank and ``dispatch_placed``. Returns
+        whether the rows are placed and in (False also when the placing block failed: it
+        recorded why)."""
+        if cuda.threadIdx.x == 0:
+            want = uint64(n + 1) << uint64(1)
+            seen = shmem.wait_signal_ge(d_placed[0:1], want, 3 * timeout_ns)
+            flag[0] = 1 if seen >= want and (seen & uint64(1)) == uint64(0) else 0
+            if seen < want:
+                me = shmem.my_pe()
+                record_error(status, ERR_TIMEOUT, KERNEL_DISPATCH_WAIT, me, me, COUNTER_DISPATCH_PLACED, n + 1,
+                             int64(seen >> uint64(1)), n + 1)
+        cuda.syncthreads()
+        ok = flag[0] != 0
+        cuda.syncthreads()  # flag read by every thread before it is used again
+        return ok
+
     @cuda.jit(device=True)
     def place_from_routing(d_ids, d_weights, d_route, d_signal, g, n, me, R, L, K, Tmax, C, timeout_ns, status,
                            pad_multiple, row_offsets, expert_counts, row_src_rank, row_src_token, row_src_k,
@@ -1241,7 +1357,8 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         on the SM dispatch_async leaves: wait for every source's route signal (``d_route[g, s]``:
         its routing rows, ids and weights, are here; its T in the low half), rank and place every
         received (token, local expert) from them while the token rows still fly, then wait for
-        every source's dispatch signal (the token rows) and write recv_tokens.
+        every source's dispatch signal (the token rows) and write recv_tokens. Returns (the same
+        in every thread) whether every row is described and every token row is in.
 
         The received tokens, source 0's first, go in rounds of a token per thread; a row's
         position is its expert's first row plus its rank among all received tokens with that
@@ -1265,7 +1382,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         wid = tid // warp
         if not await_sources(d_route, g, n, timeout_ns, status, KERNEL_DISPATCH_WAIT, COUNTER_ROUTE_SIGNAL,
                              src_T, flag):
-            return
+            return False
         stamp_last(status, 35)
         Q = 0  # every source's tokens
         for s in range(R):
@@ -1292,11 +1409,10 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         if total > C:
             if tid == 0:
                 record_error(status, ERR_CAPACITY, KERNEL_DISPATCH_WAIT, me, -1, COUNTER_RECV_ROWS, C, total, n + 1)
-            return
-        if pad_multiple != 1:
-            e0, stride = expert_warps(tid)
+            return False
+        if pad_multiple != 1:  # a warp of this block per local expert (whatever the grid)
             write_segments(place, R, L, pad_multiple, row_offsets, expert_counts, row_src_rank, row_src_token,
-                           row_src_k, row_weight, row_gather, e0, stride, lane)
+                           row_src_k, row_weight, row_gather, wid, warps, lane)
         stamp_last(status, 39)
         for w0 in range(0, L, RW):  # pass 2: each row's description (one window and round: pass 1's ranks)
             if again:
@@ -1315,18 +1431,20 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                                row_gather, token_rows)
                 cuda.syncthreads()  # the masks read before the next round clears them
         stamp_last(status, 36)
-        if await_sources(d_signal, g, n, timeout_ns, status, KERNEL_DISPATCH_WAIT, COUNTER_DISPATCH_SIGNAL, src_T,
-                         flag):
+        ok = await_sources(d_signal, g, n, timeout_ns, status, KERNEL_DISPATCH_WAIT, COUNTER_DISPATCH_SIGNAL, src_T,
+                           flag)
+        if ok:
             stamp_last(status, 9)
             for s in range(tid, R, threads):
                 recv_tokens[s] = src_T[s]
         stamp_last(status, 11)
+        return ok
 
     @kernel_jit(threads)
     def dispatch_wait(d_ids, d_weights, d_counts, d_ranks, d_signal, sync,
                       row_offsets, expert_counts, row_src_rank, row_src_token, row_src_k,
                       row_weight, row_gather, recv_tokens, token_rows, status, pad_multiple, timeout_ns,
-                      d_tokens, expert_x, copy_rows, combine_claims, land_sync, d_route):
+                      d_tokens, expert_x, copy_rows, combine_claims, land_sync, d_route, d_placed):
         """Wait for every source rank, then place every received (token, local expert) pair.
 
         Symmetric inputs as in dispatch_async (group g of the last call): d_counts [G, R, L + 1]
@@ -1379,7 +1497,13 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         source's routing, ranks and places every received row from the routing rows alone while
         the token rows still fly (``place_from_routing``: d_counts and d_ranks are not read),
         then waits for the dispatch signals and writes recv_tokens; its dependency wait comes
-        last. copy_rows is ignored (dispatch_copy follows for the expanded layout).
+        last. With copy_rows nonzero (bf16; the expanded layout, v30) the runtime launches it on the
+        whole grid instead, and it copies too, in one launch: the block that takes the first
+        ticket places as above and then sets ``d_placed`` (uint64 symmetric [1],
+        ``dispatch_placed``: ``(n + 1) << 1``, plus 1 if it failed), and every block waits for
+        that and then copies each received row to its expert rows, token-major, as
+        dispatch_copy does (``expand_rows``). Without copy_rows it launches one block, and
+        dispatch_copy follows for the expanded layout (FP8 formats, ``EP_RUNTIME_FUSED_COPY=0``).
         """
         flag = cuda.shared.array(1, int32)
         scan_buf = cuda.shared.array(threads, int32)
@@ -1393,6 +1517,10 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         next_rank = cuda.shared.array(RECV_NEXT, int32)  # ... and the next round's
         lo = cuda.local.array(UP, uint64)
         hi = cuda.local.array(UP, uint64)
+        ticket = cuda.shared.array(1, int32)  # route-first builds: the block's ticket (0: it places)
+        copy_lo = cuda.local.array(WCP, uint64)  # a route-first build's copy (expand_rows_in_wait)
+        copy_hi = cuda.local.array(WCP, uint64)
+        copy_vals = cuda.local.array(U, uint64)
         pdl.trigger_dependents()
         if EARLY:  # placing builds: the rows awaited while dispatch_async still runs (v27)
             await_placed(d_signal, land_sync, recv_tokens, combine_claims, status, timeout_ns, src_items, flag)
@@ -1406,9 +1534,14 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         tid = cuda.threadIdx.x
         cuda.syncthreads()  # every thread has read n before thread 0 may advance it
         if tid == 0:  # every block has read n: the last one advances it for the next call
-            if cuda.atomic.add(land_sync, LAND_TICKET, int64(1)) == cuda.gridDim.x - 1:
+            ticket[0] = cuda.atomic.add(land_sync, LAND_TICKET, int64(1))
+            if ticket[0] == cuda.gridDim.x - 1:
                 land_sync[LAND_TICKET] = 0
                 land_sync[LAND_CALLS] = n + 1
+        if FIRST_COPY:
+            cuda.syncthreads()  # the ticket seen by every thread
+            if code != 0 and ticket[0] == 0:  # the copying blocks are not left waiting
+                publish_placed(d_placed, n, False)
         if code != 0:
             pdl.dependency_wait()
             return
@@ -1424,12 +1557,25 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         if cuda.blockIdx.x == 0 and tid == 0:
             combine_claims[g] = 0  # rows this call's combine_wait claims (flagged rows)
             land_sync[LAND_CLAIMS + 1 - g] = 0  # a dispatch_land's claims (their last user, call n - 1, has completed)
-        if FIRST:  # one block (the runtime launches one): placed from the routing rows while the rows fly
-            if cuda.blockIdx.x == 0:
-                place_from_routing(d_ids, d_weights, d_route, d_signal, g, n, me, R, L, K, Tmax, C, timeout_ns,
-                                   status, pad_multiple, row_offsets, expert_counts, row_src_rank, row_src_token,
-                                   row_src_k, row_weight, row_gather, recv_tokens, token_rows, src_items, flag, place,
-                                   sum_buf, masks, warp_rows, next_rank)
+        if FIRST:  # placed from the routing rows by one block while the rows fly
+            placer = cuda.blockIdx.x == 0
+            if FIRST_COPY:
+                placer = ticket[0] == 0  # the first block to run (it cannot wait for one that never runs)
+            ok = True
+            if placer:
+                ok = place_from_routing(d_ids, d_weights, d_route, d_signal, g, n, me, R, L, K, Tmax, C, timeout_ns,
+                                        status, pad_multiple, row_offsets, expert_counts, row_src_rank,
+                                        row_src_token, row_src_k, row_weight, row_gather, recv_tokens, token_rows,
+                                        src_items, flag, place, sum_buf, masks, warp_rows, next_rank)
+            if FIRST_COPY:
+                if copy_rows != 0:  # the expanded layout in one launch: every block copies once it is placed
+                    if placer:
+                        publish_placed(d_placed, n, ok)
+                    else:  # idle until dispatch_async completes, not polling beside its blocks
+                        pdl.dependency_wait()
+                    if await_placed_rows(d_placed, n, timeout_ns, status, flag):
+                        expand_rows_in_wait(d_tokens, d_ids, d_counts, g, token_rows, row_offsets, expert_counts,
+                                            expert_x, status, d_tokens, d_tokens, 0, 0, copy_lo, copy_hi, copy_vals)
             pdl.dependency_wait()  # completes after dispatch_async: stream order for what follows
             return
 
@@ -1719,10 +1865,9 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         dispatch_wait wrote them; expert_x [C, W] words (output). Runs after dispatch_wait on
         the same stream (the launch boundary orders them) and reads only what it waited for.
 
-        Token-major: a warp per received row part (``row_parts``: whole rows for large batches)
-        reads each word once and stores it to the token's n_local expert rows, ``COPY_UNROLL``
-        words per lane in flight.
-        Then a warp per local expert zeroes its padding rows.
+        Token-major (``expand_rows``, ``COPY_PAIRS`` word pairs per lane in flight): a warp per
+        received row part reads each word once and stores it to the token's n_local expert
+        rows; then a warp per local expert zeroes its padding rows.
 
         FP8 token formats: d_tokens holds messages ([R, Tmax, MW] words; d_tokens8 a uint8
         view); the first ``P = expert_x.shape[1]`` words of each (the codes) go to expert_x as
@@ -1737,44 +1882,11 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         pdl.dependency_wait()  # nothing stream-ordered is read before this (kernels/pdl.py)
         if status[STATUS_CODE] != 0:
             return
-        stamp_first(status, 12)
-        me = shmem.my_pe()
-        R = d_counts.shape[1]
-        L = d_counts.shape[2] - 1
-        W = expert_x.shape[1]
-        C = expert_x.shape[0]
-        pairs = copy_in_pairs(d_tokens, expert_x)
-        SBYTES = expert_scales8.shape[0] // C if C > 0 else 0  # scale bytes per row (FP8 formats)
         n = sync[SYNC_CALLS] - 1
-        g = n % 2
-        lane = cuda.threadIdx.x % warp
-        first_warp = cuda.blockIdx.x * warps + cuda.threadIdx.x // warp
-        all_warps = cuda.gridDim.x * warps
-
-        for s in range(R):
-            T_s = d_counts[g, s, L]
-            parts = row_parts(T_s, W, all_warps, warp)
-            span = part_words(W, parts, warp)
-            i = first_warp
-            while i < T_s * parts:
-                t, w0, w1 = part_bounds(i, parts, span, W)
-                n_local = local_expert_count(d_ids[g, s, t], L, me)
-                copy_to_rows(d_tokens[s, t], token_rows[s, t], n_local, expert_x, w0, w1, pairs, lane, lo, hi, vals)
-                if QUANT and w0 == 0:
-                    for j in range(n_local):
-                        store_scales(d_tokens8[s, t], W * 8, SBYTES, expert_scales8, token_rows[s, t, j], C,
-                                     scales_col_major, lane, 0)
-                i += all_warps
-
-        e = first_warp
-        while e < L:
-            for r in range(row_offsets[e] + expert_counts[e], row_offsets[e + 1]):
-                for w in range(lane, W, warp):
-                    expert_x[r, w] = 0
-                if QUANT:
-                    store_scales(d_tokens8[0, 0], W * 8, SBYTES, expert_scales8, r, C, scales_col_major, lane, 1)
-            e += all_warps
-        stamp_last(status, 13)
+        C = expert_x.shape[0]
+        SBYTES = expert_scales8.shape[0] // C if C > 0 else 0  # scale bytes per row (FP8 formats)
+        expand_rows(d_tokens, d_ids, d_counts, n % 2, token_rows, row_offsets, expert_counts, expert_x, status,
+                    d_tokens8, expert_scales8, SBYTES, scales_col_major, lo, hi, vals)
 
     # each waits for its predecessor on the device first: launchable with PDL (dispatch_signal
     # follows a join with the side stream, a full dependency: launched without PDL)

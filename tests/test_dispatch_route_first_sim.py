@@ -5,18 +5,22 @@ With ``EP_RUNTIME_DISPATCH_ROUTE_FIRST=1`` dispatch_async's routing block sends 
 (ids, weights) and T to every rank and signals them (``dispatch_route_signal``) before anything
 else, and ranks nothing; dispatch_wait, one block, waits for every source's routing, ranks and
 places every received row from the routing rows alone, then waits for the token rows' signal.
-The expanded layout's copy is dispatch_copy's. The simulator's receive window is 4 local experts
+The expanded layout's copy is dispatch_wait's own (v30: the kernel on the whole grid, its first
+block placing, then every block copying token-major once it has published ``dispatch_placed``),
+or dispatch_copy's with ``EP_RUNTIME_FUSED_COPY=0``. The simulator's receive window is 4 local experts
 and its blocks have a few warps, so its configurations take several windows and rounds (the
 GPU's common case, one window and one round, reuses pass 1's masks: the configurations with at
 most 4 local experts and few tokens take that branch too). They check:
 
 - both layouts' batches (every field) and the combine after them, bit-identical to the reference
-  and to the dispatch_wait path (``EP_RUNTIME_DISPATCH_ROUTE_FIRST=0``), over calls mixing the
+  and to the dispatch_wait path (``EP_RUNTIME_DISPATCH_ROUTE_FIRST=0``), with either copy (one
+  launch, or dispatch_copy after it), over calls mixing the
   awkward routings (a rank with no tokens, no token anywhere, an expert with none, every token
   to one expert), at 2 and 3 ranks, top-k 1, padding, the token count from a device scalar,
   rows without word pairs, many local experts (several windows) and many tokens (several
   rounds), and FP8 (E4M3) tokens;
 - the route signals: after call c, ``dispatch_route_signal[c % 2, s]`` is ``(c + 1) << 32 | T_s``;
+  the placed flag: ``dispatch_placed`` is ``(c + 1) << 1`` after every call of a copying runtime;
 - a rank that never dispatches times dispatch_wait out naming ``dispatch_route_signal``; too many
   rows is a capacity error naming dispatch_wait; ranks that disagree are refused; the knob.
 """
@@ -31,6 +35,7 @@ import pytest
 from ep_runtime import reference
 from ep_runtime.config import EPConfig
 from ep_runtime.dispatch_overlap import ROUTE_FIRST_ENV
+from ep_runtime.runtime import FUSED_COPY_ENV
 from ep_runtime.shmem.launch import run_pes
 from ep_runtime.testing import (KNOB_SCENARIOS, assert_fp8_runs_agree, assert_runs_agree, capacity_pe,
                                 expert_outputs, fp8_knob_pe, knob_disagreement_pe, knob_inputs, knob_round_trips,
@@ -51,19 +56,22 @@ def call_inputs(cfg: EPConfig, call: int):
 
 
 # -- per-rank bodies ------------------------------------------------------------------------------
-def cycle_pe(session, first: str, cfg: EPConfig, device_count: bool) -> dict:
-    """CALLS round trips on one runtime (layouts mixed): each call's batch, its combine output and
-    the route signals after it. ``device_count``: capacity-sized inputs, the token count a device
-    scalar (``n_tokens``), as a captured CUDA graph passes it."""
+def cycle_pe(session, first: str, fused: str, cfg: EPConfig, device_count: bool) -> dict:
+    """CALLS round trips on one runtime (layouts mixed), with ``EP_RUNTIME_DISPATCH_ROUTE_FIRST``
+    = ``first`` and ``EP_RUNTIME_FUSED_COPY`` = ``fused``: each call's batch, its combine output,
+    the route signals and the placed flag after it. ``device_count``: capacity-sized inputs, the
+    token count a device scalar (``n_tokens``), as a captured CUDA graph passes it."""
     from ep_runtime.runtime import EPRuntime
 
     os.environ[ROUTE_FIRST_ENV] = first
+    os.environ[FUSED_COPY_ENV] = fused
     with EPRuntime(cfg, session) as rt:
         assert rt.dispatch_route_first == (first == "1") and not rt.dispatch_land and not rt.dispatch_place
-        assert not (rt.dispatch_route_first and rt.fused_copy), "a route-first runtime fused the expanded copy"
+        if rt.dispatch_route_first:  # auto: the route-first runtime copies in dispatch_wait
+            assert rt.fused_copy == (fused != "0"), (fused, rt.fused_copy)
         calls = knob_round_trips(session, rt, cfg, CALLS, call_inputs, layout_of, device_count,
-                                 ("dispatch_route_signal",))
-    return {"calls": calls}
+                                 ("dispatch_route_signal", "dispatch_placed"))
+    return {"calls": calls, "fused_copy": rt.fused_copy}
 
 
 def fp8_cfg() -> EPConfig:
@@ -93,34 +101,55 @@ def silent_peer_pe(session) -> dict:
 
 
 # -- parent side ------------------------------------------------------------------------------------
-#: name: (ranks, config changes, device count)
+#: name: (ranks, config changes, device count, also with dispatch_copy)
 CYCLE_CASES = {
-    "R2": (2, {}, False),
-    "R3-top1-pad4": (3, {"top_k": 1, "pad_multiple": 4}, False),
-    "R2-device-count": (2, {}, True),
-    "R2-hidden5": (2, {"hidden": 5}, False),  # uint16 words: no word pairs
+    "R2": (2, {}, False, True),
+    "R3-top1-pad4": (3, {"top_k": 1, "pad_multiple": 4}, False, True),
+    "R2-device-count": (2, {}, True, False),
+    "R2-hidden5": (2, {"hidden": 5}, False, False),  # uint16 words: no word pairs
     # 6 local experts (two windows of 4) and up to 3 x 40 tokens (several rounds), padding
     "R3-windows-rounds-pad3": (3, {"n_experts": 18, "top_k": 4, "max_tokens_per_rank": 40, "pad_multiple": 3},
-                               False),
+                               False, True),
 }
 
 
 @pytest.fixture(scope="module", params=list(CYCLE_CASES))
 def cycles(request):
-    R, changes, device_count = CYCLE_CASES[request.param]
+    R, changes, device_count, split = CYCLE_CASES[request.param]
     cfg = base_cfg(R, **changes)
-    first = run_pes(cycle_pe, R, args=("1", cfg, device_count), timeout_s=RUN_TIMEOUT_S)
-    waited = run_pes(cycle_pe, R, args=("0", cfg, device_count), timeout_s=RUN_TIMEOUT_S)
-    return cfg, first, waited
+    first = run_pes(cycle_pe, R, args=("1", "auto", cfg, device_count), timeout_s=RUN_TIMEOUT_S)
+    waited = run_pes(cycle_pe, R, args=("0", "auto", cfg, device_count), timeout_s=RUN_TIMEOUT_S)
+    copied = run_pes(cycle_pe, R, args=("1", "0", cfg, device_count), timeout_s=RUN_TIMEOUT_S) if split else None
+    return cfg, first, waited, copied
 
 
 def test_route_first_batches_equal_the_reference_and_dispatch_wait(cycles):
-    cfg, first, waited = cycles
+    cfg, first, waited, copied = cycles
+    assert all(res["fused_copy"] for res in first), "the route-first runtime did not copy in dispatch_wait"
     assert_runs_agree(cfg, first, waited, CALLS, call_inputs, layout_of, "route-first")
+    if copied is not None:  # the expanded rows copied by dispatch_copy after the one-block dispatch_wait
+        assert not any(res["fused_copy"] for res in copied)
+        assert_runs_agree(cfg, copied, waited, CALLS, call_inputs, layout_of, "route-first, dispatch_copy")
+
+
+def test_the_placed_flag_carries_every_expanded_call_of_a_copying_runtime(cycles):
+    """dispatch_placed is set by the placing block of every expanded call's dispatch_wait in a
+    copying runtime (a compact call's one block leaves it), and never by another path."""
+    cfg, first, waited, copied = cycles
+    expanded = [c for c in range(CALLS) if layout_of(c) == "expanded"]
+    assert expanded and len(expanded) < CALLS, "the calls do not mix the layouts"
+    for call in range(CALLS):
+        last = max([c for c in expanded if c <= call], default=-1)
+        for r in range(cfg.n_ranks):
+            placed = first[r]["calls"][call]["dispatch_placed"]
+            assert int(placed[0]) == (last + 1) << 1, (r, call, placed)
+            assert int(waited[r]["calls"][call]["dispatch_placed"][0]) == 0
+            if copied is not None:  # one block, compact or expanded: it publishes nothing
+                assert int(copied[r]["calls"][call]["dispatch_placed"][0]) == 0
 
 
 def test_every_route_signal_carries_the_call_and_its_token_count(cycles):
-    cfg, first, waited = cycles
+    cfg, first, waited, _ = cycles
     for call in range(CALLS):
         xs, _, _ = call_inputs(cfg, call)
         want = np.array([(call + 1) << 32 | len(x) for x in xs], np.uint64)
@@ -204,3 +233,24 @@ def test_knob(monkeypatch):
         monkeypatch.setenv(ROUTE_FIRST_ENV, bad)
         with pytest.raises(EPConfigError, match=ROUTE_FIRST_ENV):
             routing_first(small, True, False, False, False, True)
+
+
+def test_the_expanded_copy_choice(monkeypatch):
+    """``EP_RUNTIME_FUSED_COPY=auto`` copies in dispatch_wait in every bf16 route-first runtime
+    (its copy is dispatch_copy's token-major one, v30), otherwise only up to
+    FUSED_COPY_MAX_TOKENS per rank; never for FP8 (dispatch_copy lays the scales out); 0 never,
+    1 always (bf16)."""
+    from ep_runtime.runtime import FUSED_COPY_MAX_TOKENS, _fused_copy
+
+    def cfg(**kw):
+        return EPConfig(**{**dict(n_ranks=2, n_experts=8, top_k=2, hidden=256, max_tokens_per_rank=128), **kw})
+
+    decode, big, fp8 = cfg(max_tokens_per_rank=FUSED_COPY_MAX_TOKENS), cfg(), cfg(token_dtype="fp8_e4m3")
+    monkeypatch.setenv(FUSED_COPY_ENV, "auto")
+    assert _fused_copy(big, True) and not _fused_copy(big, False)
+    assert _fused_copy(decode, False) and _fused_copy(decode, True)
+    assert not _fused_copy(fp8, True)
+    monkeypatch.setenv(FUSED_COPY_ENV, "0")
+    assert not _fused_copy(big, True) and not _fused_copy(decode, False)
+    monkeypatch.setenv(FUSED_COPY_ENV, "1")
+    assert _fused_copy(big, False) and not _fused_copy(fp8, False)

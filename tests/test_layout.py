@@ -53,9 +53,11 @@ DSV3_SYMMETRIC = {
     "dispatch_row_flag": ((8, 4096, 16), u64, 4_194_304, 1_419_775_232),
     # [R, ROUTE_CHUNKS] u64 (monotonic chunk flags): 8 * 8 * 8 = 512 B; 1,419,775,232 + 4,194,304 = 1,423,969,536
     "dispatch_route_chunk": ((8, 8), u64, 512, 1_423_969_536),
+    # [1] u64 (a route-first dispatch_wait's placed flag, monotonic): 8 B; 1,423,969,536 + 512 = 1,423,970,048
+    "dispatch_placed": ((1,), u64, 8, 1_423_970_048),
 }
-# 1,423,969,536 + 512 = 1,423,970,048
-DSV3_SYMMETRIC_BYTES = 1_423_970_048
+# 1,423,970,048 + 8 -> 1,423,970,304 (256-byte alignment)
+DSV3_SYMMETRIC_BYTES = 1_423_970_304
 
 DSV3_LOCAL = {
     # [3] i64: 24 B at 0
@@ -122,8 +124,9 @@ SMALL_SYMMETRIC = {
     "dispatch_route_signal": ((2, 2), u64, 32, 18944),  # [G, R] u64; 14848 + 4096 = 18944
     "dispatch_row_flag": ((2, 16, 16), u64, 4096, 19200),  # [R, T, 16] u64; 18944 + 32 -> 19200
     "dispatch_route_chunk": ((2, 8), u64, 128, 23296),  # [R, ROUTE_CHUNKS] u64; 19200 + 4096 = 23296
+    "dispatch_placed": ((1,), u64, 8, 23552),  # [1] u64; 23296 + 128 -> 23552
 }
-SMALL_SYMMETRIC_BYTES = 23552  # 23296 + 128 -> 23552 (256-byte alignment)
+SMALL_SYMMETRIC_BYTES = 23808  # 23552 + 8 -> 23808 (256-byte alignment)
 
 SMALL_LOCAL = {
     "dispatch_async_sync": ((3,), i64, 24, 0),
@@ -236,6 +239,9 @@ def test_symmetric_regions_have_leading_group_dimension(case):
         if r.name == "dispatch_token_credit":  # monotonic over calls by design: [R], no group axis
             assert r.shape == (layout.cfg.n_ranks,), r.shape
             continue
+        if r.name == "dispatch_placed":  # this rank's own monotonic flag: [1], no group or rank axis
+            assert r.shape == (1,), r.shape
+            continue
         if r.name == "dispatch_route_chunk":  # monotonic chunk flags: [R, ROUTE_CHUNKS], no group axis
             assert r.shape == (layout.cfg.n_ranks, ROUTE_CHUNKS), r.shape
             continue
@@ -255,9 +261,17 @@ def test_every_region_has_writer_readers_and_doc(case):
         assert r.doc, f"{r.name}: no doc"
 
 
+#: Symmetric only so the signal waits (and the simulator's) accept it: written by this rank's own
+#: kernel, for its own blocks.
+SELF_SIGNALLED = {"dispatch_placed"}
+
+
 def test_symmetric_regions_are_written_by_peers(case):
     layout, *_ = case
     for r in layout.symmetric_regions:
+        if r.name in SELF_SIGNALLED:
+            assert "peers" not in r.writer and r.readers == ("dispatch_wait",), f"{r.name}: {r.writer!r} {r.readers}"
+            continue
         assert "peers" in r.writer, f"{r.name}: writer {r.writer!r}"
 
 

@@ -64,7 +64,7 @@ def test_every_ep_kernel_waits_before_its_first_status_read():
     "Dispatch rows as they land", "Combine rows as they land"); dispatch_land never waits
     first (its work reads only what the previous calls completed and what peers signal) and
     waits before it exits, as does a placing build's dispatch_wait (``await_placed``, v27) and a
-    route-first build's (``place_from_routing``, v29);
+    route-first build's (``place_from_routing``, v29, and its copy, v30);
     combine_wait skips its first wait only in a call with flagged rows, and then waits before
     it exits."""
     import inspect
@@ -116,11 +116,17 @@ def test_every_ep_kernel_waits_before_its_first_status_read():
             assert "pdl.dependency_wait()" in body[sig + 2], body[sig + 2]
             waits = [j for j in range(sig) if body[j].startswith("pdl.dependency_wait()")]
             # before the signals: on an earlier call's error, or after a route-first build's
-            # placement (v29: it reads only what the routing and dispatch signals publish)
+            # placement (v29: it reads only what the routing and dispatch signals publish) and
+            # its copy (v30: what the placing block published; the batch's previous readers
+            # completed before this call's dispatch_async let this kernel start)
             first = next(j for j, ln in enumerate(body) if ln.startswith("if FIRST:"))
-            placed = next(j for j in range(first, sig) if body[j].startswith("place_from_routing("))
-            assert all(body[j + 1] == "return" and (body[j - 1] == "if code != 0:" or first < placed < j < first + 8)
-                       for j in waits), waits
+            placed = next(j for j in range(first, sig) if body[j].startswith("ok = place_from_routing("))
+            copied = next(j for j in range(placed, sig) if body[j].startswith("expand_rows_in_wait("))
+            # (the copying blocks also wait first, idle while dispatch_async sends)
+            idle = [j for j in waits if body[j - 1].startswith("else:") and placed < j < copied]
+            assert len(idle) == 1, idle
+            assert all(body[j + 1] == "return" and (body[j - 1] == "if code != 0:" or first < placed < copied < j
+                                                    < first + 26) for j in waits if j not in idle), waits
         else:
             assert "pdl.dependency_wait()" in before(lines, i, 1), f"dispatch line {i + 1}"
             assert "pdl.trigger_dependents()" in before(lines, i, 2), f"dispatch line {i + 1}"
