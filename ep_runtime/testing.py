@@ -170,6 +170,33 @@ def capacity_pe(session, env: str, value: str, cfg: EPConfig, seed: int) -> dict
     return res
 
 
+def silent_peer_pe(session, env: str, value: str, cfg: EPConfig, seed: int) -> dict:
+    """With ``env`` = ``value``, two ranks: one round trip of "random" inputs of ``seed`` on both
+    (rank 1's combine grants call 1 its token credits), then rank 1 skips its second dispatch, so
+    rank 0's call 1 waits for it until ``cfg.wait_timeout_s``: ``{"error": message}`` of rank 0's
+    EPTimeoutError (None on rank 1, or where none was raised)."""
+    import os
+
+    from . import reference
+    from .errors import EPTimeoutError
+    from .runtime import EPRuntime
+
+    os.environ[env] = value
+    r = session.rank
+    xs, ids, ws = make_inputs(cfg, "random", seed)
+    res = {"error": None}
+    with EPRuntime(cfg, session) as rt:
+        batch = rt.dispatch(xs[r].view(np.uint16), ids[r], ws[r])
+        rt.combine(expert_outputs(cfg, reference.dispatch(xs, ids, ws, cfg)[r], r), batch.handle)
+        if r == 0:
+            try:
+                rt.dispatch(xs[r].view(np.uint16), ids[r], ws[r])
+            except EPTimeoutError as exc:
+                res["error"] = str(exc)
+        session.barrier()
+    return res
+
+
 # -- the dispatch knobs' tests (landing, placing, route first): one runtime per knob value ------------
 #: The routings those tests cycle through, one a call in turn (the awkward ones included).
 KNOB_SCENARIOS = ("random", "zero_rank", "empty_expert", "one_expert")

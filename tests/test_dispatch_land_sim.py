@@ -39,7 +39,7 @@ from ep_runtime.layout import dispatch_signal_value, token_word
 from ep_runtime.shmem.launch import run_pes
 from ep_runtime.testing import (BATCH_FIELDS, KNOB_SCENARIOS, assert_batch_is_the_reference,
                                 assert_fp8_runs_agree, assert_runs_agree, capacity_pe, expert_outputs, fp8_knob_pe,
-                                knob_disagreement_pe, knob_inputs, knob_round_trips, make_inputs)
+                                knob_disagreement_pe, knob_inputs, knob_round_trips, make_inputs, silent_peer_pe)
 from ep_runtime.testing import knob_layout as layout_of
 
 RUN_TIMEOUT_S = 300
@@ -82,27 +82,6 @@ def round_trip(rt, session, cfg: EPConfig, xs, ids, ws) -> None:
     r = session.rank
     batch = rt.dispatch(xs[r].view(np.uint16), ids[r], ws[r])
     rt.combine(expert_outputs(cfg, reference.dispatch(xs, ids, ws, cfg)[r], r), batch.handle)
-
-
-def silent_peer_pe(session) -> dict:
-    """One round trip on both ranks (so rank 1's combine grants call 1 its token credits), then
-    rank 1 skips its second dispatch: rank 0's dispatch_land of call 1 times out."""
-    from ep_runtime.errors import EPTimeoutError
-    from ep_runtime.runtime import EPRuntime
-
-    os.environ[LAND_ENV] = "1"
-    r, cfg = session.rank, base_cfg(2, wait_timeout_s=1.0)
-    xs, ids, ws = make_inputs(cfg, "random", 31)
-    res = {"error": None}
-    with EPRuntime(cfg, session) as rt:
-        round_trip(rt, session, cfg, xs, ids, ws)
-        if r == 0:
-            try:
-                rt.dispatch(xs[r].view(np.uint16), ids[r], ws[r])
-            except EPTimeoutError as exc:
-                res["error"] = str(exc)
-        session.barrier()
-    return res
 
 
 def lost_flags_pe(session) -> dict:
@@ -266,7 +245,8 @@ def test_fp8_landing_equals_the_reference():
 
 
 def test_a_silent_rank_times_dispatch_land_out_naming_the_route_signal():
-    res = run_pes(silent_peer_pe, 2, timeout_s=RUN_TIMEOUT_S)
+    res = run_pes(silent_peer_pe, 2, args=(LAND_ENV, "1", base_cfg(2, wait_timeout_s=1.0), 31),
+                  timeout_s=RUN_TIMEOUT_S)
     msg = res[0]["error"]
     assert msg is not None, "no timeout"
     assert "dispatch_land of call 1" in msg and "dispatch_route_signal[1][1]" in msg and "rank 1" in msg, msg

@@ -32,14 +32,12 @@ import os
 import numpy as np
 import pytest
 
-from ep_runtime import reference
 from ep_runtime.config import EPConfig
 from ep_runtime.dispatch_overlap import ROUTE_FIRST_ENV
 from ep_runtime.runtime import FUSED_COPY_ENV
 from ep_runtime.shmem.launch import run_pes
-from ep_runtime.testing import (KNOB_SCENARIOS, assert_fp8_runs_agree, assert_runs_agree, capacity_pe,
-                                expert_outputs, fp8_knob_pe, knob_disagreement_pe, knob_inputs, knob_round_trips,
-                                make_inputs)
+from ep_runtime.testing import (KNOB_SCENARIOS, assert_fp8_runs_agree, assert_runs_agree, capacity_pe, fp8_knob_pe,
+                                knob_disagreement_pe, knob_inputs, knob_round_trips, silent_peer_pe)
 from ep_runtime.testing import knob_layout as layout_of
 
 RUN_TIMEOUT_S = 300
@@ -76,28 +74,6 @@ def cycle_pe(session, first: str, fused: str, cfg: EPConfig, device_count: bool)
 
 def fp8_cfg() -> EPConfig:
     return EPConfig(n_ranks=2, n_experts=4, top_k=2, hidden=256, max_tokens_per_rank=5, token_dtype="fp8_e4m3")
-
-
-def silent_peer_pe(session) -> dict:
-    """One round trip on both ranks, then rank 1 skips its second dispatch: rank 0's
-    dispatch_wait of call 1 waits for rank 1's routing."""
-    from ep_runtime.errors import EPTimeoutError
-    from ep_runtime.runtime import EPRuntime
-
-    os.environ[ROUTE_FIRST_ENV] = "1"
-    r, cfg = session.rank, base_cfg(2, wait_timeout_s=1.0)
-    xs, ids, ws = make_inputs(cfg, "random", 43)
-    res = {"error": None}
-    with EPRuntime(cfg, session) as rt:
-        batch = rt.dispatch(xs[r].view(np.uint16), ids[r], ws[r])
-        rt.combine(expert_outputs(cfg, reference.dispatch(xs, ids, ws, cfg)[r], r), batch.handle)
-        if r == 0:
-            try:
-                rt.dispatch(xs[r].view(np.uint16), ids[r], ws[r])
-            except EPTimeoutError as exc:
-                res["error"] = str(exc)
-        session.barrier()
-    return res
 
 
 # -- parent side ------------------------------------------------------------------------------------
@@ -169,7 +145,8 @@ def test_fp8_route_first_equals_the_reference():
 
 
 def test_a_silent_rank_times_dispatch_wait_out_naming_the_route_signal():
-    res = run_pes(silent_peer_pe, 2, timeout_s=RUN_TIMEOUT_S)
+    res = run_pes(silent_peer_pe, 2, args=(ROUTE_FIRST_ENV, "1", base_cfg(2, wait_timeout_s=1.0), 43),
+                  timeout_s=RUN_TIMEOUT_S)
     msg = res[0]["error"]
     assert msg is not None, "no timeout"
     assert ("rank 0: dispatch_wait of call 1" in msg
