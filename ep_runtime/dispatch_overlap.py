@@ -28,8 +28,9 @@ it). Two knobs, read when a runtime is built, the same on every rank:
   sets ``EP_RUNTIME_DISPATCH_LAND=0`` and gets placement during the transfer.
 - ``EP_RUNTIME_DISPATCH_ROUTE_FIRST`` (default ``auto``, v29): ``1`` builds a route-first
   runtime: dispatch_async sends and signals the routing rows first and ranks nothing, and
-  dispatch_wait, one block started early by PDL on the SM dispatch_async leaves, places the
-  rows from them while the token rows fly (peer stores only, not with landing, placing or the
+  dispatch_wait, started early by PDL on the SMs dispatch_async leaves (v31:
+  :data:`ROUTE_FIRST_BLOCKS` blocks, each describing a share of the rows), places the rows
+  from them while the token rows fly (peer stores only, not with landing, placing or the
   copy engine; docs/protocol.md, "Route first"); ``0`` keeps dispatch_wait's placement after
   the signal; ``auto`` takes it where it was measured faster (:func:`auto_route_first`: bf16,
   two ranks or more, the whole GPU with PDL, up to :data:`ROUTE_FIRST_MAX_TOKENS` tokens per
@@ -165,13 +166,22 @@ ROUTE_FIRST_CHOICES = ("auto", "0", "1")
 #: 28.3 -> 25.0 / 24.9, T=256 33.9 -> 38.9 / 39.4 (one block places 512 received tokens slower
 #: than 132 blocks place them after the signal).
 ROUTE_FIRST_MAX_TOKENS = 128
+#: Blocks of a route-first runtime's dispatch_wait (its compact launch; the expanded layout's
+#: one-launch copy takes the whole grid), each on an SM dispatch_async leaves free: every block
+#: ranks every received token and describes a share of the rows (kernels/dispatch.py,
+#: ``place_from_routing``). One block issued every description itself (scattered stores):
+#: 6.2 of dispatch_wait's 18.2 us at T=128 on an H100 (v31's trace). 2 x H100, graph, compact
+#: dispatch (async + wait) us, 1 -> 2 blocks, twice each in one call (docs/throughput.md,
+#: "v31"): T=1 23.3 / 23.3 -> 23.3 / 23.4, T=32 23.5 / 23.3 -> 24.3 / 24.4, **T=128 25.6 / 26.0
+#: -> 25.0 / 24.5**; expanded (its one-launch copy unchanged) T=128 53.9 / 54.0 -> 54.5 / 54.3.
+ROUTE_FIRST_BLOCKS = 2
 
 
 def auto_route_first(cfg: EPConfig) -> bool:
     """Whether ``auto`` takes the route-first dispatch for ``cfg``: bf16 tokens (the FP8 formats
     were not measured), at least two ranks, the whole GPU (``cfg.n_sms`` None: dispatch_async
-    leaves one SM to dispatch_wait's block) and ``cfg.max_tokens_per_rank <=
-    ROUTE_FIRST_MAX_TOKENS`` (one block ranks every received token)."""
+    leaves SMs to dispatch_wait's blocks) and ``cfg.max_tokens_per_rank <=
+    ROUTE_FIRST_MAX_TOKENS`` (each placing block ranks every received token)."""
     return (cfg.n_ranks >= 2 and not cfg.token_format.quantized and cfg.n_sms is None
             and cfg.max_tokens_per_rank <= ROUTE_FIRST_MAX_TOKENS)
 

@@ -31,8 +31,8 @@ from .shmem.session import Session
 from .status import error_from_status
 from .transfer import SendPaths, choose_copy_engine, peer_token_slots
 from .combine_overlap import ROW_FLAGS_ENV, combine_send_grid, row_flags_from
-from .dispatch_overlap import (LAND_ENV, PLACE_ENV, ROUTE_FIRST_ENV, dispatch_send_grid, landing, placing,
-                               routing_first)
+from .dispatch_overlap import (LAND_ENV, PLACE_ENV, ROUTE_FIRST_BLOCKS, ROUTE_FIRST_ENV, dispatch_send_grid, landing,
+                               placing, routing_first)
 
 _owner_ids = itertools.count(1)
 
@@ -132,8 +132,8 @@ class EPRuntime:
         row descriptions are then rewritten by the next dispatch_async.
     dispatch_route_first : bool
         Whether dispatch_async sends and signals the routing rows first and ranks nothing, and
-        dispatch_wait, one block started early by PDL on an SM dispatch_async leaves, ranks and
-        places the received rows from them while the token rows fly
+        dispatch_wait, a few blocks (``ROUTE_FIRST_BLOCKS``) started early by PDL on SMs
+        dispatch_async leaves, ranks and places the received rows from them while the token rows fly
         (``EP_RUNTIME_DISPATCH_ROUTE_FIRST``; peer stores without landing, placing or the copy
         engine: :mod:`ep_runtime.dispatch_overlap`). The expanded layout then copies with
         dispatch_copy.
@@ -208,8 +208,8 @@ class EPRuntime:
             raise EPConfigError(f"rank {self.rank}: {ROUTE_FIRST_ENV} differs between ranks (route-first per rank: "
                                 f"{firsts}); set it alike on every rank (or unset it everywhere).")
         self._dispatch_grid = dispatch_send_grid(self._grid, whole_gpu, pdl_on) if self.dispatch_land else 0
-        if self.dispatch_route_first and whole_gpu and pdl_on:  # one SM left to dispatch_wait's block
-            self._dispatch_grid = max(self._grid - 1, 1)
+        if self.dispatch_route_first and whole_gpu and pdl_on:  # SMs left to dispatch_wait's blocks
+            self._dispatch_grid = max(self._grid - ROUTE_FIRST_BLOCKS, 1)
         self._peer_slots = peer_token_slots(session, self._sym, self.layout, self.rank) if self.copy_engine else None
         self._partial = partial_dtype(cfg)  # uint16 (bf16 bits) or float32
         self._f32_partials = self._partial == np.float32
@@ -239,8 +239,9 @@ class EPRuntime:
         wait_scalars = dict(pad_multiple=self._pad_multiple, timeout_ns=self._timeout_ns)
         self._fixed = {}
         self._fixed["dispatch_wait"] = self._prepare("dispatch_wait", copy_rows=_INT64[0], **wait_scalars)
-        if self.dispatch_place or self.dispatch_route_first:  # one block, started early by PDL (kernels/dispatch.py)
-            self._fixed["dispatch_wait"] = dataclasses.replace(self._fixed["dispatch_wait"], grid=1)
+        if self.dispatch_place or self.dispatch_route_first:  # a few blocks, started early by PDL (kernels/dispatch.py)
+            blocks = ROUTE_FIRST_BLOCKS if self.dispatch_route_first else 1
+            self._fixed["dispatch_wait"] = dataclasses.replace(self._fixed["dispatch_wait"], grid=blocks)
         self._wait_scalars = wait_scalars  # (dispatch_land is prepared with each call's tokens: _prepare_dispatch_async)
         self._land: tuple = ()  # the last dispatch_async's dispatch_land launches
         self._no_tokens = session.alloc_local("unused tokens", (0, cfg.hidden), np.uint16)

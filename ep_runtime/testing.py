@@ -119,15 +119,20 @@ def input_error_of(call) -> str | None:
     return None
 
 
-def off_by_8(a: np.ndarray) -> np.ndarray:
-    """A C-contiguous copy of ``a`` whose data starts 8 bytes past a 16-byte boundary (caller
-    arrays the kernels' 16-byte word-pair paths must not take)."""
-    flat = np.empty(a.nbytes + 32, np.uint8)
-    skip = (8 - flat.ctypes.data) % 16
+def off_boundary(a: np.ndarray, boundary: int, offset: int) -> np.ndarray:
+    """A C-contiguous copy of ``a`` whose data starts ``offset`` bytes past a ``boundary``-byte
+    boundary (caller arrays that the kernels' aligned paths must not take)."""
+    flat = np.empty(a.nbytes + 2 * boundary, np.uint8)
+    skip = (offset - flat.ctypes.data) % boundary
     out = flat[skip:skip + a.nbytes].view(a.dtype).reshape(a.shape)
     out[...] = a
-    assert out.ctypes.data % 16 == 8 and out.flags.c_contiguous
+    assert out.ctypes.data % boundary == offset and out.flags.c_contiguous
     return out
+
+
+def off_by_8(a: np.ndarray) -> np.ndarray:
+    """A copy of ``a`` 8 bytes past a 16-byte boundary (not for the 16-byte word-pair paths)."""
+    return off_boundary(a, 16, 8)
 
 
 # -- per-rank bodies shared by the simulator tests of the runtime's build knobs (run_pes targets) --

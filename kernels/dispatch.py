@@ -112,7 +112,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
     this rank; not with the copy engine); ``place``, dispatch_async's routing blocks place the received rows during
     the transfer and dispatch_wait only waits for the rows (v26; with ``stores``, not with
     ``copy_engine`` or ``land``); ``route_first``, dispatch_async sends and signals the routing
-    rows first and ranks nothing, and dispatch_wait, one block started early by PDL, places every
+    rows first and ranks nothing, and dispatch_wait, a few blocks started early by PDL, places every
     received row from the routing rows while the token rows fly (v29; with ``stores``, not with
     ``copy_engine``, ``land`` or ``place``). dispatch_copy and dispatch_signal do not depend on them."""
     if copy_engine and (not stores or land):
@@ -351,7 +351,11 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         """Every lane of one warp: the caller's E4M3 code words of blocks ``[b0, b1)`` (``codes``:
         the token's row of uint64 words, 16-byte aligned) and their scale bytes (``scales8``:
         the token's row of scale bytes) stored into the receive slot of every rank whose bit is
-        set in ``sent``, at byte ``slot`` past ``peer_bases[PEER_TOKENS, d]``; each word pair loaded once."""
+        set in ``sent``, at byte ``slot`` past ``peer_bases[PEER_TOKENS, d]``; each word pair loaded
+        once. Float32 scales (``SB`` = 4) go a word per block when the caller's row is 4-byte
+        aligned (the message's scales are: ``slot`` and ``PB`` are multiples of 128), else, as
+        UE8M0 scales, a byte per store (v31: a byte per store cost e4m3 T=4096 ~6 us against
+        UE8M0's quarter of the stores)."""
         w1 = b1 * CODE_WORDS
         w = b0 * CODE_WORDS + 2 * lane
         while w < w1:
@@ -361,10 +365,18 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                     store_pairs_at(peer_bases[PEER_TOKENS, d] + slot, w, w1, lo, hi)
             w += 2 * UP * warp
         scales_at = slot + uint64(PB)  # uint64 + uint64 (an int64 term would make it float64)
-        for j in range(b0 * SB + lane, b1 * SB, warp):
-            for d in range(peer_bases.shape[1]):
-                if (sent >> uint64(d)) & uint64(1):
-                    store_u8_at(peer_bases[PEER_TOKENS, d] + scales_at, j, scales8[j])
+        src_at = address_of(scales8)
+        if SB == 4 and src_at % uint64(4) == uint64(0):  # a float32 scale per block, as one word
+            for b in range(b0 + lane, b1, warp):
+                v = load_u32_at(src_at, b)
+                for d in range(peer_bases.shape[1]):
+                    if (sent >> uint64(d)) & uint64(1):
+                        store_u32_at(peer_bases[PEER_TOKENS, d] + scales_at, b, v)
+        else:
+            for j in range(b0 * SB + lane, b1 * SB, warp):
+                for d in range(peer_bases.shape[1]):
+                    if (sent >> uint64(d)) & uint64(1):
+                        store_u8_at(peer_bases[PEER_TOKENS, d] + scales_at, j, scales8[j])
 
     @cuda.jit(device=True)
     def describe_row(r, s, t, k, j, Tmax, w, row_src_rank, row_src_token, row_src_k, row_weight, row_gather,
@@ -1352,9 +1364,9 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
     def place_from_routing(d_ids, d_weights, d_route, d_signal, g, n, me, R, L, K, Tmax, C, timeout_ns, status,
                            pad_multiple, row_offsets, expert_counts, row_src_rank, row_src_token, row_src_k,
                            row_weight, row_gather, recv_tokens, token_rows, src_T, flag, place, sum_buf, masks,
-                           warp_rows, next_rank):
-        """A route-first dispatch_wait (v29), every thread of its one block, started early by PDL
-        on the SM dispatch_async leaves: wait for every source's route signal (``d_route[g, s]``:
+                           warp_rows, next_rank, share, shares):
+        """A route-first dispatch_wait (v29), every thread of a placing block, started early by PDL
+        on the SMs dispatch_async leaves: wait for every source's route signal (``d_route[g, s]``:
         its routing rows, ids and weights, are here; its T in the low half), rank and place every
         received (token, local expert) from them while the token rows still fly, then wait for
         every source's dispatch signal (the token rows) and write recv_tokens. Returns (the same
@@ -1371,7 +1383,15 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         More rows than C records an error and describes no row (the offsets and counts are
         written: the runtime raises the capacity error, and the batch is not returned).
 
-        One block on one SM: each phase costs 1-4 us whatever its work (traced at T=1 and 128:
+        ``shares`` blocks may place at once (v31: the compact launch's ``ROUTE_FIRST_BLOCKS``):
+        each ranks every token alike (the same table, offsets and counts, written alike) and
+        describes the rows of share ``share`` only: a warp's tokens of a round are share
+        ``(round * warps + warp) % shares``. The descriptions are scattered stores (a row per
+        lane anywhere in the batch): one block took 6.2 of dispatch_wait's 18.2 us describing
+        the rows at T=128 on an H100 (v31's trace); with two, dispatch_wait alone took 16.4-16.5
+        us instead of 17.7-17.9 there (docs/throughput.md, "v31").
+
+        A block on one SM: each phase costs 1-4 us whatever its work (traced at T=1 and 128:
         counting 2-3, the scan 1-2, padding rows 2, descriptions 3-6), so the phases are few: the
         scan is one warp's, the segments' offsets and counts are written by it, and padding
         rows are described only when there are any. A dry pass over stale routing first (to
@@ -1426,9 +1446,10 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                         load_token(d_ids, d_weights, g, s, t, K, ids_l, w_l)
                     rank_round(d_ids, g, s, t, K, valid, ids_l, first_mine + w0, masks, warp_rows, next_rank, wid,
                                lane)
-                describe_round(d_ids, d_weights, g, s, t, K, valid, ids_l, w_l, L, Tmax, first_mine, w0, place,
-                               masks, warp_rows, wid, lane, row_src_rank, row_src_token, row_src_k, row_weight,
-                               row_gather, token_rows)
+                mine = ((q0 // threads) * warps + wid) % shares == share  # this block's share
+                describe_round(d_ids, d_weights, g, s, t, K, valid and mine, ids_l, w_l, L, Tmax, first_mine, w0,
+                               place, masks, warp_rows, wid, lane, row_src_rank, row_src_token, row_src_k,
+                               row_weight, row_gather, token_rows)
                 cuda.syncthreads()  # the masks read before the next round clears them
         stamp_last(status, 36)
         ok = await_sources(d_signal, g, n, timeout_ns, status, KERNEL_DISPATCH_WAIT, COUNTER_DISPATCH_SIGNAL, src_T,
@@ -1493,16 +1514,17 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         fuses the copy: the expanded layout's dispatch_copy follows).
 
         A ``route_first`` build (v29; d_route [G, R] uint64, ``dispatch_route_signal``): launched
-        with one block, started early by PDL on the SM dispatch_async leaves, it waits for every
+        with ``ROUTE_FIRST_BLOCKS`` blocks (v31; one before), started early by PDL on the SMs
+        dispatch_async leaves, each block waits for every
         source's routing, ranks and places every received row from the routing rows alone while
-        the token rows still fly (``place_from_routing``: d_counts and d_ranks are not read),
-        then waits for the dispatch signals and writes recv_tokens; its dependency wait comes
+        the token rows still fly (``place_from_routing``: d_counts and d_ranks are not read;
+        the blocks share the descriptions), then waits for the dispatch signals and writes recv_tokens; its dependency wait comes
         last. With copy_rows nonzero (bf16; the expanded layout, v30) the runtime launches it on the
         whole grid instead, and it copies too, in one launch: the block that takes the first
         ticket places as above and then sets ``d_placed`` (uint64 symmetric [1],
         ``dispatch_placed``: ``(n + 1) << 1``, plus 1 if it failed), and every block waits for
         that and then copies each received row to its expert rows, token-major, as
-        dispatch_copy does (``expand_rows``). Without copy_rows it launches one block, and
+        dispatch_copy does (``expand_rows``). Without copy_rows it launches the few blocks, and
         dispatch_copy follows for the expanded layout (FP8 formats, ``EP_RUNTIME_FUSED_COPY=0``).
         """
         flag = cuda.shared.array(1, int32)
@@ -1557,18 +1579,26 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         if cuda.blockIdx.x == 0 and tid == 0:
             combine_claims[g] = 0  # rows this call's combine_wait claims (flagged rows)
             land_sync[LAND_CLAIMS + 1 - g] = 0  # a dispatch_land's claims (their last user, call n - 1, has completed)
-        if FIRST:  # placed from the routing rows by one block while the rows fly
-            placer = cuda.blockIdx.x == 0
-            if FIRST_COPY:
-                placer = ticket[0] == 0  # the first block to run (it cannot wait for one that never runs)
+        if FIRST:  # placed from the routing rows while the rows fly
+            # a copying launch (the whole grid): the first block to run places (it cannot wait
+            # for one that never runs), the others copy after it; any other launch (a few
+            # blocks, v31) places in every block, each describing its share of the rows
+            fused = FIRST_COPY and copy_rows != 0
+            placer = True
+            share = cuda.blockIdx.x
+            shares = cuda.gridDim.x
+            if fused:
+                placer = ticket[0] == 0
+                share = 0
+                shares = 1
             ok = True
             if placer:
                 ok = place_from_routing(d_ids, d_weights, d_route, d_signal, g, n, me, R, L, K, Tmax, C, timeout_ns,
                                         status, pad_multiple, row_offsets, expert_counts, row_src_rank,
                                         row_src_token, row_src_k, row_weight, row_gather, recv_tokens, token_rows,
-                                        src_items, flag, place, sum_buf, masks, warp_rows, next_rank)
+                                        src_items, flag, place, sum_buf, masks, warp_rows, next_rank, share, shares)
             if FIRST_COPY:
-                if copy_rows != 0:  # the expanded layout in one launch: every block copies once it is placed
+                if fused:  # the expanded layout in one launch: every block copies once it is placed
                     if placer:
                         publish_placed(d_placed, n, ok)
                     else:  # idle until dispatch_async completes, not polling beside its blocks

@@ -47,6 +47,10 @@ def test_traffic_of_a_hand_worked_example():
     # (the sender reads its bf16 rows, 16 bytes, and encodes them; the rest moves 24-byte messages)
     assert f.dispatch_hbm_bytes == 3 * 16 + (3 + 3 + 4) * 24 and f.combine_hbm_bytes == t.combine_hbm_bytes
     assert f.compact_dispatch_hbm_bytes == 3 * 16 + 3 * 24
+    # pre-quantized input: the sender reads its 24-byte codes and scales, not bf16 rows
+    p = rank_traffic([ids0, ids1], 0, n_local_experts=2, hidden=8, token_bytes=24, input_bytes=24)
+    assert p.dispatch_hbm_bytes == (3 + 3 + 3 + 4) * 24 and p.compact_dispatch_hbm_bytes == (3 + 3) * 24
+    assert p.dispatch_nvlink_bytes == f.dispatch_nvlink_bytes and p.logical_bytes == f.logical_bytes
 
 
 @pytest.mark.parametrize("scenario", ["random", "zero_rank", "one_expert"])
@@ -250,6 +254,36 @@ def test_fp8_dispatch_is_timed_on_the_simulator(tmp_path):
         # 3 tokens, each received by this rank or not: logical bytes count the bytes sent (128 codes +
         # a 4-byte scale; the message's padding to 144 B is never sent) vs 256 B rows
         assert fp8["traffic"]["logical_bytes"] * 256 == bf16["traffic"]["logical_bytes"] * 132
+
+
+def test_prequantized_fp8_input_is_timed_and_counted_on_the_simulator(tmp_path):
+    """--fp8-input: the same configuration timed with bf16 tokens (quantized in dispatch_async)
+    and with their codes and scales (token_scales=); the sender's reads follow the input."""
+    path = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "ep_runtime.bench", "--backend", "sim", "--ranks", "2", "--tokens", "4",
+         "--hidden", "256", "--experts", "4", "--top-k", "2", "--samples", "2", "--warmup", "1",
+         "--token-dtype", "bfloat16", "fp8_e4m3_ue8m0", "--fp8-input", "bf16", "prequantized",
+         "--layout", "expanded", "compact", "--json", str(path)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert " ue8m0+pq eager expanded |" in proc.stdout and "    ue8m0 eager  compact |" in proc.stdout
+    assert "+pq: pre-quantized input" in proc.stdout
+    for rank in json.loads(path.read_text())["results"]:
+        runs = {(res["config"]["token_dtype"], res["token_input"], res["layout"]): res for res in rank}
+        # bf16 takes bf16 tokens only; the FP8 format both inputs, each layout
+        assert set(runs) == {("bfloat16", "bf16", "expanded"), ("bfloat16", "bf16", "compact")} | {
+            ("fp8_e4m3_ue8m0", g, lay) for g in ("bf16", "prequantized") for lay in ("expanded", "compact")}
+        for lay in ("expanded", "compact"):
+            q, b = runs["fp8_e4m3_ue8m0", "bf16", lay], runs["fp8_e4m3_ue8m0", "prequantized", lay]
+            assert all(b["times_us"][span]["median"] > 0 for span in ("dispatch", "combine"))
+            tq, tb = q["traffic"], b["traffic"]
+            # 256 codes + 2 one-byte scales per message against 512-byte bf16 rows, read once per token
+            # that goes anywhere; nothing else differs
+            sent_any = 4  # every token of the random routing has experts
+            assert tq["dispatch_hbm_bytes"] - tb["dispatch_hbm_bytes"] == sent_any * (512 - 258)
+            assert tq["compact_dispatch_hbm_bytes"] - tb["compact_dispatch_hbm_bytes"] == sent_any * (512 - 258)
+            assert tq["dispatch_nvlink_bytes"] == tb["dispatch_nvlink_bytes"]
+            assert tq["combine_hbm_bytes"] == tb["combine_hbm_bytes"]
 
 
 def test_float32_combine_partials_are_timed_and_counted_on_the_simulator(tmp_path):

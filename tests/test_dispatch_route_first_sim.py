@@ -67,9 +67,10 @@ def cycle_pe(session, first: str, fused: str, cfg: EPConfig, device_count: bool)
         assert rt.dispatch_route_first == (first == "1") and not rt.dispatch_land and not rt.dispatch_place
         if rt.dispatch_route_first:  # auto: the route-first runtime copies in dispatch_wait
             assert rt.fused_copy == (fused != "0"), (fused, rt.fused_copy)
+        wait_grid = rt._fixed["dispatch_wait"].grid  # the compact launch's blocks
         calls = knob_round_trips(session, rt, cfg, CALLS, call_inputs, layout_of, device_count,
                                  ("dispatch_route_signal", "dispatch_placed"))
-    return {"calls": calls, "fused_copy": rt.fused_copy}
+    return {"calls": calls, "fused_copy": rt.fused_copy, "wait_grid": wait_grid}
 
 
 def fp8_cfg() -> EPConfig:
@@ -100,8 +101,15 @@ def cycles(request):
 
 
 def test_route_first_batches_equal_the_reference_and_dispatch_wait(cycles):
+    """Every batch, compact and expanded, and every combine output as the reference's and the
+    dispatch_wait path's. The compact launch places in ROUTE_FIRST_BLOCKS blocks, each
+    describing a share of the rows (the configurations with several rounds give each block
+    rows; a block's missing or misplaced share would show here)."""
+    from ep_runtime.dispatch_overlap import ROUTE_FIRST_BLOCKS
+
     cfg, first, waited, copied = cycles
     assert all(res["fused_copy"] for res in first), "the route-first runtime did not copy in dispatch_wait"
+    assert ROUTE_FIRST_BLOCKS > 1 and all(res["wait_grid"] == ROUTE_FIRST_BLOCKS for res in first)
     assert_runs_agree(cfg, first, waited, CALLS, call_inputs, layout_of, "route-first")
     if copied is not None:  # the expanded rows copied by dispatch_copy after the one-block dispatch_wait
         assert not any(res["fused_copy"] for res in copied)

@@ -22,7 +22,7 @@ from ep_runtime.config import EPConfig
 from ep_runtime.kernels.token_codec import HELD_SCALES
 from ep_runtime.reference import BF16
 from ep_runtime.shmem.launch import run_pes
-from ep_runtime.testing import input_error_of, make_inputs, off_by_8
+from ep_runtime.testing import input_error_of, make_inputs, off_boundary, off_by_8
 
 RUN_TIMEOUT_S = 300
 POISON_BF16 = 0x7FC0
@@ -80,13 +80,17 @@ def inputs(cfg: EPConfig, scenario: str, seed: int):
 
 def prequantized_inputs(cfg: EPConfig, xs, kind):
     """Codes and scales of every rank's tokens; ``kind``: True (uint8 codes), ``"float8"``
-    (float8_e4m3fn codes) or ``"misaligned"`` (uint8 codes 8 bytes past a 16-byte boundary)."""
+    (float8_e4m3fn codes) or ``"misaligned"`` (uint8 codes 8 bytes past a 16-byte boundary, and
+    the scales 2 bytes past a 4-byte one: float32 scales then go a byte per store, not a word
+    per block)."""
     fmt = cfg.token_format
     enc = [fmt.quantize(x.view(np.uint16)) for x in xs]
     payloads = [p.view(ml_dtypes.float8_e4m3fn) if kind == "float8" else p for p, _ in enc]
+    scales = [s for _, s in enc]
     if kind == "misaligned":
         payloads = [off_by_8(p) for p in payloads]
-    return payloads, [s for _, s in enc]
+        scales = [off_boundary(s, 4, 2) for s in scales]
+    return payloads, scales
 
 
 def expert_outputs(cfg: EPConfig, ref: reference.ExpertBatchRef, rank: int) -> np.ndarray:

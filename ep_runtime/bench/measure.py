@@ -88,14 +88,16 @@ class DeviceSpin:
 def time_round_trips(rt, session, inputs, expert_out, out, samples: int, warmup: int,
                      layout: str = "expanded") -> dict:
     """Samples (us) of each span of :data:`SPANS` over ``warmup + samples`` round trips, with
-    dispatch_wait and combine_async in ``layout`` (``expert_out`` shaped for it)."""
+    dispatch_wait and combine_async in ``layout`` (``expert_out`` shaped for it). ``inputs``:
+    dispatch_async's (tokens, topk_ids, topk_weights), or with a fourth item, its
+    ``token_scales`` (pre-quantized FP8 codes as the tokens; None: none)."""
     clock = clock_for(session)
-    tokens, ids, weights = inputs
+    tokens, ids, weights, kw = _dispatch_inputs(inputs)
     spans = {name: [] for name in SPANS}
     for i in range(warmup + samples):
         session.barrier()
         m = [clock.mark()]
-        h = rt.dispatch_async(tokens, ids, weights)
+        h = rt.dispatch_async(tokens, ids, weights, **kw)
         m.append(clock.mark())
         batch = rt.dispatch_wait(h, **_layout(layout))
         m.append(clock.mark())
@@ -133,6 +135,14 @@ def takes_device_token_count(rt) -> bool:
     return "n_tokens" in inspect.signature(rt.dispatch_async).parameters
 
 
+def _dispatch_inputs(inputs) -> tuple:
+    """(tokens, topk_ids, topk_weights, keywords) of dispatch_async from the bench's ``inputs``:
+    three arrays, or four with ``token_scales`` last (pre-quantized FP8 input; None: bf16 tokens)."""
+    tokens, ids, weights, *rest = inputs
+    scales = rest[0] if rest else None
+    return tokens, ids, weights, ({} if scales is None else {"token_scales": scales})
+
+
 def _layout(layout: str) -> dict:
     """The ``layout=`` keyword for the runtime's calls (none for the default, so a runtime
     without layouts is still timed)."""
@@ -140,9 +150,11 @@ def _layout(layout: str) -> dict:
 
 
 def _round_trip_calls(rt, inputs, expert_out, out, n_tokens, layout: str = "expanded") -> dict:
-    """The four calls of one round trip as argument-less functions, threading the handles."""
-    tokens, ids, weights = inputs
-    kw = {} if n_tokens is None else {"n_tokens": n_tokens}
+    """The four calls of one round trip as argument-less functions, threading the handles
+    (``inputs`` as in :func:`time_round_trips`)."""
+    tokens, ids, weights, kw = _dispatch_inputs(inputs)
+    if n_tokens is not None:
+        kw = {**kw, "n_tokens": n_tokens}
     st = {}
 
     def dispatch_async():

@@ -28,6 +28,33 @@ def configs(args):
                    n_sms=n_sms or None, token_dtype=token_dtype, combine_dtype=combine_dtype)
 
 
+#: dispatch_async's inputs the bench can time (``--fp8-input``): bf16 tokens (quantized inside
+#: dispatch_async in an FP8 format), or FP8 codes and scales quantized beforehand by the caller
+#: (``token_scales=``; MAX's input scales, DeepEP's FP8 ``x`` of its normal kernels).
+TOKEN_INPUTS = ("bf16", "prequantized")
+
+
+def token_inputs(args, token_dtype: str) -> list[str]:
+    """The inputs timed for ``token_dtype`` (``--fp8-input``, in order, each once): FP8 formats
+    take either; bf16 tokens are the only input of the bf16 format."""
+    if token_dtype == "bfloat16":
+        return ["bf16"]
+    return list(dict.fromkeys(getattr(args, "fp8_input", None) or ["bf16"]))
+
+
+def dispatch_inputs(session, cfg: EPConfig, tokens, ids, weights, token_input: str) -> tuple:
+    """dispatch_async's device inputs for one rank, as :func:`~.measure.time_round_trips` takes
+    them: (tokens, topk_ids, topk_weights, token_scales): bf16 ``tokens`` ([T, H] bf16 as
+    uint16) with no scales, or (``"prequantized"``) their FP8 codes ([T, H] uint8) and scales
+    ([T, H / 128]) by the format's NumPy quantizer (:meth:`~ep_runtime.formats.TokenFormat.quantize`,
+    the rule dispatch_async applies to bf16 tokens)."""
+    bits = np.ascontiguousarray(tokens).view(np.uint16)
+    if token_input == "bf16":
+        return tuple(session.to_device(a) for a in (bits, ids, weights)) + (None,)
+    codes, scales = cfg.token_format.quantize(bits)
+    return tuple(session.to_device(a) for a in (codes, ids, weights, scales))
+
+
 def modes(args) -> list[str]:
     """The timing modes asked for (``--mode``), in order, each once; ``eager`` if none."""
     return list(dict.fromkeys(getattr(args, "mode", None) or ["eager"]))
@@ -74,19 +101,22 @@ def bench_rank(session, args_dict) -> list[dict]:
         T = cfg.max_tokens_per_rank
         xs, ids, ws = make_inputs(cfg, "random", args.seed, n_tokens=[T] * cfg.n_ranks)
         r = session.rank
-        tr = rank_traffic(ids, r, cfg.n_local_experts, cfg.hidden, token_bytes=cfg.token_bytes,
-                          partial_bytes=cfg.partial_bytes)
+        given = token_inputs(args, cfg.token_dtype)
+        trs = {g: rank_traffic(ids, r, cfg.n_local_experts, cfg.hidden, token_bytes=cfg.token_bytes,
+                               partial_bytes=cfg.partial_bytes,
+                               input_bytes=cfg.token_bytes if g == "prequantized" else None) for g in given}
+        tr = trs[given[0]]  # the baselines' rows (the same for every input)
         with EPRuntime(cfg, session) as rt:
             # the runtime's choices for this configuration (environment and grid), for the record
             paths = {"fused_copy": rt.fused_copy, "peer_stores": rt.peer_stores, "copy_engine": rt.copy_engine,
                      "dispatch_land": rt.dispatch_land, "dispatch_place": rt.dispatch_place,
                      "dispatch_route_first": rt.dispatch_route_first}
-            inputs = tuple(session.to_device(a) for a in (xs[r].view(np.uint16), ids[r], ws[r]))
             outs = {"expanded": session.alloc_local("bench.expert_out", (cfg.recv_rows_capacity, cfg.hidden), np.uint16),
                     "compact": None}
             out = session.alloc_local("bench.out", (T, cfg.hidden), np.uint16)
             runs, graph = [], {}
-            for layout in layouts(args):
+            for token_input, layout in itertools.product(given, layouts(args)):
+                inputs = dispatch_inputs(session, cfg, xs[r], ids[r], ws[r], token_input)
                 if layout == "compact" and outs["compact"] is None:  # one partial per (source rank, token slot)
                     outs["compact"] = session.alloc_local("bench.expert_rows", (cfg.n_ranks * T, cfg.hidden),
                                                           partial_dtype(cfg))
@@ -94,7 +124,7 @@ def bench_rank(session, args_dict) -> list[dict]:
                 for mode in modes(args):
                     if mode == "eager":
                         spans = time_round_trips(rt, session, inputs, y, out, args.samples, args.warmup, layout=layout)
-                        runs.append((mode, layout, spans, None))
+                        runs.append((mode, layout, token_input, spans, None))
                         continue
                     # captured with all T rows; with n_tokens, T is also read on the device at replay
                     dev_t = takes_device_token_count(rt)
@@ -106,7 +136,7 @@ def bench_rank(session, args_dict) -> list[dict]:
                     # a replay that did not run would time as nothing: count the calls the device made
                     graph["replayed_round_trips"] = len(GRAPH_ROUND_TRIPS) * (args.warmup + args.samples)
                     graph["device_calls"] = rt.device_calls() - before
-                    runs.append((mode, layout, spans, graph))
+                    runs.append((mode, layout, token_input, spans, graph))
         base = {}
         if gpu and not args.no_baselines:
             base.update(_try(lambda: nccl_all_to_all(session, tr.sent, tr.recv, cfg.hidden,
@@ -114,8 +144,8 @@ def bench_rank(session, args_dict) -> list[dict]:
                                                      args.samples, args.warmup), "nccl"))
             base.update(_try(lambda: nvshmem_alltoall(session, tr.sent, cfg.hidden, args.samples, args.warmup),
                              "nvshmem_alltoall"))
-        for mode, layout, spans, graph in runs:
-            results.append(_result(cfg, tr, spans, base, ceil, mode, graph, layout, paths))
+        for mode, layout, token_input, spans, graph in runs:
+            results.append(_result(cfg, trs[token_input], spans, base, ceil, mode, graph, layout, paths, token_input))
     if session.rank == 0:
         print(file=sys.stderr)
     if gpu:
@@ -131,7 +161,8 @@ def _try(fn, name) -> dict:
         return {name: f"error: {type(e).__name__}: {e}"}
 
 
-def _result(cfg, tr, spans, base, ceil, mode="eager", graph=None, layout="expanded", paths=None) -> dict:
+def _result(cfg, tr, spans, base, ceil, mode="eager", graph=None, layout="expanded", paths=None,
+            token_input="bf16") -> dict:
     times = {k: summarize(v) for k, v in spans.items()}
     d, c = times["dispatch"]["median"], times["combine"]["median"]
     floor_d = max(tr.dispatch_nvlink_bytes / (ceil["nvlink_gbps"] * 1e3),
@@ -139,7 +170,7 @@ def _result(cfg, tr, spans, base, ceil, mode="eager", graph=None, layout="expand
     floor_c = max(tr.combine_nvlink_bytes / (ceil["nvlink_gbps"] * 1e3),
                   tr.hbm_bytes("combine", layout) / (ceil["hbm_gbps"] * 1e3))
     res = {
-        "mode": mode, "layout": layout, "config": cfg.as_dict(), "paths": paths or {}, "traffic": tr.__dict__,
+        "mode": mode, "layout": layout, "token_input": token_input, "config": cfg.as_dict(), "paths": paths or {}, "traffic": tr.__dict__,
         "ceilings": ceil, "times_us": times,
         "dispatch": {"logical_gbps": gbps(tr.logical_bytes, d), "nvlink_gbps": gbps(tr.dispatch_nvlink_bytes, d),
                      "floor_us": floor_d, "of_floor": floor_d / d if d else float("nan")},
@@ -152,17 +183,18 @@ def _result(cfg, tr, spans, base, ceil, mode="eager", graph=None, layout="expand
     return res
 
 
-def _fmt_name(cfg: dict) -> str:
+def _fmt_name(cfg: dict, token_input: str = "bf16") -> str:
     """Short format name for the table: the token format, bf16, e4m3 (float32 scales) or ue8m0,
-    with ``/f32`` appended for float32 combine partials."""
+    with ``+pq`` appended for pre-quantized FP8 input and ``/f32`` for float32 combine partials."""
     name = {"bfloat16": "bf16", "fp8_e4m3": "e4m3", "fp8_e4m3_ue8m0": "ue8m0"}.get(cfg.get("token_dtype"), "bf16")
-    return name + ("/f32" if cfg.get("combine_dtype") == "float32" else "")
+    return name + ("+pq" if token_input == "prequantized" else "") + (
+        "/f32" if cfg.get("combine_dtype") == "float32" else "")
 
 
 def table(per_rank: list[list[dict]]) -> str:
     """One line per (configuration, mode, rank). In graph mode ``dispatch`` and ``combine`` are
     one graph replay each; ``async`` and ``wait`` are replays of graphs of one call each."""
-    head = (f"{'rank':>4} {'T':>5} {'H':>5} {'K':>2} {'E':>4} {'sms':>4} {'tokens':>6} {'mode':>5} {'layout':>8} | "
+    head = (f"{'rank':>4} {'T':>5} {'H':>5} {'K':>2} {'E':>4} {'sms':>4} {'tokens':>8} {'mode':>5} {'layout':>8} | "
             f"{'dispatch us (p10-p90)':>24} "
             f"{'async':>7} {'wait':>7} {'GB/s log':>8} {'NVL':>6} {'floor':>7} {'%floor':>6} | "
             f"{'combine us':>10} {'GB/s log':>8} {'floor':>7} {'%floor':>6} | baselines (median us)")
@@ -175,13 +207,16 @@ def table(per_rank: list[list[dict]]) -> str:
                            for k, v in res["baselines_us"].items()) or "-"
             lines.append(
                 f"{r:>4} {cfg['max_tokens_per_rank']:>5} {cfg['hidden']:>5} {cfg['top_k']:>2} {cfg['n_experts']:>4} "
-                f"{cfg['n_sms'] or 'all':>4} {_fmt_name(cfg):>6} {res.get('mode', 'eager'):>5} "
+                f"{cfg['n_sms'] or 'all':>4} {_fmt_name(cfg, res.get('token_input', 'bf16')):>8} {res.get('mode', 'eager'):>5} "
                 f"{res.get('layout', 'expanded'):>8} | "
                 f"{t['dispatch']['median']:>9.1f} ({t['dispatch']['p10']:.1f}-"
                 f"{t['dispatch']['p90']:.1f}) {t['dispatch_async']['median']:>7.1f} {t['dispatch_wait']['median']:>7.1f} "
                 f"{d['logical_gbps']:>8.1f} {d['nvlink_gbps']:>6.1f} {d['floor_us']:>7.1f} {100 * d['of_floor']:>5.1f}% | "
                 f"{t['combine']['median']:>10.1f} {c['logical_gbps']:>8.1f} {c['floor_us']:>7.1f} "
                 f"{100 * c['of_floor']:>5.1f}% | {bl}")
+    if any(res.get("token_input") == "prequantized" for results in per_rank for res in results):
+        lines.append("+pq: pre-quantized input (FP8 codes and scales from the caller, token_scales=); FP8 rows "
+                     "without it quantize bf16 tokens inside dispatch_async")
     graphs = [(r, res) for r, results in enumerate(per_rank) for res in results if "graph" in res]
     if graphs:
         how = ", ".join(sorted({res["graph"]["n_tokens"] for _, res in graphs}))

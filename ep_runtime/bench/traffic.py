@@ -16,8 +16,10 @@ partials, ``4 H`` with ``combine_dtype="float32"``):
   (``8K`` bytes per token to every other rank); the larger direction bounds the time.
 - **HBM bytes** (device-memory reads and writes of the expanded path, each byte counted once,
   as the kernels move it): dispatch: the sender reads each of its tokens that goes anywhere
-  once (``sent_any`` bf16 rows, whatever the format: the bench's tokens are bf16, quantized in
-  dispatch_async for FP8, and one read serves every destination), the receive buffer is written
+  once (``sent_any`` input rows of ``input_bytes``, one read serving every destination: bf16
+  rows, ``2 H``, whatever the format when the bench passes bf16 tokens, quantized in
+  dispatch_async for FP8; a pre-quantized FP8 input is its codes and scales, ``token_bytes``),
+  the receive buffer is written
   (``sum(recv)`` rows), and the expansion copy reads each received row once and writes one batch
   row per batch row (``sum(recv) + rows``: token-major, dispatch_copy or dispatch_land);
   combine: reads the expert outputs (``rows``, bf16), the partials of this rank's tokens are
@@ -28,7 +30,7 @@ partials, ``4 H`` with ``combine_dtype="float32"``):
   top-8 of 256 on 2 ranks, so its %floor read high; docs/throughput.md, "v23".)
 - **HBM bytes of the compact layout** (``layout="compact"``: no expansion copy, the caller's
   combine input is one row per received token): dispatch: the sender reads its tokens
-  (``sent_any`` bf16 rows) and the receive buffer is written (``sum(recv)`` rows); combine: the
+  (``sent_any`` input rows) and the receive buffer is written (``sum(recv)`` rows); combine: the
   caller's rows (partials) are read (``sum(recv)``: the peers' by combine_async, this rank's own
   by combine_wait, in place), the peers' partials land (``sum(sent) - sent[r]``), combine_wait
   reads them and writes ``T`` bf16 rows.
@@ -63,16 +65,19 @@ class Traffic:
 
 
 def rank_traffic(ids_per_rank, rank: int, n_local_experts: int, hidden: int, token_bytes: int | None = None,
-                 partial_bytes: int | None = None) -> Traffic:
+                 partial_bytes: int | None = None, input_bytes: int | None = None) -> Traffic:
     """Byte counts for ``rank`` given every rank's ``[T_s, K]`` expert ids; ``token_bytes``:
     one dispatched token (default ``2 * hidden``, bf16; ``EPConfig.token_bytes`` in general);
     ``partial_bytes``: one combine partial (default ``2 * hidden``, bf16;
-    ``EPConfig.partial_bytes`` in general, ``4 * hidden`` with float32 partials)."""
+    ``EPConfig.partial_bytes`` in general, ``4 * hidden`` with float32 partials);
+    ``input_bytes``: one token of dispatch_async's input (default ``2 * hidden``, bf16 tokens;
+    ``token_bytes`` for pre-quantized FP8 codes and scales)."""
     R = len(ids_per_rank)
     K = np.asarray(ids_per_rank[0]).shape[1] if R else 0
     row = 2 * hidden  # bf16 rows: expert outputs, results
     tok = row if token_bytes is None else token_bytes
     part = row if partial_bytes is None else partial_bytes
+    in_row = row if input_bytes is None else input_bytes
 
     def hits(ids, d):  # tokens of a rank with an expert on rank d
         ids = np.asarray(ids)
@@ -93,9 +98,9 @@ def rank_traffic(ids_per_rank, rank: int, n_local_experts: int, hidden: int, tok
         logical_bytes=sum(recv) * tok,
         dispatch_nvlink_bytes=max(out_rows * tok + routing_out, in_rows * tok + routing_in),
         combine_nvlink_bytes=max(in_rows, out_rows) * part,
-        dispatch_hbm_bytes=sent_any * row + (2 * sum(recv) + rows) * tok,
+        dispatch_hbm_bytes=sent_any * in_row + (2 * sum(recv) + rows) * tok,
         combine_hbm_bytes=(rows + T) * row + 2 * sum(sent) * part,
-        compact_dispatch_hbm_bytes=sent_any * row + sum(recv) * tok,
+        compact_dispatch_hbm_bytes=sent_any * in_row + sum(recv) * tok,
         compact_combine_hbm_bytes=T * row + (sum(recv) + 2 * out_rows) * part,
     )
 
