@@ -1515,16 +1515,16 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
 
         A ``route_first`` build (v29; d_route [G, R] uint64, ``dispatch_route_signal``): launched
         with ``ROUTE_FIRST_BLOCKS`` blocks (v31; one before), started early by PDL on the SMs
-        dispatch_async leaves, each block waits for every
-        source's routing, ranks and places every received row from the routing rows alone while
-        the token rows still fly (``place_from_routing``: d_counts and d_ranks are not read;
-        the blocks share the descriptions), then waits for the dispatch signals and writes recv_tokens; its dependency wait comes
-        last. With copy_rows nonzero (bf16; the expanded layout, v30) the runtime launches it on the
-        whole grid instead, and it copies too, in one launch: the block that takes the first
-        ticket places as above and then sets ``d_placed`` (uint64 symmetric [1],
-        ``dispatch_placed``: ``(n + 1) << 1``, plus 1 if it failed), and every block waits for
-        that and then copies each received row to its expert rows, token-major, as
-        dispatch_copy does (``expand_rows``). Without copy_rows it launches the few blocks, and
+        dispatch_async leaves, each block waits for every source's routing, ranks and places
+        every received row from the routing rows alone while the token rows still fly
+        (``place_from_routing``: d_counts and d_ranks are not read; the blocks share the
+        descriptions), then waits for the dispatch signals and writes recv_tokens; its
+        dependency wait comes last. With copy_rows nonzero (bf16; the expanded layout, v30) the
+        runtime launches it on the whole grid instead, and it copies too, in one launch: the
+        block that takes the first ticket places as above and then sets ``d_placed`` (uint64
+        symmetric [1], ``dispatch_placed``: ``(n + 1) << 1``, plus 1 if it failed), and every
+        block waits for that and then copies each received row to its expert rows,
+        token-major, as dispatch_copy does (``expand_rows``). Without copy_rows it launches the few blocks, and
         dispatch_copy follows for the expanded layout (FP8 formats, ``EP_RUNTIME_FUSED_COPY=0``).
         """
         flag = cuda.shared.array(1, int32)

@@ -170,7 +170,8 @@ def _result(cfg, tr, spans, base, ceil, mode="eager", graph=None, layout="expand
     floor_c = max(tr.combine_nvlink_bytes / (ceil["nvlink_gbps"] * 1e3),
                   tr.hbm_bytes("combine", layout) / (ceil["hbm_gbps"] * 1e3))
     res = {
-        "mode": mode, "layout": layout, "token_input": token_input, "config": cfg.as_dict(), "paths": paths or {}, "traffic": tr.__dict__,
+        "mode": mode, "layout": layout, "token_input": token_input, "config": cfg.as_dict(), "paths": paths or {},
+        "traffic": tr.__dict__,
         "ceilings": ceil, "times_us": times,
         "dispatch": {"logical_gbps": gbps(tr.logical_bytes, d), "nvlink_gbps": gbps(tr.dispatch_nvlink_bytes, d),
                      "floor_us": floor_d, "of_floor": floor_d / d if d else float("nan")},
@@ -207,7 +208,8 @@ def table(per_rank: list[list[dict]]) -> str:
                            for k, v in res["baselines_us"].items()) or "-"
             lines.append(
                 f"{r:>4} {cfg['max_tokens_per_rank']:>5} {cfg['hidden']:>5} {cfg['top_k']:>2} {cfg['n_experts']:>4} "
-                f"{cfg['n_sms'] or 'all':>4} {_fmt_name(cfg, res.get('token_input', 'bf16')):>8} {res.get('mode', 'eager'):>5} "
+                f"{cfg['n_sms'] or 'all':>4} {_fmt_name(cfg, res.get('token_input', 'bf16')):>8} "
+                f"{res.get('mode', 'eager'):>5} "
                 f"{res.get('layout', 'expanded'):>8} | "
                 f"{t['dispatch']['median']:>9.1f} ({t['dispatch']['p10']:.1f}-"
                 f"{t['dispatch']['p90']:.1f}) {t['dispatch_async']['median']:>7.1f} {t['dispatch_wait']['median']:>7.1f} "
