@@ -29,12 +29,13 @@ it). Two knobs, read when a runtime is built, the same on every rank:
 - ``EP_RUNTIME_DISPATCH_ROUTE_FIRST`` (default ``auto``, v29): ``1`` builds a route-first
   runtime: dispatch_async sends and signals the routing rows first and ranks nothing, and
   dispatch_wait, started early by PDL on the SMs dispatch_async leaves (v31:
-  :data:`ROUTE_FIRST_BLOCKS` blocks, each describing a share of the rows), places the rows
-  from them while the token rows fly (peer stores only, not with landing, placing or the
-  copy engine; docs/protocol.md, "Route first"); ``0`` keeps dispatch_wait's placement after
-  the signal; ``auto`` takes it where it was measured faster (:func:`auto_route_first`: bf16,
-  two ranks or more, the whole GPU with PDL, up to :data:`ROUTE_FIRST_MAX_TOKENS` tokens per
-  rank: T=128 compact dispatch 27.9 -> 24.7 us on 2 x H200).
+  :data:`ROUTE_FIRST_BLOCKS` blocks, each describing a share of the rows from 128 received
+  tokens), places the rows from them while the token rows fly (peer stores only, not with
+  landing, placing or the copy engine; docs/protocol.md, "Route first"); ``0`` keeps
+  dispatch_wait's placement after the signal; ``auto`` takes it where it was measured faster
+  (:func:`auto_route_first`: bf16, two ranks or more, the whole GPU with PDL, up to
+  :data:`ROUTE_FIRST_MAX_TOKENS` tokens per rank: T=128 compact dispatch 27.9 -> 24.7 us on 2 x
+  H200).
 Measured on 2 x H100 over NVLink (docs/throughput.md, "v23"): landing takes 13-160 us off the
 expanded dispatch from 1024 tokens per rank up (T=4096: 420.8 -> 351.5 us) and leaves the
 compact one within -2.3 / +2.1 us there, but costs 5-13 us below 1024 tokens and with FP8 tokens.
@@ -174,6 +175,10 @@ ROUTE_FIRST_MAX_TOKENS = 128
 #: dispatch (async + wait) us, 1 -> 2 blocks, twice each in one call (docs/throughput.md,
 #: "v31"): T=1 23.3 / 23.3 -> 23.3 / 23.4, T=32 23.5 / 23.3 -> 24.3 / 24.4, **T=128 25.6 / 26.0
 #: -> 25.0 / 24.5**; expanded (its one-launch copy unchanged) T=128 53.9 / 54.0 -> 54.5 / 54.3.
+#: v32: they share from ``SHARE_FROM_TOKENS`` (128) received tokens, the first block alone
+#: below it (T=32 back to 23.3-23.6). 3 and 4 blocks measured no better (session 31, T=32 / 64
+#: / 128 rank 0: 2 blocks 23.3 / 24.2-24.3 / 24.4-24.5, 3: 22.8-23.0 / 24.6-25.1 / 25.2-25.5,
+#: 4: 22.7-23.2 / 24.0-24.5 / 24.8-25.0).
 ROUTE_FIRST_BLOCKS = 2
 
 

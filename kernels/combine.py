@@ -152,7 +152,7 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
     def publish_partials(ticket, flag, c_signal, g, me, n, R):
         """Every thread: complete this block's puts and stores; the last block (ticket) signals
         ``n + 1`` into slot [g, me] of every rank's combine_signal and resets the ticket."""
-        if last_block_ticket(ticket, flag):
+        if last_block_ticket(ticket, flag, STORES):  # a stores build puts nothing
             for d in range(cuda.threadIdx.x, R, threads):
                 shmem.signal_op(c_signal[g, me:me + 1], uint64(n + 1), shmem.SIGNAL_SET, d)
             cuda.syncthreads()

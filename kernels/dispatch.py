@@ -21,8 +21,8 @@ from ep_runtime.kernels import pdl, shmem
 from ep_runtime.kernels.bits import f32_bits
 from ep_runtime.kernels.block import (await_part, block_exclusive_scan, flag_part, flag_rule,
                                       grant_token_credits, last_block_ticket, local_expert_count, part_bounds,
-                                      part_words, popc32, record_error, row_parts, udiv32, warp_exclusive_count,
-                                      warp_exclusive_sum, warp_geometry, warp_sync)
+                                      part_words, popc32, publish_fence, record_error, row_parts, udiv32,
+                                      warp_exclusive_count, warp_exclusive_sum, warp_geometry, warp_sync)
 from ep_runtime.kernels.cuda_api import SIMULATED, cuda, kernel_jit
 from ep_runtime.kernels.token_codec import BLOCK_WORDS, CODE_WORDS, HELD_SCALES, make_token_codec
 from ep_runtime.kernels.trace import stamp_first, stamp_last
@@ -66,6 +66,14 @@ SEND_ROUNDS = 8
 #: warps): one pass for up to 128 local experts (256 experts on 2 ranks). The simulator's windows
 #: are 4 experts, so its configurations take several passes.
 RECV_WINDOW = 4 if SIMULATED else 128
+
+#: Received tokens (every source's) from which the blocks of a route-first dispatch_wait's
+#: compact launch share the rows' descriptions (``place_from_routing``); below it the first
+#: block describes them all and the others stand down once the routing is in. 2 x H100, graph,
+#: compact dispatch us, sharing at every size -> from 128 (session 31, twice each, rank 0 /
+#: rank 1): T=32 24.2-24.5 / 24.2 -> 23.3 / 23.5-23.6, T=128 25.2-25.3 / 25.3 -> 24.4-24.8 /
+#: 25.0-25.2. The simulator's is a few rows, so its tests take both ways.
+SHARE_FROM_TOKENS = 8 if SIMULATED else 128
 
 #: Experts the routing block ranks per pass over this rank's tokens (dispatch_async (2): shared
 #: lane masks of warps x RANK_WINDOW words, 16 KB at 16 warps, and as many row words): one pass
@@ -510,9 +518,9 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
     def publish_route(sync, flag, d_route, g, me, n, T, R, status):
         """Every thread of a block of dispatch_async in a landing call, once, when the block's
         share of the routing (routing rows; ranks and counts) is out: the route ticket
-        (``last_block_ticket``: fence, quiet, ticket); the block that takes the last sets
+        (``last_block_ticket``: barrier, fence or quiet, ticket); the block that takes the last sets
         ``d_route[g, me]`` on every rank to ``(n + 1) << 32 | T`` and resets the ticket."""
-        if last_block_ticket(sync[SYNC_ROUTE_TICKET:SYNC_ROUTE_TICKET + 1], flag):
+        if last_block_ticket(sync[SYNC_ROUTE_TICKET:SYNC_ROUTE_TICKET + 1], flag, STORES):
             signal = (uint64(n + 1) << uint64(SIGNAL_TOKEN_BITS)) | uint64(T)  # layout.dispatch_signal_value
             for d in range(cuda.threadIdx.x, R, threads):
                 shmem.signal_op(d_route[g, me:me + 1], signal, shmem.SIGNAL_SET, d)
@@ -553,13 +561,13 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
     def publish_chunk(d_chunk, rb, n, R):
         """Every thread of routing block ``rb``, once its chunk's routing (ids, weights, ranks;
         chunk 0 also the counts and T) is stored into every rank: the block meets, thread 0
-        quiets (a system fence, cumulative over what the barrier ordered: data before flag, as
-        in ``last_block_ticket``) and sets ``d_chunk[me, rb]`` (uint64 symmetric [R,
+        publishes (``publish_fence``: a system fence, cumulative over what the barrier ordered,
+        or quiet on the puts path: data before flag, as in ``last_block_ticket``) and sets ``d_chunk[me, rb]`` (uint64 symmetric [R,
         ROUTE_CHUNKS], ``dispatch_route_chunk``) to ``n + 1`` on every rank."""
         me = shmem.my_pe()
         cuda.syncthreads()
         if cuda.threadIdx.x == 0:
-            shmem.quiet()
+            publish_fence(STORES)  # the chunk's routing: stores into peers, or puts
             for d in range(R):
                 shmem.signal_op(d_chunk[me, rb:rb + 1], uint64(n + 1), shmem.SIGNAL_SET, d)
 
@@ -709,8 +717,9 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         warp's shared mask of each of its token's experts (atomic OR), a thread per expert turns
         the masks into each warp's first rank, and a lane's rank is that plus the mask's bits
         below it. No atomic decides a rank (the OR's result does not depend on its order).
-        (3) The last block (ticket) signals every rank (every block fenced and quieted first:
-        data before signal; the value is ``(n + 1) << 32 | T``) and advances the call counter.
+        (3) The last block (ticket) signals every rank (every block fenced first, or quieted
+        where it put: data before signal; the value is ``(n + 1) << 32 | T``) and advances the
+        call counter.
         (4) A ``place`` build (v26, docs/protocol.md,
         "Placement during the transfer"): the routing blocks send their chunk's routing rows
         themselves (the token blocks send none, so token rows start at once), block 0 of them
@@ -731,7 +740,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         A ``land`` build: landing calls (docs/protocol.md, "Dispatch rows as they land";
         not with the copy engine). Each block, once its share of the routing is out (a token
         block after (1a), a routing block after (2); on the puts path the last puts the counts
-        rows first), fences, quiets and takes the route ticket
+        rows first), fences (quiets on the puts path) and takes the route ticket
         (``sync[SYNC_ROUTE_TICKET]``); the last sets d_route [G, R] uint64 (symmetric,
         ``dispatch_route_signal``) ``[g, me]`` on every rank to ``(n + 1) << 32 | T``, before the
         token rows are all out, so the receiver's dispatch_land places rows while they fly. With
@@ -745,7 +754,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
 
         A ``route_first`` build (v29, docs/protocol.md, "Route first"): one routing block, which
         (2') stores the routing rows (ids, weights) and T (``d_counts[g, me, L]``, read by
-        combine) into every rank and, after a quiet, sets ``d_route[g, me]`` on every rank to
+        combine) into every rank and, after a system fence, sets ``d_route[g, me]`` on every rank to
         ``(n + 1) << 32 | T``; nothing is ranked or counted here (each receiver's dispatch_wait
         places from the routing rows alone), and the token blocks send no routing rows. The
         token rows, the ticket and the signal of (3) are unchanged.
@@ -842,6 +851,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         if cuda.blockIdx.x < token_blocks:
             stamp_last(status, 31)
         all_warps = token_blocks * warps
+        stores_only = STORES  # the token rows go as plain stores (the ticket's fence: publish_fence)
         if QUANT:  # a warp per part of a token (a run of 128-element blocks): encode once, put to each rank
             mbuf = cuda.shared.array(threads, int64)  # the simulator's warp-max scratch
             held = cuda.shared.array(HELD_WORDS, uint32)  # each warp's part's scales (HELD_SCALES)
@@ -857,6 +867,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
             # straight into peers' slots (16-byte stores): encoded, or the caller's codes (word pairs)
             src_pairs = pairs_aligned(tokens)  # rows of whole word pairs (messages and bf16 blocks)
             direct = STORES and (prequantized == 0 or src_pairs)
+            stores_only = direct  # else staged or the caller's codes go by puts
             i = cuda.blockIdx.x * warps + tid // warp
             while cuda.blockIdx.x < token_blocks and i < T * parts:
                 t, b0, b1 = part_bounds(i, parts, span, S)
@@ -946,8 +957,8 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
             for d in range(tid, R, threads):  # T (combine reads it there)
                 store_u32_at(peer_bases[PEER_COUNTS, d] + counts_at, L, uint32(T))
             cuda.syncthreads()
-            if tid == 0:  # data before signal: quiet's system fence is cumulative over the barrier
-                shmem.quiet()
+            if tid == 0:  # data before signal: the system fence is cumulative over the barrier
+                publish_fence(True)  # the routing rows and T: stores into peers
                 signal = (uint64(n + 1) << uint64(SIGNAL_TOKEN_BITS)) | uint64(T)  # layout.dispatch_signal_value
                 for d in range(R):
                     shmem.signal_op(d_route[g, me:me + 1], signal, shmem.SIGNAL_SET, d)
@@ -1044,7 +1055,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
 
         # (3) the last block signals every rank (with its counts row, on the puts path), then
         # advances the call counter
-        if last_block_ticket(sync[SYNC_TICKET:SYNC_TICKET + 1], flag):
+        if last_block_ticket(sync[SYNC_TICKET:SYNC_TICKET + 1], flag, stores_only):
             stamp_last(status, 3)
             signal = (uint64(n + 1) << uint64(SIGNAL_TOKEN_BITS)) | uint64(T)  # layout.dispatch_signal_value
             for d in range(tid, R if not ENGINE else 0, threads):  # copy engine: dispatch_signal signals
@@ -1384,9 +1395,11 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         written: the runtime raises the capacity error, and the batch is not returned).
 
         ``shares`` blocks may place at once (v31: the compact launch's ``ROUTE_FIRST_BLOCKS``):
-        each ranks every token alike (the same table, offsets and counts, written alike) and
-        describes the rows of share ``share`` only: a warp's tokens of a round are share
-        ``(round * warps + warp) % shares``. The descriptions are scattered stores (a row per
+        from ``SHARE_FROM_TOKENS`` received tokens each ranks every token alike (the same
+        table, offsets and counts, written alike) and describes the rows of share ``share``
+        only: a warp's tokens of a round are share ``(round * warps + warp) % shares``; below
+        it share 0 places alone and the others return True once the routing is in (v32: a
+        second block cost ~1 us at T=32). The descriptions are scattered stores (a row per
         lane anywhere in the batch): one block took 6.2 of dispatch_wait's 18.2 us describing
         the rows at T=128 on an H100 (v31's trace); with two, dispatch_wait alone took 16.4-16.5
         us instead of 17.7-17.9 there (docs/throughput.md, "v31").
@@ -1407,6 +1420,10 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         Q = 0  # every source's tokens
         for s in range(R):
             Q += src_T[s]
+        if shares > 1 and Q < SHARE_FROM_TOKENS:  # few rows: the first block describes them all
+            if share != 0:
+                return True
+            shares = 1
         first_mine = me * L
         ids_l = cuda.local.array(ID_BATCH, int32)  # this thread's token's first ids and weights
         w_l = cuda.local.array(ID_BATCH, float32)
@@ -1822,7 +1839,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                                      COUNTER_DISPATCH_SIGNAL, src_T, flag):
                     return
         # the last block advances the receive count (the next call's dispatch_land reads it)
-        if last_block_ticket(land_sync[LAND_TICKET:LAND_TICKET + 1], flag):
+        if last_block_ticket(land_sync[LAND_TICKET:LAND_TICKET + 1], flag, False):
             if tid == 0:
                 land_sync[LAND_CALLS] = n + 1
                 land_sync[LAND_TICKET] = 0

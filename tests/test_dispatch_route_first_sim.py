@@ -70,7 +70,9 @@ def cycle_pe(session, first: str, fused: str, cfg: EPConfig, device_count: bool)
         wait_grid = rt._fixed["dispatch_wait"].grid  # the compact launch's blocks
         calls = knob_round_trips(session, rt, cfg, CALLS, call_inputs, layout_of, device_count,
                                  ("dispatch_route_signal", "dispatch_placed"))
-    return {"calls": calls, "fused_copy": rt.fused_copy, "wait_grid": wait_grid}
+    from ep_runtime.kernels.dispatch import SHARE_FROM_TOKENS  # the simulator's value
+
+    return {"calls": calls, "fused_copy": rt.fused_copy, "wait_grid": wait_grid, "share_from": SHARE_FROM_TOKENS}
 
 
 def fp8_cfg() -> EPConfig:
@@ -103,11 +105,14 @@ def cycles(request):
 def test_route_first_batches_equal_the_reference_and_dispatch_wait(cycles):
     """Every batch, compact and expanded, and every combine output as the reference's and the
     dispatch_wait path's. The compact launch places in ROUTE_FIRST_BLOCKS blocks, each
-    describing a share of the rows (the configurations with several rounds give each block
-    rows; a block's missing or misplaced share would show here)."""
+    describing a share of the rows from SHARE_FROM_TOKENS received tokens, and the first block
+    all of them below it: every case's calls take both ways (a block's missing or misplaced
+    share would show here)."""
     from ep_runtime.dispatch_overlap import ROUTE_FIRST_BLOCKS
 
     cfg, first, waited, copied = cycles
+    received = [sum(len(x) for x in call_inputs(cfg, c)[0]) for c in range(CALLS)]
+    assert min(received) < first[0]["share_from"] <= max(received), (received, first[0]["share_from"])
     assert all(res["fused_copy"] for res in first), "the route-first runtime did not copy in dispatch_wait"
     assert ROUTE_FIRST_BLOCKS > 1 and all(res["wait_grid"] == ROUTE_FIRST_BLOCKS for res in first)
     assert_runs_agree(cfg, first, waited, CALLS, call_inputs, layout_of, "route-first")
