@@ -70,8 +70,8 @@ RECV_WINDOW = 4 if SIMULATED else 128
 #: Received tokens (every source's) from which the blocks of a route-first dispatch_wait's
 #: compact launch share the rows' descriptions (``place_from_routing``); below it the first
 #: block describes them all and the others stand down once the routing is in. 2 x H100, graph,
-#: compact dispatch us, sharing at every size -> from 128 (session 31, twice each, rank 0 /
-#: rank 1): T=32 24.2-24.5 / 24.2 -> 23.3 / 23.5-23.6, T=128 25.2-25.3 / 25.3 -> 24.4-24.8 /
+#: compact dispatch us, sharing at every size -> from 128 (session 31, calls 1-2, rank 0 /
+#: rank 1): T=32 24.2-24.5 / 24.2 -> 23.3-23.6 / 23.5-23.6, T=128 24.8-25.3 / 25.3 -> 24.4-24.8 /
 #: 25.0-25.2. The simulator's is a few rows, so its tests take both ways.
 SHARE_FROM_TOKENS = 8 if SIMULATED else 128
 
@@ -562,8 +562,9 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         """Every thread of routing block ``rb``, once its chunk's routing (ids, weights, ranks;
         chunk 0 also the counts and T) is stored into every rank: the block meets, thread 0
         publishes (``publish_fence``: a system fence, cumulative over what the barrier ordered,
-        or quiet on the puts path: data before flag, as in ``last_block_ticket``) and sets ``d_chunk[me, rb]`` (uint64 symmetric [R,
-        ROUTE_CHUNKS], ``dispatch_route_chunk``) to ``n + 1`` on every rank."""
+        or quiet on the puts path: data before flag, as in ``last_block_ticket``) and sets
+        ``d_chunk[me, rb]`` (uint64 symmetric [R, ROUTE_CHUNKS], ``dispatch_route_chunk``) to
+        ``n + 1`` on every rank."""
         me = shmem.my_pe()
         cuda.syncthreads()
         if cuda.threadIdx.x == 0:
