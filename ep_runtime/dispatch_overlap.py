@@ -35,7 +35,11 @@ it). Two knobs, read when a runtime is built, the same on every rank:
   dispatch_wait's placement after the signal; ``auto`` takes it where it was measured faster
   (:func:`auto_route_first`: bf16, two ranks or more, the whole GPU with PDL, up to
   :data:`ROUTE_FIRST_MAX_TOKENS` tokens per rank: T=128 compact dispatch 27.9 -> 24.7 us on 2 x
-  H200).
+  H200). Above that capacity the kernels are built with chunked placement (v33,
+  :func:`route_chunks`): :data:`ROUTE_FIRST_CHUNK_BLOCKS` placing blocks each rank a chunk of
+  the received tokens, and from 512 tokens the token blocks send the routing rows; there ``1``
+  takes e4m3 T=4096 compact dispatch from 122.6 to 115.7 us on 2 x H100 (``auto`` does not yet:
+  see :func:`auto_route_first`).
 Measured on 2 x H100 over NVLink (docs/throughput.md, "v23"): landing takes 13-160 us off the
 expanded dispatch from 1024 tokens per rank up (T=4096: 420.8 -> 351.5 us) and leaves the
 compact one within -2.3 / +2.1 us there, but costs 5-13 us below 1024 tokens and with FP8 tokens.
@@ -52,6 +56,7 @@ import os
 from .combine_overlap import sender_grid
 from .config import EPConfig
 from .errors import EPConfigError
+from .kernels.cuda_api import SIMULATED
 
 LAND_ENV = "EP_RUNTIME_DISPATCH_LAND"
 LAND_SMS_ENV = "EP_RUNTIME_DISPATCH_LAND_SMS"
@@ -180,13 +185,47 @@ ROUTE_FIRST_MAX_TOKENS = 128
 #: / 128 rank 0: 2 blocks 23.3 / 24.2-24.3 / 24.4-24.5, 3: 22.8-23.0 / 24.6-25.1 / 25.2-25.5,
 #: 4: 22.7-23.2 / 24.0-24.5 / 24.8-25.0).
 ROUTE_FIRST_BLOCKS = 2
+#: Placing blocks of a route-first runtime of more than ``ROUTE_FIRST_MAX_TOKENS`` tokens per
+#: rank (v33): from ``CHUNK_FROM_TOKENS`` received tokens each ranks and describes a chunk of
+#: them (kernels/dispatch.py, ``place_by_chunks``). 4 on a 132-SM GPU leave dispatch_async 128
+#: token blocks (a chunked call from ``FIRST_SPLIT_TOKENS`` tokens has no routing block): the FP8
+#: encoder deals 4,096 tokens evenly to 128 blocks' warps (124 left a third row to some warps: 75
+#: -> 94 us, docs/throughput.md, "v19"). 2 x H100, graph, e4m3 T=4096 compact dispatch us, rank
+#: 0 / rank 1 (session 32, docs/throughput.md "v33"): dispatch_wait's placement 122.6 / 122.3,
+#: route first before v33 (two blocks each ranking every token) 293.6 / 295.4, with 3 chunk
+#: blocks 146.2 / 146.2, with 4 and batched counting **115.7 / 117.2**; pre-quantized 116.3 /
+#: 115.9 -> 115.2 / 116.0; bf16 T=4096 (3 blocks) 180.3 / 180.4 against placing's 179.5 / 179.3.
+ROUTE_FIRST_CHUNK_BLOCKS = 4
+
+
+#: Tokens per rank (the runtime's capacity) above which a route-first runtime's kernels are built
+#: with chunked placement (``SendPaths.route_chunks``). The simulator's is a few tokens, so its
+#: tests build both.
+ROUTE_CHUNKS_ABOVE = 16 if SIMULATED else ROUTE_FIRST_MAX_TOKENS
+
+
+def route_chunks(cfg: EPConfig, route_first: bool) -> bool:
+    """Whether a runtime of ``cfg`` (route-first: ``route_first``) builds the chunked placement:
+    more than :data:`ROUTE_CHUNKS_ABOVE` tokens per rank."""
+    return route_first and cfg.max_tokens_per_rank > ROUTE_CHUNKS_ABOVE
+
+
+def route_first_blocks(cfg: EPConfig) -> int:
+    """Blocks of a route-first runtime's compact dispatch_wait, each on an SM its dispatch_async
+    leaves free: :data:`ROUTE_FIRST_CHUNK_BLOCKS` where the kernels place in chunks
+    (:func:`route_chunks`), else :data:`ROUTE_FIRST_BLOCKS`."""
+    return ROUTE_FIRST_CHUNK_BLOCKS if route_chunks(cfg, True) else ROUTE_FIRST_BLOCKS
 
 
 def auto_route_first(cfg: EPConfig) -> bool:
-    """Whether ``auto`` takes the route-first dispatch for ``cfg``: bf16 tokens (the FP8 formats
-    were not measured), at least two ranks, the whole GPU (``cfg.n_sms`` None: dispatch_async
-    leaves SMs to dispatch_wait's blocks) and ``cfg.max_tokens_per_rank <=
-    ROUTE_FIRST_MAX_TOKENS`` (each placing block ranks every received token)."""
+    """Whether ``auto`` takes the route-first dispatch for ``cfg``: bf16 tokens, at least two
+    ranks, the whole GPU (``cfg.n_sms`` None: dispatch_async leaves SMs to dispatch_wait's
+    blocks) and ``cfg.max_tokens_per_rank <= ROUTE_FIRST_MAX_TOKENS``. Larger FP8 runtimes
+    measured faster with ``1`` (v33's chunked placement: e4m3 T=4096 122.6 -> 115.7 us, 2 x
+    H100) but stay on dispatch_wait's placement until ``fp8_check`` has passed on a GPU with the
+    build as committed (session 32's run of it ran out of time; an earlier form of the chunked
+    build passed it, 8/8 exact); bf16 above 128 tokens measured alike (180.3 against placing's
+    179.5 at T=4096)."""
     return (cfg.n_ranks >= 2 and not cfg.token_format.quantized and cfg.n_sms is None
             and cfg.max_tokens_per_rank <= ROUTE_FIRST_MAX_TOKENS)
 

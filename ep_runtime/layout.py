@@ -61,7 +61,7 @@ def dispatch_signal_value(call: int, n_tokens: int) -> int:
 # Indices into dispatch_async_sync (int64).
 SYNC_TICKET = 0   # blocks of the current launch that finished; the last block resets it to 0
 SYNC_CALLS = 1    # completed dispatch calls: call n (0-based) sets it to n + 1
-SYNC_ROUTE_TICKET = 2  # landing calls: blocks whose routing rows went out; the last resets it to 0
+SYNC_ROUTE_TICKET = 2  # landing, chunked route-first calls: blocks whose routing rows went out; the last resets it
 
 # Indices into dispatch_land_sync (int64; docs/protocol.md, "Dispatch rows as they land").
 LAND_TICKET = 0   # blocks of the current dispatch_land that finished; the last block resets it to 0
@@ -228,7 +228,8 @@ def _regions(cfg: EPConfig) -> list[Region]:
         Region("dispatch_async_sync", (3,), i64, 0, Lc, DA, (DA, DW, CA, CW),
                "[0] ticket: finished blocks of the launch (reset by the last block); "
                "[1] calls: completed dispatch calls (call n sets n + 1); "
-               "[2] route ticket (landing calls): blocks whose routing rows went out (reset by the last)"),
+               "[2] route ticket (landing and chunked route-first calls): blocks whose routing rows went out "
+               "(reset by the last)"),
         Region("dispatch_send_ranks", (T, K), i32, 0, Lc, DA, (DA,),
                "staging of dispatch_ranks: [t, k] rank of token t among this rank's tokens with expert "
                "topk_ids[t, k]"),

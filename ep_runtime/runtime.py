@@ -31,8 +31,8 @@ from .shmem.session import Session
 from .status import error_from_status
 from .transfer import SendPaths, choose_copy_engine, peer_token_slots
 from .combine_overlap import ROW_FLAGS_ENV, combine_send_grid, row_flags_from
-from .dispatch_overlap import (LAND_ENV, PLACE_ENV, ROUTE_FIRST_BLOCKS, ROUTE_FIRST_ENV, dispatch_send_grid, landing,
-                               placing, routing_first)
+from .dispatch_overlap import (LAND_ENV, PLACE_ENV, ROUTE_FIRST_ENV, dispatch_send_grid, landing, placing,
+                               route_chunks, route_first_blocks, routing_first)
 
 _owner_ids = itertools.count(1)
 
@@ -132,7 +132,7 @@ class EPRuntime:
         row descriptions are then rewritten by the next dispatch_async.
     dispatch_route_first : bool
         Whether dispatch_async sends and signals the routing rows first and ranks nothing, and
-        dispatch_wait, a few blocks (``ROUTE_FIRST_BLOCKS``) started early by PDL on SMs
+        dispatch_wait, a few blocks (``route_first_blocks``) started early by PDL on SMs
         dispatch_async leaves, ranks and places the received rows from them while the token rows fly
         (``EP_RUNTIME_DISPATCH_ROUTE_FIRST``; peer stores without landing, placing or the copy
         engine: :mod:`ep_runtime.dispatch_overlap`). The expanded layout then copies with
@@ -209,7 +209,7 @@ class EPRuntime:
                                 f"{firsts}); set it alike on every rank (or unset it everywhere).")
         self._dispatch_grid = dispatch_send_grid(self._grid, whole_gpu, pdl_on) if self.dispatch_land else 0
         if self.dispatch_route_first and whole_gpu and pdl_on:  # SMs left to dispatch_wait's blocks
-            self._dispatch_grid = max(self._grid - ROUTE_FIRST_BLOCKS, 1)
+            self._dispatch_grid = max(self._grid - route_first_blocks(cfg), 1)
         self._peer_slots = peer_token_slots(session, self._sym, self.layout, self.rank) if self.copy_engine else None
         self._partial = partial_dtype(cfg)  # uint16 (bf16 bits) or float32
         self._f32_partials = self._partial == np.float32
@@ -240,7 +240,7 @@ class EPRuntime:
         self._fixed = {}
         self._fixed["dispatch_wait"] = self._prepare("dispatch_wait", copy_rows=_INT64[0], **wait_scalars)
         if self.dispatch_place or self.dispatch_route_first:  # a few blocks, started early by PDL (kernels/dispatch.py)
-            blocks = ROUTE_FIRST_BLOCKS if self.dispatch_route_first else 1
+            blocks = route_first_blocks(cfg) if self.dispatch_route_first else 1
             self._fixed["dispatch_wait"] = dataclasses.replace(self._fixed["dispatch_wait"], grid=blocks)
         self._wait_scalars = wait_scalars  # (dispatch_land is prepared with each call's tokens: _prepare_dispatch_async)
         self._land: tuple = ()  # the last dispatch_async's dispatch_land launches
@@ -623,7 +623,7 @@ class EPRuntime:
         """What the kernels are built for: ``peer_stores``, ``copy_engine``, ``dispatch_land``,
         ``dispatch_place`` and ``dispatch_route_first``."""
         return SendPaths(self.peer_stores, self.copy_engine, self.dispatch_land, self.dispatch_place,
-                         self.dispatch_route_first)
+                         self.dispatch_route_first, route_chunks(self.cfg, self.dispatch_route_first))
 
     @property
     def calls(self) -> int:
@@ -835,8 +835,8 @@ def expected_send_paths(cfg: EPConfig) -> SendPaths:
     place = placing(cfg, stores, copy_engine, land)
     from .kernels import pdl
 
-    return SendPaths(stores, copy_engine, land, place, routing_first(cfg, stores, copy_engine, land, place,
-                                                                     cfg.n_sms is None and pdl.ENABLED))
+    first = routing_first(cfg, stores, copy_engine, land, place, cfg.n_sms is None and pdl.ENABLED)
+    return SendPaths(stores, copy_engine, land, place, first, route_chunks(cfg, first))
 
 
 def _combine_wait_with(threads: int, word, epilogue, f32_partials: bool = False):

@@ -41,13 +41,18 @@ class SendPaths(NamedTuple):
     ``land``). ``route_first``: dispatch_async sends and signals the routing rows first and ranks
     nothing; dispatch_wait (one block, started early) places the rows from them while the token
     rows fly (``EP_RUNTIME_DISPATCH_ROUTE_FIRST``; with ``stores`` only, not with ``copy_engine``,
-    ``land`` or ``place``)."""
+    ``land`` or ``place``). ``route_chunks``: a route-first build for large batches (v33;
+    :func:`ep_runtime.dispatch_overlap.route_chunks`): from ``FIRST_SPLIT_TOKENS`` tokens the
+    token blocks send the routing rows, and from ``CHUNK_FROM_TOKENS`` received tokens
+    dispatch_wait's blocks rank a chunk each; a decode-size build leaves that code out (it cost
+    0.5-1 us at T <= 128 on 2 x H100)."""
 
     stores: bool = True
     copy_engine: bool = False
     land: bool = False
     place: bool = False
     route_first: bool = False
+    route_chunks: bool = False
 
 
 #: Environment variable choosing the token transfer: ``auto``, ``stores`` or ``copy_engine``.

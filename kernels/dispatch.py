@@ -75,6 +75,26 @@ RECV_WINDOW = 4 if SIMULATED else 128
 #: 25.0-25.2. The simulator's is a few rows, so its tests take both ways.
 SHARE_FROM_TOKENS = 8 if SIMULATED else 128
 
+#: Received tokens (every source's) from which the blocks of a route-first dispatch_wait's
+#: compact launch also share the ranking (v33, ``place_by_chunks``): block b ranks and describes
+#: chunk b of the received tokens only, from each local expert's rows before the chunk (a
+#: shared-memory histogram of every received id), instead of every block ranking every token
+#: (two blocks took ~196 us after the transfer to place 8,192 received FP8 tokens at T=4096,
+#: session 32). The simulator's is a few rows, so its tests take both ways.
+CHUNK_FROM_TOKENS = 24 if SIMULATED else 1024
+
+#: Tokens of a call (this rank's T) from which a route-first dispatch_async's token blocks send
+#: the routing rows (each a share, before its token rows) and take the route ticket, the last
+#: signalling the routing (v33), instead of its one routing block sending them all: beside 128
+#: blocks storing token rows one block's stores get ~1/130 of the link, so the routing of 4,096
+#: tokens (256 KB a peer) would arrive only with the token rows.
+FIRST_SPLIT_TOKENS = 8 if SIMULATED else 512
+
+#: Received expert ids each thread of a chunk-placing block loads before it counts any
+#: (``place_by_chunks``): independent loads in flight instead of one latency per id, which the
+#: encoder's traffic makes long while the token rows fly.
+COUNT_BATCH = 8
+
 #: Experts the routing block ranks per pass over this rank's tokens (dispatch_async (2): shared
 #: lane masks of warps x RANK_WINDOW words, 16 KB at 16 warps, and as many row words): one pass
 #: for up to 256 experts on a GPU. The simulator's windows are 4 experts, so its small
@@ -104,7 +124,7 @@ RUN_BATCH = 8
 
 def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = False, stores: bool = True,
                           copy_engine: bool = False, land: bool = False, place: bool = False,
-                          route_first: bool = False):
+                          route_first: bool = False, route_chunks: bool = False):
     """Build ``(dispatch_async, dispatch_wait, dispatch_copy, dispatch_signal, dispatch_land)`` for
     blocks of ``threads`` threads (a power of 2), for bf16 tokens or (``quantized``) an FP8 token format with float32
     or (``ue8m0``) power-of-two scales (:mod:`ep_runtime.kernels.token_codec` encodes and lays
@@ -122,13 +142,19 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
     ``copy_engine`` or ``land``); ``route_first``, dispatch_async sends and signals the routing
     rows first and ranks nothing, and dispatch_wait, a few blocks started early by PDL, places every
     received row from the routing rows while the token rows fly (v29; with ``stores``, not with
-    ``copy_engine``, ``land`` or ``place``). dispatch_copy and dispatch_signal do not depend on them."""
+    ``copy_engine``, ``land`` or ``place``); ``route_chunks`` (with ``route_first``), for large
+    batches: from ``FIRST_SPLIT_TOKENS`` tokens the token blocks send the routing rows and the
+    last of every block signals them, and from ``CHUNK_FROM_TOKENS`` received tokens each of
+    dispatch_wait's few blocks ranks and describes a chunk of them (v33, ``place_by_chunks``).
+    dispatch_copy and dispatch_signal do not depend on them."""
     if copy_engine and (not stores or land):
         raise ValueError("make_dispatch_kernels: copy_engine needs stores and excludes land")
     if place and (not stores or land or copy_engine):
         raise ValueError("make_dispatch_kernels: place needs stores and excludes land and copy_engine")
     if route_first and (not stores or land or copy_engine or place):
         raise ValueError("make_dispatch_kernels: route_first needs stores and excludes land, copy_engine and place")
+    if route_chunks and not route_first:
+        raise ValueError("make_dispatch_kernels: route_chunks needs route_first")
     warp, warps = warp_geometry(threads)
     QUANT = bool(quantized)
     STORES = bool(stores)  # peer stores (else NVSHMEM puts)
@@ -140,6 +166,9 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
     EARLY = bool(place)
     # the routing rows first, signalled on their own; the receiver ranks and places from them (v29)
     FIRST = bool(route_first)
+    # ... and for large batches: the token blocks send the routing rows, the placing blocks rank
+    # chunks (v33; left out of a decode-size build, where the code alone cost 0.5-1 us)
+    CHUNKS = FIRST and bool(route_chunks)
     encode_blocks, store_scales = make_token_codec(warp, bool(ue8m0))
     SB = 1 if ue8m0 else 4  # scale bytes per 128-element block
     U = COPY_UNROLL
@@ -506,12 +535,14 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         return all_warps
 
     @cuda.jit(device=True)
-    def route_blocks(grid):
+    def route_blocks(grid, split):
         """Routing blocks of dispatch_async's grid of ``grid`` blocks: one per ROUTE_GRID_SHARE
         blocks beyond the first, at least 1, at most ROUTE_BLOCKS (bf16 rows: 8 of an H200's
-        132 SMs, and of the 108 a landing call leaves itself) or ROUTE_BLOCKS_QUANT (FP8)."""
+        132 SMs, and of the 108 a landing call leaves itself) or ROUTE_BLOCKS_QUANT (FP8). A
+        route-first call has one, which only sends the routing rows, or none when the token
+        blocks send them (``split``, v33)."""
         if FIRST:
-            return 1  # it only sends the routing rows (a route-first build ranks nothing)
+            return 0 if split else 1  # (a route-first build ranks nothing)
         return max(1, min(ROUTE_BLOCKS_QUANT if QUANT else ROUTE_BLOCKS, (grid - 1) // ROUTE_GRID_SHARE))
 
     @cuda.jit(device=True)
@@ -758,7 +789,11 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         combine) into every rank and, after a system fence, sets ``d_route[g, me]`` on every rank to
         ``(n + 1) << 32 | T``; nothing is ranked or counted here (each receiver's dispatch_wait
         places from the routing rows alone), and the token blocks send no routing rows. The
-        token rows, the ticket and the signal of (3) are unchanged.
+        token rows, the ticket and the signal of (3) are unchanged. A ``route_chunks`` build
+        (v33), in a call of FIRST_SPLIT_TOKENS tokens or more, has no routing block instead: the
+        token blocks send the routing rows (1a), block 0 stores T, and each takes the route ticket
+        (``publish_route``), the last setting ``d_route[g, me]`` on every rank, so the routing
+        is not left to one block's share of the busy links.
         """
         flag = cuda.shared.array(1, int32)
         masks = cuda.shared.array(RANK_WORDS, uint32)  # (2): [warp, expert] lanes with the expert
@@ -806,14 +841,18 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         flag_rows = route and not QUANT  # ... and the bf16 rows part by part
         # ... but none to this rank: dispatch_land reads its own rows from the caller's tokens (v28)
         own_skip = uint64(1) << uint64(me) if flag_rows else uint64(0)
-        n_route = route_blocks(cuda.gridDim.x)  # routing blocks: the grid's last
+        # a chunked route-first call of FIRST_SPLIT_TOKENS or more: no routing block, the token
+        # blocks send the routing rows and take the route ticket (v33)
+        split = CHUNKS and T >= FIRST_SPLIT_TOKENS
+        n_route = route_blocks(cuda.gridDim.x, split)  # routing blocks: the grid's last
         token_blocks = max(cuda.gridDim.x - n_route, 1)
         rb = cuda.blockIdx.x - (cuda.gridDim.x - n_route)  # this block's routing chunk (< 0: none)
         routing_block = rb >= 0
 
         # (1a) routing rows (ids, weights) to every rank, spread over the token blocks (placing
-        # builds: each routing block sends its chunk's, see (2))
-        if cuda.blockIdx.x < token_blocks and not EARLY and not FIRST:
+        # builds: each routing block sends its chunk's, see (2); route-first: the routing block,
+        # see (2'), unless the call is split)
+        if cuda.blockIdx.x < token_blocks and not EARLY and (split or not FIRST):
             if meta_stores:  # rows 0..T are contiguous on both sides: element j of the run
                 ids_at = address_of(d_ids[g, me]) - address_of(d_ids)
                 weights_at = address_of(d_weights[g, me]) - address_of(d_weights)
@@ -833,8 +872,12 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                     for d in range(R):
                         shmem.put_nbi_block(d_ids[g, me, t0:t1], topk_ids[t0:t1], d)
                         shmem.put_nbi_block(d_weights[g, me, t0:t1], topk_weights[t0:t1], d)
+        if split and cuda.blockIdx.x == 0:  # T into every rank's counts row (combine reads it there)
+            counts_at = address_of(d_counts[g, me]) - address_of(d_counts)
+            for d in range(tid, R, threads):
+                store_u32_at(peer_bases[PEER_COUNTS, d] + counts_at, L, uint32(T))
         stamp_last(status, 4)
-        if route and cuda.blockIdx.x < token_blocks and not routing_block:
+        if (route or split) and cuda.blockIdx.x < token_blocks and not routing_block:
             publish_route(sync, flag, d_route, g, me, n, T, R, status)  # this block's share of the routing is out
 
         # every peer's credit of call n before any token row goes to it (the copy engine's
@@ -1373,6 +1416,96 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         return ok
 
     @cuda.jit(device=True)
+    def await_token_rows(d_signal, g, n, timeout_ns, status, recv_tokens, src_T, flag):
+        """Every thread of a placing block of a route-first dispatch_wait, its rows described:
+        wait for every source's dispatch signal (the token rows are in), then write
+        recv_tokens [R] (each source's T, from its signal). Returns whether every signal came."""
+        ok = await_sources(d_signal, g, n, timeout_ns, status, KERNEL_DISPATCH_WAIT, COUNTER_DISPATCH_SIGNAL, src_T,
+                           flag)
+        if ok:
+            stamp_last(status, 9)
+            for s in range(cuda.threadIdx.x, d_signal.shape[1], threads):
+                recv_tokens[s] = src_T[s]
+        stamp_last(status, 11)
+        return ok
+
+    @cuda.jit(device=True)
+    def place_by_chunks(d_ids, d_weights, g, n, me, R, L, K, Tmax, C, status, pad_multiple, row_offsets, expert_counts,
+                        row_src_rank, row_src_token, row_src_k, row_weight, row_gather, token_rows, src_T, Q, place,
+                        sum_buf, masks, warp_rows, next_rank, share, shares):
+        """Every thread of placing block ``share`` of ``shares`` (a route-first dispatch_wait from
+        CHUNK_FROM_TOKENS received tokens, R >= 2, every source's routing here, v33): rank and
+        describe the received tokens ``[share q, (share + 1) q)`` of the ``Q`` (source 0's first,
+        ``q = ceil(Q / shares)``). One pass over every received id counts each local expert's rows
+        and those before the chunk (shared-memory atomics: counts, so no order matters; the
+        expert's rows in ``place[R L + e]``, those before the chunk in ``place[L + e]``, a part of
+        the table route-first placement leaves unused when R >= 2); the first warp scans the rows
+        into first rows (:func:`first_rows`, every block alike, with the offsets and counts);
+        the padding rows are described a warp per expert over the blocks; then the chunk's tokens
+        go in rounds (:func:`rank_round`) from the rows before it, each (token, local expert)'s
+        row = the expert's first row + its rank among every received token with that expert, in
+        (source, token) order: the reference's order, as the unchunked placement. Returns whether
+        the rows fit the capacity C (a larger total is recorded by block 0 and nothing is
+        described)."""
+        tid = cuda.threadIdx.x
+        lane = tid % warp
+        wid = tid // warp
+        first_mine = me * L
+        per = (Q + shares - 1) // shares
+        q_lo = min(share * per, Q)
+        q_hi = min(q_lo + per, Q)
+        for e in range(tid, L, threads):
+            place[R * L + e] = 0
+            place[L + e] = 0
+        cuda.syncthreads()
+        xs = cuda.local.array(COUNT_BATCH, int32)
+        q0 = 0  # the source's first received token
+        for s in range(R):
+            base = address_of(d_ids[g, s])  # [Tmax, K] contiguous: (t, k) is flat element t K + k
+            n_s = src_T[s] * K
+            for jb in range(0, n_s, threads * COUNT_BATCH):  # the source's run of ids, coalesced
+                for u in range(COUNT_BATCH):  # loaded together (a constant trip count: registers)
+                    j = jb + u * threads + tid
+                    xs[u] = int32(load_u32_at(base, j)) if j < n_s else int32(-1)
+                for u in range(COUNT_BATCH):
+                    e = xs[u] - first_mine
+                    if e >= 0 and e < L:
+                        cuda.atomic.add(place, R * L + e, int32(1))
+                        if q0 + int32(udiv32(jb + u * threads + tid, K)) < q_lo:
+                            cuda.atomic.add(place, L + e, int32(1))
+            q0 += src_T[s]
+        cuda.syncthreads()
+        stamp_last(status, 37)
+        total = first_rows(place, R, L, pad_multiple, row_offsets, expert_counts, sum_buf)
+        stamp_last(status, 38)
+        if total > C:
+            if share == 0 and tid == 0:
+                record_error(status, ERR_CAPACITY, KERNEL_DISPATCH_WAIT, me, -1, COUNTER_RECV_ROWS, C, total, n + 1)
+            return False
+        if pad_multiple != 1:  # a warp per local expert over the blocks' warps
+            write_segments(place, R, L, pad_multiple, row_offsets, expert_counts, row_src_rank, row_src_token,
+                           row_src_k, row_weight, row_gather, share * warps + wid, shares * warps, lane)
+        stamp_last(status, 39)
+        ids_l = cuda.local.array(ID_BATCH, int32)  # this thread's token's first ids and weights
+        w_l = cuda.local.array(ID_BATCH, float32)
+        for w0 in range(0, L, RW):
+            for el in range(tid, RW, threads):  # the window's rows before the chunk (rank_round's barrier orders it)
+                next_rank[el] = place[L + w0 + el] if w0 + el < L else 0
+            for qb in range(q_lo, q_hi, threads):
+                q = qb + tid
+                valid = q < q_hi
+                s, t = token_of(min(q, q_hi - 1), src_T, R)
+                if valid:
+                    load_token(d_ids, d_weights, g, s, t, K, ids_l, w_l)
+                rank_round(d_ids, g, s, t, K, valid, ids_l, first_mine + w0, masks, warp_rows, next_rank, wid, lane)
+                describe_round(d_ids, d_weights, g, s, t, K, valid, ids_l, w_l, L, Tmax, first_mine, w0, place,
+                               masks, warp_rows, wid, lane, row_src_rank, row_src_token, row_src_k, row_weight,
+                               row_gather, token_rows)
+                cuda.syncthreads()  # the masks read before the next round clears them
+        stamp_last(status, 36)
+        return True
+
+    @cuda.jit(device=True)
     def place_from_routing(d_ids, d_weights, d_route, d_signal, g, n, me, R, L, K, Tmax, C, timeout_ns, status,
                            pad_multiple, row_offsets, expert_counts, row_src_rank, row_src_token, row_src_k,
                            row_weight, row_gather, recv_tokens, token_rows, src_T, flag, place, sum_buf, masks,
@@ -1425,6 +1558,12 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
             if share != 0:
                 return True
             shares = 1
+        if CHUNKS and shares > 1 and R > 1 and Q >= CHUNK_FROM_TOKENS:  # many rows: each block ranks a chunk (v33)
+            if not place_by_chunks(d_ids, d_weights, g, n, me, R, L, K, Tmax, C, status, pad_multiple, row_offsets,
+                                   expert_counts, row_src_rank, row_src_token, row_src_k, row_weight, row_gather,
+                                   token_rows, src_T, Q, place, sum_buf, masks, warp_rows, next_rank, share, shares):
+                return False
+            return await_token_rows(d_signal, g, n, timeout_ns, status, recv_tokens, src_T, flag)
         first_mine = me * L
         ids_l = cuda.local.array(ID_BATCH, int32)  # this thread's token's first ids and weights
         w_l = cuda.local.array(ID_BATCH, float32)
@@ -1470,14 +1609,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                                row_weight, row_gather, token_rows)
                 cuda.syncthreads()  # the masks read before the next round clears them
         stamp_last(status, 36)
-        ok = await_sources(d_signal, g, n, timeout_ns, status, KERNEL_DISPATCH_WAIT, COUNTER_DISPATCH_SIGNAL, src_T,
-                           flag)
-        if ok:
-            stamp_last(status, 9)
-            for s in range(tid, R, threads):
-                recv_tokens[s] = src_T[s]
-        stamp_last(status, 11)
-        return ok
+        return await_token_rows(d_signal, g, n, timeout_ns, status, recv_tokens, src_T, flag)
 
     @kernel_jit(threads)
     def dispatch_wait(d_ids, d_weights, d_counts, d_ranks, d_signal, sync,

@@ -76,7 +76,9 @@ def ep_kernel_entries():
                                 ("copy engine", SendPaths(copy_engine=True), ("dispatch_async",)),
                                 ("land", SendPaths(land=True), ("dispatch_async",)),
                                 ("place", SendPaths(place=True), ("dispatch_async", "dispatch_wait")),
-                                ("route first", SendPaths(route_first=True), ("dispatch_async", "dispatch_wait"))):
+                                ("route first", SendPaths(route_first=True), ("dispatch_async", "dispatch_wait")),
+                                ("route first, chunks", SendPaths(route_first=True, route_chunks=True),
+                                 ("dispatch_async", "dispatch_wait"))):
         pk = _kernels_for(GPU_THREADS, token_word(layout.cfg.hidden), paths=paths)
         entries += [(f"{name} ({label})", pk[name], argtypes(name, layout)) for name in names]
     fp8_puts = _kernels_for(GPU_THREADS, token_word(fp8.cfg.hidden), True, True, paths=SendPaths(stores=False))

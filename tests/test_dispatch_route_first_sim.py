@@ -68,11 +68,15 @@ def cycle_pe(session, first: str, fused: str, cfg: EPConfig, device_count: bool)
         if rt.dispatch_route_first:  # auto: the route-first runtime copies in dispatch_wait
             assert rt.fused_copy == (fused != "0"), (fused, rt.fused_copy)
         wait_grid = rt._fixed["dispatch_wait"].grid  # the compact launch's blocks
+        chunks = rt.send_paths.route_chunks
         calls = knob_round_trips(session, rt, cfg, CALLS, call_inputs, layout_of, device_count,
                                  ("dispatch_route_signal", "dispatch_placed"))
-    from ep_runtime.kernels.dispatch import SHARE_FROM_TOKENS  # the simulator's value
+    from ep_runtime.dispatch_overlap import ROUTE_CHUNKS_ABOVE, route_first_blocks  # the simulator's
+    from ep_runtime.kernels.dispatch import CHUNK_FROM_TOKENS, FIRST_SPLIT_TOKENS, SHARE_FROM_TOKENS
 
-    return {"calls": calls, "fused_copy": rt.fused_copy, "wait_grid": wait_grid, "share_from": SHARE_FROM_TOKENS}
+    return {"calls": calls, "fused_copy": rt.fused_copy, "wait_grid": wait_grid, "share_from": SHARE_FROM_TOKENS,
+            "route_chunks": chunks, "chunks_above": ROUTE_CHUNKS_ABOVE, "first_blocks": route_first_blocks(cfg),
+            "chunk_from": CHUNK_FROM_TOKENS, "split_from": FIRST_SPLIT_TOKENS}
 
 
 def fp8_cfg() -> EPConfig:
@@ -89,6 +93,10 @@ CYCLE_CASES = {
     # 6 local experts (two windows of 4) and up to 3 x 40 tokens (several rounds), padding
     "R3-windows-rounds-pad3": (3, {"n_experts": 18, "top_k": 4, "max_tokens_per_rank": 40, "pad_multiple": 3},
                                False, True),
+    # call 0 (random counts up to 40 a rank) from CHUNK_FROM_TOKENS received tokens and
+    # FIRST_SPLIT_TOKENS a rank, the others below: the placing blocks rank chunks, and the token
+    # blocks send the routing rows (v33); padding rows written a warp per expert over the blocks
+    "R2-chunks-pad2": (2, {"n_experts": 8, "top_k": 3, "max_tokens_per_rank": 40, "pad_multiple": 2}, False, True),
 }
 
 
@@ -99,7 +107,7 @@ def cycles(request):
     first = run_pes(cycle_pe, R, args=("1", "auto", cfg, device_count), timeout_s=RUN_TIMEOUT_S)
     waited = run_pes(cycle_pe, R, args=("0", "auto", cfg, device_count), timeout_s=RUN_TIMEOUT_S)
     copied = run_pes(cycle_pe, R, args=("1", "0", cfg, device_count), timeout_s=RUN_TIMEOUT_S) if split else None
-    return cfg, first, waited, copied
+    return cfg, first, waited, copied, request.param
 
 
 def test_route_first_batches_equal_the_reference_and_dispatch_wait(cycles):
@@ -110,11 +118,19 @@ def test_route_first_batches_equal_the_reference_and_dispatch_wait(cycles):
     share would show here)."""
     from ep_runtime.dispatch_overlap import ROUTE_FIRST_BLOCKS
 
-    cfg, first, waited, copied = cycles
-    received = [sum(len(x) for x in call_inputs(cfg, c)[0]) for c in range(CALLS)]
+    cfg, first, waited, copied, case = cycles
+    sent = [[len(x) for x in call_inputs(cfg, c)[0]] for c in range(CALLS)]
+    received = [sum(counts) for counts in sent]
     assert min(received) < first[0]["share_from"] <= max(received), (received, first[0]["share_from"])
+    if case.startswith("R2-chunks"):  # both ways of placing, and of sending the routing (v33)
+        assert min(received) < first[0]["chunk_from"] <= max(received), (received, first[0]["chunk_from"])
+        ts = [t for counts in sent for t in counts]
+        assert min(ts) < first[0]["split_from"] <= max(ts), (ts, first[0]["split_from"])
     assert all(res["fused_copy"] for res in first), "the route-first runtime did not copy in dispatch_wait"
-    assert ROUTE_FIRST_BLOCKS > 1 and all(res["wait_grid"] == ROUTE_FIRST_BLOCKS for res in first)
+    assert ROUTE_FIRST_BLOCKS > 1 and all(res["wait_grid"] == res["first_blocks"] for res in first)
+    assert all(res["route_chunks"] == (cfg.max_tokens_per_rank > res["chunks_above"]) for res in first)
+    if case.startswith("R2-chunks"):  # a chunked build, with its placing blocks
+        assert first[0]["route_chunks"] and first[0]["first_blocks"] > ROUTE_FIRST_BLOCKS
     assert_runs_agree(cfg, first, waited, CALLS, call_inputs, layout_of, "route-first")
     if copied is not None:  # the expanded rows copied by dispatch_copy after the one-block dispatch_wait
         assert not any(res["fused_copy"] for res in copied)
@@ -124,7 +140,7 @@ def test_route_first_batches_equal_the_reference_and_dispatch_wait(cycles):
 def test_the_placed_flag_carries_every_expanded_call_of_a_copying_runtime(cycles):
     """dispatch_placed is set by the placing block of every expanded call's dispatch_wait in a
     copying runtime (a compact call's one block leaves it), and never by another path."""
-    cfg, first, waited, copied = cycles
+    cfg, first, waited, copied, _ = cycles
     expanded = [c for c in range(CALLS) if layout_of(c) == "expanded"]
     assert expanded and len(expanded) < CALLS, "the calls do not mix the layouts"
     for call in range(CALLS):
@@ -138,7 +154,7 @@ def test_the_placed_flag_carries_every_expanded_call_of_a_copying_runtime(cycles
 
 
 def test_every_route_signal_carries_the_call_and_its_token_count(cycles):
-    cfg, first, waited, _ = cycles
+    cfg, first, waited, _, _ = cycles
     for call in range(CALLS):
         xs, _, _ = call_inputs(cfg, call)
         want = np.array([(call + 1) << 32 | len(x) for x in xs], np.uint64)
@@ -244,3 +260,23 @@ def test_the_expanded_copy_choice(monkeypatch):
     assert not _fused_copy(big, True) and not _fused_copy(decode, False)
     monkeypatch.setenv(FUSED_COPY_ENV, "1")
     assert _fused_copy(big, False) and not _fused_copy(fp8, False)
+
+
+def test_chunked_builds_only_above_the_decode_sizes():
+    """A route-first runtime builds the chunked placement (``SendPaths.route_chunks``: the token
+    blocks send the routing rows, dispatch_wait's blocks rank chunks) only above
+    ROUTE_CHUNKS_ABOVE tokens per rank, and launches ROUTE_FIRST_CHUNK_BLOCKS placing blocks
+    there, ROUTE_FIRST_BLOCKS below; never without route-first. The kernels refuse chunks alone."""
+    from ep_runtime.dispatch_overlap import (ROUTE_CHUNKS_ABOVE, ROUTE_FIRST_BLOCKS, ROUTE_FIRST_CHUNK_BLOCKS,
+                                             ROUTE_FIRST_MAX_TOKENS, route_chunks, route_first_blocks)
+    from ep_runtime.kernels.dispatch import make_dispatch_kernels
+
+    def cfg(T):
+        return EPConfig(n_ranks=2, n_experts=8, top_k=2, hidden=256, max_tokens_per_rank=T)
+
+    small, big = cfg(ROUTE_CHUNKS_ABOVE), cfg(ROUTE_CHUNKS_ABOVE + 1)
+    assert ROUTE_CHUNKS_ABOVE <= ROUTE_FIRST_MAX_TOKENS and ROUTE_FIRST_CHUNK_BLOCKS > ROUTE_FIRST_BLOCKS
+    assert not route_chunks(small, True) and route_chunks(big, True) and not route_chunks(big, False)
+    assert route_first_blocks(small) == ROUTE_FIRST_BLOCKS and route_first_blocks(big) == ROUTE_FIRST_CHUNK_BLOCKS
+    with pytest.raises(ValueError, match="route_chunks needs route_first"):
+        make_dispatch_kernels(8, route_chunks=True)

@@ -117,7 +117,7 @@ def test_the_runtime_takes_the_send_path_asked_for(sim):
             assert got["peer_stores"] == (MODES[mode][0] == "1"), f"{mode} {name}"
             assert got["fused_copy"] == (MODES[mode][2] == "auto"), f"{mode} {name}"
             # the path is compiled in: the kernels the runtime launches are the build for it
-            assert got["send_paths"] == (got["peer_stores"], False, False, False, False), f"{mode} {name}"
+            assert got["send_paths"] == (got["peer_stores"], False, False, False, False, False), f"{mode} {name}"
             assert got["built_for"] == {"STORES": got["peer_stores"], "ENGINE": False, "LAND": False}, f"{mode} {name}"
 
 
