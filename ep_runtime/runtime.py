@@ -234,7 +234,10 @@ class EPRuntime:
         # placement and copy in one dispatch_wait; a placing runtime places in dispatch_async, so
         # dispatch_copy copies (fused copies serve decode sizes, placing large batches: by default
         # the two never meet)
-        self.fused_copy = _fused_copy(cfg, self.dispatch_route_first) and not self.dispatch_place
+        # (a chunked route-first build copies with dispatch_copy after its few placing blocks: one
+        # block would rank every received token)
+        fuses = self.dispatch_route_first and not route_chunks(cfg, self.dispatch_route_first)
+        self.fused_copy = _fused_copy(cfg, fuses) and not self.dispatch_place
         self._pad_multiple = np.int64(cfg.pad_multiple)
         wait_scalars = dict(pad_multiple=self._pad_multiple, timeout_ns=self._timeout_ns)
         self._fixed = {}
@@ -762,7 +765,9 @@ def _fused_copy(cfg: EPConfig, route_first: bool) -> bool:
     """Whether the expanded dispatch_wait copies the rows itself (one launch, no dispatch_copy):
     bf16 tokens only (the FP8 scales are laid out by dispatch_copy), per ``EP_RUNTIME_FUSED_COPY``
     (``auto``: a route-first runtime, whose copy is dispatch_copy's token-major one after its
-    placing block, v30; otherwise batch capacity <= FUSED_COPY_MAX_TOKENS per rank, where
+    placing block, v30, unless it places in chunks (the caller passes ``route_first`` False
+    then: one placing block would rank every received token, v33); otherwise batch capacity
+    <= FUSED_COPY_MAX_TOKENS per rank, where
     launches and fixed costs outweigh reading each received row once per local expert instead
     of once)."""
     if cfg.token_format.quantized:

@@ -7,7 +7,9 @@ else, and ranks nothing; dispatch_wait, one block, waits for every source's rout
 places every received row from the routing rows alone, then waits for the token rows' signal.
 The expanded layout's copy is dispatch_wait's own (v30: the kernel on the whole grid, its first
 block placing, then every block copying token-major once it has published ``dispatch_placed``),
-or dispatch_copy's with ``EP_RUNTIME_FUSED_COPY=0``. The simulator's receive window is 4 local experts
+or dispatch_copy's with ``EP_RUNTIME_FUSED_COPY=0`` and in a chunked build (v33: above
+``ROUTE_CHUNKS_ABOVE`` tokens per rank the token blocks send the routing rows and the placing
+blocks rank a chunk each). The simulator's receive window is 4 local experts
 and its blocks have a few warps, so its configurations take several windows and rounds (the
 GPU's common case, one window and one round, reuses pass 1's masks: the configurations with at
 most 4 local experts and few tokens take that branch too). They check:
@@ -65,8 +67,8 @@ def cycle_pe(session, first: str, fused: str, cfg: EPConfig, device_count: bool)
     os.environ[FUSED_COPY_ENV] = fused
     with EPRuntime(cfg, session) as rt:
         assert rt.dispatch_route_first == (first == "1") and not rt.dispatch_land and not rt.dispatch_place
-        if rt.dispatch_route_first:  # auto: the route-first runtime copies in dispatch_wait
-            assert rt.fused_copy == (fused != "0"), (fused, rt.fused_copy)
+        if rt.dispatch_route_first:  # auto: the route-first runtime copies in dispatch_wait (unless chunked)
+            assert rt.fused_copy == (fused != "0" and not rt.send_paths.route_chunks), (fused, rt.fused_copy)
         wait_grid = rt._fixed["dispatch_wait"].grid  # the compact launch's blocks
         chunks = rt.send_paths.route_chunks
         calls = knob_round_trips(session, rt, cfg, CALLS, call_inputs, layout_of, device_count,
@@ -126,7 +128,7 @@ def test_route_first_batches_equal_the_reference_and_dispatch_wait(cycles):
         assert min(received) < first[0]["chunk_from"] <= max(received), (received, first[0]["chunk_from"])
         ts = [t for counts in sent for t in counts]
         assert min(ts) < first[0]["split_from"] <= max(ts), (ts, first[0]["split_from"])
-    assert all(res["fused_copy"] for res in first), "the route-first runtime did not copy in dispatch_wait"
+    assert all(res["fused_copy"] == (not res["route_chunks"]) for res in first), "fused copy: not as auto says"
     assert ROUTE_FIRST_BLOCKS > 1 and all(res["wait_grid"] == res["first_blocks"] for res in first)
     assert all(res["route_chunks"] == (cfg.max_tokens_per_rank > res["chunks_above"]) for res in first)
     if case.startswith("R2-chunks"):  # a chunked build, with its placing blocks
@@ -139,15 +141,16 @@ def test_route_first_batches_equal_the_reference_and_dispatch_wait(cycles):
 
 def test_the_placed_flag_carries_every_expanded_call_of_a_copying_runtime(cycles):
     """dispatch_placed is set by the placing block of every expanded call's dispatch_wait in a
-    copying runtime (a compact call's one block leaves it), and never by another path."""
+    copying runtime (a compact call's few blocks leave it), and never by another path (a
+    chunked build copies with dispatch_copy)."""
     cfg, first, waited, copied, _ = cycles
     expanded = [c for c in range(CALLS) if layout_of(c) == "expanded"]
     assert expanded and len(expanded) < CALLS, "the calls do not mix the layouts"
     for call in range(CALLS):
         last = max([c for c in expanded if c <= call], default=-1)
         for r in range(cfg.n_ranks):
-            placed = first[r]["calls"][call]["dispatch_placed"]
-            assert int(placed[0]) == (last + 1) << 1, (r, call, placed)
+            placed = first[r]["calls"][call]["dispatch_placed"]  # (a chunked build copies with dispatch_copy)
+            assert int(placed[0]) == ((last + 1) << 1 if first[r]["fused_copy"] else 0), (r, call, placed)
             assert int(waited[r]["calls"][call]["dispatch_placed"][0]) == 0
             if copied is not None:  # one block, compact or expanded: it publishes nothing
                 assert int(copied[r]["calls"][call]["dispatch_placed"][0]) == 0
