@@ -137,8 +137,13 @@ class EPRuntime:
         (``EP_RUNTIME_DISPATCH_ROUTE_FIRST``; peer stores without landing, placing or the copy
         engine: :mod:`ep_runtime.dispatch_overlap`). The expanded layout then copies with
         dispatch_copy.
+    dispatch_route_chunks : bool
+        Whether a route-first runtime is built for large batches (more than 128 tokens per rank,
+        v33: :func:`ep_runtime.dispatch_overlap.route_chunks`): the token blocks send the routing
+        rows and dispatch_wait's placing blocks rank a chunk each; its expanded layout copies
+        with dispatch_copy.
     send_paths : SendPaths
-        The five choices above that the kernels are compiled for (:mod:`ep_runtime.transfer`).
+        The six choices above that the kernels are compiled for (:mod:`ep_runtime.transfer`).
     """
 
     def __init__(self, cfg: EPConfig, session: Session, debug: bool = False):
@@ -207,6 +212,7 @@ class EPRuntime:
         if len(set(firsts)) != 1:
             raise EPConfigError(f"rank {self.rank}: {ROUTE_FIRST_ENV} differs between ranks (route-first per rank: "
                                 f"{firsts}); set it alike on every rank (or unset it everywhere).")
+        self.dispatch_route_chunks = route_chunks(cfg, self.dispatch_route_first)
         self._dispatch_grid = dispatch_send_grid(self._grid, whole_gpu, pdl_on) if self.dispatch_land else 0
         if self.dispatch_route_first and whole_gpu and pdl_on:  # SMs left to dispatch_wait's blocks
             self._dispatch_grid = max(self._grid - route_first_blocks(cfg), 1)
@@ -236,8 +242,8 @@ class EPRuntime:
         # the two never meet)
         # (a chunked route-first build copies with dispatch_copy after its few placing blocks: one
         # block would rank every received token)
-        fuses = self.dispatch_route_first and not route_chunks(cfg, self.dispatch_route_first)
-        self.fused_copy = _fused_copy(cfg, fuses) and not self.dispatch_place
+        self.fused_copy = (_fused_copy(cfg, self.dispatch_route_first and not self.dispatch_route_chunks)
+                           and not self.dispatch_place)
         self._pad_multiple = np.int64(cfg.pad_multiple)
         wait_scalars = dict(pad_multiple=self._pad_multiple, timeout_ns=self._timeout_ns)
         self._fixed = {}
@@ -624,9 +630,9 @@ class EPRuntime:
     @property
     def send_paths(self) -> SendPaths:
         """What the kernels are built for: ``peer_stores``, ``copy_engine``, ``dispatch_land``,
-        ``dispatch_place`` and ``dispatch_route_first``."""
+        ``dispatch_place``, ``dispatch_route_first`` and ``dispatch_route_chunks``."""
         return SendPaths(self.peer_stores, self.copy_engine, self.dispatch_land, self.dispatch_place,
-                         self.dispatch_route_first, route_chunks(self.cfg, self.dispatch_route_first))
+                         self.dispatch_route_first, self.dispatch_route_chunks)
 
     @property
     def calls(self) -> int:
