@@ -33,13 +33,14 @@ it). Two knobs, read when a runtime is built, the same on every rank:
   tokens), places the rows from them while the token rows fly (peer stores only, not with
   landing, placing or the copy engine; docs/protocol.md, "Route first"); ``0`` keeps
   dispatch_wait's placement after the signal; ``auto`` takes it where it was measured faster
-  (:func:`auto_route_first`: bf16, two ranks or more, the whole GPU with PDL, up to
+  (:func:`auto_route_first`: two ranks or more, the whole GPU with PDL, bf16 up to
   :data:`ROUTE_FIRST_MAX_TOKENS` tokens per rank: T=128 compact dispatch 27.9 -> 24.7 us on 2 x
-  H200). Above that capacity the kernels are built with chunked placement (v33,
-  :func:`route_chunks`): :data:`ROUTE_FIRST_CHUNK_BLOCKS` placing blocks each rank a chunk of
-  the received tokens, and from 512 tokens the token blocks send the routing rows; there ``1``
-  takes e4m3 T=4096 compact dispatch from 122.6 to 115.7 us on 2 x H100 (``auto`` does not yet:
-  see :func:`auto_route_first`).
+  H200; FP8 from :data:`ROUTE_FIRST_FP8_MIN_TOKENS`). Above ROUTE_FIRST_MAX_TOKENS the kernels
+  are built with chunked placement (v33, :func:`route_chunks`): :data:`ROUTE_FIRST_CHUNK_BLOCKS`
+  placing blocks each rank a chunk of the received tokens (v34: counting four ids to a load),
+  and from 512 tokens the token blocks send the routing rows (v34: an FP8 encoder's block
+  publishes its share from one thread); e4m3 T=4096 compact dispatch 123.0 -> 108.3 us on 2 x
+  H100 (pre-quantized 116.3 -> 105.9), so ``auto`` takes it for FP8.
 Measured on 2 x H100 over NVLink (docs/throughput.md, "v23"): landing takes 13-160 us off the
 expanded dispatch from 1024 tokens per rank up (T=4096: 420.8 -> 351.5 us) and leaves the
 compact one within -2.3 / +2.1 us there, but costs 5-13 us below 1024 tokens and with FP8 tokens.
@@ -195,6 +196,8 @@ ROUTE_FIRST_BLOCKS = 2
 #: route first before v33 (two blocks each ranking every token) 293.6 / 295.4, with 3 chunk
 #: blocks 146.2 / 146.2, with 4 and batched counting **115.7 / 117.2**; pre-quantized 116.3 /
 #: 115.9 -> 115.2 / 116.0; bf16 T=4096 (3 blocks) 180.3 / 180.4 against placing's 179.5 / 179.3.
+#: v34 (four ids to a load in the counting pass, session 33): 111.2-111.6 / 111.1-111.4, and
+#: 107.7-108.5 / 107.9-108.4 with the encoder's routing published from one thread a block.
 ROUTE_FIRST_CHUNK_BLOCKS = 4
 
 
@@ -217,17 +220,31 @@ def route_first_blocks(cfg: EPConfig) -> int:
     return ROUTE_FIRST_CHUNK_BLOCKS if route_chunks(cfg, True) else ROUTE_FIRST_BLOCKS
 
 
+#: Tokens per rank (the runtime's capacity) from which ``auto`` takes the route-first dispatch
+#: for FP8 tokens (v34: the chunked build, above :data:`ROUTE_CHUNKS_ABOVE`). 2 x H100, graph,
+#: e4m3 dispatch (async + wait) us rank 0, route first 0 -> 1 (docs/throughput.md, "v34"),
+#: compact / expanded, quantized in dispatch_async and pre-quantized: T=256 30.8 -> 28.9 / 66.9
+#: -> 70.3 and 29.8 -> 31.7 / 66.4 -> 69.4 (slower but compact e4m3); T=512 44.6 -> 36.5 / 73.1
+#: -> 71.5 and 41.8 -> 40.3 / 71.2 -> 70.0; T=1024 56.3 -> 50.7 / 100.0 -> 95.9; T=2048 78.6 ->
+#: 69.1 / 145.4 -> 138.3; **T=4096 123.0 -> 108.3** / 248.3 -> 234.5 and 116.3 -> 105.9 / 240.8
+#: -> 231.7; T=8192 213.6 -> 196.0 / 453.4 -> 437.9 (ue8m0 alike).
+ROUTE_FIRST_FP8_MIN_TOKENS = 512
+
+
 def auto_route_first(cfg: EPConfig) -> bool:
-    """Whether ``auto`` takes the route-first dispatch for ``cfg``: bf16 tokens, at least two
-    ranks, the whole GPU (``cfg.n_sms`` None: dispatch_async leaves SMs to dispatch_wait's
-    blocks) and ``cfg.max_tokens_per_rank <= ROUTE_FIRST_MAX_TOKENS``. Larger FP8 runtimes
-    measured faster with ``1`` (v33's chunked placement: e4m3 T=4096 122.6 -> 115.7 us, 2 x
-    H100) but stay on dispatch_wait's placement until ``fp8_check`` has passed on a GPU with the
-    build as committed (session 32's run of it ran out of time; an earlier form of the chunked
-    build passed it, 8/8 exact); bf16 above 128 tokens measured alike (180.3 against placing's
-    179.5 at T=4096)."""
-    return (cfg.n_ranks >= 2 and not cfg.token_format.quantized and cfg.n_sms is None
-            and cfg.max_tokens_per_rank <= ROUTE_FIRST_MAX_TOKENS)
+    """Whether ``auto`` takes the route-first dispatch for ``cfg``: at least two ranks, the whole
+    GPU (``cfg.n_sms`` None: dispatch_async leaves SMs to dispatch_wait's blocks), and either
+    bf16 tokens up to :data:`ROUTE_FIRST_MAX_TOKENS` tokens per rank or FP8 tokens from
+    :data:`ROUTE_FIRST_FP8_MIN_TOKENS` (the chunked build, :func:`route_chunks`; v34, exact in
+    ``fp8_check``). bf16 above 128 tokens stays on landing / placing: route first measured alike
+    compact (180.9 against placing's 179.5 us at T=4096, 2 x H100) and far slower expanded
+    (404.9 against landing's 318.6: its copy waits for the placement); FP8 below 512 tokens
+    measured slower with it in three of four cases at T=256."""
+    if cfg.n_ranks < 2 or cfg.n_sms is not None:
+        return False
+    if cfg.token_format.quantized:
+        return cfg.max_tokens_per_rank >= ROUTE_FIRST_FP8_MIN_TOKENS
+    return cfg.max_tokens_per_rank <= ROUTE_FIRST_MAX_TOKENS
 
 
 def routing_first(cfg: EPConfig, stores: bool, copy_engine: bool, land: bool, place: bool, early: bool) -> bool:

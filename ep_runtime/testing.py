@@ -322,8 +322,10 @@ def assert_runs_agree(cfg: EPConfig, on: list, off: list, calls: int, inputs_of,
                 np.testing.assert_array_equal(got["out"], outs[r].view(np.uint16), err_msg=f"{what}: combine")
 
 
-def fp8_knob_pe(session, env: str, value: str, cfg: EPConfig, scenarios, seed: int, attr: str | None = None):
-    """With environment variable ``env`` = ``value``: FP8 tokens quantized in dispatch_async,
+def fp8_knob_pe(session, env: str, value: str, cfg: EPConfig, scenarios, seed: int, attr: str | None = None,
+                prequantized: bool = False):
+    """With environment variable ``env`` = ``value``: FP8 tokens quantized in dispatch_async
+    (``prequantized``: quantized by the format's NumPy encoder and passed with their scales),
     the calls of :data:`FP8_CALLS` (inputs of ``scenarios[call]`` and ``seed + call``), each
     batch's :data:`BATCH_FIELDS` and scales as host copies. ``attr``: the runtime attribute the
     knob sets, asserted to be ``value == "1"``."""
@@ -337,8 +339,11 @@ def fp8_knob_pe(session, env: str, value: str, cfg: EPConfig, scenarios, seed: i
         assert attr is None or getattr(rt, attr) == (value == "1"), (attr, value)
         for call, (layout, scales) in enumerate(FP8_CALLS):
             xs, ids, ws = make_inputs(cfg, scenarios[call], seed + call)
-            batch = rt.dispatch_wait(rt.dispatch_async(xs[r].view(np.uint16), ids[r], ws[r]), layout=layout,
-                                     scales=scales)
+            tokens, kw = xs[r].view(np.uint16), {}
+            if prequantized:
+                tokens, token_scales = cfg.token_format.quantize(tokens)
+                kw = {"token_scales": token_scales}
+            batch = rt.dispatch_wait(rt.dispatch_async(tokens, ids[r], ws[r], **kw), layout=layout, scales=scales)
             out.append({k: session.to_host(getattr(batch, k)).copy() for k in BATCH_FIELDS + ("scales",)})
             rt.synchronize()
     return {"calls": out}

@@ -26,8 +26,8 @@ from ep_runtime.kernels.block import (await_part, block_exclusive_scan, flag_par
 from ep_runtime.kernels.cuda_api import SIMULATED, cuda, kernel_jit
 from ep_runtime.kernels.token_codec import BLOCK_WORDS, CODE_WORDS, HELD_SCALES, make_token_codec
 from ep_runtime.kernels.trace import stamp_first, stamp_last
-from ep_runtime.kernels.vec import (address_of, load_u32_at, make_pair_loops, pairs_aligned, store_u32_at, store_u8_at,
-                                    store_word_at)
+from ep_runtime.kernels.vec import (address_of, load_u32_at, load_u32x4_at, make_pair_loops, pairs_aligned,
+                                    store_u32_at, store_u8_at, store_word_at)
 from ep_runtime.layout import (DISPATCH_FLAG_PARTS, LAND_CALLS, LAND_CLAIMS, LAND_TICKET, PEER_COUNTS, PEER_IDS,
                               PEER_RANKS, PEER_TOKENS, PEER_WEIGHTS, SIGNAL_TOKEN_BITS, STATUS_CODE, SYNC_CALLS,
                               SYNC_ROUTE_TICKET, SYNC_TICKET)
@@ -90,10 +90,14 @@ CHUNK_FROM_TOKENS = 24 if SIMULATED else 1024
 #: tokens (256 KB a peer) would arrive only with the token rows.
 FIRST_SPLIT_TOKENS = 8 if SIMULATED else 512
 
-#: Received expert ids each thread of a chunk-placing block loads before it counts any
-#: (``place_by_chunks``): independent loads in flight instead of one latency per id, which the
-#: encoder's traffic makes long while the token rows fly.
-COUNT_BATCH = 8
+#: 16-byte loads of received expert ids (four ids each) every thread of a chunk-placing block
+#: issues before it counts any (``place_by_chunks``): independent loads in flight instead of
+#: one latency per id, which the encoder's traffic makes long while the token rows fly. v33
+#: loaded 8 single ids a batch: its counting pass was 31 us of dispatch_wait's ~100 (e4m3
+#: T=4096, 8,192 received tokens, each of 4 blocks reading all 65,536 ids; session 33's trace),
+#: a latency per batch; four ids to a load take 4 x fewer batches.
+COUNT_QUADS = 4
+COUNT_IDS = 4 * COUNT_QUADS
 
 #: Experts the routing block ranks per pass over this rank's tokens (dispatch_async (2): shared
 #: lane masks of warps x RANK_WINDOW words, 16 KB at 16 warps, and as many row words): one pass
@@ -561,6 +565,26 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         cuda.syncthreads()  # flag read by every thread before the next ticket reuses it
 
     @cuda.jit(device=True)
+    def publish_route_share(sync, d_route, g, me, n, T, R, token_blocks, status):
+        """One thread of each token block of a split route-first call that encodes FP8 rows
+        (v34), after a barrier that ordered every thread's share of the routing rows (and block
+        0's T) before it: the route ticket of :func:`publish_route` taken by this thread alone
+        (system fence, ticket; the block that takes the last sets ``d_route[g, me]`` on every
+        rank and resets it), so the fence's wait for the routing stores to land holds up one
+        warp, not the block's token rows (v33's block-wide ticket started them 3.7 us later than
+        dispatch_wait's placement does: token rows begun 7.8 against 4.1 us, e4m3 T=4096,
+        session 33's trace; dispatch 111.4 -> 108.1 us there)."""
+        publish_fence(True)  # a route-first build stores (STORES): the fence, cumulative over the barrier
+        done = cuda.atomic.add(sync, SYNC_ROUTE_TICKET, int64(1))
+        if done == token_blocks - 1:
+            cuda.threadfence()
+            signal = (uint64(n + 1) << uint64(SIGNAL_TOKEN_BITS)) | uint64(T)  # layout.dispatch_signal_value
+            for d in range(R):
+                shmem.signal_op(d_route[g, me:me + 1], signal, shmem.SIGNAL_SET, d)
+            sync[SYNC_ROUTE_TICKET] = 0
+            stamp_last(status, 29)
+
+    @cuda.jit(device=True)
     def await_credits(d_credit, n, status, timeout_ns):
         """One thread: wait until every peer granted call ``n`` its token rows (``d_credit[d]
         >= n + 1``; ``grant_token_credits``), bounded by ``timeout_ns``; a timeout is recorded
@@ -793,7 +817,9 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         (v33), in a call of FIRST_SPLIT_TOKENS tokens or more, has no routing block instead: the
         token blocks send the routing rows (1a), block 0 stores T, and each takes the route ticket
         (``publish_route``), the last setting ``d_route[g, me]`` on every rank, so the routing
-        is not left to one block's share of the busy links.
+        is not left to one block's share of the busy links; where it encodes FP8 rows (v34) the
+        block meets once and one thread takes the ticket (``publish_route_share``) while the
+        others start their token rows.
         """
         flag = cuda.shared.array(1, int32)
         masks = cuda.shared.array(RANK_WORDS, uint32)  # (2): [warp, expert] lanes with the expert
@@ -844,6 +870,11 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         # a chunked route-first call of FIRST_SPLIT_TOKENS or more: no routing block, the token
         # blocks send the routing rows and take the route ticket (v33)
         split = CHUNKS and T >= FIRST_SPLIT_TOKENS
+        # ... FP8 rows encoded here: each block's share published by one thread (v34), so the
+        # fence holds up one warp, not the block's token rows; rows that are only copied (bf16,
+        # pre-quantized FP8) flood the SM's stores at once, and a fence behind them held the
+        # routing back (pre-quantized T=1024 dispatch 49.4 -> 52.6-56.3 us): the block's ticket
+        share_route = split and QUANT and prequantized == 0
         n_route = route_blocks(cuda.gridDim.x, split)  # routing blocks: the grid's last
         token_blocks = max(cuda.gridDim.x - n_route, 1)
         rb = cuda.blockIdx.x - (cuda.gridDim.x - n_route)  # this block's routing chunk (< 0: none)
@@ -877,8 +908,10 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
             for d in range(tid, R, threads):
                 store_u32_at(peer_bases[PEER_COUNTS, d] + counts_at, L, uint32(T))
         stamp_last(status, 4)
-        if (route or split) and cuda.blockIdx.x < token_blocks and not routing_block:
+        if (route or (split and not share_route)) and cuda.blockIdx.x < token_blocks and not routing_block:
             publish_route(sync, flag, d_route, g, me, n, T, R, status)  # this block's share of the routing is out
+        if share_route:
+            cuda.syncthreads()  # every thread's routing rows stored before one thread publishes them (below)
 
         # every peer's credit of call n before any token row goes to it (the copy engine's
         # block 0 waited above; a block without token rows, or with only its own, need not)
@@ -890,6 +923,11 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
             if flag[0] == 0:
                 return  # a peer's credit timed out (recorded): no token row, no ticket, no signal
             cuda.syncthreads()  # flag read by every thread before the ticket reuses it
+
+        # an encoding split call's routing share: published by the last warp's first thread (the
+        # fence waits for its stores to land) while the other warps go on to the token rows
+        if share_route and cuda.blockIdx.x < token_blocks and tid == threads - warp:
+            publish_route_share(sync, d_route, g, me, n, T, R, token_blocks, status)
 
         # (1) token rows, deduplicated per destination rank, a warp per row part, in the token blocks
         if cuda.blockIdx.x < token_blocks:
@@ -1430,13 +1468,25 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         return ok
 
     @cuda.jit(device=True)
+    def count_received_id(place, x, j, before, first_mine, R, L):
+        """``place_by_chunks``'s count of received id ``x``, element ``j`` of its source's run: if
+        its expert is local, one more row of it (``place[R L + e]``) and, when ``j < before`` (a
+        token before the chunk), one more before the chunk (``place[L + e]``)."""
+        e = x - first_mine
+        if e >= 0 and e < L:
+            cuda.atomic.add(place, R * L + e, int32(1))
+            if j < before:
+                cuda.atomic.add(place, L + e, int32(1))
+
+    @cuda.jit(device=True)
     def place_by_chunks(d_ids, d_weights, g, n, me, R, L, K, Tmax, C, status, pad_multiple, row_offsets, expert_counts,
                         row_src_rank, row_src_token, row_src_k, row_weight, row_gather, token_rows, src_T, Q, place,
                         sum_buf, masks, warp_rows, next_rank, share, shares):
         """Every thread of placing block ``share`` of ``shares`` (a route-first dispatch_wait from
         CHUNK_FROM_TOKENS received tokens, R >= 2, every source's routing here, v33): rank and
         describe the received tokens ``[share q, (share + 1) q)`` of the ``Q`` (source 0's first,
-        ``q = ceil(Q / shares)``). One pass over every received id counts each local expert's rows
+        ``q = ceil(Q / shares)``). One pass over every received id (v34: four to a 16-byte load
+        where a source's run is aligned) counts each local expert's rows
         and those before the chunk (shared-memory atomics: counts, so no order matters; the
         expert's rows in ``place[R L + e]``, those before the chunk in ``place[L + e]``, a part of
         the table route-first placement leaves unused when R >= 2); the first warp scans the rows
@@ -1458,21 +1508,31 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
             place[R * L + e] = 0
             place[L + e] = 0
         cuda.syncthreads()
-        xs = cuda.local.array(COUNT_BATCH, int32)
+        xs = cuda.local.array(COUNT_IDS, int32)
         q0 = 0  # the source's first received token
         for s in range(R):
             base = address_of(d_ids[g, s])  # [Tmax, K] contiguous: (t, k) is flat element t K + k
             n_s = src_T[s] * K
-            for jb in range(0, n_s, threads * COUNT_BATCH):  # the source's run of ids, coalesced
-                for u in range(COUNT_BATCH):  # loaded together (a constant trip count: registers)
-                    j = jb + u * threads + tid
-                    xs[u] = int32(load_u32_at(base, j)) if j < n_s else int32(-1)
-                for u in range(COUNT_BATCH):
-                    e = xs[u] - first_mine
-                    if e >= 0 and e < L:
-                        cuda.atomic.add(place, R * L + e, int32(1))
-                        if q0 + int32(udiv32(jb + u * threads + tid, K)) < q_lo:
-                            cuda.atomic.add(place, L + e, int32(1))
+            before = min(max(q_lo - q0, 0) * K, n_s)  # the source's ids of tokens before the chunk
+            n4 = n_s // 4 if base % uint64(16) == 0 else 0  # ids read four to a load
+            for jb in range(0, n4, threads * COUNT_QUADS):  # the source's run of ids, coalesced
+                for u in range(COUNT_QUADS):  # loaded together (a constant trip count: registers)
+                    j4 = jb + u * threads + tid
+                    if j4 < n4:
+                        a, b, c, d = load_u32x4_at(base, j4)
+                        xs[4 * u] = int32(a)
+                        xs[4 * u + 1] = int32(b)
+                        xs[4 * u + 2] = int32(c)
+                        xs[4 * u + 3] = int32(d)
+                    else:  # no id: no local expert
+                        for v in range(4):
+                            xs[4 * u + v] = int32(-1)
+                for u in range(COUNT_QUADS):
+                    j = 4 * (jb + u * threads + tid)
+                    for v in range(4):
+                        count_received_id(place, xs[4 * u + v], j + v, before, first_mine, R, L)
+            for j in range(4 * n4 + tid, n_s, threads):  # the rest (fewer than 4, or a misaligned run)
+                count_received_id(place, int32(load_u32_at(base, j)), j, before, first_mine, R, L)
             q0 += src_T[s]
         cuda.syncthreads()
         stamp_last(status, 37)

@@ -22,6 +22,9 @@ instruction (``cvt.rn.bf16x2.f32``).
   every PE). Plain stores: publish them as ``Session.peer_view`` says (fence, barrier, signal).
 - ``load_u32_at(addr, i) -> uint32``: the uint32 at ``addr + 4 i`` (a flat element of a
   C-contiguous array: ``address_of(ary)`` and its flat index).
+- ``load_u32x4_at(addr, i) -> (uint32, uint32, uint32, uint32)``: the four uint32 at ``addr +
+  16 i`` (16-byte aligned) in one ``LDG.E.128``: flat elements ``4 i .. 4 i + 3`` (a run of
+  expert ids read four to a load).
 - ``store_u32_at(addr, i, v)``, ``store_u8_at(addr, i, v)``: one uint32 at ``addr + 4 i``
   (4-byte aligned) or one byte at ``addr + i``, the same way (FP8 messages encoded straight
   into peers' receive slots: four E4M3 codes, a float32 scale, a UE8M0 scale code).
@@ -93,6 +96,11 @@ if _config.ENABLE_CUDASIM:
     def load_u32_at(addr, i):
         """The uint32 at address ``addr + 4 i``."""
         return np.uint32(ctypes.c_uint32.from_address(int(addr) + 4 * int(i)).value)
+
+    def load_u32x4_at(addr, i):
+        """The four uint32 at address ``addr + 16 i``."""
+        v = (ctypes.c_uint32 * 4).from_address(int(addr) + 16 * int(i))
+        return np.uint32(v[0]), np.uint32(v[1]), np.uint32(v[2]), np.uint32(v[3])
 
     def max_u16x2(a, b):
         """Per 16-bit half, the larger of uint32 ``a``'s and ``b``'s (unsigned)."""
@@ -250,6 +258,23 @@ else:
             i64 = ir.IntType(64)
             byte = builder.add(args[0], builder.mul(args[1], ir.Constant(i64, 4)))
             return builder.load(builder.inttoptr(byte, ir.IntType(32).as_pointer()), align=4)
+
+        return sig, codegen
+
+    @intrinsic
+    def load_u32x4_at(typingctx, addr, i):
+        """The four uint32 at byte address ``addr + 16 i`` (16-byte aligned), in one vector load."""
+        if not (isinstance(addr, types.Integer) and isinstance(i, types.Integer)):
+            return None
+        sig = types.UniTuple(types.uint32, 4)(types.uint64, types.int64)
+
+        def codegen(context, builder, signature, args):
+            i64 = ir.IntType(64)
+            vty = ir.VectorType(ir.IntType(32), 4)
+            byte = builder.add(args[0], builder.mul(args[1], ir.Constant(i64, 16)))
+            v = builder.load(builder.inttoptr(byte, vty.as_pointer()), align=16)
+            parts = [builder.extract_element(v, ir.Constant(ir.IntType(32), u)) for u in range(4)]
+            return context.make_tuple(builder, signature.return_type, parts)
 
         return sig, codegen
 

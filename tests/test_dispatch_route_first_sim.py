@@ -95,10 +95,12 @@ CYCLE_CASES = {
     # 6 local experts (two windows of 4) and up to 3 x 40 tokens (several rounds), padding
     "R3-windows-rounds-pad3": (3, {"n_experts": 18, "top_k": 4, "max_tokens_per_rank": 40, "pad_multiple": 3},
                                False, True),
-    # call 0 (random counts up to 40 a rank) from CHUNK_FROM_TOKENS received tokens and
+    # call 0 (random counts up to 41 a rank) from CHUNK_FROM_TOKENS received tokens and
     # FIRST_SPLIT_TOKENS a rank, the others below: the placing blocks rank chunks, and the token
-    # blocks send the routing rows (v33); padding rows written a warp per expert over the blocks
-    "R2-chunks-pad2": (2, {"n_experts": 8, "top_k": 3, "max_tokens_per_rank": 40, "pad_multiple": 2}, False, True),
+    # blocks send the routing rows (v33); padding rows written a warp per expert over the blocks;
+    # 41 x 3 ids a source: only the first source's run of group 0 is 16-byte aligned (the others
+    # are counted an id to a load), and runs of T x 3 ids leave 1-3 past the last four-id load
+    "R2-chunks-pad2": (2, {"n_experts": 8, "top_k": 3, "max_tokens_per_rank": 41, "pad_multiple": 2}, False, True),
 }
 
 
@@ -176,6 +178,37 @@ def test_fp8_route_first_equals_the_reference():
     assert_fp8_runs_agree(cfg, first, waited, KNOB_SCENARIOS, FP8_SEED)
 
 
+def fp8_chunks_pe(session, *args) -> dict:
+    """:func:`fp8_knob_pe`, with the simulator's thresholds (this process's, not the parent's)."""
+    from ep_runtime.dispatch_overlap import route_chunks
+    from ep_runtime.kernels.dispatch import CHUNK_FROM_TOKENS, FIRST_SPLIT_TOKENS
+
+    return {**fp8_knob_pe(session, *args), "chunks": route_chunks(args[2], True), "split_from": FIRST_SPLIT_TOKENS,
+            "chunk_from": CHUNK_FROM_TOKENS}
+
+
+@pytest.mark.parametrize("prequantized", [False, True], ids=["quantized-here", "prequantized"])
+def test_fp8_chunked_route_first_equals_the_reference(prequantized):
+    """A chunked route-first build (capacity above the simulator's ROUTE_CHUNKS_ABOVE, 16) with
+    FP8 tokens, calls on both sides of FIRST_SPLIT_TOKENS and CHUNK_FROM_TOKENS: quantized in
+    dispatch_async, a split call's token blocks publish their routing from one thread each
+    (``publish_route_share``, v34); pre-quantized, with the block's ticket. Every field and the
+    scales as the dispatch_wait path's, the offsets and codes as the reference's."""
+    from ep_runtime.testing import FP8_CALLS, make_inputs
+
+    cfg = EPConfig(n_ranks=2, n_experts=4, top_k=2, hidden=256, max_tokens_per_rank=20, token_dtype="fp8_e4m3")
+    first, waited = (run_pes(fp8_chunks_pe, 2, timeout_s=RUN_TIMEOUT_S,
+                             args=(ROUTE_FIRST_ENV, v, cfg, KNOB_SCENARIOS, FP8_SEED, "dispatch_route_first",
+                                   prequantized))
+                     for v in ("1", "0"))
+    assert first[0]["chunks"], "not a chunked build"
+    sent = [[len(x) for x in make_inputs(cfg, KNOB_SCENARIOS[c], FP8_SEED + c)[0]] for c in range(len(FP8_CALLS))]
+    ts, received = [t for counts in sent for t in counts], [sum(counts) for counts in sent]
+    assert min(ts) < first[0]["split_from"] <= max(ts), (sent, first[0]["split_from"])
+    assert min(received) < first[0]["chunk_from"] <= max(received), (sent, first[0]["chunk_from"])
+    assert_fp8_runs_agree(cfg, first, waited, KNOB_SCENARIOS, FP8_SEED)
+
+
 def test_a_silent_rank_times_dispatch_wait_out_naming_the_route_signal():
     res = run_pes(silent_peer_pe, 2, args=(ROUTE_FIRST_ENV, "1", base_cfg(2, wait_timeout_s=1.0), 43),
                   timeout_s=RUN_TIMEOUT_S)
@@ -202,11 +235,13 @@ def test_ranks_that_disagree_are_refused():
 
 
 def test_knob(monkeypatch):
-    """``auto`` takes the route first for bf16 runtimes of two ranks or more on the whole GPU with
-    PDL (``early``) up to ROUTE_FIRST_MAX_TOKENS tokens per rank, on the peer-store path without
+    """``auto`` takes the route first for runtimes of two ranks or more on the whole GPU with PDL
+    (``early``), bf16 up to ROUTE_FIRST_MAX_TOKENS tokens per rank and FP8 from
+    ROUTE_FIRST_FP8_MIN_TOKENS (a chunked build, v34), on the peer-store path without
     landing, placing or the copy engine; 0 never; 1 wherever the send path allows (FP8 and the
     simulator included), refused where it does not; other values refused."""
-    from ep_runtime.dispatch_overlap import ROUTE_FIRST_MAX_TOKENS, routing_first
+    from ep_runtime.dispatch_overlap import (ROUTE_CHUNKS_ABOVE, ROUTE_FIRST_FP8_MIN_TOKENS, ROUTE_FIRST_MAX_TOKENS,
+                                             routing_first)
     from ep_runtime.errors import EPConfigError
 
     def cfg(**kw):
@@ -226,7 +261,18 @@ def test_knob(monkeypatch):
         assert routing_first(small, True, True, False, False, True) is False  # copy engine
         assert routing_first(small, True, False, True, False, True) is False  # landing
         assert routing_first(small, True, False, False, True, True) is False  # placing
-        assert routing_first(cfg(token_dtype="fp8_e4m3"), True, False, False, False, True) is False
+        # FP8: from ROUTE_FIRST_FP8_MIN_TOKENS (a chunked build, v34), not below it
+        assert ROUTE_FIRST_FP8_MIN_TOKENS > ROUTE_CHUNKS_ABOVE
+        for fmt in ("fp8_e4m3", "fp8_e4m3_ue8m0"):
+            assert routing_first(cfg(token_dtype=fmt, max_tokens_per_rank=ROUTE_FIRST_FP8_MIN_TOKENS - 1), True,
+                                 False, False, False, True) is False
+            fp8_big = cfg(token_dtype=fmt, max_tokens_per_rank=ROUTE_FIRST_FP8_MIN_TOKENS)
+            assert routing_first(fp8_big, True, False, False, False, True) is True
+            assert routing_first(fp8_big, True, False, False, False, False) is False  # no early start
+            assert routing_first(cfg(token_dtype=fmt, max_tokens_per_rank=4096, n_sms=16), True, False, False, False,
+                                 True) is False
+            assert routing_first(cfg(token_dtype=fmt, max_tokens_per_rank=4096, n_ranks=1, n_experts=4), True,
+                                 False, False, False, True) is False
         assert routing_first(cfg(n_ranks=1, n_experts=4), True, False, False, False, True) is False
         assert routing_first(cfg(n_sms=16), True, False, False, False, True) is False
     monkeypatch.setenv(ROUTE_FIRST_ENV, "0")
