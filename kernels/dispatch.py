@@ -550,15 +550,30 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         return max(1, min(ROUTE_BLOCKS_QUANT if QUANT else ROUTE_BLOCKS, (grid - 1) // ROUTE_GRID_SHARE))
 
     @cuda.jit(device=True)
+    def signal_routing(d_route, g, me, n, T, R, first, step):
+        """Set ``d_route[g, me]`` on ranks ``first, first + step, ...`` below R to ``(n + 1) << 32 |
+        T`` (``layout.dispatch_signal_value``): this rank's routing of call n is out. The caller
+        has published the routing (a fence after its stores, or the route ticket)."""
+        signal = (uint64(n + 1) << uint64(SIGNAL_TOKEN_BITS)) | uint64(T)
+        for d in range(first, R, step):
+            shmem.signal_op(d_route[g, me:me + 1], signal, shmem.SIGNAL_SET, d)
+
+    @cuda.jit(device=True)
+    def store_token_count(d_counts, peer_bases, g, me, R, L, T):
+        """Every thread of a block: this call's T into ``d_counts[g, me, L]`` on every rank, through
+        the NVLink mappings (a route-first call's routing carries it; combine reads it there)."""
+        counts_at = address_of(d_counts[g, me]) - address_of(d_counts)
+        for d in range(cuda.threadIdx.x, R, threads):
+            store_u32_at(peer_bases[PEER_COUNTS, d] + counts_at, L, uint32(T))
+
+    @cuda.jit(device=True)
     def publish_route(sync, flag, d_route, g, me, n, T, R, status):
         """Every thread of a block of dispatch_async in a landing call, once, when the block's
         share of the routing (routing rows; ranks and counts) is out: the route ticket
         (``last_block_ticket``: barrier, fence or quiet, ticket); the block that takes the last sets
         ``d_route[g, me]`` on every rank to ``(n + 1) << 32 | T`` and resets the ticket."""
         if last_block_ticket(sync[SYNC_ROUTE_TICKET:SYNC_ROUTE_TICKET + 1], flag, STORES):
-            signal = (uint64(n + 1) << uint64(SIGNAL_TOKEN_BITS)) | uint64(T)  # layout.dispatch_signal_value
-            for d in range(cuda.threadIdx.x, R, threads):
-                shmem.signal_op(d_route[g, me:me + 1], signal, shmem.SIGNAL_SET, d)
+            signal_routing(d_route, g, me, n, T, R, cuda.threadIdx.x, threads)
             if cuda.threadIdx.x == 0:
                 sync[SYNC_ROUTE_TICKET] = 0
             stamp_last(status, 29)
@@ -578,9 +593,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         done = cuda.atomic.add(sync, SYNC_ROUTE_TICKET, int64(1))
         if done == token_blocks - 1:
             cuda.threadfence()
-            signal = (uint64(n + 1) << uint64(SIGNAL_TOKEN_BITS)) | uint64(T)  # layout.dispatch_signal_value
-            for d in range(R):
-                shmem.signal_op(d_route[g, me:me + 1], signal, shmem.SIGNAL_SET, d)
+            signal_routing(d_route, g, me, n, T, R, 0, 1)
             sync[SYNC_ROUTE_TICKET] = 0
             stamp_last(status, 29)
 
@@ -904,9 +917,7 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
                         shmem.put_nbi_block(d_ids[g, me, t0:t1], topk_ids[t0:t1], d)
                         shmem.put_nbi_block(d_weights[g, me, t0:t1], topk_weights[t0:t1], d)
         if split and cuda.blockIdx.x == 0:  # T into every rank's counts row (combine reads it there)
-            counts_at = address_of(d_counts[g, me]) - address_of(d_counts)
-            for d in range(tid, R, threads):
-                store_u32_at(peer_bases[PEER_COUNTS, d] + counts_at, L, uint32(T))
+            store_token_count(d_counts, peer_bases, g, me, R, L, T)
         stamp_last(status, 4)
         if (route or (split and not share_route)) and cuda.blockIdx.x < token_blocks and not routing_block:
             publish_route(sync, flag, d_route, g, me, n, T, R, status)  # this block's share of the routing is out
@@ -1035,15 +1046,11 @@ def make_dispatch_kernels(threads: int, quantized: bool = False, ue8m0: bool = F
         # receiver's dispatch_wait ranks and places from the routing rows, v29)
         if routing_block and FIRST:
             send_routing_rows(topk_ids, topk_weights, d_ids, d_weights, peer_bases, g, me, R, K, 0, T * K)
-            counts_at = address_of(d_counts[g, me]) - address_of(d_counts)
-            for d in range(tid, R, threads):  # T (combine reads it there)
-                store_u32_at(peer_bases[PEER_COUNTS, d] + counts_at, L, uint32(T))
+            store_token_count(d_counts, peer_bases, g, me, R, L, T)  # (combine reads it there)
             cuda.syncthreads()
             if tid == 0:  # data before signal: the system fence is cumulative over the barrier
                 publish_fence(True)  # the routing rows and T: stores into peers
-                signal = (uint64(n + 1) << uint64(SIGNAL_TOKEN_BITS)) | uint64(T)  # layout.dispatch_signal_value
-                for d in range(R):
-                    shmem.signal_op(d_route[g, me:me + 1], signal, shmem.SIGNAL_SET, d)
+                signal_routing(d_route, g, me, n, T, R, 0, 1)
             stamp_last(status, 29)
 
         # (2) the routing block(s): each (token, k)'s rank among this rank's tokens to its expert,
