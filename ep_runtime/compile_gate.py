@@ -13,7 +13,7 @@ Each result also reports what the linked code holds: registers per thread, SASS 
 (code a kernel runs once per call costs its fetch) and the NVSHMEM transfer routines it still
 calls (what its send path leaves to NVSHMEM).
 
-Entries come from ``ep_runtime.kernels.signatures.gate_entries()`` unless ``--entries`` names
+Entries come from ``ep_runtime.gate_entries.gate_entries()`` unless ``--entries`` names
 another module (dotted name or ``.py`` path) with a ``gate_entries()`` function; the tests use
 that for the negative control, which must FAIL.
 
@@ -50,7 +50,7 @@ TARGET_CC = (9, 0, "a")
 #: The numba-cuda release whose private API the patches below target (pinned in pyproject.toml).
 PINNED_NUMBA_CUDA = "0.30.4"
 #: Module whose ``gate_entries()`` lists the project's kernels.
-DEFAULT_ENTRIES = "ep_runtime.kernels.signatures"
+DEFAULT_ENTRIES = "ep_runtime.gate_entries"
 
 
 class GateSetupError(RuntimeError):
@@ -343,7 +343,7 @@ def load_entries(spec: str = DEFAULT_ENTRIES) -> list[tuple]:
 
 
 def gate_entries() -> list[tuple]:
-    """The project's gate entries: ``ep_runtime.kernels.signatures.gate_entries()`` if present."""
+    """The project's gate entries: ``ep_runtime.gate_entries.gate_entries()`` if present."""
     return load_entries(DEFAULT_ENTRIES)
 
 

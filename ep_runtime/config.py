@@ -23,12 +23,8 @@ TOKEN_DTYPES = ("bfloat16", "fp8_e4m3", "fp8_e4m3_ue8m0")
 COMBINE_DTYPES = ("bfloat16", "float32")
 #: float32 partials move as 8-byte words of 2 floats, with token rows as 8-byte words of 4 bf16.
 F32_PARTIALS_HIDDEN_MULTIPLE = 4
-#: combine_wait keeps the set of ranks a token went to in a 64-bit mask.
-MAX_RANKS = 64
-#: The receive kernels keep a placement table of ``(n_ranks + 1) * (n_experts / n_ranks)`` int32
-#: words in shared memory (each source's first row per local expert: kernels/dispatch.py,
-#: ``scan_placement``), 16 KB at most: 2,048 experts or more on any number of ranks.
-PLACEMENT_WORDS = 4096
+from .kernels.protocol import MAX_RANKS, PLACEMENT_WORDS  # noqa: F401 (limits the kernels set)
+
 #: Row indices of the expert batch are int32.
 MAX_ROWS = 2**31 - 1
 #: Default bound on a device-side wait: long enough for a slow peer's first-call compile to be

@@ -77,6 +77,9 @@ import ml_dtypes
 import numpy as np
 
 from .errors import EPConfigError, EPInputError
+# E4M3_NAN: NaN's code with a + sign (0xFF is the - one), every code of a block with a non-finite
+# element; UE8M0_NAN: a NaN scale's code (E8M0 has no infinity; finite blocks' codes stay below 248)
+from .kernels.protocol import E4M3_MAX, E4M3_NAN, UE8M0_NAN
 
 #: Every message is a whole number of these bytes (uint64 words: what the kernels move).
 MESSAGE_ALIGN = 8
@@ -88,13 +91,6 @@ MESSAGE_ALIGN = 8
 QUANTIZED_MESSAGE_ALIGN = 128
 #: Elements per scale block of the FP8 formats.
 FP8_BLOCK = 128
-#: Largest finite E4M3 magnitude (code 0x7E): a block's amax maps to it.
-E4M3_MAX = 448.0
-#: E4M3 code of NaN with a + sign (0xFF is the - one): every code of a block with a
-#: non-finite element.
-E4M3_NAN = 0x7F
-#: UE8M0 code of a NaN scale (E8M0 has no infinity); finite blocks' codes stay below 248.
-UE8M0_NAN = 255
 #: UE8M0 code of scale 1.0 (an all-zero block).
 UE8M0_ONE = 127
 

@@ -18,55 +18,17 @@ import numpy as np
 
 from .config import EPConfig
 
-#: Buffer groups that alternate between calls.
-N_GROUPS = 2
+# the protocol's constants, re-exported for host code
+from .kernels.protocol import (COMBINE_FLAG_PARTS, DISPATCH_FLAG_PARTS, LAND_CALLS, LAND_CLAIMS,  # noqa: F401
+                               LAND_TICKET,
+                               N_GROUPS, PEER_COUNTS, PEER_IDS, PEER_PARTIALS, PEER_RANKS, PEER_REGIONS, PEER_TOKENS,
+                               PEER_WEIGHTS, ROUTE_CHUNKS, SIGNAL_TOKEN_BITS, STATUS_CALL, STATUS_CODE,
+                               STATUS_COUNTER, STATUS_EXPECTED, STATUS_KERNEL, STATUS_LEN, STATUS_OBSERVED, STATUS_PEER,
+                               STATUS_RANK, SYNC_CALLS, SYNC_ROUTE_TICKET, SYNC_TICKET, TRACE_LEN)
+from .kernels.protocol import signal_value as dispatch_signal_value  # noqa: F401
+
 #: Byte alignment of every region (a multiple of every dtype and of 16-byte vector access).
 ALIGN = 256
-
-# Indices into the int64 status (error record) region.
-STATUS_CODE, STATUS_KERNEL, STATUS_RANK, STATUS_PEER, STATUS_COUNTER, STATUS_EXPECTED, \
-    STATUS_OBSERVED, STATUS_CALL = range(8)
-STATUS_LEN = 8
-#: Regions the kernels store into directly on peers (through NVLink mappings), in the row order of
-#: the ``peer_bases`` table [len(PEER_REGIONS), R] (the address of each on every PE as mapped on this
-#: one; ``EPRuntime`` builds it). The ``PEER_*`` constants name the rows in kernel code.
-PEER_REGIONS = ("dispatch_tokens", "combine_partials", "dispatch_counts", "dispatch_topk_ids",
-                "dispatch_topk_weights", "dispatch_ranks")
-PEER_TOKENS, PEER_PARTIALS, PEER_COUNTS, PEER_IDS, PEER_WEIGHTS, PEER_RANKS = range(len(PEER_REGIONS))
-#: Flags per partial row (``combine_row_flag``): a flagged call cuts each row into at most this
-#: many parts, each flagged on arrival (docs/protocol.md, "Combine rows as they land").
-COMBINE_FLAG_PARTS = 16
-#: Flags per token row (``dispatch_row_flag``): a landing call cuts each token row into at most
-#: this many parts, each flagged on arrival (docs/protocol.md, "Dispatch rows as they land").
-DISPATCH_FLAG_PARTS = 16
-#: Routing chunks a sender flags per call (``dispatch_route_chunk``): dispatch_async ranks its
-#: tokens in at most this many routing blocks (``kernels/dispatch.py``, ``ROUTE_BLOCKS``), each of
-#: which flags its chunk's routing on every rank once it is there (docs/protocol.md, "Placement
-#: during the transfer").
-ROUTE_CHUNKS = 8
-#: Trace words after the error record (``kernels/trace.py``: phase time stamps, EP_RUNTIME_TRACE=1).
-TRACE_LEN = 40
-
-#: dispatch_signal[g, src] after call n: ``(n + 1) << SIGNAL_TOKEN_BITS | T``, src's token
-#: count in the low bits (T <= max_tokens_per_rank < 2**31), so the receiver has T with the
-#: signal it waits for, and the values still grow with every call (``>=`` tests the call).
-SIGNAL_TOKEN_BITS = 32
-
-
-def dispatch_signal_value(call: int, n_tokens: int) -> int:
-    """The value src sets dispatch_signal to for (0-based) ``call`` with ``n_tokens`` tokens."""
-    return (call + 1) << SIGNAL_TOKEN_BITS | n_tokens
-
-
-# Indices into dispatch_async_sync (int64).
-SYNC_TICKET = 0   # blocks of the current launch that finished; the last block resets it to 0
-SYNC_CALLS = 1    # completed dispatch calls: call n (0-based) sets it to n + 1
-SYNC_ROUTE_TICKET = 2  # landing, chunked route-first calls: blocks whose routing rows went out; the last resets it
-
-# Indices into dispatch_land_sync (int64; docs/protocol.md, "Dispatch rows as they land").
-LAND_TICKET = 0   # blocks of the current dispatch_land that finished; the last block resets it to 0
-LAND_CALLS = 1    # receive kernels completed (dispatch_wait or dispatch_land of call n sets n + 1)
-LAND_CLAIMS = 2   # [2 + g]: items dispatch_land of a call of group g has claimed; zeroed a call ahead
 
 
 def token_word(hidden: int) -> np.dtype:

@@ -31,9 +31,8 @@ from numba import int32, int64, uint32, uint64
 
 from ep_runtime.kernels import cuda_api, shmem
 from ep_runtime.kernels.cuda_api import cuda
-from ep_runtime.layout import (STATUS_CALL, STATUS_CODE, STATUS_COUNTER, STATUS_EXPECTED, STATUS_KERNEL,
-                               STATUS_OBSERVED, STATUS_PEER, STATUS_RANK)
-from ep_runtime.status import ERR_TIMEOUT
+from ep_runtime.kernels.protocol import (STATUS_CALL, STATUS_CODE, STATUS_COUNTER, STATUS_EXPECTED, STATUS_KERNEL,
+                                         STATUS_OBSERVED, STATUS_PEER, STATUS_RANK, ERR_TIMEOUT)
 
 
 # -- static tile scheduler (MAX's MHATileScheduler role) ------------------------------------------

@@ -26,9 +26,9 @@ from ep_runtime.kernels.cuda_api import cuda, kernel_jit
 from ep_runtime.kernels.trace import stamp_first, stamp_last
 from ep_runtime.kernels.vec import (address_of, load_pair, make_pair_loops, pack_bf16x2, pack_bf16x4, pack_f32x2,
                                    pairs_aligned, store_pair, store_pair_at, store_word_at)
-from ep_runtime.layout import COMBINE_FLAG_PARTS as FLAG_PARTS
-from ep_runtime.layout import PEER_PARTIALS, STATUS_CODE, SYNC_CALLS
-from ep_runtime.status import COUNTER_COMBINE_ROW_FLAG, COUNTER_COMBINE_SIGNAL, ERR_TIMEOUT, KERNEL_COMBINE_WAIT
+from ep_runtime.kernels.protocol import COMBINE_FLAG_PARTS as FLAG_PARTS
+from ep_runtime.kernels.protocol import (COUNTER_COMBINE_ROW_FLAG, COUNTER_COMBINE_SIGNAL, ERR_TIMEOUT,
+                                         KERNEL_COMBINE_WAIT, PEER_PARTIALS, STATUS_CODE, SYNC_CALLS)
 
 #: Words of a row each lane loads before using any of them (memory-level parallelism: with
 #: 8-byte words, 64 bytes per lane and 32 KB per 512-thread block in flight per row read).

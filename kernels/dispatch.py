@@ -16,7 +16,7 @@ does both in one launch instead: its placing block publishes ``dispatch_placed``
 
 from numba import float32, int32, int64, uint32, uint64
 
-from ep_runtime.config import MAX_RANKS, PLACEMENT_WORDS
+from ep_runtime.kernels.protocol import MAX_RANKS, PLACEMENT_WORDS
 from ep_runtime.kernels import pdl, shmem
 from ep_runtime.kernels.bits import f32_bits
 from ep_runtime.kernels.block import (await_part, block_exclusive_scan, flag_part, flag_rule,
@@ -28,13 +28,13 @@ from ep_runtime.kernels.token_codec import BLOCK_WORDS, CODE_WORDS, HELD_SCALES,
 from ep_runtime.kernels.trace import stamp_first, stamp_last
 from ep_runtime.kernels.vec import (address_of, load_u32_at, load_u32x4_at, make_pair_loops, pairs_aligned,
                                     store_u32_at, store_u8_at, store_word_at)
-from ep_runtime.layout import (DISPATCH_FLAG_PARTS, LAND_CALLS, LAND_CLAIMS, LAND_TICKET, PEER_COUNTS, PEER_IDS,
-                              PEER_RANKS, PEER_TOKENS, PEER_WEIGHTS, SIGNAL_TOKEN_BITS, STATUS_CODE, SYNC_CALLS,
-                              SYNC_ROUTE_TICKET, SYNC_TICKET)
-from ep_runtime.status import (COUNTER_DISPATCH_PLACED, COUNTER_DISPATCH_ROW_FLAG, COUNTER_DISPATCH_SIGNAL,
-                               COUNTER_RECV_ROWS, COUNTER_ROUTE_CHUNK, COUNTER_ROUTE_SIGNAL, COUNTER_TOKEN_CREDIT,
-                               ERR_CAPACITY, ERR_TIMEOUT,
-                               KERNEL_DISPATCH_ASYNC, KERNEL_DISPATCH_LAND, KERNEL_DISPATCH_WAIT)
+from ep_runtime.kernels.protocol import (DISPATCH_FLAG_PARTS, LAND_CALLS, LAND_CLAIMS, LAND_TICKET, PEER_COUNTS,
+                                         PEER_IDS, PEER_RANKS, PEER_TOKENS, PEER_WEIGHTS, SIGNAL_TOKEN_BITS,
+                                         STATUS_CODE, SYNC_CALLS, SYNC_ROUTE_TICKET, SYNC_TICKET)
+from ep_runtime.kernels.protocol import (COUNTER_DISPATCH_PLACED, COUNTER_DISPATCH_ROW_FLAG, COUNTER_DISPATCH_SIGNAL,
+                                         COUNTER_RECV_ROWS, COUNTER_ROUTE_CHUNK, COUNTER_ROUTE_SIGNAL,
+                                         COUNTER_TOKEN_CREDIT, ERR_CAPACITY, ERR_TIMEOUT, KERNEL_DISPATCH_ASYNC,
+                                         KERNEL_DISPATCH_LAND, KERNEL_DISPATCH_WAIT)
 
 #: Words of a row each lane loads before storing any in dispatch_copy (memory-level
 #: parallelism: 64 bytes per lane, 32 KB per 512-thread block in flight); as word pairs

@@ -39,7 +39,7 @@ element (docs/throughput.md, "v7"). In the simulator, :func:`quantize4` is :func
 
 from numba import float32, int32, uint32, uint64
 
-from ep_runtime.formats import E4M3_MAX, E4M3_NAN, UE8M0_NAN
+from ep_runtime.kernels.protocol import E4M3_MAX, E4M3_NAN, UE8M0_NAN
 from ep_runtime.kernels.bits import bf16_to_f32, f32_bits, word_f32
 from ep_runtime.kernels.cuda_api import SIMULATED, cuda
 from ep_runtime.kernels.vec import max_u16x2

@@ -16,7 +16,7 @@ from ep_runtime.kernels.block import group_max_u32, warp_sync
 from ep_runtime.kernels.cuda_api import cuda
 from ep_runtime.kernels.fp8 import bf16_abs_max4, block_scale, pack8, quantize4_by, quantize4_scaled, scaled_directly
 from ep_runtime.kernels.vec import load_pair, store_pair_at, store_u8_at, store_u32_at
-from ep_runtime.layout import PEER_TOKENS
+from ep_runtime.kernels.protocol import PEER_TOKENS
 
 #: bf16 words (4 values each) per 128-element scale block.
 BLOCK_WORDS = 32

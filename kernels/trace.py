@@ -20,7 +20,7 @@ from numba import int64
 
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.cuda_api import cuda
-from ep_runtime.layout import STATUS_LEN, TRACE_LEN
+from ep_runtime.kernels.protocol import STATUS_LEN, TRACE_LEN
 
 TRACE = os.environ.get("EP_RUNTIME_TRACE", "").strip().lower() in ("1", "true", "yes", "on")
 

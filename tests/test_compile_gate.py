@@ -1,6 +1,6 @@
 """The compile-and-link gate, run as CI runs it: in separate processes, on a CPU-only machine.
 
-Every kernel in ep_runtime.kernels.signatures must link to a non-empty sm_90a cubin against
+Every kernel in ep_runtime.gate_entries must link to a non-empty sm_90a cubin against
 nvshmem4py's real device API, and every negative control (tests/gate_negative.py) must fail.
 Skipped only where nvshmem4py's Numba bindings (nvshmem4py-cu13[numba] + cffi) are missing.
 """

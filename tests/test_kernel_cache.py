@@ -188,7 +188,7 @@ def test_key_refuses_closures_it_cannot_describe(kernel_mod):
 
 
 def test_project_kernels_have_keys():
-    from ep_runtime.kernels import signatures
+    from ep_runtime import gate_entries as signatures
 
     keys = {name: kc.kernel_key(k, at, CC) for name, k, at in signatures.ep_kernel_entries()}
     assert len(set(keys.values())) == len(keys)  # one entry per kernel
@@ -207,7 +207,7 @@ def linked():
     from ep_runtime.kernels import selftest
 
     t = _types()
-    argtypes = (_c(t.int32, 2), _c(t.uint64), t.int64, _c(t.int32, 2))  # as in kernels/signatures.py
+    argtypes = (_c(t.int32, 2), _c(t.uint64), t.int64, _c(t.int32, 2))  # as in ep_runtime/gate_entries.py
     func, options = compile_gate._kernel_parts(selftest.wait_all_copy_out)
     with compile_gate._fixed_compute_capability(CC):
         kernel = _Kernel(func, argtypes, **options)

@@ -8,7 +8,7 @@ CPU-only machine.
 
 from numba import types
 
-from . import gate_probe, selftest
+from .kernels import gate_probe, selftest
 
 
 def _c(dtype, ndim=1):

@@ -1,0 +1,107 @@
+"""Protocol constants shared by the kernels and the host: the one module both sides import.
+
+A leaf: it imports nothing of the project, so device code never depends on host policy
+(``ep_runtime.config``, ``layout``, ``status``, ``plan``, ``runtime``) and the host reads the
+same numbers the kernels were built with. docs/protocol.md explains each mechanism; the host
+modules re-export what their users need (``ep_runtime.layout``, ``ep_runtime.status``).
+"""
+
+# -- sizes ------------------------------------------------------------------------------------
+
+#: Buffer groups that alternate between calls (call ``n`` uses group ``n % 2``).
+N_GROUPS = 2
+#: combine_wait keeps the set of ranks a token went to in a 64-bit mask.
+MAX_RANKS = 64
+#: The receive kernels keep a placement table of ``(n_ranks + 1) * (n_experts / n_ranks)`` int32
+#: words in shared memory (each source's first row per local expert), 16 KB at most.
+PLACEMENT_WORDS = 4096
+#: dispatch_signal and dispatch_route_signal after call n: ``(n + 1) << SIGNAL_TOKEN_BITS | T``,
+#: the source's token count in the low bits, so the receiver has T with the signal it waits for
+#: and the values still grow with every call (``>=`` tests the call).
+SIGNAL_TOKEN_BITS = 32
+#: Flags per partial row (``combine_row_flag``): a combine cuts each row into at most this many
+#: parts, each flagged on arrival.
+COMBINE_FLAG_PARTS = 16
+#: Flags per token row (``dispatch_row_flag``): a landing dispatch cuts each token row into at most
+#: this many parts, each flagged on arrival.
+DISPATCH_FLAG_PARTS = 16
+
+# -- the status region (int64): the first device error, then the trace words -----------------
+
+STATUS_CODE, STATUS_KERNEL, STATUS_RANK, STATUS_PEER, STATUS_COUNTER, STATUS_EXPECTED, \
+    STATUS_OBSERVED, STATUS_CALL = range(8)
+STATUS_LEN = 8
+#: Trace words after the error record (``kernels/trace.py``: phase time stamps).
+TRACE_LEN = 40
+
+#: Error codes (``status[STATUS_CODE]``).
+ERR_NONE = 0
+ERR_TIMEOUT = 1
+ERR_CAPACITY = 2
+ERR_BAD_EXPERT_ID = 3
+ERR_DUPLICATE_EXPERT = 4
+ERR_BAD_WEIGHT = 5
+
+#: Kernel ids (``status[STATUS_KERNEL]``).
+KERNEL_DISPATCH_ASYNC = 1
+KERNEL_DISPATCH_WAIT = 2
+KERNEL_COMBINE_ASYNC = 3
+KERNEL_COMBINE_WAIT = 4
+KERNEL_VALIDATE_ROUTING = 5
+KERNEL_DISPATCH_LAND = 6
+
+#: Counter ids (``status[STATUS_COUNTER]``): what a timed-out wait was waiting for.
+COUNTER_DISPATCH_SIGNAL = 1
+COUNTER_COMBINE_SIGNAL = 2
+COUNTER_RECV_ROWS = 3
+COUNTER_TOKEN_CREDIT = 4
+COUNTER_COMBINE_ROW_FLAG = 5
+COUNTER_ROUTE_SIGNAL = 6
+COUNTER_DISPATCH_ROW_FLAG = 7
+COUNTER_ROUTE_CHUNK = 8
+COUNTER_DISPATCH_PLACED = 9
+
+# -- counters in local regions ----------------------------------------------------------------
+
+#: ``dispatch_async_sync`` (int64): finished blocks of the launch (the last resets it).
+SYNC_TICKET = 0
+#: ``dispatch_async_sync``: completed dispatch calls (call n, 0-based, sets n + 1).
+SYNC_CALLS = 1
+#: ``dispatch_async_sync``: blocks whose share of the routing went out (landing and split
+#: route-first calls; the last resets it).
+SYNC_ROUTE_TICKET = 2
+SYNC_LEN = 3
+
+#: ``dispatch_land_sync`` (int64): finished blocks of the current receive launch (the last resets it).
+LAND_TICKET = 0
+#: ``dispatch_land_sync``: receive calls completed (the receive kernel of call n sets n + 1).
+LAND_CALLS = 1
+#: ``dispatch_land_sync[LAND_CLAIMS + g]``: items dispatch_land of a call of group g has claimed.
+LAND_CLAIMS = 2
+LAND_LEN = 4
+#: Routing chunks a sender flags per call (``dispatch_route_chunk``, placing builds).
+ROUTE_CHUNKS = 8
+
+# -- peer-mapped regions ----------------------------------------------------------------------
+
+#: Regions the kernels store into directly on peers (through NVLink mappings), in the row order
+#: of the ``peer_bases`` table [len(PEER_REGIONS), R]: the address of each on every PE as mapped
+#: on this one. The ``PEER_*`` constants name the rows in kernel code.
+PEER_REGIONS = ("dispatch_tokens", "combine_partials", "dispatch_counts", "dispatch_topk_ids",
+                "dispatch_topk_weights", "dispatch_ranks")
+PEER_TOKENS, PEER_PARTIALS, PEER_COUNTS, PEER_IDS, PEER_WEIGHTS, PEER_RANKS = range(len(PEER_REGIONS))
+
+# -- FP8 codes ----------------------------------------------------------------------------------
+
+#: Largest finite E4M3 magnitude.
+E4M3_MAX = 448.0
+#: E4M3's NaN code (magnitude bits; the sign bit may be set).
+E4M3_NAN = 0x7F
+#: UE8M0's NaN code.
+UE8M0_NAN = 255
+
+
+def signal_value(call: int, n_tokens: int) -> int:
+    """The value a source sets dispatch_signal (and dispatch_route_signal) to for (0-based)
+    ``call`` with ``n_tokens`` tokens."""
+    return (call + 1) << SIGNAL_TOKEN_BITS | n_tokens
