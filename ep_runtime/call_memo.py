@@ -35,11 +35,7 @@ class PreparedCall:
     args: tuple
     n_tokens: int = 0
     checked: tuple = ()
-    #: dispatch_async on the copy-engine transfer: the copy stream's ``(dst, src, nbytes)``
-    #: copies, and the launch enqueued after the streams join (dispatch_signal)
-    copies: tuple = ()
-    then: Any = None
-    #: blocks of the launch (0: the runtime's grid); combine_async leaves SMs to combine_wait
+    #: blocks of the launch (0: the plan's whole grid); the senders leave SMs to their receivers
     grid: int = 0
     #: dispatch_async of a landing runtime: the dispatch_land launches dispatch_wait enqueues,
     #: ``(places only, places and copies)`` (copy_rows 0, 1), which read the call's tokens

@@ -274,6 +274,9 @@ def compile_for_sm90(py_func, argtypes, name: str | None = None) -> CompileResul
         raise GateSetupError("NUMBA_ENABLE_CUDASIM is set: the compile gate needs the real compiler.")
     from numba.cuda.dispatcher import _Kernel
 
+    from .shmem import shim_memo
+
+    shim_memo.install()  # the entries of one worker link one NVRTC compile of the shim
     name = name or getattr(py_func, "__name__", repr(py_func))
     start = time.perf_counter()
     stage = "compile"
@@ -382,9 +385,6 @@ def main(argv=None) -> int:
 
     version = _numba_cuda_version()
     started = time.perf_counter()
-    # what an sm_90 device builds: its kernels wait for their predecessor with griddepcontrol
-    # (kernels/pdl.py, "auto"); there is no device here to ask, so say it (workers inherit it)
-    os.environ.setdefault("EP_RUNTIME_PDL", "1")
     try:
         check_environment()
         # Keep stdout for our report: numba/nvshmem chatter during import and compile goes to stderr.

@@ -27,6 +27,9 @@ from .kernels.protocol import MAX_RANKS, PLACEMENT_WORDS  # noqa: F401 (limits t
 
 #: Row indices of the expert batch are int32.
 MAX_ROWS = 2**31 - 1
+#: The layouts dispatch_wait can return (``EPConfig.layouts``): one row per (token, local
+#: expert), or the received rows as they landed with per-expert gather indices.
+LAYOUTS = ("expanded", "compact")
 #: Default bound on a device-side wait: long enough for a slow peer's first-call compile to be
 #: excluded (the runtime compiles before the first call), short enough to surface a hang.
 DEFAULT_WAIT_TIMEOUT_S = 10.0
@@ -52,7 +55,10 @@ class EPConfig:
     max_tokens_per_rank : int
         Upper bound on the tokens any rank passes to one dispatch; sizes every buffer.
     token_dtype : str
-        Format of token rows on the wire and in the expert batch: ``"bfloat16"``.
+        Format of token rows on the wire and in the expert batch: ``"bfloat16"`` (the bf16 bit
+        patterns), ``"fp8_e4m3"`` (E4M3 codes with a float32 scale per 128 elements) or
+        ``"fp8_e4m3_ue8m0"`` (E4M3 codes with a power-of-two scale byte per 128 elements), FP8
+        quantized inside dispatch_async or given pre-quantized (:mod:`ep_runtime.formats`).
     combine_dtype : str
         Format of the per-rank partial sums sent back by combine: ``"bfloat16"`` (each partial
         rounded to bf16) or ``"float32"`` (unrounded, twice the bytes; ``hidden`` a multiple
@@ -71,6 +77,11 @@ class EPConfig:
     allow_negative_weights : bool
         Whether the debug-mode routing check accepts negative router weights (NaN and
         infinities are always rejected).
+    layouts : str or tuple of str
+        The layouts dispatch_wait serves: ``"expanded"``, ``"compact"`` or both (the default,
+        also spelled ``"both"``). The execution plan gives each layout served its fastest
+        measured path (:mod:`ep_runtime.plan`), and a runtime that does not serve the expanded
+        layout allocates no expert batch for it. Stored as a tuple in ``LAYOUTS`` order.
     """
 
     n_ranks: int
@@ -85,8 +96,10 @@ class EPConfig:
     pad_multiple: int = 1
     max_recv_rows: int | None = None
     allow_negative_weights: bool = True
+    layouts: tuple = LAYOUTS
 
     def __post_init__(self):
+        object.__setattr__(self, "layouts", _layouts(self.layouts))
         for f in ("n_ranks", "n_experts", "top_k", "hidden", "max_tokens_per_rank", "pad_multiple"):
             _require_int(f, getattr(self, f))
         for f in ("n_sms", "max_recv_rows"):
@@ -212,6 +225,15 @@ class EPConfig:
 
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _layouts(value) -> tuple:
+    """``value`` (a layout name, ``"both"`` or an iterable of names) as a tuple in LAYOUTS order."""
+    names = LAYOUTS if value == "both" else (value,) if isinstance(value, str) else tuple(value)
+    if not names or any(n not in LAYOUTS for n in names):
+        raise EPConfigError(f"EPConfig.layouts={value!r}: expected 'expanded', 'compact', 'both' or a tuple of "
+                            f"{LAYOUTS}; use 'compact' for a runtime that serves only the compact layout.")
+    return tuple(n for n in LAYOUTS if n in names)
 
 
 def _require_int(field: str, value) -> None:

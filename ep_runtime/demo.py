@@ -35,7 +35,7 @@ def demo_rank(session, cfg_fields: dict, scenario: str, seed: int) -> dict:
     xs, ids, ws, ref_batches, ref_outs = reference_round_trip(cfg, scenario, seed)
     r = session.rank
     with EPRuntime(cfg, session) as rt:
-        landing = rt.dispatch_land
+        plan = rt.plan.summary()
         t0 = time.perf_counter()
         batch = rt.dispatch(session.to_device(xs[r].view(np.uint16)), session.to_device(ids[r]),
                             session.to_device(ws[r]))
@@ -60,13 +60,14 @@ def demo_rank(session, cfg_fields: dict, scenario: str, seed: int) -> dict:
     return {"rank": r, "tokens": len(xs[r]), "rows": n, "expert_counts": got["expert_counts"].tolist(),
             "dispatch_exact": bool(dispatch_ok),
             "combine_max_err": float(err.max(initial=0.0)), "combine_ok": bool((err <= tol).all()),
-            "dispatch_s": t_dispatch, "combine_s": t_combine, "dispatch_land": landing}
+            "dispatch_s": t_dispatch, "combine_s": t_combine, "plan": plan}
 
 
 def print_summary(cfg: EPConfig, backend: str, scenario: str, rows: list[dict]) -> bool:
     print(f"ep_runtime demo: backend={backend} ranks={cfg.n_ranks} experts={cfg.n_experts} top_k={cfg.top_k} "
-          f"hidden={cfg.hidden} max_tokens_per_rank={cfg.max_tokens_per_rank} scenario={scenario}"
-          + (" dispatch_land=1" if rows and rows[0].get("dispatch_land") else ""))
+          f"hidden={cfg.hidden} max_tokens_per_rank={cfg.max_tokens_per_rank} scenario={scenario}")
+    if rows and rows[0].get("plan"):
+        print(f"plan: {rows[0]['plan']}")
     print(f"{'rank':>4} {'tokens':>6} {'rows':>6} {'dispatch':>9} {'combine max err':>16} {'combine':>8} "
           f"{'dispatch ms':>11} {'combine ms':>10}")
     for s in rows:

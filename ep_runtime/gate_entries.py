@@ -41,49 +41,49 @@ GATE_ENTRIES = [
 ]
 
 
-def ep_kernel_entries():
-    """The EP kernels, at the GPU block size, with the exact signatures the runtime launches
-    (from ``ep_runtime.kernel_args``, the lists the runtime builds its arguments from), and the
-    variants of the FP8 token formats, of float32 combine partials and of the send paths."""
-    from ep_runtime.config import EPConfig
-    from ep_runtime.kernel_args import argtypes
-    from ep_runtime.layout import BufferLayout, token_word
-    from ep_runtime.runtime import GPU_THREADS, _kernels_for
-    from ep_runtime.transfer import SendPaths
+#: The plan variants the gate builds: every receiver on every transport it can run on.
+PLAN_VARIANTS = (("wait", "stores"), ("land", "stores"), ("route_first", "stores"), ("route_first_chunked", "stores"),
+                 ("wait", "puts"), ("land", "puts"))
+#: The formats it builds them in: (token_dtype, combine_dtype).
+FORMATS = (("bfloat16", "bfloat16"), ("bfloat16", "float32"), ("fp8_e4m3", "bfloat16"),
+           ("fp8_e4m3_ue8m0", "bfloat16"))
 
-    layout = BufferLayout(EPConfig(n_ranks=2, n_experts=8, top_k=2, hidden=64, max_tokens_per_rank=16))
-    kernels = _kernels_for(GPU_THREADS, token_word(layout.cfg.hidden))
-    entries = [(name, kernel, argtypes(name, layout)) for name, kernel in kernels.items()]
-    # the FP8 token formats' dispatch kernels (the other kernels do not depend on the format)
-    for token_dtype, ue8m0 in (("fp8_e4m3", False), ("fp8_e4m3_ue8m0", True)):
-        fp8 = BufferLayout(EPConfig(n_ranks=2, n_experts=8, top_k=2, hidden=256, max_tokens_per_rank=16,
-                                    token_dtype=token_dtype))
-        fk = _kernels_for(GPU_THREADS, token_word(fp8.cfg.hidden), True, ue8m0)
-        entries += [(f"{name} ({token_dtype})", fk[name], argtypes(name, fp8))
-                    for name in ("dispatch_async", "dispatch_copy")]
-    # float32 combine partials (EPConfig.combine_dtype="float32"): combine_async and combine_wait
-    # built with f32_partials (the dispatch kernels do not depend on the partial format, and
-    # combine_async_rows, which copies partial words unchanged, is the bf16 build: the same entry)
-    f32 = BufferLayout(EPConfig(n_ranks=2, n_experts=8, top_k=2, hidden=64, max_tokens_per_rank=16,
-                                combine_dtype="float32"))
-    ck = _kernels_for(GPU_THREADS, token_word(f32.cfg.hidden), f32_partials=True)
-    assert ck["combine_async_rows"] is kernels["combine_async_rows"]
-    entries += [(f"{name} (float32 partials)", ck[name], argtypes(name, f32))
-                for name in ("combine_async", "combine_wait")]
-    # the other send paths (compile time: ep_runtime.transfer.SendPaths), for the kernels that depend on them
-    for label, paths, names in (("puts", SendPaths(stores=False), ("dispatch_async", "combine_async",
-                                                                     "combine_async_rows")),
-                                ("copy engine", SendPaths(copy_engine=True), ("dispatch_async",)),
-                                ("land", SendPaths(land=True), ("dispatch_async",)),
-                                ("place", SendPaths(place=True), ("dispatch_async", "dispatch_wait")),
-                                ("route first", SendPaths(route_first=True), ("dispatch_async", "dispatch_wait")),
-                                ("route first, chunks", SendPaths(route_first=True, route_chunks=True),
-                                 ("dispatch_async", "dispatch_wait"))):
-        pk = _kernels_for(GPU_THREADS, token_word(layout.cfg.hidden), paths=paths)
-        entries += [(f"{name} ({label})", pk[name], argtypes(name, layout)) for name in names]
-    fp8_puts = _kernels_for(GPU_THREADS, token_word(fp8.cfg.hidden), True, True, paths=SendPaths(stores=False))
-    entries.append(("dispatch_async (fp8_e4m3_ue8m0, puts)", fp8_puts["dispatch_async"],
-                    argtypes("dispatch_async", fp8)))
+
+def plan_entries(formats=FORMATS, variants=PLAN_VARIANTS, pdl: bool = True) -> list:
+    """``[(label, cfg, plan)]``: a plan of every receiver on every transport, in each format, on
+    GPUs of one NVLink domain (``Topology.nvlink_gpus``), both layouts served (so every kernel a
+    plan can launch is built)."""
+    from ep_runtime.config import EPConfig
+    from ep_runtime.plan import Topology, choose_plan
+
+    out = []
+    for token_dtype, combine_dtype in formats:
+        cfg = EPConfig(n_ranks=2, n_experts=8, top_k=2, hidden=256, max_tokens_per_rank=16, token_dtype=token_dtype,
+                       combine_dtype=combine_dtype)
+        for receiver, transport in variants:
+            plan = choose_plan(cfg, Topology.nvlink_gpus(2), {"receiver": receiver, "transport": transport,
+                                                              "pdl": pdl})
+            out.append((f"{receiver}/{transport}, {token_dtype}" + (", f32 partials" if combine_dtype == "float32"
+                                                                      else ""), cfg, plan))
+    return out
+
+
+def ep_kernel_entries():
+    """The EP kernels with the exact signatures the runtime launches (:func:`ep_runtime.builds
+    .kernel_builds`), for every plan variant and format of :func:`plan_entries`: each distinct
+    build once (by its kernel-cache key: plans that differ in what a kernel does not read, such
+    as a receive kernel's transport, share it), named by the first plan that launches it."""
+    from ep_runtime.builds import kernel_builds
+    from ep_runtime.compile_gate import TARGET_CC
+    from ep_runtime.shmem.kernel_cache import kernel_key
+
+    seen, entries = set(), []
+    for label, cfg, plan in plan_entries():
+        for name, kernel, argtypes in kernel_builds(cfg, plan):
+            key = kernel_key(kernel, argtypes, TARGET_CC)
+            if key not in seen:
+                seen.add(key)
+                entries.append((f"{name} [{label}]", kernel, argtypes))
     return entries
 
 

@@ -44,9 +44,7 @@ class ExpertBatch:
     """This rank's expert-major ragged batch (device arrays, views into runtime buffers).
 
     Rows are grouped by local expert, then source rank, then source token. Views stay valid
-    until the next ``dispatch_wait`` on this runtime; in a placing runtime
-    (``EPRuntime.dispatch_place``) the row descriptions (``row_offsets``, ``expert_counts``,
-    ``src_*``, ``weight``) until the next ``dispatch_async``, which rewrites them while its rows fly.
+    until the next ``dispatch_wait`` on this runtime.
 
     Attributes
     ----------

@@ -5,7 +5,8 @@ the Numba signatures the runtime will launch from the same lists, so the two can
 A name is either a :class:`~ep_runtime.layout.BufferLayout` region, a view of one in another
 dtype (``"region:u8"``: :data:`VIEWS`, the last axis rescaled), a caller's
 array (:data:`CALLER_ARRAYS`: dtype and rank), or an int64 scalar (:data:`SCALARS`). Regions
-only an FP8 token format has (:data:`FORMAT_REGIONS`) are passed as empty stand-ins otherwise.
+a runtime's plan does not allocate, and those only an FP8 token format has
+(:data:`FORMAT_REGIONS`), are passed as empty stand-ins (:meth:`BufferLayout.absent`).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ WORD_ARRAYS = frozenset({"tokens", "expert_out", "own_rows", "out", "out_partial
                          "combine_partials", "combine_stage", "expert_x"})
 #: int64 scalar arguments.
 SCALARS = ("pad_multiple", "timeout_ns", "mode", "n_experts", "allow_negative", "use_valid", "prequantized",
-           "scales_col_major", "copy_rows", "row_flags_from")
+           "scales_col_major", "copy_rows")
 
 KERNEL_ARGS = {
     "validate_routing": ("topk_ids", "topk_weights", "valid_tokens", "use_valid", "n_experts",
@@ -55,22 +56,17 @@ KERNEL_ARGS = {
         "tokens", "topk_ids", "topk_weights", "valid_tokens", "use_valid", "dispatch_tokens", "dispatch_topk_ids",
         "dispatch_topk_weights", "dispatch_counts", "dispatch_ranks", "dispatch_signal", "dispatch_async_sync",
         "dispatch_send_ranks", "dispatch_send_counts", "status", "token_scales", "prequantized",
-        "dispatch_send_stage", "dispatch_send_stage:u8", "dispatch_tokens:u8",
-        "peer_bases", "dispatch_token_credit", "dispatch_copy_go",
-        "timeout_ns", "dispatch_route_signal", "dispatch_row_flag", "dispatch_route_chunk", "row_offsets",
-        "expert_counts", "row_src_rank", "row_src_token", "row_src_k", "row_weight", "row_gather", "token_rows",
-        "pad_multiple"),
-    "dispatch_signal": ("tokens", "valid_tokens", "use_valid", "dispatch_signal", "dispatch_async_sync", "status"),
+        "dispatch_send_stage", "dispatch_send_stage:u8", "dispatch_tokens:u8", "peer_bases", "dispatch_token_credit",
+        "timeout_ns", "dispatch_route_signal", "dispatch_row_flag"),
     "dispatch_wait": (
         "dispatch_topk_ids", "dispatch_topk_weights", "dispatch_counts", "dispatch_ranks", "dispatch_signal",
         "dispatch_async_sync", "row_offsets", "expert_counts", "row_src_rank", "row_src_token",
         "row_src_k", "row_weight", "row_gather", "recv_tokens", "token_rows", "status", "pad_multiple",
-        "timeout_ns",
-        "dispatch_tokens", "expert_x", "copy_rows", "combine_wait_claims", "dispatch_land_sync",
+        "timeout_ns", "dispatch_tokens", "expert_x", "copy_rows", "combine_wait_claims", "receive_sync",
         "dispatch_route_signal", "dispatch_placed"),
     "dispatch_land": (
         "dispatch_topk_ids", "dispatch_topk_weights", "dispatch_counts", "dispatch_ranks", "dispatch_route_signal",
-        "dispatch_signal", "dispatch_land_sync", "row_offsets", "expert_counts", "row_src_rank", "row_src_token",
+        "dispatch_signal", "receive_sync", "row_offsets", "expert_counts", "row_src_rank", "row_src_token",
         "row_src_k", "row_weight", "row_gather", "recv_tokens", "token_rows", "status", "pad_multiple",
         "timeout_ns", "dispatch_tokens", "expert_x", "dispatch_row_flag", "copy_rows", "combine_wait_claims",
         "tokens"),
@@ -79,18 +75,14 @@ KERNEL_ARGS = {
         "token_rows", "row_offsets", "expert_counts", "expert_x", "status", "dispatch_tokens:u8",
         "expert_scales:u8", "scales_col_major"),
     "combine_async": (
-        "expert_out", "dispatch_topk_ids", "dispatch_counts", "combine_partials", "combine_signal",
-        "dispatch_async_sync", "token_rows", "row_weight", "combine_stage", "combine_async_sync",
-        "status", "peer_bases", "dispatch_token_credit", "combine_row_flag",
-        "row_flags_from"),
+        "expert_out", "dispatch_topk_ids", "dispatch_counts", "combine_partials", "dispatch_async_sync", "token_rows",
+        "row_weight", "combine_stage", "status", "peer_bases", "dispatch_token_credit", "combine_row_flag"),
     "combine_async_rows": (
-        "expert_out", "dispatch_topk_ids", "dispatch_counts", "combine_partials", "combine_signal",
-        "dispatch_async_sync", "combine_async_sync", "status", "peer_bases", "dispatch_token_credit",
-        "combine_row_flag", "row_flags_from"),
+        "expert_out", "dispatch_topk_ids", "dispatch_counts", "combine_partials", "dispatch_async_sync", "status",
+        "peer_bases", "dispatch_token_credit", "combine_row_flag"),
     "combine_wait": (
-        "out", "out_partials", "dispatch_topk_ids", "dispatch_counts", "combine_partials",
-        "combine_signal", "dispatch_async_sync", "status", "mode", "timeout_ns", "aux", "own_rows",
-        "combine_row_flag", "combine_wait_claims", "row_flags_from"),
+        "out", "out_partials", "dispatch_topk_ids", "dispatch_counts", "combine_partials", "dispatch_async_sync",
+        "status", "mode", "timeout_ns", "aux", "own_rows", "combine_row_flag", "combine_wait_claims"),
 }
 
 
@@ -104,6 +96,7 @@ def argtypes(kernel: str, layout: BufferLayout) -> tuple:
     """The Numba signature the runtime launches ``kernel`` with (C-contiguous arrays)."""
     from numba import from_dtype, types
 
+    absent = layout.absent()
     out = []
     for n in KERNEL_ARGS[kernel]:
         if n in SCALARS:
@@ -114,8 +107,8 @@ def argtypes(kernel: str, layout: BufferLayout) -> tuple:
             dtype, ndim = CALLER_ARRAYS[base]
         elif base in RUNTIME_ARRAYS:
             dtype, ndim = RUNTIME_ARRAYS[base]
-        elif base in FORMAT_REGIONS and base not in {r.name for r in layout.regions}:
-            dtype, ndim = FORMAT_REGIONS[base]
+        elif not layout.has(base):
+            dtype, ndim = absent[base]
         else:
             r = layout.region(base)
             dtype, ndim = r.dtype, len(r.shape)

@@ -19,12 +19,12 @@ import numpy as np
 from .config import EPConfig
 
 # the protocol's constants, re-exported for host code
-from .kernels.protocol import (COMBINE_FLAG_PARTS, DISPATCH_FLAG_PARTS, LAND_CALLS, LAND_CLAIMS,  # noqa: F401
-                               LAND_TICKET,
-                               N_GROUPS, PEER_COUNTS, PEER_IDS, PEER_PARTIALS, PEER_RANKS, PEER_REGIONS, PEER_TOKENS,
-                               PEER_WEIGHTS, ROUTE_CHUNKS, SIGNAL_TOKEN_BITS, STATUS_CALL, STATUS_CODE,
-                               STATUS_COUNTER, STATUS_EXPECTED, STATUS_KERNEL, STATUS_LEN, STATUS_OBSERVED, STATUS_PEER,
-                               STATUS_RANK, SYNC_CALLS, SYNC_ROUTE_TICKET, SYNC_TICKET, TRACE_LEN)
+from .kernels.protocol import (COMBINE_FLAG_PARTS, DISPATCH_FLAG_PARTS, N_GROUPS, PEER_COUNTS, PEER_IDS,  # noqa: F401
+                               PEER_PARTIALS, PEER_RANKS, PEER_REGIONS, PEER_TOKENS, PEER_WEIGHTS, RECV_CALLS,
+                               RECV_CLAIMS, RECV_LEN, RECV_TICKET, SIGNAL_TOKEN_BITS, STATUS_CALL, STATUS_CODE,
+                               STATUS_COUNTER, STATUS_EXPECTED, STATUS_KERNEL, STATUS_LEN, STATUS_OBSERVED,
+                               STATUS_PEER, STATUS_RANK, SYNC_CALLS, SYNC_LEN, SYNC_ROUTE_TICKET, SYNC_TICKET,
+                               TRACE_LEN)
 from .kernels.protocol import signal_value as dispatch_signal_value  # noqa: F401
 
 #: Byte alignment of every region (a multiple of every dtype and of 16-byte vector access).
@@ -84,11 +84,18 @@ def _align(n: int) -> int:
 
 
 class BufferLayout:
-    """Every symmetric and device-local region of an :class:`EPConfig`, with offsets."""
+    """The symmetric and device-local regions a runtime of an :class:`EPConfig` allocates under
+    an execution plan (:class:`~ep_runtime.plan.Plan`), with offsets.
 
-    def __init__(self, cfg: EPConfig):
-        self.cfg = cfg
-        regions = _regions(cfg)
+    ``plan`` None: every region any plan of ``cfg`` may use (the largest layout). The regions
+    a plan does not use (:data:`USED_BY`) are not allocated; kernels that take them get empty
+    stand-ins of the same dtype and rank (:meth:`absent`)."""
+
+    def __init__(self, cfg: EPConfig, plan=None):
+        self.cfg, self.plan = cfg, plan
+        every = _regions(cfg)
+        self._every = {r.name: r for r in every}
+        regions = [r for r in every if plan is None or USED_BY.get(r.name, _always)(plan, cfg)]
         placed, offsets = [], {True: 0, False: 0}
         for r in regions:
             off = offsets[r.symmetric]
@@ -104,6 +111,19 @@ class BufferLayout:
                 return r
         raise KeyError(f"no region named {name!r}; regions: {[r.name for r in self.regions]}")
 
+    def has(self, name: str) -> bool:
+        """Whether region ``name`` is allocated under this layout's plan."""
+        return any(r.name == name for r in self.regions)
+
+    def absent(self) -> dict:
+        """``{name: (dtype, ndim)}`` of the regions this plan does not allocate (or this format
+        does not have): what their empty stand-ins look like."""
+        from .kernel_args import FORMAT_REGIONS
+
+        out = {name: (r.dtype, len(r.shape)) for name, r in self._every.items() if not self.has(name)}
+        out.update({name: spec for name, spec in FORMAT_REGIONS.items() if name not in self._every})
+        return out
+
     @property
     def symmetric_regions(self) -> tuple[Region, ...]:
         return tuple(r for r in self.regions if r.symmetric)
@@ -113,133 +133,152 @@ class BufferLayout:
         return tuple(r for r in self.regions if not r.symmetric)
 
     def describe(self) -> str:
-        """The region table with per-region and total MiB."""
+        """The region table (under 120 columns): each region's heap, shape, dtype, MiB and
+        writer, then the totals and the regions the plan leaves out."""
         mib = 1 << 20
-        rows = [f"BufferLayout for {self.cfg}", f"{'region':24} {'heap':9} {'shape':28} {'dtype':8} "
-                f"{'init':>5} {'offset':>14} {'MiB':>10}  writer -> readers"]
+        c = self.cfg
+        head = (f"BufferLayout: {c.n_ranks} ranks, {c.n_experts} experts, top-{c.top_k}, hidden {c.hidden}, "
+                f"{c.max_tokens_per_rank} tokens/rank, {c.token_dtype}"
+                + (f"; plan: {self.plan.receiver.value} receiver, {self.plan.transport.value}, "
+                   f"layouts {'+'.join(self.plan.layouts)}" if self.plan is not None else "; every region"))
+        rows = [head, f"{'region':<24} {'heap':<4} {'shape':<18} {'dtype':<7} {'MiB':>9}  writer"]
         for r in self.regions:
-            rows.append(f"{r.name:24} {'symmetric' if r.symmetric else 'local':9} {str(r.shape):28} "
-                        f"{r.dtype.name:8} {r.init!s:>5} {r.offset:>14} {r.nbytes / mib:>10.3f}  "
-                        f"{r.writer} -> {', '.join(r.readers)}")
-        rows.append(f"symmetric total {self.symmetric_bytes / mib:.3f} MiB; "
-                    f"local total {self.local_bytes / mib:.3f} MiB")
+            rows.append(f"{r.name:<24} {'sym' if r.symmetric else 'loc':<4} {str(r.shape):<18} {r.dtype.name:<7} "
+                        f"{r.nbytes / mib:>9.3f}  {r.writer}")
+        rows.append(f"symmetric {self.symmetric_bytes / mib:.3f} MiB, local {self.local_bytes / mib:.3f} MiB")
+        left_out = [n for n in self._every if not self.has(n)]
+        if left_out:
+            rows.append("not allocated under this plan: " + ", ".join(left_out))
         return "\n".join(rows)
 
 
 def _regions(cfg: EPConfig) -> list[Region]:
+    """Every region any plan of ``cfg`` may use, in allocation order (:data:`USED_BY` says which
+    plans use which)."""
     R, L, K, H = cfg.n_ranks, cfg.n_local_experts, cfg.top_k, cfg.hidden
     T, C, G = cfg.max_tokens_per_rank, cfg.recv_rows_capacity, N_GROUPS
     i32, i64, u64, f32 = (np.dtype(t) for t in ("int32", "int64", "uint64", "float32"))
     DA, DW, DC, CA, CW = "dispatch_async", "dispatch_wait", "dispatch_copy", "combine_async", "combine_wait"
     DL = "dispatch_land"
     S, Lc = True, False
-    fmt = cfg.token_format
     pdt, pname = partial_dtype(cfg), partial_format_name(cfg)
     return [
         # -- symmetric: written by peers (and by this rank to itself) -----------------------------
         tokens_region(cfg),
-        Region("dispatch_topk_ids", (G, R, T, K), i32, -1, S, f"{DA} (peers)", (DW, DC, CA, CW),
+        Region("dispatch_topk_ids", (G, R, T, K), i32, -1, S, f"{DA} (peers)", (DW, DL, DC, CA, CW),
                "[g, src, t]: global expert ids of token t of rank src (every token, sent to every rank)"),
-        Region("dispatch_topk_weights", (G, R, T, K), f32, 0, S, f"{DA} (peers)", (DW,),
+        Region("dispatch_topk_weights", (G, R, T, K), f32, 0, S, f"{DA} (peers)", (DW, DL),
                "[g, src, t]: router weights of token t of rank src"),
-        Region("dispatch_counts", (G, R, L + 1), i32, 0, S, f"{DA} (peers, routing block)", (DW, DC, CA, CW),
-               "[g, src, :L]: tokens of src per local expert; [g, src, L]: tokens src dispatched"),
-        Region("dispatch_ranks", (G, R, T, K), i32, 0, S, f"{DA} (peers, routing block)", (DW,),
+        Region("dispatch_counts", (G, R, L + 1), i32, 0, S, f"{DA} (peers, routing block)", (DW, DL, DC, CA, CW),
+               "[g, src, :L]: tokens of src per local expert (wait, land); [g, src, L]: tokens src dispatched"),
+        Region("dispatch_ranks", (G, R, T, K), i32, 0, S, f"{DA} (peers, routing block)", (DW, DL),
                "[g, src, t, k]: rank of token t among src's tokens with expert topk_ids[t, k], in token "
-               "order (the whole run stored on every rank)"),
-        Region("dispatch_signal", (G, R), u64, 0, S, f"{DA} (peers, last block)", (DW,),
+               "order (wait, land)"),
+        Region("dispatch_signal", (G, R), u64, 0, S, f"{DA} (peers, last block)", (DW, DL),
                "[g, src]: (n + 1) << 32 | T once everything of call n (T tokens) from src has arrived "
-               "(dispatch_signal_value; monotonic)"),
+               "(monotonic)"),
+        Region("dispatch_route_signal", (G, R), u64, 0, S, f"{DA} (peers, routing out)",
+               (DL, DW), "[g, src]: (n + 1) << 32 | T once src's routing of call n has arrived, before its token "
+               "rows (land: ids, weights, ranks, counts; route first: ids, weights and T; monotonic)"),
         Region("combine_partials", (G, R, T, H), pdt, 0, S, f"{CA} (peers)", (CW,),
                f"[g, r, t]: weighted partial sum over rank r's experts for my token t ({pname})"),
-        Region("combine_signal", (G, R), u64, 0, S, f"{CA} (peers, last block)", (CW,),
-               "[g, r]: n + 1 once rank r's partials of call n have arrived (monotonic)"),
         # cumulative over calls (not per group), as the token rows it guards
-        Region("dispatch_token_credit", (R,), u64, 0, S, f"{DA}, {CA} (peers, block 0)", (DA,),
+        Region("dispatch_token_credit", (R,), u64, 0, S, f"{DA}, {CA} (peers)", (DA,),
                "[d]: rank d has finished reading my token rows of every call before c - 1 once it is c "
                "(granted by d's dispatch_async of call c - 1 and combine_async of call c - 2), so my rows of "
                "call n may go into d once it is >= n + 1 (monotonic)"),
         # monotonic (call numbers), no group axis: a row of call n + 1 cannot come before
         # combine_wait of call n has finished (docs/protocol.md, "Combine rows as they land")
         Region("combine_row_flag", (R, T, COMBINE_FLAG_PARTS), u64, 0, S, f"{CA} (peers, each part's warp)", (CW,),
-               "[r, t, p]: n + 1 once part p of rank r's partial of my token t of call n has arrived (flagged "
-               "calls: combine_wait reduces each part as it lands)"),
-        # landing calls (v18) and route-first builds (v29), at the end of the heap so no earlier region moves
-        Region("dispatch_route_signal", (G, R), u64, 0, S, f"{DA} (peers, last route ticket or the routing block)",
-               (DL, DW), "[g, src]: (n + 1) << 32 | T once src's routing of call n has arrived, before its token "
-               "rows (landing calls: ids, weights, ranks, counts; route-first builds: ids, weights and T; "
-               "monotonic)"),
+               "[r, t, p]: n + 1 once part p of rank r's partial of my token t of call n has arrived"),
         # monotonic (call numbers), no group axis, as the token rows it flags
         Region("dispatch_row_flag", (R, T, DISPATCH_FLAG_PARTS), u64, 0, S, f"{DA} (peers, each part's warp)",
-               (DL,), "[src, t, p]: n + 1 once part p of token t of rank src of call n has arrived (landing "
-               "calls: dispatch_land copies each part as it lands; src != this rank, whose own bf16 rows "
-               "dispatch_land reads from the caller's tokens, v28)"),
-        # monotonic (call numbers), no group axis (v26): the receiver's placement reads group g's
-        # routing before its dispatch_wait of call n, as dispatch_wait did after the signal
-        Region("dispatch_route_chunk", (R, ROUTE_CHUNKS), u64, 0, S, f"{DA} (peers, each routing block)", (DA,),
-               "[src, c]: n + 1 once routing chunk c of rank src's call n (its ids, weights and ranks; chunk 0 "
-               "also the counts and T) has arrived (peer-store builds without landing: the routing blocks "
-               "place the received rows during the transfer)"),
-        # monotonic (call numbers), no group axis (v30): written by this rank to itself, symmetric
-        # so the waits and the simulator treat it as every other flag
+               (DL,), "[src, t, p]: n + 1 once part p of token t of rank src of call n has arrived (land, bf16: "
+               "dispatch_land copies each part as it lands; src != this rank)"),
+        # monotonic (call numbers), no group axis: written by this rank to itself, symmetric so the
+        # waits and the simulator treat it as every other flag
         Region("dispatch_placed", (1,), u64, 0, S, f"{DW} (its placing block)", (DW,),
                "[0]: (n + 1) << 1 (plus 1 if it failed) once the placing block of a copying route-first "
-               "dispatch_wait of call n has described every row and seen every token row (its other blocks "
-               "wait for it, then copy)"),
-        # -- local: counters of dispatch_async -----------------------------------------------------
-        Region("dispatch_async_sync", (3,), i64, 0, Lc, DA, (DA, DW, CA, CW),
+               "dispatch_wait of call n has described every row and seen every token row"),
+        # -- local: counters ------------------------------------------------------------------------
+        Region("dispatch_async_sync", (SYNC_LEN,), i64, 0, Lc, DA, (DA, DC, CA, CW),
                "[0] ticket: finished blocks of the launch (reset by the last block); "
                "[1] calls: completed dispatch calls (call n sets n + 1); "
-               "[2] route ticket (landing and chunked route-first calls): blocks whose routing rows went out "
-               "(reset by the last)"),
+               "[2] route ticket (landing and split route-first calls): blocks whose routing went out"),
+        Region("receive_sync", (RECV_LEN,), i64, 0, Lc, f"{DW}, {DL}", (DW, DL),
+               "[0] ticket: blocks of the receive launch that read its call number (reset by the last); "
+               "[1] receive calls so far (the last block of call n's receive kernel sets n + 1); "
+               "[2 + g] items dispatch_land of a call of group g claimed (zeroed a call ahead)"),
+        Region("combine_wait_claims", (2,), i32, 0, Lc, f"{CW}; the receive kernel (reset)", (CW,),
+               "[g]: parts combine_wait of a call of group g has claimed; the receive kernel of call n "
+               "zeroes [n % 2]"),
+        # -- local: staging of the sender -------------------------------------------------------------
         Region("dispatch_send_ranks", (T, K), i32, 0, Lc, DA, (DA,),
                "staging of dispatch_ranks: [t, k] rank of token t among this rank's tokens with expert "
-               "topk_ids[t, k]"),
+               "topk_ids[t, k] (wait, land)"),
         Region("dispatch_send_counts", (R, L + 1), i32, 0, Lc, DA, (DA,),
-               "staging of the counts row put with each rank's signal (puts path): [dst, :L] tokens per "
-               "expert of rank dst, [dst, L] T"),
-        # -- local: shared by dispatch_wait and combine_async --------------------------------------
-        Region("token_rows", (R, T, K), i32, -1, Lc, DW, (DC, CA),
-               "[src, t, j]: expert-batch row of the j-th local expert (ascending) of token (src, t)"),
-        Region("combine_async_sync", (1,), i64, 0, Lc, CA, (CA,),
-               "[0] ticket: finished blocks of the launch (reset by the last block)"),
-        # -- local: staging of combine_async -------------------------------------------------------
+               "staging of the counts row put with each rank's signal (puts): [dst, :L] tokens per expert "
+               "of rank dst, [dst, L] T"),
+        *send_stage_regions(cfg),
         Region("combine_stage", (R, T, H), pdt, 0, Lc, CA, (CA,),
-               f"[dst, t]: partial sum for token t of rank dst ({pname}), staged before the put"),
-        # -- local: the expert batch (output of dispatch_wait) -------------------------------------
-        Region("expert_x", (C, H), fmt.element_dtype, 0, Lc, DC, ("user",),
+               f"[dst, t]: partial sum for token t of rank dst ({pname}), staged before the put (puts)"),
+        # -- local: the batch ----------------------------------------------------------------------------
+        Region("token_rows", (R, T, K), i32, -1, Lc, f"{DW}, {DL}", (DC, CA),
+               "[src, t, j]: expert-batch row of the j-th local expert (ascending) of token (src, t)"),
+        Region("expert_x", (C, H), cfg.token_format.element_dtype, 0, Lc, DC, ("user",),
                "rows grouped by local expert, then source rank, then source token (bf16 bits, or "
-               "E4M3 codes in an FP8 token format)"),
-        Region("row_offsets", (L + 1,), i32, 0, Lc, DW, ("user", DC),
+               "E4M3 codes in an FP8 token format; the expanded layout)"),
+        *expert_scales_regions(cfg),
+        Region("row_offsets", (L + 1,), i32, 0, Lc, f"{DW}, {DL}", ("user", DC),
                "segment e of the batch is rows [row_offsets[e], row_offsets[e + 1])"),
-        Region("expert_counts", (L,), i32, 0, Lc, DW, ("user", DC),
+        Region("expert_counts", (L,), i32, 0, Lc, f"{DW}, {DL}", ("user", DC),
                "real (unpadded) rows per local expert"),
-        Region("row_src_rank", (C,), i32, -1, Lc, DW, ("user",), "source rank of each row (-1: padding)"),
-        Region("row_src_token", (C,), i32, -1, Lc, DW, ("user",), "source token index of each row"),
-        Region("row_src_k", (C,), i32, -1, Lc, DW, ("user",), "top-k slot of each row"),
-        Region("row_weight", (C,), f32, 0, Lc, DW, ("user", CA), "router weight of each row"),
-        Region("row_gather", (C,), i32, -1, Lc, DW, ("user (compact)",),
+        Region("row_src_rank", (C,), i32, -1, Lc, f"{DW}, {DL}", ("user",), "source rank of each row (-1: padding)"),
+        Region("row_src_token", (C,), i32, -1, Lc, f"{DW}, {DL}", ("user",), "source token index of each row"),
+        Region("row_src_k", (C,), i32, -1, Lc, f"{DW}, {DL}", ("user",), "top-k slot of each row"),
+        Region("row_weight", (C,), f32, 0, Lc, f"{DW}, {DL}", ("user", CA), "router weight of each row"),
+        Region("row_gather", (C,), i32, -1, Lc, f"{DW}, {DL}", ("user (compact)",),
                "receive-buffer row of each batch row, src * T + t (-1: padding): the compact gather index"),
-        *quantized_regions(cfg),
+        Region("recv_tokens", (R,), i32, 0, Lc, f"{DW}, {DL}", ("user (compact)",),
+               "[src]: tokens src dispatched in the last call (from its signal)"),
         # -- local: error record --------------------------------------------------------------------
         Region("status", (STATUS_LEN + TRACE_LEN,), i64, 0, Lc, "any kernel", ("host",),
                "first device error: code, kernel, rank, peer/expert, counter, expected, observed, call; "
                "then TRACE_LEN phase time stamps (kernels/trace.py, EP_RUNTIME_TRACE=1)"),
-        Region("dispatch_copy_go", (1,), np.dtype(np.uint32), 0, Lc, f"{DA} (block 0); side stream", ("side stream",),
-               "[0] 1: every peer granted this call's copies (copy-engine transfer); the side stream waits "
-               "for 1, resets it to 0, then copies"),
-        Region("recv_tokens", (R,), i32, 0, Lc, DW, ("user (compact)",),
-               "[src]: tokens src dispatched in the last call (from its signal)"),
-        Region("combine_wait_claims", (2,), i32, 0, Lc, f"{CW} (claims); {DW} (reset)", (CW,),
-               "[g]: rows combine_wait of a call of group g has claimed (reduced as they land); "
-               "dispatch_wait of call n zeroes [n % 2]"),
-        # at the ends of both heaps (v18), so no earlier region moves
-        Region("dispatch_land_sync", (4,), i64, 0, Lc, f"{DW}, {DL}", (DW, DL),
-               "[0] ticket: finished blocks of dispatch_land (reset by the last block); [1] receive calls: "
-               "dispatch_wait or dispatch_land of call n sets n + 1 (dispatch_land, and dispatch_wait in a "
-               "placing runtime, read their call number here, while dispatch_async still runs); [2 + g] items dispatch_land of a call of group g "
-               "claimed (the receive kernel of call n zeroes [2 + (n + 1) % 2])"),
     ]
+
+
+def _always(plan, cfg) -> bool:
+    return True
+
+
+def _ranked_by_sender(plan, cfg) -> bool:
+    return plan.receiver.value in ("wait", "land")
+
+
+def _puts(plan, cfg) -> bool:
+    return plan.transport.value == "puts"
+
+
+def _expanded(plan, cfg) -> bool:
+    return plan.serves("expanded")
+
+
+#: ``{region: used(plan, cfg)}``: which plans use a region; a region not listed is used by every
+#: plan. A runtime allocates only what its plan uses.
+USED_BY = {
+    "dispatch_ranks": _ranked_by_sender,
+    "dispatch_send_ranks": _ranked_by_sender,
+    "dispatch_route_signal": lambda plan, cfg: plan.receiver.value != "wait",
+    "dispatch_row_flag": lambda plan, cfg: plan.receiver.value == "land" and not cfg.token_format.quantized,
+    # (a route-first bf16 dispatch_wait publishes it on an early error, whatever its launch)
+    "dispatch_placed": lambda plan, cfg: plan.receiver.routes_first and not cfg.token_format.quantized,
+    "dispatch_send_counts": _puts,
+    "dispatch_send_stage": _puts,
+    "combine_stage": _puts,
+    "expert_x": _expanded,
+    "expert_scales": _expanded,
+}
 
 
 def tokens_region(cfg: EPConfig) -> Region:
@@ -260,17 +299,22 @@ def tokens_region(cfg: EPConfig) -> Region:
                   f"[src, t]: the {fmt.name} message of token t of rank src (codes, scales, padding)")
 
 
-def quantized_regions(cfg: EPConfig) -> list[Region]:
-    """The regions only an FP8 token format has: the sender's message staging and the expert
-    batch's scales (``[C * S]`` of the scale dtype, S = H / 128 blocks per row, laid out per
-    call row-major ``[C, S]`` or column-major ``[S, C]``)."""
+def send_stage_regions(cfg: EPConfig) -> list[Region]:
+    """An FP8 token format's message staging (the puts path encodes each token once into it)."""
     fmt = cfg.token_format
     if not fmt.quantized:
         return []
-    T, H, C = cfg.max_tokens_per_rank, cfg.hidden, cfg.recv_rows_capacity
-    return [
-        Region("dispatch_send_stage", (T, fmt.message_words(H)), np.dtype(np.uint64), 0, False, "dispatch_async",
-               ("dispatch_async",), "[t]: the message of this rank's token t, encoded once, put to every destination"),
-        Region("expert_scales", (C * fmt.scale_count(H),), fmt.scale_dtype, 0, False, "dispatch_copy", ("user",),
-               "scales of the expert batch's rows: [C, S] row-major or [S, C] column-major (per call)"),
-    ]
+    return [Region("dispatch_send_stage", (cfg.max_tokens_per_rank, fmt.message_words(cfg.hidden)),
+                   np.dtype(np.uint64), 0, False, "dispatch_async", ("dispatch_async",),
+                   "[t]: the message of this rank's token t, encoded once, put to every destination (puts)")]
+
+
+def expert_scales_regions(cfg: EPConfig) -> list[Region]:
+    """An FP8 token format's expert-batch scales (``[C * S]`` of the scale dtype, S = H / 128
+    blocks per row, laid out per call row-major ``[C, S]`` or column-major ``[S, C]``)."""
+    fmt = cfg.token_format
+    if not fmt.quantized:
+        return []
+    return [Region("expert_scales", (cfg.recv_rows_capacity * fmt.scale_count(cfg.hidden),), fmt.scale_dtype, 0,
+                   False, "dispatch_copy", ("user",),
+                   "scales of the expert batch's rows: [C, S] row-major or [S, C] column-major (per call)")]

@@ -9,70 +9,40 @@ per-call state (call numbers, counts) lives in device memory, so the four calls 
 captured in a CUDA graph. Errors detected on the device (a wait past its timeout, too many
 rows) are raised by :meth:`EPRuntime.synchronize` (and by every call on the simulator, which
 runs synchronously), after which the runtime refuses calls until :meth:`reset`.
+
+How rows move is the runtime's execution plan (:attr:`EPRuntime.plan`, :mod:`ep_runtime.plan`),
+chosen once at construction from the config, the session's topology and any overrides.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
-import os
 from enum import Enum
 
 import numpy as np
 
 from . import arrays
-from .config import EPConfig
-from .kernel_args import FORMAT_REGIONS, KERNEL_ARGS, WORD_ARRAYS, argtypes, build_args, region_view
-from .errors import EPConfigError, EPInputError, EPStateError
+from .builds import combine_wait_with, kernel_builds
 from .call_memo import CallMemo, PreparedCall
+from .config import LAYOUTS, EPConfig
+from .errors import EPConfigError, EPInputError, EPStateError
 from .handles import CombineHandle, CompactBatch, DispatchHandle, ExpertBatch, from_fields
+from .kernel_args import KERNEL_ARGS, WORD_ARRAYS, build_args, region_view
 from .layout import PEER_REGIONS, SYNC_CALLS, BufferLayout, partial_dtype, token_word
+from .plan import ExpandedCopy, Plan, Receiver, Topology, Transport, agree, check_plan, choose_plan, merged_overrides
 from .shmem.session import Session
 from .status import error_from_status
-from .transfer import SendPaths, choose_copy_engine, peer_token_slots
-from .combine_overlap import ROW_FLAGS_ENV, combine_send_grid, row_flags_from
-from .dispatch_overlap import (LAND_ENV, PLACE_ENV, ROUTE_FIRST_ENV, dispatch_send_grid, landing, placing,
-                               route_chunks, route_first_blocks, routing_first)
 
 _owner_ids = itertools.count(1)
 
 #: The layouts of dispatch_wait's result and of combine_async's input.
-DISPATCH_LAYOUTS = ("expanded", "compact")
+DISPATCH_LAYOUTS = LAYOUTS
 #: The layouts of an FP8 expert batch's scales: [rows, S] or [S, rows].
 SCALE_LAYOUTS = ("row", "column")
-
-#: Threads per block on a GPU: 16 warps per block, each copying or reducing its own token row,
-#: keep enough loads in flight per SM to approach HBM bandwidth.
-GPU_THREADS = 512
-#: Threads per block in the simulator: each simulated thread is a Python thread, so few; 8 still
-#: exercises several ranking rounds (dispatch_async's routing block ranks 8 tokens per round)
-#: and every block-level helper. At most 32: a simulated block is one warp (kernels/block.py,
-#: ``warp_geometry``).
-SIM_THREADS = 8
-#: Environment variable: ``0`` (or ``off``) makes dispatch_async, combine_async and
-#: combine_async_rows send through NVSHMEM puts instead of storing into peers' heaps through
-#: their NVLink mappings (read when a runtime is built; the stores are used only where every
-#: PE's heap is mapped, ``Session.peer_addresses``).
-PEER_STORES_ENV = "EP_RUNTIME_PEER_STORES"
-#: Environment variable choosing how the expanded dispatch_wait copies rows (read when a runtime
-#: is built): ``auto`` (default) fuses the copy into the dispatch_wait kernel for bf16 tokens
-#: in a route-first runtime (its placing block, then every block copying token-major: v30), or
-#: when ``max_tokens_per_rank <= FUSED_COPY_MAX_TOKENS`` (decode sizes: one launch, no
-#: dispatch_copy), ``1`` fuses it for bf16 at any size, ``0`` never (EPRuntime.fused_copy).
-FUSED_COPY_ENV = "EP_RUNTIME_FUSED_COPY"
-#: Largest per-rank batch capacity for which ``auto`` fuses the expanded copy. Measured on one
-#: H200 (one rank, graph, docs/throughput.md "v10"), the copy's share of an expanded dispatch:
-#: fused 1.9 / 9.6 / 14.3 us at T=1 / 32 / 128, separate 7.0 / - / 14.9 us (a walking warp
-#: copies its hits one after another): the two meet near T=32.
-FUSED_COPY_MAX_TOKENS = 16
 
 #: int64 scalar arguments 0 and 1, one object each: the fast launch path rewrites an argument
 #: only when its object changes (ep_runtime.shmem.fast_launch).
 _INT64 = (np.int64(0), np.int64(1))
-
-#: Blocks per kernel in the simulator when EPConfig.n_sms is None (more than one, so the
-#: block scheduling and the last-block ticket are exercised).
-SIM_BLOCKS = 2
 
 
 class _State(Enum):
@@ -92,73 +62,46 @@ class EPRuntime:
     Parameters
     ----------
     cfg : EPConfig
-        Must be identical on every rank (checked here, collectively).
+        Must be identical on every rank (checked here, collectively). Its ``layouts`` are the
+        dispatch layouts this runtime serves.
     session : Session
         The SHMEM session (``nvshmem`` or ``sim``) of this rank; its heap must hold
-        ``BufferLayout(cfg).symmetric_bytes``.
+        ``BufferLayout(cfg, plan).symmetric_bytes``.
     debug : bool
         Check routing on the device before each dispatch (ids in range and distinct per token,
         weights finite; one small kernel, no host synchronization) and synchronize after each
         call so device errors are raised by the call that caused them. Always on for the
         simulator.
+    plan : None, dict, str or Plan
+        The execution plan: None (the plan :func:`~ep_runtime.plan.choose_plan` picks), plan
+        fields to override (``{"receiver": "land"}`` or ``"receiver=land,pdl=0"``), or a whole
+        :class:`~ep_runtime.plan.Plan`. ``EP_RUNTIME_PLAN`` may add overrides for experiments.
+        Invalid fields and combinations raise :class:`~ep_runtime.errors.EPConfigError` naming
+        the rule; every rank must end with the same plan (checked, collectively).
 
     Construction and :meth:`close` are collective. Use as a context manager.
 
     Attributes
     ----------
-    peer_stores : bool
-        Whether the kernels store into peers' heaps through their mappings (else NVSHMEM puts;
-        ``EP_RUNTIME_PEER_STORES``).
-    fused_copy : bool
-        Whether the expanded ``dispatch_wait`` copies the rows in its own kernel (one launch)
-        instead of a following ``dispatch_copy`` (``EP_RUNTIME_FUSED_COPY``; bf16 tokens at
-        decode sizes or in a route-first runtime by default; never in a placing runtime, whose
-        dispatch_wait places nothing).
-    copy_engine : bool
-        Whether token rows reach the peers by copy-engine copies beside dispatch_async instead
-        of its warps' stores (``EP_RUNTIME_TOKEN_TRANSFER=copy_engine``, bf16 tokens on NVLink
-        peers; off by default: :mod:`ep_runtime.transfer` says why).
-    dispatch_land : bool
-        Whether dispatch_wait enqueues ``dispatch_land``, which starts while dispatch_async still
-        sends, places the rows as the routing arrives and copies each row part as it lands
-        (``EP_RUNTIME_DISPATCH_LAND``: by default bf16 runtimes of two ranks or more on the
-        whole GPU from 1024 tokens per rank, where it was measured faster on NVLink:
-        :mod:`ep_runtime.dispatch_overlap`). Its bf16 rows for this rank are not sent:
-        dispatch_land reads them from the tokens dispatch_async was given (v28).
-    dispatch_place : bool
-        Whether dispatch_async's routing blocks place the received rows while the token rows
-        fly, so dispatch_wait only waits for them (``EP_RUNTIME_DISPATCH_PLACE``; peer stores
-        without landing or the copy engine: :mod:`ep_runtime.dispatch_overlap`). The batch's
-        row descriptions are then rewritten by the next dispatch_async.
-    dispatch_route_first : bool
-        Whether dispatch_async sends and signals the routing rows first and ranks nothing, and
-        dispatch_wait, a few blocks (``route_first_blocks``) started early by PDL on SMs
-        dispatch_async leaves, ranks and places the received rows from them while the token rows fly
-        (``EP_RUNTIME_DISPATCH_ROUTE_FIRST``; peer stores without landing, placing or the copy
-        engine: :mod:`ep_runtime.dispatch_overlap`). The expanded layout then copies with
-        dispatch_copy.
-    dispatch_route_chunks : bool
-        Whether a route-first runtime is built for large batches (more than 128 tokens per rank,
-        v33: :func:`ep_runtime.dispatch_overlap.route_chunks`): the token blocks send the routing
-        rows and dispatch_wait's placing blocks rank a chunk each; its expanded layout copies
-        with dispatch_copy.
-    send_paths : SendPaths
-        The six choices above that the kernels are compiled for (:mod:`ep_runtime.transfer`).
+    plan : Plan
+        How this runtime moves rows (``rt.plan.describe()`` prints it with its reasons).
+    layout : BufferLayout
+        The regions the plan allocates.
     """
 
-    def __init__(self, cfg: EPConfig, session: Session, debug: bool = False):
+    def __init__(self, cfg: EPConfig, session: Session, debug: bool = False, plan=None):
         if cfg.n_ranks != session.n_ranks:
             raise EPConfigError(f"EPConfig.n_ranks={cfg.n_ranks} but the session has {session.n_ranks} ranks; "
                                 f"build the config with n_ranks={session.n_ranks}.")
         _check_same_config_everywhere(cfg, session)
         self.cfg, self.session = cfg, session
-        self.layout = BufferLayout(cfg)
         self.rank = session.rank
         self.debug = debug or session.backend == "sim"
         self._owner = next(_owner_ids)
-        self._threads = SIM_THREADS if session.backend == "sim" else GPU_THREADS
+        self.plan = _resolve_plan(cfg, Topology.of(session), plan)
+        agree(self.plan, session)
+        self.layout = BufferLayout(cfg, self.plan)
         self._word = token_word(cfg.hidden)
-        self._grid = cfg.n_sms or (SIM_BLOCKS if session.backend == "sim" else session.sm_count())
         self._timeout_ns = np.int64(round(cfg.wait_timeout_s * 1e9))
         self._sym = session.alloc_symmetric("ep_runtime.symmetric", (self.layout.symmetric_bytes,), np.uint8)
         self._local = session.alloc_local("ep_runtime.local", (self.layout.local_bytes,), np.uint8)
@@ -170,61 +113,19 @@ class EPRuntime:
             self.buffers[r.name] = view
         self._fmt = cfg.token_format
         regions = dict(self.buffers)
-        for name, (dtype, ndim) in FORMAT_REGIONS.items():  # bf16: empty stand-ins (graph-safe, allocated once)
-            if name not in regions:
-                regions[name] = session.alloc_local(f"unused {name}", (0,) * ndim, dtype)
+        for name, (dtype, ndim) in self.layout.absent().items():  # empty stand-ins, allocated once (graph-safe)
+            regions[name] = session.alloc_local(f"unused {name}", (0,) * ndim, dtype)
         self._arg = {name: session.as_kernel_arg(v.view(self._word) if name in WORD_ARRAYS else v)
                      for name, v in regions.items()}
         for name in {n for args in KERNEL_ARGS.values() for n in args if ":" in n}:
             self._arg[name] = session.as_kernel_arg(region_view(regions[name.partition(":")[0]], name))
-        self.peer_stores = self._peer_bases(session)
-        self._arg["row_flags_from"] = np.int64(row_flags_from())
-        flags_from = session.allgather_object(int(self._arg["row_flags_from"]))
-        if len(set(flags_from)) != 1:
-            raise EPConfigError(f"rank {self.rank}: {ROW_FLAGS_ENV} differs between ranks ({flags_from}); set it "
-                                f"alike on every rank (or unset it everywhere).")
-        from .kernels import pdl  # (the kernel modules are imported when first needed)
-
-        # PDL takes effect through the session's fast launcher (the path that sets its attribute)
-        whole_gpu = cfg.n_sms is None and session.backend != "sim"
-        pdl_on = pdl.ENABLED and bool(getattr(session, "fast_launch", False))
-        self._combine_grid = {layout: combine_send_grid(self._grid, whole_gpu, pdl_on, layout)
-                              for layout in ("compact", "expanded")}
-        self.copy_engine = choose_copy_engine(cfg, self.peer_stores)
-        modes = session.allgather_object(self.copy_engine)
-        if len(set(modes)) != 1:
-            raise EPConfigError(f"rank {self.rank}: the token transfer differs between ranks (copy engine per rank: "
-                                f"{modes}); set EP_RUNTIME_TOKEN_TRANSFER and EP_RUNTIME_PEER_STORES alike on every "
-                                f"rank.")
-        self.dispatch_land = landing(cfg, self.copy_engine)
-        lands = session.allgather_object(self.dispatch_land)
-        if len(set(lands)) != 1:
-            raise EPConfigError(f"rank {self.rank}: {LAND_ENV} differs between ranks (landing per rank: {lands}); "
-                                f"set it alike on every rank (or unset it everywhere).")
-        self.dispatch_place = placing(cfg, self.peer_stores, self.copy_engine, self.dispatch_land)
-        places = session.allgather_object(self.dispatch_place)
-        if len(set(places)) != 1:
-            raise EPConfigError(f"rank {self.rank}: {PLACE_ENV} differs between ranks (placing per rank: {places}); "
-                                f"set it alike on every rank (or unset it everywhere).")
-        self.dispatch_route_first = routing_first(cfg, self.peer_stores, self.copy_engine, self.dispatch_land,
-                                                  self.dispatch_place, whole_gpu and pdl_on)
-        firsts = session.allgather_object(self.dispatch_route_first)
-        if len(set(firsts)) != 1:
-            raise EPConfigError(f"rank {self.rank}: {ROUTE_FIRST_ENV} differs between ranks (route-first per rank: "
-                                f"{firsts}); set it alike on every rank (or unset it everywhere).")
-        self.dispatch_route_chunks = route_chunks(cfg, self.dispatch_route_first)
-        self._dispatch_grid = dispatch_send_grid(self._grid, whole_gpu, pdl_on) if self.dispatch_land else 0
-        if self.dispatch_route_first and whole_gpu and pdl_on:  # SMs left to dispatch_wait's blocks
-            self._dispatch_grid = max(self._grid - route_first_blocks(cfg), 1)
-        self._peer_slots = peer_token_slots(session, self._sym, self.layout, self.rank) if self.copy_engine else None
+        self._arg["peer_bases"] = session.as_kernel_arg(session.to_device(self._peer_bases()))
         self._partial = partial_dtype(cfg)  # uint16 (bf16 bits) or float32
         self._f32_partials = self._partial == np.float32
-        builds = kernel_builds(cfg, self._threads, self.send_paths)
+        builds = kernel_builds(cfg, self.plan)
         self._kernels = {name: kernel for name, kernel, _ in builds}
-        unused = set() if self.dispatch_land else {"dispatch_land"}  # never launched by this runtime
         for name, kernel, types in builds:  # compile now, not inside a timed wait
-            if name not in unused:
-                session.precompile(kernel, types)
+            session.precompile(kernel, types)
         # stand-ins for the combine_wait arrays a call does not use (allocated once: graph-safe)
         self._no_out = session.alloc_local("unused out", (0, 0), np.uint16)
         self._no_partials = session.alloc_local("unused out_partials", (0, 0, 0), np.uint16)
@@ -235,36 +136,36 @@ class EPRuntime:
         self._own_rows = self._no_own
         self._no_valid = session.alloc_local("unused valid_tokens", (1,), np.int32)
         self._no_scales = session.alloc_local("unused token_scales", (0, 0), np.uint8)
-        self._batch_views = _batch_views(cfg, self.buffers)
-        #: launches whose arguments are all the runtime's own, prepared once
-        # placement and copy in one dispatch_wait; a placing runtime places in dispatch_async, so
-        # dispatch_copy copies (fused copies serve decode sizes, placing large batches: by default
-        # the two never meet)
-        # (a chunked route-first build copies with dispatch_copy after its few placing blocks: one
-        # block would rank every received token)
-        self.fused_copy = (_fused_copy(cfg, self.dispatch_route_first and not self.dispatch_route_chunks)
-                           and not self.dispatch_place)
-        self._pad_multiple = np.int64(cfg.pad_multiple)
-        wait_scalars = dict(pad_multiple=self._pad_multiple, timeout_ns=self._timeout_ns)
-        self._fixed = {}
-        self._fixed["dispatch_wait"] = self._prepare("dispatch_wait", copy_rows=_INT64[0], **wait_scalars)
-        if self.dispatch_place or self.dispatch_route_first:  # a few blocks, started early by PDL (kernels/dispatch.py)
-            blocks = route_first_blocks(cfg) if self.dispatch_route_first else 1
-            self._fixed["dispatch_wait"] = dataclasses.replace(self._fixed["dispatch_wait"], grid=blocks)
-        self._wait_scalars = wait_scalars  # (dispatch_land is prepared with each call's tokens: _prepare_dispatch_async)
-        self._land: tuple = ()  # the last dispatch_async's dispatch_land launches
         self._no_tokens = session.alloc_local("unused tokens", (0, cfg.hidden), np.uint16)
-        if self.fused_copy:  # (route first: the whole grid, its first block placing; kernels/dispatch.py)
-            self._fixed["dispatch_wait", "copy"] = self._prepare("dispatch_wait", copy_rows=_INT64[1], **wait_scalars)
-        for scales in SCALE_LAYOUTS:
-            self._fixed["dispatch_copy", scales] = self._prepare("dispatch_copy",
-                                                                 scales_col_major=_INT64[scales == "column"])
+        self._batch_views = _batch_views(cfg, self.buffers)
+        self._pad_multiple = np.int64(cfg.pad_multiple)
+        self._wait_scalars = dict(pad_multiple=self._pad_multiple, timeout_ns=self._timeout_ns)
+        self._fixed = self._prepare_receive()
+        self._land: tuple = ()  # the last dispatch_async's dispatch_land launches (they read its tokens)
         self._memo = CallMemo()  # the launches prepared from the caller's last arrays, per call
         self._calls = 0
         self._state = _State.IDLE
         self._failed: Exception | None = None
         self._closed = False
         session.barrier()
+
+    def _prepare_receive(self) -> dict:
+        """The launches of dispatch_wait whose arguments are all the runtime's own, prepared once:
+        ``"compact"`` (and the placement before ``dispatch_copy``), ``"expanded"`` where the
+        receive kernel copies too (a route-first dispatch_wait on the whole grid), and
+        ``("dispatch_copy", scales)``. A landing plan's receive launches read each call's tokens:
+        they are prepared with dispatch_async's."""
+        plan, fixed = self.plan, {}
+        if plan.receiver is not Receiver.LAND:
+            fixed["compact"] = self._prepare("dispatch_wait", copy_rows=_INT64[0], grid=plan.dispatch_wait_grid,
+                                             **self._wait_scalars)
+            if plan.expanded_copy is ExpandedCopy.IN_WAIT:
+                fixed["expanded"] = self._prepare("dispatch_wait", copy_rows=_INT64[1], **self._wait_scalars)
+        if plan.expanded_copy is ExpandedCopy.DISPATCH_COPY:
+            for scales in SCALE_LAYOUTS:
+                fixed["dispatch_copy", scales] = self._prepare("dispatch_copy",
+                                                               scales_col_major=_INT64[scales == "column"])
+        return fixed
 
     # -- dispatch -----------------------------------------------------------------------------
     def dispatch_async(self, tokens, topk_ids, topk_weights, n_tokens=None, token_scales=None) -> DispatchHandle:
@@ -297,19 +198,7 @@ class EPRuntime:
         if self.debug:
             self._check_routing(*call.checked)
         self._land = call.land
-        if call.then is None:
-            self._run(call)
-        else:  # the copy-engine transfer: copies on the copy stream beside the kernel, then the signal
-            s = self.session
-            s.fork_copy_stream()
-            s.copy_stream_wait_flag(self.buffers["dispatch_copy_go"])
-            for dst, src, nbytes in call.copies:
-                s.copy_stream_copy(dst, src, nbytes)
-            try:
-                self._run(call)
-            finally:  # joined even when debug mode raises a device error (the kernel released the copies)
-                s.join_copy_stream()
-            self._run(call.then)
+        self._run(call)
         handle = from_fields(DispatchHandle, {"owner": self._owner, "call": self._calls, "n_tokens": call.n_tokens})
         self._calls += 1
         self._state = _State.DISPATCH_SENT
@@ -317,8 +206,8 @@ class EPRuntime:
 
     def _prepare_dispatch_async(self, tokens, topk_ids, topk_weights, n_tokens, token_scales) -> PreparedCall:
         """Check and convert dispatch_async's arguments (raising EPInputError before any
-        launch); the launch, with T and the routing check's arguments (and, on the copy-engine
-        transfer, the copies into the peers' receive buffers and the signal launch)."""
+        launch); the launch, with T and the routing check's arguments (and, for a landing plan,
+        the receive launches that read this call's tokens)."""
         cfg, be, c, fmt = self.cfg, self.session.backend, "dispatch_async", self._fmt
         tokens = arrays.to_backend(tokens, be, c, "tokens")
         topk_ids = arrays.to_backend(topk_ids, be, c, "topk_ids")
@@ -355,19 +244,14 @@ class EPRuntime:
             scales = token_scales.view(np.uint8)
         valid = self._valid_tokens(n_tokens, c)
         call = self._prepare("dispatch_async", tokens=tokens, topk_ids=topk_ids, topk_weights=topk_weights, **valid,
-                             token_scales=scales, prequantized=_INT64[fp8_in], timeout_ns=self._timeout_ns,
-                             pad_multiple=self._pad_multiple)
-        copies, then, land = (), None, ()
-        if self.dispatch_land:  # places only (compact; FP8), or places and copies (bf16 expanded); bf16: own rows
-            own = tokens if not fmt.quantized else self._no_tokens  # from the caller's tokens (FP8: sent as before)
+                             token_scales=scales, prequantized=_INT64[fp8_in], timeout_ns=self._timeout_ns)
+        land = ()
+        if self.plan.receiver is Receiver.LAND:  # places only, or places and copies (bf16 expanded)
+            own = tokens if not fmt.quantized else self._no_tokens  # bf16: this rank's own rows, never sent
             land = tuple(self._prepare("dispatch_land", tokens=own, copy_rows=_INT64[copy], **self._wait_scalars)
                          for copy in (0, 1))
-        if self.copy_engine:
-            nbytes = tokens.nbytes  # the whole batch (capacity rows under n_tokens)
-            copies = tuple((dst, tokens, nbytes) for dst in self._peer_slots if dst is not None and nbytes)
-            then = self._prepare("dispatch_signal", tokens=tokens, **valid)
         return PreparedCall(call.kernel, call.args, n_tokens=T, checked=(topk_ids, topk_weights, valid),
-                            copies=copies, then=then, grid=self._dispatch_grid, land=land)
+                            grid=self.plan.dispatch_async_grid, land=land)
 
     def _valid_tokens(self, n_tokens, call) -> dict:
         """The ``valid_tokens`` / ``use_valid`` kernel arguments for ``n_tokens`` (see dispatch_async)."""
@@ -404,12 +288,12 @@ class EPRuntime:
         """Complete the dispatch of ``handle``: wait for every rank's tokens and place them.
         Collective; enqueued on the stream.
 
+        ``layout`` must be one the runtime serves (``EPConfig.layouts``).
+
         ``layout="expanded"`` (default) returns an :class:`ExpertBatch`: one row per (token,
-        local expert), expert-major, in a local buffer (two kernels: ``dispatch_wait`` places
-        every row, ``dispatch_copy`` copies each received row to its expert rows; one kernel
-        doing both where :attr:`fused_copy`: bf16 tokens at decode sizes). Its views are
-        valid until the next ``dispatch_wait`` (in a placing runtime, :attr:`dispatch_place`, the
-        row descriptions until the next ``dispatch_async``).
+        local expert), expert-major, in a local buffer (the receive kernel places every row and
+        the copy lays them out: ``plan.expanded_copy`` says which kernel copies). Its views are
+        valid until the next ``dispatch_wait``.
 
         ``layout="compact"`` returns a :class:`CompactBatch`: no expansion copy (one kernel).
         The received rows stay where they landed, one per (token, source rank), and the batch
@@ -423,24 +307,26 @@ class EPRuntime:
         ``[S, C]`` (column-major, what TMA-based FP8 GEMMs read), S = hidden / 128.
         """
         self._require(_State.DISPATCH_SENT, call="dispatch_wait", handle=handle, handle_type=DispatchHandle)
-        if layout not in DISPATCH_LAYOUTS:
-            raise EPInputError(f"dispatch_wait: layout={layout!r}; expected one of {DISPATCH_LAYOUTS}.")
+        if layout not in self.plan.layouts:
+            raise EPInputError(f"dispatch_wait: layout={layout!r}, but this runtime serves {self.plan.layouts} "
+                               f"(EPConfig.layouts); pass one of them, or build the runtime with layouts "
+                               f"including {layout!r}." if layout in DISPATCH_LAYOUTS else
+                               f"dispatch_wait: layout={layout!r}; expected one of {self.plan.layouts}.")
         if scales not in SCALE_LAYOUTS:
             raise EPInputError(f"dispatch_wait: scales={scales!r}; expected one of {SCALE_LAYOUTS} (row-major "
                                f"[rows, hidden / 128] or column-major [hidden / 128, rows]).")
+        land = self.plan.receiver is Receiver.LAND
         if layout == "compact":
-            self._run(self._land[0] if self.dispatch_land else self._fixed["dispatch_wait"])
+            self._run(self._land[0] if land else self._fixed["compact"])
             self._state = _State.DISPATCHED
             return from_fields(CompactBatch, {**self._batch_views["compact"], "handle": handle})
-        if self.dispatch_land and not self._fmt.quantized:  # placed and copied as the rows land
+        copy = self.plan.expanded_copy
+        if copy is ExpandedCopy.IN_LAND:  # placed and copied as the rows land
             self._run(self._land[1])
-        elif self.dispatch_land:  # FP8: placed while the rows fly, then the codes and scales laid out
-            self._run(self._land[0])
-            self._run(self._fixed["dispatch_copy", scales])
-        elif self.fused_copy:  # bf16 decode sizes: placement and copy in one launch
-            self._run(self._fixed["dispatch_wait", "copy"])
-        else:
-            self._run(self._fixed["dispatch_wait"])
+        elif copy is ExpandedCopy.IN_WAIT:  # placement and copy in one launch
+            self._run(self._fixed["expanded"])
+        else:  # placed, then the rows (and FP8 scales) laid out
+            self._run(self._land[0] if land else self._fixed["compact"])
             self._run(self._fixed["dispatch_copy", scales])
         self._state = _State.DISPATCHED
         return from_fields(ExpertBatch, {**self._batch_views["expanded", scales], "handle": handle})
@@ -513,7 +399,7 @@ class EPRuntime:
             call = self._prepare("combine_async", expert_out=expert_out)
             own = self._no_own
         return PreparedCall(call.kernel, call.args, n_tokens=expert_out.shape[0], checked=(own,),
-                            grid=self._combine_grid[layout])
+                            grid=self.plan.combine_async_grid(layout))
 
     def combine_wait(self, handle: CombineHandle, out=None, epilogue=None, aux=None, reduce: bool = True):
         """Complete the combine of ``handle``. Collective; enqueued on the stream.
@@ -617,8 +503,7 @@ class EPRuntime:
         self._memo.clear()
         self.session.free_symmetric(self._sym)
         self._sym = self._local = self._no_out = self._no_partials = self._no_aux = self._no_valid = None
-        self._no_own = self._own_rows = None
-        self._no_scales = None
+        self._no_own = self._own_rows = self._no_scales = self._no_tokens = None
 
     def __enter__(self):
         return self
@@ -626,13 +511,6 @@ class EPRuntime:
     def __exit__(self, *exc):
         self.close()
         return False
-
-    @property
-    def send_paths(self) -> SendPaths:
-        """What the kernels are built for: ``peer_stores``, ``copy_engine``, ``dispatch_land``,
-        ``dispatch_place``, ``dispatch_route_first`` and ``dispatch_route_chunks``."""
-        return SendPaths(self.peer_stores, self.copy_engine, self.dispatch_land, self.dispatch_place,
-                         self.dispatch_route_first, self.dispatch_route_chunks)
 
     @property
     def calls(self) -> int:
@@ -677,39 +555,39 @@ class EPRuntime:
             raise EPStateError(f"rank {self.rank}: {call} called out of order: the runtime is in state "
                                f"'{self._state.value}' and expects {nxt} next.")
 
-    def _peer_bases(self, session: Session) -> bool:
-        """Set the ``peer_bases`` kernel argument (kernel_args.RUNTIME_ARRAYS):
-        the address of each of ``layout.PEER_REGIONS`` on every PE as mapped here, a row per region.
-        Returns whether the kernels store into peers' heaps directly (``SendPaths.stores``): every
-        PE's heap mapped and ``EP_RUNTIME_PEER_STORES`` not ``0``."""
+    def _peer_bases(self) -> np.ndarray:
+        """The ``peer_bases`` kernel argument, [len(PEER_REGIONS), R] uint64: the address of each
+        of ``PEER_REGIONS`` on every PE as mapped here (zeros where the plan puts instead, or
+        does not allocate the region)."""
         table = np.zeros((len(PEER_REGIONS), self.cfg.n_ranks), np.uint64)
-        # the allocation: NVSHMEM tracks it
-        bases = session.peer_addresses(self._sym) if _peer_stores_wanted() else None
-        on = bases is not None
-        if on:
+        if self.plan.transport is Transport.STORES:
+            bases = self.session.peer_addresses(self._sym)
+            if bases is None:
+                raise EPConfigError(f"rank {self.rank}: the plan stores into peers, but some PE's heap is not mapped "
+                                    f"here; use transport=puts.")
             for row, name in enumerate(PEER_REGIONS):
-                table[row] = [base + self.layout.region(name).offset for base in bases]
-        self._arg["peer_bases"] = session.as_kernel_arg(session.to_device(table))
-        return on
+                if self.layout.has(name):
+                    table[row] = [base + self.layout.region(name).offset for base in bases]
+        return table
 
-    def _prepare(self, name, epilogue=None, **values) -> PreparedCall:
+    def _prepare(self, name, epilogue=None, grid=0, **values) -> PreparedCall:
         """The launch of kernel ``name`` with the region arrays and the given ``values`` (the
-        caller's arrays as backend arrays, scalars as int64)."""
+        caller's arrays as backend arrays, scalars as int64), on ``grid`` blocks (0: the plan's
+        whole grid)."""
         if epilogue is None:
             kernel = self._kernels[name]
         else:  # combine_wait with a caller's epilogue, built on first use
             kernel = self._kernels.get((name, epilogue))
             if kernel is None:
-                kernel = self._kernels[(name, epilogue)] = _combine_wait_with(self._threads, self._word, epilogue,
-                                                                              self._f32_partials)
+                kernel = self._kernels[(name, epilogue)] = combine_wait_with(self.cfg, self.plan, epilogue)
         values = {k: arrays.word_view(v, self._word, name, k) if k in WORD_ARRAYS else v
                   for k, v in values.items()}  # backend arrays: the session makes kernel args
-        return PreparedCall(kernel, build_args(name, self._arg, values))
+        return PreparedCall(kernel, build_args(name, self._arg, values), grid=grid)
 
     def _run(self, call: PreparedCall) -> None:
         """Enqueue a prepared launch on the session stream (and, in debug mode, synchronize and
         raise what the device recorded)."""
-        self.session.launch(call.kernel, call.grid or self._grid, self._threads, call.args)
+        self.session.launch(call.kernel, call.grid or self.plan.grid, self.plan.threads, call.args)
         if self.debug:
             self.synchronize()
 
@@ -729,7 +607,7 @@ def _batch_views(cfg: EPConfig, b: dict) -> dict:
     rows = {k: b[f"row_{k}"] for k in ("src_rank", "src_token", "src_k", "weight")}
     meta = dict(row_offsets=b["row_offsets"], expert_counts=b["expert_counts"], **rows)
     views = {}
-    for scales in SCALE_LAYOUTS:
+    for scales in SCALE_LAYOUTS if "expert_x" in b else ():  # (the expanded layout served)
         batch_scales = None
         if fmt.quantized:
             C, S = cfg.recv_rows_capacity, fmt.scale_count(H)
@@ -756,102 +634,21 @@ def _check_same_config_everywhere(cfg: EPConfig, session: Session) -> None:
                                 f"config.")
 
 
-_KERNEL_CACHE: dict = {}
+def _resolve_plan(cfg: EPConfig, topology: Topology, plan) -> Plan:
+    """The runtime's plan from ``EPRuntime(plan=...)``: None, a dict or a ``key=value`` string of
+    overrides (with ``EP_RUNTIME_PLAN``'s), or a whole Plan (checked against ``cfg`` and the
+    topology; ``EP_RUNTIME_PLAN`` may not change it)."""
+    if isinstance(plan, Plan):
+        if merged_overrides({}):
+            raise EPConfigError("EPRuntime(plan=Plan(...)) with EP_RUNTIME_PLAN set: a whole plan takes no overrides; "
+                                "unset EP_RUNTIME_PLAN, or pass the overrides as a dict.")
+        check_plan(plan, cfg, topology)
+        return plan
+    if isinstance(plan, str):
+        from .plan import parse_overrides
 
-
-def _built(key: tuple, build):
-    """``build()``, once per process per ``key``."""
-    if key not in _KERNEL_CACHE:
-        _KERNEL_CACHE[key] = build()
-    return _KERNEL_CACHE[key]
-
-
-
-def _fused_copy(cfg: EPConfig, route_first: bool) -> bool:
-    """Whether the expanded dispatch_wait copies the rows itself (one launch, no dispatch_copy):
-    bf16 tokens only (the FP8 scales are laid out by dispatch_copy), per ``EP_RUNTIME_FUSED_COPY``
-    (``auto``: a route-first runtime, whose copy is dispatch_copy's token-major one after its
-    placing block, v30, unless it places in chunks (the caller passes ``route_first`` False
-    then: one placing block would rank every received token, v33); otherwise batch capacity
-    <= FUSED_COPY_MAX_TOKENS per rank, where
-    launches and fixed costs outweigh reading each received row once per local expert instead
-    of once)."""
-    if cfg.token_format.quantized:
-        return False
-    choice = os.environ.get(FUSED_COPY_ENV, "auto").strip().lower()
-    if choice in ("0", "off", "false", "no"):
-        return False
-    if choice in ("1", "on", "true", "yes"):
-        return True
-    if choice != "auto":
-        raise EPConfigError(f"{FUSED_COPY_ENV}={choice!r}; expected auto, 1 or 0 (unset means auto).")
-    return route_first or cfg.max_tokens_per_rank <= FUSED_COPY_MAX_TOKENS
-
-def _kernels_for(threads: int, word, quantized: bool = False, ue8m0: bool = False,
-                 f32_partials: bool = False, paths: SendPaths = SendPaths()) -> dict:
-    """The EP kernels (and the debug-mode routing check) for a block size, token word
-    (:func:`ep_runtime.layout.token_word`), token format (FP8: ``quantized``, with UE8M0
-    scales: ``ue8m0``) and partial format (float32 combine partials: ``f32_partials``), built
-    once per process: the dispatch kernels per (block size, token format), the combine kernels
-    per (block size, word, partial format). combine_async_rows copies partial words unchanged,
-    so the bf16 build serves float32 partials too (the same code and argument types). ``paths``:
-    the send path the dispatch and combine kernels are built for (:class:`SendPaths`)."""
-    from .kernels.combine import make_combine_kernels
-    from .kernels.dispatch import make_dispatch_kernels
-    from .kernels.validate import validate_routing
-
-    word, f32_partials = np.dtype(word), bool(f32_partials)
-    paths = SendPaths(*map(bool, paths))
-    da, dw, dc, ds, dl = _built(("dispatch", threads, bool(quantized), bool(ue8m0), paths),
-                                lambda: make_dispatch_kernels(threads, quantized, ue8m0, *paths))
-    ca, cw, _ = _built(("combine", threads, word, f32_partials, paths.stores),
-                       lambda: make_combine_kernels(threads, word, f32_partials=f32_partials, stores=paths.stores))
-    cr = _built(("combine", threads, word, False, paths.stores),
-                lambda: make_combine_kernels(threads, word, stores=paths.stores))[2]
-    return {"dispatch_async": da, "dispatch_signal": ds, "dispatch_wait": dw, "dispatch_copy": dc,
-            "dispatch_land": dl, "combine_async": ca,
-            "combine_async_rows": cr, "combine_wait": cw, "validate_routing": validate_routing}
-
-
-def kernel_builds(cfg: EPConfig, threads: int = GPU_THREADS, paths: SendPaths | None = None) -> list:
-    """``[(name, kernel, argtypes)]``: every kernel an :class:`EPRuntime` of ``cfg`` compiles
-    when it is built, with the Numba signature it launches (what ``python -m
-    ep_runtime.prebuild`` stores in the kernel cache ahead of time). The kernels depend on the
-    block size, the token word (``token_word(cfg.hidden)``), the token format and the partial
-    format and the send path (``paths``; None: :func:`expected_send_paths`) only, not on the
-    sizes."""
-    fmt = cfg.token_format
-    kernels = _kernels_for(threads, token_word(cfg.hidden), fmt.quantized,
-                           fmt.scale is not None and fmt.scale.dtype == np.uint8,
-                           partial_dtype(cfg) == np.float32, paths or expected_send_paths(cfg))
-    layout = BufferLayout(cfg)
-    return [(name, kernel, argtypes(name, layout)) for name, kernel in kernels.items()]
-
-
-def _peer_stores_wanted() -> bool:
-    """Whether ``EP_RUNTIME_PEER_STORES`` lets the kernels store into mapped peers (default 1)."""
-    return os.environ.get(PEER_STORES_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
-
-
-def expected_send_paths(cfg: EPConfig) -> SendPaths:
-    """The send path a runtime of ``cfg`` takes in this environment when every PE's heap is
-    mapped (NVLink), from ``EP_RUNTIME_PEER_STORES``, ``EP_RUNTIME_TOKEN_TRANSFER``,
-    ``EP_RUNTIME_DISPATCH_LAND``, ``EP_RUNTIME_DISPATCH_PLACE`` and
-    ``EP_RUNTIME_DISPATCH_ROUTE_FIRST`` (whose ``auto`` assumes PDL where the GPU has it, as the
-    session's fast launcher does): what ``python -m ep_runtime.prebuild`` builds ahead of time.
-    A runtime whose PEs are not all mapped takes the puts and compiles that build when it starts."""
-    stores = _peer_stores_wanted()
-    copy_engine = choose_copy_engine(cfg, stores)
-    land = landing(cfg, copy_engine)
-    place = placing(cfg, stores, copy_engine, land)
-    from .kernels import pdl
-
-    first = routing_first(cfg, stores, copy_engine, land, place, cfg.n_sms is None and pdl.ENABLED)
-    return SendPaths(stores, copy_engine, land, place, first, route_chunks(cfg, first))
-
-
-def _combine_wait_with(threads: int, word, epilogue, f32_partials: bool = False):
-    """combine_wait with a caller's ``epilogue``, for the runtime's partial format."""
-    from .kernels.combine import make_combine_kernels
-
-    return make_combine_kernels(threads, word, epilogue, f32_partials=bool(f32_partials))[1]
+        plan = parse_overrides(plan, "EPRuntime(plan=...)")
+    if plan is not None and not isinstance(plan, dict):
+        raise EPConfigError(f"EPRuntime(plan={plan!r}): expected None, a dict of plan fields, a 'key=value,...' "
+                            f"string or an ep_runtime.plan.Plan.")
+    return choose_plan(cfg, topology, merged_overrides(plan))

@@ -15,29 +15,25 @@ from .errors import EPCapacityError, EPError, EPInputError, EPTimeoutError
 from .kernels.protocol import (STATUS_CALL, STATUS_CODE, STATUS_COUNTER, STATUS_EXPECTED, STATUS_KERNEL,
                                STATUS_OBSERVED, STATUS_PEER, STATUS_RANK)
 
-from .kernels.protocol import (COUNTER_COMBINE_SIGNAL, COUNTER_DISPATCH_PLACED, COUNTER_DISPATCH_ROW_FLAG,  # noqa: F401
-                               COUNTER_DISPATCH_SIGNAL, COUNTER_RECV_ROWS, COUNTER_ROUTE_CHUNK, COUNTER_ROUTE_SIGNAL,
-                               COUNTER_TOKEN_CREDIT, COUNTER_COMBINE_ROW_FLAG, ERR_BAD_EXPERT_ID, ERR_BAD_WEIGHT,
-                               ERR_CAPACITY, ERR_DUPLICATE_EXPERT, ERR_NONE, ERR_TIMEOUT, KERNEL_COMBINE_ASYNC,
-                               KERNEL_COMBINE_WAIT, KERNEL_DISPATCH_ASYNC, KERNEL_DISPATCH_LAND, KERNEL_DISPATCH_WAIT,
-                               KERNEL_VALIDATE_ROUTING)
+from .kernels.protocol import (COUNTER_COMBINE_ROW_FLAG, COUNTER_DISPATCH_PLACED, COUNTER_DISPATCH_ROW_FLAG,  # noqa: F401
+                               COUNTER_DISPATCH_SIGNAL, COUNTER_RECV_ROWS, COUNTER_ROUTE_SIGNAL, COUNTER_TOKEN_CREDIT,
+                               ERR_BAD_EXPERT_ID, ERR_BAD_WEIGHT, ERR_CAPACITY, ERR_DUPLICATE_EXPERT, ERR_NONE,
+                               ERR_TIMEOUT, KERNEL_COMBINE_ASYNC, KERNEL_COMBINE_WAIT, KERNEL_DISPATCH_ASYNC,
+                               KERNEL_DISPATCH_LAND, KERNEL_DISPATCH_WAIT, KERNEL_VALIDATE_ROUTING)
 
 KERNEL_NAMES = {KERNEL_DISPATCH_ASYNC: "dispatch_async", KERNEL_DISPATCH_WAIT: "dispatch_wait",
                 KERNEL_COMBINE_ASYNC: "combine_async", KERNEL_COMBINE_WAIT: "combine_wait",
                 KERNEL_VALIDATE_ROUTING: "validate_routing", KERNEL_DISPATCH_LAND: "dispatch_land"}
 
-COUNTER_NAMES = {COUNTER_DISPATCH_SIGNAL: "dispatch_signal", COUNTER_COMBINE_SIGNAL: "combine_signal",
-                 COUNTER_RECV_ROWS: "expert-batch rows", COUNTER_TOKEN_CREDIT: "dispatch_token_credit",
-                 COUNTER_COMBINE_ROW_FLAG: "combine_row_flag", COUNTER_ROUTE_SIGNAL: "dispatch_route_signal",
-                 COUNTER_DISPATCH_ROW_FLAG: "dispatch_row_flag", COUNTER_ROUTE_CHUNK: "dispatch_route_chunk",
+COUNTER_NAMES = {COUNTER_DISPATCH_SIGNAL: "dispatch_signal", COUNTER_RECV_ROWS: "expert-batch rows",
+                 COUNTER_TOKEN_CREDIT: "dispatch_token_credit", COUNTER_COMBINE_ROW_FLAG: "combine_row_flag",
+                 COUNTER_ROUTE_SIGNAL: "dispatch_route_signal", COUNTER_DISPATCH_ROW_FLAG: "dispatch_row_flag",
                  COUNTER_DISPATCH_PLACED: "dispatch_placed"}
 #: Counters without a group axis (cumulative over calls): a timeout names them without ``[g]``.
-UNGROUPED_COUNTERS = (COUNTER_TOKEN_CREDIT, COUNTER_COMBINE_ROW_FLAG, COUNTER_DISPATCH_ROW_FLAG, COUNTER_ROUTE_CHUNK,
+UNGROUPED_COUNTERS = (COUNTER_TOKEN_CREDIT, COUNTER_COMBINE_ROW_FLAG, COUNTER_DISPATCH_ROW_FLAG,
                       COUNTER_DISPATCH_PLACED)
 #: Per-row flags: a timeout's observed value holds the token in its high 32 bits.
 ROW_FLAG_COUNTERS = (COUNTER_COMBINE_ROW_FLAG, COUNTER_DISPATCH_ROW_FLAG)
-#: Per-chunk flags: a timeout's observed value holds the routing chunk in its high 32 bits.
-CHUNK_FLAG_COUNTERS = (COUNTER_ROUTE_CHUNK,)
 
 
 def error_from_status(status: np.ndarray, timeout_s: float) -> EPError | None:
@@ -55,9 +51,6 @@ def error_from_status(status: np.ndarray, timeout_s: float) -> EPError | None:
         where = f"[{peer}]"
         if int(status[STATUS_COUNTER]) in ROW_FLAG_COUNTERS:  # the token: observed's high bits
             where = f"[{peer}, token {observed >> 32}]"
-            observed &= 0xFFFFFFFF
-        elif int(status[STATUS_COUNTER]) in CHUNK_FLAG_COUNTERS:  # the routing chunk: observed's high bits
-            where = f"[{peer}, chunk {observed >> 32}]"
             observed &= 0xFFFFFFFF
         if int(status[STATUS_COUNTER]) == COUNTER_DISPATCH_PLACED:  # a block of this rank, not a peer
             return EPTimeoutError(

@@ -135,62 +135,52 @@ def off_by_8(a: np.ndarray) -> np.ndarray:
     return off_boundary(a, 16, 8)
 
 
-# -- per-rank bodies shared by the simulator tests of the runtime's build knobs (run_pes targets) --
-def knob_disagreement_pe(session, env: str, values: tuple, cfg: EPConfig) -> dict:
-    """Build a runtime of ``cfg`` with environment variable ``env`` set to ``values[rank]``:
-    ``{"error": message}`` of the EPConfigError the runtime raises when the ranks disagree, or
-    ``{"error": None}``."""
-    import os
-
+# -- per-rank bodies of the plan tests (run_pes targets): a runtime of a plan override each ----------
+def plan_disagreement_pe(session, plans: tuple, cfg: EPConfig) -> dict:
+    """Build a runtime of ``cfg`` with plan overrides ``plans[rank]``: ``{"error": message}`` of
+    the EPConfigError the ranks' disagreement raises, or ``{"error": None}``."""
     from .errors import EPConfigError
     from .runtime import EPRuntime
 
-    os.environ[env] = values[session.rank]
     try:
-        EPRuntime(cfg, session).close()
+        EPRuntime(cfg, session, plan=plans[session.rank]).close()
     except EPConfigError as exc:
         return {"error": str(exc)}
     return {"error": None}
 
 
-def capacity_pe(session, env: str, value: str, cfg: EPConfig, seed: int) -> dict:
-    """With ``env`` = ``value``, dispatch "one_expert" inputs of ``seed`` (6 tokens a rank) in a
-    runtime of ``cfg`` (a batch capacity below what arrives): ``{"error": message}`` of the
+def capacity_pe(session, plan: dict, cfg: EPConfig, seed: int) -> dict:
+    """Under plan overrides ``plan``, dispatch "one_expert" inputs of ``seed`` (6 tokens a rank)
+    in a runtime of ``cfg`` (a batch capacity below what arrives): ``{"error": message}`` of the
     EPCapacityError, or ``{"error": None}`` on a rank that raised none."""
-    import os
-
     from .errors import EPCapacityError
     from .runtime import EPRuntime
 
-    os.environ[env] = value
     r = session.rank
     xs, ids, ws = make_inputs(cfg, "one_expert", seed, n_tokens=[6] * cfg.n_ranks)
     res = {"error": None}
-    with EPRuntime(cfg, session) as rt:
+    with EPRuntime(cfg, session, plan=plan) as rt:
         try:
-            rt.dispatch(xs[r].view(np.uint16), ids[r], ws[r])
+            rt.dispatch(xs[r].view(np.uint16), ids[r], ws[r], layout=cfg.layouts[0])
         except EPCapacityError as exc:
             res["error"] = str(exc)
         session.barrier()
     return res
 
 
-def silent_peer_pe(session, env: str, value: str, cfg: EPConfig, seed: int) -> dict:
-    """With ``env`` = ``value``, two ranks: one round trip of "random" inputs of ``seed`` on both
-    (rank 1's combine grants call 1 its token credits), then rank 1 skips its second dispatch, so
-    rank 0's call 1 waits for it until ``cfg.wait_timeout_s``: ``{"error": message}`` of rank 0's
-    EPTimeoutError (None on rank 1, or where none was raised)."""
-    import os
-
+def silent_peer_pe(session, plan: dict, cfg: EPConfig, seed: int) -> dict:
+    """Under plan overrides ``plan``, two ranks: one round trip of "random" inputs of ``seed`` on
+    both (rank 1's combine grants call 1 its token credits), then rank 1 skips its second
+    dispatch, so rank 0's call 1 waits for it until ``cfg.wait_timeout_s``: ``{"error": message}``
+    of rank 0's EPTimeoutError (None on rank 1, or where none was raised)."""
     from . import reference
     from .errors import EPTimeoutError
     from .runtime import EPRuntime
 
-    os.environ[env] = value
     r = session.rank
     xs, ids, ws = make_inputs(cfg, "random", seed)
     res = {"error": None}
-    with EPRuntime(cfg, session) as rt:
+    with EPRuntime(cfg, session, plan=plan) as rt:
         batch = rt.dispatch(xs[r].view(np.uint16), ids[r], ws[r])
         rt.combine(expert_outputs(cfg, reference.dispatch(xs, ids, ws, cfg)[r], r), batch.handle)
         if r == 0:
@@ -202,23 +192,26 @@ def silent_peer_pe(session, env: str, value: str, cfg: EPConfig, seed: int) -> d
     return res
 
 
-# -- the dispatch knobs' tests (landing, placing, route first): one runtime per knob value ------------
-#: The routings those tests cycle through, one a call in turn (the awkward ones included).
-KNOB_SCENARIOS = ("random", "zero_rank", "empty_expert", "one_expert")
+# -- round trips over the awkward routings, one runtime per plan ---------------------------------------
+#: The routings the plan tests cycle through, one a call in turn (the awkward ones included).
+CALL_SCENARIOS = ("random", "zero_rank", "empty_expert", "one_expert")
 
 
-def knob_layout(call: int) -> str:
-    """The layout of call ``call`` in those tests: expanded, compact, expanded, expanded, ..."""
+def call_layout(cfg: EPConfig, call: int) -> str:
+    """The layout of call ``call`` of a runtime serving ``cfg.layouts``: the one it serves, or
+    expanded, compact, expanded, expanded, compact, ... for both."""
+    if len(cfg.layouts) == 1:
+        return cfg.layouts[0]
     return "expanded" if call % 3 != 1 else "compact"
 
 
-def knob_inputs(cfg: EPConfig, call: int, seed: int):
-    """The inputs of call ``call`` in those tests (``seed + call``, the routing of
-    :data:`KNOB_SCENARIOS` in turn): random token counts at call 0, none anywhere at call 3,
-    varying ones (some rank with none) at the others."""
+def call_inputs(cfg: EPConfig, call: int, seed: int):
+    """The inputs of call ``call`` (``seed + call``, the routing of :data:`CALL_SCENARIOS` in
+    turn): random token counts at call 0, none anywhere at call 3, varying ones (some rank with
+    none) at the others."""
     counts = None if call == 0 else [0] * cfg.n_ranks if call == 3 else \
         [(call + 2 * r) % (cfg.max_tokens_per_rank + 1) for r in range(cfg.n_ranks)]
-    return make_inputs(cfg, KNOB_SCENARIOS[call % len(KNOB_SCENARIOS)], seed + call, counts)
+    return make_inputs(cfg, CALL_SCENARIOS[call % len(CALL_SCENARIOS)], seed + call, counts)
 
 
 #: The batch fields those tests compare (``ExpertBatch`` and ``CompactBatch`` attributes).
@@ -248,9 +241,9 @@ def dispatch_to_host(session, rt, cfg: EPConfig, x, i, w, layout: str, device_co
     return got, batch
 
 
-def knob_round_trips(session, rt, cfg: EPConfig, calls: int, inputs_of, layout_of, device_count: bool,
+def plan_round_trips(session, rt, cfg: EPConfig, calls: int, seed: int, device_count: bool,
                      buffers: tuple = ()) -> list:
-    """``calls`` round trips on ``rt`` (call c: ``inputs_of(cfg, c)`` in ``layout_of(c)``), each
+    """``calls`` round trips on ``rt`` (call c: :func:`call_inputs` in :func:`call_layout`), each
     with the combine of the reference's expert outputs: per call, :func:`dispatch_to_host`'s
     fields, the combine output (``"out"``, this rank's tokens) and a host copy of each runtime
     region named in ``buffers``, taken once every rank has finished the call (no peer's next
@@ -259,9 +252,9 @@ def knob_round_trips(session, rt, cfg: EPConfig, calls: int, inputs_of, layout_o
 
     r, out = session.rank, []
     for call in range(calls):
-        xs, ids, ws = inputs_of(cfg, call)
-        got, batch = dispatch_to_host(session, rt, cfg, xs[r].view(np.uint16), ids[r], ws[r], layout_of(call),
-                                      device_count)
+        xs, ids, ws = call_inputs(cfg, call, seed)
+        got, batch = dispatch_to_host(session, rt, cfg, xs[r].view(np.uint16), ids[r], ws[r],
+                                      call_layout(cfg, call), device_count)
         refs = reference.dispatch(xs, ids, ws, cfg)
         y = expert_outputs(cfg, refs[r], r)  # a gathering GEMM writes expanded-order outputs
         got["out"] = session.to_host(rt.combine(y, batch.handle)).copy()[:len(xs[r])]
@@ -271,6 +264,18 @@ def knob_round_trips(session, rt, cfg: EPConfig, calls: int, inputs_of, layout_o
         session.barrier()
         out.append(got)
     return out
+
+
+def plan_pe(session, plan: dict, cfg: EPConfig, calls: int, seed: int, device_count: bool = False,
+            buffers: tuple = ()) -> dict:
+    """:func:`plan_round_trips` on a runtime of ``cfg`` under plan overrides ``plan``, with the
+    plan it took (``as_dict``) and the regions it allocated."""
+    from .runtime import EPRuntime
+
+    with EPRuntime(cfg, session, plan=plan) as rt:
+        got = plan_round_trips(session, rt, cfg, calls, seed, device_count,
+                               tuple(b for b in buffers if rt.layout.has(b)))
+        return {"calls": got, "plan": rt.plan.as_dict(), "regions": [r.name for r in rt.layout.regions]}
 
 
 def assert_batch_is_the_reference(got: dict, ref, layout: str, xs, cfg: EPConfig, what: str) -> None:
@@ -295,73 +300,78 @@ def assert_batch_is_the_reference(got: dict, ref, layout: str, xs, cfg: EPConfig
                                       err_msg=f"{what}: x[gather]")
 
 
-def assert_runs_agree(cfg: EPConfig, on: list, off: list, calls: int, inputs_of, layout_of, label: str,
-                      same_compact_x: bool = True) -> None:
-    """A knob's runs against the reference and against the dispatch_wait path: for every call
-    and rank, ``on[r]["calls"][call]`` (from :func:`dispatch_to_host`, with the combine output
-    as ``"out"`` when recorded) is the reference's batch, every field equals ``off``'s (the
-    compact ``x`` too, unless ``same_compact_x`` is False: rows of the receive buffer that no
-    expert gathers are unspecified), and ``"out"`` is the reference's combine. ``inputs_of(cfg,
-    call)`` gives the call's ``(xs, ids, ws)``, ``layout_of(call)`` its layout."""
+def assert_calls_are_the_reference(cfg: EPConfig, runs: list, calls: int, seed: int, what: str) -> None:
+    """:func:`plan_pe`'s runs against the reference: every call's batch on every rank
+    (:func:`assert_batch_is_the_reference`) and its combine output, bit for bit."""
     from . import reference
 
     for call in range(calls):
-        xs, ids, ws = inputs_of(cfg, call)
+        xs, ids, ws = call_inputs(cfg, call, seed)
         refs = reference.dispatch(xs, ids, ws, cfg)
-        layout = layout_of(call)
+        outs = reference.combine([expert_outputs(cfg, refs[s], s) for s in range(cfg.n_ranks)], refs, ids, cfg)
+        layout = call_layout(cfg, call)
         for r in range(cfg.n_ranks):
-            got, want = on[r]["calls"][call], off[r]["calls"][call]
-            what = f"rank {r} call {call} ({layout})"
-            assert_batch_is_the_reference(got, refs[r], layout, xs, cfg, what)
-            for k in BATCH_FIELDS + (("gather", "recv_tokens") if layout == "compact" else ()):
-                if k == "x" and layout == "compact" and not same_compact_x:
-                    continue
-                np.testing.assert_array_equal(got[k], want[k], err_msg=f"{what}: {k}: {label} != dispatch_wait")
-            if "out" in got:
-                outs = reference.combine([expert_outputs(cfg, refs[s], s) for s in range(cfg.n_ranks)], refs, ids, cfg)
-                np.testing.assert_array_equal(got["out"], outs[r].view(np.uint16), err_msg=f"{what}: combine")
+            got, at = runs[r]["calls"][call], f"{what}: rank {r} call {call} ({layout})"
+            assert_batch_is_the_reference(got, refs[r], layout, xs, cfg, at)
+            np.testing.assert_array_equal(got["out"], outs[r].view(np.uint16), err_msg=f"{at}: combine")
 
 
-def fp8_knob_pe(session, env: str, value: str, cfg: EPConfig, scenarios, seed: int, attr: str | None = None,
-                prequantized: bool = False):
-    """With environment variable ``env`` = ``value``: FP8 tokens quantized in dispatch_async
-    (``prequantized``: quantized by the format's NumPy encoder and passed with their scales),
-    the calls of :data:`FP8_CALLS` (inputs of ``scenarios[call]`` and ``seed + call``), each
-    batch's :data:`BATCH_FIELDS` and scales as host copies. ``attr``: the runtime attribute the
-    knob sets, asserted to be ``value == "1"``."""
-    import os
-
+def fp8_plan_pe(session, plan: dict, cfg: EPConfig, seed: int, prequantized: bool = False) -> dict:
+    """Under plan overrides ``plan``, FP8 tokens quantized in dispatch_async (``prequantized``:
+    quantized by the format's NumPy encoder and passed with their scales), the calls of
+    :data:`FP8_CALLS` (the layouts ``cfg`` serves; inputs of :func:`call_inputs`), each batch's
+    :data:`BATCH_FIELDS`, scales and compact gather as host copies, and the combine output."""
+    from . import reference
     from .runtime import EPRuntime
 
-    os.environ[env] = value
     r, out = session.rank, []
-    with EPRuntime(cfg, session) as rt:
-        assert attr is None or getattr(rt, attr) == (value == "1"), (attr, value)
-        for call, (layout, scales) in enumerate(FP8_CALLS):
-            xs, ids, ws = make_inputs(cfg, scenarios[call], seed + call)
+    with EPRuntime(cfg, session, plan=plan) as rt:
+        for call, (layout, scales) in enumerate(c for c in FP8_CALLS if c[0] in cfg.layouts):
+            xs, ids, ws = call_inputs(cfg, call, seed)
             tokens, kw = xs[r].view(np.uint16), {}
             if prequantized:
                 tokens, token_scales = cfg.token_format.quantize(tokens)
                 kw = {"token_scales": token_scales}
             batch = rt.dispatch_wait(rt.dispatch_async(tokens, ids[r], ws[r], **kw), layout=layout, scales=scales)
-            out.append({k: session.to_host(getattr(batch, k)).copy() for k in BATCH_FIELDS + ("scales",)})
-            rt.synchronize()
-    return {"calls": out}
+            got = {k: session.to_host(getattr(batch, k)).copy() for k in BATCH_FIELDS + ("scales",)}
+            if layout == "compact":
+                got["gather"] = session.to_host(batch.gather).copy()
+            refs = reference.dispatch(xs, ids, ws, cfg)
+            got["out"] = session.to_host(rt.combine(expert_outputs(cfg, refs[r], r), batch.handle)).copy()
+            got["layout"], got["scale_layout"] = layout, scales
+            out.append(got)
+    return {"calls": out, "plan": rt.plan.as_dict()}
 
 
-def assert_fp8_runs_agree(cfg: EPConfig, on: list, off: list, scenarios, seed: int) -> None:
-    """:func:`fp8_knob_pe`'s runs: the offsets and the expanded codes the reference's, every
-    field and the scales equal to the dispatch_wait path's."""
+def assert_fp8_calls_are_the_reference(cfg: EPConfig, runs: list, seed: int, prequantized: bool, what: str) -> None:
+    """:func:`fp8_plan_pe`'s runs against the reference: offsets, descriptions, the codes (the
+    expanded rows, or the compact rows each gather index picks) and their scales (in the scale
+    layout asked for) bit for bit; the combine output too."""
     from . import reference
 
-    for call, (layout, _) in enumerate(FP8_CALLS):
-        xs, ids, ws = make_inputs(cfg, scenarios[call], seed + call)
-        refs = reference.dispatch(xs, ids, ws, cfg)
+    for call in range(len(runs[0]["calls"])):
+        xs, ids, ws = call_inputs(cfg, call, seed)
+        scales_in = [cfg.token_format.quantize(x.view(np.uint16))[1] for x in xs] if prequantized else None
+        codes_in = [cfg.token_format.quantize(x.view(np.uint16))[0] for x in xs] if prequantized else xs
+        refs = reference.dispatch(codes_in, ids, ws, cfg, scales_in)
+        outs = reference.combine([expert_outputs(cfg, reference.dispatch(xs, ids, ws, cfg)[s], s)
+                                  for s in range(cfg.n_ranks)], reference.dispatch(xs, ids, ws, cfg), ids, cfg)
         for r in range(cfg.n_ranks):
-            got, want = on[r]["calls"][call], off[r]["calls"][call]
-            n = refs[r].n_rows
-            np.testing.assert_array_equal(got["row_offsets"], refs[r].row_offsets, err_msg=f"rank {r} call {call}")
+            got, ref = runs[r]["calls"][call], refs[r]
+            layout, n = got["layout"], ref.n_rows
+            at = f"{what}: rank {r} call {call} ({layout}, {got['scale_layout']} scales)"
+            np.testing.assert_array_equal(got["row_offsets"], ref.row_offsets, err_msg=at)
+            for k in ("src_rank", "src_token", "src_k"):
+                np.testing.assert_array_equal(got[k][:n], getattr(ref, k), err_msg=f"{at}: {k}")
             if layout == "expanded":
-                np.testing.assert_array_equal(got["x"][:n], refs[r].x.view(np.uint8), err_msg=f"call {call}")
-            for k in BATCH_FIELDS + ("scales",):
-                np.testing.assert_array_equal(got[k], want[k], err_msg=f"rank {r} call {call}: {k}")
+                np.testing.assert_array_equal(got["x"][:n], ref.x.view(np.uint8), err_msg=f"{at}: codes")
+                sc = got["scales"].T if got["scale_layout"] == "column" else got["scales"]
+                np.testing.assert_array_equal(np.ascontiguousarray(sc[:n]).view(np.uint8), ref.scales.view(np.uint8),
+                                              err_msg=f"{at}: scales")
+            else:
+                rows = got["gather"][:n]
+                real = rows >= 0
+                np.testing.assert_array_equal(got["x"][rows[real]], ref.x.view(np.uint8)[real], err_msg=f"{at}: codes")
+                np.testing.assert_array_equal(got["scales"][rows[real]].view(np.uint8),
+                                              ref.scales[real].view(np.uint8), err_msg=f"{at}: scales")
+            np.testing.assert_array_equal(got["out"][:len(xs[r])], outs[r].view(np.uint16), err_msg=f"{at}: combine")

@@ -35,7 +35,6 @@ else:
     cuda = _numba_cuda
 
 
-
 def kernel_jit(threads: int):
     """``@cuda.jit`` for a kernel launched with blocks of ``threads`` threads.
 
@@ -52,6 +51,16 @@ def kernel_jit(threads: int):
     return _numba_cuda.jit(max_registers=max_registers_for(threads))
 
 
+def inlined(func):
+    """``@cuda.jit(device=True)`` for a stage of a kernel moved into a device function of its own
+    so the kernel reads as its stages: inlined into its caller at the NVVM IR level
+    (``forceinline``), so the kernel compiles to the code it had with the stage written inline.
+    The simulator refuses the option: there it is a plain device function."""
+    if SIMULATED:
+        return _numba_cuda.jit(device=True)(func)
+    return _numba_cuda.jit(device=True, forceinline=True)(func)
+
+
 #: Registers of one SM (sm_70 to sm_100): a block's threads share them.
 REGISTERS_PER_SM = 65536
 
@@ -61,4 +70,4 @@ def max_registers_for(threads: int) -> int:
     return min(255, REGISTERS_PER_SM // int(threads))
 
 
-__all__ = ["cuda", "SIMULATED", "kernel_jit", "max_registers_for"]
+__all__ = ["cuda", "SIMULATED", "inlined", "kernel_jit", "max_registers_for"]

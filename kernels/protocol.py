@@ -52,13 +52,11 @@ KERNEL_DISPATCH_LAND = 6
 
 #: Counter ids (``status[STATUS_COUNTER]``): what a timed-out wait was waiting for.
 COUNTER_DISPATCH_SIGNAL = 1
-COUNTER_COMBINE_SIGNAL = 2
 COUNTER_RECV_ROWS = 3
 COUNTER_TOKEN_CREDIT = 4
 COUNTER_COMBINE_ROW_FLAG = 5
 COUNTER_ROUTE_SIGNAL = 6
 COUNTER_DISPATCH_ROW_FLAG = 7
-COUNTER_ROUTE_CHUNK = 8
 COUNTER_DISPATCH_PLACED = 9
 
 # -- counters in local regions ----------------------------------------------------------------
@@ -72,15 +70,14 @@ SYNC_CALLS = 1
 SYNC_ROUTE_TICKET = 2
 SYNC_LEN = 3
 
-#: ``dispatch_land_sync`` (int64): finished blocks of the current receive launch (the last resets it).
-LAND_TICKET = 0
-#: ``dispatch_land_sync``: receive calls completed (the receive kernel of call n sets n + 1).
-LAND_CALLS = 1
-#: ``dispatch_land_sync[LAND_CLAIMS + g]``: items dispatch_land of a call of group g has claimed.
-LAND_CLAIMS = 2
-LAND_LEN = 4
-#: Routing chunks a sender flags per call (``dispatch_route_chunk``, placing builds).
-ROUTE_CHUNKS = 8
+#: ``receive_sync`` (int64): blocks of the current receive launch that read its call number
+#: (the last resets it).
+RECV_TICKET = 0
+#: ``receive_sync``: receive calls so far (the receive kernel of call n sets n + 1).
+RECV_CALLS = 1
+#: ``receive_sync[RECV_CLAIMS + g]``: items dispatch_land of a call of group g has claimed.
+RECV_CLAIMS = 2
+RECV_LEN = 4
 
 # -- peer-mapped regions ----------------------------------------------------------------------
 

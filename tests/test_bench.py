@@ -7,7 +7,6 @@ import inspect
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -190,11 +189,13 @@ def test_table_and_results_carry_the_mode():
     spans = {k: [1.0, 2.0, 3.0] for k in SPANS}
     ceil = {"nvlink_gbps": 100.0, "hbm_gbps": 1000.0}
     graph = {"captured_rows": 3, "n_tokens": "device scalar", "replayed_round_trips": 6, "device_calls": 6}
-    res = [_result(cfg, tr, spans, {}, ceil, "eager"), _result(cfg, tr, spans, {}, ceil, "graph", graph)]
+    plan = {"receiver": "route_first_chunked"}
+    res = [_result(cfg, tr, spans, {}, ceil, "eager"), _result(cfg, tr, spans, {}, ceil, "graph", graph, plan=plan)]
     assert [r["mode"] for r in res] == ["eager", "graph"] and "graph" not in res[0] and res[1]["graph"] == graph
     lines = table([res]).splitlines()
-    assert "mode" in lines[0].split("|")[0]
-    assert " bf16 eager expanded |" in lines[1] and " graph expanded |" in lines[2]
+    assert "mode" in lines[0].split("|")[0] and "receiver" in lines[0]
+    # a record without a plan shows "-"; one with a plan shows its receiver, short
+    assert " bf16 eager expanded        - |" in lines[1] and " graph expanded rfirst/c |" in lines[2]
     assert any(line.startswith("graph mode:") and "device scalar" in line for line in lines)
     assert "WARNING" not in table([res])
     res[1]["graph"]["device_calls"] = 4  # replays that did not run
@@ -208,7 +209,7 @@ def test_smoke_run_on_the_simulator(tmp_path):
          "--hidden", "16", "--experts", "4", "--top-k", "2", "--samples", "3", "--warmup", "1",
          "--json", str(path)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "dispatch us" in proc.stdout and "ceilings measured in this run" in proc.stdout and " bf16 eager expanded |" in proc.stdout
+    assert "dispatch us" in proc.stdout and "ceilings measured in this run" in proc.stdout and " bf16 eager expanded     wait |" in proc.stdout
     data = json.loads(path.read_text())
     assert data["meta"]["backend"] == "sim" and data["meta"]["ranks"] == 2 and data["meta"]["git_sha"]
     assert [len(rank) for rank in data["results"]] == [2, 2]
@@ -218,10 +219,9 @@ def test_smoke_run_on_the_simulator(tmp_path):
                 assert res["times_us"][span]["n"] == 3 and res["times_us"][span]["median"] > 0
             assert res["traffic"]["tokens"] == res["config"]["max_tokens_per_rank"]
             assert res["mode"] == "eager" and res["layout"] == "expanded"
-            # the runtime's choices are recorded
-            assert res["paths"] == {"fused_copy": True, "peer_stores": True, "copy_engine": False,
-                                    "dispatch_land": False, "dispatch_place": False,
-                                    "dispatch_route_first": False}, res["paths"]
+            # the runtime's plan is recorded (the simulator's: no PDL, no early receiver)
+            assert res["plan"]["receiver"] == "wait" and res["plan"]["transport"] == "stores", res["plan"]
+            assert res["plan"]["layouts"] == ["expanded"] and res["plan"]["summary"].startswith("wait receiver")
     assert data["args"]["mode"] == ["eager"]
 
 
@@ -232,7 +232,7 @@ def test_compact_layout_is_timed_next_to_the_expanded_one_on_the_simulator(tmp_p
          "--hidden", "16", "--experts", "4", "--top-k", "2", "--samples", "2", "--warmup", "1",
          "--layout", "expanded", "compact", "--json", str(path)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert " eager  compact |" in proc.stdout and " bf16 eager expanded |" in proc.stdout
+    assert " eager  compact     wait |" in proc.stdout and " bf16 eager expanded     wait |" in proc.stdout
     for rank in json.loads(path.read_text())["results"]:
         assert [res["layout"] for res in rank] == ["expanded", "compact"]
         for res in rank:
@@ -247,7 +247,7 @@ def test_fp8_dispatch_is_timed_on_the_simulator(tmp_path):
          "--hidden", "128", "--experts", "4", "--top-k", "2", "--samples", "2", "--warmup", "1",
          "--token-dtype", "bfloat16", "fp8_e4m3", "--json", str(path)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "  e4m3 eager expanded |" in proc.stdout and "  bf16 eager expanded |" in proc.stdout
+    assert "  e4m3 eager expanded     wait |" in proc.stdout and "  bf16 eager expanded     wait |" in proc.stdout
     for rank in json.loads(path.read_text())["results"]:
         bf16, fp8 = rank
         assert (bf16["config"]["token_dtype"], fp8["config"]["token_dtype"]) == ("bfloat16", "fp8_e4m3")
@@ -266,7 +266,7 @@ def test_prequantized_fp8_input_is_timed_and_counted_on_the_simulator(tmp_path):
          "--token-dtype", "bfloat16", "fp8_e4m3_ue8m0", "--fp8-input", "bf16", "prequantized",
          "--layout", "expanded", "compact", "--json", str(path)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert " ue8m0+pq eager expanded |" in proc.stdout and "    ue8m0 eager  compact |" in proc.stdout
+    assert " ue8m0+pq eager expanded     wait |" in proc.stdout and "    ue8m0 eager  compact     wait |" in proc.stdout
     assert "+pq: pre-quantized input" in proc.stdout
     for rank in json.loads(path.read_text())["results"]:
         runs = {(res["config"]["token_dtype"], res["token_input"], res["layout"]): res for res in rank}
@@ -294,7 +294,7 @@ def test_float32_combine_partials_are_timed_and_counted_on_the_simulator(tmp_pat
          "--layout", "expanded", "compact", "--combine-dtype", "bfloat16", "float32", "--json", str(path)],
         capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert " bf16/f32 eager  compact |" in proc.stdout and "  bf16 eager expanded |" in proc.stdout
+    assert " bf16/f32 eager  compact     wait |" in proc.stdout and "  bf16 eager expanded     wait |" in proc.stdout
     for rank in json.loads(path.read_text())["results"]:
         runs = {(res["config"]["combine_dtype"], res["layout"]): res for res in rank}
         assert set(runs) == {(c, lay) for c in ("bfloat16", "float32") for lay in ("expanded", "compact")}
@@ -303,17 +303,21 @@ def test_float32_combine_partials_are_timed_and_counted_on_the_simulator(tmp_pat
         assert f32["logical_bytes"] == bf16["logical_bytes"] and f32["dispatch_hbm_bytes"] == bf16["dispatch_hbm_bytes"]
 
 
-def test_land_sweep_runs_each_setting_on_the_simulator(tmp_path):
-    """tests/gpu/land_sweep.py (the v18 measurement for a GPU call), as a simulator smoke: the
-    bench once with dispatch_wait and once landing, one table with both settings' rows."""
-    script = Path(__file__).resolve().parent / "gpu" / "land_sweep.py"
-    proc = subprocess.run(
-        [sys.executable, str(script), "--backend", "sim", "--tokens", "4", "--sms", "24", "--out", str(tmp_path),
-         "--bench-args", "--hidden 64 --experts 4 --top-k 2 --samples 3 --warmup 1"],
-        capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    rows = [ln for ln in proc.stdout.splitlines() if "| " in ln and "setting" not in ln]
-    assert len(rows) == 4, proc.stdout
-    assert sum("dispatch_wait" in ln for ln in rows) == 2 and sum("land, 24 SMs left" in ln for ln in rows) == 2
-    landed = json.loads((tmp_path / "land_sweep_1.json").read_text())["results"][0]
-    assert all(res["paths"]["dispatch_land"] for res in landed)
+def test_plan_overrides_and_served_layouts_reach_the_runtimes(tmp_path):
+    """``--plan`` sets every runtime's plan fields; ``--serve each`` times each layout on a runtime
+    serving only it, ``both`` every layout on one runtime serving both."""
+    for serve in ("each", "both"):
+        path = tmp_path / f"bench_{serve}.json"
+        proc = subprocess.run(
+            [sys.executable, "-m", "ep_runtime.bench", "--backend", "sim", "--ranks", "2", "--tokens", "4",
+             "--hidden", "16", "--experts", "4", "--top-k", "2", "--samples", "2", "--warmup", "1",
+             "--layout", "expanded", "compact", "--serve", serve, "--plan", "receiver=land", "--json", str(path)],
+            capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "    land |" in proc.stdout, proc.stdout
+        for rank in json.loads(path.read_text())["results"]:
+            assert {res["layout"] for res in rank} == {"expanded", "compact"}
+            for res in rank:
+                assert res["plan"]["receiver"] == "land"
+                want = ["expanded", "compact"] if serve == "both" else [res["layout"]]
+                assert res["plan"]["layouts"] == want, (serve, res["layout"], res["plan"]["layouts"])

@@ -5,8 +5,10 @@ nvshmem4py's real device API, and every negative control (tests/gate_negative.py
 Skipped only where nvshmem4py's Numba bindings (nvshmem4py-cu13[numba] + cffi) are missing.
 """
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -38,18 +40,24 @@ def _start(*args, **env_overrides):
     env.pop("NUMBA_ENABLE_CUDASIM", None)
     env.pop("NUMBA_FORCE_CUDA_CC", None)
     env.update(env_overrides)
+    # its own process group: a gate killed on timeout takes its compiler processes with it
     return subprocess.Popen([sys.executable, "-m", "ep_runtime.compile_gate", "--json", *args],
-                            cwd=REPO, env=env, text=True,
+                            cwd=REPO, env=env, text=True, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _kill(proc):
+    """Kill the gate and every process it started (its pool's workers outlive a killed parent)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 def _finish(proc):
     try:
         stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _kill(proc)
     lines = [ln for ln in stdout.splitlines() if ln.strip()]
     try:
         report = json.loads(lines[-1])
@@ -70,9 +78,7 @@ def gate_runs():
         return {key: _finish(proc) for key, proc in procs.items()}
     finally:
         for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            _kill(proc)
 
 
 def _failures(report):
@@ -95,25 +101,31 @@ def test_every_kernel_compiles_and_links_for_sm90(gate_runs):
 
 
 def test_a_stores_build_leaves_no_rma_to_nvshmem(gate_runs):
-    """The send path is a build constant (docs/protocol.md, "Send path at build time"): the
-    stores builds of the bf16 dispatch_async, of combine_async (both partial formats) and of
-    combine_async_rows move every row through the peers' mappings, so their linked code holds no
-    NVSHMEM RMA routine (not even a fallback for rows without 16-byte word pairs: a word per lane
-    instead; dispatch since v21, combine since v22), while the puts builds do. Signals stay
-    NVSHMEM's in both; the quiet only in the puts builds (v32: a stores build publishes with
-    a system fence alone, ``publish_fence``)."""
+    """The transport is a build constant (the plan's ``transport``): the stores builds of the bf16
+    dispatch_async, of combine_async (both partial formats) and of combine_async_rows move every
+    row through the peers' mappings, so their linked code holds no NVSHMEM data transfer (no RMA
+    and no put-with-signal, not even a fallback for rows without 16-byte word pairs: a word per
+    lane instead), while the puts builds do: dispatch_async puts its rows and publishes them with
+    a quiet; combine puts each row with its row flag as the signal (put_signal: the data is
+    delivered before the flag), so no quiet. Signals (atomics) stay NVSHMEM's in both."""
     _, report, _ = gate_runs["positive"]
     results = {r["name"]: r for r in report["results"]}
-    for stores, puts in (("dispatch_async", "dispatch_async (puts)"), ("combine_async", "combine_async (puts)"),
-                         ("combine_async (float32 partials)", "combine_async (puts)"),
-                         ("combine_async_rows", "combine_async_rows (puts)")):
-        rma = [f for f in results[stores]["nvshmem_transfers"] if "rma" in f]
-        assert rma == [], f"{stores}: {rma}"
-        assert any("rma" in f for f in results[puts]["nvshmem_transfers"]), results[puts]
-        for r in (results[stores], results[puts]):
+
+    def moves_data(r):
+        return [f for f in r["nvshmem_transfers"] if "rma" in f or "put_signal" in f]
+
+    for kernel, fmt in (("dispatch_async", "bfloat16"), ("combine_async", "bfloat16"),
+                        ("combine_async", "bfloat16, f32 partials"), ("combine_async_rows", "bfloat16")):
+        stores, puts = results[f"{kernel} [wait/stores, {fmt}]"], results[f"{kernel} [wait/puts, {fmt}]"]
+        assert moves_data(stores) == [], stores
+        assert moves_data(puts), puts
+        for r in (stores, puts):
             assert "nvshmemi_transfer_amo_nonfetch" in r["nvshmem_transfers"], r
-        assert "nvshmemi_transfer_quiet" not in results[stores]["nvshmem_transfers"], results[stores]
-        assert "nvshmemi_transfer_quiet" in results[puts]["nvshmem_transfers"], results[puts]
+        assert "nvshmemi_transfer_quiet" not in stores["nvshmem_transfers"], stores
+        if kernel == "dispatch_async":
+            assert "nvshmemi_transfer_quiet" in puts["nvshmem_transfers"], puts
+        else:
+            assert "nvshmemi_transfer_put_signal_dispatch" in puts["nvshmem_transfers"], puts
 
 
 def test_every_ep_kernel_fits_its_block_size(gate_runs):
@@ -122,7 +134,7 @@ def test_every_ep_kernel_fits_its_block_size(gate_runs):
     (CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES: the FP8 dispatch_async needed 134 at 512 threads).
     kernel_jit caps them; the linked cubins must show it."""
     from ep_runtime.kernels.cuda_api import max_registers_for
-    from ep_runtime.runtime import GPU_THREADS
+    from ep_runtime.plan import GPU_THREADS
 
     _, report, _ = gate_runs["positive"]
     limit = max_registers_for(GPU_THREADS)

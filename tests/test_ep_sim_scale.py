@@ -21,15 +21,16 @@ def test_eight_ranks_round_trip_is_exact(scenario):
 
 
 def test_eight_ranks_landing_round_trip_is_exact():
-    """The same round trip with dispatch rows as they land (EP_RUNTIME_DISPATCH_LAND=1): eight
-    route signals per receiver, rows from eight sources claimed token-major."""
+    """The same round trip with dispatch rows as they land (the ``land`` receiver, chosen by the
+    one environment variable that overrides a plan): eight route signals per receiver, rows from
+    eight sources claimed token-major."""
     cfg = EPConfig(n_ranks=8, n_experts=16, top_k=4, hidden=24, max_tokens_per_rank=10)
     with pytest.MonkeyPatch.context() as mp:  # the PEs are spawned with this environment
-        mp.setenv("EP_RUNTIME_DISPATCH_LAND", "1")
+        mp.setenv("EP_RUNTIME_PLAN", "receiver=land")
         rows = run_pes(demo_rank, 8, args=(cfg.as_dict(), "random", 12), timeout_s=300,
                        heap_bytes=BufferLayout(cfg).symmetric_bytes)
     for r in rows:
-        assert r["dispatch_land"], f"rank {r['rank']}: the runtime did not land its dispatches"
+        assert r["plan"].startswith("land receiver"), f"rank {r['rank']}: the runtime did not land: {r['plan']}"
         assert r["dispatch_exact"], f"rank {r['rank']}: expert batch differs from the reference"
         assert r["combine_ok"] and r["combine_max_err"] == 0.0, f"rank {r['rank']}: combine error {r}"
     assert sum(r["tokens"] for r in rows) > 0

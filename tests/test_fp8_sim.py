@@ -6,7 +6,7 @@ zero, blocks whose amax is 0 (scale 1) and blocks holding inf / NaN (NaN scale, 
 included; hidden 384 is a multiple of 128 but not of 1024. Combine (bf16 expert outputs) is
 exact against the reference in these configs too. Bad FP8 arguments are refused before launch.
 
-Both send paths run at 2 ranks (``EP_RUNTIME_PEER_STORES``): messages encoded straight into the
+Both transports run at 2 ranks (the plan's ``transport``): messages encoded straight into the
 peers' receive slots (pre-quantized codes as word pairs; codes 8 bytes off a 16-byte boundary
 take the puts), and encoded into a stage then put.
 """
@@ -149,15 +149,15 @@ def fp8_pe(session, R: int) -> dict:
     return {"cases": out, "errors": errors}
 
 
-#: (ranks, EP_RUNTIME_PEER_STORES)
-RUNS = [(2, "1"), (2, "0"), (4, "1")]
+#: (ranks, the plan's transport)
+RUNS = [(2, "stores"), (2, "puts"), (4, "stores")]
 
 
-@pytest.fixture(scope="module", params=RUNS, ids=lambda p: f"R{p[0]}-peer_stores{p[1]}")
+@pytest.fixture(scope="module", params=RUNS, ids=lambda p: f"R{p[0]}-{p[1]}")
 def sim(request):
-    R, peer_stores = request.param
+    R, transport = request.param
     with pytest.MonkeyPatch.context() as mp:  # the PEs are spawned with this environment
-        mp.setenv("EP_RUNTIME_PEER_STORES", peer_stores)
+        mp.setenv("EP_RUNTIME_PLAN", f"transport={transport}")
         return R, run_pes(fp8_pe, R, args=(R,), timeout_s=RUN_TIMEOUT_S)
 
 

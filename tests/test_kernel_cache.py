@@ -118,23 +118,20 @@ def test_key_changes_with_device_function_and_global_constant(kernel_mod):
     assert _key(kernel_mod(KERNEL_V1.replace("SCALE = 3", "SCALE = 4")).make(128)) != base
 
 
-def test_key_follows_constants_read_through_a_project_module(monkeypatch):
-    """The kernels call ``pdl.dependency_wait()``: a build with PDL on (the wait compiled in)
-    and one with it off must not share a cache entry (a cached kernel without the wait,
-    launched with the PDL attribute, would race its predecessor)."""
-    import numpy as np
-
-    from ep_runtime.kernels import pdl
+def test_key_follows_the_pdl_build():
+    """The kernels call ``pdl_wait()``, built by ``make_pdl`` with the plan's ``pdl`` as a closure
+    constant: a build with PDL on (the wait compiled in) and one with it off must not share a
+    cache entry (a cached kernel without the wait, launched with the PDL attribute, would race
+    its predecessor); the same build keys alike every time."""
     from ep_runtime.kernels.combine import make_combine_kernels
+    from ep_runtime.kernels.variant import CombineVariant, Transport
 
-    wait = make_combine_kernels(512, np.uint64)[1]
-    keys = {}
-    for on in (False, True):
-        monkeypatch.setattr(pdl, "ENABLED", on)
-        keys[on] = kc.kernel_key(wait, (), CC, ENV)
-    assert keys[False] != keys[True]
-    monkeypatch.setattr(pdl, "ENABLED", False)
-    assert kc.kernel_key(wait, (), CC, ENV) == keys[False]
+    def key(on):
+        wait = make_combine_kernels(CombineVariant(512, "uint64", False, Transport.STORES, on))["combine_wait"]
+        return kc.kernel_key(wait, (), CC, ENV)
+
+    assert key(False) != key(True)
+    assert key(True) == key(True)
 
 
 def test_key_changes_with_closure_constant(kernel_mod):
@@ -590,18 +587,18 @@ def test_session_launch_prefers_the_fast_launcher_and_falls_back():
     assert session.launch_counts == {"fast": 1, "numba": 2}
 
 
-@pytest.mark.parametrize("cooperative, param_block, uses_block", [
-    (False, True, True), (False, False, False), (True, True, False)])
-def test_launcher_hands_the_driver_the_block_or_the_pointers(cooperative, param_block, uses_block):
-    """A launch passes ``extra`` = the parameter block (kernelParams NULL) when asked and possible,
-    else ``kernelParams`` = the pointer array (extra NULL); cooperative launches have no extra."""
+@pytest.mark.parametrize("cooperative, uses_block", [(False, True), (True, False)])
+def test_launcher_hands_the_driver_the_block_or_the_pointers(cooperative, uses_block):
+    """A launch passes ``extra`` = the parameter block (kernelParams NULL) where every parameter is
+    8 bytes, else ``kernelParams`` = the pointer array (extra NULL); cooperative launches have no
+    extra."""
     driver = pytest.importorskip("cuda.bindings.driver")
     t = _types()
     argtypes = (_c(t.uint16, 2), t.int64)
     kernel = SimpleNamespace(debug=False, extensions=[], launch_config_sensitive=False, entry_name="k",
                              cooperative=cooperative, argument_types=argtypes,
                              library=SimpleNamespace(get_cufunc=lambda: SimpleNamespace(handle=driver.CUfunction())))
-    launcher = fl.FastLauncher(kernel, 0, param_block=param_block)
+    launcher = fl.FastLauncher(kernel, 0)
     assert launcher.param_block == uses_block
     seen = []
     launcher._launch = lambda *a: seen.append(a) or (driver.CUresult.CUDA_SUCCESS,)

@@ -1,18 +1,18 @@
 """Placement from the sender's ranks, on the simulator (the real kernels, one process per rank).
 
 dispatch_async's routing blocks rank each (token, k) among its rank's tokens with that expert
-(experts in windows of :data:`ep_runtime.kernels.dispatch.RANK_WINDOW`, tokens in rounds of a
+(experts in windows of :data:`ep_runtime.kernels.dispatch_route.RANK_WINDOW`, tokens in rounds of a
 block; two routing blocks in a grid of 3, each a chunk of the tokens from a histogram of the
 ids before it) and the last chunk's block counts each expert's tokens; dispatch_wait gives
 each received (token, k) its row from them alone: the expert's first row, plus its rows from
 earlier sources, plus the rank.
-The rows and counts travel by 4-byte stores into the peers' heaps or, with
-``EP_RUNTIME_PEER_STORES=0``, by NVSHMEM block puts and the counts row put with the signal.
+The rows and counts travel by 4-byte stores into the peers' heaps or, with ``transport=puts``,
+by NVSHMEM block puts and the counts row put with the signal (the ``wait`` receiver's plans).
 
 Each path must give every row exactly the reference's position and description (expanded batch,
 compact gather index), the counts each source stored must be the reference's, the combine that
 follows (it finds a token's rows through ``token_rows``) must equal the reference bit for bit,
-and the expanded copy must match in both its forms (inside dispatch_wait and in dispatch_copy).
+and the expanded copy (dispatch_copy) must match.
 The cases have several ranking windows and rounds, more local experts than a block has threads
 (runs of experts in the scan), padded segments, a grid of one block (the routing block is also
 the only token block), a rank with no tokens, every token to one expert, and top-k = 1; one
@@ -69,8 +69,8 @@ def run_case(session, rt, cfg, xs, ids, ws) -> dict:
     return got
 
 
-def placement_pe(session) -> dict:
-    from ep_runtime.kernels.dispatch import RANK_WINDOW, ROUTE_BLOCKS, ROUTE_GRID_SHARE
+def placement_pe(session, plan: dict) -> dict:
+    from ep_runtime.kernels.dispatch_route import RANK_WINDOW, ROUTE_BLOCKS, ROUTE_GRID_SHARE
     from ep_runtime.runtime import EPRuntime
 
     # as the simulated kernels see them
@@ -78,25 +78,21 @@ def placement_pe(session) -> dict:
     for name, cfg_d, scenario, seed, counts in CASES:
         cfg = EPConfig(**cfg_d)
         xs, ids, ws = make_inputs(cfg, scenario, seed, None if counts is None else list(counts))
-        with EPRuntime(cfg, session) as rt:
+        with EPRuntime(cfg, session, plan=plan) as rt:
             results[name] = run_case(session, rt, cfg, xs, ids, ws)
-            results["peer_stores"], results["fused_copy"] = rt.peer_stores, rt.fused_copy
+            results["plan"] = rt.plan.as_dict()
     cfg = EPConfig(**base_cfg())
-    with EPRuntime(cfg, session) as rt:
+    with EPRuntime(cfg, session, plan=plan) as rt:
         for i, counts in enumerate(SHRINKING):
             xs, ids, ws = make_inputs(cfg, "random", 60 + i, list(counts))
             results[f"shrinking_{i}"] = run_case(session, rt, cfg, xs, ids, ws)
     return results
 
 
-@pytest.fixture(scope="module", params=[("1", "1"), ("1", "0"), ("0", "1"), ("0", "0")],
-                ids=lambda p: f"peer_stores_{p[0]}-fused_copy_{p[1]}")
+@pytest.fixture(scope="module", params=["stores", "puts"])
 def sim(request):
-    stores, fused = request.param
-    with pytest.MonkeyPatch.context() as mp:  # the PEs are spawned with this environment
-        mp.setenv("EP_RUNTIME_PEER_STORES", stores)
-        mp.setenv("EP_RUNTIME_FUSED_COPY", fused)
-        return stores, fused, run_pes(placement_pe, R, timeout_s=300)
+    plan = {"receiver": "wait", "transport": request.param}
+    return plan, run_pes(placement_pe, R, args=(plan,), timeout_s=300)
 
 
 def expected(name: str):
@@ -110,8 +106,9 @@ def expected(name: str):
 
 
 def test_the_path_is_the_one_asked_for(sim):
-    stores, fused, per_rank = sim
-    assert all(res["peer_stores"] == (stores == "1") and res["fused_copy"] == (fused == "1") for res in per_rank)
+    plan, per_rank = sim
+    assert all(res["plan"]["receiver"] == "wait" and res["plan"]["transport"] == plan["transport"]
+               for res in per_rank)
 
 
 def test_the_cases_have_several_windows_rounds_and_expert_runs(sim):
@@ -120,8 +117,8 @@ def test_the_cases_have_several_windows_rounds_and_expert_runs(sim):
     routing blocks in the base grid (``route_blocks``: one per ROUTE_GRID_SHARE blocks beyond the
     first, at most ROUTE_BLOCKS), so the chunks' histograms are exercised."""
     cfg = EPConfig(**base_cfg())
-    assert all(cfg.n_experts >= 3 * res["window"] for res in sim[2])
-    assert all(min(res["route_blocks"], (cfg.n_sms - 1) // res["route_share"]) == 2 for res in sim[2])
+    assert all(cfg.n_experts >= 3 * res["window"] for res in sim[1])
+    assert all(min(res["route_blocks"], (cfg.n_sms - 1) // res["route_share"]) == 2 for res in sim[1])
     assert cfg.max_tokens_per_rank >= 4 * THREADS
     many = EPConfig(**{name: cfg_d for name, cfg_d, *_ in CASES}["many_local_experts"])
     assert many.n_local_experts > THREADS
@@ -129,14 +126,14 @@ def test_the_cases_have_several_windows_rounds_and_expert_runs(sim):
 
 @pytest.mark.parametrize("name", [c[0] for c in CASES] + [f"shrinking_{i}" for i in range(len(SHRINKING))])
 def test_rows_counts_and_combine_equal_the_reference_exactly(sim, name):
-    stores, fused, per_rank = sim
+    plan, per_rank = sim
     cfg, (xs, ids, ws) = expected(name)
     refs = reference.dispatch(xs, ids, ws, cfg)
     ys = [expert_outputs(cfg, refs[r], r) for r in range(R)]
     want_out = reference.combine([y.view(reference.BF16) for y in ys], refs, ids, cfg)
     L = cfg.n_local_experts
     for r, res in enumerate(per_rank):
-        got, ref, what = res[name], refs[r], f"peer_stores={stores} fused={fused} {name} rank {r}"
+        got, ref, what = res[name], refs[r], f"{plan['transport']} {name} rank {r}"
         n = ref.n_rows
         np.testing.assert_array_equal(got["x"], ref.x.view(np.uint16), err_msg=f"{what}: x")
         np.testing.assert_array_equal(got["row_offsets"], ref.row_offsets, err_msg=f"{what}: row_offsets")

@@ -2,10 +2,11 @@
 (``--cc 9.0a``, the compile gate's way), with the runtime's own kernels and signatures.
 
 The entry it stores must be the one a runtime looks for (its file name is the key of the
-kernel and signature :func:`ep_runtime.runtime.kernel_builds` lists), a second run must find it
-(a hit, nothing compiled), a damaged entry must be rebuilt, and bad settings must stop it
-before anything is compiled. On a GPU machine the same tool ran before every start of the
-session's checks (docs/gpu_runs.md, session 10): every start then loaded all its kernels.
+kernel and signature :func:`ep_runtime.builds.kernel_builds` lists for the runtime's plan), a
+second run must find it (a hit, nothing compiled), a damaged entry must be rebuilt, and bad
+settings must stop it before anything is compiled. It builds the kernels of the plans the jobs
+choose (each format, tokens per rank on both sides of every rule's threshold, each set of
+layouts served), or with ``--all-variants`` of every receiver on every transport.
 """
 
 from __future__ import annotations
@@ -44,12 +45,13 @@ def prebuild(cache, *args, **extra):
 
 def expected_key(cache) -> str:
     """The key a runtime computes for validate_routing on sm_90a (in a process like the tool's)."""
-    code = ("import os; os.environ.setdefault('EP_RUNTIME_PDL', '1')\n"
+    code = ("from ep_runtime.builds import kernel_builds\n"
             "from ep_runtime.config import EPConfig\n"
-            "from ep_runtime.runtime import GPU_THREADS, kernel_builds\n"
+            "from ep_runtime.plan import Topology, choose_plan\n"
             "from ep_runtime.shmem.kernel_cache import kernel_key\n"
             "cfg = EPConfig(n_ranks=4, n_experts=64, top_k=6, hidden=7168, max_tokens_per_rank=300)\n"
-            "(_, k, types), = [b for b in kernel_builds(cfg, GPU_THREADS) if b[0] == 'validate_routing']\n"
+            "plan = choose_plan(cfg, Topology.nvlink_gpus(4))\n"
+            "(_, k, types), = [b for b in kernel_builds(cfg, plan) if b[0] == 'validate_routing']\n"
             "print(kernel_key(k, types, (9, 0, 'a')))\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=_env(cache), text=True, capture_output=True,
                           timeout=300)
@@ -61,7 +63,7 @@ def test_stores_the_runtime_s_entry_then_hits_then_rebuilds_a_damaged_one(tmp_pa
     cache = tmp_path / "kc"
     rc, out, err = prebuild(cache, "--cc", "9.0a", "--jobs", "1", *ONLY)
     assert rc == 0, out + err[-3000:]
-    assert "validate_routing (bfloat16)" in out and "compiled" in out, out
+    assert "validate_routing (bfloat16; " in out and "compiled" in out, out
     assert "1 kernels" in out and "0 hit, 1 compiled, 0 FAILED" in out, out
     entries = sorted(cache.glob("*.cubin"))
     # the entry a runtime of any size with these formats looks for (sizes do not enter the key)
@@ -82,39 +84,32 @@ def test_stores_the_runtime_s_entry_then_hits_then_rebuilds_a_damaged_one(tmp_pa
     assert rc == 0 and "1 hit, 0 compiled" in out, out + err[-3000:]  # and good
 
 
-def test_plans_every_kernel_of_every_format_once(monkeypatch):
+def test_plans_every_kernel_of_the_jobs_plans_once(monkeypatch):
     from ep_runtime.config import COMBINE_DTYPES, TOKEN_DTYPES
     from ep_runtime.prebuild import plan
 
-    for var in ("EP_RUNTIME_PEER_STORES", "EP_RUNTIME_TOKEN_TRANSFER", "EP_RUNTIME_DISPATCH_LAND",
-                "EP_RUNTIME_DISPATCH_PLACE"):
-        monkeypatch.delenv(var, raising=False)
+    monkeypatch.delenv("EP_RUNTIME_PLAN", raising=False)
     jobs = plan(7168, TOKEN_DTYPES, COMBINE_DTYPES)
     labels = [j[0] for j in jobs]
     assert len(labels) == len(set(labels))
-    # 9 bf16 kernels (with the routing check), the 5 dispatch kernels of the landing build that
-    # EP_RUNTIME_DISPATCH_LAND=auto takes from LAND_AUTO_MIN_TOKENS tokens per rank, float32
-    # partials' combine pair, and each FP8 format's 5 dispatch kernels (FP8 never lands by default)
-    assert len(labels) == 9 + 5 + 2 + 5 + 5, labels
-    dispatch = ("dispatch_async", "dispatch_signal", "dispatch_wait", "dispatch_copy", "dispatch_land")
-    assert {f"{k} (bfloat16, landing)" for k in dispatch} <= set(labels)
-    for fmt in ("fp8_e4m3", "fp8_e4m3_ue8m0"):
-        assert {f"{k} ({fmt})" for k in dispatch} <= set(labels)
-    assert {"combine_async (bfloat16, float32 partials)", "combine_wait (bfloat16, float32 partials)"} <= set(labels)
-    # a job carries the capacity its build is taken at: the landing ones at the threshold
-    assert {j[4] for j in jobs if "landing" in j[0]} == {1024}
+    receivers = {"bfloat16": {"route_first", "wait", "land", "route_first_chunked"},
+                 "fp8_e4m3": {"wait", "route_first_chunked"}, "fp8_e4m3_ue8m0": {"wait", "route_first_chunked"}}
+    for fmt, want in receivers.items():  # each format's dispatch_async in each plan its jobs choose
+        got = {j[0].split("; ")[1].split("/")[0] for j in jobs if j[0].startswith(f"dispatch_async ({fmt};")}
+        assert got == want, (fmt, got)
+    assert any(j[0].startswith("dispatch_land (bfloat16;") for j in jobs)
+    assert not any(j[0].startswith("dispatch_land (fp8") for j in jobs)  # FP8 never lands by default
+    assert any(j[0].startswith("combine_wait (bfloat16, float32 partials;") for j in jobs)
 
-    monkeypatch.setenv("EP_RUNTIME_DISPATCH_LAND", "0")  # nothing lands: the large capacity places (bf16)
-    jobs = plan(7168, TOKEN_DTYPES, COMBINE_DTYPES)
-    labels = [j[0] for j in jobs]
-    assert len(labels) == len(set(labels))
-    # the placing build's 5 dispatch kernels, as the landing build's above
-    assert len(labels) == 9 + 5 + 2 + 5 + 5 and not any("landing" in x for x in labels), labels
-    assert {x for x in labels if "placing" in x} == {f"{k} (bfloat16, placing)" for k in dispatch}, labels
-    assert {j[4] for j in jobs if "placing" in j[0]} == {1024}
-    monkeypatch.setenv("EP_RUNTIME_DISPATCH_PLACE", "0")  # one path: nothing lands or places
+    every = [j[0] for j in plan(7168, ["bfloat16"], ["bfloat16"], all_variants=True)]
+    # the receive kernels do not read the transport: one build serves both
+    assert {"dispatch_land (bfloat16; land/puts land/stores)", "dispatch_async (bfloat16; wait/puts)",
+            "dispatch_async (bfloat16; land/puts)", "dispatch_wait (bfloat16; route_first_chunked/stores)"} \
+        <= set(every), every
+
+    monkeypatch.setenv("EP_RUNTIME_PLAN", "receiver=wait")  # the job's overrides: one receiver everywhere
     labels = [j[0] for j in plan(7168, TOKEN_DTYPES, COMBINE_DTYPES)]
-    assert len(labels) == 9 + 2 + 5 + 5 and not any("landing" in x or "placing" in x for x in labels), labels
+    assert not any("land" in x or "route_first" in x for x in labels), labels
 
 
 @pytest.mark.parametrize("args,env,message", [

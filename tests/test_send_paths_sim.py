@@ -2,19 +2,16 @@
 kernels, one process per rank), exact against the reference.
 
 - Sending: dispatch_async, combine_async and combine_async_rows store into peers' heaps through
-  their mappings (``Session.peer_addresses``, on by default) or send with NVSHMEM puts
-  (``EP_RUNTIME_PEER_STORES=0``, and wherever some PE's heap is not mapped).
+  their mappings (``transport=stores``, where every PE's heap is mapped) or send with NVSHMEM puts
+  (``transport=puts``).
 - Width: rows move as word pairs (``kernels/vec.py``: one 16-byte access per pair of uint64
   words) where every row starts 16-byte aligned, one word at a time otherwise: here the
   caller's tokens, expert outputs and combine outputs placed 8 bytes off a 16-byte boundary.
+- The expanded copy: in dispatch_copy (the ``wait`` receiver) and in one route-first launch.
 
-A fifth and sixth mode copy the expanded rows in a separate dispatch_copy
-(``EP_RUNTIME_FUSED_COPY=0``); the others, small batches, copy them inside dispatch_wait.
-
-Each combination runs bf16 dispatch (expanded and compact, the copy loop's full
-passes and tail: hidden 552 is 138 words) and combine (expanded and compact, bf16 and float32
-partials) and must give the reference's bits: the paths move the same words and sum in the
-same order.
+Each combination runs bf16 dispatch (expanded and compact, the copy loops' full passes and
+tail: hidden 552 is 138 words) and combine (expanded and compact, bf16 and float32 partials)
+and must give the reference's bits: the paths move the same words and sum in the same order.
 """
 
 from __future__ import annotations
@@ -24,18 +21,17 @@ import pytest
 
 from ep_runtime import reference
 from ep_runtime.config import EPConfig
-from ep_runtime.dispatch_overlap import LAND_AUTO_MIN_TOKENS
 from ep_runtime.reference import BF16
 from ep_runtime.shmem.launch import run_pes
 from ep_runtime.testing import POISON_BF16, make_inputs, off_by_8
 from ep_runtime.testing import expert_outputs as expanded_outputs
 
 RUN_TIMEOUT_S = 240
-#: mode name -> (EP_RUNTIME_PEER_STORES, caller arrays 8 bytes off a 16-byte boundary,
-#: EP_RUNTIME_FUSED_COPY: these batches are small, so ``auto`` copies inside dispatch_wait)
-MODES = {"peer_stores": ("1", False, "auto"), "puts": ("0", False, "auto"),
-         "peer_stores_misaligned": ("1", True, "auto"), "puts_misaligned": ("0", True, "auto"),
-         "separate_copy": ("1", False, "0"), "separate_copy_misaligned": ("1", True, "0")}
+#: mode name -> (plan overrides, caller arrays 8 bytes off a 16-byte boundary)
+MODES = {"peer_stores": ({"transport": "stores"}, False), "puts": ({"transport": "puts"}, False),
+         "peer_stores_misaligned": ({"transport": "stores"}, True), "puts_misaligned": ({"transport": "puts"}, True),
+         "one_launch_copy": ({"receiver": "route_first", "expanded_copy": "in_wait"}, False),
+         "one_launch_copy_misaligned": ({"receiver": "route_first", "expanded_copy": "in_wait"}, True)}
 
 
 def cases(R: int) -> list:
@@ -65,7 +61,7 @@ def compact_rows(cfg: EPConfig, xs, ids, rank: int) -> np.ndarray:
 
 
 # -- per-rank body ------------------------------------------------------------------------------
-def paths_pe(session, R: int, misaligned: bool) -> dict:
+def paths_pe(session, R: int, plan: dict, misaligned: bool) -> dict:
     from ep_runtime.runtime import EPRuntime
 
     r = session.rank
@@ -75,9 +71,10 @@ def paths_pe(session, R: int, misaligned: bool) -> dict:
         cfg = EPConfig(**cfg_d)
         xs, ids, ws = inputs(cfg, seed, counts)
         T = len(xs[r])
-        with EPRuntime(cfg, session) as rt:
-            got = {"peer_stores": rt.peer_stores, "fused_copy": rt.fused_copy, "send_paths": tuple(rt.send_paths),
-                   "built_for": build_constants(rt._kernels["dispatch_async"], ("STORES", "ENGINE", "LAND"))}
+        with EPRuntime(cfg, session, plan=plan) as rt:
+            got = {"plan": rt.plan.as_dict(),
+                   "built_for": {k: build_constants(rt._kernels[k], ("STORES",)) for k in
+                                 ("dispatch_async", "combine_async", "combine_async_rows")}}
             batch = rt.dispatch(place(xs[r].view(np.uint16)), ids[r], ws[r])
             got["x"] = session.to_host(batch.x)
             y = expanded_outputs(cfg, reference.dispatch(xs, ids, ws, cfg)[r], r)
@@ -101,12 +98,9 @@ def build_constants(kernel, names) -> dict:
 @pytest.fixture(scope="module", params=sorted(MODES))
 def sim(request):
     mode = request.param
-    env, misaligned, fused = MODES[mode]
+    plan, misaligned = MODES[mode]
     R = 2
-    with pytest.MonkeyPatch.context() as mp:  # the PEs are spawned with this environment
-        mp.setenv("EP_RUNTIME_PEER_STORES", env)
-        mp.setenv("EP_RUNTIME_FUSED_COPY", fused)
-        per_rank = run_pes(paths_pe, R, args=(R, misaligned), timeout_s=RUN_TIMEOUT_S)
+    per_rank = run_pes(paths_pe, R, args=(R, plan, misaligned), timeout_s=RUN_TIMEOUT_S)
     return mode, R, per_rank
 
 
@@ -114,41 +108,11 @@ def test_the_runtime_takes_the_send_path_asked_for(sim):
     mode, R, per_rank = sim
     for res in per_rank:
         for name, got in res.items():
-            assert got["peer_stores"] == (MODES[mode][0] == "1"), f"{mode} {name}"
-            assert got["fused_copy"] == (MODES[mode][2] == "auto"), f"{mode} {name}"
-            # the path is compiled in: the kernels the runtime launches are the build for it
-            assert got["send_paths"] == (got["peer_stores"], False, False, False, False, False), f"{mode} {name}"
-            assert got["built_for"] == {"STORES": got["peer_stores"], "ENGINE": False, "LAND": False}, f"{mode} {name}"
-
-
-def test_prebuild_builds_the_send_path_the_environment_selects(monkeypatch):
-    from ep_runtime.runtime import expected_send_paths
-    from ep_runtime.transfer import SendPaths
-
-    cfg = EPConfig(n_ranks=2, n_experts=8, top_k=2, hidden=64, max_tokens_per_rank=16)
-    for var in ("EP_RUNTIME_PEER_STORES", "EP_RUNTIME_TOKEN_TRANSFER", "EP_RUNTIME_DISPATCH_LAND"):
-        monkeypatch.delenv(var, raising=False)
-    assert expected_send_paths(cfg) == SendPaths(stores=True, copy_engine=False, land=False)
-    monkeypatch.setenv("EP_RUNTIME_PEER_STORES", "0")
-    assert expected_send_paths(cfg) == SendPaths(stores=False)
-    monkeypatch.setenv("EP_RUNTIME_PEER_STORES", "1")
-    monkeypatch.setenv("EP_RUNTIME_DISPATCH_LAND", "1")
-    assert expected_send_paths(cfg) == SendPaths(land=True)
-    monkeypatch.delenv("EP_RUNTIME_DISPATCH_LAND")
-    monkeypatch.setenv("EP_RUNTIME_TOKEN_TRANSFER", "copy_engine")
-    assert expected_send_paths(cfg) == SendPaths(copy_engine=True)
-    monkeypatch.delenv("EP_RUNTIME_TOKEN_TRANSFER")  # auto lands bf16 from LAND_AUTO_MIN_TOKENS tokens per rank
-    big = EPConfig(n_ranks=2, n_experts=8, top_k=2, hidden=64, max_tokens_per_rank=LAND_AUTO_MIN_TOKENS)
-    assert expected_send_paths(big) == SendPaths(land=True)
-
-
-def test_a_build_refuses_send_paths_that_cannot_go_together():
-    from ep_runtime.kernels.dispatch import make_dispatch_kernels
-
-    with pytest.raises(ValueError, match="copy_engine needs stores"):
-        make_dispatch_kernels(8, stores=False, copy_engine=True)
-    with pytest.raises(ValueError, match="excludes land"):
-        make_dispatch_kernels(8, copy_engine=True, land=True)
+            for key, value in MODES[mode][0].items():
+                assert got["plan"][key] == value, f"{mode} {name}: {key}"
+            # the transport is compiled in: the kernels the runtime launches are the build for it
+            stores = got["plan"]["transport"] == "stores"
+            assert all(b == {"STORES": stores} for b in got["built_for"].values()), (mode, name, got["built_for"])
 
 
 def test_dispatch_equals_the_reference_exactly(sim):

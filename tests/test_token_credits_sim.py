@@ -62,6 +62,10 @@ def cycle_pe(session, R: int) -> dict:
             y = expert_outputs(cfg, reference.dispatch(xs, ids, ws, cfg)[r], r)
             got["out"] = session.to_host(rt.combine(y, batch.handle)).copy()
             calls.append(got)
+        # a peer's last combine_async grants its credit whether or not this rank waits on its
+        # partials (a call may send this rank nothing): read once every rank's last call is done
+        session.synchronize()
+        session.barrier()
         credit = session.to_host(rt.buffers["dispatch_token_credit"]).tolist()
     return {"calls": calls, "credit": credit}
 

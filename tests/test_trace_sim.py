@@ -1,11 +1,11 @@
 """Phase time stamps (``kernels/trace.py``, ``EP_RUNTIME_TRACE=1``) on the simulator: the real
 kernels, one process per rank.
 
-With the switch on, every traced point of a round trip is stamped (the landing, placing and
-route-first runtimes' too, ``EP_RUNTIME_DISPATCH_LAND=1``, ``..._PLACE=1``, ``..._ROUTE_FIRST=1``),
-each kernel's points come after its start, and the kernels come
-in stream order; the results stay exact (tracing writes
-only the trace words). With it off (the default), the trace words stay zero.
+With the switch on, every receiver's round trip is stamped (``wait``, ``land``, route first with
+its copy in one launch and with dispatch_copy; the plan from ``EP_RUNTIME_PLAN``): each kernel's
+points come after its start, the kernels come in stream order, each receiver stamps the points
+of its own mechanism and none of another's; the results stay exact (tracing writes only the
+trace words). With it off (the default), the trace words stay zero.
 """
 
 from __future__ import annotations
@@ -32,10 +32,7 @@ def trace_pe(session) -> dict:
     r = session.rank
     out = {"trace_on": TRACE}
     with EPRuntime(cfg, session) as rt:
-        out["fused_copy"] = rt.fused_copy
-        out["land"] = rt.dispatch_land
-        out["place"] = rt.dispatch_place
-        out["route_first"] = rt.dispatch_route_first
+        out["plan"] = rt.plan.as_dict()
         status = rt.buffers["status"]
         for layout in ("expanded", "compact"):
             status[STATUS_LEN:] = 0
@@ -46,14 +43,17 @@ def trace_pe(session) -> dict:
     return out
 
 
-@pytest.fixture(scope="module", params=["on", "off", "on_separate_copy", "on_land", "on_place", "on_first"])
+#: run -> plan overrides (the trace switch is on in every run but "off")
+RUNS = {"on": "receiver=wait", "off": "receiver=wait", "on_land": "receiver=land",
+        "on_first": "receiver=route_first,expanded_copy=in_wait",
+        "on_first_copy": "receiver=route_first,expanded_copy=dispatch_copy"}
+
+
+@pytest.fixture(scope="module", params=list(RUNS))
 def traced(request):
     with pytest.MonkeyPatch.context() as mp:  # the PEs are spawned with this environment
         mp.setenv("EP_RUNTIME_TRACE", "0" if request.param == "off" else "1")
-        mp.setenv("EP_RUNTIME_FUSED_COPY", "0" if request.param == "on_separate_copy" else "auto")
-        mp.setenv("EP_RUNTIME_DISPATCH_LAND", "1" if request.param == "on_land" else "0")
-        mp.setenv("EP_RUNTIME_DISPATCH_PLACE", "1" if request.param == "on_place" else "0")
-        mp.setenv("EP_RUNTIME_DISPATCH_ROUTE_FIRST", "1" if request.param == "on_first" else "0")
+        mp.setenv("EP_RUNTIME_PLAN", RUNS[request.param])
         return request.param.partition("_")[0], run_pes(trace_pe, CFG["n_ranks"], timeout_s=240)
 
 
@@ -80,53 +80,39 @@ def test_dispatch_stays_exact_with_tracing(traced):
         np.testing.assert_array_equal(res["expanded"]["x"][:n], refs[r].x.view(np.uint16), err_msg=f"{mode} rank {r}")
 
 
+#: receiver -> (kernel, point) its runs must stamp: the mechanism it has and the others do not
+OWN_POINTS = {"wait": ("dispatch_wait", "offsets written (last block)"),
+              "land": ("dispatch_land", "rows placed and landed (last block)"),
+              "route_first": ("dispatch_wait", "rows placed (route first)")}
+
+
 def test_stamps_are_written_in_order_only_when_on(traced):
     mode, per_rank = traced
     for res in per_rank:
+        plan = res["plan"]
+        receiver, copy = plan["receiver"], plan["expanded_copy"]
         for layout in ("expanded", "compact"):
             st = res[layout]["stamps"]
             if mode == "off":
                 assert not st.any(), f"{layout}: trace words written with tracing off"
                 continue
-            # (a route-first runtime's fused copy is dispatch_copy's, run by dispatch_wait's blocks:
-            # its points are stamped, after dispatch_wait's start)
-            copy_kernel = layout == "expanded" and (res["route_first"] or not res["fused_copy"]) and not res["land"]
-            kernels = ["dispatch_async", "dispatch_land" if res["land"] else "dispatch_wait"]
-            kernels += ["dispatch_copy"] if copy_kernel else []
+            receive = "dispatch_land" if receiver == "land" else "dispatch_wait"
+            kernels = ["dispatch_async", receive] + (["dispatch_copy"] if layout == "expanded" and
+                                                     copy == "dispatch_copy" else [])
             starts = []
             for k in kernels:
                 points = slots_of(k)
                 start = st[points.pop("start")]
                 assert start > 0, f"{layout}: {k} start not stamped"
                 for point, slot in points.items():
-                    if "route-first" in point and res["route_first"]:  # its routing block, its one block
-                        assert st[slot] >= start, f"{layout}: {k} '{point}' ({st[slot]}) before its start ({start})"
-                        continue
-                    if "route-first builds" in point:
-                        assert st[slot] == 0, f"{layout}: {k} '{point}' stamped in a runtime without route first"
-                        continue
-                    if res["route_first"] and (point.startswith(("offsets", "ranks computed"))
-                                               or point == "signals seen (block 0)"):
-                        # nothing ranked in dispatch_async; the one block's points are its own
-                        assert st[slot] == 0, f"{layout}: {k} '{point}' stamped in a route-first runtime"
-                        continue
-                    if "copy engine" in point:  # this runtime stores the rows: never stamped
-                        assert st[slot] == 0, f"{layout}: {k} '{point}' stamped without the copy engine"
-                        continue
-                    if "landing calls" in point and not res["land"]:
-                        assert st[slot] == 0, f"{layout}: {k} '{point}' stamped in a call that does not land"
-                        continue
-                    if "placing builds" in point and not res["place"]:
-                        assert st[slot] == 0, f"{layout}: {k} '{point}' stamped in a runtime that does not place"
-                        continue
-                    if res["place"] and k == "dispatch_wait" and point.startswith("offsets"):
-                        # a placing dispatch_wait only waits for the signals: dispatch_async placed
-                        assert st[slot] == 0, f"{layout}: {k} '{point}' stamped in a runtime that places"
-                        continue
-                    assert st[slot] >= start, f"{layout}: {k} '{point}' ({st[slot]}) before its start ({start})"
+                    assert st[slot] == 0 or st[slot] >= start, f"{layout}: {k} '{point}' before its start"
+                    if "(route first)" in point and receiver != "route_first":
+                        assert st[slot] == 0, f"{layout}: {k} '{point}' stamped by the {receiver} receiver"
                 starts.append(start)
             assert starts == sorted(starts), f"{layout}: kernels out of stream order {starts}"
-            if not copy_kernel:
+            kernel, point = OWN_POINTS[receiver]
+            assert st[slots_of(kernel)[point]] >= st[slots_of(kernel)["start"]] > 0, (layout, kernel, point)
+            if "dispatch_copy" not in kernels and not (copy == "in_wait" and layout == "expanded"):
                 assert st[slots_of("dispatch_copy")["start"]] == 0, f"{layout}: dispatch_copy ran"
-            other = "dispatch_wait" if res["land"] else "dispatch_land"
+            other = "dispatch_wait" if receiver == "land" else "dispatch_land"
             assert st[slots_of(other)["start"]] == 0, f"{layout}: {other} ran"

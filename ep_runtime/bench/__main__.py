@@ -42,11 +42,12 @@ partial unrounded (``EPConfig.combine_dtype="float32"``, hidden a multiple of 4)
 bytes and the partials' device-memory bytes double (``ep_runtime.bench.traffic``); the compact
 layout's combine input is then float32. The table marks it ``/f32`` after the token format.
 
-Results print as a table (rank 0; ``mode`` and ``layout`` columns) and, with ``--json FILE``, as JSON with
-the configuration, mode, the runtime's choices for it (``paths``: ``EPRuntime.fused_copy``,
-``peer_stores``, ``copy_engine``, ``dispatch_land``: the environment's knobs, e.g.
-``EP_RUNTIME_DISPATCH_LAND=1``, are read when the runtime is built), git sha, devices and versions; ``--plot FILE.png`` draws time
-against tokens (matplotlib).
+Each layout is timed on a runtime that serves only it (``--serve each``, the default: its own
+execution plan), or every layout on one runtime serving both (``--serve both``); ``--plan`` passes
+plan overrides (``receiver=land,pdl=0``: ep_runtime.plan). Results print as a table (rank 0;
+``mode``, ``layout`` and ``receiver`` columns) and, with ``--json FILE``, as JSON with the
+configuration, mode, the runtime's plan (``plan``: its fields and summary), git sha, devices
+and versions; ``--plot FILE.png`` draws time against tokens (matplotlib).
 """
 
 from __future__ import annotations
@@ -90,6 +91,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="expanded: dispatch_wait lays rows out per (token, local expert) and combine takes "
                         "expert-major outputs; compact: no expansion copy, one row per (token, source rank) "
                         "both ways (DeepEP's and NCCL's layout); both: --layout expanded compact")
+    p.add_argument("--serve", choices=("each", "both"), default="each",
+                   help="each: a runtime per layout, serving only it (its own plan); both: one runtime serving "
+                        "both layouts (default: each)")
+    p.add_argument("--plan", default="", help="plan overrides for every runtime, e.g. 'receiver=land,pdl=0' "
+                                              "(ep_runtime.plan; default: none)")
     p.add_argument("--samples", type=int, default=50,
                    help="timed samples per configuration and mode (>= 50 on GPUs)")
     p.add_argument("--warmup", type=int, default=5)

@@ -65,6 +65,16 @@ def layouts(args) -> list[str]:
     return list(dict.fromkeys(getattr(args, "layout", None) or ["expanded"]))
 
 
+def served(args) -> list[tuple]:
+    """The runtimes a configuration is timed on, as the layouts each serves (``--serve``):
+    ``each`` (default), one runtime per layout asked for, serving only it, on its own plan; or
+    ``both``, one runtime serving both layouts, every layout asked for timed on it."""
+    asked = layouts(args)
+    if getattr(args, "serve", "each") == "both":
+        return [("expanded", "compact")]
+    return [(layout,) for layout in asked]
+
+
 def close_baselines(session) -> None:
     """Leave torch.distributed if a baseline joined it, so no rank's NCCL heartbeat outlives the
     TCP store of rank 0 (which printed a c10d 'recvValue failed' traceback at exit). Collective:
@@ -85,7 +95,6 @@ def close_baselines(session) -> None:
 def bench_rank(session, args_dict) -> list[dict]:
     """One rank of the benchmark; returns this rank's result per configuration and mode
     (configurations in sweep order, each with its modes in ``--mode`` order)."""
-    from ..runtime import EPRuntime
 
     args = argparse.Namespace(**args_dict)
     gpu = session.backend != "sim"
@@ -106,39 +115,14 @@ def bench_rank(session, args_dict) -> list[dict]:
                                partial_bytes=cfg.partial_bytes,
                                input_bytes=cfg.token_bytes if g == "prequantized" else None) for g in given}
         tr = trs[given[0]]  # the baselines' rows (the same for every input)
-        with EPRuntime(cfg, session) as rt:
-            # the runtime's choices for this configuration (environment and grid), for the record
-            paths = {"fused_copy": rt.fused_copy, "peer_stores": rt.peer_stores, "copy_engine": rt.copy_engine,
-                     "dispatch_land": rt.dispatch_land, "dispatch_place": rt.dispatch_place,
-                     "dispatch_route_first": rt.dispatch_route_first}
-            outs = {"expanded": session.alloc_local("bench.expert_out", (cfg.recv_rows_capacity, cfg.hidden), np.uint16),
-                    "compact": None}
-            out = session.alloc_local("bench.out", (T, cfg.hidden), np.uint16)
-            runs, graph = [], {}
-            # each input on the device once (the captured graphs keep reading it)
-            inputs_of = {g: dispatch_inputs(session, cfg, xs[r], ids[r], ws[r], g) for g in given}
-            for token_input, layout in itertools.product(given, layouts(args)):
-                inputs = inputs_of[token_input]
-                if layout == "compact" and outs["compact"] is None:  # one partial per (source rank, token slot)
-                    outs["compact"] = session.alloc_local("bench.expert_rows", (cfg.n_ranks * T, cfg.hidden),
-                                                          partial_dtype(cfg))
-                y = outs[layout]
-                for mode in modes(args):
-                    if mode == "eager":
-                        spans = time_round_trips(rt, session, inputs, y, out, args.samples, args.warmup, layout=layout)
-                        runs.append((mode, layout, token_input, spans, None))
-                        continue
-                    # captured with all T rows; with n_tokens, T is also read on the device at replay
-                    dev_t = takes_device_token_count(rt)
-                    graph = {"captured_rows": T, "n_tokens": "device scalar" if dev_t else "none (static shape)"}
-                    n_tok = session.to_device(np.array([T], np.int32)) if dev_t else None
-                    before = rt.device_calls()
-                    spans = time_graph_round_trips(rt, session, inputs, y, out, args.samples, args.warmup,
-                                                   n_tokens=n_tok, layout=layout)
-                    # a replay that did not run would time as nothing: count the calls the device made
-                    graph["replayed_round_trips"] = len(GRAPH_ROUND_TRIPS) * (args.warmup + args.samples)
-                    graph["device_calls"] = rt.device_calls() - before
-                    runs.append((mode, layout, token_input, spans, graph))
+        runs = []
+        # each input on the device once (the captured graphs keep reading it)
+        inputs_of = {g: dispatch_inputs(session, cfg, xs[r], ids[r], ws[r], g) for g in given}
+        outs = {"expanded": None, "compact": None}
+        out = session.alloc_local("bench.out", (T, cfg.hidden), np.uint16)
+        for serve in served(args):
+            runs += _time_runtime(session, args, EPConfig(**{**cfg.as_dict(), "layouts": serve}), inputs_of, outs,
+                                  out, given)
         base = {}
         if gpu and not args.no_baselines:
             base.update(_try(lambda: nccl_all_to_all(session, tr.sent, tr.recv, cfg.hidden,
@@ -146,13 +130,51 @@ def bench_rank(session, args_dict) -> list[dict]:
                                                      args.samples, args.warmup), "nccl"))
             base.update(_try(lambda: nvshmem_alltoall(session, tr.sent, cfg.hidden, args.samples, args.warmup),
                              "nvshmem_alltoall"))
-        for mode, layout, token_input, spans, graph in runs:
-            results.append(_result(cfg, trs[token_input], spans, base, ceil, mode, graph, layout, paths, token_input))
+        for mode, layout, token_input, spans, graph, plan in runs:
+            results.append(_result(cfg, trs[token_input], spans, base, ceil, mode, graph, layout, plan, token_input))
     if session.rank == 0:
         print(file=sys.stderr)
     if gpu:
         close_baselines(session)
     return results
+
+
+def _time_runtime(session, args, cfg: EPConfig, inputs_of: dict, outs: dict, out, given) -> list:
+    """Time every input, layout served and mode on one runtime of ``cfg`` (its layouts those
+    asked for that it serves): ``[(mode, layout, token_input, spans, graph, plan)]``, ``plan``
+    the runtime's plan as a dict with its summary (the JSON's record of how rows moved)."""
+    from ..runtime import EPRuntime
+
+    runs, T = [], cfg.max_tokens_per_rank
+    with EPRuntime(cfg, session, plan=getattr(args, "plan", None) or None) as rt:
+        plan = {**rt.plan.as_dict(), "summary": rt.plan.summary()}
+        if session.rank == 0:
+            print(f"\n  {'+'.join(cfg.layouts)}: {rt.plan.summary()}", file=sys.stderr, flush=True)
+        for token_input, layout in itertools.product(given, [lay for lay in layouts(args) if lay in cfg.layouts]):
+            inputs = inputs_of[token_input]
+            if outs[layout] is None:  # expert outputs: one row per batch row, or per (source rank, token slot)
+                outs[layout] = (session.alloc_local("bench.expert_out", (cfg.recv_rows_capacity, cfg.hidden),
+                                                    np.uint16) if layout == "expanded" else
+                                session.alloc_local("bench.expert_rows", (cfg.n_ranks * T, cfg.hidden),
+                                                    partial_dtype(cfg)))
+            y = outs[layout]
+            for mode in modes(args):
+                if mode == "eager":
+                    spans = time_round_trips(rt, session, inputs, y, out, args.samples, args.warmup, layout=layout)
+                    runs.append((mode, layout, token_input, spans, None, plan))
+                    continue
+                # captured with all T rows; with n_tokens, T is also read on the device at replay
+                dev_t = takes_device_token_count(rt)
+                graph = {"captured_rows": T, "n_tokens": "device scalar" if dev_t else "none (static shape)"}
+                n_tok = session.to_device(np.array([T], np.int32)) if dev_t else None
+                before = rt.device_calls()
+                spans = time_graph_round_trips(rt, session, inputs, y, out, args.samples, args.warmup,
+                                               n_tokens=n_tok, layout=layout)
+                # a replay that did not run would time as nothing: count the calls the device made
+                graph["replayed_round_trips"] = len(GRAPH_ROUND_TRIPS) * (args.warmup + args.samples)
+                graph["device_calls"] = rt.device_calls() - before
+                runs.append((mode, layout, token_input, spans, graph, plan))
+    return runs
 
 
 def _try(fn, name) -> dict:
@@ -163,7 +185,7 @@ def _try(fn, name) -> dict:
         return {name: f"error: {type(e).__name__}: {e}"}
 
 
-def _result(cfg, tr, spans, base, ceil, mode="eager", graph=None, layout="expanded", paths=None,
+def _result(cfg, tr, spans, base, ceil, mode="eager", graph=None, layout="expanded", plan=None,
             token_input="bf16") -> dict:
     times = {k: summarize(v) for k, v in spans.items()}
     d, c = times["dispatch"]["median"], times["combine"]["median"]
@@ -172,7 +194,7 @@ def _result(cfg, tr, spans, base, ceil, mode="eager", graph=None, layout="expand
     floor_c = max(tr.combine_nvlink_bytes / (ceil["nvlink_gbps"] * 1e3),
                   tr.hbm_bytes("combine", layout) / (ceil["hbm_gbps"] * 1e3))
     res = {
-        "mode": mode, "layout": layout, "token_input": token_input, "config": cfg.as_dict(), "paths": paths or {},
+        "mode": mode, "layout": layout, "token_input": token_input, "config": cfg.as_dict(), "plan": plan or {},
         "traffic": tr.__dict__,
         "ceilings": ceil, "times_us": times,
         "dispatch": {"logical_gbps": gbps(tr.logical_bytes, d), "nvlink_gbps": gbps(tr.dispatch_nvlink_bytes, d),
@@ -194,10 +216,17 @@ def _fmt_name(cfg: dict, token_input: str = "bf16") -> str:
         "/f32" if cfg.get("combine_dtype") == "float32" else "")
 
 
+def _receiver_name(res: dict) -> str:
+    """The plan's receiver, short, for the table (``-`` when the record has none)."""
+    names = {"wait": "wait", "land": "land", "route_first": "rfirst", "route_first_chunked": "rfirst/c"}
+    return names.get(res.get("plan", {}).get("receiver"), "-")
+
+
 def table(per_rank: list[list[dict]]) -> str:
     """One line per (configuration, mode, rank). In graph mode ``dispatch`` and ``combine`` are
     one graph replay each; ``async`` and ``wait`` are replays of graphs of one call each."""
-    head = (f"{'rank':>4} {'T':>5} {'H':>5} {'K':>2} {'E':>4} {'sms':>4} {'tokens':>8} {'mode':>5} {'layout':>8} | "
+    head = (f"{'rank':>4} {'T':>5} {'H':>5} {'K':>2} {'E':>4} {'sms':>4} {'tokens':>8} {'mode':>5} {'layout':>8} "
+            f"{'receiver':>8} | "
             f"{'dispatch us (p10-p90)':>24} "
             f"{'async':>7} {'wait':>7} {'GB/s log':>8} {'NVL':>6} {'floor':>7} {'%floor':>6} | "
             f"{'combine us':>10} {'GB/s log':>8} {'floor':>7} {'%floor':>6} | baselines (median us)")
@@ -212,7 +241,7 @@ def table(per_rank: list[list[dict]]) -> str:
                 f"{r:>4} {cfg['max_tokens_per_rank']:>5} {cfg['hidden']:>5} {cfg['top_k']:>2} {cfg['n_experts']:>4} "
                 f"{cfg['n_sms'] or 'all':>4} {_fmt_name(cfg, res.get('token_input', 'bf16')):>8} "
                 f"{res.get('mode', 'eager'):>5} "
-                f"{res.get('layout', 'expanded'):>8} | "
+                f"{res.get('layout', 'expanded'):>8} {_receiver_name(res):>8} | "
                 f"{t['dispatch']['median']:>9.1f} ({t['dispatch']['p10']:.1f}-"
                 f"{t['dispatch']['p90']:.1f}) {t['dispatch_async']['median']:>7.1f} {t['dispatch_wait']['median']:>7.1f} "
                 f"{d['logical_gbps']:>8.1f} {d['nvlink_gbps']:>6.1f} {d['floor_us']:>7.1f} {100 * d['of_floor']:>5.1f}% | "

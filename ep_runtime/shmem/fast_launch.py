@@ -267,17 +267,18 @@ class FastLauncher:
         ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``: the kernel may start while its
         predecessor on the stream finishes; it must wait for it on the device,
         :mod:`ep_runtime.kernels.pdl`). Ignored for cooperative kernels.
-    param_block : hand the driver the parameters as one block (``extra`` with
-        ``CU_LAUNCH_PARAM_BUFFER_POINTER``: one copy) instead of a pointer per parameter
-        (``kernelParams``: the driver copies each of them, about 200 for dispatch_async), where
-        every parameter is 8 bytes (:attr:`ParamBuffer.abi_block`) and the launch is not
-        cooperative (``cuLaunchCooperativeKernel`` takes no ``extra``); else ignored.
+
+    The parameters go to the driver as one block (``extra`` with
+    ``CU_LAUNCH_PARAM_BUFFER_POINTER``: one copy) where every parameter is 8 bytes
+    (:attr:`ParamBuffer.abi_block`) and the launch is not cooperative
+    (``cuLaunchCooperativeKernel`` takes no ``extra``); otherwise as a pointer per parameter
+    (``kernelParams``: the driver copies each of them, about 200 for dispatch_async).
 
     Raises :class:`Unsupported` if Numba would launch this kernel with more than the parameters
     (debug error reporting, argument extensions, launch-config-dependent overloads).
     """
 
-    def __init__(self, kernel, stream_handle: int, programmatic: bool = False, param_block: bool = False):
+    def __init__(self, kernel, stream_handle: int, programmatic: bool = False):
         from cuda.bindings import driver
 
         if kernel.debug:
@@ -290,7 +291,7 @@ class FastLauncher:
         self.name = kernel.entry_name
         self.cooperative = bool(kernel.cooperative)
         self.params = ParamBuffer(kernel.argument_types)
-        self.param_block = bool(param_block) and self.params.extra is not None and not self.cooperative
+        self.param_block = self.params.extra is not None and not self.cooperative
         # (kernelParams, extra) of every launch: the pointer array, or the block
         self._param_args = (0, self.params.extra) if self.param_block else (self.params.address, 0)
         handle = kernel.library.get_cufunc().handle

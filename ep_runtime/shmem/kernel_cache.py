@@ -52,6 +52,8 @@ from pathlib import Path
 
 import numpy as np
 
+from . import shim_memo
+
 log = logging.getLogger("ep_runtime.shmem.kernel_cache")
 
 #: Environment variable naming the cache directory (``off``, ``0`` or ``none`` disable the cache).
@@ -615,6 +617,7 @@ class KernelCache:
             self.stats["hits"] += 1
             return "hit"
         self.stats["misses"] += 1
+        shim_memo.install()
         kernel = _Kernel(dispatcher.py_func, argtypes, **dispatcher.targetoptions)
         kernel.library.get_cubin(cc=cc)  # the link, kept in the library's cubin cache
         if self.write(entry_from_kernel(kernel, key, cc)) is None:

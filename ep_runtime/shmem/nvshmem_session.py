@@ -33,6 +33,7 @@ from ..errors import ShmemError
 from ..kernels import pdl
 from .env import configure_nvshmem_env
 from .fast_launch import FastLauncher, Unsupported
+from . import shim_memo
 from .kernel_cache import KernelCache
 from .session import Session
 
@@ -40,21 +41,6 @@ log = logging.getLogger("ep_runtime.shmem")
 
 #: Environment variable: ``0`` (or ``off``) sends every launch through Numba's dispatcher.
 FAST_LAUNCH_ENV = "EP_RUNTIME_FAST_LAUNCH"
-
-
-#: Environment variable: how the fast launcher hands the driver a kernel's parameters, ``block``
-#: (default: one ``CU_LAUNCH_PARAM_BUFFER_POINTER`` block where every parameter is 8 bytes) or
-#: ``pointers`` (``kernelParams``, a pointer per parameter), read at :meth:`NvshmemSession.open`.
-LAUNCH_PARAMS_ENV = "EP_RUNTIME_LAUNCH_PARAMS"
-LAUNCH_PARAMS = ("block", "pointers")
-
-
-def _param_block_from_env() -> bool:
-    v = os.environ.get(LAUNCH_PARAMS_ENV, "block").strip().lower()
-    if v not in LAUNCH_PARAMS:
-        raise ShmemError(f"{LAUNCH_PARAMS_ENV}={v!r}: expected one of {LAUNCH_PARAMS}; unset it for the default "
-                         f"'block'")
-    return v == "block"
 
 
 def _is_cupy(a) -> bool:
@@ -104,7 +90,6 @@ class NvshmemSession(Session):
         from numba import cuda as numba_cuda
 
         self = cls.__new__(cls)
-        self._param_block = _param_block_from_env()  # a bad value fails before anything starts
         self._comm = comm or MPI.COMM_WORLD
         self.rank, self.n_ranks = self._comm.Get_rank(), self._comm.Get_size()
         self.local_rank = self._comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
@@ -132,7 +117,6 @@ class NvshmemSession(Session):
         self._cupy_stream.use()  # the caller's CuPy work orders with the kernels by default
         self._numba_stream = numba_cuda.external_stream(handle)
         self._symmetric = []
-        self._copy = None  # (side stream, fork event, join event), made by the first fork_copy_stream
         self._closed = False
         #: Launch precompiled signatures through the driver (see the module docstring). With
         #: EP_RUNTIME_FAST_LAUNCH=0 no fast launcher is built and this stays False.
@@ -242,6 +226,7 @@ class NvshmemSession(Session):
     def precompile(self, kernel, argtypes):
         """Compile ``kernel`` for ``argtypes`` (or load it from the kernel cache), and prepare its
         fast launcher unless ``EP_RUNTIME_FAST_LAUNCH=0`` was set at :meth:`open`."""
+        shim_memo.install()  # the kernels of this process link one NVRTC compile of the shim
         if self.kernel_cache is not None:
             compiled = self.kernel_cache.load_or_compile(kernel, argtypes)
         else:
@@ -253,8 +238,7 @@ class NvshmemSession(Session):
             return
         try:
             entries.append((kernel, FastLauncher(compiled, int(self._core_stream.handle),
-                                                 programmatic=pdl.is_programmatic(kernel),
-                                                 param_block=self._param_block)))
+                                                 programmatic=pdl.is_programmatic(kernel))))
         except Unsupported as exc:
             log.info("rank %d: %s launches through Numba: %s", self.rank,
                      getattr(kernel, "__qualname__", kernel), exc)
@@ -264,6 +248,16 @@ class NvshmemSession(Session):
         for entries in self._fast.values():
             for _, launcher in entries:
                 launcher.forget_args()
+
+    def pdl_capable(self):
+        """Compute capability 9.0 or later and the fast launcher (the path that sets PDL's launch
+        attribute; off with EP_RUNTIME_FAST_LAUNCH=0)."""
+        return self._build_launchers and self.compute_capability()[0] >= 9
+
+    def compute_capability(self) -> tuple[int, int]:
+        import cupy
+
+        return tuple(int(c) for c in cupy.cuda.Device(self.device_index).compute_capability)
 
     def sm_count(self):
         import cupy
@@ -292,37 +286,6 @@ class NvshmemSession(Session):
 
     def allgather_object(self, obj):
         return self._comm.allgather(obj)
-
-    # -- the copy stream -------------------------------------------------------------------------
-    def fork_copy_stream(self):
-        import cupy
-
-        if self._copy is None:  # made once: a non-blocking stream and its two events
-            self._copy = (cupy.cuda.Stream(non_blocking=True), cupy.cuda.Event(disable_timing=True),
-                          cupy.cuda.Event(disable_timing=True))
-        side, fork, _ = self._copy
-        fork.record(self._cupy_stream)
-        side.wait_event(fork)
-
-    def copy_stream_wait_flag(self, flag):
-        from cuda.bindings import driver
-
-        side = self._copy[0]
-        ptr = driver.CUdeviceptr(int(flag.data.ptr))
-        stream = driver.CUstream(int(side.ptr))
-        _check_driver(driver.cuStreamWaitValue32(stream, ptr, 1, driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_EQ),
-                      "cuStreamWaitValue32")
-        _check_driver(driver.cuStreamWriteValue32(stream, ptr, 0,
-                                                  driver.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT),
-                      "cuStreamWriteValue32")
-
-    def copy_stream_copy(self, dst, src, nbytes):
-        dst.data.copy_from_device_async(src.data, int(nbytes), stream=self._copy[0])
-
-    def join_copy_stream(self):
-        side, _, join = self._copy
-        join.record(side)
-        self._cupy_stream.wait_event(join)
 
     # -- lifetime -------------------------------------------------------------------------------
     def close(self):

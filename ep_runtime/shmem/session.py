@@ -72,6 +72,22 @@ class Session(abc.ABC):
         them (see ``kernels/selftest.py``, ``ring_peer_store_signal``).
         """
 
+    def peers_mapped(self) -> bool:
+        """Collective: whether every PE's symmetric heap is mapped into this process (the kernels
+        can store into peers: NVLink), probed once on a small symmetric allocation."""
+        if getattr(self, "_peers_mapped", None) is None:
+            probe = self.alloc_symmetric("ep_runtime.peer_probe", (256,), "uint8")
+            try:
+                self._peers_mapped = self.peer_addresses(probe) is not None
+            finally:
+                self.free_symmetric(probe)
+        return self._peers_mapped
+
+    def pdl_capable(self) -> bool:
+        """Whether kernels may be launched with programmatic dependent launch here (compute
+        capability 9.0 or later and a launcher that sets its attribute). False by default."""
+        return False
+
     @abc.abstractmethod
     def peer_addresses(self, array) -> list[int] | None:
         """The address of every PE's copy of the symmetric allocation ``array`` (as
@@ -136,30 +152,6 @@ class Session(abc.ABC):
     def allgather_object(self, obj) -> list:
         """Collective: every PE's ``obj`` (picklable), in rank order (host-side, for
         construction-time checks such as configs that differ between ranks)."""
-
-    # -- the copy stream (copy-engine transfers beside the kernels) --------------------------
-    @abc.abstractmethod
-    def fork_copy_stream(self) -> None:
-        """Start enqueuing on the copy stream, a second stream: its work starts after
-        everything enqueued on :attr:`stream` so far, and runs beside what is enqueued there
-        next, until :meth:`join_copy_stream`. On ``sim`` the copy stream's work is held and
-        runs at the join (after the kernels enqueued in between: the order a GPU allows)."""
-
-    @abc.abstractmethod
-    def copy_stream_wait_flag(self, flag) -> None:
-        """On the copy stream: wait until ``flag[0]`` (a uint32 device word that a kernel on
-        :attr:`stream` sets) is 1, then set it to 0. The wait has no time limit on a GPU (the
-        kernel setting the flag must set it on every path); on ``sim`` a flag that is not 1
-        at the join raises :class:`~ep_runtime.errors.ShmemError`."""
-
-    @abc.abstractmethod
-    def copy_stream_copy(self, dst, src, nbytes: int) -> None:
-        """On the copy stream: the first ``nbytes`` of device array ``src`` into ``dst`` (a
-        :meth:`peer_view` slice or local memory, C-contiguous) with the copy engine."""
-
-    @abc.abstractmethod
-    def join_copy_stream(self) -> None:
-        """End the copy stream's work: what is enqueued on :attr:`stream` next waits for it."""
 
     # -- lifetime ---------------------------------------------------------------------------
     @abc.abstractmethod

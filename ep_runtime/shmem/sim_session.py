@@ -78,7 +78,6 @@ class SimSession(Session):
         self.rank = heap.rank
         self.n_ranks = heap.n_ranks
         self._closed = False
-        self._copy_ops = None  # the copy stream's held work, between fork and join
 
     @classmethod
     def open(cls, rank: int, n_ranks: int, job: str, heap_bytes: int = DEFAULT_HEAP_BYTES,
@@ -127,6 +126,10 @@ class SimSession(Session):
         """PE ``pe``'s copy of the symmetric ``array`` (ndarray, same shape and strides).
         Stores into it are visible to PE ``pe`` at once."""
         return self.heap.peer_view(_ndarray(array), pe)
+
+    def peers_mapped(self) -> bool:
+        """Every PE's heap is mapped in every PE process (no collective probe needed)."""
+        return True
 
     def peer_addresses(self, array):
         """Every PE's heap is mapped in every PE process: the addresses of those mappings."""
@@ -184,49 +187,6 @@ class SimSession(Session):
         MPI allgather it does not deliver queued puts)."""
         self._check_open("allgather_object")
         return self.heap.allgather(obj)
-
-    # -- the copy stream ---------------------------------------------------------------------
-    def fork_copy_stream(self) -> None:
-        """Hold the copy stream's work until :meth:`join_copy_stream` (kernels enqueued in
-        between run first, as they may on a GPU)."""
-        if self._copy_ops is not None:
-            raise ShmemError(f"PE {self.rank}: fork_copy_stream while the copy stream is open (join it first)")
-        self._copy_ops = []
-
-    def copy_stream_wait_flag(self, flag) -> None:
-        """At the join: ``flag[0]`` must be 1 (else ShmemError: on a GPU the stream would wait
-        forever), then it is set to 0."""
-        word = _ndarray(flag)
-
-        def wait():
-            if int(word[0]) != 1:
-                raise ShmemError(f"PE {self.rank}: the copy stream waits for a flag that is {int(word[0])}, not 1, "
-                                 f"after the kernels before the join ran: on a GPU it would wait forever")
-            word[0] = 0
-
-        self._held("copy_stream_wait_flag").append(wait)
-
-    def copy_stream_copy(self, dst, src, nbytes: int) -> None:
-        """At the join: the first ``nbytes`` of ``src`` into ``dst`` (a peer view: the peer
-        sees them at once)."""
-        d, s = _ndarray(dst).reshape(-1).view(np.uint8), _ndarray(src).reshape(-1).view(np.uint8)
-
-        def copy():
-            d[:nbytes] = s[:nbytes]
-
-        self._held("copy_stream_copy").append(copy)
-
-    def join_copy_stream(self) -> None:
-        """Run the held copy-stream work, in order."""
-        ops = self._held("join_copy_stream")
-        self._copy_ops = None
-        for op in ops:
-            op()
-
-    def _held(self, op: str) -> list:
-        if self._copy_ops is None:
-            raise ShmemError(f"PE {self.rank}: {op} without fork_copy_stream")
-        return self._copy_ops
 
     # -- lifetime ---------------------------------------------------------------------------
     def close(self) -> None:

@@ -1,9 +1,13 @@
 """GPU acceptance of the FP8 token formats (run on the GPU machine, one rank per GPU):
 
     mpirun -np 2 -x PYTHONPATH python3 tests/gpu/fp8_check.py [--tokens 4096 128] [--replays 20]
+        [--plans default | variants | receiver=wait,transport=puts ...]
 
-For each format (``fp8_e4m3``, ``fp8_e4m3_ue8m0``) and token count T, on random routing with
-awkward blocks planted (a block of zeros: amax 0; an inf and a NaN: non-finite blocks):
+For each execution plan of ``--plans`` (as in ep_check.py: ``default``, plan overrides, or
+``variants``; one runtime per plan and format, built one after another on one NVSHMEM
+session), each format (``fp8_e4m3``, ``fp8_e4m3_ue8m0``) and token count T, on random routing
+with awkward blocks planted (a block of zeros: amax 0; an inf and a NaN: non-finite blocks;
+the reference data of each format and T computed once, for every plan):
 
 - dispatch quantizing bf16 tokens in dispatch_async, and dispatch of pre-quantized codes with
   their scales, each with row- and column-major scales: codes and scales equal the NumPy
@@ -18,15 +22,18 @@ awkward blocks planted (a block of zeros: amax 0; an inf and a NaN: non-finite b
   tie of a bf16 value), arbitrary float32, power-of-two, float32-subnormal (quotients past
   464: the software fallback) and NaN; and the encoder's unchecked fast path
   (``quantize4_scaled``, taken where ``scaled_directly`` holds) for every bf16 word in blocks
-  whose amax is the word's own or a few multiples of it, E4M3 and UE8M0 scales.
+  whose amax is the word's own or a few multiples of it, E4M3 and UE8M0 scales (once: it does
+  not depend on the plan).
 
-Prints a table last (rank 0); exits non-zero on any failure.
+A plan that cannot run here (EPConfigError when its runtime is built) is a failure; the other
+plans still run. Prints a table last (rank 0); exits non-zero on any failure.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -107,6 +114,124 @@ def check_hardware_conversion() -> tuple[int, int]:
     return int((hw != sw).sum()) + int((hw2 != sw2).sum()), n + int(used.sum())
 
 
+
+def fp8_reference(cfg, T: int, seed: int, me: int) -> SimpleNamespace:
+    """What the checks of ``cfg``'s format at T compare with on rank ``me``, computed once for
+    every plan (only this rank's parts kept)."""
+    from ep_runtime import reference
+    from ep_runtime.testing import linear_experts, make_inputs
+
+    R = cfg.n_ranks
+    xs, ids, ws = make_inputs(cfg, "random", seed + T, n_tokens=[T] * R)
+    plant_awkward_blocks(xs, reference.BF16)
+    codes, scales = cfg.token_format.quantize(xs[me].view(np.uint16))
+    x_recv, defined, sc_recv = reference.receive_rows(xs, ids, cfg, with_scales=True)[me]
+    # bf16 combine in the FP8 config (expert outputs: the decoded rows, scaled per rank)
+    refs = reference.dispatch(xs, ids, ws, cfg)
+    ys = []
+    for r, rb in enumerate(refs):
+        dec = cfg.token_format.dequantize(rb.x, rb.scales)
+        dec[~np.isfinite(dec)] = 0.0
+        dec[rb.src_rank < 0] = 0.0
+        ys.append(linear_experts(dec.astype(reference.BF16), rb.row_offsets, cfg.n_local_experts, r))
+    want = reference.combine(ys, refs, ids, cfg, home_ranks=[me])[me].astype(np.float32)
+    ref, y = refs[me], ys[me]
+    tol = reference.combine_tolerance(ws[me], float(np.abs(y.astype(np.float32)).max()))
+    return SimpleNamespace(T=T, ref=ref, pad=np.flatnonzero(ref.src_rank < 0), tokens=xs[me].view(np.uint16),
+                           codes=codes, scales=scales, ids=ids[me], ws=ws[me], x_recv=x_recv, defined=defined,
+                           sc_recv=sc_recv, y=y.view(np.uint16), want=want, tol=tol)
+
+
+def check_format(rt, session, d: SimpleNamespace, args, check, fmt: str) -> tuple:
+    """Every check at one T (``d``: its fp8_reference) on the runtime ``rt`` of format ``fmt``;
+    the table row ``(T, rows, scales per row, combine error, graph replays alike, {check: ok})``."""
+    import cupy
+
+    from ep_runtime import reference
+
+    cfg, stream = rt.cfg, session.stream
+    T, ref, pad = d.T, d.ref, d.pad
+    n = ref.n_rows
+    S = cfg.token_format.scale_count(cfg.hidden)
+    inputs = {"bf16 in-kernel": (cupy.asarray(d.tokens), {}),
+              "pre-quantized": (cupy.asarray(d.codes), {"token_scales": cupy.asarray(d.scales)})}
+    tid, tw = cupy.asarray(d.ids), cupy.asarray(d.ws)
+    ok = {}
+    for mode, (tok, kw) in inputs.items():
+        for layout_s in ("row", "column"):
+            b = rt.dispatch(tok, tid, tw, scales=layout_s, **kw)
+            x = cupy.asnumpy(b.x)
+            sc = cupy.asnumpy(b.scales)
+            sc = sc if layout_s == "row" else np.ascontiguousarray(sc.T)
+            good = check(np.array_equal(cupy.asnumpy(b.row_offsets), ref.row_offsets),
+                         f"{fmt} T={T} {mode} row_offsets")
+            good &= check(np.array_equal(x[:n], ref.x), f"{fmt} T={T} {mode} codes")
+            good &= check(np.array_equal(sc[:n].view(np.uint8), ref.scales.view(np.uint8)),
+                          f"{fmt} T={T} {mode} scales {layout_s}-major")
+            good &= check(not x[pad].any() and not sc[pad].view(np.uint8).any(),
+                          f"{fmt} T={T} {mode} padding rows not zero")
+            ok[f"{mode}/{layout_s}"] = good
+        cb = rt.dispatch(tok, tid, tw, layout="compact", **kw)
+        ok[f"{mode}/compact"] = (
+            check(np.array_equal(cupy.asnumpy(cb.x)[d.defined], d.x_recv[d.defined]), f"{fmt} T={T} {mode} compact codes")
+            & check(np.array_equal(np.ascontiguousarray(cupy.asnumpy(cb.scales))[d.defined].view(np.uint8),
+                                   d.sc_recv[d.defined].view(np.uint8)), f"{fmt} T={T} {mode} compact scales"))
+
+    # bf16 combine in the FP8 config (expert outputs: the decoded rows, scaled per rank)
+    tok = inputs["bf16 in-kernel"][0]
+    y = cupy.zeros((cfg.recv_rows_capacity, cfg.hidden), cupy.uint16)
+    y[:n] = cupy.asarray(d.y)
+    b = rt.dispatch(tok, tid, tw)
+    out = cupy.asnumpy(rt.combine(y, b.handle)).view(reference.BF16).astype(np.float32)
+    diff = np.abs(out - d.want)
+    err = float(diff.max()) if T else 0.0
+    ok["combine"] = check(bool((diff <= d.tol).all()), f"{fmt} T={T} combine error {err:.3g} above tolerance")
+
+    # CUDA graph of the four calls, replayed: codes and scales as the eager call's
+    first_x, first_s = b.x[:n].copy(), b.scales[:n].copy()
+    session.barrier()
+    stream.begin_capture()
+    gb = rt.dispatch_wait(rt.dispatch_async(tok, tid, tw))
+    rt.combine_wait(rt.combine_async(y, gb.handle))
+    graph = stream.end_capture()
+    same = 0
+    for _ in range(args.replays):
+        gb.x[:n].fill(0)
+        graph.launch(stream)
+        stream.synchronize()
+        same += int(bool(cupy.array_equal(gb.x[:n], first_x))  # scales as bytes: NaN scales compare equal
+                    and bool(cupy.array_equal(gb.scales[:n].view(cupy.uint8), first_s.view(cupy.uint8))))
+    rt.synchronize()
+    ok["graph"] = check(same == args.replays, f"{fmt} T={T} {args.replays - same} graph replays differ")
+    return T, n, S, err, same, ok
+
+
+def run_plan(fmt: str, cfg, session, text: str, refs, args, n_plans: int):
+    """Build plan ``text``'s runtime of format ``fmt``, run every check at every T of ``refs``,
+    close it. Returns ``(line, rows, failures)``: the plan's line for the report, ``[(label,
+    table row or None)]`` (None: the runtime could not be built; that row on rank 0 only) and
+    this rank's failures, each prefixed with the plan."""
+    from ep_check import plan_label, runtime_for  # this script's folder is on sys.path
+
+    me = session.rank
+    rt, built = runtime_for(cfg, session, text)
+    if rt is None:  # every rank: the plan cannot run here; rank 0 reports it
+        return (f"plan {text}: not built ({fmt})", [(text, None)] if me == 0 else [],
+                [f"{text}: {fmt}: {built}"] if me == 0 else [])
+    label = plan_label(rt.plan, text, n_plans)
+    failures = []
+
+    def check(cond, what):
+        if not cond:
+            failures.append(f"{label}: rank {me}: {what}")
+        return bool(cond)
+
+    rows = [(label, check_format(rt, session, d, args, check, fmt)) for d in refs]
+    line = f"plan {label} = {text}: {rt.plan.summary()}"
+    rt.close()
+    return line, rows, failures
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 128])
@@ -115,15 +240,21 @@ def main() -> int:
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--seed", type=int, default=3)
+    ap.add_argument("--plans", nargs="+", default=["default"], metavar="PLAN",
+                    help="execution plans to check, one runtime each (per format) on one session: 'default' (the "
+                         "rules' plan with EP_RUNTIME_PLAN's overrides), plan overrides such as "
+                         "receiver=wait,transport=puts, or 'variants' (default, then every receiver on every "
+                         "transport it can run on)")
     args = ap.parse_args()
+    from ep_check import plan_list  # this script's folder is on sys.path
 
-    import cupy
+    plans = plan_list(args.plans)
+
     from mpi4py import MPI
 
-    from ep_runtime import EPConfig, EPRuntime, reference
+    from ep_runtime import EPConfig
     from ep_runtime.layout import BufferLayout
     from ep_runtime.shmem import open_session
-    from ep_runtime.testing import linear_experts, make_inputs
 
     comm = MPI.COMM_WORLD
     R = comm.Get_size()
@@ -131,104 +262,52 @@ def main() -> int:
                         max_tokens_per_rank=max(args.tokens), token_dtype=f) for f in FORMATS}
     session = open_session("nvshmem", heap_bytes=max(BufferLayout(c).symmetric_bytes for c in cfgs.values()))
     me = session.rank
-    stream = session.stream
-    rows, failures = [], []
-
-    def check(cond, what):
-        if not cond:
-            failures.append(f"rank {me}: {what}")
-        return bool(cond)
+    failures = []
 
     differ, checked = check_hardware_conversion()
-    check(differ == 0, f"hardware E4M3 conversion: {differ} of {checked} words differ from the software rule")
+    if differ:
+        failures.append(f"rank {me}: hardware E4M3 conversion: {differ} of {checked} words differ from the software "
+                        f"rule")
     conversion = f"hardware E4M3 conversion: {checked - differ}/{checked} words as the software rule"
 
-    for fmt, cfg in cfgs.items():
-        rt = EPRuntime(cfg, session)
-        S = cfg.token_format.scale_count(cfg.hidden)
-        for T in args.tokens:
-            xs, ids, ws = make_inputs(cfg, "random", args.seed + T, n_tokens=[T] * R)
-            plant_awkward_blocks(xs, reference.BF16)
-            ref = reference.dispatch(xs, ids, ws, cfg)[me]
-            n = ref.n_rows
-            pad = np.flatnonzero(ref.src_rank < 0)
-            codes, scales = cfg.token_format.quantize(xs[me].view(np.uint16))
-            inputs = {"bf16 in-kernel": (cupy.asarray(xs[me].view(np.uint16)), {}),
-                      "pre-quantized": (cupy.asarray(codes), {"token_scales": cupy.asarray(scales)})}
-            tid, tw = cupy.asarray(ids[me]), cupy.asarray(ws[me])
-            ok = {}
-            for mode, (tok, kw) in inputs.items():
-                for layout_s in ("row", "column"):
-                    b = rt.dispatch(tok, tid, tw, scales=layout_s, **kw)
-                    x = cupy.asnumpy(b.x)
-                    sc = cupy.asnumpy(b.scales)
-                    sc = sc if layout_s == "row" else np.ascontiguousarray(sc.T)
-                    good = check(np.array_equal(cupy.asnumpy(b.row_offsets), ref.row_offsets),
-                                 f"{fmt} T={T} {mode} row_offsets")
-                    good &= check(np.array_equal(x[:n], ref.x), f"{fmt} T={T} {mode} codes")
-                    good &= check(np.array_equal(sc[:n].view(np.uint8), ref.scales.view(np.uint8)),
-                                  f"{fmt} T={T} {mode} scales {layout_s}-major")
-                    good &= check(not x[pad].any() and not sc[pad].view(np.uint8).any(),
-                                  f"{fmt} T={T} {mode} padding rows not zero")
-                    ok[f"{mode}/{layout_s}"] = good
-                cb = rt.dispatch(tok, tid, tw, layout="compact", **kw)
-                x_ref, defined, sc_ref = reference.receive_rows(xs, ids, cfg, with_scales=True)[me]
-                ok[f"{mode}/compact"] = (
-                    check(np.array_equal(cupy.asnumpy(cb.x)[defined], x_ref[defined]), f"{fmt} T={T} {mode} compact codes")
-                    & check(np.array_equal(np.ascontiguousarray(cupy.asnumpy(cb.scales))[defined].view(np.uint8),
-                                           sc_ref[defined].view(np.uint8)), f"{fmt} T={T} {mode} compact scales"))
-
-            # bf16 combine in the FP8 config (expert outputs: the decoded rows, scaled per rank)
-            tok, kw = inputs["bf16 in-kernel"]
-            refs = reference.dispatch(xs, ids, ws, cfg)
-            ys = []
-            for r, rb in enumerate(refs):
-                dec = cfg.token_format.dequantize(rb.x, rb.scales)
-                dec[~np.isfinite(dec)] = 0.0
-                dec[rb.src_rank < 0] = 0.0
-                ys.append(linear_experts(dec.astype(reference.BF16), rb.row_offsets, cfg.n_local_experts, r))
-            want = reference.combine(ys, refs, ids, cfg, home_ranks=[me])[me].astype(np.float32)
-            y = cupy.zeros((cfg.recv_rows_capacity, cfg.hidden), cupy.uint16)
-            y[:n] = cupy.asarray(ys[me].view(np.uint16))
-            b = rt.dispatch(tok, tid, tw)
-            out = cupy.asnumpy(rt.combine(y, b.handle)).view(reference.BF16).astype(np.float32)
-            tol = reference.combine_tolerance(ws[me], float(np.abs(ys[me].astype(np.float32)).max()))
-            diff = np.abs(out - want)
-            err = float(diff.max()) if T else 0.0
-            ok["combine"] = check(bool((diff <= tol).all()), f"{fmt} T={T} combine error {err:.3g} above tolerance")
-
-            # CUDA graph of the four calls, replayed: codes and scales as the eager call's
-            first_x, first_s = b.x[:n].copy(), b.scales[:n].copy()
-            session.barrier()
-            stream.begin_capture()
-            gb = rt.dispatch_wait(rt.dispatch_async(tok, tid, tw))
-            rt.combine_wait(rt.combine_async(y, gb.handle))
-            graph = stream.end_capture()
-            same = 0
-            for _ in range(args.replays):
-                gb.x[:n].fill(0)
-                graph.launch(stream)
-                stream.synchronize()
-                same += int(bool(cupy.array_equal(gb.x[:n], first_x))  # scales as bytes: NaN scales compare equal
-                            and bool(cupy.array_equal(gb.scales[:n].view(cupy.uint8), first_s.view(cupy.uint8))))
-            rt.synchronize()
-            ok["graph"] = check(same == args.replays, f"{fmt} T={T} {args.replays - same} graph replays differ")
-            rows.append((fmt, T, n, S, err, same, ok))
-        rt.close()
+    refs = {fmt: [fp8_reference(cfg, T, args.seed, me) for T in args.tokens] for fmt, cfg in cfgs.items()}
+    lines, rows = [], []
+    for i, text in enumerate(plans):
+        for fmt, cfg in cfgs.items():
+            try:
+                line, plan_rows, plan_failures = run_plan(fmt, cfg, session, text, refs[fmt], args, len(plans))
+            except Exception:  # not a plan that cannot run: the job stops, as without --plans
+                print(f"rank {me}: plan {text!r} ({fmt}) raised; the plans after it did not run", file=sys.stderr,
+                      flush=True)
+                raise
+            if line not in lines:  # a plan's line once (the formats' plans are alike)
+                lines.append(line)
+            rows += [(i, label, fmt, row) for label, row in plan_rows]
+            failures += plan_failures
     session.close()
     all_rows = comm.gather(rows, root=0)
     all_fail = comm.gather(failures, root=0)
     if me == 0:
-        for f in sum(all_fail, []):
+        fails = [f for rank_fails in all_fail for f in rank_fails]
+        for line in lines:
+            print(line)
+        for f in fails:
             print("FAIL:", f)
         print(conversion)
-        print(f"{'rank':>4} {'format':>15} {'T':>5} {'rows':>6} {'scales/row':>10} {'combine err':>11} "
+        w = max([4] + [len(label) for rr in all_rows for _, label, _, _ in rr])
+        print(f"{'rank':>4} {'plan':<{w}} {'format':>15} {'T':>5} {'rows':>6} {'scales/row':>10} {'combine err':>11} "
               f"{'graph same':>10}  checks")
-        for r, rr in enumerate(all_rows):
-            for fmt, T, n, S, err, same, ok in rr:
-                passed = sum(ok.values())
-                print(f"{r:>4} {fmt:>15} {T:>5} {n:>6} {S:>10} {err:>11.3g} {same:>10}  {passed}/{len(ok)} exact")
-        print("PASS" if not sum(all_fail, []) else "FAIL")
+        for i in range(len(plans)):
+            for r, rr in enumerate(all_rows):
+                for _, label, fmt, row in (x for x in rr if x[0] == i):
+                    if row is None:
+                        print(f"{r:>4} {label:<{w}} {fmt:>15} runtime not built (FAIL above)")
+                        continue
+                    T, n, S, err, same, ok = row
+                    passed = sum(ok.values())
+                    print(f"{r:>4} {label:<{w}} {fmt:>15} {T:>5} {n:>6} {S:>10} {err:>11.3g} {same:>10}  "
+                          f"{passed}/{len(ok)} exact")
+        print("PASS" if not fails else "FAIL")
     return 1 if comm.allreduce(len(failures)) else 0
 
 

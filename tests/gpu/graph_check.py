@@ -1,7 +1,7 @@
 """One CUDA graph, captured once at capacity, serving every batch size (run on the GPU machine):
 
     mpirun -np 2 -x PYTHONPATH python3 tests/gpu/graph_check.py [--capacity 256] [--replays 100]
-        [--layout expanded|compact]
+        [--layout expanded|compact] [--plans default | variants | receiver=land,transport=puts ...]
 
 Captures dispatch_async(n_tokens=<device scalar>) -> dispatch_wait -> (expert compute: the
 identity expert, a CuPy copy of the expanded batch, or with ``--layout compact`` a CuPy gather
@@ -12,8 +12,12 @@ the capture saw (one buffer for every call, guarded by credits: docs/protocol.md
 count into the device scalar (counts vary by rank and replay: 0, 1, capacity and random ones),
 replays the graph, and checks the expert batch exactly and the combine output within
 ``reference.combine_tolerance`` against the NumPy reference of that step. Rows past the count
-hold the previous step's data (decoys: sending one would add rows). Prints a table, then PASS
-or FAIL.
+hold the previous step's data (decoys: sending one would add rows). All of this runs for each
+execution plan of ``--plans`` (as in ep_check.py: ``default``, plan overrides, or ``variants``),
+a runtime and a graph each, built one after another on one NVSHMEM session; every plan replays
+the same steps, whose references are computed once when several plans run. A plan that cannot
+run here (EPConfigError when its runtime is built) is a failure; the other plans still run.
+Prints a table, then PASS or FAIL.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -31,32 +36,38 @@ def step_counts(R: int, cap: int, i: int, rng) -> list[int]:
     return fixed.get(i, [int(c) for c in rng.integers(0, cap + 1, R)])
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--capacity", type=int, default=256)
-    ap.add_argument("--hidden", type=int, default=7168)
-    ap.add_argument("--experts", type=int, default=256)
-    ap.add_argument("--top-k", type=int, default=8)
-    ap.add_argument("--replays", type=int, default=100)
-    ap.add_argument("--seed", type=int, default=7)
-    ap.add_argument("--layout", choices=("expanded", "compact"), default="expanded")
-    args = ap.parse_args()
-
-    import cupy
-    from mpi4py import MPI
-
-    from ep_runtime import EPConfig, EPRuntime, reference
-    from ep_runtime.layout import BufferLayout
-    from ep_runtime.shmem import open_session
+def step_reference(cfg, seed: int, i: int, counts: list[int], me: int, compact: bool) -> SimpleNamespace:
+    """Replay ``i``'s inputs on rank ``me`` and what it must give there (only this rank's parts
+    kept)."""
+    from ep_runtime import reference
     from ep_runtime.testing import make_inputs
 
-    comm = MPI.COMM_WORLD
-    R, cap = comm.Get_size(), args.capacity
-    cfg = EPConfig(n_ranks=R, n_experts=args.experts, top_k=args.top_k, hidden=args.hidden,
-                   max_tokens_per_rank=cap)
-    session = open_session("nvshmem", heap_bytes=BufferLayout(cfg).symmetric_bytes)
-    rt = EPRuntime(cfg, session)
-    me, stream = session.rank, session.stream
+    xs, ids, ws = make_inputs(cfg, "random", seed * 1000 + i, n_tokens=counts)
+    ref_b = reference.dispatch(xs, ids, ws, cfg)
+    b = ref_b[me]
+    want = reference.combine([rb.x for rb in ref_b], ref_b, ids, cfg, home_ranks=[me])[me]  # bf16
+    scale = float(np.abs(b.x.astype(np.float32)).max()) if b.n_rows else 0.0
+    return SimpleNamespace(tokens=xs[me].view(np.uint16), ids=ids[me], ws=ws[me], batch=b, want=want,
+                           tol=reference.combine_tolerance(ws[me], scale),
+                           gather=reference.gather_index(b, cfg) if compact else None)
+
+
+def run_plan(cfg, session, text: str, counts_per_step, steps, args, n_plans: int):
+    """Build plan ``text``'s runtime, capture the graph, replay it once per step (``steps[i]``:
+    replay i's step_reference, computed here where None and kept there when several plans run),
+    close it. Returns ``(line, rows, failures)``: the plan's line for the report, ``[(label,
+    (replays ok, median replay host us) or None)]`` (None: the runtime could not be built; that
+    row on rank 0 only) and this rank's failures, each prefixed with the plan."""
+    import cupy
+    from ep_check import plan_label, runtime_for  # this script's folder is on sys.path
+
+    from ep_runtime import reference
+
+    me, stream, cap = session.rank, session.stream, cfg.max_tokens_per_rank
+    rt, built = runtime_for(cfg, session, text)
+    if rt is None:  # every rank: the plan cannot run here; rank 0 reports it
+        return f"plan {text}: not built", ([(text, None)] if me == 0 else []), ([f"{text}: {built}"] if me == 0 else [])
+    label = plan_label(rt.plan, text, n_plans)
     failures = []
 
     tok = cupy.zeros((cap, cfg.hidden), cupy.uint16)
@@ -77,16 +88,15 @@ def main() -> int:
     rt.combine_wait(rt.combine_async(y, batch.handle), out=out)
     graph = stream.end_capture()
 
-    rng = np.random.default_rng(args.seed)
-    good, times, counts_seen = 0, [], set()
-    for i in range(args.replays):
-        counts = step_counts(R, cap, i, rng)
-        counts_seen.update(counts)
-        xs, ids, ws = make_inputs(cfg, "random", args.seed * 1000 + i, n_tokens=counts)
+    good, times = 0, []
+    for i, counts in enumerate(counts_per_step):
+        step = steps[i] or step_reference(cfg, args.seed, i, counts, me, args.layout == "compact")
+        if n_plans > 1:
+            steps[i] = step
         n = counts[me]
-        tok[:n] = cupy.asarray(xs[me].view(np.uint16))
-        tid[:n] = cupy.asarray(ids[me])
-        tw[:n] = cupy.asarray(ws[me])
+        tok[:n] = cupy.asarray(step.tokens)
+        tid[:n] = cupy.asarray(step.ids)
+        tw[:n] = cupy.asarray(step.ws)
         count[0] = n
         stream.synchronize()
         session.barrier()
@@ -95,41 +105,97 @@ def main() -> int:
         stream.synchronize()
         times.append((time.perf_counter() - t0) * 1e6)
 
-        ref_b = reference.dispatch(xs, ids, ws, cfg)
-        ref_out = reference.combine([b.x for b in ref_b], ref_b, ids, cfg)
-        rows = ref_b[me].n_rows
-        ok = bool(np.array_equal(cupy.asnumpy(batch.row_offsets), ref_b[me].row_offsets))
-        ok &= bool(np.array_equal(cupy.asnumpy(y[:rows]), ref_b[me].x.view(np.uint16)))
+        ref = step.batch
+        rows = ref.n_rows
+        ok = bool(np.array_equal(cupy.asnumpy(batch.row_offsets), ref.row_offsets))
+        ok &= bool(np.array_equal(cupy.asnumpy(y[:rows]), ref.x.view(np.uint16)))
         if args.layout == "compact":
-            ok &= bool(np.array_equal(cupy.asnumpy(batch.gather[:rows]), reference.gather_index(ref_b[me], cfg)))
+            ok &= bool(np.array_equal(cupy.asnumpy(batch.gather[:rows]), step.gather))
             ok &= bool(np.array_equal(cupy.asnumpy(batch.recv_tokens), np.array(counts, np.int32)))
         for k in ("src_rank", "src_token", "src_k", "weight"):
-            ok &= bool(np.array_equal(cupy.asnumpy(getattr(batch, k)[:rows]), getattr(ref_b[me], k)))
+            ok &= bool(np.array_equal(cupy.asnumpy(getattr(batch, k)[:rows]), getattr(ref, k)))
         got = cupy.asnumpy(out[:n]).view(reference.BF16).astype(np.float32)
-        want = ref_out[me].astype(np.float32)
-        scale = float(np.abs(ref_b[me].x.astype(np.float32)).max()) if rows else 0.0
-        tol = reference.combine_tolerance(ws[me], scale)
-        ok &= bool((np.abs(got - want) <= tol).all())
+        ok &= bool((np.abs(got - step.want.astype(np.float32)) <= step.tol).all())
         if not ok:
-            failures.append(f"rank {me}: replay {i} (counts {counts}) differs from the reference")
+            failures.append(f"{label}: rank {me}: replay {i} (counts {counts}) differs from the reference")
         good += int(ok)
     rt.synchronize()
     calls = rt.device_calls()
     if calls != args.replays:
-        failures.append(f"rank {me}: device call counter {calls}, expected {args.replays} (one per replay)")
+        failures.append(f"{label}: rank {me}: device call counter {calls}, expected {args.replays} (one per replay)")
+    line = f"plan {label} = {text}: {rt.plan.summary()}"
     rt.close()
+    return line, [(label, (good, float(np.median(times))))], failures
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--capacity", type=int, default=256)
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--replays", type=int, default=100)
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--layout", choices=("expanded", "compact"), default="expanded")
+    ap.add_argument("--plans", nargs="+", default=["default"], metavar="PLAN",
+                    help="execution plans to check, one runtime each on one session: 'default' (the rules' plan "
+                         "with EP_RUNTIME_PLAN's overrides), plan overrides such as receiver=land,transport=puts, "
+                         "or 'variants' (default, then every receiver on every transport it can run on)")
+    args = ap.parse_args()
+    from ep_check import plan_list  # this script's folder is on sys.path
+
+    plans = plan_list(args.plans)
+
+    from mpi4py import MPI
+
+    from ep_runtime import EPConfig
+    from ep_runtime.layout import BufferLayout
+    from ep_runtime.shmem import open_session
+
+    comm = MPI.COMM_WORLD
+    R, cap = comm.Get_size(), args.capacity
+    cfg = EPConfig(n_ranks=R, n_experts=args.experts, top_k=args.top_k, hidden=args.hidden,
+                   max_tokens_per_rank=cap)
+    session = open_session("nvshmem", heap_bytes=BufferLayout(cfg).symmetric_bytes)  # every plan's regions
+    me = session.rank
+
+    rng = np.random.default_rng(args.seed)
+    counts_per_step = [step_counts(R, cap, i, rng) for i in range(args.replays)]
+    counts_seen = sorted({c for counts in counts_per_step for c in counts})
+    steps = [None] * args.replays  # each replay's reference, kept for the next plans when several run
+    lines, rows, failures = [], [], []
+    for i, text in enumerate(plans):
+        try:
+            line, plan_rows, plan_failures = run_plan(cfg, session, text, counts_per_step, steps, args, len(plans))
+        except Exception:  # not a plan that cannot run: the job stops, as without --plans
+            print(f"rank {me}: plan {text!r} raised; the plans after it did not run", file=sys.stderr, flush=True)
+            raise
+        lines.append(line)
+        rows += [(i, label, row) for label, row in plan_rows]
+        failures += plan_failures
     session.close()
 
-    rows = comm.gather((me, good, sorted(counts_seen)[:3], float(np.median(times))), root=0)
+    all_rows = comm.gather(rows, root=0)
     fails = comm.gather(failures, root=0)
     if me == 0:
-        for f in sum(fails, [])[:10]:
+        fails = [f for rank_fails in fails for f in rank_fails]
+        for f in fails[:10]:
             print("FAIL:", f)
         print(f"layout {args.layout}")
-        print(f"{'rank':>4} {'replays ok':>10} {'of':>4} {'smallest counts':>16} {'replay host us (median)':>24}")
-        for r, g, c, t in rows:
-            print(f"{r:>4} {g:>10} {args.replays:>4} {str(c):>16} {t:>24.1f}")
-        print("PASS" if not sum(fails, []) else "FAIL")
+        for line in lines:
+            print(line)
+        w = max([4] + [len(label) for rr in all_rows for _, label, _ in rr])
+        print(f"{'rank':>4} {'plan':<{w}} {'replays ok':>10} {'of':>4} {'smallest counts':>16} "
+              f"{'replay host us (median)':>24}")
+        for i in range(len(plans)):
+            for r, rr in enumerate(all_rows):
+                for _, label, row in (x for x in rr if x[0] == i):
+                    if row is None:
+                        print(f"{r:>4} {label:<{w}} runtime not built (FAIL above)")
+                        continue
+                    g, t = row
+                    print(f"{r:>4} {label:<{w}} {g:>10} {args.replays:>4} {counts_seen[:3]!s:>16} {t:>24.1f}")
+        print("PASS" if not fails else "FAIL")
     return 1 if comm.allreduce(len(failures)) else 0
 
 

@@ -35,42 +35,6 @@ def _median_ns(fn, repeat: int, drain=None, every: int = 50) -> float:
     return statistics.median(out) / 1e3
 
 
-def _param_block_rows(session, repeat: int) -> list:
-    """A do-nothing kernel with 24 3-D array arguments (264 parameters, as many as the EP kernels
-    take) launched by two fast launchers on the session's stream, alternately: the parameters as
-    a pointer each (``kernelParams``) and as one block (``extra``, ``CU_LAUNCH_PARAM_BUFFER_POINTER``)."""
-    import cupy
-    from numba import cuda, types
-
-    from ep_runtime.shmem.fast_launch import FastLauncher
-
-    n = 24
-    names = [f"a{i}" for i in range(n)]
-    src = f"def many({', '.join(names)}):\n    if a0.shape[0] < 0:\n        a0[0, 0, 0] = 0\n"
-    scope: dict = {}
-    exec(src, scope)
-    kernel = cuda.jit(scope["many"])
-    argtype = types.Array(types.int32, 3, "C")
-    compiled = kernel.compile((argtype,) * n)
-    arrays = tuple(cupy.zeros((2, 3, 4), np.int32) for _ in range(n))
-    stream = int(session._core_stream.handle)
-    launchers = [FastLauncher(compiled, stream, param_block=block) for block in (False, True)]
-    assert [x.param_block for x in launchers] == [False, True]
-    times = ([], [])
-    pc = time.perf_counter_ns
-    for i in range(repeat):  # interleaved, so drift of the host's speed falls on both alike
-        for which in ((0, 1) if i % 2 else (1, 0)):
-            t = pc()
-            launchers[which].launch(132, 512, arrays)
-            times[which].append(pc() - t)
-        if i % 25 == 24:
-            cupy.cuda.runtime.deviceSynchronize()
-    cupy.cuda.runtime.deviceSynchronize()
-    n = launchers[0].params.n_params
-    return [(f"24-array launch, {name} ({n} params, interleaved)", statistics.median(t) / 1e3)
-            for name, t in zip(("pointer each", "one block"), times)]
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=128)
@@ -192,7 +156,6 @@ def main() -> int:
     except (OSError, AttributeError, TypeError) as exc:  # informational only
         rows.append((f"ctypes launch not timed ({type(exc).__name__})", float("nan")))
     rt.synchronize()
-    rows += _param_block_rows(session, args.repeat)
 
     if args.profile:
         prof = cProfile.Profile()

@@ -1,41 +1,30 @@
 #!/usr/bin/env bash
 # The GPU checks in one device call (2 ranks), each section under its own time limit:
 #   source .devcarry/setup.sh && bash tests/gpu/run_all.sh [section ...]
-# Sections (default: all, in this order): shmem ep ep_puts ep_fused ep_signalled graph graph_compact graph_rows fp8 soak
-# stream zerocopy example bench kernels stores host racecheck memcheck. graph / graph_compact: one CUDA graph, 100 replays,
-# expanded / compact layout; graph_rows: capacity 4096 (whole flagged rows at the largest replays, parts at small ones).
-# ep_signalled: ep_check with combine's row flags off (EP_RUNTIME_COMBINE_ROW_FLAGS_FROM=0: every call waits for the signal).
-# ep_puts: ep_check with the kernels sending through NVSHMEM puts (EP_RUNTIME_PEER_STORES=0);
-# ep_fused: ep_check with the expanded rows copied inside dispatch_wait at every size (EP_RUNTIME_FUSED_COPY=1);
-# ep_land / graph_land / graph_land_compact / fp8_land / bench_land: the same checks with dispatch rows as they land
-# (EP_RUNTIME_DISPATCH_LAND=1: dispatch_land instead of dispatch_wait and dispatch_copy; not in the default list);
+# Sections (default: all, in this order): shmem ep ep_puts graph graph_compact graph_rows fp8 soak stream zerocopy
+# example bench kernels stores host racecheck memcheck. graph / graph_compact: one CUDA graph, 100 replays, expanded /
+# compact layout; graph_rows: capacity 4096 (whole flagged rows at the largest replays, parts at small ones).
+# ep_puts: ep_check with the kernels sending through NVSHMEM puts (EP_RUNTIME_PLAN=transport=puts).
+# Every section runs under the caller's EP_RUNTIME_PLAN (plan overrides: ep_runtime.plan), so
+#   EP_RUNTIME_PLAN=receiver=land bash tests/gpu/run_all.sh ep graph fp8
+# runs those checks on the landing plan (tests/gpu/plan_checks.sh runs them on every plan variant).
 # stores: dispatch_async's store pattern alone against the copy engine; host: host time per call, broken down.
 # EP_RANKS (default 2) sets the ranks, EP_MPIRUN_ARGS adds mpirun options (tests/gpu/mps_run.sh sets both).
 # Logs go to $OUT/<section>.log (or /tmp/ep_gpu); the tail of each is printed.
 set -u
 out="${OUT:-/tmp/ep_gpu}"
 mkdir -p "$out"
-run="mpirun -np ${EP_RANKS:-2} ${EP_MPIRUN_ARGS:-} -x PYTHONPATH -x NVSHMEM_DISABLE_CUDA_VMM -x EP_RUNTIME_PEER_STORES -x EP_RUNTIME_FUSED_COPY -x EP_RUNTIME_COMBINE_ROW_FLAGS_FROM -x EP_RUNTIME_DISPATCH_LAND"
+run="mpirun -np ${EP_RANKS:-2} ${EP_MPIRUN_ARGS:-} -x PYTHONPATH -x NVSHMEM_DISABLE_CUDA_VMM -x EP_RUNTIME_PLAN"
 export NVSHMEM_DISABLE_CUDA_VMM=1  # compute-sanitizer cannot follow NVSHMEM's VMM heap mappings
-peer_stores="${EP_RUNTIME_PEER_STORES:-1}"  # the caller's choice for every section but ep_puts
-fused_copy="${EP_RUNTIME_FUSED_COPY:-auto}"  # the caller's choice for every section but ep_fused
-row_flags="${EP_RUNTIME_COMBINE_ROW_FLAGS_FROM:-1}"  # the caller's choice for every section but ep_signalled
-land="${EP_RUNTIME_DISPATCH_LAND:-0}"  # the caller's choice for every section but the *land* ones
+plan="${EP_RUNTIME_PLAN:-}"  # the caller's overrides for every section but ep_puts
 sections=("$@")
-[ ${#sections[@]} -eq 0 ] && sections=(shmem ep ep_puts ep_fused ep_signalled graph graph_compact graph_rows fp8 soak stream zerocopy
+[ ${#sections[@]} -eq 0 ] && sections=(shmem ep ep_puts graph graph_compact graph_rows fp8 soak stream zerocopy
                                         example bench kernels stores host racecheck memcheck)
 for s in "${sections[@]}"; do
   case "$s" in
     shmem)     cmd="timeout 180 $run python3 tests/gpu/shmem_check.py" ;;
     ep)        cmd="timeout 240 $run python3 tests/gpu/ep_check.py --calls 100" ;;
     ep_puts)   cmd="timeout 240 $run python3 tests/gpu/ep_check.py --calls 10 --replays 10" ;;
-    ep_fused)  cmd="timeout 240 $run python3 tests/gpu/ep_check.py --calls 10 --replays 10" ;;
-    ep_signalled) cmd="timeout 240 $run python3 tests/gpu/ep_check.py --calls 10 --replays 10" ;;
-    ep_land)   cmd="timeout 240 $run python3 tests/gpu/ep_check.py --calls 20 --replays 10" ;;
-    graph_land) cmd="timeout 180 $run python3 tests/gpu/graph_check.py --replays 100" ;;
-    graph_land_compact) cmd="timeout 180 $run python3 tests/gpu/graph_check.py --replays 100 --layout compact" ;;
-    fp8_land)  cmd="timeout 420 $run python3 tests/gpu/fp8_check.py --tokens 4096 128" ;;
-    bench_land) cmd="timeout 300 $run python3 -m ep_runtime.bench --tokens 128 4096 --layout expanded compact --json $out/bench_land.json" ;;
     graph)     cmd="timeout 180 $run python3 tests/gpu/graph_check.py --replays 100" ;;
     graph_compact) cmd="timeout 180 $run python3 tests/gpu/graph_check.py --replays 100 --layout compact" ;;
     graph_rows) cmd="timeout 240 $run python3 tests/gpu/graph_check.py --capacity 4096 --hidden 2048 --replays 20 --layout compact" ;;
@@ -53,10 +42,7 @@ for s in "${sections[@]}"; do
     *) echo "unknown section $s"; continue ;;
   esac
   echo "== $s: $cmd"
-  if [ "$s" = ep_puts ]; then export EP_RUNTIME_PEER_STORES=0; else export EP_RUNTIME_PEER_STORES="$peer_stores"; fi
-  if [ "$s" = ep_fused ]; then export EP_RUNTIME_FUSED_COPY=1; else export EP_RUNTIME_FUSED_COPY="$fused_copy"; fi
-  if [ "$s" = ep_signalled ]; then export EP_RUNTIME_COMBINE_ROW_FLAGS_FROM=0; else export EP_RUNTIME_COMBINE_ROW_FLAGS_FROM="$row_flags"; fi
-  case "$s" in *land*) export EP_RUNTIME_DISPATCH_LAND=1 ;; *) export EP_RUNTIME_DISPATCH_LAND="$land" ;; esac
+  if [ "$s" = ep_puts ]; then export EP_RUNTIME_PLAN="transport=puts"; else export EP_RUNTIME_PLAN="$plan"; fi
   $cmd > "$out/$s.log" 2>&1
   echo "== $s: exit $?"
   grep -v "Warning\|warn(\|cuGetProcAddress\|Saved host backtrace" "$out/$s.log" | grep -E "SUMMARY|PASS|FAIL|rank|^ +[0-9]|ceilings|init|Error" | tail -14

@@ -1,0 +1,226 @@
+"""Combine, wait half: ``combine_wait`` sums each token's partials in rank order.
+
+Launched with PDL, its blocks start on the SMs combine_async leaves free and reduce each part of
+each partial row as soon as it is flagged (``combine_row_flag``), then apply the caller's
+epilogue and round to bf16 (or hand back the per-rank partials). docs/protocol.md has the
+summation order.
+
+:func:`make_combine_wait` builds it for a block size, token word, partial format, PDL and an
+epilogue.
+"""
+
+import functools
+
+from numba import float32, int32, uint64
+
+from ep_runtime.kernels import shmem
+from ep_runtime.kernels.bits import bf16_bits_at, f32_word_at, word_f32
+from ep_runtime.kernels.block import await_part, part_bounds, warp_sync
+from ep_runtime.kernels.cuda_api import cuda, kernel_jit
+from ep_runtime.kernels.partials import flagged_parts, partial_geometry
+from ep_runtime.kernels.pdl import make_pdl, programmatic
+from ep_runtime.kernels.protocol import COUNTER_COMBINE_ROW_FLAG, KERNEL_COMBINE_WAIT, STATUS_CODE, SYNC_CALLS
+from ep_runtime.kernels.trace import stamp_first, stamp_last
+from ep_runtime.kernels.vec import load_pair, pairs_aligned, store_pair
+
+#: combine_wait modes
+MODE_REDUCE = 0      # out [T, H]: sum of the partials, epilogue, bf16
+MODE_PARTIALS = 1    # out [R, T, H]: each rank's partial (zero where the token did not go)
+
+
+@cuda.jit(device=True)
+def identity_epilogue(value, token, col, aux):
+    """The default epilogue: returns ``value`` (float32) unchanged."""
+    return value
+
+
+@functools.lru_cache(maxsize=None)
+def make_combine_wait(threads: int, word: str, f32_partials: bool, pdl: bool, epilogue=identity_epilogue):
+    """``combine_wait`` for blocks of ``threads`` threads, token words of ``word`` (a NumPy
+    dtype name), the partial format, PDL, and ``epilogue(value: float32, token: int, col: int,
+    aux: [T, H] float32) -> float32``, a Numba device function applied to each reduced element
+    before the bf16 store (e.g. a residual add reading ``aux[token, col]``). It does not depend
+    on the transport."""
+    geo = partial_geometry(threads, word, f32_partials)
+    warp, warps, word_t, pack, P, F32 = geo.warp, geo.warps, geo.word_t, geo.pack, geo.P, geo.F32
+    rounded_word = geo.rounded_word
+    U = geo.U
+    UP = geo.UP
+    # token words per lane per pass, so that U partial words are in flight (the same bytes and
+    # registers as bf16's U words), and their accumulators
+    UW = U // P
+    ACCW = UW * pack
+    UPW = UP // P  # token-word pairs per pass: UP partial-word pairs in flight
+    pdl_wait, pdl_trigger = make_pdl(pdl)
+
+    @kernel_jit(threads)
+    def combine_wait(out, out_partials, d_ids, d_counts, c_partials, sync, status, mode, timeout_ns, aux, own_rows,
+                     c_row_flag, claims):
+        """Wait for every rank's partials, then reduce them per token in rank order.
+
+        MODE_REDUCE: out [T, W] words = bf16(epilogue(sum over ranks r that token t went to,
+        in ascending r, of f32(partial_r), from 0)). MODE_PARTIALS: out_partials [R, T, P W]
+        partial words = partial_r (zero where the token did not go to r). The array of the
+        other mode is not touched (pass any array of the right rank). c_partials [G, R, T, P W]
+        partial words. aux [T, H] float32: the epilogue's input. own_rows: after
+        combine_async_rows (compact layout), its expert_out [R * Tmax, P W] partial words, where
+        this rank's own partial of token t is row ``me * Tmax + t`` (combine_async_rows does not
+        copy it); after combine_async, an empty [0, 0] array (the own partial is in
+        c_partials[g, me, t]).
+
+        No dependency wait first: combine_async lets this kernel start once the caller's data is
+        complete, so with PDL its blocks start on the SMs combine_async leaves free and work
+        while the partials arrive. Each warp claims the senders' parts (``flagged_parts``) in
+        turn (lane 0: ``claims[g]``, int32 [2], an atomic counter the receive kernel of the call
+        zeroes), lane 0 waits for the part's flags (``c_row_flag[r, t, p] >= n + 1`` for every
+        rank r the token went to, this rank's own row in expert_out excepted), and the warp
+        reduces the part, U partial words per lane in flight (UW = U / P token words); parts are
+        claimed in token order, the order they are sent. Before it exits the kernel waits for
+        combine_async to complete (``pdl_wait``), so stream order still holds for what follows.
+        A flag's timeout records the rank and the token, and the other warps stop claiming.
+        """
+        claim = cuda.shared.array(warps, int32)  # each warp's claimed part, then its flags' verdict
+        acc = cuda.local.array(ACCW, float32)
+        vals = cuda.local.array(U, word_t)
+        lo = cuda.local.array(UP, word_t)
+        hi = cuda.local.array(UP, word_t)
+        for u in range(UP):  # lanes past a row's end sum these (never stored): keep them finite
+            lo[u] = 0
+            hi[u] = 0
+        pdl_trigger()
+        # what is read before the dependency wait (counts, calls, status, the caller's arrays)
+        # was complete before combine_async started, which triggers this kernel only after its
+        # own dependency wait
+        n = sync[SYNC_CALLS] - 1
+        g = n % 2
+        if status[STATUS_CODE] != 0:
+            pdl_wait()
+            return
+        stamp_first(status, 20)
+        me = shmem.my_pe()
+        R = d_counts.shape[1]
+        L = d_counts.shape[2] - 1
+        K = d_ids.shape[3]
+        W = c_partials.shape[3] // 2 if F32 else c_partials.shape[3]  # token words
+        own = own_rows.shape[0] > 0  # this rank's partials in the compact expert_out
+        pairs = (W % 2 == 0 and pairs_aligned(out) and pairs_aligned(c_partials)
+                 and (not own or pairs_aligned(own_rows)))
+        tid = cuda.threadIdx.x
+        lane = tid % warp
+        wid = tid // warp
+
+        T = d_counts[g, me, L]
+        Tmax = d_ids.shape[2]
+        parts, span = flagged_parts(d_counts[g], P * W, warp)  # the senders' parts (in partial words)
+        span = span // P
+        while True:
+            if lane == 0:  # claim the next part (token order: the order the senders send them)
+                c = T * parts
+                if status[STATUS_CODE] == 0:
+                    c = cuda.atomic.add(claims, g, int32(1))
+                claim[wid] = c
+            warp_sync()
+            i = claim[wid]
+            warp_sync()  # read by every lane before lane 0 writes it again
+            if i >= T * parts:
+                break
+            t, w0, w1 = part_bounds(i, parts, span, W)
+            went = uint64(0)  # bit r: token t went to rank r
+            for k in range(K):
+                went |= uint64(1) << uint64(d_ids[g, me, t, k] // L)
+            if lane == 0:  # lane 0 waits for the part's partials (its own in expert_out are there)
+                ok = 1
+                p = i - t * parts
+                for r in range(R):
+                    if w0 < w1 and (went >> uint64(r)) & uint64(1) and not (own and r == me):
+                        if not await_part(c_row_flag, r, t, p, n, timeout_ns, status, KERNEL_COMBINE_WAIT,
+                                          COUNTER_COMBINE_ROW_FLAG):
+                            ok = 0
+                            break
+                claim[wid] = ok
+            warp_sync()
+            ok = claim[wid]
+            warp_sync()
+            if ok == 0:
+                break
+            if mode == MODE_REDUCE:
+                orow = out[t]
+                w = w0 + 2 * lane
+                while pairs and w < w1:  # UP partial-word pairs per lane: each rank's loads issued before use
+                    for x in range(2 * UPW * pack):
+                        acc[x] = float32(0.0)
+                    for r in range(R):
+                        if (went >> uint64(r)) & uint64(1):
+                            src = own_rows[me * Tmax + t] if own and r == me else c_partials[g, r, t]
+                            for u in range(UPW):
+                                wu = w + 2 * u * warp
+                                if wu < w1:
+                                    if F32:  # token words wu, wu + 1: partial words 2 wu .. 2 wu + 3
+                                        pair = load_pair(src, 2 * wu)
+                                        lo[2 * u] = pair[0]
+                                        hi[2 * u] = pair[1]
+                                        pair = load_pair(src, 2 * wu + 2)
+                                        lo[2 * u + 1] = pair[0]
+                                        hi[2 * u + 1] = pair[1]
+                                    else:
+                                        pair = load_pair(src, wu)
+                                        lo[u] = pair[0]
+                                        hi[u] = pair[1]
+                            for u in range(UPW):
+                                for x in range(pack):
+                                    if F32:
+                                        acc[2 * u * pack + x] += f32_word_at(lo[2 * u] if x < 2 else hi[2 * u], x % 2)
+                                        acc[(2 * u + 1) * pack + x] += f32_word_at(
+                                            lo[2 * u + 1] if x < 2 else hi[2 * u + 1], x % 2)
+                                    else:
+                                        acc[2 * u * pack + x] += word_f32(lo[u], x)
+                                        acc[(2 * u + 1) * pack + x] += word_f32(hi[u], x)
+                    for u in range(UPW):
+                        wu = w + 2 * u * warp
+                        if wu < w1:
+                            for x in range(2 * pack):
+                                acc[2 * u * pack + x] = epilogue(acc[2 * u * pack + x], t, wu * pack + x, aux)
+                            store_pair(orow, wu, rounded_word(acc, 2 * u * pack), rounded_word(acc, (2 * u + 1) * pack))
+                    w += 2 * UPW * warp
+                w = w0 + lane
+                while not pairs and w < w1:  # U partial words per lane: each rank's loads issued before use
+                    for x in range(UW * pack):
+                        acc[x] = float32(0.0)
+                    for r in range(R):
+                        if (went >> uint64(r)) & uint64(1):
+                            src = own_rows[me * Tmax + t] if own and r == me else c_partials[g, r, t]
+                            for u in range(UW):
+                                if w + u * warp < w1:
+                                    if F32:  # token word w + u warp: partial words 2 (w + u warp) + 0, 1
+                                        vals[2 * u] = src[2 * (w + u * warp)]
+                                        vals[2 * u + 1] = src[2 * (w + u * warp) + 1]
+                                    else:
+                                        vals[u] = src[w + u * warp]
+                            for u in range(UW):
+                                for x in range(pack):
+                                    if F32:
+                                        acc[u * pack + x] += f32_word_at(vals[2 * u + x // 2], x % 2)
+                                    else:
+                                        acc[u * pack + x] += word_f32(vals[u], x)
+                    for u in range(UW):
+                        wu = w + u * warp
+                        if wu < w1:
+                            packed = uint64(0)
+                            for x in range(pack):
+                                packed |= bf16_bits_at(epilogue(acc[u * pack + x], t, wu * pack + x, aux), x)
+                            out[t, wu] = word_t(packed)
+                    w += UW * warp
+            else:
+                for w in range(P * w0 + lane, P * w1, warp):  # partial words
+                    for r in range(R):
+                        if (went >> uint64(r)) & uint64(1):
+                            if own and r == me:
+                                out_partials[r, t, w] = own_rows[me * Tmax + t, w]
+                            else:
+                                out_partials[r, t, w] = c_partials[g, r, t, w]
+                        else:
+                            out_partials[r, t, w] = 0
+        stamp_last(status, 22)
+        pdl_wait()  # completes after combine_async (stream order for what follows)
+
+    return programmatic(combine_wait, pdl)

@@ -1,0 +1,289 @@
+"""Send, routing half: dispatch_async's routing rows, ranks, counts and route signal.
+
+Every receiver needs each source's routing rows (``dispatch_topk_ids`` / ``_weights``: ids and
+weights of every token, sent to every rank). The ``wait`` and ``land`` receivers also need each
+(token, k)'s rank among the source's tokens with that expert (``dispatch_ranks``) and each
+expert's token count (``dispatch_counts``): the grid's last blocks (routing blocks) compute
+them beside the token blocks, each a chunk of the tokens. Route-first receivers rank for
+themselves: a route-first sender only sends the routing rows and T and signals them
+(``dispatch_route_signal``) before its token rows.
+
+:func:`make_dispatch_route` builds the device functions for a
+:class:`~ep_runtime.kernels.variant.DispatchVariant`.
+"""
+
+import functools
+from types import SimpleNamespace
+
+from numba import int32, int64, uint32, uint64
+
+from ep_runtime.kernels import shmem
+from ep_runtime.kernels.bits import f32_bits
+from ep_runtime.kernels.block import last_block_ticket, popc32, publish_fence, udiv32, warp_geometry
+from ep_runtime.kernels.cuda_api import SIMULATED, cuda, inlined
+from ep_runtime.kernels.protocol import (PEER_COUNTS, PEER_IDS, PEER_RANKS, PEER_WEIGHTS, SIGNAL_TOKEN_BITS,
+                                         SYNC_ROUTE_TICKET)
+from ep_runtime.kernels.ranking import make_ranking
+from ep_runtime.kernels.trace import stamp_last
+from ep_runtime.kernels.variant import DispatchVariant, Receiver
+from ep_runtime.kernels.vec import address_of, load_u32_at, store_u32_at
+
+#: Experts a routing block ranks per pass over this rank's tokens (shared lane masks of warps x
+#: RANK_WINDOW words, 16 KB at 16 warps, and as many row words): one pass for up to 256 experts
+#: on a GPU. The simulator's windows are 4 experts, so its small configurations take several
+#: passes and the window arithmetic is tested on every run.
+RANK_WINDOW = 4 if SIMULATED else 256
+#: Routing blocks (the grid's last): at most this many, one per ``ROUTE_GRID_SHARE`` blocks of
+#: the grid beyond the first, each ranking a chunk of the tokens so the routing is out sooner.
+#: bf16 rows want 8; the FP8 encoder, bound by its SMs, wants 4 (its 128 token blocks then deal
+#: 4,096 rows evenly): docs/plans.md, "Routing blocks".
+ROUTE_BLOCKS = 2 if SIMULATED else 8
+ROUTE_BLOCKS_QUANT = 2 if SIMULATED else 4
+ROUTE_GRID_SHARE = 1 if SIMULATED else 12
+#: Staged ranks each thread of a routing block loads before it stores any to the ranks'
+#: destinations (independent loads; the stores through raw addresses would otherwise wait for
+#: each load in turn).
+RUN_BATCH = 8
+
+
+@functools.lru_cache(maxsize=None)
+def make_dispatch_route(v: DispatchVariant) -> SimpleNamespace:
+    """The routing half of dispatch_async for ``v``: ``route_blocks``, ``rank_words`` and
+    ``rank_window`` (the shared words a routing block's masks and rows take, and its experts per
+    pass), ``send_routing_spread``,
+    ``send_routing_first``, ``rank_chunk``, ``publish_route``, ``publish_route_share`` and
+    ``store_token_count``."""
+    threads = v.threads
+    warp, warps = warp_geometry(threads)
+    STORES = v.stores
+    QUANT = v.quantized
+    LAND = v.receiver is Receiver.LAND
+    FIRST = v.receiver.routes_first
+    SW = RANK_WINDOW
+    RANK_WORDS = warps * SW
+    warp_first_ranks = make_ranking(threads).warp_first_ranks
+
+    @cuda.jit(device=True)
+    def route_blocks(grid, split):
+        """Routing blocks of dispatch_async's grid of ``grid`` blocks: one per ROUTE_GRID_SHARE
+        blocks beyond the first, at least 1, at most ROUTE_BLOCKS (ROUTE_BLOCKS_QUANT for FP8).
+        A route-first call has one, which only sends the routing rows, or none when the token
+        blocks send them (``split``)."""
+        if FIRST:
+            return 0 if split else 1
+        return max(1, min(ROUTE_BLOCKS_QUANT if QUANT else ROUTE_BLOCKS, (grid - 1) // ROUTE_GRID_SHARE))
+
+    @cuda.jit(device=True)
+    def signal_routing(d_route, g, me, n, T, R, first, step):
+        """Set ``d_route[g, me]`` on ranks ``first, first + step, ...`` below R to ``(n + 1) << 32 |
+        T``: this rank's routing of call n is out. The caller has published the routing (a fence
+        after its stores, or the route ticket)."""
+        signal = (uint64(n + 1) << uint64(SIGNAL_TOKEN_BITS)) | uint64(T)
+        for d in range(first, R, step):
+            shmem.signal_op(d_route[g, me:me + 1], signal, shmem.SIGNAL_SET, d)
+
+    @cuda.jit(device=True)
+    def store_token_count(d_counts, peer_bases, g, me, R, L, T):
+        """Every thread of a block: this call's T into ``d_counts[g, me, L]`` on every rank, through
+        the NVLink mappings (a route-first call's routing carries it; combine reads it there)."""
+        counts_at = address_of(d_counts[g, me]) - address_of(d_counts)
+        for d in range(cuda.threadIdx.x, R, threads):
+            store_u32_at(peer_bases[PEER_COUNTS, d] + counts_at, L, uint32(T))
+
+    @cuda.jit(device=True)
+    def publish_route(sync, flag, d_route, g, me, n, T, R, status):
+        """Every thread of a block, once, when the block's share of the routing is out: the route
+        ticket (``last_block_ticket``: barrier, fence or quiet, ticket); the block that takes
+        the last sets ``d_route[g, me]`` on every rank and resets the ticket."""
+        if last_block_ticket(sync[SYNC_ROUTE_TICKET:SYNC_ROUTE_TICKET + 1], flag, STORES):
+            signal_routing(d_route, g, me, n, T, R, cuda.threadIdx.x, threads)
+            if cuda.threadIdx.x == 0:
+                sync[SYNC_ROUTE_TICKET] = 0
+            stamp_last(status, 29)
+        cuda.syncthreads()  # flag read by every thread before the next ticket reuses it
+
+    @cuda.jit(device=True)
+    def publish_route_share(sync, d_route, g, me, n, T, R, token_blocks, status):
+        """One thread of each token block of a split route-first call that encodes FP8 rows, after
+        a barrier that ordered every thread's share of the routing rows (and block 0's T) before
+        it: the route ticket of :func:`publish_route` taken by this thread alone (system fence,
+        ticket; the block that takes the last sets ``d_route[g, me]`` on every rank and resets
+        it), so the fence's wait for the routing stores to land holds up one warp, not the
+        block's token rows."""
+        publish_fence(True)  # a route-first build stores: the fence, cumulative over the barrier
+        done = cuda.atomic.add(sync, SYNC_ROUTE_TICKET, int64(1))
+        if done == token_blocks - 1:
+            cuda.threadfence()
+            signal_routing(d_route, g, me, n, T, R, 0, 1)
+            sync[SYNC_ROUTE_TICKET] = 0
+            stamp_last(status, 29)
+
+    @inlined
+    def send_routing_spread(topk_ids, topk_weights, d_ids, d_weights, peer_bases, g, me, T, R, K, token_blocks):
+        """Every thread of a token block: its share of this rank's routing rows (ids, weights) into
+        ``d_ids[g, me]`` / ``d_weights[g, me]`` of every rank: 4-byte stores through the peer
+        mappings (rows 0..T are contiguous on both sides: element j of the run), or a block put
+        of a run of tokens per rank."""
+        tid = cuda.threadIdx.x
+        if STORES:
+            ids_at = address_of(d_ids[g, me]) - address_of(d_ids)
+            weights_at = address_of(d_weights[g, me]) - address_of(d_weights)
+            for j in range(cuda.blockIdx.x * threads + tid, T * K, token_blocks * threads):
+                t = j // K
+                k = j - t * K
+                x = uint32(topk_ids[t, k])
+                wbits = f32_bits(topk_weights[t, k])
+                for d in range(R):
+                    store_u32_at(peer_bases[PEER_IDS, d] + ids_at, j, x)
+                    store_u32_at(peer_bases[PEER_WEIGHTS, d] + weights_at, j, wbits)
+        else:
+            per = (T + token_blocks - 1) // token_blocks
+            t0 = min(cuda.blockIdx.x * per, T)
+            t1 = min(t0 + per, T)
+            if t0 < t1:
+                for d in range(R):
+                    shmem.put_nbi_block(d_ids[g, me, t0:t1], topk_ids[t0:t1], d)
+                    shmem.put_nbi_block(d_weights[g, me, t0:t1], topk_weights[t0:t1], d)
+
+    @inlined
+    def send_routing_first(topk_ids, topk_weights, d_ids, d_weights, d_counts, d_route, peer_bases, g, me, n, T, R,
+                           L, K, status):
+        """Every thread of a route-first call's routing block: the routing rows (ids, weights) and
+        T (``d_counts[g, me, L]``, read by combine) into every rank, then, after a system fence,
+        the route signal. Nothing is ranked here: each receiver ranks from the routing rows."""
+        ids_at = address_of(d_ids[g, me]) - address_of(d_ids)
+        weights_at = address_of(d_weights[g, me]) - address_of(d_weights)
+        for j in range(cuda.threadIdx.x, T * K, threads):
+            t = int32(udiv32(j, K))
+            x = uint32(topk_ids[t, j - t * K])
+            wbits = f32_bits(topk_weights[t, j - t * K])
+            for d in range(R):
+                store_u32_at(peer_bases[PEER_IDS, d] + ids_at, j, x)
+                store_u32_at(peer_bases[PEER_WEIGHTS, d] + weights_at, j, wbits)
+        store_token_count(d_counts, peer_bases, g, me, R, L, T)
+        cuda.syncthreads()
+        if cuda.threadIdx.x == 0:  # data before signal: the system fence is cumulative over the barrier
+            publish_fence(True)
+            signal_routing(d_route, g, me, n, T, R, 0, 1)
+        stamp_last(status, 29)
+
+    @cuda.jit(device=True)
+    def send_rank_run(src, n, R, peer_bases, ranks_at, tid, run_l):
+        """Every thread of the routing block: the first ``n`` int32 of the staged ranks (the
+        flat run at address ``src``: element ``t K + k``) into every rank's run at byte
+        ``ranks_at`` past its ``dispatch_ranks``: contiguous 4-byte stores across the block,
+        RUN_BATCH loads in flight per thread (``run_l``) before its stores."""
+        j = tid
+        while j < n:
+            for b in range(RUN_BATCH):  # a constant trip count: unrolled, run_l in registers
+                if j + b * threads < n:
+                    run_l[b] = load_u32_at(src, j + b * threads)
+            for b in range(RUN_BATCH):
+                if j + b * threads < n:
+                    for d in range(R):
+                        store_u32_at(peer_bases[PEER_RANKS, d] + ranks_at, j + b * threads, run_l[b])
+            j += RUN_BATCH * threads
+
+    @cuda.jit(device=True)
+    def mark_expert(masks, el, wid, lane):
+        """Set this lane's bit in its warp's mask of window expert ``el`` (nothing outside the
+        window ``[0, RANK_WINDOW)``)."""
+        if el >= 0 and el < SW:
+            cuda.atomic.or_(masks, wid * SW + el, uint32(1) << uint32(lane))
+
+    @cuda.jit(device=True)
+    def stage_rank(masks, warp_rows, el, wid, lanes_below, ranks_src, j):
+        """The rank of this lane's token among the tokens with window expert ``el`` (its warp's
+        first rank plus the lanes below with the expert), staged as flat element ``j`` of the
+        ranks at ``ranks_src`` (nothing outside the window)."""
+        if el >= 0 and el < SW:
+            m = wid * SW + el
+            store_u32_at(ranks_src, j, uint32(warp_rows[m] + popc32(masks[m] & lanes_below)))
+
+    @inlined
+    def rank_chunk(ids_base, d_ranks, d_counts, send_ranks, send_counts, peer_bases, g, me, n, T, R, L, K, rb,
+                   n_route, sync, flag, d_route, status, masks, warp_rows, next_rank, run_l):
+        """Every thread of routing block ``rb`` of ``n_route``: each (token, k) of chunk rb of the
+        tokens ranked among this rank's tokens with expert ``topk_ids[t, k]`` (``ids_base``, the
+        flat ids), staged in send_ranks and stored on every rank (``d_ranks[g, me]``), starting
+        from the count of each expert's tokens before the chunk (a shared-memory histogram of
+        their ids), so no routing block waits for another; the last chunk's block stores each
+        expert's count on its rank (``d_counts[g, me, :L]``, and T at ``[g, me, L]``). A landing
+        build then takes the route ticket (``publish_route``). The puts path stages the counts
+        rows (send_counts) and puts the ranks per block."""
+        tid = cuda.threadIdx.x
+        chunk = (T + n_route - 1) // n_route  # this block ranks tokens [c0, c1)
+        c0 = min(rb * chunk, T)
+        c1 = min(c0 + chunk, T)
+        counts_here = rb == n_route - 1  # the last chunk's block knows every count after ranking
+        E = R * L
+        lane = tid % warp
+        wid = tid // warp
+        lanes_below = (uint32(1) << uint32(lane)) - uint32(1)
+        ranks_at = address_of(d_ranks[g, me]) - address_of(d_ranks)  # element t * K + k of the run
+        counts_at = address_of(d_counts[g, me]) - address_of(d_counts)
+        ranks_src = address_of(send_ranks)  # likewise [Tmax, K]
+        for w0 in range(0, E, SW):
+            for el in range(tid, SW, threads):
+                next_rank[el] = 0
+            for m in range(tid, RANK_WORDS, threads):
+                masks[m] = uint32(0)
+            cuda.syncthreads()
+            for j in range(tid, c0 * K, threads):  # tokens before the chunk: each expert's first rank
+                el = int32(load_u32_at(ids_base, j)) - w0
+                if el >= 0 and el < SW:
+                    cuda.atomic.add(next_rank, el, int32(1))
+            cuda.syncthreads()
+            for tb in range(c0, c1, threads):
+                if tb > c0:  # a later round: clear the masks the last one set (read by all: its last barrier)
+                    for m in range(tid, RANK_WORDS, threads):
+                        masks[m] = uint32(0)
+                    cuda.syncthreads()
+                t = tb + tid
+                valid = t < c1
+                # this lane's bit in its warp's mask of each of its token's experts in the window
+                if valid:
+                    for k in range(K):
+                        mark_expert(masks, int32(load_u32_at(ids_base, t * K + k)) - w0, wid, lane)
+                cuda.syncthreads()
+                warp_first_ranks(masks, warp_rows, next_rank, SW)
+                cuda.syncthreads()
+                # each (token, k)'s rank: its warp's first rank plus the lanes below with the expert
+                if valid:
+                    for k in range(K):
+                        stage_rank(masks, warp_rows, int32(load_u32_at(ids_base, t * K + k)) - w0, wid,
+                                   lanes_below, ranks_src, t * K + k)
+                cuda.syncthreads()  # every mask read before the next round (or window) clears it
+            # the window's counts, each to its expert's rank
+            for el in range(tid, SW if counts_here else 0, threads):
+                x = w0 + el
+                if x < E:
+                    d = x // L
+                    if STORES:
+                        store_u32_at(peer_bases[PEER_COUNTS, d] + counts_at, x - d * L, uint32(next_rank[el]))
+                    else:
+                        send_counts[d, x - d * L] = next_rank[el]
+            cuda.syncthreads()  # next_rank read before the next window resets it
+        for d in range(tid, R if counts_here else 0, threads):  # T, even when 0
+            if STORES:
+                store_u32_at(peer_bases[PEER_COUNTS, d] + counts_at, L, uint32(T))
+            else:
+                send_counts[d, L] = T
+        cuda.syncthreads()  # the ranks are staged before the block sends them
+        stamp_last(status, 19)
+        if STORES:  # the staged run of the chunk to every rank, 128 bytes per warp store
+            send_rank_run(ranks_src + uint64(4 * c0 * K), (c1 - c0) * K, R, peer_bases,
+                          ranks_at + uint64(4 * c0 * K), tid, run_l)
+        elif c1 > c0:
+            for d in range(R):
+                shmem.put_nbi_block(d_ranks[g, me, c0:c1], send_ranks[c0:c1], d)
+        if LAND:
+            if not STORES and counts_here:  # the counts rows before the route signal (its quiet)
+                for d in range(R):
+                    shmem.put_nbi_block(d_counts[g, me], send_counts[d], d)
+            publish_route(sync, flag, d_route, g, me, n, T, R, status)
+
+    return SimpleNamespace(route_blocks=route_blocks, rank_words=RANK_WORDS, rank_window=SW,
+                           send_routing_spread=send_routing_spread, send_routing_first=send_routing_first,
+                           rank_chunk=rank_chunk, publish_route=publish_route, publish_route_share=publish_route_share,
+                           store_token_count=store_token_count)

@@ -1,0 +1,218 @@
+"""The execution plan (ep_runtime.plan), without a simulator: the rules and their reasons, the
+overrides (arguments and EP_RUNTIME_PLAN) and the errors naming the rule, the grids, the regions
+a plan allocates, and the one environment variable left to choose an algorithm."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+from types import SimpleNamespace
+
+import pytest
+
+from ep_runtime.config import EPConfig
+from ep_runtime.errors import EPConfigError
+from ep_runtime.layout import BufferLayout
+from ep_runtime.plan import (LAND_SMS, PLAN_ENV, ExpandedCopy, Plan, Receiver, Topology, Transport, agree,
+                             choose_plan, merged_overrides, parse_overrides)
+
+H100x2 = Topology.nvlink_gpus(2)
+
+
+def cfg(T: int = 4096, layouts="both", token_dtype="bfloat16", **changes) -> EPConfig:
+    return EPConfig(**{**dict(n_ranks=2, n_experts=256, top_k=8, hidden=7168, max_tokens_per_rank=T,
+                              token_dtype=token_dtype, layouts=layouts), **changes})
+
+
+# -- the rules ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("T, layouts, token_dtype, receiver, copy", [
+    (1, "both", "bfloat16", "route_first", "in_wait"),
+    (128, "both", "bfloat16", "route_first", "in_wait"),
+    (128, "compact", "bfloat16", "route_first", "none"),
+    (256, "both", "bfloat16", "wait", "dispatch_copy"),
+    (1023, "both", "bfloat16", "wait", "dispatch_copy"),
+    (1024, "both", "bfloat16", "land", "in_land"),
+    (4096, "both", "bfloat16", "land", "in_land"),
+    (4096, "expanded", "bfloat16", "land", "in_land"),
+    (4096, "compact", "bfloat16", "route_first_chunked", "none"),
+    (1024, "compact", "bfloat16", "route_first_chunked", "none"),
+    (128, "both", "fp8_e4m3", "wait", "dispatch_copy"),
+    (511, "both", "fp8_e4m3", "wait", "dispatch_copy"),
+    (512, "both", "fp8_e4m3", "route_first_chunked", "dispatch_copy"),
+    (4096, "compact", "fp8_e4m3_ue8m0", "route_first_chunked", "none"),
+])
+def test_the_rules_on_an_nvlink_host(T, layouts, token_dtype, receiver, copy):
+    plan = choose_plan(cfg(T, layouts, token_dtype), H100x2)
+    assert (plan.receiver.value, plan.expanded_copy.value) == (receiver, copy)
+    assert plan.transport is Transport.STORES and plan.pdl and plan.threads == 512 and plan.grid == 132
+    assert plan.layouts == cfg(T, layouts).layouts
+    reasons = dict(r.split(": ", 1) for r in plan.reasons)
+    assert reasons["receiver"] and reasons["transport"] and reasons["expanded_copy"], plan.reasons
+
+
+def test_serving_both_layouts_says_what_it_trades():
+    both = choose_plan(cfg(4096), H100x2)
+    assert "trade: serving both layouts, the compact one lands too" in both.describe()
+    assert "trade" not in choose_plan(cfg(4096, "compact"), H100x2).describe()
+    assert "trade" not in choose_plan(cfg(128), H100x2).describe()
+
+
+@pytest.mark.parametrize("topology, changes, receiver, why", [
+    (Topology.nvlink_gpus(1), {"n_ranks": 1}, "wait", "one rank"),
+    (H100x2, {"n_sms": 32}, "wait", "EPConfig.n_sms"),
+    (Topology(2, True, 132, pdl=False), {}, "wait", "no PDL"),
+    (Topology(2, True, 2, pdl=False, simulated=True), {}, "wait", "simulator"),
+])
+def test_no_early_receiver_without_free_sms_pdl_or_peers(topology, changes, receiver, why):
+    plan = choose_plan(cfg(128, n_experts=256 if changes.get("n_ranks", 2) == 2 else 128, **changes), topology)
+    assert plan.receiver.value == receiver and why in dict(r.split(": ", 1) for r in plan.reasons)["receiver"]
+    assert plan.receiver_sms == 0 and plan.dispatch_async_grid == plan.grid
+    # combine_wait starts early wherever SMs are left free and PDL is on, whatever the ranks
+    assert plan.combine_wait_sms == (24 if topology.pdl and "n_sms" not in changes else 0)
+
+
+def test_unmapped_peers_take_the_puts():
+    remote = Topology(2, peers_mapped=False, sm_count=132, pdl=True)
+    assert choose_plan(cfg(4096), remote).transport is Transport.PUTS
+    assert choose_plan(cfg(4096), remote).receiver is Receiver.LAND
+    assert choose_plan(cfg(128), remote).receiver is Receiver.WAIT  # route first stores the routing
+    assert choose_plan(cfg(4096, token_dtype="fp8_e4m3"), remote).receiver is Receiver.WAIT
+
+
+def test_the_simulator_plan():
+    plan = choose_plan(cfg(16, hidden=64, n_experts=8, top_k=2), Topology(2, True, 0, False, True))
+    assert (plan.threads, plan.grid, plan.pdl, plan.receiver) == (8, 2, False, Receiver.WAIT)
+
+
+def test_grids_and_sm_splits():
+    land = choose_plan(cfg(4096), H100x2)
+    assert land.receiver_sms == LAND_SMS and land.dispatch_async_grid == 132 - 48 and land.dispatch_wait_grid == 132
+    first = choose_plan(cfg(128), H100x2)
+    assert (first.placing_blocks, first.dispatch_async_grid, first.dispatch_wait_grid) == (2, 130, 2)
+    chunked = choose_plan(cfg(4096, "compact"), H100x2)
+    assert (chunked.placing_blocks, chunked.dispatch_async_grid, chunked.dispatch_wait_grid) == (4, 128, 4)
+    assert land.combine_async_grid("compact") == 132 - 24 and land.combine_async_grid("expanded") == 132 - 8
+    big = choose_plan(cfg(4096), H100x2, {"receiver_sms": 100})
+    assert big.dispatch_async_grid == 66  # landing keeps at least half the grid for its own copy
+
+
+# -- overrides ----------------------------------------------------------------------------------------
+def test_overrides_win_and_derived_fields_follow_them():
+    plan = choose_plan(cfg(4096), H100x2, {"receiver": "route_first_chunked"})
+    assert plan.receiver is Receiver.ROUTE_FIRST_CHUNKED and plan.expanded_copy is ExpandedCopy.DISPATCH_COPY
+    assert plan.placing_blocks == 4 and "receiver: set by override" in plan.reasons
+    assert choose_plan(cfg(128), H100x2, {"pdl": "0"}).receiver is Receiver.WAIT
+    assert choose_plan(cfg(4096), H100x2, {"receiver": "wait"}).receiver_sms == 0
+
+
+def test_override_strings():
+    assert parse_overrides(" receiver = land, pdl=0,receiver_sms=64 ") == {
+        "receiver": Receiver.LAND, "pdl": False, "receiver_sms": 64}
+    assert parse_overrides("") == {}
+
+
+@pytest.mark.parametrize("text, match", [
+    ("recever=land", "unknown plan field 'recever'; overridable fields: transport, receiver"),
+    ("receiver=fast", "receiver='fast'; expected one of wait, land, route_first, route_first_chunked"),
+    ("pdl=maybe", "pdl='maybe'; expected 1 or 0"),
+    ("receiver_sms=-3", "receiver_sms='-3'; expected an integer >= 0"),
+    ("receiver", "'receiver' is not key=value"),
+])
+def test_bad_override_strings_are_refused_naming_the_key(text, match):
+    with pytest.raises(EPConfigError, match=re.escape(match)):
+        parse_overrides(text)
+
+
+@pytest.mark.parametrize("overrides, rule", [
+    ({"receiver": "route_first", "transport": "puts"}, "plan rule 'receiver'"),
+    ({"receiver": "wait", "expanded_copy": "in_land"}, "plan rule 'expanded_copy'"),
+    ({"expanded_copy": "none"}, "plan rule 'expanded_copy'"),
+    ({"receiver": "wait", "placing_blocks": 2}, "plan rule 'placing_blocks'"),
+    ({"receiver_sms": 132}, "plan rule 'receiver_sms'"),
+    ({"share_from_tokens": 0}, "plan rule 'thresholds'"),
+])
+def test_impossible_combinations_name_the_rule(overrides, rule):
+    with pytest.raises(EPConfigError, match=re.escape(rule)):
+        choose_plan(cfg(4096), H100x2, overrides)
+
+
+def test_impossible_for_the_format_or_topology():
+    with pytest.raises(EPConfigError, match="in_wait needs a route-first receiver and bf16"):
+        choose_plan(cfg(128, token_dtype="fp8_e4m3"), H100x2, {"receiver": "route_first", "expanded_copy": "in_wait"})
+    with pytest.raises(EPConfigError, match="transport=stores needs every PE's heap mapped"):
+        choose_plan(cfg(128), Topology(2, False, 132, True), {"transport": "stores"})
+    with pytest.raises(EPConfigError, match="pdl=1 needs compute capability 9.0"):
+        choose_plan(cfg(128), Topology(2, True, 132, False), {"pdl": 1})
+
+
+def test_the_environment_string_merges_with_the_arguments(monkeypatch):
+    monkeypatch.setenv(PLAN_ENV, "receiver=land")
+    assert merged_overrides({"pdl": True}) == {"receiver": Receiver.LAND, "pdl": True}
+    assert merged_overrides({"receiver": "land"}) == {"receiver": Receiver.LAND}
+    with pytest.raises(EPConfigError, match="set the same plan fields to different values"):
+        merged_overrides({"receiver": "wait"})
+    monkeypatch.setenv(PLAN_ENV, "bogus=1")
+    with pytest.raises(EPConfigError, match=f"{PLAN_ENV}: unknown plan field 'bogus'"):
+        merged_overrides({})
+
+
+# -- records --------------------------------------------------------------------------------------------
+def test_describe_is_a_narrow_table_with_the_reasons():
+    text = choose_plan(cfg(4096, "compact"), H100x2).describe()
+    assert max(map(len, text.splitlines())) < 120, text
+    assert "receiver                   route_first_chunked" in text and "compact layout only" in text
+    assert "grids: dispatch_async 128, dispatch_wait 4" in text
+
+
+def test_plans_compare_by_their_choices_not_their_reasons():
+    a = choose_plan(cfg(4096), H100x2)
+    b = choose_plan(cfg(4096), H100x2, {"receiver": "land"})
+    assert a == b and a.reasons != b.reasons and a.as_dict() == b.as_dict()
+    assert a.as_dict()["receiver"] == "land" and a.as_dict()["layouts"] == ["expanded", "compact"]
+
+
+def test_every_rank_must_choose_the_same_plan():
+    mine = choose_plan(cfg(4096), H100x2)
+    other = choose_plan(cfg(4096), H100x2, {"receiver": "wait"})
+    session = SimpleNamespace(rank=0, allgather_object=lambda obj: [obj, (other.as_dict(), other.describe())])
+    with pytest.raises(EPConfigError) as info:
+        agree(mine, session)
+    assert "differs from rank 1's" in str(info.value)
+    assert "receiver                   land" in str(info.value) and "receiver                   wait" in str(info.value)
+    agree(mine, SimpleNamespace(rank=0, allgather_object=lambda obj: [obj, obj]))
+
+
+# -- regions ----------------------------------------------------------------------------------------------
+def test_a_plan_allocates_only_the_regions_it_uses():
+    def regions(c, overrides=None):
+        return {r.name for r in BufferLayout(c, choose_plan(c, H100x2, overrides)).regions}
+
+    compact = BufferLayout(cfg(4096, "compact"), choose_plan(cfg(4096, "compact"), H100x2))
+    both = BufferLayout(cfg(4096), choose_plan(cfg(4096), H100x2))
+    assert not compact.has("expert_x") and both.has("expert_x")
+    assert both.local_bytes - compact.local_bytes >= 65536 * 7168 * 2  # the expanded batch: 0.9 GiB
+    assert "combine_stage" not in regions(cfg(4096)) and "combine_stage" in regions(cfg(4096), {"transport": "puts"})
+    assert "dispatch_ranks" not in regions(cfg(4096, "compact")) and "dispatch_ranks" in regions(cfg(4096))
+    assert "dispatch_row_flag" in regions(cfg(4096)) and "dispatch_row_flag" not in regions(cfg(128))
+    assert "dispatch_route_signal" not in regions(cfg(256))
+    assert "dispatch_placed" in regions(cfg(128)) and "dispatch_placed" not in regions(cfg(4096))
+    assert set(compact.absent()) >= {"expert_x", "dispatch_ranks", "combine_stage"}
+    assert "not allocated under this plan: " in compact.describe()
+
+
+def test_whole_plans_are_checked_against_the_config():
+    plan = choose_plan(cfg(4096), H100x2)
+    from ep_runtime.plan import check_plan
+
+    with pytest.raises(EPConfigError, match="plan rule 'layouts'"):
+        check_plan(plan, cfg(4096, "compact"), H100x2)
+    assert isinstance(plan, Plan)
+
+
+# -- the environment ------------------------------------------------------------------------------------
+def test_at_most_four_environment_variables_and_one_chooses_algorithms():
+    root = pathlib.Path(__file__).resolve().parents[1]
+    names = set()
+    for path in list((root / "ep_runtime").rglob("*.py")) + list((root / "kernels").glob("*.py")):
+        names |= set(re.findall(r"EP_RUNTIME_[A-Z0-9_]+", path.read_text()))
+    assert names <= {"EP_RUNTIME_PLAN", "EP_RUNTIME_KERNEL_CACHE", "EP_RUNTIME_TRACE", "EP_RUNTIME_FAST_LAUNCH"}, names
