@@ -3,6 +3,8 @@
 Every error a user can meet derives from :class:`EPError`. Messages name what was wrong
 (the argument, field, rank, kernel, counter), what was expected, what was observed, and
 how to fix it. User input is validated once, at the boundary, before anything is launched.
+A missing optional dependency names the pip extra of pyproject.toml that installs it
+(``sim``: the simulator; ``gpu``: the GPU stack; ``torch``: PyTorch; ``test``: the test suite).
 """
 
 from __future__ import annotations
@@ -40,6 +42,11 @@ class EPTimeoutError(EPError, TimeoutError):
 class EPCapacityError(EPError, RuntimeError):
     """More expert rows arrived than ``EPConfig.max_recv_rows`` allows (nothing is dropped
     silently: the call reports the count it needed)."""
+
+
+class MissingDependencyError(EPError, ImportError):
+    """An optional dependency is not installed; the message names the pip extra that
+    installs it (for example ``pip install -e ".[sim]"``)."""
 
 
 class ShmemError(EPError, RuntimeError):

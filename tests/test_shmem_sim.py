@@ -476,9 +476,10 @@ def test_no_mpi_launcher_means_no_mpi_job(monkeypatch):
 def test_run_pes_without_numba_says_what_to_install(monkeypatch):
     import importlib.util
 
-    from ep_runtime.errors import ShmemError
+    from ep_runtime.errors import MissingDependencyError
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "numba" else real(name, *a))
-    with pytest.raises(ShmemError, match=r"numba-cuda is not installed; install it with pip install 'ep_runtime\[test\]'"):
+    with pytest.raises(MissingDependencyError, match=r'numba-cuda is not installed; install the simulator\'s extra with '
+                                         r'pip install -e "\.\[sim\]"'):
         run_pes(counter_pe, 2)

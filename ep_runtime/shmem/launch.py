@@ -37,7 +37,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..errors import EPInputError, PEFailure, ShmemError
+from ..errors import EPInputError, MissingDependencyError, PEFailure
 from .sim_heap import DEFAULT_HEAP_BYTES, WAIT_TIMEOUT_ENV, remove_job_files
 
 log = logging.getLogger("ep_runtime.shmem")
@@ -180,8 +180,7 @@ def run_job(target: Callable, n_ranks: int, args: tuple = (), backend: str = "au
         if backend != "sim":
             raise EPInputError(f"backend {backend!r} needs mpirun (one rank per GPU): mpirun -np 2 python ...")
         return run_pes(target, n_ranks, args=args, timeout_s=timeout_s, heap_bytes=heap_bytes)
-    from mpi4py import MPI
-
+    MPI = _mpi("run_job under mpirun")
     from . import open_session
 
     with open_session(backend, heap_bytes=heap_bytes) as session:
@@ -201,8 +200,7 @@ def mpi_rank_size() -> tuple[int, int] | None:
         if rank_var in os.environ and size_var in os.environ:
             return int(os.environ[rank_var]), int(os.environ[size_var])
     if "PMIX_RANK" in os.environ or _mpi_initialized():
-        from mpi4py import MPI
-
+        MPI = _mpi("mpi_rank_size under a PMIx launcher")
         return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
     return None
 
@@ -215,8 +213,7 @@ def local_rank() -> int:
             return int(os.environ[var])
     if mpi_rank_size() is None:
         return 0
-    from mpi4py import MPI
-
+    MPI = _mpi("local_rank under mpirun")
     return MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
 
 
@@ -231,13 +228,36 @@ def open_sim_session_from_mpi(heap_bytes: int = DEFAULT_HEAP_BYTES, timeout_s: f
     :func:`ep_runtime.shmem.sim_heap.remove_job_files`. A rank whose peer process dies gets
     :class:`~ep_runtime.errors.PEFailure` naming it at its next wait.
     """
-    from mpi4py import MPI
-
+    _require_simulator("open_sim_session_from_mpi")
+    MPI = _mpi("open_sim_session_from_mpi")
     from .sim_session import SimSession
 
     comm = MPI.COMM_WORLD
     job = comm.bcast(new_job_id() if comm.Get_rank() == 0 else None, root=0)
     return SimSession.open(comm.Get_rank(), comm.Get_size(), job, heap_bytes, timeout_s)
+
+
+def _mpi(what: str):
+    """mpi4py's ``MPI`` module; :class:`MissingDependencyError` naming the extras that install
+    it if mpi4py is absent."""
+    try:
+        from mpi4py import MPI
+    except ImportError as exc:
+        raise MissingDependencyError(
+            f"{what}: this process runs under an MPI launcher and needs mpi4py, which is not installed: "
+            "pip install -e \".[mpi]\" (mpi4py and MPICH's mpiexec, for simulated ranks on a CPU) or "
+            "\".[gpu]\" (the GPU stack)") from exc
+    return MPI
+
+
+def _require_simulator(what: str) -> None:
+    """:class:`MissingDependencyError` naming the ``sim`` extra unless numba-cuda, whose CUDA
+    simulator runs the kernels, is installed."""
+    if importlib.util.find_spec("numba") is None:
+        raise MissingDependencyError(
+            f"{what}: the simulator runs kernels under Numba's CUDA simulator, and numba-cuda is not "
+            "installed; install the simulator's extra with pip install -e \".[sim]\" (or run the demo "
+            "with --backend reference, which needs only NumPy)")
 
 
 def _mpi_initialized() -> bool:
@@ -252,10 +272,7 @@ def _check_run_args(target, n_ranks: int, timeout_s: float, backend: str) -> tup
     if backend != "sim":
         raise EPInputError(f"run_pes: backend={backend!r}: only 'sim' runs on local processes; "
                            "start nvshmem jobs with mpirun")
-    if importlib.util.find_spec("numba") is None:
-        raise ShmemError("run_pes: the simulator runs kernels under Numba's CUDA simulator, and numba-cuda is not "
-                         "installed; install it with pip install 'ep_runtime[test]' (or run the demo with "
-                         "--backend reference, which needs only NumPy)")
+    _require_simulator("run_pes")
     if not isinstance(n_ranks, int) or n_ranks < 1:
         raise EPInputError(f"run_pes: n_ranks={n_ranks!r} must be a positive int")
     if timeout_s <= 0:
