@@ -63,3 +63,9 @@ class ShmemTimeoutError(ShmemError, TimeoutError):
 
 class PEFailure(ShmemError):
     """A processing element (rank) of a launched job failed, hung or exited early."""
+
+
+class GPUUnavailableError(ShmemError):
+    """The ``nvshmem`` backend found no usable CUDA driver or GPU on this machine; the
+    simulator (``open_session("sim")``, ``python -m ep_runtime demo --backend sim``) runs on
+    a CPU."""

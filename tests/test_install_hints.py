@@ -4,6 +4,8 @@
   setup error) naming the pip extra of pyproject.toml that installs it, and that extra lists
   the missing package.
 - Every ``pip install`` hint in the package's source names extras that exist.
+- ``open_session("nvshmem")`` on a machine without a CUDA driver or GPU raises
+  :class:`GPUUnavailableError` naming the simulator, before MPI or NVSHMEM start.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from ep_runtime import compile_gate
-from ep_runtime.errors import EPError, MissingDependencyError
-from ep_runtime.shmem import launch
+from ep_runtime.errors import EPError, GPUUnavailableError, MissingDependencyError
+from ep_runtime.shmem import gpu_visible, launch, open_session, require_gpu
 
 tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
 
@@ -84,6 +86,11 @@ def _mpi_sim_session_without_mpi4py(monkeypatch):
     launch.open_sim_session_from_mpi()
 
 
+def _nvshmem_without_cupy(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    open_session("nvshmem")
+
+
 def _torch_module_without_torch(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)
     monkeypatch.delitem(sys.modules, "ep_runtime.torch", raising=False)
@@ -101,9 +108,10 @@ def _compile_gate_without_bindings(monkeypatch):
     (_run_pes_without_numba, MissingDependencyError, "sim", "numba-cuda"),
     (_mpi_sim_session_without_numba, MissingDependencyError, "sim", "numba-cuda"),
     (_mpi_sim_session_without_mpi4py, MissingDependencyError, "mpi", "mpi4py"),
+    (_nvshmem_without_cupy, MissingDependencyError, "gpu", "cupy-cuda13x"),
     (_torch_module_without_torch, MissingDependencyError, "torch", "torch"),
     (_compile_gate_without_bindings, compile_gate.GateSetupError, "test", "nvshmem4py-cu13"),
-], ids=["run_pes-numba", "mpiexec-numba", "mpiexec-mpi4py", "ep_runtime.torch-torch",
+], ids=["run_pes-numba", "mpiexec-numba", "mpiexec-mpi4py", "nvshmem-cupy", "ep_runtime.torch-torch",
         "compile_gate-nvshmem4py"])
 def test_a_missing_dependency_names_the_extra_that_installs_it(monkeypatch, call, error, extra, package):
     with pytest.raises(error) as info:
@@ -114,3 +122,26 @@ def test_a_missing_dependency_names_the_extra_that_installs_it(monkeypatch, call
     if error is MissingDependencyError:
         assert isinstance(info.value, ImportError) and isinstance(info.value, EPError)
 
+
+def test_nvshmem_without_a_gpu_says_so_and_names_the_simulator():
+    pytest.importorskip("cupy")
+    if gpu_visible():
+        pytest.skip("a GPU is visible: this test is for machines without one")
+    mpi_was_started = launch._mpi_initialized()
+    with pytest.raises(GPUUnavailableError) as info:
+        open_session("nvshmem")
+    message = str(info.value)
+    assert message.startswith("open_session('nvshmem'): ")
+    assert "no CUDA driver or GPU found" in message or "sees no GPU" in message, message
+    assert "open_session('sim')" in message and "python -m ep_runtime demo --backend sim" in message
+    assert "sim" in _named_extras(message)
+    # The check comes first: MPI was not started for a session that cannot open.
+    assert launch._mpi_initialized() == mpi_was_started
+
+
+def test_require_gpu_reports_hidden_gpus(monkeypatch):
+    cupy = pytest.importorskip("cupy")
+    monkeypatch.setattr(cupy.cuda.runtime, "getDeviceCount", lambda: 0)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with pytest.raises(GPUUnavailableError, match=r"sees no GPU \(CUDA_VISIBLE_DEVICES='' hides them\)"):
+        require_gpu("test")
