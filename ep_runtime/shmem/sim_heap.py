@@ -541,7 +541,11 @@ class _PeerWatch:
         """The watched PEs whose process has exited, in rank order."""
         if not self._fds:
             return []
-        ready, _, _ = select.select([fd for fd, _ in self._fds.values()], [], [], 0)
+        # poll, not select: a pidfd may be numbered past select's limit of 1024.
+        poller = select.poll()
+        for fd, _ in self._fds.values():
+            poller.register(fd, select.POLLIN)
+        ready = {fd for fd, _ in poller.poll(0)}
         return sorted(pe for pe, (fd, _) in self._fds.items() if fd in ready)
 
     def pid(self, pe: int) -> int:
