@@ -121,7 +121,7 @@ def check_environment() -> None:
     if not nvshmem_numba_bindings_installed():
         raise GateSetupError(
             "nvshmem4py's Numba device bindings are not installed (need nvshmem4py-cu13[numba] "
-            "and cffi; e.g. pip install -e '.[test]').")
+            "and cffi: pip install -e \".[test]\", the CPU test suite's extra, or \".[gpu]\").")
 
 
 def nvshmem_numba_bindings_installed() -> bool:

@@ -3,6 +3,8 @@
 Every error a user can meet derives from :class:`EPError`. Messages name what was wrong
 (the argument, field, rank, kernel, counter), what was expected, what was observed, and
 how to fix it. User input is validated once, at the boundary, before anything is launched.
+A missing optional dependency names the pip extra of pyproject.toml that installs it
+(``sim``: the simulator; ``gpu``: the GPU stack; ``torch``: PyTorch; ``test``: the test suite).
 """
 
 from __future__ import annotations
@@ -42,6 +44,11 @@ class EPCapacityError(EPError, RuntimeError):
     silently: the call reports the count it needed)."""
 
 
+class MissingDependencyError(EPError, ImportError):
+    """An optional dependency is not installed; the message names the pip extra that
+    installs it (for example ``pip install -e ".[sim]"``)."""
+
+
 class ShmemError(EPError, RuntimeError):
     """Base class of errors raised by the SHMEM layer (sessions, heaps, the simulator)."""
 
@@ -56,3 +63,9 @@ class ShmemTimeoutError(ShmemError, TimeoutError):
 
 class PEFailure(ShmemError):
     """A processing element (rank) of a launched job failed, hung or exited early."""
+
+
+class GPUUnavailableError(ShmemError):
+    """The ``nvshmem`` backend found no usable CUDA driver or GPU on this machine; the
+    simulator (``open_session("sim")``, ``python -m ep_runtime demo --backend sim``) runs on
+    a CPU."""

@@ -1,6 +1,6 @@
 """PyTorch autograd for dispatch and combine: :class:`FusedDispatch` and :class:`FusedCombine`.
 
-An optional module (``pip install torch``). It follows the shape of Megatron-LM's ``fused_a2a``
+An optional module (PyTorch: ``pip install -e ".[torch]"``). It follows the shape of Megatron-LM's ``fused_a2a``
 (a dispatch and a combine as ``torch.autograd.Function``, the backward of each being the other
 direction of the exchange with the routing of the forward; ``get_buffer`` / ``get_hidden_bytes``),
 adapted to this runtime, whose combine applies the router weights that travelled with dispatch.
@@ -61,14 +61,16 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from .errors import EPInputError, MissingDependencyError
+
 try:
     import torch
 except ImportError as exc:  # pragma: no cover - exercised only without torch
-    raise ImportError("ep_runtime.torch needs PyTorch: pip install torch (on a CPU-only machine: "
-                      "pip install torch==2.13.0, the CPU build)") from exc
+    raise MissingDependencyError(
+        "ep_runtime.torch needs PyTorch: pip install -e \".[torch]\" (on a CPU-only machine add "
+        "--extra-index-url https://download.pytorch.org/whl/cpu for the CPU build)") from exc
 
 from .config import EPConfig
-from .errors import EPInputError
 from .runtime import EPRuntime
 from .shmem.session import Session
 

@@ -204,6 +204,20 @@ def heap_misuse_pe(session):
     return errors
 
 
+def oversized_gather_pe(session):
+    """PE 1 gathers more than a mailbox slot holds, then both PEs gather their rank; returns
+    (the first gather's error message or None, the second gather)."""
+    from ep_runtime.errors import ShmemError
+    from ep_runtime.shmem.sim_heap import GATHER_SLOT_BYTES
+
+    try:
+        session.allgather_object(b"x" * GATHER_SLOT_BYTES if session.rank == 1 else None)
+        error = None
+    except ShmemError as err:
+        error = str(err)
+    return error, session.allgather_object(session.rank)
+
+
 def job_id_pe(session):
     """The job id (names the job's /dev/shm files)."""
     return session.heap.job
@@ -361,6 +375,13 @@ def test_heap_misuse_is_reported_clearly():
         assert kind == "ShmemError" and "alloc_symmetric differs between PEs" in message
 
 
+def test_oversized_allgather_fails_on_every_pe_and_the_job_goes_on():
+    for error, ranks in run_pes(oversized_gather_pe, 2, timeout_s=TIMEOUT_S):
+        assert error is not None and "allgather_object: the pickled objects of PE(s) [1] have" in error, error
+        assert "mailbox holds" in error and "gather something smaller" in error, error
+        assert ranks == [0, 1]
+
+
 # -- the launcher never hangs -------------------------------------------------------------------
 def test_raising_pe_fails_the_job_with_its_traceback():
     start = time.monotonic()
@@ -455,9 +476,10 @@ def test_no_mpi_launcher_means_no_mpi_job(monkeypatch):
 def test_run_pes_without_numba_says_what_to_install(monkeypatch):
     import importlib.util
 
-    from ep_runtime.errors import ShmemError
+    from ep_runtime.errors import MissingDependencyError
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "numba" else real(name, *a))
-    with pytest.raises(ShmemError, match=r"numba-cuda is not installed; install it with pip install 'ep_runtime\[test\]'"):
+    with pytest.raises(MissingDependencyError, match=r'numba-cuda is not installed; install the simulator\'s extra with '
+                                         r'pip install -e "\.\[sim\]"'):
         run_pes(counter_pe, 2)

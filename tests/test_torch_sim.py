@@ -294,5 +294,5 @@ def test_get_buffer_builds_reuses_grows_and_closes():
 def test_importing_without_torch_names_the_install_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)
     monkeypatch.delitem(sys.modules, "ep_runtime.torch", raising=False)
-    with pytest.raises(ImportError, match="pip install torch"):
+    with pytest.raises(ImportError, match=r'PyTorch: pip install -e "\.\[torch\]"'):
         importlib.import_module("ep_runtime.torch")

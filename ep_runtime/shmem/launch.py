@@ -3,11 +3,19 @@
 - :func:`run_pes` runs ``target(session, *args, **kwargs)`` on ``n_ranks`` fresh processes,
   one :class:`~ep_runtime.shmem.sim_session.SimSession` each, and returns their results. It
   never hangs: a PE that raises, exits early or runs past ``timeout_s`` stops the whole job
-  with :class:`~ep_runtime.errors.PEFailure` (its traceback, or the Python stacks of the PEs
-  still running).
+  with :class:`~ep_runtime.errors.PEFailure` (its traceback, the signal that killed it, or
+  the Python stacks of the PEs still running).
 - :func:`mpi_rank_size` and :func:`local_rank` read the MPI launcher's environment;
   :func:`open_sim_session_from_mpi` opens a simulated session in a script started with
   ``mpiexec -n N`` (the script must be started with ``NUMBA_ENABLE_CUDASIM=1``).
+
+Shutdown: a simulated job keeps nothing in /dev/shm past bring-up (see
+:mod:`~ep_runtime.shmem.sim_heap`), so a job that ends in any way, SIGKILL included, frees its
+memory. :func:`run_pes` owns what bring-up leaves: on SIGTERM, SIGHUP or SIGINT it stops its
+PEs, removes the job's files and then lets the signal take its usual course (the process dies
+of it, or the handler that was installed before runs). Its PEs exit as soon as the launcher is
+gone, killed or not. A PE whose peer process dies fails its next wait at once with
+:class:`~ep_runtime.errors.PEFailure` naming that peer.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from __future__ import annotations
 import faulthandler
 import importlib
 import importlib.util
+import logging
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -28,8 +37,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..errors import EPInputError, PEFailure, ShmemError
-from .sim_heap import DEFAULT_HEAP_BYTES, WAIT_TIMEOUT_ENV, job_path, remove_job_files
+from ..errors import EPInputError, MissingDependencyError, PEFailure
+from .sim_heap import DEFAULT_HEAP_BYTES, WAIT_TIMEOUT_ENV, remove_job_files
+
+log = logging.getLogger("ep_runtime.shmem")
 
 # A PE's own barriers time out this much later than the launcher, so a hang is reported by
 # the launcher, which sees every PE and can dump their stacks.
@@ -37,6 +48,9 @@ _PE_TIMEOUT_MARGIN_S = 10.0
 # Time a PE gets to write its stacks after SIGUSR1, and to exit after SIGTERM.
 _STACK_DUMP_WAIT_S = 0.5
 _TERMINATE_WAIT_S = 2.0
+# Signals after which run_pes stops its PEs and removes the job's files before the signal
+# takes its course: termination (kill, timeout), a closed terminal, Ctrl-C.
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 
 # (rank variable, size variable) set by MPI launchers: Open MPI, MPICH/Intel MPI (Hydra),
 # MVAPICH. PMIx gives only the rank (PMIX_RANK): its size comes from mpi4py.
@@ -103,9 +117,18 @@ def run_pes(target: Callable, n_ranks: int, args: tuple = (), kwargs: dict | Non
     Raises
     ------
     PEFailure
-        A PE raised (its traceback), exited before reporting, or did not finish within
-        ``timeout_s`` (the Python stacks of the PEs still running). Every PE is stopped and
-        the job's /dev/shm files are removed before it is raised.
+        A PE raised (its traceback), exited before reporting (its exit code, or the signal
+        that killed it), or did not finish within ``timeout_s`` (the Python stacks of the
+        PEs still running). Every PE is stopped and the job's /dev/shm files are removed
+        before it is raised.
+
+    Notes
+    -----
+    Called from the main thread, run_pes handles SIGTERM, SIGHUP and SIGINT while it runs
+    (each unless ignored): it stops the PEs and removes the job's files, then delivers the
+    signal again under the handler that was there before (by default SIGTERM and SIGHUP kill
+    the process and SIGINT raises KeyboardInterrupt); if that handler returns, run_pes
+    raises :class:`PEFailure` naming the signal.
     """
     ref = _check_run_args(target, n_ranks, timeout_s, backend)
     job = new_job_id()
@@ -115,13 +138,17 @@ def run_pes(target: Callable, n_ranks: int, args: tuple = (), kwargs: dict | Non
         env[WAIT_TIMEOUT_ENV] = str(wait_timeout_s)
     specs = [_PESpec(rank, n_ranks, job, heap_bytes, timeout_s + _PE_TIMEOUT_MARGIN_S, ref,
                      tuple(args), dict(kwargs or {})) for rank in range(n_ranks)]
-    procs, conns = [], []
-    try:
-        _start_pes(specs, env, procs, conns)
-        return _collect(procs, conns, job, timeout_s, what)
-    finally:
-        _stop(procs, conns)
-        remove_job_files(job)
+    procs, conns, stacks = [], [], []
+    with _StopOnSignals(what) as stop:
+        try:
+            _start_pes(specs, env, procs, conns, stacks)
+            return _collect(procs, conns, stacks, timeout_s, what)
+        finally:
+            # A stop signal that arrives from here on waits until the PEs are stopped and
+            # the files removed.
+            stop.defer()
+            _stop(procs, conns + stacks)
+            remove_job_files(job)
 
 
 def job_backend(backend: str = "auto") -> str:
@@ -153,8 +180,7 @@ def run_job(target: Callable, n_ranks: int, args: tuple = (), backend: str = "au
         if backend != "sim":
             raise EPInputError(f"backend {backend!r} needs mpirun (one rank per GPU): mpirun -np 2 python ...")
         return run_pes(target, n_ranks, args=args, timeout_s=timeout_s, heap_bytes=heap_bytes)
-    from mpi4py import MPI
-
+    MPI = _mpi("run_job under mpirun")
     from . import open_session
 
     with open_session(backend, heap_bytes=heap_bytes) as session:
@@ -174,8 +200,7 @@ def mpi_rank_size() -> tuple[int, int] | None:
         if rank_var in os.environ and size_var in os.environ:
             return int(os.environ[rank_var]), int(os.environ[size_var])
     if "PMIX_RANK" in os.environ or _mpi_initialized():
-        from mpi4py import MPI
-
+        MPI = _mpi("mpi_rank_size under a PMIx launcher")
         return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
     return None
 
@@ -188,8 +213,7 @@ def local_rank() -> int:
             return int(os.environ[var])
     if mpi_rank_size() is None:
         return 0
-    from mpi4py import MPI
-
+    MPI = _mpi("local_rank under mpirun")
     return MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
 
 
@@ -198,16 +222,42 @@ def open_sim_session_from_mpi(heap_bytes: int = DEFAULT_HEAP_BYTES, timeout_s: f
     ``mpiexec -n N`` (and ``NUMBA_ENABLE_CUDASIM=1``), one PE per rank. Collective.
 
     Rank 0 makes the job id and mpi4py broadcasts it. All ranks must run on one node
-    (the heaps are /dev/shm files). Files of a job whose ranks crashed stay in /dev/shm:
-    remove them with :func:`ep_runtime.shmem.sim_heap.remove_job_files`.
+    (the heaps are /dev/shm files). The files exist only during bring-up; a rank whose
+    bring-up fails removes them, and only a job whose every rank is killed during bring-up
+    leaves them (empty, sparse): remove them with
+    :func:`ep_runtime.shmem.sim_heap.remove_job_files`. A rank whose peer process dies gets
+    :class:`~ep_runtime.errors.PEFailure` naming it at its next wait.
     """
-    from mpi4py import MPI
-
+    _require_simulator("open_sim_session_from_mpi")
+    MPI = _mpi("open_sim_session_from_mpi")
     from .sim_session import SimSession
 
     comm = MPI.COMM_WORLD
     job = comm.bcast(new_job_id() if comm.Get_rank() == 0 else None, root=0)
     return SimSession.open(comm.Get_rank(), comm.Get_size(), job, heap_bytes, timeout_s)
+
+
+def _mpi(what: str):
+    """mpi4py's ``MPI`` module; :class:`MissingDependencyError` naming the extras that install
+    it if mpi4py is absent."""
+    try:
+        from mpi4py import MPI
+    except ImportError as exc:
+        raise MissingDependencyError(
+            f"{what}: this process runs under an MPI launcher and needs mpi4py, which is not installed: "
+            "pip install -e \".[mpi]\" (mpi4py and MPICH's mpiexec, for simulated ranks on a CPU) or "
+            "\".[gpu]\" (the GPU stack)") from exc
+    return MPI
+
+
+def _require_simulator(what: str) -> None:
+    """:class:`MissingDependencyError` naming the ``sim`` extra unless numba-cuda, whose CUDA
+    simulator runs the kernels, is installed."""
+    if importlib.util.find_spec("numba") is None:
+        raise MissingDependencyError(
+            f"{what}: the simulator runs kernels under Numba's CUDA simulator, and numba-cuda is not "
+            "installed; install the simulator's extra with pip install -e \".[sim]\" (or run the demo "
+            "with --backend reference, which needs only NumPy)")
 
 
 def _mpi_initialized() -> bool:
@@ -222,10 +272,7 @@ def _check_run_args(target, n_ranks: int, timeout_s: float, backend: str) -> tup
     if backend != "sim":
         raise EPInputError(f"run_pes: backend={backend!r}: only 'sim' runs on local processes; "
                            "start nvshmem jobs with mpirun")
-    if importlib.util.find_spec("numba") is None:
-        raise ShmemError("run_pes: the simulator runs kernels under Numba's CUDA simulator, and numba-cuda is not "
-                         "installed; install it with pip install 'ep_runtime[test]' (or run the demo with "
-                         "--backend reference, which needs only NumPy)")
+    _require_simulator("run_pes")
     if not isinstance(n_ranks, int) or n_ranks < 1:
         raise EPInputError(f"run_pes: n_ranks={n_ranks!r} must be a positive int")
     if timeout_s <= 0:
@@ -260,7 +307,61 @@ def _environment(env: dict[str, str]):
                 os.environ[name] = value
 
 
-def _start_pes(specs: list[_PESpec], env: dict[str, str], procs: list, conns: list) -> None:
+class _StopOnSignals:
+    """While a job runs (main thread only): a stop signal raises :class:`_Stopped` at once, or,
+    after :meth:`defer`, is held until the block ends; on leaving the block, the previous
+    handlers come back and a signal that arrived is delivered again under them."""
+
+    def __init__(self, what: str):
+        self._what = what
+        self._previous: dict[int, Any] = {}
+        self._deferred = False
+        self._received: int | None = None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for signum in _STOP_SIGNALS:
+                previous = signal.getsignal(signum)
+                if previous not in (signal.SIG_IGN, None):  # None: installed outside Python
+                    self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def defer(self) -> None:
+        """From now on, hold stop signals until the block ends."""
+        self._deferred = True
+
+    def _handle(self, signum, frame) -> None:
+        if self._received is None:
+            self._received = signum
+        if not self._deferred:
+            # Set before raising: a second signal must not interrupt the cleanup this starts.
+            self._deferred = True
+            raise _Stopped(signum)
+
+    def __exit__(self, exc_type, exc, tb):
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        if self._received is None:
+            return False
+        name = signal.Signals(self._received).name
+        log.warning("%s: got %s: stopped its PEs and removed the job's /dev/shm files", self._what, name)
+        # Under the previous handler: the default one ends the process (SIGTERM, SIGHUP) or
+        # raises KeyboardInterrupt (SIGINT); a Python handler runs here and may raise.
+        signal.raise_signal(self._received)
+        raise PEFailure(f"{self._what}: stopped by {name}; its PEs were stopped and the job's "
+                        "/dev/shm files removed") from (exc if isinstance(exc, _Stopped) else None)
+
+
+class _Stopped(BaseException):
+    """A stop signal arrived while run_pes waited (BaseException: no ``except Exception``
+    between the handler and run_pes may swallow it)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _start_pes(specs: list[_PESpec], env: dict[str, str], procs: list, conns: list, stacks: list) -> None:
     # 'spawn': a fresh interpreter per PE (numba must start in simulator mode; no forked
     # threads or locks). Its preparation data carries the parent's sys.path, so test
     # modules import in the PEs.
@@ -268,17 +369,22 @@ def _start_pes(specs: list[_PESpec], env: dict[str, str], procs: list, conns: li
     with _environment(env):
         for spec in specs:
             receiver, sender = context.Pipe(duplex=False)
-            proc = context.Process(target=_pe_main, args=(spec, sender),
+            # The PE's stack dumps (SIGUSR1, on a hang) come back through a pipe, not a file.
+            stack_reader, stack_writer = context.Pipe(duplex=False)
+            proc = context.Process(target=_pe_main, args=(spec, sender, stack_writer),
                                    name=f"ep_sim_pe{spec.rank}", daemon=True)
+            # Listed before it starts, so a stop signal during start() still stops it.
+            procs.append(proc)
+            conns.append(receiver)
+            stacks.append(stack_reader)
             try:
                 proc.start()
             finally:
                 sender.close()
-            procs.append(proc)
-            conns.append(receiver)
+                stack_writer.close()
 
 
-def _collect(procs: list, conns: list, job: str, timeout_s: float, what: str) -> list:
+def _collect(procs: list, conns: list, stacks: list, timeout_s: float, what: str) -> list:
     """Wait for every PE's report; the results in rank order, or :class:`PEFailure`."""
     results: list[Any] = [None] * len(procs)
     pending = set(range(len(procs)))
@@ -286,60 +392,84 @@ def _collect(procs: list, conns: list, job: str, timeout_s: float, what: str) ->
     while pending:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise PEFailure(_hang_message(procs, pending, job, timeout_s, what))
+            raise PEFailure(_hang_message(procs, stacks, pending, timeout_s, what))
         multiprocessing.connection.wait(
             [conns[r] for r in pending] + [procs[r].sentinel for r in pending], remaining)
+        exited, raised = [], []
         for rank in sorted(pending):
-            report = _report(procs[rank], conns[rank], rank, what)
-            if report is not None:
-                results[rank] = report[0]
+            state, payload = _report(procs[rank], conns[rank])
+            if state == "ok":
+                results[rank] = payload
                 pending.discard(rank)
+            elif state == "exited":
+                exited.append(_exit_message(rank, payload))
+            elif state == "error":
+                raised.append(f"PE {rank} raised:\n{payload}")
+        if exited or raised:
+            # PEs that died first: the others' errors are usually waits on them.
+            raise PEFailure(f"{what}: " + "\n".join(exited + raised))
     return results
 
 
-def _report(proc, conn, rank: int, what: str):
-    """``(value,)`` if PE ``rank`` reported success, ``None`` if it still runs; raises
-    :class:`PEFailure` if it raised or exited without a report."""
+def _report(proc, conn) -> tuple[str, Any]:
+    """PE state: ``("ok", value)``, ``("error", traceback)``, ``("exited", exit code)`` or
+    ``("running", None)``."""
     if conn.poll():
         try:
-            status, payload = conn.recv()
+            return conn.recv()
         except EOFError:
             proc.join(_TERMINATE_WAIT_S)
-            raise PEFailure(_early_exit_message(proc, rank, what)) from None
-        if status == "error":
-            raise PEFailure(f"{what}: PE {rank} raised:\n{payload}")
-        return (payload,)
+            return "exited", proc.exitcode
     if not proc.is_alive():
-        raise PEFailure(_early_exit_message(proc, rank, what))
-    return None
+        return "exited", proc.exitcode
+    return "running", None
 
 
-def _early_exit_message(proc, rank: int, what: str) -> str:
-    return (f"{what}: PE {rank} exited with code {proc.exitcode} before reporting (killed, "
-            "os._exit, a crash of the interpreter, or a failed start: see its stderr; a script "
-            "that calls run_pes needs the `if __name__ == '__main__':` guard)")
+def _exit_message(rank: int, code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return (f"PE {rank} was killed by {name} (exit code {code}) before reporting (kill, the "
+                "out-of-memory killer, or a crash of the interpreter: see its stderr)")
+    return (f"PE {rank} exited with code {code} before reporting (os._exit, sys.exit, a crash of "
+            "the interpreter, or a failed start: see its stderr; a script that calls run_pes needs "
+            "the `if __name__ == '__main__':` guard)")
 
 
-def _hang_message(procs: list, pending: set[int], job: str, timeout_s: float, what: str) -> str:
+def _hang_message(procs: list, stacks: list, pending: set[int], timeout_s: float, what: str) -> str:
     done = sorted(set(range(len(procs))) - pending)
     running = sorted(pending)
     for rank in running:
         if procs[rank].is_alive():
             os.kill(procs[rank].pid, signal.SIGUSR1)
-    time.sleep(_STACK_DUMP_WAIT_S)
-    stacks = []
-    for rank in running:
-        try:
-            with open(job_path(job, f"stack_{rank}")) as f:
-                stacks.append(f"--- Python stacks of PE {rank} ---\n{f.read()}")
-        except FileNotFoundError:
-            stacks.append(f"--- PE {rank}: no stacks (it had not started) ---")
+    dumps = _read_stacks({rank: stacks[rank] for rank in running}, _STACK_DUMP_WAIT_S)
+    text = [f"--- Python stacks of PE {rank} ---\n{dumps[rank]}" if dumps[rank]
+            else f"--- PE {rank}: no stacks (it had not started) ---" for rank in running]
     return (f"{what}: PE(s) {running} did not finish within {timeout_s} s (finished: {done}); "
             "a deadlock (a wait nobody signals, a skipped collective) or too short a timeout.\n"
-            + "\n".join(stacks))
+            + "\n".join(text))
+
+
+def _read_stacks(readers: dict, wait_s: float) -> dict[int, str]:
+    """What each PE's stack pipe holds after ``wait_s`` seconds (raw faulthandler text)."""
+    chunks: dict[int, list[bytes]] = {rank: [] for rank in readers}
+    open_readers = dict(readers)
+    deadline = time.monotonic() + wait_s
+    while open_readers and (remaining := deadline - time.monotonic()) > 0:
+        for reader in multiprocessing.connection.wait(list(open_readers.values()), remaining):
+            rank = next(r for r, c in open_readers.items() if c is reader)
+            data = os.read(reader.fileno(), 1 << 16)
+            if data:
+                chunks[rank].append(data)
+            else:  # the PE exited: nothing more will come
+                del open_readers[rank]
+    return {rank: b"".join(parts).decode(errors="replace") for rank, parts in chunks.items()}
 
 
 def _stop(procs: list, conns: list) -> None:
+    procs = [proc for proc in procs if proc.pid is not None]  # started
     for proc in procs:
         if proc.is_alive():
             proc.terminate()
@@ -353,12 +483,11 @@ def _stop(procs: list, conns: list) -> None:
 
 
 # -- PE side -----------------------------------------------------------------------------------
-def _pe_main(spec: _PESpec, conn) -> None:
+def _pe_main(spec: _PESpec, conn, stacks) -> None:
     """Entry point of a PE process: run the target in a session, report to the launcher."""
-    # SIGUSR1 dumps every thread's stack to a job file (open for the process's life): the
-    # launcher asks for it on a hang.
-    stacks = open(job_path(spec.job, f"stack_{spec.rank}"), "w")
-    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    # SIGUSR1 dumps every thread's stack into the stack pipe (``stacks``, open for the
+    # process's life): the launcher asks for it on a hang.
+    faulthandler.register(signal.SIGUSR1, file=stacks.fileno(), all_threads=True)
     threading.Thread(target=_exit_with_launcher, args=(spec.job,), daemon=True).start()
     try:
         conn.send(("ok", _run_pe(spec)))
@@ -369,8 +498,8 @@ def _pe_main(spec: _PESpec, conn) -> None:
 
 
 def _exit_with_launcher(job: str) -> None:
-    """Leave (removing the job's files) as soon as the launcher is gone, killed or not, so
-    no PE outlives it."""
+    """Leave (removing the files of a bring-up in progress) as soon as the launcher is gone,
+    killed or not, so no PE outlives it."""
     multiprocessing.connection.wait([multiprocessing.parent_process().sentinel])
     remove_job_files(job)
     os._exit(1)

@@ -29,7 +29,7 @@ import os
 
 import numpy as np
 
-from ..errors import ShmemError
+from ..errors import MissingDependencyError, ShmemError
 from ..kernels import pdl
 from .env import configure_nvshmem_env
 from .fast_launch import FastLauncher, Unsupported
@@ -83,10 +83,23 @@ class NvshmemSession(Session):
     @classmethod
     def open(cls, heap_bytes: int, comm=None) -> "NvshmemSession":
         """Collective: join the NVSHMEM job of ``comm`` (default MPI.COMM_WORLD) with a symmetric
-        heap of at least ``heap_bytes`` per PE."""
+        heap of at least ``heap_bytes`` per PE.
+
+        Raises :class:`~ep_runtime.errors.GPUUnavailableError` (no CUDA driver or GPU; it names
+        the simulator) or :class:`~ep_runtime.errors.MissingDependencyError` (the ``gpu`` extra
+        is not installed) before it starts anything.
+        """
+        from . import require_gpu
+
+        n_gpus = require_gpu("NvshmemSession.open")
+        try:
+            import nvshmem.core as nvshmem
+            from mpi4py import MPI
+        except ImportError as exc:
+            raise MissingDependencyError(
+                f"NvshmemSession.open: {exc.name or exc} is not installed; the nvshmem backend needs "
+                "nvshmem4py and mpi4py: pip install -e \".[gpu]\"") from exc
         import cupy
-        import nvshmem.core as nvshmem
-        from mpi4py import MPI
         from numba import cuda as numba_cuda
 
         self = cls.__new__(cls)
@@ -95,7 +108,7 @@ class NvshmemSession(Session):
         self.local_rank = self._comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
         configure_nvshmem_env(heap_bytes)
         #: the GPU this rank uses: local_rank modulo the GPUs visible (see the module docstring)
-        self.device_index = self.local_rank % cupy.cuda.runtime.getDeviceCount()
+        self.device_index = self.local_rank % n_gpus
         self._device = _cuda_core_device(self.device_index)
         self._device.set_current()
         cupy.cuda.Device(self.device_index).use()

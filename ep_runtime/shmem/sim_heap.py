@@ -5,22 +5,35 @@ kernel per process, so each PE of a simulated job is an OS process. PE ``p``'s h
 file ``/dev/shm/ep_sim_<job>_<p>`` which every PE maps, so PE ``q`` reads and writes PE
 ``p``'s copy of an object by the same offset.
 
-File layout (every PE, ``CONTROL_BYTES + heap_bytes`` bytes)::
+File layout (every PE, ``gather_offset(heap_bytes) + 2 * GATHER_SLOT_BYTES`` bytes)::
 
-    [0, CONTROL_BYTES)                         control area; uint64 word 0 = this PE's barrier
-                                               arrival epoch (written only by its owner)
+    [0, CONTROL_BYTES)                         control area, uint64 words written only by the
+                                               owner: 0 = barrier arrival epoch, 1 = process id,
+                                               2 = process start time (liveness of peers)
     [CONTROL_BYTES, CONTROL_BYTES+heap_bytes)  allocatable range (bump allocator, 256-byte
                                                aligned, identical on every PE)
+    [gather_offset, +2*GATHER_SLOT_BYTES)      mailbox of :meth:`SimHeap.allgather`: two slots
+                                               used by alternate calls, each a uint64 length
+                                               then the pickled object
 
 Offsets are counted from the start of the file, so the first allocation is at heap offset
 ``CONTROL_BYTES``. The barrier is an arrival-epoch barrier (the monotonic form of a
 sense-reversing one): barrier ``k`` publishes ``k`` in the caller's word 0 and waits until
 every PE's word is ``>= k``, so nothing is ever reset and a timeout names the PEs that did not
-arrive. Other job files: ``ep_sim_<job>_lock`` (the one cross-process lock, an ``fcntl.flock``
-taken together with a ``threading.Lock`` because the simulator's threads share the
-descriptor) and ``ep_sim_<job>_obj<parity>_<p>`` (pickled objects of
-:meth:`SimHeap.allgather`); the launcher adds ``ep_sim_<job>_stack_<p>`` (stack dumps).
-:func:`remove_job_files` removes them all.
+arrive. The job's one cross-process lock is ``ep_sim_<job>_lock`` (an ``fcntl.flock`` taken
+together with a ``threading.Lock`` because the simulator's threads share the descriptor).
+
+Lifetime of the /dev/shm files: they exist only during bring-up (:meth:`SimHeap.open`). Once
+every PE has mapped every heap file and opened the lock file, each PE unlinks its own heap
+file and PE 0 the lock file: the memory stays shared through the mappings and is freed by the
+kernel when the last PE process exits, however it exits (SIGKILL included), so a finished,
+failed or killed job leaves nothing in /dev/shm. Files left by a job that dies during
+bring-up are removed by :func:`remove_job_files` (the launcher calls it, and a PE whose
+bring-up fails calls it for its job).
+
+Each PE also watches its peers' processes (a pidfd per peer, opened at bring-up): a wait of
+this process (a barrier, a simulated signal wait) whose peer process has exited fails at once
+with :class:`~ep_runtime.errors.PEFailure` naming that PE, instead of at its timeout.
 
 Limits of the simulator (what a passing simulated test does not prove)
 -----------------------------------------------------------------------
@@ -58,6 +71,7 @@ import mmap
 import os
 import pickle
 import re
+import select
 import threading
 import time
 from dataclasses import dataclass
@@ -65,7 +79,8 @@ from typing import Callable
 
 import numpy as np
 
-from ..errors import EPInputError, EPStateError, ShmemError, ShmemTimeoutError, SymmetricAddressError
+from ..errors import (EPInputError, EPStateError, PEFailure, ShmemError, ShmemTimeoutError,
+                      SymmetricAddressError)
 
 SHM_DIR = "/dev/shm"
 # Control area before the allocatable range; one page keeps the first allocation page-aligned.
@@ -81,7 +96,14 @@ _POLL_MAX_S = 2e-3
 # Limit (seconds) of the simulated device-side waits of the PEs (ep_runtime.kernels._shmem_sim).
 WAIT_TIMEOUT_ENV = "EP_SIM_WAIT_TIMEOUT"
 _JOB_RE = re.compile(r"^[A-Za-z0-9-]+$")
-_ARRIVAL_WORD = 0
+# Control-area words (uint64), each written only by the PE that owns the file.
+_ARRIVAL_WORD = 0  # barrier arrival epoch
+_PID_WORD = 1      # process id of the owner, for its peers' liveness checks
+_START_WORD = 2    # start time of that process (/proc/<pid>/stat), so a reused pid is not taken for it
+# Bytes of one allgather mailbox slot (a uint64 length, then the pickled object). The runtime
+# gathers small records (flags, modes, configs); the file is sparse, so unused slot pages cost
+# no memory.
+GATHER_SLOT_BYTES = 4 << 20
 
 _current: SimHeap | None = None
 
@@ -112,20 +134,31 @@ def job_path(job: str, suffix: str) -> str:
 
 
 def remove_job_files(job: str) -> None:
-    """Remove every /dev/shm file of ``job`` (heaps, lock, scratch); tolerates missing ones."""
+    """Remove every /dev/shm file of ``job`` (heap files and lock of a bring-up, and their
+    temporary names); tolerates missing ones. A job past bring-up has no files left."""
     for path in glob.glob(job_path(job, "*")):
         _unlink(path)
 
 
-def poll(check: Callable[[], bool], timeout_s: float) -> bool:
+def gather_offset(heap_bytes: int) -> int:
+    """Byte offset of the allgather mailbox in a heap file with ``heap_bytes`` allocatable."""
+    return _align(CONTROL_BYTES + heap_bytes)
+
+
+def poll(check: Callable[[], bool], timeout_s: float, heap: SimHeap | None = None) -> bool:
     """Call ``check()`` until it returns True or ``timeout_s`` passed.
 
     Sleeps between calls with exponential backoff (50 us to 2 ms). Returns whether ``check``
-    succeeded.
+    succeeded. While it waits, a peer PE of ``heap`` (default: this process's current heap, if
+    a session is open) whose process has exited ends the wait with :class:`PEFailure` naming
+    that PE, unless ``check()`` succeeds once more after the exit was seen.
     """
     deadline = time.monotonic() + timeout_s
     pause = _POLL_MIN_S
     while not check():
+        watched = heap if heap is not None else _current
+        if watched is not None:
+            watched.raise_if_peer_exited(check)
         if time.monotonic() > deadline:
             return False
         time.sleep(pause)
@@ -226,6 +259,8 @@ class SimHeap:
         self._pending: list[tuple[np.ndarray, np.ndarray]] = []
         self._pending_lock = threading.Lock()
         self._closed = False
+        self._peers = _PeerWatch.open(rank, [int(w[_PID_WORD]) for w in self._words],
+                                      [int(w[_START_WORD]) for w in self._words])
 
     # -- bring-up and teardown --------------------------------------------------------------
     @classmethod
@@ -233,25 +268,44 @@ class SimHeap:
              timeout_s: float = 60.0) -> SimHeap:
         """Create this PE's heap file, wait for all ``n_ranks`` files, map them. Collective.
 
+        When every PE has mapped every file, this PE unlinks its own heap file (PE 0 also the
+        lock file), so nothing of the job stays in /dev/shm past bring-up. If bring-up fails
+        here, every file of the job is removed (the job cannot start without this PE).
+
         Raises :class:`ShmemTimeoutError` naming the PEs whose files did not appear within
-        ``timeout_s``, and :class:`ShmemError` if a peer's file has another size.
+        ``timeout_s``, :class:`ShmemError` if a peer's file has another size, and
+        :class:`PEFailure` if a peer's process exited during bring-up.
         """
         _check_open_args(rank, n_ranks, job, heap_bytes, timeout_s)
-        file_bytes = CONTROL_BYTES + heap_bytes
+        file_bytes = gather_offset(heap_bytes) + 2 * GATHER_SLOT_BYTES
         # The lock is opened before this PE's heap file appears, so by the time every heap
-        # file exists every PE holds the same lock file open (rank 0 may unlink it at close).
+        # file exists every PE holds the same lock file open.
         lock = _JobLock(job_path(job, "lock"))
-        _publish_heap_file(job_path(job, str(rank)), file_bytes)
-        paths = [job_path(job, str(pe)) for pe in range(n_ranks)]
-        _wait_for_files(paths, file_bytes, rank, job, timeout_s)
-        heap = cls(rank, n_ranks, job, heap_bytes, timeout_s, lock,
-                   [_map_file(path, file_bytes) for path in paths])
-        heap.barrier("open")
+        heap = None
+        try:
+            _publish_heap_file(job_path(job, str(rank)), file_bytes)
+            paths = [job_path(job, str(pe)) for pe in range(n_ranks)]
+            _wait_for_files(paths, file_bytes, rank, job, timeout_s)
+            heap = cls(rank, n_ranks, job, heap_bytes, timeout_s, lock,
+                       [_map_file(path, file_bytes) for path in paths])
+            heap.barrier("open")
+        except BaseException:
+            lock.close()
+            if heap is not None:
+                heap._peers.close()
+            remove_job_files(job)
+            raise
+        # Every PE passed the barrier, so every PE has mapped every heap file and opened the
+        # lock file: the names are no longer needed, and without them the memory goes back to
+        # the system when the job's last process exits, however it exits.
+        _unlink(job_path(job, str(rank)))
+        if rank == 0:
+            _unlink(job_path(job, "lock"))
         return heap
 
     def close(self) -> None:
-        """Deliver queued puts, final barrier, unlink this PE's files, stop being the current
-        heap. Collective, idempotent.
+        """Deliver queued puts, final barrier, stop being the current heap. Collective,
+        idempotent.
 
         The mappings stay valid while arrays returned by :meth:`alloc` are alive.
         """
@@ -262,11 +316,8 @@ class SimHeap:
             self.deliver_puts()
             self.barrier("close")
         finally:
-            for suffix in (str(self.rank), f"obj0_{self.rank}", f"obj1_{self.rank}"):
-                _unlink(job_path(self.job, suffix))
-            if self.rank == 0:
-                _unlink(job_path(self.job, "lock"))
             self.lock.close()
+            self._peers.close()
             if _current is self:
                 set_current_heap(None)
 
@@ -319,7 +370,7 @@ class SimHeap:
         """
         address = array.__array_interface__["data"][0]
         offset = address - self._bases[self.rank]
-        if not CONTROL_BYTES <= offset <= offset + array.nbytes <= len(self._maps[self.rank]):
+        if not CONTROL_BYTES <= offset <= offset + array.nbytes <= CONTROL_BYTES + self.heap_bytes:
             raise SymmetricAddressError(self._off_heap_message(op, address, array.nbytes))
         region = self._region_at(offset)
         if region is None:
@@ -368,7 +419,7 @@ class SimHeap:
         epoch = self._epoch
         with self.lock:
             self._words[self.rank][_ARRIVAL_WORD] = epoch
-        if not poll(lambda: not self._missing(epoch), self.timeout_s):
+        if not poll(lambda: not self._missing(epoch), self.timeout_s, heap=self):
             missing = self._missing(epoch)
             raise ShmemTimeoutError(
                 f"PE {self.rank}: barrier #{epoch} ({what}) timed out after {self.timeout_s} s "
@@ -378,22 +429,47 @@ class SimHeap:
                 "PE in the same order)")
 
     def allgather(self, obj, what: str = "allgather_object") -> list:
-        """Every PE's picklable ``obj`` in rank order, through /dev/shm files. Collective;
-        does not deliver puts."""
-        # Two file sets used alternately: a PE rewrites set k % 2 only after the barrier of
-        # call k + 1, which every PE enters after reading the files of call k.
-        parity = self._gathers % 2
+        """Every PE's picklable ``obj`` in rank order, through the heap files' mailboxes.
+        Collective; does not deliver queued puts.
+
+        Raises :class:`ShmemError` on every PE if some PE's pickled object is larger than a
+        mailbox slot (:data:`GATHER_SLOT_BYTES` less its 8-byte length).
+        """
+        # Two slots used alternately: a PE rewrites slot k % 2 only after the barrier of call
+        # k + 1, which every PE enters after reading the slots of call k.
+        data = pickle.dumps(obj)
+        start = gather_offset(self.heap_bytes) + (self._gathers % 2) * GATHER_SLOT_BYTES
         self._gathers += 1
-        path = job_path(self.job, f"obj{parity}_{self.rank}")
-        with open(path + ".tmp", "wb") as f:
-            pickle.dump(obj, f)
-        os.replace(path + ".tmp", path)
+        capacity = GATHER_SLOT_BYTES - 8
+        mine = self._maps[self.rank]
+        if len(data) <= capacity:
+            mine[start + 8:start + 8 + len(data)] = np.frombuffer(data, np.uint8)
+        # The length is written even when the object does not fit, so every PE sees it and
+        # raises the same error instead of waiting at the next collective.
+        mine[start:start + 8].view(np.uint64)[0] = len(data)
         self.barrier(what)
-        objs = []
-        for pe in range(self.n_ranks):
-            with open(job_path(self.job, f"obj{parity}_{pe}"), "rb") as f:
-                objs.append(pickle.load(f))
-        return objs
+        sizes = [int(m[start:start + 8].view(np.uint64)[0]) for m in self._maps]
+        too_big = {pe: size for pe, size in enumerate(sizes) if size > capacity}
+        if too_big:
+            raise ShmemError(
+                f"PE {self.rank}: {what}: the pickled objects of PE(s) {sorted(too_big)} have "
+                f"{sorted(set(too_big.values()))} bytes; the simulated heap's mailbox holds "
+                f"{capacity} per PE and call: gather something smaller (a digest, a shape), or "
+                "move large data through symmetric memory")
+        return [pickle.loads(m[start + 8:start + 8 + size].tobytes()) for m, size in zip(self._maps, sizes)]
+
+    def raise_if_peer_exited(self, check: Callable[[], bool] | None = None) -> None:
+        """Raise :class:`PEFailure` if a peer PE's process has exited (killed, crashed, or
+        left without closing its session), unless ``check()`` now succeeds (the peer did
+        what was waited for before it exited)."""
+        gone = self._peers.exited()
+        if not gone or (check is not None and check()):
+            return
+        names = ", ".join(f"PE {pe} (pid {self._peers.pid(pe)})" for pe in gone)
+        raise PEFailure(
+            f"PE {self.rank}: {names} of job {self.job} exited while this PE waited for it: it "
+            "was killed, crashed, or left without closing its session, so the job cannot go "
+            "on. Its launcher (run_pes, mpiexec) reports how it ended")
 
     # -- helpers ----------------------------------------------------------------------------
     def _missing(self, epoch: int) -> list[int]:
@@ -420,7 +496,7 @@ class SimHeap:
         message = (
             f"PE {self.rank}: {op}: the array at address {address:#x} ({nbytes} bytes) is not on "
             f"this PE's symmetric heap (allocatable range {base + CONTROL_BYTES:#x}-"
-            f"{base + len(self._maps[self.rank]):#x}). Allocate it with Session.alloc_symmetric; "
+            f"{base + CONTROL_BYTES + self.heap_bytes:#x}). Allocate it with Session.alloc_symmetric; "
             "if it was, pass it to the kernel through Session.launch or Session.as_kernel_arg "
             "(the simulator copies NumPy arguments)")
         for pe, peer_base in enumerate(self._bases):
@@ -432,6 +508,64 @@ class SimHeap:
     def _check_pe(self, pe: int, op: str) -> None:
         if not 0 <= pe < self.n_ranks:
             raise EPInputError(f"PE {self.rank}: {op}: pe={pe} is not in [0, {self.n_ranks})")
+
+
+class _PeerWatch:
+    """Which peer PEs' processes have exited: a pidfd per peer, readable once it exits.
+
+    A peer is watched only if its pidfd opens and the process behind it started when the
+    peer's heap file says (a pid reused by another process, or one from another pid
+    namespace, is not watched; its waits still end at their timeout).
+    """
+
+    def __init__(self, fds: dict[int, tuple[int, int]]):
+        self._fds = fds  # PE -> (pidfd, pid)
+
+    @classmethod
+    def open(cls, rank: int, pids: list[int], starts: list[int]) -> _PeerWatch:
+        fds = {}
+        for pe, (pid, start) in enumerate(zip(pids, starts)):
+            if pe == rank or pid <= 0 or not hasattr(os, "pidfd_open"):
+                continue
+            try:
+                fd = os.pidfd_open(pid)
+            except OSError:
+                continue
+            if _start_time(pid) == start:
+                fds[pe] = (fd, pid)
+            else:
+                os.close(fd)
+        return cls(fds)
+
+    def exited(self) -> list[int]:
+        """The watched PEs whose process has exited, in rank order."""
+        if not self._fds:
+            return []
+        # poll, not select: a pidfd may be numbered past select's limit of 1024.
+        poller = select.poll()
+        for fd, _ in self._fds.values():
+            poller.register(fd, select.POLLIN)
+        ready = {fd for fd, _ in poller.poll(0)}
+        return sorted(pe for pe, (fd, _) in self._fds.items() if fd in ready)
+
+    def pid(self, pe: int) -> int:
+        return self._fds[pe][1]
+
+    def close(self) -> None:
+        for fd, _ in self._fds.values():
+            os.close(fd)
+        self._fds = {}
+
+
+def _start_time(pid: int) -> int:
+    """Start time of process ``pid`` in clock ticks after boot (/proc/<pid>/stat field 22),
+    0 if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            # Fields after the command name, which is in parentheses and may hold spaces.
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return 0
 
 
 def _check_open_args(rank: int, n_ranks: int, job: str, heap_bytes: int, timeout_s: float) -> None:
@@ -446,11 +580,15 @@ def _check_open_args(rank: int, n_ranks: int, job: str, heap_bytes: int, timeout
 
 
 def _publish_heap_file(path: str, file_bytes: int) -> None:
-    """Create the file at full size under a temporary name, then rename: peers never see it
-    partly sized."""
+    """Create the file at full size with this process's id and start time in its control
+    area, under a temporary name, then rename: peers never see it partly written."""
     fd = os.open(path + ".tmp", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         os.ftruncate(fd, file_bytes)
+        words = np.zeros(_START_WORD + 1, np.uint64)
+        words[_PID_WORD] = os.getpid()
+        words[_START_WORD] = _start_time(os.getpid())
+        os.pwrite(fd, words.tobytes(), 0)
     finally:
         os.close(fd)
     os.replace(path + ".tmp", path)
