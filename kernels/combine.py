@@ -209,6 +209,8 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
         for u in range(UP):  # lanes past a row's end sum these (never stored): keep them finite
             lo[u] = 0
             hi[u] = 0
+        for u in range(U):  # and so do the single-word loops' lanes
+            vals[u] = 0
         pdl.dependency_wait()  # nothing stream-ordered is read before this (kernels/pdl.py)
         pdl.trigger_dependents()  # after the wait: combine_wait may start early (rows flagged)
         if status[STATUS_CODE] != 0:
@@ -457,6 +459,8 @@ def make_combine_kernels(threads: int, word_dtype, epilogue=identity_epilogue, f
         for u in range(UP):  # lanes past a row's end sum these (never stored): keep them finite
             lo[u] = 0
             hi[u] = 0
+        for u in range(U):  # and so do the single-word loops' lanes
+            vals[u] = 0
         pdl.trigger_dependents()
         # what is read before the dependency wait (counts, calls, status, the caller's arrays)
         # was complete before combine_async started, which triggers this kernel only after its
