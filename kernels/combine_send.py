@@ -110,6 +110,8 @@ def make_combine_send(v: CombineVariant) -> dict:
         for u in range(UP):  # lanes past a row's end sum these (never stored): keep them finite
             lo[u] = 0
             hi[u] = 0
+        for u in range(U):  # and so do the single-word loops' lanes
+            vals[u] = 0
         pdl_wait()  # nothing stream-ordered is read before this (kernels/pdl.py)
         pdl_trigger()  # after the wait: combine_wait may start early
         if status[STATUS_CODE] != 0:

@@ -87,6 +87,8 @@ def make_combine_wait(threads: int, word: str, f32_partials: bool, pdl: bool, ep
         for u in range(UP):  # lanes past a row's end sum these (never stored): keep them finite
             lo[u] = 0
             hi[u] = 0
+        for u in range(U):  # and so do the single-word loops' lanes
+            vals[u] = 0
         pdl_trigger()
         # what is read before the dependency wait (counts, calls, status, the caller's arrays)
         # was complete before combine_async started, which triggers this kernel only after its

@@ -207,9 +207,16 @@ def test_smoke_run_on_the_simulator(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "ep_runtime.bench", "--backend", "sim", "--ranks", "2", "--tokens", "3", "6",
          "--hidden", "16", "--experts", "4", "--top-k", "2", "--samples", "3", "--warmup", "1",
-         "--json", str(path)], capture_output=True, text=True, timeout=600)
+         "--json", str(path), "--plot", str(tmp_path / "bench.png")], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "dispatch us" in proc.stdout and "ceilings measured in this run" in proc.stdout and " bf16 eager expanded     wait |" in proc.stdout
+    assert "nan" not in proc.stdout and " 0.0 " not in proc.stdout and "n/a" in proc.stdout
+    # progress: the estimate, then a line per configuration, each on its own line
+    assert "\r" not in proc.stderr and "ep_runtime.bench: simulator, about" in proc.stderr
+    progress = [line for line in proc.stderr.splitlines() if line.startswith("ep_runtime.bench: [")]
+    assert [line.split(" (")[0] for line in progress] == [f"ep_runtime.bench: [{i}/2] T={t} H=16 K=2 E=4 sms=all bf16"
+                                                         for i, t in ((1, 3), (2, 6))]
+    assert (tmp_path / "bench.png").stat().st_size > 0
     data = json.loads(path.read_text())
     assert data["meta"]["backend"] == "sim" and data["meta"]["ranks"] == 2 and data["meta"]["git_sha"]
     assert [len(rank) for rank in data["results"]] == [2, 2]
@@ -321,3 +328,115 @@ def test_plan_overrides_and_served_layouts_reach_the_runtimes(tmp_path):
                 assert res["plan"]["receiver"] == "land"
                 want = ["expanded", "compact"] if serve == "both" else [res["layout"]]
                 assert res["plan"]["layouts"] == want, (serve, res["layout"], res["plan"]["layouts"])
+
+
+# -- the bench as a newcomer meets it on the simulator --------------------------------------------
+def test_help_shows_the_defaults_of_both_backends():
+    out = subprocess.run([sys.executable, "-m", "ep_runtime.bench", "--help"], capture_output=True, text=True,
+                         check=True).stdout
+    text = " ".join(out.split())  # argparse wraps to the terminal's width
+    for words in ("(default: 4096 on GPUs, 8 on the simulator)", "(default: 7168 on GPUs, 64 on the simulator)",
+                  "(default: 8 on GPUs, 2 on the simulator)", "(default: 256 on GPUs, 4 per rank on the simulator)",
+                  "(default: 50 on GPUs, 5 on the simulator)", "(default: 5 on GPUs, 1 on the simulator)",
+                  "(default: 2)", "(default: eager)", "(default: expanded)", "(default: bfloat16)",
+                  "(default: 600.0)", "(default: 256)"):
+        assert words in text, words
+
+
+def test_size_defaults_follow_the_backend():
+    """GPU runs keep the GPU layer (their JSON args unchanged); the simulator gets a tiny one;
+    sizes given on the command line are kept on either."""
+    from ep_runtime.bench.__main__ import _parser, apply_size_defaults
+
+    gpu = _parser().parse_args([])
+    apply_size_defaults(gpu, "nvshmem", 2)
+    assert (gpu.tokens, gpu.hidden, gpu.top_k, gpu.experts, gpu.samples, gpu.warmup) == (
+        [4096], [7168], [8], [256], 50, 5)
+    sim = _parser().parse_args(["--hidden", "32"])
+    apply_size_defaults(sim, "sim", 3)
+    assert (sim.tokens, sim.hidden, sim.top_k, sim.experts, sim.samples, sim.warmup) == ([8], [32], [2], [12], 5, 1)
+
+
+def test_gpu_sizes_are_refused_on_the_simulator_before_anything_runs(monkeypatch, capsys):
+    import ep_runtime.shmem.launch as launch
+    from ep_runtime import sim_cost
+    from ep_runtime.bench.__main__ import main
+
+    def must_not_run(*a, **k):
+        raise AssertionError("run_job called: a sweep the simulator cannot finish must be refused first")
+
+    monkeypatch.setattr(launch, "run_job", must_not_run)
+    monkeypatch.setattr(sim_cost, "usable_cores", lambda: 2)
+    with pytest.raises(SystemExit) as exc:
+        main(["--backend", "sim", "--tokens", "4096", "--hidden", "7168", "--top-k", "8", "--experts", "256"])
+    assert exc.value.code == 2
+    err = " ".join(capsys.readouterr().err.split())
+    for words in ("the simulator cannot finish this sweep within --timeout 600 s; estimate: about",
+                  "--tokens 8 --hidden 64 --top-k 2 --experts 8", "mpirun -np 2 python -m ep_runtime.bench"):
+        assert words in err, err
+
+
+def _sim_and_gpu_results():
+    """Results of one configuration in both layouts at T = 3 and 6, as the simulator (no
+    ceilings) and as a GPU (finite ceilings) report them."""
+    from ep_runtime.bench.measure import SPANS
+    from ep_runtime.bench.run import _result
+
+    out = {}
+    for name, ceil in (("sim", {"nvlink_gbps": float("nan"), "hbm_gbps": float("nan")}),
+                       ("gpu", {"nvlink_gbps": 100.0, "hbm_gbps": 1000.0})):
+        res = []
+        for T in (6, 3):  # out of order: the plot must sort
+            cfg = EPConfig(n_ranks=2, n_experts=4, top_k=2, hidden=8, max_tokens_per_rank=T)
+            _, ids, _ = make_inputs(cfg, "random", 1, n_tokens=[T, T])
+            tr = rank_traffic(ids, 0, cfg.n_local_experts, cfg.hidden)
+            spans = {k: [1e5 * T, 2e5 * T, 3e5 * T] for k in SPANS}
+            res += [_result(cfg, tr, spans, {}, ceil, "eager", None, layout) for layout in ("expanded", "compact")]
+        out[name] = res
+    return out
+
+
+def test_table_says_n_a_where_a_figure_has_no_meaning():
+    from ep_runtime.bench.run import SIMULATOR_NOTE, table
+
+    runs = _sim_and_gpu_results()
+    sim = table([runs["sim"]], simulated=True)
+    assert "nan" not in sim and " 0.0 " not in sim
+    rows = [line for line in sim.splitlines() if line.startswith("   0 ")]
+    assert len(rows) == 4
+    for line in rows:
+        dispatch, combine, baselines = line.split("|")[1:]
+        # GB/s log, NVL, floor, %floor; GB/s log, floor, %floor; no baselines ran
+        assert dispatch.split()[-4:] == ["n/a"] * 4 and combine.split()[-3:] == ["n/a"] * 3, line
+        assert baselines.strip() == "n/a"
+    assert "ceilings measured in this run: n/a on the simulator" in sim and SIMULATOR_NOTE in sim
+    gpu = table([runs["gpu"]])
+    assert "n/a" not in gpu and "nan" not in gpu and SIMULATOR_NOTE not in gpu
+    assert "ceilings measured in this run: NVLink 100.0 GB/s per direction, HBM 1000.0 GB/s read+write" in gpu
+    # a GPU run without an NVLink ceiling (one rank): n/a, not nan
+    for res in runs["sim"]:
+        res["ceilings"] = {"nvlink_gbps": float("nan"), "hbm_gbps": 1000.0}
+    assert "nan" not in table([runs["sim"]]) and "NVLink n/a GB/s" in table([runs["sim"]])
+
+
+def test_plot_draws_one_line_per_layout_and_names_only_what_it_draws(tmp_path):
+    from ep_runtime.bench.run import plot, plot_series
+
+    runs = _sim_and_gpu_results()
+    for name, floors in (("sim", False), ("gpu", True)):
+        series = plot_series(runs[name])
+        assert sorted((s["phase"], s["label"]) for s in series) == [
+            ("combine", "eager compact"), ("combine", "eager expanded"),
+            ("dispatch", "eager compact"), ("dispatch", "eager expanded")]
+        for s in series:
+            assert s["T"] == [3, 6]  # one layout per line, in increasing T: no zig-zag
+            assert (s["floor_us"] is not None) == floors
+        fig = plot([runs[name]], str(tmp_path / f"{name}.png"), simulated=name == "sim")
+        assert (tmp_path / f"{name}.png").stat().st_size > 0
+        for ax in fig.axes:
+            drawn = [line.get_label() for line in ax.get_lines()]
+            assert [t.get_text() for t in ax.get_legend().get_texts()] == drawn  # named = drawn
+            assert len(drawn) == (4 if floors else 2)
+            assert sum(label.startswith("floor") for label in drawn) == (2 if floors else 0)
+            for line in ax.get_lines():
+                assert list(line.get_xdata()) == [3, 6]

@@ -44,10 +44,19 @@ layout's combine input is then float32. The table marks it ``/f32`` after the to
 
 Each layout is timed on a runtime that serves only it (``--serve each``, the default: its own
 execution plan), or every layout on one runtime serving both (``--serve both``); ``--plan`` passes
-plan overrides (``receiver=land,pdl=0``: ep_runtime.plan). Results print as a table (rank 0;
-``mode``, ``layout`` and ``receiver`` columns) and, with ``--json FILE``, as JSON with the
-configuration, mode, the runtime's plan (``plan``: its fields and summary), git sha, devices
-and versions; ``--plot FILE.png`` draws time against tokens (matplotlib).
+plan overrides (``receiver=land,pdl=0``: ep_runtime.plan).
+
+Sizes (``--tokens``, ``--hidden``, ``--top-k``, ``--experts``, ``--samples``, ``--warmup``) default to a
+GPU layer on GPUs and to a tiny layer on the simulator (``SIZE_DEFAULTS``); on the simulator a sweep
+estimated to take longer than ``--timeout`` (``ep_runtime.sim_cost``) is refused before anything runs.
+Progress goes to stderr, a line per configuration (rank 0), and on the simulator a line every 15 s.
+
+Results print as a table (rank 0; ``mode``, ``layout`` and ``receiver`` columns; ``n/a`` where a
+figure has no meaning in the run: GB/s, floors and baselines on the simulator, floors without
+ceilings) and, with ``--json FILE``, as JSON with the configuration, mode, the runtime's plan
+(``plan``: its fields and summary), git sha, devices and versions; ``--plot FILE.png`` draws time
+against tokens (matplotlib): one line per layout and mode (and per any other setting the sweep
+varies), each with its floor dashed where the run measured one.
 """
 
 from __future__ import annotations
@@ -56,25 +65,45 @@ import argparse
 import json
 import sys
 
+from ..cli import HelpFormatter, Heartbeat
 from ..config import EPConfig
 from ..layout import BufferLayout
-from .run import TOKEN_INPUTS, bench_rank, configs, metadata, plot, table
+from .run import TOKEN_INPUTS, bench_rank, configs, layouts, metadata, plot, table, token_inputs
+
+#: The sizes the options default to, per backend: a GPU layer (DeepSeek-V3's MoE shape) on GPUs;
+#: on the simulator, where every simulated GPU thread is a Python thread, a layer it times in
+#: seconds. ``experts`` on the simulator: per rank (the total must be a multiple of the ranks).
+SIZE_DEFAULTS = {
+    "gpu": {"tokens": [4096], "hidden": [7168], "top_k": [8], "experts": [256], "samples": 50, "warmup": 5},
+    "sim": {"tokens": [8], "hidden": [64], "top_k": [2], "experts_per_rank": 4, "samples": 5, "warmup": 1},
+}
+#: Seconds between "still running" lines on the simulator.
+PROGRESS_EVERY_S = 15.0
+
+
+def _size_help(what: str, gpu, sim) -> str:
+    return f"{what} (default: {gpu} on GPUs, {sim} on the simulator)"
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m ep_runtime.bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    g, m = SIZE_DEFAULTS["gpu"], SIZE_DEFAULTS["sim"]
+    p = argparse.ArgumentParser(prog="python -m ep_runtime.bench", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--backend", choices=("auto", "nvshmem", "sim"), default="auto",
-                   help="auto: nvshmem under mpirun with GPUs, else the simulator")
-    p.add_argument("--ranks", type=int, default=2, help="simulated ranks outside mpirun (default 2)")
-    p.add_argument("--tokens", type=int, nargs="+", default=[4096], help="tokens per rank (sweepable)")
-    p.add_argument("--hidden", type=int, nargs="+", default=[7168])
-    p.add_argument("--top-k", type=int, nargs="+", default=[8])
-    p.add_argument("--experts", type=int, nargs="+", default=[256])
+                   help="auto: nvshmem under mpirun with GPUs, else the simulator (sim)")
+    p.add_argument("--ranks", type=int, default=2, help="simulated ranks outside mpirun")
+    p.add_argument("--tokens", type=int, nargs="+", help=_size_help("tokens per rank (sweepable)", *g["tokens"],
+                                                                      *m["tokens"]))
+    p.add_argument("--hidden", type=int, nargs="+", help=_size_help("values per token row (sweepable)",
+                                                                      *g["hidden"], *m["hidden"]))
+    p.add_argument("--top-k", type=int, nargs="+", help=_size_help("experts per token (sweepable)", *g["top_k"],
+                                                                     *m["top_k"]))
+    p.add_argument("--experts", type=int, nargs="+",
+                   help=_size_help("experts in all (sweepable; a multiple of the ranks)", *g["experts"],
+                                   f"{m['experts_per_rank']} per rank"))
     p.add_argument("--n-sms", type=int, nargs="+", default=[0], help="blocks per kernel; 0 = all SMs")
     p.add_argument("--mode", nargs="+", choices=("eager", "graph"), default=["eager"],
                    help="eager: the calls as made by a caller; graph: CUDA graph replay, one graph per phase "
-                        "(GPUs only); both: --mode eager graph (default: eager)")
+                        "(GPUs only); both: --mode eager graph")
     p.add_argument("--token-dtype", nargs="+", choices=("bfloat16", "fp8_e4m3", "fp8_e4m3_ue8m0"),
                    default=["bfloat16"], help="token format of dispatch (sweepable): bf16, or FP8 E4M3 with float32 "
                                               "/ power-of-two scales per 128 elements, quantized inside dispatch; "
@@ -96,16 +125,54 @@ def _parser() -> argparse.ArgumentParser:
                         "both layouts (default: each)")
     p.add_argument("--plan", default="", help="plan overrides for every runtime, e.g. 'receiver=land,pdl=0' "
                                               "(ep_runtime.plan; default: none)")
-    p.add_argument("--samples", type=int, default=50,
-                   help="timed samples per configuration and mode (>= 50 on GPUs)")
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--ceiling-mib", type=int, default=256, help="bytes copied to measure each ceiling")
+    p.add_argument("--samples", type=int,
+                   help=_size_help("timed samples per configuration and mode (>= 50 on GPUs)", g["samples"],
+                                   m["samples"]))
+    p.add_argument("--warmup", type=int, help=_size_help("untimed round trips first", g["warmup"], m["warmup"]))
+    p.add_argument("--seed", type=int, default=0, help="seed of the tokens and the routing")
+    p.add_argument("--ceiling-mib", type=int, default=256, help="MiB copied to measure each ceiling (GPUs)")
     p.add_argument("--no-baselines", action="store_true", help="skip NCCL and nvshmem alltoall")
     p.add_argument("--json", metavar="FILE", help="write results as JSON")
-    p.add_argument("--plot", metavar="FILE", help="plot time against tokens (needs matplotlib)")
-    p.add_argument("--timeout", type=float, default=600.0, help="simulator: seconds before a stuck run fails")
+    p.add_argument("--plot", metavar="FILE", help="plot time against tokens (PNG; needs matplotlib)")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="simulator: seconds before the run fails; sweeps estimated to take longer are refused")
     return p
+
+
+def apply_size_defaults(args, backend: str, n_ranks: int) -> None:
+    """Fill the size options left unset with :data:`SIZE_DEFAULTS` of ``backend`` (``"sim"`` or
+    a GPU backend), in place, so the results record the sizes that ran."""
+    sizes = SIZE_DEFAULTS["sim" if backend == "sim" else "gpu"]
+    for name in ("tokens", "hidden", "top_k", "samples", "warmup"):
+        if getattr(args, name) is None:
+            setattr(args, name, sizes[name])
+    if args.experts is None:
+        args.experts = sizes["experts"] if "experts" in sizes else [sizes["experts_per_rank"] * n_ranks]
+
+
+def simulator_estimate(args, n_ranks: int):
+    """The sweep's cost on the simulator (:mod:`ep_runtime.sim_cost`): per configuration,
+    ``warmup + samples`` round trips per layout and dispatch input, every rank sending T tokens."""
+    from ..sim_cost import estimate, ranks_per_token
+
+    jobs = []
+    for f in configs(args):
+        round_trips = (args.warmup + args.samples) * len(layouts(args)) * len(token_inputs(args, f["token_dtype"]))
+        messages = n_ranks * f["max_tokens_per_rank"] * ranks_per_token(n_ranks, f["n_experts"], f["top_k"])
+        jobs.append((round_trips, messages, f["hidden"]))
+    return estimate(n_ranks, jobs)
+
+
+def _too_slow(args, n_ranks: int, est) -> str:
+    """Why a sweep is refused on the simulator, and what to do instead."""
+    from ..sim_cost import timeout_hint
+
+    sim = SIZE_DEFAULTS["sim"]
+    return (f"the simulator cannot finish this sweep within --timeout {args.timeout:g} s; estimate: "
+            f"{est.describe()}. The simulator runs every GPU thread as a Python thread: time tiny layers there (its defaults: "
+            f"--tokens {sim['tokens'][0]} --hidden {sim['hidden'][0]} --top-k {sim['top_k'][0]} --experts "
+            f"{sim['experts_per_rank'] * n_ranks} --samples {sim['samples']} --warmup {sim['warmup']})"
+            f"{timeout_hint(est.seconds)}; GPU sizes need GPUs: mpirun -np 2 python -m ep_runtime.bench ...")
 
 
 def main(argv=None) -> int:
@@ -115,29 +182,43 @@ def main(argv=None) -> int:
     from ..shmem.launch import job_backend, job_ranks, run_job
 
     backend, n_ranks = job_backend(args.backend), job_ranks(args.ranks)
+    apply_size_defaults(args, backend, n_ranks)
     if "graph" in args.mode and backend == "sim":
         why = "" if args.backend == "sim" else " (--backend auto chose it: not under mpirun, or no GPU visible)"
         parser.error(f"--mode graph needs CUDA graphs, and the simulator backend{why} has none (it runs each "
                      f"kernel on the host as it is called). Run graph mode on GPUs under mpirun, e.g. "
                      f"'mpirun -np 2 python -m ep_runtime.bench --mode eager graph ...', or use --mode eager "
                      f"on the simulator.")
-    heap = max(BufferLayout(EPConfig(n_ranks=n_ranks, **f)).symmetric_bytes for f in configs(args))
+    try:  # every configuration is checked first (an EPConfigError names the field and the fix)
+        heap = max(BufferLayout(EPConfig(n_ranks=n_ranks, **f)).symmetric_bytes for f in configs(args))
+    except EPError as e:
+        print(f"ep_runtime.bench: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    est = simulator_estimate(args, n_ranks) if backend == "sim" else None
+    if est is not None and est.seconds > args.timeout:
+        parser.error(_too_slow(args, n_ranks, est))
     if backend != "sim":  # the NVLink ceiling's copy target, and nvshmem alltoall's two buffers
         heap += (args.ceiling_mib << 20) + 2 * n_ranks * max(args.tokens) * max(args.hidden) * 2
+    run = dict(args=(vars(args),), backend=backend, heap_bytes=heap, timeout_s=args.timeout)
     try:
-        per_rank = run_job(bench_rank, n_ranks, args=(vars(args),), backend=backend, heap_bytes=heap,
-                           timeout_s=args.timeout)
+        if est is None:
+            per_rank = run_job(bench_rank, n_ranks, **run)
+        else:
+            print(f"ep_runtime.bench: simulator, {est.describe()}", file=sys.stderr, flush=True)
+            with Heartbeat("ep_runtime.bench", PROGRESS_EVERY_S, est.seconds):
+                per_rank = run_job(bench_rank, n_ranks, **run)
     except EPError as e:
         print(f"ep_runtime.bench: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     if per_rank is None:  # a rank other than 0 under mpirun: rank 0 reports
         return 0
-    print(table(per_rank))
+    print(table(per_rank, simulated=backend == "sim"))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"meta": metadata(backend, n_ranks), "args": vars(args), "results": per_rank}, f, indent=1)
     if args.plot:
-        plot(per_rank, args.plot)
+        plot(per_rank, args.plot, simulated=backend == "sim")
+        print(f"plot: {args.plot}", file=sys.stderr)
     return 0
 
 

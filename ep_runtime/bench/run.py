@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import subprocess
 import sys
+import time
 
 import numpy as np
 
@@ -92,6 +94,13 @@ def close_baselines(session) -> None:
                       f"{type(e).__name__}: {e}", file=sys.stderr)
 
 
+def describe_fields(fields: dict, inputs=("bf16",)) -> str:
+    """A configuration of the sweep in a few words, as the progress lines show it."""
+    fmt = ", ".join(_fmt_name(fields, g) for g in inputs)
+    return (f"T={fields['max_tokens_per_rank']} H={fields['hidden']} K={fields['top_k']} E={fields['n_experts']} "
+            f"sms={fields['n_sms'] or 'all'} {fmt}")
+
+
 def bench_rank(session, args_dict) -> list[dict]:
     """One rank of the benchmark; returns this rank's result per configuration and mode
     (configurations in sweep order, each with its modes in ``--mode`` order)."""
@@ -102,10 +111,14 @@ def bench_rank(session, args_dict) -> list[dict]:
     if gpu:
         ceil = ceilings(session, args.ceiling_mib << 20, reps=10)
     todo = list(configs(args))
+    start = time.monotonic()
     for i, fields in enumerate(todo):
+        if not gpu:  # device-side waits bounded by the job's limit, not a GPU's (slow peers are normal here)
+            fields = {**fields, "wait_timeout_s": args.timeout}
         cfg = EPConfig(n_ranks=session.n_ranks, **fields)
-        if session.rank == 0:
-            print(f"\r[{'#' * (i + 1)}{'.' * (len(todo) - i - 1)}] {i + 1}/{len(todo)} {fields}", end="",
+        if session.rank == 0:  # a line per configuration, on its own line
+            what = describe_fields(fields, token_inputs(args, cfg.token_dtype))
+            print(f"ep_runtime.bench: [{i + 1}/{len(todo)}] {what} ({time.monotonic() - start:.0f} s)",
                   file=sys.stderr, flush=True)
         T = cfg.max_tokens_per_rank
         xs, ids, ws = make_inputs(cfg, "random", args.seed, n_tokens=[T] * cfg.n_ranks)
@@ -132,8 +145,6 @@ def bench_rank(session, args_dict) -> list[dict]:
                              "nvshmem_alltoall"))
         for mode, layout, token_input, spans, graph, plan in runs:
             results.append(_result(cfg, trs[token_input], spans, base, ceil, mode, graph, layout, plan, token_input))
-    if session.rank == 0:
-        print(file=sys.stderr)
     if gpu:
         close_baselines(session)
     return results
@@ -149,7 +160,8 @@ def _time_runtime(session, args, cfg: EPConfig, inputs_of: dict, outs: dict, out
     with EPRuntime(cfg, session, plan=getattr(args, "plan", None) or None) as rt:
         plan = {**rt.plan.as_dict(), "summary": rt.plan.summary()}
         if session.rank == 0:
-            print(f"\n  {'+'.join(cfg.layouts)}: {rt.plan.summary()}", file=sys.stderr, flush=True)
+            print(f"ep_runtime.bench:   serving {'+'.join(cfg.layouts)}: {rt.plan.summary()}", file=sys.stderr,
+                  flush=True)
         for token_input, layout in itertools.product(given, [lay for lay in layouts(args) if lay in cfg.layouts]):
             inputs = inputs_of[token_input]
             if outs[layout] is None:  # expert outputs: one row per batch row, or per (source rank, token slot)
@@ -222,21 +234,42 @@ def _receiver_name(res: dict) -> str:
     return names.get(res.get("plan", {}).get("receiver"), "-")
 
 
-def table(per_rank: list[list[dict]]) -> str:
+#: Printed for a figure that has no meaning in the run: GB/s, floors and %floor where no ceiling
+#: was measured, every GB/s on the simulator (host-clock times of simulated kernels), baselines
+#: that did not run there.
+NOT_APPLICABLE = "n/a"
+
+#: The table's note on the simulator's figures.
+SIMULATOR_NOTE = ("simulator: times are host-clock times of the simulated kernels (every GPU thread a Python "
+                  "thread, blocks one at a time): they show the workflow, not performance")
+
+
+def _fig(value, spec: str, width: int, meaningful: bool = True, suffix: str = "") -> str:
+    """``value`` formatted right-aligned in ``width`` (plus the suffix), or n/a where it has no
+    meaning in this run (not ``meaningful``, or not a finite number)."""
+    if not meaningful or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return f"{NOT_APPLICABLE:>{width + len(suffix)}}"
+    return f"{format(value, spec) + suffix:>{width + len(suffix)}}"
+
+
+def table(per_rank: list[list[dict]], simulated: bool = False) -> str:
     """One line per (configuration, mode, rank). In graph mode ``dispatch`` and ``combine`` are
-    one graph replay each; ``async`` and ``wait`` are replays of graphs of one call each."""
+    one graph replay each; ``async`` and ``wait`` are replays of graphs of one call each.
+    ``simulated``: the results come from the simulator, where GB/s, floors and baselines are
+    n/a (its times are host-clock times of simulated kernels, and it has no NVLink or HBM)."""
     head = (f"{'rank':>4} {'T':>5} {'H':>5} {'K':>2} {'E':>4} {'sms':>4} {'tokens':>8} {'mode':>5} {'layout':>8} "
             f"{'receiver':>8} | "
             f"{'dispatch us (p10-p90)':>24} "
             f"{'async':>7} {'wait':>7} {'GB/s log':>8} {'NVL':>6} {'floor':>7} {'%floor':>6} | "
             f"{'combine us':>10} {'GB/s log':>8} {'floor':>7} {'%floor':>6} | baselines (median us)")
     lines = [head]
+    gpu = not simulated
     for r, results in enumerate(per_rank):
         for res in results:
             cfg, t = res["config"], res["times_us"]
             d, c = res["dispatch"], res["combine"]
             bl = ", ".join(f"{k} {v['median']:.1f}" if isinstance(v, dict) else f"{k} {v}"
-                           for k, v in res["baselines_us"].items()) or "-"
+                           for k, v in res["baselines_us"].items()) or ("-" if gpu else NOT_APPLICABLE)
             lines.append(
                 f"{r:>4} {cfg['max_tokens_per_rank']:>5} {cfg['hidden']:>5} {cfg['top_k']:>2} {cfg['n_experts']:>4} "
                 f"{cfg['n_sms'] or 'all':>4} {_fmt_name(cfg, res.get('token_input', 'bf16')):>8} "
@@ -244,9 +277,10 @@ def table(per_rank: list[list[dict]]) -> str:
                 f"{res.get('layout', 'expanded'):>8} {_receiver_name(res):>8} | "
                 f"{t['dispatch']['median']:>9.1f} ({t['dispatch']['p10']:.1f}-"
                 f"{t['dispatch']['p90']:.1f}) {t['dispatch_async']['median']:>7.1f} {t['dispatch_wait']['median']:>7.1f} "
-                f"{d['logical_gbps']:>8.1f} {d['nvlink_gbps']:>6.1f} {d['floor_us']:>7.1f} {100 * d['of_floor']:>5.1f}% | "
-                f"{t['combine']['median']:>10.1f} {c['logical_gbps']:>8.1f} {c['floor_us']:>7.1f} "
-                f"{100 * c['of_floor']:>5.1f}% | {bl}")
+                f"{_fig(d['logical_gbps'], '.1f', 8, gpu)} {_fig(d['nvlink_gbps'], '.1f', 6, gpu)} "
+                f"{_fig(d['floor_us'], '.1f', 7)} {_fig(100 * d['of_floor'], '.1f', 5, suffix='%')} | "
+                f"{t['combine']['median']:>10.1f} {_fig(c['logical_gbps'], '.1f', 8, gpu)} "
+                f"{_fig(c['floor_us'], '.1f', 7)} {_fig(100 * c['of_floor'], '.1f', 5, suffix='%')} | {bl}")
     if any(res.get("token_input") == "prequantized" for results in per_rank for res in results):
         lines.append("+pq: pre-quantized input (FP8 codes and scales from the caller, token_scales=); FP8 rows "
                      "without it quantize bf16 tokens inside dispatch_async")
@@ -261,9 +295,14 @@ def table(per_rank: list[list[dict]]) -> str:
             lines.append(f"WARNING rank {r} T={res['config']['max_tokens_per_rank']}: the device counted "
                          f"{g.get('device_calls')} calls for {g.get('replayed_round_trips')} replayed round trips: "
                          f"graph times are not valid")
-    ceil = per_rank[0][0]["ceilings"] if per_rank and per_rank[0] else {}
-    lines.append(f"ceilings measured in this run: NVLink {ceil.get('nvlink_gbps', float('nan')):.1f} GB/s per "
-                 f"direction, HBM {ceil.get('hbm_gbps', float('nan')):.1f} GB/s read+write")
+    if simulated:
+        lines.append(f"ceilings measured in this run: {NOT_APPLICABLE} on the simulator (no NVLink or HBM: GB/s, "
+                     f"floor and %floor are GPU figures, and the baselines run on GPUs only)")
+        lines.append(SIMULATOR_NOTE)
+    else:
+        ceil = per_rank[0][0]["ceilings"] if per_rank and per_rank[0] else {}
+        lines.append(f"ceilings measured in this run: NVLink {_fig(ceil.get('nvlink_gbps'), '.1f', 0)} GB/s per "
+                     f"direction, HBM {_fig(ceil.get('hbm_gbps'), '.1f', 0)} GB/s read+write")
     return "\n".join(lines)
 
 
@@ -292,29 +331,80 @@ def metadata(backend: str, n_ranks: int) -> dict:
     return meta
 
 
-def plot(per_rank: list[list[dict]], path: str) -> None:
-    """Median dispatch/combine time (per mode) and floor against tokens per rank (rank 0)."""
-    import matplotlib
+#: The settings besides T that tell the plot's lines apart: (legend name, its value in a
+#: result). Mode and layout always name a line; the others only where the sweep varies them.
+_SERIES_SETTINGS = (
+    ("mode", lambda r: r.get("mode", "eager")),
+    ("layout", lambda r: r.get("layout", "expanded")),
+    ("tokens", lambda r: _fmt_name(r["config"], r.get("token_input", "bf16"))),
+    ("H", lambda r: r["config"]["hidden"]),
+    ("K", lambda r: r["config"]["top_k"]),
+    ("E", lambda r: r["config"]["n_experts"]),
+    ("sms", lambda r: r["config"]["n_sms"] or "all"),
+)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    res = sorted(per_rank[0], key=lambda r: r["config"]["max_tokens_per_rank"])
-    modes_ = list(dict.fromkeys(r.get("mode", "eager") for r in res))
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name in ("dispatch", "combine"):
-        for mode in modes_:
-            mres = [r for r in res if r.get("mode", "eager") == mode]
-            T = [r["config"]["max_tokens_per_rank"] for r in mres]
-            label = name if len(modes_) == 1 else f"{name} ({mode})"
-            ax.plot(T, [r["times_us"][name]["median"] for r in mres], marker="o", label=label)
-        mres = [r for r in res if r.get("mode", "eager") == modes_[0]]
-        ax.plot([r["config"]["max_tokens_per_rank"] for r in mres], [r[name]["floor_us"] for r in mres],
-                linestyle="--", label=f"{name} floor")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("tokens per rank")
-    ax.set_ylabel("us (median)")
-    ax.legend()
+def _setting_label(names_values) -> str:
+    return " ".join(str(v) if n in ("mode", "layout", "tokens") else f"{n}={v}" for n, v in names_values)
+
+
+def plot_series(results: list[dict]) -> list[dict]:
+    """The plot's lines for one rank's results, per phase (``"dispatch"``, ``"combine"``): one
+    line per combination of the settings besides T (:data:`_SERIES_SETTINGS`), its points in
+    increasing T, so no line joins results of different layouts or modes. Each line is
+    ``{"phase", "label", "floor_label", "T", "us", "floor_us"}``: ``floor_us`` is the floor of
+    each point, or None where a point has no finite floor (no ceilings: the simulator), and
+    ``floor_label`` names the line's floor (the same for every mode: the floor does not depend
+    on it)."""
+    varying = [i for i, (_, get) in enumerate(_SERIES_SETTINGS) if i < 2 or len({get(r) for r in results}) > 1]
+    groups: dict[tuple, list[dict]] = {}
+    for r in results:
+        groups.setdefault(tuple(_SERIES_SETTINGS[i][1](r) for i in varying), []).append(r)
+    lines = []
+    for phase in ("dispatch", "combine"):
+        for key, rs in groups.items():
+            rs = sorted(rs, key=lambda r: r["config"]["max_tokens_per_rank"])
+            named = [(_SERIES_SETTINGS[i][0], v) for i, v in zip(varying, key)]
+            floors = [r[phase]["floor_us"] for r in rs]
+            finite = all(isinstance(f, (int, float)) and math.isfinite(f) for f in floors)
+            lines.append({"phase": phase, "label": _setting_label(named),
+                          "floor_label": "floor " + _setting_label([nv for nv in named if nv[0] != "mode"]),
+                          "T": [r["config"]["max_tokens_per_rank"] for r in rs],
+                          "us": [r["times_us"][phase]["median"] for r in rs],
+                          "floor_us": floors if finite else None})
+    return lines
+
+
+def plot(per_rank: list[list[dict]], path: str, simulated: bool = False):
+    """Median dispatch (left) and combine (right) time against tokens per rank, rank 0's
+    results: one line per layout, mode and any other setting the sweep varies
+    (:func:`plot_series`), each floor dashed in its line's colour where the run measured one
+    (GPUs), and the legend names only what is drawn. Saved as ``path`` (matplotlib, no display
+    needed); returns the figure."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 4))
+    axes = fig.subplots(1, 2, sharey=True)
+    colours: dict[str, str] = {}
+    floors_drawn: set[tuple[str, str]] = set()
+    for line in plot_series(per_rank[0]):
+        ax = axes[0 if line["phase"] == "dispatch" else 1]
+        colour = colours.setdefault(line["label"], f"C{len(colours)}")
+        ax.plot(line["T"], line["us"], marker="o", color=colour, label=line["label"])
+        if line["floor_us"] is not None and (line["phase"], line["floor_label"]) not in floors_drawn:
+            floors_drawn.add((line["phase"], line["floor_label"]))
+            ax.plot(line["T"], line["floor_us"], linestyle="--", color=colour, label=line["floor_label"])
+    for ax, phase in zip(axes, ("dispatch", "combine")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(phase)
+        ax.set_xlabel("tokens per rank")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0].set_ylabel("us (median, rank 0)")
+    fig.suptitle("simulator: host-clock times of simulated kernels, not performance; no floors (no NVLink or HBM)"
+                 if simulated else "rank 0, median per call; dashed: the floor from the ceilings measured in this run",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(path)
+    return fig
