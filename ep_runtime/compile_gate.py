@@ -73,8 +73,8 @@ class CompileResult:
     registers: int | None = None
     max_registers: int | None = None
     #: SASS instructions of the linked cubin's code (``.text`` sections, 16 bytes each): code a
-    #: kernel runs once per call is fetched cold, about 0.7 ns an instruction on an H100
-    #: (docs/throughput.md, "v21"). None when not built.
+    #: kernel runs once per call is fetched cold, a cost per instruction (docs/plans.md). None
+    #: when not built.
     instructions: int | None = None
     #: the NVSHMEM transfer routines (``nvshmemi_transfer_*``) the linked code still calls, by
     #: name, sorted: what a build's send path leaves to NVSHMEM. None when not built.

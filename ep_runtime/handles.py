@@ -13,8 +13,8 @@ from typing import Any
 
 def from_fields(cls, values: dict):
     """``cls(**values)`` for a frozen dataclass of this module, without its generated
-    ``__init__`` (which sets each field through ``object.__setattr__``: about 2 us for a batch
-    of ten fields, a fifth of the host budget of a runtime call). ``values`` must name every
+    ``__init__`` (which sets each field through ``object.__setattr__``: for a batch of ten
+    fields, a noticeable share of a runtime call's host budget). ``values`` must name every
     field; the result compares equal to ``cls(**values)`` and is as frozen."""
     obj = object.__new__(cls)
     obj.__dict__.update(values)

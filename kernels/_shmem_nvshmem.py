@@ -63,8 +63,8 @@ def signal_fetch(sig):
 @intrinsic
 def _load_acquire_u64(typingctx, sig):
     """``sig[0]`` (uint64 array) by ``ld.acquire.sys``: no later load or store of this thread is
-    performed before it. One instruction (about 0.1 us on an H100, against 0.45 us for a
-    GPU-scope fence after a volatile load: docs/throughput.md, "v20")."""
+    performed before it. One instruction, faster than a GPU-scope fence after a volatile load
+    (measured: docs/plans.md)."""
     if not (isinstance(sig, types.Array) and sig.dtype == types.uint64):
         return None
 

@@ -20,7 +20,7 @@ with ``blockDim.x`` threads in a 1-D block.
   one part of one row), and which words an item covers; ``interleaved_item``: items of R sources
   dealt so that a warp alternates between them;
 - ``flag_rule`` / ``flag_part`` / ``await_part``: rows flagged part by part as they land
-  (combine since v17, dispatch since v18): how many parts a row is cut into, by a rule every
+  (combine and dispatch): how many parts a row is cut into, by a rule every
   rank computes alike, the sending warp's fence and flag, and the receiver's bounded wait;
 - ``local_expert_count``: how many of a token's experts live on a rank;
 - ``grant_token_credits``: one thread tells every peer that its token rows of a call may be
@@ -61,8 +61,7 @@ def publish_fence(stores_only):
     system fence then suffices (cumulative over what the barrier ordered: data before flag).
     Otherwise NVSHMEM puts may be pending and ``quiet`` completes them (on NVLink it is the same
     system fence after the puts' own stores; the simulator delivers puts only there). The
-    fence alone was measured 0.1-1.1 us faster per publication than ``quiet`` on 2 x H100
-    (session 31, graph, compact dispatch T=128 rank 0 25.1 / 24.9 -> 24.0 / 24.1)."""
+    fence alone publishes faster than ``quiet`` (measured: docs/plans.md)."""
     if stores_only:
         cuda.threadfence_system()
     else:
@@ -84,8 +83,8 @@ def last_block_ticket(ticket, flag, stores_only):
     the barrier, not only its own stores (NVSHMEM's block-scope quiet relies on the same: on
     the load/store path its thread 0 alone runs ``__threadfence_system``). ``quiet`` also
     completes what a transport still holds for this PE, so when the last block sees the final
-    ticket every block's data has been delivered. One fence per block, not one per warp: 16
-    warps fencing cost 1.5 us, one 0.9 us (docs/throughput.md, "v20").
+    ticket every block's data has been delivered. One fence per block, not one per warp: every
+    warp fencing measured slower than one (docs/plans.md).
     """
     cuda.syncthreads()
     if cuda.threadIdx.x == 0:
@@ -241,7 +240,7 @@ else:
         """``uint32(a) // uint32(b)`` (``b > 0``; both taken modulo 2**32) as one 32-bit unsigned
         division, which ptxas expands inline (a reciprocal and a correction). Numba's ``//`` on
         integers divides in 64 bits, which compiles to a 32-bit fast path plus a call to a
-        64-bit division routine (docs/throughput.md, "v21")."""
+        64-bit division routine (docs/plans.md)."""
         if not (isinstance(a, types.Integer) and isinstance(b, types.Integer)):
             return None
 

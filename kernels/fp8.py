@@ -33,8 +33,8 @@ converts with the hardware (``cvt.rn.satfinite.e4m3x2.f32``, sm_89 and later: ro
 even, two values per instruction), which agrees with :func:`e4m3_bits` for every quotient of
 magnitude at most 464; a word with a larger (or NaN) quotient, possible only for a
 float32-subnormal scale, takes :func:`e4m3_bits` (the hardware saturates to 448 where ml_dtypes
-gives NaN). The software conversion was the encoder's cost: about a hundred instructions per
-element (docs/throughput.md, "v7"). In the simulator, :func:`quantize4` is :func:`e4m3_bits`.
+gives NaN). The software conversion was the encoder's cost: a long instruction sequence per
+element (docs/plans.md). In the simulator, :func:`quantize4` is :func:`e4m3_bits`.
 """
 
 from numba import float32, int32, uint32, uint64
@@ -338,7 +338,7 @@ else:
     @cuda.jit(device=True)
     def quantize4_by(word, scale, inv):
         """As :func:`quantize4_by_software`, with the hardware conversion: four multiplications
-        (instead of four IEEE divisions, each a dozen instructions with its special-case check),
+        (instead of four IEEE divisions, each an instruction sequence with its special-case check),
         or :func:`quantize4` when ``inv`` is 0."""
         if (f32_bits(scale) & uint32(0x7FFFFFFF)) > uint32(0x7F800000):
             return uint32(_NAN4)

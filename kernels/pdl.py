@@ -1,10 +1,10 @@
 """Programmatic dependent launch (PDL): a kernel's blocks start while the kernel before it on
 the stream is finishing, and wait on the device, not in the launch queue.
 
-Between two kernels launched on a stream the GPU left 2.1-2.4 us (traced on one H200:
-docs/throughput.md, "v10"; 0.9-1.0 us with PDL; inside a CUDA graph, where the gap is already
-small, it changed nothing measurable): the next grid is launched only after the previous one
-has fully completed and flushed. With PDL (sm_90 and later) a kernel launched with the attribute
+Between two kernels launched on a stream the GPU leaves a gap (traced: docs/plans.md; PDL
+shortens it; inside a CUDA graph, where the gap is already small, it changed nothing
+measurable): the next grid is launched only after the previous one has fully completed and
+flushed. With PDL (sm_90 and later) a kernel launched with the attribute
 ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION`` may be scheduled as soon as every block
 of the previous kernel has executed ``griddepcontrol.launch_dependents`` (or exited); it must
 execute ``griddepcontrol.wait`` before it touches anything the previous kernel writes: that

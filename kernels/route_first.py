@@ -85,9 +85,9 @@ def make_route_first(threads: int, chunked: bool, share_from_tokens: int, chunk_
         second block shortens); below it share 0 places alone and the others return True once
         the routing is in. A chunked build's blocks, from ``chunk_from_tokens`` received tokens
         (and two ranks or more), each rank a chunk instead (``place_by_chunks``). A block on one
-        SM pays 1-4 us a phase whatever its work, so the phases are few: the scan is one warp's,
-        the segments' offsets and counts are written by it, and padding rows are described only
-        when there are any."""
+        SM pays a fixed cost a phase whatever its work (docs/plans.md), so the phases are few:
+        the scan is one warp's, the segments' offsets and counts are written by it, and padding
+        rows are described only when there are any."""
         tid = cuda.threadIdx.x
         lane = tid % warp
         wid = tid // warp

@@ -29,7 +29,7 @@ WORDS_PER_LANE = BLOCK_WORDS // BLOCK_LANES
 #: Warp steps (``warp / BLOCK_LANES`` blocks each) whose words a lane loads before it encodes
 #: any: 64 bytes per lane in flight, 8 blocks per 32-lane warp. The words are held in
 #: variables, not a local array (which Numba leaves in local memory: every loaded word stored
-#: to the stack and loaded back; docs/throughput.md, "v25").
+#: to the stack and loaded back; docs/plans.md).
 STEPS_IN_FLIGHT = 2
 #: Scales of a token part an encoding warp holds in shared memory (uint32 each) until its codes
 #: are out, then stores together: 64 blocks (hidden up to 8192 in one part), 4 KB for 16 warps.

@@ -1,10 +1,10 @@
 """Wide memory access and packed bf16 rounding for the kernels' streaming loops.
 
-Why: Nsight Compute on 2 x H200 (docs/throughput.md, "v7") found the copy and reduce loops
-bound by integer instructions, not by memory: every ``row[i] = v`` through a Numba array
-costs 64-bit index arithmetic, a negative-index (wraparound) select and a divergent branch,
-about 17 SASS instructions per 8-byte store in dispatch_copy; combine_wait ran 36
-instructions per output element, two of them floating point. The helpers here address a
+Why: Nsight Compute (docs/plans.md) found the copy and reduce loops bound by integer
+instructions, not by memory: every ``row[i] = v`` through a Numba array costs 64-bit index
+arithmetic, a negative-index (wraparound) select and a divergent branch, many SASS
+instructions per 8-byte store in dispatch_copy; combine_wait's instructions per output
+element were almost all integer ones. The helpers here address a
 row with one pointer offset and move **two words per access** (16 bytes for uint64 words:
 one ``LDG.E.128`` / ``STG.E.128``), and round two float32 values to bf16 in one
 instruction (``cvt.rn.bf16x2.f32``).
@@ -249,7 +249,7 @@ else:
     @intrinsic
     def load_u32_at(typingctx, addr, i):
         """The uint32 at byte address ``addr + 4 i`` (4-byte aligned): an array's flat element
-        without Numba's per-index arithmetic (v7: about 17 instructions per element)."""
+        without Numba's per-index arithmetic (many instructions per element: docs/plans.md)."""
         if not (isinstance(addr, types.Integer) and isinstance(i, types.Integer)):
             return None
         sig = types.uint32(types.uint64, types.int64)

@@ -12,8 +12,8 @@
     CPU-only machine through ep_runtime.compile_gate, and the device functions' PTX has no
     float64 (with a control that does). Another subprocess, without the simulator.
 
-The simulator costs ~35 us per converted value (one simulated thread per block: more threads
-per block only add GIL contention), so (a) converts ~230k values in ~12 s of CPU.
+The simulator is slow per converted value (one simulated thread per block: more threads per
+block only add GIL contention), so (a) converts ~230k values, seconds of CPU.
 """
 
 import json

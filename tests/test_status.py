@@ -1,6 +1,6 @@
 """The host's reading of the device error record (``ep_runtime.status.error_from_status``): each
 timeout names the rank, the kernel, the counter (with its group and peer) and what it held, and
-the route-first copy's own flag (``dispatch_placed``, v30) is named as this rank's placing block,
+the route-first copy's own flag (``dispatch_placed``) is named as this rank's placing block,
 not a peer. CPU only: the records are built here as the kernels' ``record_error`` writes them."""
 
 from __future__ import annotations

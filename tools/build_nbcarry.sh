@@ -5,8 +5,8 @@
 #   - wheels/: nbclient, nbformat, ipykernel and jupyter_client (the versions the CPU tests run
 #     with) and all their dependencies as Python 3.12 x86-64 binary wheels, less NumPy (the image
 #     has it: numba-cuda, CuPy and torch need it; its wheel alone is 16 MB). matplotlib is not
-#     carried: the lent image has 3.11.2 (the version the CPU tests use), checked there on
-#     2026-11-21, and carrying it would double the folder;
+#     carried: the lent image has 3.11.2 (the version the CPU tests use), checked there, and
+#     carrying it would double the folder;
 #   - setup.sh, to source on the machine (see its header): installs what the image lacks into
 #     /tmp/nbsite and puts that on PYTHONPATH.
 # Usage, from the project root:   bash tools/build_nbcarry.sh

@@ -11,8 +11,8 @@ with events recorded *outside* the graphs (events recorded during a capture beco
 not timings). Its samples start on the device: after the host barrier, a short spin kernel
 (:class:`DeviceSpin`) holds the stream while the host enqueues an on-stream barrier, the start
 event and the graph, so every rank's graph starts as its GPU leaves the barrier. (Started by the
-host, a rank whose host launched late made its peer's wait kernel wait: full-round p90s of
-0.6-4.2 ms at T=4096 in session 5, with tight medians.)
+host, a rank whose host launched late made its peer's wait kernel wait: wide full-round p90s
+with tight medians: docs/plans.md.)
 """
 
 from __future__ import annotations
@@ -190,7 +190,7 @@ def _capture(stream, fns):
 
 
 #: Device spin before each graph-mode phase (us): longer than the host takes to enqueue an
-#: on-stream barrier, two events and a graph launch (tens of us).
+#: on-stream barrier, two events and a graph launch.
 START_SPIN_US = 200.0
 
 

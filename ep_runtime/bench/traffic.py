@@ -24,10 +24,10 @@ partials, ``4 H`` with ``combine_dtype="float32"``):
   row per batch row (``sum(recv) + rows``: token-major, dispatch_copy or dispatch_land);
   combine: reads the expert outputs (``rows``, bf16), the partials of this rank's tokens are
   written here (its own by combine_async, the peers' through NVLink: ``sum(sent)``) and read
-  by combine_wait, which writes ``T`` bf16 rows. Combine's NVLink bytes are partials. (Before
-  v23 this model read a received row once per batch row and counted staged partials that the
-  stores path does not stage: 54 % more bytes for the expanded dispatch at T=4096, hidden 7168,
-  top-8 of 256 on 2 ranks, so its %floor read high; docs/throughput.md, "v23".)
+  by combine_wait, which writes ``T`` bf16 rows. Combine's NVLink bytes are partials. (Reading
+  a received row once per batch row, or counting staged partials that the stores path does not
+  stage, would overstate the expanded dispatch's bytes and make its %floor read high:
+  docs/plans.md.)
 - **HBM bytes of the compact layout** (``layout="compact"``: no expansion copy, the caller's
   combine input is one row per received token): dispatch: the sender reads its tokens
   (``sent_any`` input rows) and the receive buffer is written (``sum(recv)`` rows); combine: the

@@ -1,6 +1,7 @@
 """Launching a compiled Numba kernel without Numba's per-call dispatch (the ``nvshmem`` session).
 
-One eager ``kernel[grid, block, stream](*args)`` costs 65-76 us of host time (platform notes):
+One eager ``kernel[grid, block, stream](*args)`` costs more host time than a whole runtime call
+may spend (measured: docs/plans.md):
 the dispatcher types every argument, picks the overload, converts each array through
 ``_to_strided_memory_view`` and packs every field into a fresh parameter holder. The runtime
 launches the same few kernels with mostly the same arrays, so a :class:`FastLauncher` keeps one
@@ -190,7 +191,7 @@ def _array_writer(s, off, dtype, ndim, layout):
             if (dt is not dtype and dt != dtype) or _numba_layout(a) != layout:
                 return False
             ptr = a.device_ctypes_pointer.value or 0
-        elif _is_cupy(a):  # the runtime's caller arrays: no Numba wrapper (tens of us) per call
+        elif _is_cupy(a):  # the runtime's caller arrays: no (costly) Numba wrapper per call
             if a.ndim != ndim or a.dtype != dtype or _cupy_layout(a) != layout:
                 return False
             ptr = a.data.ptr

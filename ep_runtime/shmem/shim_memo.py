@@ -3,7 +3,7 @@
 Every kernel that calls NVSHMEM links nvshmem4py's shim: CUDA source that includes NVSHMEM's
 device headers and wraps the functions the kernels call. numba-cuda's linker compiles it with
 NVRTC at every kernel's link (``Linker.add_cu`` -> ``numba.cuda.cudadrv.nvrtc.compile``), and
-that compile is most of a kernel's build (6-9 s of 9-15 s on a CPU). The shim's source only
+that compile is most of a kernel's build on a CPU (docs/plans.md). The shim's source only
 grows while new NVSHMEM functions are lowered, so the kernels of one process link the same
 source again and again. :func:`install` memoizes ``nvrtc.compile`` by its arguments: the same
 source, file name, target and options give the same PTX or LTO-IR, so a later link reuses the

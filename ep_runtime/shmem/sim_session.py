@@ -30,8 +30,9 @@ SIM_SM_COUNT = 1
 def _yield_while_polling_threads() -> None:
     """WAR: the simulator's BlockManager polls its threads in a tight loop (``is_alive`` on
     every thread, over and over) while they run, holding the GIL most of the time, so the
-    simulated threads crawl: a 2-rank demo round trip took 4.5 s. Yielding the GIL at each
-    poll lets them run (0.8 s, measured). Applied once per process, by :meth:`SimSession.open`."""
+    simulated threads crawl. Yielding the GIL at each poll lets them run (a demo round trip
+    measured much faster: docs/plans.md). Applied once per process, by
+    :meth:`SimSession.open`."""
     import time
 
     from numba.cuda.simulator import kernel as sim_kernel

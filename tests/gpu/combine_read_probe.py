@@ -4,7 +4,7 @@
 
 The expanded combine's sender (combine_async) reads each token's ~4 expert rows (0.47 GB at
 T=4096, hidden 7168, top-8 of 256, 2 ranks), weights them and sums them in float32, one warp per
-(token, source). Nsight Compute (docs/throughput.md, "v28") found it at 27 % of device-memory
+(token, source). Nsight Compute (docs/plans.md) found it far below device-memory
 bandwidth, its warps waiting on their row loads: 16 warps per SM (the 128-register cap at 512
 threads), each with 2 KB in flight (one row's 4 16-byte words per lane, rows one after another).
 This probe times that read-and-reduce pattern alone, without NVLink, on random rows of a

@@ -7,7 +7,7 @@ straight-line code executed once (every instruction fetched cold by each SM) or 
 of 500 lines run N / 500 times (fetched once, then warm), one block per SM, with blocks of 32
 or 512 threads; time from ``%globaltimer`` inside the kernel (median over blocks, median of 30
 launches). The difference is the instruction fetch a kernel pays for code it runs once, as the
-EP kernels do per call (docs/throughput.md, "v21"). Compiled with NVRTC through CuPy
+EP kernels do per call (docs/plans.md). Compiled with NVRTC through CuPy
 (Numba takes minutes on thousands of straight lines). Prints a table last.
 """
 

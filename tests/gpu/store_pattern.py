@@ -2,8 +2,8 @@
 
     mpirun -np 2 -x PYTHONPATH python3 tests/gpu/store_pattern.py [--tokens 4096] [--hidden 7168]
 
-Why: in session 5 dispatch_async moved ~300 GB/s to its peer with NVSHMEM puts and with peer
-stores alike, against 384-389 GB/s for a copy-engine copy into the peer's array. This script
+Why: dispatch_async moved bytes to its peer at the same rate with NVSHMEM puts as with peer
+stores, slower than a copy-engine copy into the peer's array (docs/plans.md). This script
 times the pattern without the rest of the kernel: each warp takes token rows (grid-strided),
 each lane loads ``UP`` word pairs (16 bytes each) before it stores any, and stores them to
 every destination of the row through the NVLink mapping (``kernels/vec.py``: ``load_pairs``,
@@ -126,7 +126,7 @@ def main() -> int:
 
     kernels = {up: make_rows_to_destinations(up) for up in args.unroll}
     nb_stream = numba_cuda.external_stream(int(session.core_stream.handle))
-    spin = DeviceSpin(session.stream, 300.0)  # the host's Numba launch (~70 us) stays outside the events
+    spin = DeviceSpin(session.stream, 300.0)  # longer than the host's Numba launch, which stays outside the events
     for pattern in args.patterns:
         m = cupy.asarray(masks[pattern])
         to_peer = int(((masks[pattern] >> np.uint64(peer)) & np.uint64(1)).sum()) * row_bytes

@@ -9,8 +9,8 @@ behind a device spin (``--spin-us``), so the kernels run back to back as a graph
 the trace words are cleared before each half and read after it. The table gives, per token
 count and layout, each traced point's median time in microseconds from its kernel's start
 (block 0's first instruction), and the gap from the previous kernel's last stamp to each
-kernel's start. ``%globaltimer`` ticks in steps of about 1 us on some GPUs: read the table to
-the microsecond. Prints a table last (rank 0).
+kernel's start. ``%globaltimer`` ticks in coarse steps on some GPUs: read the table to the
+microsecond, no finer. Prints a table last (rank 0).
 """
 
 from __future__ import annotations
