@@ -35,8 +35,15 @@ else:
     cuda = _numba_cuda
 
 
-def kernel_jit(threads: int):
+def kernel_jit(threads: int, one_block_per_sm: bool = False):
     """``@cuda.jit`` for a kernel launched with blocks of ``threads`` threads.
+
+    ``one_block_per_sm``: the smallest shared-memory carveout that holds one block
+    (``shared_memory_carveout="MaxL1"``), so at most one block of the kernel runs on an SM. For
+    a kernel whose blocks a PDL launch starts while its predecessor's blocks leave the SMs one by
+    one: a kernel small enough for two blocks an SM would otherwise stack its blocks on the first
+    SMs freed and run them half as fast, and its whole grid ends later (docs/plans.md, "One block
+    an SM").
 
     On a GPU it passes ``max_registers`` = what a block of that size may hold per thread
     (``REGISTERS_PER_SM // threads``, at most 255), so the compiler spills rather than build a
@@ -48,6 +55,8 @@ def kernel_jit(threads: int):
     """
     if SIMULATED:
         return _numba_cuda.jit
+    if one_block_per_sm:
+        return _numba_cuda.jit(max_registers=max_registers_for(threads), shared_memory_carveout="MaxL1")
     return _numba_cuda.jit(max_registers=max_registers_for(threads))
 
 

@@ -56,7 +56,7 @@ def make_dispatch_wait(v: DispatchVariant):
     # never copy, are one kernel for every FP8 format
     expand_rows_in_wait = make_dispatch_copy(threads, False, False, v.pdl).expand_rows_in_wait
 
-    @kernel_jit(threads)
+    @kernel_jit(threads, one_block_per_sm=True)  # its blocks start as dispatch_async's leave their SMs
     def dispatch_wait(d_ids, d_weights, d_counts, d_ranks, d_signal, sync,
                       row_offsets, expert_counts, row_src_rank, row_src_token, row_src_k,
                       row_weight, row_gather, recv_tokens, token_rows, status, pad_multiple, timeout_ns,
