@@ -216,3 +216,14 @@ def test_at_most_four_environment_variables_and_one_chooses_algorithms():
     for path in list((root / "ep_runtime").rglob("*.py")) + list((root / "kernels").glob("*.py")):
         names |= set(re.findall(r"EP_RUNTIME_[A-Z0-9_]+", path.read_text()))
     assert names <= {"EP_RUNTIME_PLAN", "EP_RUNTIME_KERNEL_CACHE", "EP_RUNTIME_TRACE", "EP_RUNTIME_FAST_LAUNCH"}, names
+
+
+def test_the_default_plans_table_in_the_docs_is_the_rules_output():
+    """docs/plans.md lists the default plans of an H100/H200 host; it must be what choose_plan
+    gives now (regenerate with ``python -m ep_runtime.plan --table``)."""
+    from pathlib import Path
+
+    from ep_runtime.plan import plans_table
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "plans.md").read_text()
+    assert plans_table() in doc, "docs/plans.md's default plans table is stale: python -m ep_runtime.plan --table"
