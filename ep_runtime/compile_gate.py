@@ -13,9 +13,11 @@ Each result also reports what the linked code holds: registers per thread, SASS 
 (code a kernel runs once per call costs its fetch) and the NVSHMEM transfer routines it still
 calls (what its send path leaves to NVSHMEM).
 
-Entries come from ``ep_runtime.gate_entries.gate_entries()`` unless ``--entries`` names
-another module (dotted name or ``.py`` path) with a ``gate_entries()`` function; the tests use
-that for the negative control, which must FAIL.
+Entries come from ``ep_runtime.gate_entries.gate_entries()`` (a cross-section of the EP builds:
+see that module) unless ``--entries`` names another module (dotted name or ``.py`` path) with a
+``gate_entries()`` function, or ``MODULE:FUNCTION``: ``ep_runtime.gate_entries:every_build``
+builds every EP kernel of every plan variant and format; the tests use a file of entries for
+the negative control, which must FAIL.
 
 Exit status: 0 every entry compiled and linked; 1 some entry failed; 2 the gate could not run
 (simulator on, nvshmem4py's Numba bindings missing, no entries, bad arguments).
@@ -76,6 +78,8 @@ class CompileResult:
     #: kernel runs once per call is fetched cold, a cost per instruction (docs/plans.md). None
     #: when not built.
     instructions: int | None = None
+    #: per-thread stack frame bytes (spills and local arrays); None when not built.
+    frame_bytes: int | None = None
     #: the NVSHMEM transfer routines (``nvshmemi_transfer_*``) the linked code still calls, by
     #: name, sorted: what a build's send path leaves to NVSHMEM. None when not built.
     nvshmem_transfers: list | None = None
@@ -87,6 +91,8 @@ class CompileResult:
             text += f" {self.registers:4d} regs"
         if self.instructions is not None:
             text += f" {self.instructions:6d} instr"
+        if self.frame_bytes:
+            text += f" {self.frame_bytes:4d} B frame"
         if not self.ok:
             text += f"  [{self.stage}]"
             detail = (self.error or "").strip().splitlines()
@@ -208,9 +214,11 @@ def _kernel_parts(func):
     raise TypeError(f"not a @cuda.jit kernel or Python function: {func!r}")
 
 
-#: .nv.info attribute holding a function's register count, and the attribute format with a
-#: size-prefixed payload (CUDA's ELF notes: EIATTR_REGCOUNT = 0x2f, EIFMT_SVAL = 4).
+#: .nv.info attributes holding a function's register count and stack frame size, and the
+#: attribute format with a size-prefixed payload (CUDA's ELF notes: EIATTR_REGCOUNT = 0x2f,
+#: EIATTR_FRAME_SIZE = 0x11, EIFMT_SVAL = 4).
 _EIATTR_REGCOUNT = 0x2F
+_EIATTR_FRAME_SIZE = 0x11
 _EIFMT_SVAL = 4
 
 
@@ -228,27 +236,40 @@ def _elf_sections(cubin: bytes) -> list[tuple[bytes, int, int]]:
             for name_off, _, _, _, offset, size, *_ in sections]
 
 
-def cubin_registers(cubin: bytes) -> int:
-    """Registers per thread of the most demanding function in a linked sm_90 cubin (an ELF64
-    file): the largest EIATTR_REGCOUNT of its ``.nv.info`` sections. What the driver reports as
-    the kernel's NUM_REGS, read here without a GPU, so a kernel too large for its block size
-    fails the gate instead of its first launch."""
-    regs = []
+def _nv_info_values(cubin: bytes, attr: int) -> list[int]:
+    """The values of one per-function attribute (an EIATTR with an 8-byte payload: function
+    index, value) in the ``.nv.info`` sections of a linked sm_90 cubin (an ELF64 file)."""
+    values = []
     for name, offset, size in _elf_sections(cubin):
         if not name.startswith(b".nv.info"):
             continue
         data, i = cubin[offset:offset + size], 0
         while i + 4 <= len(data):
-            fmt, attr, n = data[i], data[i + 1], int.from_bytes(data[i + 2:i + 4], "little")
+            fmt, key, n = data[i], data[i + 1], int.from_bytes(data[i + 2:i + 4], "little")
             if fmt != _EIFMT_SVAL:
                 i += 4  # value formats without a payload: 2 bytes of value in the header
                 continue
-            if attr == _EIATTR_REGCOUNT and n == 8:
-                regs.append(int.from_bytes(data[i + 8:i + 12], "little"))
+            if key == attr and n == 8:
+                values.append(int.from_bytes(data[i + 8:i + 12], "little"))
             i += 4 + n
+    return values
+
+
+def cubin_registers(cubin: bytes) -> int:
+    """Registers per thread of the most demanding function in a linked sm_90 cubin: the largest
+    EIATTR_REGCOUNT. What the driver reports as the kernel's NUM_REGS, read here without a GPU,
+    so a kernel too large for its block size fails the gate instead of its first launch."""
+    regs = _nv_info_values(cubin, _EIATTR_REGCOUNT)
     if not regs:
         raise ValueError("no EIATTR_REGCOUNT in the cubin")
     return max(regs)
+
+
+def cubin_frame_bytes(cubin: bytes) -> int:
+    """Bytes of per-thread stack frame of the most demanding function (EIATTR_FRAME_SIZE): local
+    memory for spilled registers and arrays the compiler could not keep in registers; 0 when
+    none."""
+    return max(_nv_info_values(cubin, _EIATTR_FRAME_SIZE), default=0)
 
 
 def cubin_instructions(cubin: bytes) -> int:
@@ -270,43 +291,70 @@ def compile_for_sm90(py_func, argtypes, name: str | None = None) -> CompileResul
     it to an sm_90a cubin, as a launch on an H100/H200 would. Never raises for kernel errors:
     they come back as ``ok=False`` with the error text.
     """
-    if _simulator_requested():
-        raise GateSetupError("NUMBA_ENABLE_CUDASIM is set: the compile gate needs the real compiler.")
+    name = name or getattr(py_func, "__name__", repr(py_func))
+    return run_gate([(name, py_func, argtypes)])[0]
+
+
+def _failure(name: str, stage: str, start: float, exc: Exception) -> CompileResult:
+    text = f"{type(exc).__name__}: {exc}"
+    if not str(exc).strip():
+        text += "\n" + traceback.format_exc()
+    return CompileResult(name, False, time.perf_counter() - start, stage=stage, error=text)
+
+
+def _lower(name: str, py_func, argtypes):
+    """Stage 1: type, lower and compile one entry to PTX/LTO-IR (``_Kernel``). Returns
+    ``(kernel, options, seconds)`` or a failed :class:`CompileResult`."""
     from numba.cuda.dispatcher import _Kernel
 
-    from .shmem import shim_memo
-
-    shim_memo.install()  # the entries of one worker link one NVRTC compile of the shim
-    name = name or getattr(py_func, "__name__", repr(py_func))
     start = time.perf_counter()
-    stage = "compile"
     try:
         func, options = _kernel_parts(py_func)
         with _fixed_compute_capability():
             kernel = _Kernel(func, tuple(argtypes), **options)
-            stage = "link"
-            cubin = kernel.library.get_cubin(cc=TARGET_CC)
-        data = getattr(cubin, "code", cubin)  # cuda.core ObjectCode in 0.30.4; bytes before
-        size = len(bytes(data))
-        if size == 0:
-            raise RuntimeError("linker returned an empty cubin")
-        data = bytes(data)
-        return CompileResult(name, True, time.perf_counter() - start, size,
-                             cooperative=bool(kernel.cooperative), registers=cubin_registers(data),
-                             max_registers=options.get("max_registers"), instructions=cubin_instructions(data),
-                             nvshmem_transfers=cubin_nvshmem_transfers(data))
+        return kernel, options, time.perf_counter() - start
     except GateSetupError:
         raise
     except Exception as exc:  # noqa: BLE001 - every kernel error is a gate FAIL
-        text = f"{type(exc).__name__}: {exc}"
-        if not str(exc).strip():
-            text += "\n" + traceback.format_exc()
-        return CompileResult(name, False, time.perf_counter() - start, stage=stage, error=text)
+        return _failure(name, "compile", start, exc)
+
+
+def _link(name: str, kernel, options: dict, lowered_s: float) -> CompileResult:
+    """Stage 2: link one lowered entry to an sm_90a cubin and read what the cubin holds."""
+    start = time.perf_counter() - lowered_s
+    try:
+        with _fixed_compute_capability():
+            cubin = kernel.library.get_cubin(cc=TARGET_CC)
+        data = bytes(getattr(cubin, "code", cubin))  # cuda.core ObjectCode in 0.30.4; bytes before
+        if not data:
+            raise RuntimeError("linker returned an empty cubin")
+        return CompileResult(name, True, time.perf_counter() - start, len(data),
+                             cooperative=bool(kernel.cooperative), registers=cubin_registers(data),
+                             max_registers=options.get("max_registers"), instructions=cubin_instructions(data),
+                             frame_bytes=cubin_frame_bytes(data), nvshmem_transfers=cubin_nvshmem_transfers(data))
+    except GateSetupError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - every kernel error is a gate FAIL
+        return _failure(name, "link", start, exc)
 
 
 def run_gate(entries) -> list[CompileResult]:
-    """Compile and link each ``(name, kernel, argtypes)`` entry in this process, in order."""
-    return [compile_for_sm90(func, argtypes, name=name) for name, func, argtypes in entries]
+    """Compile and link each ``(name, kernel, argtypes)`` entry in this process; results in
+    entry order.
+
+    Every entry is lowered before any is linked. Lowering a kernel adds the NVSHMEM functions
+    it calls to nvshmem4py's shim (CUDA source that every link compiles with NVRTC, the
+    largest single cost of a link on a CPU), so after all lowering the shim is complete: every
+    link of the process compiles the same source, once (:mod:`ep_runtime.shmem.shim_memo`).
+    """
+    if _simulator_requested():
+        raise GateSetupError("NUMBA_ENABLE_CUDASIM is set: the compile gate needs the real compiler.")
+    from .shmem import shim_memo
+
+    shim_memo.install()
+    lowered = [_lower(name, func, argtypes) for name, func, argtypes in entries]
+    return [step if isinstance(step, CompileResult) else _link(name, *step)
+            for (name, _, _), step in zip(entries, lowered)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -330,10 +378,15 @@ def _load_module(spec: str):
 
 
 def load_entries(spec: str = DEFAULT_ENTRIES) -> list[tuple]:
-    """``gate_entries()`` of module ``spec`` (dotted name or .py path), checked."""
-    if spec == DEFAULT_ENTRIES and importlib.util.find_spec(spec) is None:
+    """The entries ``spec`` names, checked: ``MODULE`` (a dotted name or a .py path) for its
+    ``gate_entries()``, or ``MODULE:FUNCTION`` for another function of it."""
+    module, _, function = spec.rpartition(":") if ":" in spec else (spec, "", "gate_entries")
+    if module == DEFAULT_ENTRIES and importlib.util.find_spec(module) is None:
         return []
-    entries = list(_load_module(spec).gate_entries())
+    entries_fn = getattr(_load_module(module), function, None)
+    if not callable(entries_fn):
+        raise GateSetupError(f"{module} has no function {function}() listing gate entries")
+    entries = list(entries_fn())
     seen = set()
     for entry in entries:
         if not (isinstance(entry, tuple) and len(entry) == 3 and isinstance(entry[0], str)
@@ -350,24 +403,26 @@ def gate_entries() -> list[tuple]:
     return load_entries(DEFAULT_ENTRIES)
 
 
-_WORKER_ENTRIES: dict = {}
-
-
-def _compile_in_worker(spec: str, name: str) -> CompileResult:
-    if spec not in _WORKER_ENTRIES:
-        _WORKER_ENTRIES[spec] = {e[0]: e for e in load_entries(spec)}
-    _, func, argtypes = _WORKER_ENTRIES[spec][name]
-    return compile_for_sm90(func, argtypes, name=name)
+def _compile_in_worker(spec: str, names: list[str]) -> list[CompileResult]:
+    entries = {e[0]: e for e in load_entries(spec)}
+    return run_gate([entries[n] for n in names])
 
 
 def _run_parallel(spec: str, names: list[str], jobs: int) -> list[CompileResult]:
+    """The entries ``names`` of ``spec`` in ``jobs`` processes; results in the order of
+    ``names``. Each process lowers its whole share before linking (:func:`run_gate`), so the
+    shares are fixed up front: builds of one kernel cost alike, so they are dealt out in turn
+    (sorted by kernel name, every ``jobs``-th to the same process)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     ctx = multiprocessing.get_context("spawn")  # fresh interpreters: no forked compiler state
+    by_kernel = sorted(names, key=lambda n: n.split(" ")[0])
+    shares = [by_kernel[i::jobs] for i in range(jobs)]
     with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
-        futures = [pool.submit(_compile_in_worker, spec, n) for n in names]
-        return [f.result() for f in futures]
+        futures = [pool.submit(_compile_in_worker, spec, share) for share in shares if share]
+        by_name = {r.name: r for f in futures for r in f.result()}
+    return [by_name[n] for n in names]
 
 
 # --------------------------------------------------------------------------------------------
@@ -378,7 +433,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ep_runtime.compile_gate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object (last stdout line)")
     parser.add_argument("--entries", default=DEFAULT_ENTRIES,
-                        help=f"module or .py file with gate_entries() (default {DEFAULT_ENTRIES})")
+                        help=f"module or .py file with gate_entries(), or MODULE:FUNCTION (default {DEFAULT_ENTRIES}; "
+                             f"{DEFAULT_ENTRIES}:every_build adds every FP8 build of every plan variant)")
     parser.add_argument("--only", action="append", metavar="NAME", help="compile only these entries")
     parser.add_argument("--jobs", "-j", type=int, default=1, help="compile in N processes (default 1)")
     args = parser.parse_args(argv)

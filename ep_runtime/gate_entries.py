@@ -68,11 +68,33 @@ def plan_entries(formats=FORMATS, variants=PLAN_VARIANTS, pdl: bool = True) -> l
     return out
 
 
-def ep_kernel_entries():
+def _in_cross_section(name: str, token_dtype: str, receiver: str) -> bool:
+    """Whether the default gate builds kernel ``name`` of a plan with ``receiver`` in
+    ``token_dtype``. Every bfloat16 build is in it (each receiver, transport and partial
+    format). In an FP8 format the receivers' own kernels and ``dispatch_copy`` are built once
+    each, and ``dispatch_async`` only for the ``wait`` receiver (on both transports): the FP8
+    quantizing code is one device function every sender calls, and what a sender of another
+    receiver adds (routes, parts) is the bfloat16 build's, which the gate builds. The receive
+    kernels of UE8M0 equal FP8_E4M3's except for the scale words they copy, so they are built
+    in FP8_E4M3 only; ``dispatch_copy`` (which writes the scales' layout) in both."""
+    if token_dtype == "bfloat16":
+        return True
+    if name == "dispatch_async":
+        return receiver == "wait"
+    if name == "dispatch_copy":
+        return True
+    return token_dtype == "fp8_e4m3"
+
+
+def ep_kernel_entries(every_build: bool = False):
     """The EP kernels with the exact signatures the runtime launches (:func:`ep_runtime.builds
-    .kernel_builds`), for every plan variant and format of :func:`plan_entries`: each distinct
+    .kernel_builds`) for the plan variants and formats of :func:`plan_entries`: each distinct
     build once (by its kernel-cache key: plans that differ in what a kernel does not read, such
-    as a receive kernel's transport, share it), named by the first plan that launches it."""
+    as a receive kernel's transport, share it), named by the first plan that launches it.
+    By default the cross-section :func:`_in_cross_section` describes; ``every_build`` adds the
+    rest (every FP8 sender of every receiver, the UE8M0 receive kernels): what
+    ``python -m ep_runtime.compile_gate --entries ep_runtime.gate_entries:every_build`` checks,
+    and what a GPU machine compiles when tests/gpu/plan_checks.sh runs every variant."""
     from ep_runtime.builds import kernel_builds
     from ep_runtime.compile_gate import TARGET_CC
     from ep_runtime.shmem.kernel_cache import kernel_key
@@ -80,6 +102,8 @@ def ep_kernel_entries():
     seen, entries = set(), []
     for label, cfg, plan in plan_entries():
         for name, kernel, argtypes in kernel_builds(cfg, plan):
+            if not (every_build or _in_cross_section(name, cfg.token_dtype, plan.receiver.value)):
+                continue
             key = kernel_key(kernel, argtypes, TARGET_CC)
             if key not in seen:
                 seen.add(key)
@@ -88,4 +112,10 @@ def ep_kernel_entries():
 
 
 def gate_entries():
+    """The default gate: the probes, the SHMEM layer's kernels and the EP builds' cross-section."""
     return list(GATE_ENTRIES) + ep_kernel_entries()
+
+
+def every_build():
+    """:func:`gate_entries` with every EP build of every plan variant and format."""
+    return list(GATE_ENTRIES) + ep_kernel_entries(every_build=True)
