@@ -111,6 +111,26 @@ def _code_names(code: pytypes.CodeType) -> set[str]:
     return names
 
 
+#: code object -> (sha256 of its function's source text, source file): the functions of every
+#: closure a factory makes share one code object, and finding a function's source (tokenizing
+#: its file from the first line) is most of a key's cost.
+_SOURCE_DIGESTS: dict[pytypes.CodeType, tuple[str, str | None]] = {}
+
+
+def _source_digest(func, name: str) -> tuple[str, str | None]:
+    """``(sha256 of func's source text, its source file)``; :class:`NotCacheable` without one."""
+    code = func.__code__
+    hit = _SOURCE_DIGESTS.get(code)
+    if hit is None:
+        try:
+            source = inspect.getsource(func)
+            path = inspect.getsourcefile(func)
+        except (OSError, TypeError) as exc:
+            raise NotCacheable(f"no source for {name} ({exc})") from None
+        hit = _SOURCE_DIGESTS[code] = (hashlib.sha256(source.encode()).hexdigest(), path)
+    return hit
+
+
 class _Describer:
     """Turns what a kernel's code can freeze at compile time into JSON-able values.
 
@@ -133,14 +153,10 @@ class _Describer:
         if id(func) in self._seen:
             return {"ref": name}
         self._seen[id(func)] = name
-        try:
-            source = inspect.getsource(func)
-            path = inspect.getsourcefile(func)
-        except (OSError, TypeError) as exc:
-            raise NotCacheable(f"no source for {name} ({exc})") from None
+        source_sha, path = _source_digest(func, name)
         if path:
             self.files[func.__module__] = _file_sha(path)
-        out = {"function": name, "source": hashlib.sha256(source.encode()).hexdigest()}
+        out = {"function": name, "source": source_sha}
         if func.__closure__:
             out["closure"] = {var: self.value(cell.cell_contents, strict=True, where=f"{name}:{var}")
                               for var, cell in zip(func.__code__.co_freevars, func.__closure__)}

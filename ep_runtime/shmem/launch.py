@@ -34,6 +34,7 @@ import time
 import traceback
 import uuid
 from contextlib import contextmanager
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -78,6 +79,8 @@ class _PESpec:
     target: tuple[str, str]
     args: tuple
     kwargs: dict
+    #: the launcher's environment when the job started, the PE's from its first instruction
+    environ: dict | None = None
 
 
 def new_job_id() -> str:
@@ -141,7 +144,8 @@ def run_pes(target: Callable, n_ranks: int, args: tuple = (), kwargs: dict | Non
     procs, conns, stacks = [], [], []
     with _StopOnSignals(what) as stop:
         try:
-            _start_pes(specs, env, procs, conns, stacks)
+            with stop.held():
+                _start_pes(specs, env, procs, conns, stacks)
             return _collect(procs, conns, stacks, timeout_s, what)
         finally:
             # A stop signal that arrives from here on waits until the PEs are stopped and
@@ -330,6 +334,16 @@ class _StopOnSignals:
         """From now on, hold stop signals until the block ends."""
         self._deferred = True
 
+    @contextmanager
+    def held(self):
+        """Hold stop signals inside this block; one that arrived raises :class:`_Stopped` when
+        it ends (starting PEs: a PE is stopped by its pid, which its start returns last)."""
+        self._deferred = True
+        yield  # an exception leaves them held: the caller's cleanup follows
+        if self._received is not None:
+            raise _Stopped(self._received)  # held from here on, as after _handle
+        self._deferred = False
+
     def _handle(self, signum, frame) -> None:
         if self._received is None:
             self._received = signum
@@ -361,13 +375,51 @@ class _Stopped(BaseException):
         self.signum = signum
 
 
+#: What the PE server imports once, in simulator mode: numba and the simulator's session and
+#: runtime, most of a PE's start-up when each PE is a fresh interpreter.
+_PE_PRELOAD = ("numpy", "numba.cuda", "ep_runtime.shmem.sim_session", "ep_runtime.runtime")
+_pe_server_lock = threading.Lock()
+_pe_server_started = False
+
+
+def _pe_context():
+    """The multiprocessing context PEs start in.
+
+    multiprocessing's fork server, started by this module with ``NUMBA_ENABLE_CUDASIM=1`` and
+    :data:`_PE_PRELOAD` imported: each PE is a fork of that single-threaded, warm interpreter
+    (numba already in simulator mode, no threads or locks of the launcher), then runs
+    multiprocessing's usual preparation (the launcher's sys.path and main module) and takes
+    the launcher's environment (:func:`_pe_main`). Where this process already runs a fork
+    server that this module did not start (its preload and environment are someone else's),
+    or the platform has none, each PE is spawned as a fresh interpreter instead.
+    """
+    global _pe_server_started
+    try:
+        from multiprocessing import forkserver
+        server = forkserver._forkserver
+        context = multiprocessing.get_context("forkserver")
+    except (ImportError, AttributeError, ValueError):
+        return multiprocessing.get_context("spawn")
+    with _pe_server_lock:
+        if not _pe_server_started:
+            if getattr(server, "_forkserver_pid", None) is not None:
+                return multiprocessing.get_context("spawn")
+            server.set_forkserver_preload(list(_PE_PRELOAD))
+            with _environment({"NUMBA_ENABLE_CUDASIM": "1"}):
+                server.ensure_running()
+            _pe_server_started = True
+    return context
+
+
 def _start_pes(specs: list[_PESpec], env: dict[str, str], procs: list, conns: list, stacks: list) -> None:
-    # 'spawn': a fresh interpreter per PE (numba must start in simulator mode; no forked
-    # threads or locks). Its preparation data carries the parent's sys.path, so test
-    # modules import in the PEs.
-    context = multiprocessing.get_context("spawn")
+    # A fresh interpreter's worth of state per PE (numba must start in simulator mode; no
+    # forked threads or locks): see _pe_context. The preparation data carries the parent's
+    # sys.path, so test modules import in the PEs.
+    context = _pe_context()
     with _environment(env):
+        environ = dict(os.environ)
         for spec in specs:
+            spec = dataclasses.replace(spec, environ=environ)
             receiver, sender = context.Pipe(duplex=False)
             # The PE's stack dumps (SIGUSR1, on a hang) come back through a pipe, not a file.
             stack_reader, stack_writer = context.Pipe(duplex=False)
@@ -488,6 +540,9 @@ def _pe_main(spec: _PESpec, conn, stacks) -> None:
     # SIGUSR1 dumps every thread's stack into the stack pipe (``stacks``, open for the
     # process's life): the launcher asks for it on a hang.
     faulthandler.register(signal.SIGUSR1, file=stacks.fileno(), all_threads=True)
+    if spec.environ is not None:  # a fork of the PE server has the server's environment
+        os.environ.clear()
+        os.environ.update(spec.environ)
     threading.Thread(target=_exit_with_launcher, args=(spec.job,), daemon=True).start()
     try:
         conn.send(("ok", _run_pe(spec)))

@@ -19,34 +19,13 @@ import numpy as np
 from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
 
 from ..errors import EPStateError, ShmemError
+from . import sim_block
 from .session import Session
 from .sim_heap import DEFAULT_HEAP_BYTES, SimHeap, set_current_heap
 
 # The simulator runs one block at a time and reports max_cooperative_grid_blocks == 1, so one
 # "SM" is the persistent grid that can never wait on a block that has not started.
 SIM_SM_COUNT = 1
-
-
-def _yield_while_polling_threads() -> None:
-    """WAR: the simulator's BlockManager polls its threads in a tight loop (``is_alive`` on
-    every thread, over and over) while they run, holding the GIL most of the time, so the
-    simulated threads crawl. Yielding the GIL at each poll lets them run (a demo round trip
-    measured much faster: docs/plans.md). Applied once per process, by
-    :meth:`SimSession.open`."""
-    import time
-
-    from numba.cuda.simulator import kernel as sim_kernel
-
-    if getattr(sim_kernel.BlockThread, "_ep_runtime_yields", False):
-        return
-    is_alive = sim_kernel.BlockThread.is_alive
-
-    def yielding_is_alive(thread):
-        time.sleep(0)
-        return is_alive(thread)
-
-    sim_kernel.BlockThread.is_alive = yielding_is_alive
-    sim_kernel.BlockThread._ep_runtime_yields = True
 
 
 def _check_simulator_enabled() -> None:
@@ -90,7 +69,7 @@ class SimSession(Session):
         kernels of this process use. Raises :class:`ShmemError` if the CUDA simulator is off.
         """
         _check_simulator_enabled()
-        _yield_while_polling_threads()
+        sim_block.install()  # the simulator's blocks without its poller
         session = cls(SimHeap.open(rank, n_ranks, job, heap_bytes, timeout_s))
         set_current_heap(session.heap)
         return session
