@@ -33,7 +33,7 @@ from ep_runtime.testing import (BATCH_FIELDS, assert_batch_is_the_reference, ass
                                 silent_peer_pe)
 
 RUN_TIMEOUT_S = 300
-CALLS = 6
+CALLS = 4  # calls 0-3: every routing of CALL_SCENARIOS, no token anywhere, both buffer groups twice
 SEED = 900
 #: The route-first thresholds, lowered so the simulator's batches (a few tokens a rank) are split
 #: (the token blocks send the routing), shared (two placing blocks describe) and chunked (each
