@@ -13,6 +13,7 @@ barriers forever. A :class:`~ep_runtime.errors.PEFailure` is printed to stderr a
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 
@@ -35,6 +36,9 @@ def wait_forever(session) -> None:
 
 
 def main(argv: list[str]) -> int:
+    # As started from a terminal: Python's Ctrl-C handler, even when the process that started
+    # this one ignored SIGINT (a pytest-xdist worker does, and the ignoring is inherited)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         if argv[0] == "launcher":
             run_pes(wait_forever, N_RANKS, timeout_s=TIMEOUT_S, heap_bytes=HEAP_BYTES)
