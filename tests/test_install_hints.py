@@ -145,3 +145,15 @@ def test_require_gpu_reports_hidden_gpus(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     with pytest.raises(GPUUnavailableError, match=r"sees no GPU \(CUDA_VISIBLE_DEVICES='' hides them\)"):
         require_gpu("test")
+
+
+def test_the_bench_plot_without_matplotlib_names_the_extra_before_running(monkeypatch, capsys, tmp_path):
+    from ep_runtime.bench.__main__ import main as bench_main
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(SystemExit) as info:
+        bench_main(["--plot", str(tmp_path / "bench.png")])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "plot" in _named_extras(err), err
+    assert "matplotlib" in _extras()["plot"]
+    assert "ep_runtime.bench: [1/" not in err  # refused before any configuration ran

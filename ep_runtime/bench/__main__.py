@@ -181,6 +181,11 @@ def main(argv=None) -> int:
     from ..errors import EPError
     from ..shmem.launch import job_backend, job_ranks, run_job
 
+    if args.plot:  # before anything runs: a missing matplotlib would end the run after the timing
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error("--plot needs matplotlib: pip install -e \".[plot]\" (or drop --plot)")
     backend, n_ranks = job_backend(args.backend), job_ranks(args.ranks)
     apply_size_defaults(args, backend, n_ranks)
     if "graph" in args.mode and backend == "sim":
