@@ -63,11 +63,13 @@ class _Block:
         #: id(module globals) -> the simulator's swap of ``cuda`` in them, held for the block
         self.swapped: dict = {}
         self.swap_lock = threading.Lock()
+        self.ended = False
 
     def restore_modules(self) -> None:
         """Undo the block's swaps of ``cuda`` in device functions' modules (newest first)."""
         with self.swap_lock:
             swaps, self.swapped = list(self.swapped.values()), {}
+            self.ended = True  # a thread left running after an error swaps per call again
         for swap in reversed(swaps):
             swap.__exit__(None, None, None)
 
@@ -150,10 +152,13 @@ def _device_call(kernel, original, *args):
     key = id(fn.__globals__)
     if key not in block.swapped:
         with block.swap_lock:
-            if key not in block.swapped:
+            ended = block.ended
+            if not ended and key not in block.swapped:
                 swap = swapped_cuda_module(fn, sim_kernel._get_kernel_context())
                 swap.__enter__()
                 block.swapped[key] = swap
+        if ended:
+            return original(kernel, *args)
     return fn(*args)
 
 
