@@ -20,6 +20,7 @@ gone, killed or not. A PE whose peer process dies fails its next wait at once wi
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import importlib
 import importlib.util
@@ -34,7 +35,6 @@ import time
 import traceback
 import uuid
 from contextlib import contextmanager
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 

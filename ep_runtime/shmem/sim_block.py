@@ -145,12 +145,12 @@ def _device_call(kernel, original, *args):
     block = getattr(threading.current_thread(), "_ep_block", None)
     if block is None:
         return original(kernel, *args)
-    from numba.cuda.simulator import kernel as sim_kernel
-    from numba.cuda.simulator.kernelapi import swapped_cuda_module
-
     fn = kernel.fn
     key = id(fn.__globals__)
     if key not in block.swapped:
+        from numba.cuda.simulator import kernel as sim_kernel
+        from numba.cuda.simulator.kernelapi import swapped_cuda_module
+
         with block.swap_lock:
             ended = block.ended
             if not ended and key not in block.swapped:
@@ -198,9 +198,12 @@ def install() -> bool:
         thread_cls, manager_cls = getattr(sim_kernel, "BlockThread", None), getattr(sim_kernel, "BlockManager", None)
         if not (thread_cls and manager_cls and callable(getattr(thread_cls, "syncthreads", None))):
             return False
-        kernel_cls = getattr(sim_kernel, "FakeCUDAKernel", None)
-        if kernel_cls is None or not hasattr(sim_kernel, "_get_kernel_context"):
-            return False
+        from numba.cuda.simulator import kernelapi
+
+        kernel_cls, shared_cls = getattr(sim_kernel, "FakeCUDAKernel", None), getattr(kernelapi, "FakeCUDAShared", None)
+        if not (kernel_cls and shared_cls and hasattr(sim_kernel, "_get_kernel_context")
+                and hasattr(kernelapi, "swapped_cuda_module")):
+            return False  # checked before anything is patched: all or nothing
         original_run = thread_cls.run
         thread_cls.run = lambda thread: _thread_run(thread, original_run)
         thread_cls.syncthreads = _syncthreads
@@ -213,8 +216,6 @@ def install() -> bool:
             return original_call(kernel, *args)
 
         kernel_cls.__call__ = call
-        from numba.cuda.simulator import kernelapi
-
-        kernelapi.FakeCUDAShared.array = _shared_array_of(kernelapi.FakeCUDAShared.array)
+        shared_cls.array = _shared_array_of(shared_cls.array)
         _installed = True
         return True
