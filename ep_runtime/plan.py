@@ -58,8 +58,11 @@ SIM_THREADS = 8
 #: Blocks per kernel on the simulator when EPConfig.n_sms is None (several, so the block
 #: scheduling and the last-block tickets are exercised).
 SIM_BLOCKS = 2
-#: bf16 batches up to this many tokens per rank route first.
+#: Batches up to this many tokens per rank route first (every token format).
 ROUTE_FIRST_MAX_TOKENS = 128
+#: FP8 runtimes serving the expanded layout route first only while ranks x tokens per rank (the
+#: most tokens a rank receives) is at most this: past it the placing blocks delay dispatch_copy.
+ROUTE_FIRST_FP8_EXPANDED_MAX_RECEIVED = 256
 #: FP8 batches from this many tokens per rank route first, chunked.
 ROUTE_FIRST_FP8_MIN_TOKENS = 512
 #: bf16 batches from this many tokens per rank land (expanded layout served) or route first,
@@ -375,13 +378,18 @@ def _receiver_rule(cfg, layouts, transport, pdl, whole):
     if not pdl:
         return Receiver.WAIT, "no PDL: no receiver can start beside dispatch_async"
     stores = transport is Transport.STORES
+    received = cfg.n_ranks * T
+    fp8_copied = fp8 and "expanded" in layouts and received > ROUTE_FIRST_FP8_EXPANDED_MAX_RECEIVED
+    if T <= ROUTE_FIRST_MAX_TOKENS and stores and not fp8_copied:
+        return Receiver.ROUTE_FIRST, f"{'FP8' if fp8 else 'bf16'}, {T} <= {ROUTE_FIRST_MAX_TOKENS} tokens per rank"
+    if T <= ROUTE_FIRST_MAX_TOKENS and stores:
+        return Receiver.WAIT, (f"FP8, the expanded layout served, {cfg.n_ranks} x {T} = {received} > "
+                               f"{ROUTE_FIRST_FP8_EXPANDED_MAX_RECEIVED} tokens received: placing first delays dispatch_copy")
     if fp8:
         if T >= ROUTE_FIRST_FP8_MIN_TOKENS and stores:
             return Receiver.ROUTE_FIRST_CHUNKED, f"FP8, {T} >= {ROUTE_FIRST_FP8_MIN_TOKENS} tokens per rank"
-        return Receiver.WAIT, (f"FP8, {T} < {ROUTE_FIRST_FP8_MIN_TOKENS} tokens per rank" if stores
-                               else "FP8 over puts")
-    if T <= ROUTE_FIRST_MAX_TOKENS and stores:
-        return Receiver.ROUTE_FIRST, f"bf16, {T} <= {ROUTE_FIRST_MAX_TOKENS} tokens per rank"
+        return Receiver.WAIT, (f"FP8, {ROUTE_FIRST_MAX_TOKENS} < {T} < {ROUTE_FIRST_FP8_MIN_TOKENS} tokens per rank"
+                               if stores else "FP8 over puts")
     if T >= LARGE_BATCH_TOKENS:
         if "expanded" in layouts or not stores:
             return Receiver.LAND, f"bf16, {T} >= {LARGE_BATCH_TOKENS} tokens per rank, " + (

@@ -36,7 +36,11 @@ def cfg(T: int = 4096, layouts="both", token_dtype="bfloat16", **changes) -> EPC
     (4096, "expanded", "bfloat16", "land", "in_land"),
     (4096, "compact", "bfloat16", "route_first_chunked", "none"),
     (1024, "compact", "bfloat16", "route_first_chunked", "none"),
-    (128, "both", "fp8_e4m3", "wait", "dispatch_copy"),
+    (1, "both", "fp8_e4m3", "route_first", "dispatch_copy"),
+    (128, "both", "fp8_e4m3", "route_first", "dispatch_copy"),
+    (128, "compact", "fp8_e4m3_ue8m0", "route_first", "none"),
+    (129, "both", "fp8_e4m3", "wait", "dispatch_copy"),
+    (128, "expanded", "fp8_e4m3", "route_first", "dispatch_copy"),
     (511, "both", "fp8_e4m3", "wait", "dispatch_copy"),
     (512, "both", "fp8_e4m3", "route_first_chunked", "dispatch_copy"),
     (4096, "compact", "fp8_e4m3_ue8m0", "route_first_chunked", "none"),
@@ -48,6 +52,20 @@ def test_the_rules_on_an_nvlink_host(T, layouts, token_dtype, receiver, copy):
     assert plan.layouts == cfg(T, layouts).layouts
     reasons = dict(r.split(": ", 1) for r in plan.reasons)
     assert reasons["receiver"] and reasons["transport"] and reasons["expanded_copy"], plan.reasons
+
+@pytest.mark.parametrize("T, layouts, receiver", [
+    (128, "compact", "route_first"),  # FP8, compact: route first up to 128 tokens at any rank count
+    (128, "expanded", "wait"),  # 4 x 128 = 512 received tokens > 256: placing first delays dispatch_copy
+    (128, "both", "wait"),
+    (64, "expanded", "route_first"),  # 4 x 64 = 256
+    (1, "both", "route_first"),
+])
+def test_fp8_routes_first_in_the_expanded_layout_only_while_few_tokens_are_received(T, layouts, receiver):
+    plan = choose_plan(cfg(T, layouts, "fp8_e4m3", n_ranks=4), Topology.nvlink_gpus(4))
+    assert plan.receiver.value == receiver, plan.reasons
+    if receiver == "wait":
+        assert "512 > 256 tokens received" in dict(r.split(": ", 1) for r in plan.reasons)["receiver"]
+
 
 
 def test_serving_both_layouts_says_what_it_trades():

@@ -94,7 +94,8 @@ def test_plans_every_kernel_of_the_jobs_plans_once(monkeypatch):
     labels = [j[0] for j in jobs]
     assert len(labels) == len(set(labels))
     receivers = {"bfloat16": {"route_first", "wait", "land", "route_first_chunked"},
-                 "fp8_e4m3": {"wait", "route_first_chunked"}, "fp8_e4m3_ue8m0": {"wait", "route_first_chunked"}}
+                 "fp8_e4m3": {"route_first", "wait", "route_first_chunked"},
+                 "fp8_e4m3_ue8m0": {"route_first", "wait", "route_first_chunked"}}
     for fmt, want in receivers.items():  # each format's dispatch_async in each plan its jobs choose
         got = {j[0].split("; ")[1].split("/")[0] for j in jobs if j[0].startswith(f"dispatch_async ({fmt};")}
         assert got == want, (fmt, got)
