@@ -384,7 +384,8 @@ def _receiver_rule(cfg, layouts, transport, pdl, whole):
         return Receiver.ROUTE_FIRST, f"{'FP8' if fp8 else 'bf16'}, {T} <= {ROUTE_FIRST_MAX_TOKENS} tokens per rank"
     if T <= ROUTE_FIRST_MAX_TOKENS and stores:
         return Receiver.WAIT, (f"FP8, the expanded layout served, {cfg.n_ranks} x {T} = {received} > "
-                               f"{ROUTE_FIRST_FP8_EXPANDED_MAX_RECEIVED} tokens received: placing first delays dispatch_copy")
+                               f"{ROUTE_FIRST_FP8_EXPANDED_MAX_RECEIVED} tokens received: placing first delays "
+                               f"dispatch_copy")
     if fp8:
         if T >= ROUTE_FIRST_FP8_MIN_TOKENS and stores:
             return Receiver.ROUTE_FIRST_CHUNKED, f"FP8, {T} >= {ROUTE_FIRST_FP8_MIN_TOKENS} tokens per rank"

@@ -53,6 +53,7 @@ def test_the_rules_on_an_nvlink_host(T, layouts, token_dtype, receiver, copy):
     reasons = dict(r.split(": ", 1) for r in plan.reasons)
     assert reasons["receiver"] and reasons["transport"] and reasons["expanded_copy"], plan.reasons
 
+
 @pytest.mark.parametrize("T, layouts, receiver", [
     (128, "compact", "route_first"),  # FP8, compact: route first up to 128 tokens at any rank count
     (128, "expanded", "wait"),  # 4 x 128 = 512 received tokens > 256: placing first delays dispatch_copy
@@ -65,7 +66,6 @@ def test_fp8_routes_first_in_the_expanded_layout_only_while_few_tokens_are_recei
     assert plan.receiver.value == receiver, plan.reasons
     if receiver == "wait":
         assert "512 > 256 tokens received" in dict(r.split(": ", 1) for r in plan.reasons)["receiver"]
-
 
 
 def test_serving_both_layouts_says_what_it_trades():
