@@ -232,54 +232,30 @@ def test_smoke_run_on_the_simulator(tmp_path):
     assert data["args"]["mode"] == ["eager"]
 
 
-def test_compact_layout_is_timed_next_to_the_expanded_one_on_the_simulator(tmp_path):
-    path = tmp_path / "bench.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "ep_runtime.bench", "--backend", "sim", "--ranks", "2", "--tokens", "5",
-         "--hidden", "16", "--experts", "4", "--top-k", "2", "--samples", "2", "--warmup", "1",
-         "--layout", "expanded", "compact", "--json", str(path)], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert " eager  compact     wait |" in proc.stdout and " bf16 eager expanded     wait |" in proc.stdout
-    for rank in json.loads(path.read_text())["results"]:
-        assert [res["layout"] for res in rank] == ["expanded", "compact"]
-        for res in rank:
-            assert all(res["times_us"][span]["median"] > 0 for span in ("dispatch", "combine"))
-
-
-
-def test_fp8_dispatch_is_timed_on_the_simulator(tmp_path):
-    path = tmp_path / "bench.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "ep_runtime.bench", "--backend", "sim", "--ranks", "2", "--tokens", "3",
-         "--hidden", "128", "--experts", "4", "--top-k", "2", "--samples", "2", "--warmup", "1",
-         "--token-dtype", "bfloat16", "fp8_e4m3", "--json", str(path)], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "  e4m3 eager expanded     wait |" in proc.stdout and "  bf16 eager expanded     wait |" in proc.stdout
-    for rank in json.loads(path.read_text())["results"]:
-        bf16, fp8 = rank
-        assert (bf16["config"]["token_dtype"], fp8["config"]["token_dtype"]) == ("bfloat16", "fp8_e4m3")
-        # 3 tokens, each received by this rank or not: logical bytes count the bytes sent (128 codes +
-        # a 4-byte scale; the message's padding to 144 B is never sent) vs 256 B rows
-        assert fp8["traffic"]["logical_bytes"] * 256 == bf16["traffic"]["logical_bytes"] * 132
-
-
 def test_prequantized_fp8_input_is_timed_and_counted_on_the_simulator(tmp_path):
-    """--fp8-input: the same configuration timed with bf16 tokens (quantized in dispatch_async)
-    and with their codes and scales (token_scales=); the sender's reads follow the input."""
+    """Both FP8 formats timed next to bf16, each with bf16 tokens (quantized in dispatch_async)
+    and with their codes and scales (--fp8-input prequantized: token_scales=); the sender's reads
+    follow the input, and the logical bytes count the codes and scales sent."""
     path = tmp_path / "bench.json"
     proc = subprocess.run(
         [sys.executable, "-m", "ep_runtime.bench", "--backend", "sim", "--ranks", "2", "--tokens", "4",
          "--hidden", "256", "--experts", "4", "--top-k", "2", "--samples", "2", "--warmup", "1",
-         "--token-dtype", "bfloat16", "fp8_e4m3_ue8m0", "--fp8-input", "bf16", "prequantized",
+         "--token-dtype", "bfloat16", "fp8_e4m3", "fp8_e4m3_ue8m0", "--fp8-input", "bf16", "prequantized",
          "--layout", "expanded", "compact", "--json", str(path)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert " ue8m0+pq eager expanded     wait |" in proc.stdout and "    ue8m0 eager  compact     wait |" in proc.stdout
+    assert "  e4m3 eager expanded     wait |" in proc.stdout and "  bf16 eager expanded     wait |" in proc.stdout
     assert "+pq: pre-quantized input" in proc.stdout
     for rank in json.loads(path.read_text())["results"]:
         runs = {(res["config"]["token_dtype"], res["token_input"], res["layout"]): res for res in rank}
         # bf16 takes bf16 tokens only; the FP8 format both inputs, each layout
         assert set(runs) == {("bfloat16", "bf16", "expanded"), ("bfloat16", "bf16", "compact")} | {
-            ("fp8_e4m3_ue8m0", g, lay) for g in ("bf16", "prequantized") for lay in ("expanded", "compact")}
+            (f, g, lay) for f in ("fp8_e4m3", "fp8_e4m3_ue8m0") for g in ("bf16", "prequantized")
+            for lay in ("expanded", "compact")}
+        # 4 tokens, each received by this rank or not: logical bytes count the bytes sent (256 codes and
+        # two 4-byte scales; the message's padding is never sent) against 512-byte bf16 rows
+        bf16 = runs["bfloat16", "bf16", "expanded"]["traffic"]["logical_bytes"]
+        assert runs["fp8_e4m3", "bf16", "expanded"]["traffic"]["logical_bytes"] * 512 == bf16 * 264
         for lay in ("expanded", "compact"):
             q, b = runs["fp8_e4m3_ue8m0", "bf16", lay], runs["fp8_e4m3_ue8m0", "prequantized", lay]
             assert all(b["times_us"][span]["median"] > 0 for span in ("dispatch", "combine"))
@@ -293,7 +269,7 @@ def test_prequantized_fp8_input_is_timed_and_counted_on_the_simulator(tmp_path):
             assert tq["combine_hbm_bytes"] == tb["combine_hbm_bytes"]
 
 
-def test_float32_combine_partials_are_timed_and_counted_on_the_simulator(tmp_path):
+def test_compact_layout_and_float32_partials_are_timed_and_counted_on_the_simulator(tmp_path):
     path = tmp_path / "bench.json"
     proc = subprocess.run(
         [sys.executable, "-m", "ep_runtime.bench", "--backend", "sim", "--ranks", "2", "--tokens", "5",
@@ -302,7 +278,10 @@ def test_float32_combine_partials_are_timed_and_counted_on_the_simulator(tmp_pat
         capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert " bf16/f32 eager  compact     wait |" in proc.stdout and "  bf16 eager expanded     wait |" in proc.stdout
+    assert " bf16 eager  compact     wait |" in proc.stdout  # the compact layout timed next to the expanded one
     for rank in json.loads(path.read_text())["results"]:
+        assert [res["layout"] for res in rank] == ["expanded", "compact"] * 2
+        assert all(res["times_us"][span]["median"] > 0 for res in rank for span in ("dispatch", "combine"))
         runs = {(res["config"]["combine_dtype"], res["layout"]): res for res in rank}
         assert set(runs) == {(c, lay) for c in ("bfloat16", "float32") for lay in ("expanded", "compact")}
         bf16, f32 = runs["bfloat16", "compact"]["traffic"], runs["float32", "compact"]["traffic"]
