@@ -75,14 +75,19 @@ def make(threads):
 
 
 def _load_module(tmp_path, name, text):
+    """``text`` imported as module ``name`` from ``tmp_path``, without bytecode: a test's versions
+    of one module differ by a character within the same second, which a cached .pyc (keyed by
+    the source's size and mtime) would not see."""
     path = tmp_path / f"{name}.py"
     path.write_text(textwrap.dedent(text))
     sys.path.insert(0, str(tmp_path))
+    writes_bytecode, sys.dont_write_bytecode = sys.dont_write_bytecode, True
     try:
         sys.modules.pop(name, None)
         importlib.invalidate_caches()
         return importlib.import_module(name)
     finally:
+        sys.dont_write_bytecode = writes_bytecode
         sys.path.remove(str(tmp_path))
 
 

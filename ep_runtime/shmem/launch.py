@@ -466,13 +466,16 @@ def _collect(procs: list, conns: list, stacks: list, timeout_s: float, what: str
 def _report(proc, conn) -> tuple[str, Any]:
     """PE state: ``("ok", value)``, ``("error", traceback)``, ``("exited", exit code)`` or
     ``("running", None)``."""
+    # Liveness first: a PE that reports and exits between a poll and a liveness check would
+    # read as exited without a report; once it has exited, everything it sent is in the pipe.
+    alive = proc.is_alive()
     if conn.poll():
         try:
             return conn.recv()
         except EOFError:
             proc.join(_TERMINATE_WAIT_S)
             return "exited", proc.exitcode
-    if not proc.is_alive():
+    if not alive:
         return "exited", proc.exitcode
     return "running", None
 
