@@ -2,8 +2,9 @@
 
 tests/test_compile_gate.py is the suite's longest file (one compile of every kernel, minutes on a
 2-core CI machine, in two processes). With one xdist worker per core and whole files per worker
-(``--dist loadfile``), a file scheduled last runs alone at the end; listed first, it runs beside
-the rest of the suite.
+(``--dist loadfile``), a file scheduled last runs alone at the end; listed first (and xdist's
+reordering by test count off: ``--no-loadscope-reorder`` in pyproject.toml), it runs beside the
+rest of the suite.
 """
 
 
