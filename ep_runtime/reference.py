@@ -156,19 +156,21 @@ def _home_ranks(home_ranks, R: int) -> list[int]:
 
 
 def partial_sums(expert_out_per_rank, batches: list[ExpertBatchRef], topk_ids_per_rank, cfg: EPConfig,
-                 dtype=np.float32, home_ranks=None):
+                 dtype=np.float32, home_ranks=None, weights="dispatch"):
     """``partials[r][s]`` [T_s, hidden]: rank r's weighted sums over its local experts, in
     ascending expert order from 0, for the tokens of home rank s (zero where a token did not go
     to r), in ``dtype`` (float32 as the kernels; float64 for :func:`combine_exact`).
     ``expert_out_per_rank`` as in :func:`combine`. ``home_ranks``: only these s (the others are
-    None), so a rank checking its own output holds ``R`` arrays, not ``R * R``."""
+    None), so a rank checking its own output holds ``R`` arrays, not ``R * R``. ``weights`` as
+    :func:`combine` takes it."""
     R, L, H = cfg.n_ranks, cfg.n_local_experts, cfg.hidden
     wanted = _home_ranks(home_ranks, R)
     n_tokens = [np.asarray(ids).shape[0] for ids in topk_ids_per_rank]
     partials = [[np.zeros((n_tokens[s], H), dtype) if s in wanted else None for s in range(R)] for _ in range(R)]
     for r, b in enumerate(batches):
         y = as_bf16(expert_out_per_rank[r]).astype(dtype)
-        w = b.weight.astype(dtype)
+        w = b.weight.astype(dtype) if isinstance(weights, str) and weights == "dispatch" else \
+            np.ones(b.n_rows, dtype) if weights is None else np.asarray(weights[r], np.float32)[:b.n_rows].astype(dtype)
         for e_local in range(L):
             lo, hi = int(b.row_offsets[e_local]), int(b.row_offsets[e_local + 1])
             rows = np.arange(lo, hi)[b.src_rank[lo:hi] >= 0]
@@ -180,7 +182,7 @@ def partial_sums(expert_out_per_rank, batches: list[ExpertBatchRef], topk_ids_pe
 
 
 def combine(expert_out_per_rank, batches: list[ExpertBatchRef], topk_ids_per_rank, cfg: EPConfig,
-            reduce: bool = True, home_ranks=None):
+            reduce: bool = True, home_ranks=None, weights="dispatch"):
     """Each token's router-weighted sum of its experts' outputs, back on its home rank.
 
     Parameters
@@ -195,6 +197,9 @@ def combine(expert_out_per_rank, batches: list[ExpertBatchRef], topk_ids_per_ran
     home_ranks : optional iterable of ranks: only their outputs are computed (the others are
         None), in ``R`` times less memory than all of them (a GPU check at EP8, T=4096, hidden
         7168 holds 0.9 GB of float32 partials per process instead of 7.5 GB).
+    weights : what each row is multiplied by: ``"dispatch"`` (its router weight, the batch's
+        ``weight``), None (1: the plain sum of a token's rows) or per rank a float32 array
+        row-aligned with ``batches[r]`` (``EPRuntime.combine_async``'s ``weights``).
 
     Returns
     -------
@@ -206,7 +211,7 @@ def combine(expert_out_per_rank, batches: list[ExpertBatchRef], topk_ids_per_ran
     wire = partial_wire_dtype(cfg)
     n_tokens = [np.asarray(ids).shape[0] for ids in topk_ids_per_rank]
     wanted = _home_ranks(home_ranks, R)
-    partials = partial_sums(expert_out_per_rank, batches, topk_ids_per_rank, cfg, home_ranks=wanted)
+    partials = partial_sums(expert_out_per_rank, batches, topk_ids_per_rank, cfg, home_ranks=wanted, weights=weights)
     outs = []
     for s in range(R):
         if s not in wanted:

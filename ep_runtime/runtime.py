@@ -136,6 +136,8 @@ class EPRuntime:
         self._own_rows = self._no_own
         self._no_valid = session.alloc_local("unused valid_tokens", (1,), np.int32)
         self._no_scales = session.alloc_local("unused token_scales", (0, 0), np.uint8)
+        # combine_async(weights=None): a weight of 1 per expanded row (allocated here, not inside a graph capture)
+        self._unit_weights = session.alloc_local("unit row weights", (cfg.recv_rows_capacity,), np.float32, fill=1.0)
         self._no_tokens = session.alloc_local("unused tokens", (0, cfg.hidden), np.uint16)
         self._batch_views = _batch_views(cfg, self.buffers)
         self._pad_multiple = np.int64(cfg.pad_multiple)
@@ -340,7 +342,8 @@ class EPRuntime:
         return batch
 
     # -- combine ------------------------------------------------------------------------------
-    def combine_async(self, expert_out, handle: DispatchHandle, layout: str = "expanded") -> CombineHandle:
+    def combine_async(self, expert_out, handle: DispatchHandle, layout: str = "expanded",
+                      weights="dispatch") -> CombineHandle:
         """Start sending the expert outputs of the batch of ``handle`` home. Collective.
 
         Parameters
@@ -364,12 +367,29 @@ class EPRuntime:
 
             Must stay unmodified until :meth:`combine_wait` has run on the stream.
         handle : the dispatch's handle (``batch.handle``).
+        weights : what each expanded row is multiplied by before its token's rows are summed:
+            ``"dispatch"`` (default) the router weight that came with the dispatch (the batch's
+            ``weight``); None, no weight (each partial is the plain sum of the token's rows, as
+            Megatron's HybridEP and DeepEP combine: the caller applied the weights, or a
+            backward sums gradients); or a float32 ``[rows]`` array row-aligned with the batch
+            (explicit weights; ``rows >= row_offsets[L]``, padding rows are not read), which
+            must stay unmodified until :meth:`combine_wait` has run. The expanded layout only:
+            compact rows come weighted.
         """
         self._require(_State.DISPATCHED, call="combine_async", handle=handle, handle_type=DispatchHandle)
         if layout not in DISPATCH_LAYOUTS:
             raise EPInputError(f"combine_async: layout={layout!r}; expected one of {DISPATCH_LAYOUTS}.")
-        call = self._memo.get_or_prepare("combine_async", (layout,), (expert_out,),
-                                         lambda: self._prepare_combine_async(expert_out, layout))
+        mode = "dispatch" if isinstance(weights, str) and weights == "dispatch" else \
+            "none" if weights is None else "array"
+        if mode != "dispatch" and layout == "compact":
+            raise EPInputError("combine_async: weights= applies to the expanded layout only; compact rows are the "
+                               "caller's partials, already weighted (leave weights='dispatch').")
+        if isinstance(weights, str) and weights != "dispatch":
+            raise EPInputError(f"combine_async: weights={weights!r}; expected 'dispatch', None or a float32 [rows] "
+                               f"array.")
+        call = self._memo.get_or_prepare("combine_async", (layout, mode), (expert_out, weights if mode == "array"
+                                                                            else None),
+                                         lambda: self._prepare_combine_async(expert_out, layout, mode, weights))
         if self.debug and layout != "compact":
             needed = int(self.session.to_host(self.buffers["row_offsets"])[-1])
             if call.n_tokens < needed:
@@ -380,9 +400,10 @@ class EPRuntime:
         self._state = _State.COMBINE_SENT
         return from_fields(CombineHandle, {"owner": self._owner, "call": handle.call, "n_tokens": handle.n_tokens})
 
-    def _prepare_combine_async(self, expert_out, layout) -> PreparedCall:
-        """Check and convert combine_async's ``expert_out`` (raising EPInputError before any
-        launch); the launch, with ``n_tokens`` = its rows (the debug-mode row check)."""
+    def _prepare_combine_async(self, expert_out, layout, mode="dispatch", weights=None) -> PreparedCall:
+        """Check and convert combine_async's ``expert_out`` and ``weights`` (``mode``: "dispatch",
+        "none" or "array"; raising EPInputError before any launch); the launch, with
+        ``n_tokens`` = its rows (the debug-mode row check)."""
         c, cfg = "combine_async", self.cfg
         expert_out = arrays.to_backend(expert_out, self.session.backend, c, "expert_out")
         if layout == "compact":
@@ -396,7 +417,15 @@ class EPRuntime:
         else:
             arrays.check_array(expert_out, c, "expert_out", np.uint16, (None, cfg.hidden),
                                f"Expected [rows, hidden={cfg.hidden}], row-aligned with the expert batch.")
-            call = self._prepare("combine_async", expert_out=expert_out)
+            row_weights = {}
+            if mode == "none":
+                row_weights = {"row_weight": self._unit_weights}
+            elif mode == "array":
+                weights = arrays.to_backend(weights, self.session.backend, c, "weights")
+                arrays.check_array(weights, c, "weights", np.float32, (expert_out.shape[0],),
+                                   f"Expected float32 [rows = {expert_out.shape[0]}], one weight per expert_out row.")
+                row_weights = {"row_weight": weights}
+            call = self._prepare("combine_async", expert_out=expert_out, **row_weights)
             own = self._no_own
         return PreparedCall(call.kernel, call.args, n_tokens=expert_out.shape[0], checked=(own,),
                             grid=self.plan.combine_async_grid(layout))
@@ -449,9 +478,9 @@ class EPRuntime:
                              timeout_ns=self._timeout_ns, aux=aux, own_rows=own)
         return PreparedCall(call.kernel, call.args, n_tokens=T, checked=(out,))
 
-    def combine(self, expert_out, handle: DispatchHandle, layout: str = "expanded", **kwargs):
+    def combine(self, expert_out, handle: DispatchHandle, layout: str = "expanded", weights="dispatch", **kwargs):
         """``combine_async`` then ``combine_wait``, then :meth:`synchronize`. Collective."""
-        out = self.combine_wait(self.combine_async(expert_out, handle, layout=layout), **kwargs)
+        out = self.combine_wait(self.combine_async(expert_out, handle, layout=layout, weights=weights), **kwargs)
         self.synchronize()
         return out
 
@@ -503,7 +532,7 @@ class EPRuntime:
         self._memo.clear()
         self.session.free_symmetric(self._sym)
         self._sym = self._local = self._no_out = self._no_partials = self._no_aux = self._no_valid = None
-        self._no_own = self._own_rows = self._no_scales = self._no_tokens = None
+        self._no_own = self._own_rows = self._no_scales = self._no_tokens = self._unit_weights = None
 
     def __enter__(self):
         return self

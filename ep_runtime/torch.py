@@ -19,16 +19,16 @@ Router weights flow through :class:`FusedCombine` (its ``topk_weights`` input, t
 given to the dispatch); through :class:`FusedDispatch` they only travel, so it returns no
 gradient for them.
 
-What the backward costs (the runtime's combine always multiplies by the weights that came with
-the latest dispatch, and a combine needs a dispatch of its own; both are composed here from the
-public calls, see "what the runtime could add" in the README)::
+What the backward costs (a combine needs a dispatch with the forward's routing before it;
+``combine_async(weights=None)`` sums a token's rows unweighted)::
 
-    FusedCombine.backward   1 dispatch of dL/dout with unit weights (the rows dL/dout[t(i)])
+    FusedCombine.backward   1 dispatch of dL/dout (the rows dL/dout[t(i)])
                             + 1 combine of the weight-gradient rows, if topk_weights needs a gradient
-    FusedDispatch.backward  1 dispatch of zeros with unit weights (it only opens an unweighted combine
-                            with the forward's routing) + 1 combine of dL/dX
+    FusedDispatch.backward  1 unweighted combine of dL/dX on that dispatch while it is still open
+                            (topk_weights needs no gradient); else 1 dispatch of zeros first
 
-i.e. 2 dispatches and 2 combines per layer where 1 + 1 would do. The weight gradient of row ``i``
+i.e. 1 dispatch + 1 combine per layer when the router weights need no gradient, 2 + 2 when they
+do (their T x K values go home in a combine of their own). The weight gradient of row ``i``
 is a float32 scalar computed where ``Y[i]`` lives; it goes home in the second combine as
 ``WEIGHT_GRAD_PARTS`` bf16 values (hi + mid + lo, float32 to within one rounding) in columns
 ``k * parts ... k * parts + parts - 1`` of an otherwise zero row: every column of a token then
@@ -231,20 +231,35 @@ class _StreamOrder:
         return False
 
 
+#: id(runtime) -> (handle, topk_ids): a backward dispatch (``FusedCombine.backward``'s, with the
+#: forward's routing) whose combine is still to come, so ``FusedDispatch.backward`` combines
+#: there instead of dispatching again. Any dispatch or combine of this module ends it.
+_OPEN_BACKWARD: dict = {}
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` view the same elements (storage, offset, shape, strides)."""
+    return (a.untyped_storage()._cdata == b.untyped_storage()._cdata and a.storage_offset() == b.storage_offset()
+            and a.shape == b.shape and a.stride() == b.stride())
+
+
 def _dispatch(bridge: _Bridge, tokens, topk_ids, topk_weights):
     """One collective dispatch of contiguous tensors; the runtime's batch (views)."""
     rt = bridge.runtime
+    _OPEN_BACKWARD.pop(id(rt), None)
     with bridge.runtime_calls():
         handle = rt.dispatch_async(bridge.to_rt(tokens), bridge.to_rt(topk_ids), bridge.to_rt(topk_weights))
         return rt.dispatch_wait(handle)
 
 
-def _combine(bridge: _Bridge, expert_out, handle, n_tokens: int) -> torch.Tensor:
-    """One collective combine of contiguous bf16 rows into a new ``[n_tokens, hidden]`` bf16 tensor."""
+def _combine(bridge: _Bridge, expert_out, handle, n_tokens: int, weights="dispatch") -> torch.Tensor:
+    """One collective combine of contiguous bf16 rows into a new ``[n_tokens, hidden]`` bf16
+    tensor (``weights``: as ``EPRuntime.combine_async`` takes them)."""
     rt = bridge.runtime
+    _OPEN_BACKWARD.pop(id(rt), None)
     out = torch.empty(n_tokens, rt.cfg.hidden, dtype=_BF16, device=bridge.device)
     with bridge.runtime_calls():
-        rt.combine_wait(rt.combine_async(bridge.to_rt(expert_out), handle), out=bridge.to_rt(out))
+        rt.combine_wait(rt.combine_async(bridge.to_rt(expert_out), handle, weights=weights), out=bridge.to_rt(out))
     return out
 
 
@@ -325,7 +340,10 @@ class FusedDispatch(torch.autograd.Function):
     handle : :class:`DispatchContext`, for :class:`FusedCombine`.
 
     Backward: ``dL/dtokens[t] = sum_k dL/dexpert_x[i(t, k)]``, an unweighted combine of the row
-    gradients with the forward's routing (1 dispatch of zeros with unit weights + 1 combine).
+    gradients with the forward's routing: 1 combine (``weights=None``) on the dispatch
+    :class:`FusedCombine`'s backward left open, when it was this module's last call on the
+    runtime (a layer whose router weights need no gradient: 1 dispatch + 1 combine per layer in
+    all); otherwise 1 dispatch of zeros with the forward's routing, then that combine.
     """
 
     @staticmethod
@@ -367,11 +385,14 @@ class FusedDispatch(torch.autograd.Function):
         (ids,) = ctx.saved_tensors
         bridge, cfg = _Bridge(ctx.runtime), ctx.runtime.cfg
         T = ids.shape[0]
+        grad_rows = grad_expert_x.to(_BF16).contiguous()
+        opened = _OPEN_BACKWARD.get(id(ctx.runtime))
+        if opened is not None and _same_tensor(opened[1], ids):  # the forward's routing, still open
+            return _combine(bridge, grad_rows, opened[0], T, weights=None), None, None, None, None
         zeros = torch.zeros(T, cfg.hidden, dtype=_BF16, device=bridge.device)
         ones = torch.ones(T, cfg.top_k, dtype=torch.float32, device=bridge.device)
-        batch = _dispatch(bridge, zeros, ids, ones)  # opens a combine with unit weights
-        grad_tokens = _combine(bridge, grad_expert_x.to(_BF16).contiguous(), batch.handle, T)
-        return grad_tokens, None, None, None, None
+        batch = _dispatch(bridge, zeros, ids, ones)  # opens a combine with the forward's routing
+        return _combine(bridge, grad_rows, batch.handle, T, weights=None), None, None, None, None
 
 
 class FusedCombine(torch.autograd.Function):
@@ -388,8 +409,9 @@ class FusedCombine(torch.autograd.Function):
 
     Returns ``out`` [T, hidden] bfloat16 (written by the kernel in place, no copy).
 
-    Backward (1 dispatch of ``dL/dout`` with unit weights, then, if ``topk_weights`` needs a
-    gradient, 1 combine bringing the per-row weight gradients home):
+    Backward (1 dispatch of ``dL/dout`` with the forward's routing, then, if ``topk_weights``
+    needs a gradient, 1 combine bringing the per-row weight gradients home; if it needs none,
+    the dispatch stays open for :class:`FusedDispatch`'s backward to combine on):
 
     - ``dL/dexpert_out[i] = w_{t(i)k(i)} * dL/dout[t(i)]`` (float32 product, rounded to bf16);
     - ``dL/dw_tk = < expert_out[i(t, k)], dL/dout[t] >`` (float32 over hidden, on the expert's rank).
@@ -430,6 +452,8 @@ class FusedCombine(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             per_row = (expert_out.float() * g).sum(dim=1)
             grad_weights = _row_scalars_home(bridge, per_row, h, batch.handle)
+        else:  # FusedDispatch's backward may combine on this dispatch (the same routing)
+            _OPEN_BACKWARD[id(h.runtime)] = (batch.handle, ids)
         return grad_expert_out, grad_weights, None
 
 
