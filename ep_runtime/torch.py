@@ -231,9 +231,9 @@ class _StreamOrder:
         return False
 
 
-#: id(runtime) -> (handle, topk_ids): a backward dispatch (``FusedCombine.backward``'s, with the
-#: forward's routing) whose combine is still to come, so ``FusedDispatch.backward`` combines
-#: there instead of dispatching again. Any dispatch or combine of this module ends it.
+#: id(runtime) -> (handle, topk_ids, layout): a backward dispatch (a combine's backward, with the
+#: forward's routing) whose combine is still to come, so the dispatch's backward combines there
+#: instead of dispatching again. Any dispatch or combine of these modules ends it.
 _OPEN_BACKWARD: dict = {}
 
 
@@ -387,7 +387,7 @@ class FusedDispatch(torch.autograd.Function):
         T = ids.shape[0]
         grad_rows = grad_expert_x.to(_BF16).contiguous()
         opened = _OPEN_BACKWARD.get(id(ctx.runtime))
-        if opened is not None and _same_tensor(opened[1], ids):  # the forward's routing, still open
+        if opened is not None and _same_tensor(opened[1], ids) and opened[2] == "expanded":  # still open
             return _combine(bridge, grad_rows, opened[0], T, weights=None), None, None, None, None
         zeros = torch.zeros(T, cfg.hidden, dtype=_BF16, device=bridge.device)
         ones = torch.ones(T, cfg.top_k, dtype=torch.float32, device=bridge.device)
@@ -453,7 +453,7 @@ class FusedCombine(torch.autograd.Function):
             per_row = (expert_out.float() * g).sum(dim=1)
             grad_weights = _row_scalars_home(bridge, per_row, h, batch.handle)
         else:  # FusedDispatch's backward may combine on this dispatch (the same routing)
-            _OPEN_BACKWARD[id(h.runtime)] = (batch.handle, ids)
+            _OPEN_BACKWARD[id(h.runtime)] = (batch.handle, ids, "expanded")
         return grad_expert_out, grad_weights, None
 
 
