@@ -24,7 +24,7 @@ from .kernels.protocol import (COMBINE_FLAG_PARTS, DISPATCH_FLAG_PARTS, N_GROUPS
                                RECV_CLAIMS, RECV_LEN, RECV_TICKET, SIGNAL_TOKEN_BITS, STATUS_CALL, STATUS_CODE,
                                STATUS_COUNTER, STATUS_EXPECTED, STATUS_KERNEL, STATUS_LEN, STATUS_OBSERVED,
                                STATUS_PEER, STATUS_RANK, SYNC_CALLS, SYNC_LEN, SYNC_ROUTE_TICKET, SYNC_TICKET,
-                               TRACE_LEN)
+                               TRACE_BASE, TRACE_LEN)
 from .kernels.protocol import signal_value as dispatch_signal_value  # noqa: F401
 
 #: Byte alignment of every region (a multiple of every dtype and of 16-byte vector access).
@@ -241,9 +241,10 @@ def _regions(cfg: EPConfig) -> list[Region]:
                "receive-buffer row of each batch row, src * T + t (-1: padding): the compact gather index"),
         Region("recv_tokens", (R,), i32, 0, Lc, f"{DW}, {DL}", ("user (compact)",),
                "[src]: tokens src dispatched in the last call (from its signal)"),
-        # -- local: error record --------------------------------------------------------------------
-        Region("status", (STATUS_LEN + TRACE_LEN,), i64, 0, Lc, "any kernel", ("host",),
-               "first device error: code, kernel, rank, peer/expert, counter, expected, observed, call; "
+        # -- local: error records --------------------------------------------------------------------
+        Region("status", (TRACE_BASE + TRACE_LEN,), i64, 0, Lc, "any kernel", ("host",),
+               "first device error: code, kernel, rank, peer/token, counter/slot, expected, observed, call; "
+               "then the first dropped slot (an expert id outside [-1, n_experts), the same fields); "
                "then TRACE_LEN phase time stamps (kernels/trace.py, EP_RUNTIME_TRACE=1)"),
     ]
 

@@ -2,9 +2,15 @@
 
 These functions define what the kernels must produce (docs/protocol.md states the same):
 
+Routing
+    ``topk_ids[t, k] == -1`` masks a slot: it names no expert. An id outside ``[-1,
+    n_experts)`` is dropped the same way (the runtime raises it after the call), and an id an
+    earlier slot of the token already names counts once, with the first slot's weight
+    (:func:`routed_ids`). A token whose slots are all masked combines to a zero row.
+
 Dispatch (exact)
     Rank ``r``'s expert batch holds one row per (source token, local expert of ``r`` in its
-    top-k), grouped by local expert ``e`` (ascending), then source rank ``s`` (ascending),
+    routed ids), grouped by local expert ``e`` (ascending), then source rank ``s`` (ascending),
     then source token ``t`` (ascending). Segment ``e`` starts at ``row_offsets[e]``, a multiple
     of ``pad_multiple``; padding rows are zero with source rank/token/k ``-1`` and weight 0.
 
@@ -60,6 +66,18 @@ class ExpertBatchRef:
         return int(self.row_offsets[-1])
 
 
+def routed_ids(topk_ids, n_experts: int) -> np.ndarray:
+    """``[T, K]`` int32: the experts the slots of ``topk_ids`` ([T, K] int) route to, -1 (masked)
+    for a slot that is -1, outside ``[0, n_experts)``, or a repeat of an earlier slot's id in
+    its token's row."""
+    ids = np.array(topk_ids, dtype=np.int64)  # a copy
+    ids[(ids < 0) | (ids >= n_experts)] = -1
+    for k in range(1, ids.shape[1]):
+        repeat = np.any(ids[:, :k] == ids[:, k:k + 1], axis=1) & (ids[:, k] >= 0)
+        ids[repeat, k] = -1
+    return ids.astype(np.int32)
+
+
 def as_bf16(x: np.ndarray) -> np.ndarray:
     """View a uint16 array of bf16 bits as bfloat16 (or round a float array to bfloat16)."""
     x = np.asarray(x)
@@ -97,6 +115,7 @@ def dispatch(inputs_per_rank, topk_ids_per_rank, topk_weights_per_rank, cfg: EPC
     R, L, H, pad = cfg.n_ranks, cfg.n_local_experts, cfg.hidden, cfg.pad_multiple
     encoded = encoded_tokens(inputs_per_rank, cfg, token_scales_per_rank)
     xs = [x for x, _ in encoded]
+    routed = [routed_ids(ids, cfg.n_experts) for ids in topk_ids_per_rank]
     quantized = cfg.token_format.quantized
     row_dtype = xs[0].dtype if xs else BF16
     batches = []
@@ -109,7 +128,7 @@ def dispatch(inputs_per_rank, topk_ids_per_rank, topk_weights_per_rank, cfg: EPC
             e = r * L + e_local
             offsets[e_local] = n
             for s in range(R):
-                ids = np.asarray(topk_ids_per_rank[s])
+                ids = routed[s]
                 t_hit, k_hit = np.nonzero(ids == e)
                 order = np.argsort(t_hit, kind="stable")
                 t_hit, k_hit = t_hit[order], k_hit[order]
@@ -217,7 +236,7 @@ def combine(expert_out_per_rank, batches: list[ExpertBatchRef], topk_ids_per_ran
         if s not in wanted:
             outs.append(None)
             continue
-        ids = np.asarray(topk_ids_per_rank[s])
+        ids = routed_ids(topk_ids_per_rank[s], cfg.n_experts)
         went = [np.any(ids // L == r, axis=1) for r in range(R)]
         if not reduce:
             outs.append(np.stack([np.where(went[r][:, None], partials[r][s], 0).astype(wire)
@@ -250,7 +269,7 @@ def receive_rows(inputs_per_rank, topk_ids_per_rank, cfg: EPConfig, token_scales
         scales = np.zeros((R * T, fmt.scale_count(H)), fmt.scale_dtype) if fmt.quantized else None
         defined = np.zeros(R * T, bool)
         for s in range(R):
-            hit = np.flatnonzero(np.any(np.asarray(topk_ids_per_rank[s]) // L == r, axis=1))
+            hit = np.flatnonzero(np.any(routed_ids(topk_ids_per_rank[s], cfg.n_experts) // L == r, axis=1))
             x[s * T + hit] = encoded[s][0][hit]
             if scales is not None:
                 scales[s * T + hit] = encoded[s][1][hit]
@@ -299,7 +318,7 @@ def combine_rows(rows_per_rank, topk_ids_per_rank, cfg: EPConfig):
     R, L, T = cfg.n_ranks, cfg.n_local_experts, cfg.max_tokens_per_rank
     outs = []
     for s in range(R):
-        ids = np.asarray(topk_ids_per_rank[s])
+        ids = routed_ids(topk_ids_per_rank[s], cfg.n_experts)
         n = ids.shape[0]
         acc = np.zeros((n, cfg.hidden), np.float32)
         for r in range(R):

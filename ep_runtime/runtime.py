@@ -67,11 +67,13 @@ class EPRuntime:
     session : Session
         The SHMEM session (``nvshmem`` or ``sim``) of this rank; its heap must hold
         ``BufferLayout(cfg, plan).symmetric_bytes``.
-    debug : bool
-        Check routing on the device before each dispatch (ids in range and distinct per token,
-        weights finite; one small kernel, no host synchronization) and synchronize after each
-        call so device errors are raised by the call that caused them. Always on for the
-        simulator.
+    debug : bool or None
+        Check routing on the device before each dispatch (ids in ``[-1, n_experts)`` and
+        distinct per token, weights finite; one small kernel, no host synchronization) and
+        synchronize after each call so device errors are raised by the call that caused them.
+        None (default): on for the simulator, off on GPUs. Off, the kernels still never let a
+        bad id reach an address: dispatch_async drops an id outside ``[-1, n_experts)`` and
+        records it (raised by the next :meth:`synchronize`), and a repeated id counts once.
     plan : None, dict, str or Plan
         The execution plan: None (the plan :func:`~ep_runtime.plan.choose_plan` picks), plan
         fields to override (``{"receiver": "land"}`` or ``"receiver=land,pdl=0"``), or a whole
@@ -89,14 +91,14 @@ class EPRuntime:
         The regions the plan allocates.
     """
 
-    def __init__(self, cfg: EPConfig, session: Session, debug: bool = False, plan=None):
+    def __init__(self, cfg: EPConfig, session: Session, debug: bool | None = None, plan=None):
         if cfg.n_ranks != session.n_ranks:
             raise EPConfigError(f"EPConfig.n_ranks={cfg.n_ranks} but the session has {session.n_ranks} ranks; "
                                 f"build the config with n_ranks={session.n_ranks}.")
         _check_same_config_everywhere(cfg, session)
         self.cfg, self.session = cfg, session
         self.rank = session.rank
-        self.debug = debug or session.backend == "sim"
+        self.debug = session.backend == "sim" if debug is None else bool(debug)
         self._owner = next(_owner_ids)
         self.plan = _resolve_plan(cfg, Topology.of(session), plan)
         agree(self.plan, session)
@@ -179,7 +181,11 @@ class EPRuntime:
             In an FP8 token format (``EPConfig.token_dtype``) bf16 tokens are quantized inside
             the kernel (per 128-element block, :mod:`ep_runtime.formats`); or pass the codes,
             [T, hidden] uint8 (E4M3 bits), with ``token_scales``.
-        topk_ids : [T, top_k] int32, global expert ids, distinct per token
+        topk_ids : [T, top_k] int32, global expert ids in ``[0, n_experts)``, distinct per
+            token; -1 masks a slot (nothing is sent for it and its weight is ignored; a token
+            whose slots are all -1 combines to a zero row). An id outside ``[-1, n_experts)``
+            is dropped like -1 and raised by the next :meth:`synchronize`; a repeated id counts
+            once, with its first slot's weight (``debug=True`` rejects both before sending)
         topk_weights : [T, top_k] float32
         n_tokens : optional [1] int32 device array (CuPy/DLPack on GPUs, NumPy on ``sim``):
             the number of valid leading rows, read **on the device** when the kernel runs
@@ -267,7 +273,8 @@ class EPRuntime:
     def check_routing(self, topk_ids, topk_weights) -> None:
         """Enqueue the device-side routing check (debug mode runs it before every dispatch).
 
-        Checks expert ids in ``[0, n_experts)`` and distinct per token, and weights finite (and
+        Checks expert ids in ``[-1, n_experts)`` (-1: a masked slot) and distinct per token
+        (masked slots aside), and weights finite (and
         non-negative unless ``EPConfig.allow_negative_weights``). Not collective; enqueued on the
         stream; a violation is raised as :class:`~ep_runtime.errors.EPInputError` by the next
         :meth:`synchronize` and blocks this rank's next dispatch (see docs/failure_modes.md).

@@ -5,6 +5,11 @@ Any kernel that fails (a wait past its timeout, a capacity overflow) claims the 
 by ``ep_runtime.layout.STATUS_*``. The first error wins. Later kernels of every call see a
 non-zero code and return without sending or signalling, so the failure reaches every peer
 as a timeout that names this rank, instead of as silently wrong data.
+
+A second record, at ``DROPPED_SLOT``, holds the first expert id outside ``[-1, n_experts)`` that
+dispatch_async dropped (debug off: no routing check ran). It stops no kernel: the call
+completes on every rank as if that slot were masked (-1), and the host raises it at the next
+synchronization, so a bad router output is named, never silently routed.
 """
 
 from __future__ import annotations
@@ -12,8 +17,8 @@ from __future__ import annotations
 import numpy as np
 
 from .errors import EPCapacityError, EPError, EPInputError, EPTimeoutError
-from .kernels.protocol import (STATUS_CALL, STATUS_CODE, STATUS_COUNTER, STATUS_EXPECTED, STATUS_KERNEL,
-                               STATUS_OBSERVED, STATUS_PEER, STATUS_RANK)
+from .kernels.protocol import (DROPPED_SLOT, STATUS_CALL, STATUS_CODE, STATUS_COUNTER, STATUS_EXPECTED,
+                               STATUS_KERNEL, STATUS_LEN, STATUS_OBSERVED, STATUS_PEER, STATUS_RANK)
 
 from .kernels.protocol import (COUNTER_COMBINE_ROW_FLAG, COUNTER_DISPATCH_PLACED, COUNTER_DISPATCH_ROW_FLAG,  # noqa: F401
                                COUNTER_DISPATCH_SIGNAL, COUNTER_RECV_ROWS, COUNTER_ROUTE_SIGNAL, COUNTER_TOKEN_CREDIT,
@@ -37,9 +42,13 @@ ROW_FLAG_COUNTERS = (COUNTER_COMBINE_ROW_FLAG, COUNTER_DISPATCH_ROW_FLAG)
 
 
 def error_from_status(status: np.ndarray, timeout_s: float) -> EPError | None:
-    """The error a host-side copy of the ``status`` region describes, or None."""
+    """The error a host-side copy of the ``status`` region describes, or None: its error record,
+    else its dropped-slot record (when ``status`` holds one)."""
     code = int(status[STATUS_CODE])
     if code == ERR_NONE:
+        dropped = status[DROPPED_SLOT:DROPPED_SLOT + STATUS_LEN]
+        if len(dropped) == STATUS_LEN and int(dropped[STATUS_CODE]) != ERR_NONE:
+            return _dropped_slot_error(dropped)
         return None
     kernel = KERNEL_NAMES.get(int(status[STATUS_KERNEL]), f"kernel {int(status[STATUS_KERNEL])}")
     rank, peer = int(status[STATUS_RANK]), int(status[STATUS_PEER])
@@ -75,7 +84,7 @@ def error_from_status(status: np.ndarray, timeout_s: float) -> EPError | None:
              f"time out naming rank {rank}). Fix the router's output, then call reset() on every rank.")
     if code == ERR_BAD_EXPERT_ID:
         return EPInputError(f"rank {rank}: topk_ids[{peer}, {int(status[STATUS_COUNTER])}] = {observed} is outside "
-                            f"[0, n_experts={expected}) {after}")
+                            f"[-1, n_experts={expected}) (-1 masks a slot) {after}")
     if code == ERR_DUPLICATE_EXPERT:
         return EPInputError(f"rank {rank}: token {peer} lists expert {observed} twice in topk_ids (slots "
                             f"{int(status[STATUS_COUNTER])} and {expected}); top-k ids must be distinct {after}")
@@ -85,3 +94,14 @@ def error_from_status(status: np.ndarray, timeout_s: float) -> EPError | None:
         return EPInputError(f"rank {rank}: topk_weights[{peer}, {int(status[STATUS_COUNTER])}] = {w} must be "
                             f"{rule} {after}")
     return EPError(f"rank {rank}: {kernel} reported unknown error code {code} (status {list(status)})")
+
+
+def _dropped_slot_error(record: np.ndarray) -> EPError:
+    """The error of a dropped-slot record (dispatch_async, debug off)."""
+    rank, token, slot = int(record[STATUS_RANK]), int(record[STATUS_PEER]), int(record[STATUS_COUNTER])
+    n_experts, expert, call = int(record[STATUS_EXPECTED]), int(record[STATUS_OBSERVED]), int(record[STATUS_CALL])
+    return EPInputError(
+        f"rank {rank}: topk_ids[{token}, {slot}] = {expert} in call {call - 1} is outside [-1, n_experts={n_experts}) "
+        f"(-1 masks a slot). dispatch_async dropped that slot: the call completed on every rank as if it were -1 "
+        f"(the token's other slots were dispatched and combined). Fix the router's output, then call reset() on "
+        f"every rank (EPRuntime(debug=True) checks every routing before it is sent).")

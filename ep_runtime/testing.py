@@ -18,6 +18,9 @@ SCENARIOS = {
     "zero_rank": "rank 0 sends no tokens (T=0) while the others send",
     "empty_expert": "random routing that avoids expert 0 and the last expert entirely",
     "one_expert": "every token picks the same top-k experts (expert 0 gets every token)",
+    "masked": "random routing with masked slots (-1): a quarter of the slots, every seventh token "
+              "entirely, and every token of the last rank (of two or more); experts 0 and the last "
+              "get none where top_k <= n_experts - 2",
 }
 
 
@@ -43,15 +46,19 @@ def make_routing(cfg: EPConfig, n_tokens: int, scenario: str, rng: np.random.Gen
         ids = np.tile(np.arange(K, dtype=np.int32), (n_tokens, 1))
     else:
         pool = np.arange(E)
-        if scenario == "empty_expert":
-            if E - 2 < K:
-                raise ValueError(f"scenario 'empty_expert' needs n_experts - 2 >= top_k; got {E} and {K}")
+        if scenario == "empty_expert" and E - 2 < K:
+            raise ValueError(f"scenario 'empty_expert' needs n_experts - 2 >= top_k; got {E} and {K}")
+        if scenario == "empty_expert" or (scenario == "masked" and E - 2 >= K):
             pool = pool[1:-1]
         ids = np.stack([rng.choice(pool, size=K, replace=False) for _ in range(n_tokens)]).astype(np.int32) \
             if n_tokens else np.zeros((0, K), np.int32)
+    ids = ids.reshape(n_tokens, K)
+    if scenario == "masked":
+        ids[rng.random((n_tokens, K)) < 0.25] = -1
+        ids[::7] = -1
     w = rng.random((n_tokens, K)).astype(np.float32) + np.float32(0.05)
     w /= w.sum(axis=1, keepdims=True)
-    return ids.reshape(n_tokens, K), w.astype(np.float32)
+    return ids, w.astype(np.float32)
 
 
 def make_inputs(cfg: EPConfig, scenario: str, seed: int, n_tokens=None):
@@ -68,6 +75,8 @@ def make_inputs(cfg: EPConfig, scenario: str, seed: int, n_tokens=None):
     for r in range(R):
         xs.append(make_tokens(r, counts[r], cfg.hidden, rng))
         i, w = make_routing(cfg, counts[r], scenario, rng)
+        if scenario == "masked" and r == R - 1 and R > 1:
+            i[:] = -1  # a rank with every token masked
         ids.append(i)
         ws.append(w)
     return xs, ids, ws
@@ -194,7 +203,7 @@ def silent_peer_pe(session, plan: dict, cfg: EPConfig, seed: int) -> dict:
 
 # -- round trips over the awkward routings, one runtime per plan ---------------------------------------
 #: The routings the plan tests cycle through, one a call in turn (the awkward ones included).
-CALL_SCENARIOS = ("random", "zero_rank", "empty_expert", "one_expert")
+CALL_SCENARIOS = ("random", "zero_rank", "masked", "one_expert")
 
 
 def call_layout(cfg: EPConfig, call: int) -> str:

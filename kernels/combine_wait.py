@@ -11,7 +11,7 @@ epilogue.
 
 import functools
 
-from numba import float32, int32, uint64
+from numba import float32, int32, uint32, uint64
 
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.bits import bf16_bits_at, f32_word_at, word_f32
@@ -129,7 +129,9 @@ def make_combine_wait(threads: int, word: str, f32_partials: bool, pdl: bool, ep
             t, w0, w1 = part_bounds(i, parts, span, W)
             went = uint64(0)  # bit r: token t went to rank r
             for k in range(K):
-                went |= uint64(1) << uint64(d_ids[g, me, t, k] // L)
+                x = d_ids[g, me, t, k]
+                if uint32(x) < uint32(R * L):  # a masked (-1) or dropped id went nowhere
+                    went |= uint64(1) << uint64(x // L)
             if lane == 0:  # lane 0 waits for the part's partials (its own in expert_out are there)
                 ok = 1
                 p = i - t * parts

@@ -1,7 +1,9 @@
 """Send, routing half: dispatch_async's routing rows, ranks, counts and route signal.
 
 Every receiver needs each source's routing rows (``dispatch_topk_ids`` / ``_weights``: ids and
-weights of every token, sent to every rank). The ``wait`` and ``land`` receivers also need each
+weights of every token, sent to every rank). The ids go as ``routed_id`` reads them: -1 for a
+masked slot, for an id outside ``[0, n_experts)`` (dropped, and recorded) and for a repeat of an
+earlier slot's id, so every receiver sees only its experts' ids or -1. The ``wait`` and ``land`` receivers also need each
 (token, k)'s rank among the source's tokens with that expert (``dispatch_ranks``) and each
 expert's token count (``dispatch_counts``): the grid's last blocks (routing blocks) compute
 them beside the token blocks, each a chunk of the tokens. Route-first receivers rank for
@@ -19,11 +21,12 @@ from numba import int32, int64, uint32, uint64
 
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.bits import f32_bits
-from ep_runtime.kernels.block import last_block_ticket, popc32, publish_fence, udiv32, warp_geometry
+from ep_runtime.kernels.block import last_block_ticket, popc32, publish_fence, record_error, udiv32, warp_geometry
 from ep_runtime.kernels.cuda_api import SIMULATED, cuda, inlined
-from ep_runtime.kernels.protocol import (PEER_COUNTS, PEER_IDS, PEER_RANKS, PEER_WEIGHTS, SIGNAL_TOKEN_BITS,
+from ep_runtime.kernels.protocol import (DROPPED_SLOT, ERR_BAD_EXPERT_ID, KERNEL_DISPATCH_ASYNC, MASKED_SLOT, PEER_COUNTS,
+                                         PEER_IDS, PEER_RANKS, PEER_WEIGHTS, SIGNAL_TOKEN_BITS, STATUS_LEN,
                                          SYNC_ROUTE_TICKET)
-from ep_runtime.kernels.ranking import make_ranking
+from ep_runtime.kernels.ranking import ID_BATCH, make_ranking
 from ep_runtime.kernels.trace import stamp_last
 from ep_runtime.kernels.variant import DispatchVariant, Receiver
 from ep_runtime.kernels.vec import address_of, load_u32_at, store_u32_at
@@ -44,6 +47,32 @@ ROUTE_GRID_SHARE = 1 if SIMULATED else 12
 #: destinations (independent loads; the stores through raw addresses would otherwise wait for
 #: each load in turn).
 RUN_BATCH = 8
+
+
+@cuda.jit(device=True)
+def routed_id(topk_ids, t, k, E, status, me, n):
+    """The expert slot ``k`` of token ``t`` routes to (int32): ``topk_ids[t, k]`` (``[Tc, K]``
+    int32), or -1 (``MASKED_SLOT``) when the slot is masked (-1), when its id is outside
+    ``[0, E)`` (the slot is dropped and recorded in the dropped-slot record: rank ``me``,
+    token, slot, id, call ``n + 1``; ``status`` int64) or when an earlier slot of the token
+    names the same expert (a repeated id counts once, with its first slot's weight). The
+    earlier slots' ids are loaded ``ID_BATCH`` at a time, each batch's loads issued together
+    (one memory latency, not one per slot: the routing rows are on a route-first dispatch's
+    critical path)."""
+    x = topk_ids[t, k]
+    repeat = False
+    for k0 in range(0, k, ID_BATCH):
+        for u in range(ID_BATCH):  # a constant trip count: unrolled, the loads independent
+            if k0 + u < k:
+                repeat |= topk_ids[t, k0 + u] == x
+    if uint32(x) >= uint32(E):  # (one comparison: a negative id is a large uint32)
+        if x != MASKED_SLOT:
+            record_error(status[DROPPED_SLOT:DROPPED_SLOT + STATUS_LEN], ERR_BAD_EXPERT_ID, KERNEL_DISPATCH_ASYNC,
+                         me, t, k, E, x, n + 1)
+        return int32(MASKED_SLOT)
+    if repeat:
+        return int32(MASKED_SLOT)
+    return x
 
 
 @functools.lru_cache(maxsize=None)
@@ -119,19 +148,22 @@ def make_dispatch_route(v: DispatchVariant) -> SimpleNamespace:
             stamp_last(status, 29)
 
     @inlined
-    def send_routing_spread(topk_ids, topk_weights, d_ids, d_weights, peer_bases, g, me, T, R, K, token_blocks):
-        """Every thread of a token block: its share of this rank's routing rows (ids, weights) into
-        ``d_ids[g, me]`` / ``d_weights[g, me]`` of every rank: 4-byte stores through the peer
-        mappings (rows 0..T are contiguous on both sides: element j of the run), or a block put
-        of a run of tokens per rank."""
+    def send_routing_spread(topk_ids, topk_weights, d_ids, d_weights, peer_bases, g, me, n, T, R, L, K, token_blocks,
+                            status):
+        """Every thread of a token block: its share of this rank's routing rows (the ids as
+        ``routed_id`` reads them, the weights) into ``d_ids[g, me]`` / ``d_weights[g, me]`` of
+        every rank: 4-byte stores through the peer mappings (rows 0..T are contiguous on both
+        sides: element j of the run), or, on the puts path, the block's run of tokens written
+        here first and put from here to every other rank."""
         tid = cuda.threadIdx.x
+        E = R * L
         if STORES:
             ids_at = address_of(d_ids[g, me]) - address_of(d_ids)
             weights_at = address_of(d_weights[g, me]) - address_of(d_weights)
             for j in range(cuda.blockIdx.x * threads + tid, T * K, token_blocks * threads):
                 t = j // K
                 k = j - t * K
-                x = uint32(topk_ids[t, k])
+                x = uint32(routed_id(topk_ids, t, k, E, status, me, n))
                 wbits = f32_bits(topk_weights[t, k])
                 for d in range(R):
                     store_u32_at(peer_bases[PEER_IDS, d] + ids_at, j, x)
@@ -140,22 +172,31 @@ def make_dispatch_route(v: DispatchVariant) -> SimpleNamespace:
             per = (T + token_blocks - 1) // token_blocks
             t0 = min(cuda.blockIdx.x * per, T)
             t1 = min(t0 + per, T)
+            for j in range(t0 * K + tid, t1 * K, threads):
+                t = j // K
+                k = j - t * K
+                d_ids[g, me, t, k] = routed_id(topk_ids, t, k, E, status, me, n)
+                d_weights[g, me, t, k] = topk_weights[t, k]
+            cuda.syncthreads()  # the block's rows are here before its puts read them
             if t0 < t1:
                 for d in range(R):
-                    shmem.put_nbi_block(d_ids[g, me, t0:t1], topk_ids[t0:t1], d)
-                    shmem.put_nbi_block(d_weights[g, me, t0:t1], topk_weights[t0:t1], d)
+                    if d != me:
+                        shmem.put_nbi_block(d_ids[g, me, t0:t1], d_ids[g, me, t0:t1], d)
+                        shmem.put_nbi_block(d_weights[g, me, t0:t1], d_weights[g, me, t0:t1], d)
 
     @inlined
     def send_routing_first(topk_ids, topk_weights, d_ids, d_weights, d_counts, d_route, peer_bases, g, me, n, T, R,
                            L, K, status):
-        """Every thread of a route-first call's routing block: the routing rows (ids, weights) and
+        """Every thread of a route-first call's routing block: the routing rows (the ids as
+        ``routed_id`` reads them, the weights) and
         T (``d_counts[g, me, L]``, read by combine) into every rank, then, after a system fence,
         the route signal. Nothing is ranked here: each receiver ranks from the routing rows."""
         ids_at = address_of(d_ids[g, me]) - address_of(d_ids)
         weights_at = address_of(d_weights[g, me]) - address_of(d_weights)
+        E = R * L
         for j in range(cuda.threadIdx.x, T * K, threads):
             t = int32(udiv32(j, K))
-            x = uint32(topk_ids[t, j - t * K])
+            x = uint32(routed_id(topk_ids, t, j - t * K, E, status, me, n))
             wbits = f32_bits(topk_weights[t, j - t * K])
             for d in range(R):
                 store_u32_at(peer_bases[PEER_IDS, d] + ids_at, j, x)

@@ -65,19 +65,21 @@ def make_dispatch_async(v: DispatchVariant):
     store_token_count = route.store_token_count
 
     @cuda.jit(device=True)
-    def token_destinations(ids_at, K, L, skip, ids_l):
+    def token_destinations(ids_at, K, L, R, skip, ids_l):
         """Bit d set (uint64) for every rank d holding one of a token's ``K`` experts, but not for
         the ranks set in ``skip``: the token's ids are the int32 at address ``ids_at`` (its row of
-        ``topk_ids``), rank d holds experts ``[d L, (d + 1) L)``. The ids are loaded ``ID_BATCH``
-        at a time into ``ids_l`` (local int32 [ID_BATCH]), all before any is used (one memory
-        latency, not one per id, on the token rows' path)."""
+        ``topk_ids``), rank d holds experts ``[d L, (d + 1) L)``; an id outside ``[0, R L)`` (-1,
+        a masked slot, or one the routing rows drop: ``routed_id``) sets none. The ids are loaded
+        ``ID_BATCH`` at a time into ``ids_l`` (local int32 [ID_BATCH]), all before any is used
+        (one memory latency, not one per id, on the token rows' path)."""
+        E = R * L
         sent = uint64(0)
         for k0 in range(0, K, ID_BATCH):
             for u in range(ID_BATCH):  # a constant trip count: unrolled, ids_l in registers
                 if k0 + u < K:
                     ids_l[u] = int32(load_u32_at(ids_at, k0 + u))
             for u in range(ID_BATCH):
-                if k0 + u < K:
+                if k0 + u < K and uint32(ids_l[u]) < uint32(E):  # (a negative id is a large uint32)
                     sent |= uint64(1) << uint64(udiv32(ids_l[u], L))
         return sent & ~skip
 
@@ -161,8 +163,10 @@ def make_dispatch_async(v: DispatchVariant):
         i = cuda.blockIdx.x * warps + tid // warp
         while cuda.blockIdx.x < token_blocks and i < T * parts:
             t, b0, b1 = part_bounds(i, parts, span, S)
+            sent = uint64(0)
             if b0 < b1:
-                sent = token_destinations(ids_base + uint64(4 * t * K), K, L, uint64(0), ids_l)  # bit d: to rank d
+                sent = token_destinations(ids_base + uint64(4 * t * K), K, L, R, uint64(0), ids_l)  # bit d: to rank d
+            if sent != 0:  # (a token whose slots are all masked goes nowhere: zero would mean the stage row)
                 if direct:
                     slot = address_of(d_tokens[me, t]) - address_of(d_tokens)  # the same on every PE
                     if prequantized == 0:
@@ -211,7 +215,7 @@ def make_dispatch_async(v: DispatchVariant):
         while cuda.blockIdx.x < token_blocks and i < T_parts * parts:
             t, w0, w1 = part_bounds(i, parts, span, W)
             if w0 < w1:
-                sent = token_destinations(ids_base + uint64(4 * t * K), K, L, own_skip, ids_l)  # bit d: to rank d
+                sent = token_destinations(ids_base + uint64(4 * t * K), K, L, R, own_skip, ids_l)  # bit d: to rank d
                 p = i - t * parts
                 src = tokens[t]
                 if sent == 0:
@@ -256,7 +260,10 @@ def make_dispatch_async(v: DispatchVariant):
         tokens [Tc, W] words, topk_ids [Tc, K] int32, topk_weights [Tc, K] float32: this rank's
         batch; its first T rows are sent, T = Tc, or ``min(Tc, valid_tokens[0])`` when
         use_valid (int64) is nonzero (valid_tokens [1] int32 on the device: one CUDA graph
-        captured at capacity serves any batch size). Symmetric: d_tokens [R, Tmax, W] (one
+        captured at capacity serves any batch size). An id of -1 masks its slot (nothing is sent
+        for it); an id outside [0, n_experts) is dropped alike and recorded, and a repeated id
+        counts once (``routed_id``): the routing rows carry -1 for all three. Symmetric:
+        d_tokens [R, Tmax, W] (one
         buffer, guarded by credits), d_ids / d_weights / d_ranks [G, R, Tmax, K], d_counts
         [G, R, L + 1] int32, d_signal and d_route [G, R] uint64 (``(n + 1) << 32 | T``),
         d_row_flag [R, Tmax, DISPATCH_FLAG_PARTS] uint64, d_credit [R] uint64. Local: sync
@@ -335,7 +342,8 @@ def make_dispatch_async(v: DispatchVariant):
         # routing rows (ids, weights) to every rank, spread over the token blocks (route first: the
         # routing block sends them, below, unless the call is split)
         if cuda.blockIdx.x < token_blocks and (split or not FIRST):
-            send_routing_spread(topk_ids, topk_weights, d_ids, d_weights, peer_bases, g, me, T, R, K, token_blocks)
+            send_routing_spread(topk_ids, topk_weights, d_ids, d_weights, peer_bases, g, me, n, T, R, L, K,
+                                token_blocks, status)
         if split and cuda.blockIdx.x == 0:  # T into every rank's counts row (combine reads it there)
             store_token_count(d_counts, peer_bases, g, me, R, L, T)
         stamp_last(status, 4)

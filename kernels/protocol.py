@@ -26,13 +26,21 @@ COMBINE_FLAG_PARTS = 16
 #: this many parts, each flagged on arrival.
 DISPATCH_FLAG_PARTS = 16
 
-# -- the status region (int64): the first device error, then the trace words -----------------
+# -- the status region (int64): the first device error, the first dropped slot, the trace words ---
 
 STATUS_CODE, STATUS_KERNEL, STATUS_RANK, STATUS_PEER, STATUS_COUNTER, STATUS_EXPECTED, \
     STATUS_OBSERVED, STATUS_CALL = range(8)
+#: Words of one record (the fields above).
 STATUS_LEN = 8
-#: Trace words after the error record (``kernels/trace.py``: phase time stamps).
+#: Where the dropped-slot record starts: the first expert id outside ``[-1, n_experts)`` a
+#: dispatch_async dropped (fields as the error record's). Unlike an error it stops no kernel: the
+#: call completes on every rank with that slot masked, and the host raises it.
+DROPPED_SLOT = STATUS_LEN
+#: Where the trace words start (``kernels/trace.py``: phase time stamps), and how many.
+TRACE_BASE = 2 * STATUS_LEN
 TRACE_LEN = 40
+#: Expert id of a masked slot in ``topk_ids``: nothing is sent for it and it produces no row.
+MASKED_SLOT = -1
 
 #: Error codes (``status[STATUS_CODE]``).
 ERR_NONE = 0

@@ -4,7 +4,7 @@ Off unless ``EP_RUNTIME_TRACE=1`` is in the environment when this module is firs
 (before the kernels are built). ``TRACE`` is then a compile-time constant: with it off every
 stamp below compiles to nothing, and the kernel cache keys the two builds apart (the constant
 is part of the kernels' key). With it on, the kernels write ``%globaltimer`` nanoseconds into
-the trace words of the ``status`` region (``status[STATUS_LEN + slot]``, ``TRACE_LEN`` of them,
+the trace words of the ``status`` region (``status[TRACE_BASE + slot]``, ``TRACE_LEN`` of them,
 :mod:`ep_runtime.layout`); ``tests/gpu/trace_phases.py`` clears them before a call and reads
 them after it. Slots are named in :data:`SLOTS`.
 
@@ -20,7 +20,7 @@ from numba import int64
 
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.cuda_api import cuda
-from ep_runtime.kernels.protocol import STATUS_LEN, TRACE_LEN
+from ep_runtime.kernels.protocol import TRACE_BASE, TRACE_LEN
 
 TRACE = os.environ.get("EP_RUNTIME_TRACE", "").strip().lower() in ("1", "true", "yes", "on")
 
@@ -68,15 +68,15 @@ assert max(SLOTS) < TRACE_LEN
 
 @cuda.jit(device=True)
 def stamp_first(status, slot):
-    """Block 0, thread 0: ``status[STATUS_LEN + slot] = now`` (when TRACE)."""
+    """Block 0, thread 0: ``status[TRACE_BASE + slot] = now`` (when TRACE)."""
     if TRACE:
         if cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
-            status[STATUS_LEN + slot] = int64(shmem.globaltimer_ns())
+            status[TRACE_BASE + slot] = int64(shmem.globaltimer_ns())
 
 
 @cuda.jit(device=True)
 def stamp_last(status, slot):
-    """Thread 0 of each block: raise ``status[STATUS_LEN + slot]`` to now (when TRACE)."""
+    """Thread 0 of each block: raise ``status[TRACE_BASE + slot]`` to now (when TRACE)."""
     if TRACE:
         if cuda.threadIdx.x == 0:
-            cuda.atomic.max(status, STATUS_LEN + slot, int64(shmem.globaltimer_ns()))
+            cuda.atomic.max(status, TRACE_BASE + slot, int64(shmem.globaltimer_ns()))

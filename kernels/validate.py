@@ -1,5 +1,7 @@
-"""Device-side routing check (debug mode): expert ids in range and distinct per token, router
-weights finite (and non-negative unless allowed).
+"""Device-side routing check (debug mode): expert ids in ``[-1, n_experts)`` (-1: a masked slot)
+and distinct per token (masked slots aside), router weights finite (and non-negative unless
+allowed). Stricter than dispatch_async itself, which drops an out-of-range id (recorded) and
+counts a repeated id once.
 
 Launched by the runtime just before ``dispatch_async`` when checks are on. It reads the
 ``[T, K]`` ids and weights once (one thread per token, ``K * (K - 1) / 2`` id comparisons) and
@@ -17,7 +19,8 @@ from ep_runtime.kernels import shmem
 from ep_runtime.kernels.bits import f32_bits
 from ep_runtime.kernels.block import record_error
 from ep_runtime.kernels.cuda_api import cuda
-from ep_runtime.kernels.protocol import ERR_BAD_EXPERT_ID, ERR_BAD_WEIGHT, ERR_DUPLICATE_EXPERT, KERNEL_VALIDATE_ROUTING
+from ep_runtime.kernels.protocol import (ERR_BAD_EXPERT_ID, ERR_BAD_WEIGHT, ERR_DUPLICATE_EXPERT, KERNEL_VALIDATE_ROUTING,
+                                         MASKED_SLOT)
 
 
 @cuda.jit
@@ -37,10 +40,10 @@ def validate_routing(topk_ids, topk_weights, valid_tokens, use_valid, n_experts,
     while t < T:
         for k in range(K):
             e = topk_ids[t, k]
-            if e < 0 or e >= n_experts:
+            if e < MASKED_SLOT or e >= n_experts:
                 record_error(status, ERR_BAD_EXPERT_ID, KERNEL_VALIDATE_ROUTING, me, t, k, n_experts, e, -1)
             for k2 in range(k + 1, K):
-                if topk_ids[t, k2] == e:
+                if e != MASKED_SLOT and topk_ids[t, k2] == e:
                     record_error(status, ERR_DUPLICATE_EXPERT, KERNEL_VALIDATE_ROUTING, me, t, k, k2, e, -1)
             w = topk_weights[t, k]
             if not (abs(w) <= FLOAT32_MAX) or (allow_negative == 0 and w < 0):

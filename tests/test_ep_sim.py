@@ -133,6 +133,8 @@ def correctness_cases(R: int) -> list[Case]:
         Case("zero_rank", base_cfg(R), "zero_rank", seed=3),
         Case("empty_expert", base_cfg(R), "empty_expert", seed=4),
         Case("one_expert", base_cfg(R), "one_expert", seed=5),
+        Case("masked", base_cfg(R), "masked", seed=26),
+        Case("masked_top_k_1", base_cfg(R, top_k=1), "masked", seed=27),
         Case("top_k_1", base_cfg(R, top_k=1), seed=6),
         Case("top_k_all_experts", base_cfg(R, top_k=2 * R), seed=7),
         Case("one_local_expert", base_cfg(R, n_experts=R, top_k=min(2, R)), seed=8),
@@ -414,7 +416,7 @@ def bad_routing(cfg: EPConfig, ids: np.ndarray, ws: np.ndarray) -> dict:
     """``{name: (ids, weights)}``: one routing fault each (the tokens need T >= 4)."""
     out_of_range, negative, dup, nan_w, inf_w = ids.copy(), ids.copy(), ids.copy(), ws.copy(), ws.copy()
     out_of_range[1, 0] = cfg.n_experts
-    negative[3, 1] = -1
+    negative[3, 1] = -2  # (-1 masks a slot)
     dup[2, 1] = dup[2, 0]
     nan_w[0, 1] = np.nan
     inf_w[1, 0] = -np.inf
@@ -836,8 +838,8 @@ BAD_ARGUMENTS = {
 #: routing fault (bad_routing) -> fragments of the EPInputError of the device-side check
 #: ({r}: the rank, {E}: n_experts, {e}: the duplicated expert)
 ROUTING_FAULTS = {
-    "ids_out_of_range": ["rank {r}: topk_ids[1, 0] = {E} is outside [0, n_experts={E})"],
-    "ids_negative": ["rank {r}: topk_ids[3, 1] = -1 is outside [0, n_experts={E})"],
+    "ids_out_of_range": ["rank {r}: topk_ids[1, 0] = {E} is outside [-1, n_experts={E})"],
+    "ids_negative": ["rank {r}: topk_ids[3, 1] = -2 is outside [-1, n_experts={E})"],
     "ids_duplicate": ["rank {r}: token 2 lists expert {e} twice in topk_ids (slots 0 and 1)"],
     "weights_nan": ["rank {r}: topk_weights[0, 1] = nan must be finite"],
     "weights_inf": ["rank {r}: topk_weights[1, 0] = -inf must be finite"],

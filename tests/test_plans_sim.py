@@ -3,8 +3,8 @@ rank, exact against the NumPy reference.
 
 The plan variants (``ep_runtime.plan``: receiver x transport x expanded copy, the route-first
 thresholds lowered so the simulator's small batches cross them) each run CALLS round trips on
-one runtime over the awkward routings (a rank with no tokens, no token anywhere, an expert with
-none, every token to one expert), in the layouts the runtime serves (both mixed, or one), and
+one runtime over the awkward routings (a rank with no tokens; masked slots (-1), with fully
+masked tokens, a rank masking every token and experts with none; no token anywhere), in the layouts the runtime serves (both mixed, or one), and
 every batch (offsets, counts, descriptions, weights, rows or gathered rows) and every combine
 output must be the reference's bit for bit. Cases add 3 ranks, top-k 1, padding, a device token
 count (as a captured CUDA graph passes it), rows without word pairs (hidden 5), several ranking
@@ -33,7 +33,7 @@ from ep_runtime.testing import (BATCH_FIELDS, assert_batch_is_the_reference, ass
                                 silent_peer_pe)
 
 RUN_TIMEOUT_S = 300
-CALLS = 4  # calls 0-3: every routing of CALL_SCENARIOS, no token anywhere, both buffer groups twice
+CALLS = 4  # calls 0-2: random, zero_rank, masked (CALL_SCENARIOS); 3: no token anywhere; both groups twice
 SEED = 900
 #: The route-first thresholds, lowered so the simulator's batches (a few tokens a rank) are split
 #: (the token blocks send the routing), shared (two placing blocks describe) and chunked (each

@@ -59,7 +59,8 @@ def bits32(a) -> np.ndarray:
 
 
 def expected_hits(cfg, ids, rank):
-    """{local expert: [(src rank, token, k), ...] ordered by (src rank, token)}, by plain loops."""
+    """{local expert: [(src rank, token, k), ...] ordered by (src rank, token)}, by plain loops
+    (a masked slot, -1, is on no rank)."""
     L = cfg.n_local_experts
     hits = {e: [] for e in range(L)}
     for s, ids_s in enumerate(ids):
@@ -117,9 +118,9 @@ def check_dispatch(cfg, xs, ids, ws, batches):
             assert (bits16(b.x[padding]) == 0).all(), f"{where}: padding rows not zero"
             seen += [(s, t, k, r) for s, t, k in got]
         assert b.row_offsets[L] == n
-    # Globally: every (s, t, k) exactly once, on the rank that holds its expert.
+    # Globally: every (s, t, k) exactly once, on the rank that holds its expert; no masked slot (-1).
     want = sorted((s, t, k, int(ids[s][t, k]) // L) for s in range(R) for t in range(ids[s].shape[0])
-                  for k in range(cfg.top_k))
+                  for k in range(cfg.top_k) if ids[s][t, k] >= 0)
     assert sorted(seen) == want
 
 
@@ -198,8 +199,9 @@ def test_round_trip_identity_experts(cfg_name, scenario, draw):
     for s in range(cfg.n_ranks):
         assert out[s].dtype == BF16 and out[s].shape == xs[s].shape
         x = xs[s].astype(np.float64)
-        want = x * ws[s].astype(np.float64).sum(axis=1, keepdims=True)
-        tol = ROUND_TRIP_ULPS * np.abs(x) * np.abs(ws[s]).astype(np.float64).sum(axis=1, keepdims=True)
+        w = np.where(ids[s] >= 0, ws[s], 0).astype(np.float64)  # a masked slot's weight is ignored
+        want = x * w.sum(axis=1, keepdims=True)
+        tol = ROUND_TRIP_ULPS * np.abs(x) * np.abs(w).sum(axis=1, keepdims=True)
         got = out[s].astype(np.float64)
         assert not np.isnan(got).any()
         err = np.abs(got - want)
@@ -423,3 +425,12 @@ def test_combine_for_some_home_ranks_equals_those_of_the_whole_combine(reduce):
         assert bits16(mine[me]).tolist() == bits16(whole[me]).tolist()
     with pytest.raises(ValueError, match="home_ranks"):
         ref.combine(ys, batches, ids, cfg, home_ranks=[cfg.n_ranks])
+
+
+def test_routed_ids_masks_what_no_expert_takes():
+    """-1, ids outside [0, n_experts) and repeats of an earlier slot's id route nowhere; the
+    first slot of a repeated id keeps it."""
+    ids = np.array([[3, 3, -1, 7], [0, 1, 8, -7], [5, -1, 5, 2], [-1, -1, -1, -1]], np.int32)
+    assert ref.routed_ids(ids, 8).tolist() == [[3, -1, -1, 7], [0, 1, -1, -1], [5, -1, -1, 2], [-1, -1, -1, -1]]
+    assert ids[0, 1] == 3, "the caller's ids are not modified"
+    assert ref.routed_ids(np.zeros((0, 4), np.int32), 8).shape == (0, 4)

@@ -24,7 +24,7 @@ SEED = 5
 
 def trace_pe(session) -> dict:
     from ep_runtime.kernels.trace import TRACE
-    from ep_runtime.layout import STATUS_LEN
+    from ep_runtime.layout import TRACE_BASE
     from ep_runtime.runtime import EPRuntime
 
     cfg = EPConfig(**CFG)
@@ -35,11 +35,11 @@ def trace_pe(session) -> dict:
         out["plan"] = rt.plan.as_dict()
         status = rt.buffers["status"]
         for layout in ("expanded", "compact"):
-            status[STATUS_LEN:] = 0
+            status[TRACE_BASE:] = 0
             batch = rt.dispatch(xs[r].view(np.uint16), ids[r], ws[r], layout=layout)
             out[layout] = {"x": session.to_host(batch.x).copy(),
                            "rows": int(session.to_host(batch.row_offsets)[-1]),
-                           "stamps": session.to_host(status)[STATUS_LEN:].copy()}
+                           "stamps": session.to_host(status)[TRACE_BASE:].copy()}
     return out
 
 

@@ -109,7 +109,7 @@ def compact_rows(recv_r, r: int, f32: bool) -> np.ndarray:
     return rows_r.view(reference.BF16).astype(np.float32) if f32 else rows_r
 
 
-def reference_data(cfg, T: int, seed: int, me: int, combine_dtype: str) -> SimpleNamespace:
+def reference_data(cfg, T: int, seed: int, me: int, combine_dtype: str, scenario: str = "random") -> SimpleNamespace:
     """What the checks at T compare with on rank ``me``, computed once for every plan. Only this
     rank's parts are kept (8 processes at EP8, T=4096, hidden 7168 outgrew a 128 GB host with
     every rank's kept)."""
@@ -117,7 +117,7 @@ def reference_data(cfg, T: int, seed: int, me: int, combine_dtype: str) -> Simpl
     from ep_runtime.testing import linear_experts, make_inputs
 
     R, f32 = cfg.n_ranks, combine_dtype == "float32"
-    xs, ids, ws = make_inputs(cfg, "random", seed + T, n_tokens=[T] * R)
+    xs, ids, ws = make_inputs(cfg, scenario, seed + T, n_tokens=[T] * R)
     ref_b = reference.dispatch(xs, ids, ws, cfg)
     ys = [linear_experts(b.x, b.row_offsets, cfg.n_local_experts, r) for r, b in enumerate(ref_b)]
     want = reference.combine(ys, ref_b, ids, cfg, home_ranks=[me])[me].astype(np.float32)  # this rank's only
@@ -281,6 +281,7 @@ def main() -> int:
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--samples", type=int, default=50)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--scenario", default="random", help="routing (ep_runtime.testing.SCENARIOS; masked: -1 slots)")
     ap.add_argument("--combine-dtype", default="bfloat16", choices=["bfloat16", "float32"],
                     help="EPConfig.combine_dtype: float32 partials (compact rows are then float32 too)")
     ap.add_argument("--plans", nargs="+", default=["default"], metavar="PLAN",
@@ -304,7 +305,7 @@ def main() -> int:
     session = open_session("nvshmem", heap_bytes=BufferLayout(cfg).symmetric_bytes)  # every plan's regions
     t_init = time.perf_counter() - t0
     me = session.rank
-    refs = [reference_data(cfg, T, args.seed, me, args.combine_dtype) for T in args.tokens]
+    refs = [reference_data(cfg, T, args.seed, me, args.combine_dtype, args.scenario) for T in args.tokens]
     lines, rows, failures = [], [], []
     for i, text in enumerate(plans):
         try:

@@ -115,14 +115,14 @@ def check_hardware_conversion() -> tuple[int, int]:
 
 
 
-def fp8_reference(cfg, T: int, seed: int, me: int) -> SimpleNamespace:
+def fp8_reference(cfg, T: int, seed: int, me: int, scenario: str = "random") -> SimpleNamespace:
     """What the checks of ``cfg``'s format at T compare with on rank ``me``, computed once for
     every plan (only this rank's parts kept)."""
     from ep_runtime import reference
     from ep_runtime.testing import linear_experts, make_inputs
 
     R = cfg.n_ranks
-    xs, ids, ws = make_inputs(cfg, "random", seed + T, n_tokens=[T] * R)
+    xs, ids, ws = make_inputs(cfg, scenario, seed + T, n_tokens=[T] * R)
     plant_awkward_blocks(xs, reference.BF16)
     codes, scales = cfg.token_format.quantize(xs[me].view(np.uint16))
     x_recv, defined, sc_recv = reference.receive_rows(xs, ids, cfg, with_scales=True)[me]
@@ -240,6 +240,7 @@ def main() -> int:
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--seed", type=int, default=3)
+    ap.add_argument("--scenario", default="random", help="routing (ep_runtime.testing.SCENARIOS; masked: -1 slots)")
     ap.add_argument("--plans", nargs="+", default=["default"], metavar="PLAN",
                     help="execution plans to check, one runtime each (per format) on one session: 'default' (the "
                          "rules' plan with EP_RUNTIME_PLAN's overrides), plan overrides such as "
@@ -270,7 +271,7 @@ def main() -> int:
                         f"rule")
     conversion = f"hardware E4M3 conversion: {checked - differ}/{checked} words as the software rule"
 
-    refs = {fmt: [fp8_reference(cfg, T, args.seed, me) for T in args.tokens] for fmt, cfg in cfgs.items()}
+    refs = {fmt: [fp8_reference(cfg, T, args.seed, me, args.scenario) for T in args.tokens] for fmt, cfg in cfgs.items()}
     lines, rows = [], []
     for i, text in enumerate(plans):
         for fmt, cfg in cfgs.items():

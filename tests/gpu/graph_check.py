@@ -36,13 +36,14 @@ def step_counts(R: int, cap: int, i: int, rng) -> list[int]:
     return fixed.get(i, [int(c) for c in rng.integers(0, cap + 1, R)])
 
 
-def step_reference(cfg, seed: int, i: int, counts: list[int], me: int, compact: bool) -> SimpleNamespace:
+def step_reference(cfg, seed: int, i: int, counts: list[int], me: int, compact: bool,
+                   scenario: str = "random") -> SimpleNamespace:
     """Replay ``i``'s inputs on rank ``me`` and what it must give there (only this rank's parts
     kept)."""
     from ep_runtime import reference
     from ep_runtime.testing import make_inputs
 
-    xs, ids, ws = make_inputs(cfg, "random", seed * 1000 + i, n_tokens=counts)
+    xs, ids, ws = make_inputs(cfg, scenario, seed * 1000 + i, n_tokens=counts)
     ref_b = reference.dispatch(xs, ids, ws, cfg)
     b = ref_b[me]
     want = reference.combine([rb.x for rb in ref_b], ref_b, ids, cfg, home_ranks=[me])[me]  # bf16
@@ -90,7 +91,7 @@ def run_plan(cfg, session, text: str, counts_per_step, steps, args, n_plans: int
 
     good, times = 0, []
     for i, counts in enumerate(counts_per_step):
-        step = steps[i] or step_reference(cfg, args.seed, i, counts, me, args.layout == "compact")
+        step = steps[i] or step_reference(cfg, args.seed, i, counts, me, args.layout == "compact", args.scenario)
         if n_plans > 1:
             steps[i] = step
         n = counts[me]
@@ -136,6 +137,7 @@ def main() -> int:
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--replays", type=int, default=100)
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--scenario", default="random", help="routing (ep_runtime.testing.SCENARIOS; masked: -1 slots)")
     ap.add_argument("--layout", choices=("expanded", "compact"), default="expanded")
     ap.add_argument("--plans", nargs="+", default=["default"], metavar="PLAN",
                     help="execution plans to check, one runtime each on one session: 'default' (the rules' plan "

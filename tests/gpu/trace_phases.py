@@ -40,7 +40,7 @@ def main() -> int:
     from ep_runtime import EPConfig, EPRuntime
     from ep_runtime.bench.measure import DeviceSpin
     from ep_runtime.kernels.trace import SLOTS, TRACE
-    from ep_runtime.layout import STATUS_LEN, BufferLayout
+    from ep_runtime.layout import TRACE_BASE, BufferLayout
     from ep_runtime.shmem import open_session
     from ep_runtime.testing import make_inputs
 
@@ -52,7 +52,7 @@ def main() -> int:
     rt = EPRuntime(cfg, session)
     stream = session.stream
     spin = DeviceSpin(stream, args.spin_us)
-    trace = rt.buffers["status"][STATUS_LEN:]
+    trace = rt.buffers["status"][TRACE_BASE:]
 
     def half(run):
         trace.fill(0)

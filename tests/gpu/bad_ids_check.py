@@ -1,0 +1,148 @@
+"""Planted out-of-range and repeated expert ids with the routing check off, on GPUs (one rank per
+GPU), as tests/test_masked_ids_sim.py checks them on the simulator:
+
+    mpirun -np 2 -x PYTHONPATH python3 tests/gpu/bad_ids_check.py [--tokens 128] [--plans default]
+    mpirun -np 2 -x PYTHONPATH compute-sanitizer --tool memcheck python3 tests/gpu/bad_ids_check.py
+
+Per plan and layout, on a runtime built with ``debug=False``: a call whose routing is the
+``masked`` scenario with ``n_experts + 3`` planted on rank 0 (token 1, slot 0) and ``-7`` on the
+last rank (token 2, slot 1) must complete on every rank exactly as the reference with those slots
+masked (batch bit for bit, combine within tolerance), and the next ``synchronize()`` of those two
+ranks (only) must raise ``EPInputError`` naming the token, the slot and the id; then ``reset()``
+on every rank, a clean call exact; then a call with repeated ids (counted once, first slot's
+weight) exact with no error. Prints a table (rank 0), then PASS or FAIL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # tests/: the simulator test's inputs
+
+
+def device_round_trip(session, rt, cfg, xs, ids, ws, layout):
+    """One dispatch and combine of this rank's inputs (as device arrays): the batch fields and
+    the combine output as host copies, and the error the next synchronize raised (or None)."""
+    from ep_runtime import reference
+    from ep_runtime.errors import EPInputError
+    from ep_runtime.testing import BATCH_FIELDS, expert_outputs
+
+    r, dev = session.rank, session.to_device
+    batch = rt.dispatch_wait(rt.dispatch_async(dev(np.ascontiguousarray(xs[r].view(np.uint16))), dev(ids[r]),
+                                               dev(ws[r])), layout=layout)
+    got = {k: session.to_host(getattr(batch, k)).copy() for k in BATCH_FIELDS}
+    if layout == "compact":
+        got["gather"] = session.to_host(batch.gather).copy()
+        got["recv_tokens"] = session.to_host(batch.recv_tokens).copy()
+    y = dev(expert_outputs(cfg, reference.dispatch(xs, ids, ws, cfg)[r], r))
+    out = rt.combine_wait(rt.combine_async(y, batch.handle))
+    try:
+        rt.synchronize()
+        got["error"] = None
+    except EPInputError as e:
+        got["error"] = str(e)
+    got["out"] = session.to_host(out).copy()[:len(xs[r])]
+    return got
+
+
+def check(cfg, me, got, inputs, layout, what) -> list[str]:
+    """This rank's batch and output against the reference of ``inputs``: failures."""
+    from ep_runtime import reference
+    from ep_runtime.testing import assert_batch_is_the_reference, expert_outputs
+
+    xs, ids, ws = inputs
+    refs = reference.dispatch(xs, ids, ws, cfg)
+    try:
+        if cfg.token_format.quantized:  # the rows' places (fp8_check checks the codes and scales bit for bit)
+            ref = refs[me]
+            np.testing.assert_array_equal(got["row_offsets"], ref.row_offsets, err_msg=what)
+            for k in ("src_rank", "src_token", "src_k"):
+                np.testing.assert_array_equal(got[k][:ref.n_rows], getattr(ref, k), err_msg=f"{what}: {k}")
+        else:
+            assert_batch_is_the_reference(got, refs[me], layout, xs, cfg, what)
+    except AssertionError as e:
+        return [f"{what}: batch: {str(e).strip()[:300]}"]
+    want = reference.combine([expert_outputs(cfg, refs[s], s) for s in range(cfg.n_ranks)], refs, ids, cfg,
+                             home_ranks=[me])[me].astype(np.float32)
+    y_max = max(float(np.abs(expert_outputs(cfg, refs[s], s).view(reference.BF16)[:refs[s].n_rows]
+                             .astype(np.float32)).max(initial=0)) for s in range(cfg.n_ranks))
+    tol = reference.combine_tolerance(np.where(reference.routed_ids(ids[me], cfg.n_experts) >= 0, ws[me], 0), y_max)
+    err = np.abs(got["out"].view(reference.BF16).astype(np.float32) - want)
+    if (err > tol[:, None]).any():
+        return [f"{what}: combine: max error {float(err.max())} over its tolerance"]
+    return []
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--token-dtype", default="bfloat16")
+    ap.add_argument("--seed", type=int, default=5)
+    ap.add_argument("--plans", nargs="+", default=["default"])
+    args = ap.parse_args()
+    from mpi4py import MPI
+    from test_masked_ids_sim import PLANTED, REPEATS, planted_inputs
+
+    from ep_runtime import EPConfig, EPRuntime
+    from ep_runtime.layout import BufferLayout
+    from ep_runtime.shmem import open_session
+    from ep_runtime.testing import make_inputs
+
+    R = MPI.COMM_WORLD.Get_size()
+    cfg = EPConfig(n_ranks=R, n_experts=args.experts, top_k=args.top_k, hidden=args.hidden,
+                   max_tokens_per_rank=args.tokens, token_dtype=args.token_dtype)
+    session = open_session("nvshmem", heap_bytes=BufferLayout(cfg).symmetric_bytes)
+    me, E = session.rank, cfg.n_experts
+    named = {rank % R: (t, k, eval(v.format(E=E))) for rank, t, k, v in PLANTED}  # noqa: S307 - the table's own
+    rows, failures = [], []
+    for plan in args.plans:
+        with EPRuntime(cfg, session, debug=False, plan=None if plan == "default" else plan) as rt:
+            label = f"{rt.plan.receiver.value}/{rt.plan.transport.value}"
+            for layout in ("expanded", "compact"):
+                planted = planted_inputs(cfg, args.seed)
+                got = device_round_trip(session, rt, cfg, *planted, layout)
+                fails = check(cfg, me, got, planted, layout, f"{label} {layout} planted")
+                err = got["error"]
+                if me in named:
+                    t, k, x = named[me]
+                    frag = f"rank {me}: topk_ids[{t}, {k}] = {x} in call "
+                    if err is None or frag not in err or "dispatch_async dropped that slot" not in err:
+                        fails.append(f"{label} {layout}: expected an error naming {frag!r}, got {err!r}")
+                elif err is not None:
+                    fails.append(f"{label} {layout}: rank {me} raised for another rank's ids: {err}")
+                rt.reset()
+                clean = make_inputs(cfg, "random", args.seed + 1, n_tokens=[args.tokens] * R)
+                after = device_round_trip(session, rt, cfg, *clean, layout)
+                fails += check(cfg, me, after, clean, layout, f"{label} {layout} after reset")
+                fails += [f"{label} {layout} after reset: {after['error']}"] if after["error"] else []
+                repeats = planted_inputs(cfg, args.seed + 2, (), REPEATS)
+                rep = device_round_trip(session, rt, cfg, *repeats, layout)
+                fails += check(cfg, me, rep, repeats, layout, f"{label} {layout} repeated ids")
+                fails += [f"{label} {layout} repeated ids: {rep['error']}"] if rep["error"] else []
+                rows.append((me, label, layout, (err or "none")[:60], "exact" if not fails else "FAIL"))
+                failures += fails
+    comm = MPI.COMM_WORLD
+    all_rows, all_failures = comm.gather(rows, root=0), comm.gather(failures, root=0)
+    session.close()
+    if me != 0:
+        return 0
+    for f in sum(all_failures, []):
+        print("FAIL:", f)
+    print(f"{'rank':>4} {'plan':<24} {'layout':<9} {'planted ids: the error raised':<62} checks")
+    for r_rows in all_rows:
+        for r, label, layout, err, ok in r_rows:
+            print(f"{r:>4} {label:<24} {layout:<9} {err:<62} {ok}")
+    ok = not sum(all_failures, [])
+    print("PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""Masked, out-of-range and repeated expert ids with the routing check off (``debug=False``, as
+on GPUs), on the simulator: the real kernels, one process per rank, exact against the NumPy
+reference (``reference.routed_ids`` states the rules).
+
+- ``-1`` masks a slot: nothing is sent for it, its weight is ignored, a token whose slots are
+  all masked combines to a zero row, and a rank may mask every token (the ``masked`` routing
+  scenario; the plan-variant suites run it too, with the check on).
+- An id outside ``[-1, n_experts)`` (planted: ``n_experts + 3`` and ``-7``) never reaches
+  address arithmetic: the call completes on every rank as if the slot were masked, and the
+  next ``synchronize()`` of the rank that passed it raises ``EPInputError`` naming the rank,
+  the token, the slot and the id; after ``reset()`` on every rank the next call is exact.
+- A repeated id in one token's row counts once, with its first slot's weight (no error with
+  the check off; ``debug=True`` rejects it: tests/test_ep_sim.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ep_runtime import reference
+from ep_runtime.config import EPConfig
+from ep_runtime.shmem.launch import run_pes
+from ep_runtime.testing import BATCH_FIELDS, assert_batch_is_the_reference, expert_outputs, make_inputs
+
+RUN_TIMEOUT_S = 240
+WORLD_SIZES = (2, 3)
+SEED = 31
+#: (rank, token, slot, id) planted in the routing: rank 0 an id past the last expert, the last
+#: rank a negative one other than -1. {E}: n_experts.
+PLANTED = ((0, 1, 0, "{E} + 3"), (-1, 2, 1, "-7"))
+#: (rank, token, slot, earlier slot): a repeat of an earlier slot's id.
+REPEATS = ((0, 3, 1, 0), (-1, 0, 1, 0))
+
+
+def case_cfg(R: int, **changes) -> EPConfig:
+    return EPConfig(**{**dict(n_ranks=R, n_experts=2 * R, top_k=2, hidden=32, max_tokens_per_rank=6,
+                              wait_timeout_s=60.0), **changes})
+
+
+def planted_inputs(cfg: EPConfig, seed: int, planted=PLANTED, repeats=()):
+    """The ``masked`` routing of ``seed`` with every token present, then ``planted`` ids and
+    ``repeats`` written in."""
+    R = cfg.n_ranks
+    xs, ids, ws = make_inputs(cfg, "masked", seed, n_tokens=[cfg.max_tokens_per_rank] * R)
+    ids = [i.copy() for i in ids]
+    for rank, t, k, value in planted:
+        ids[rank % R][t, k] = eval(value.format(E=cfg.n_experts))  # noqa: S307 - the table's own expressions
+    for rank, t, k, first in repeats:
+        ids[rank % R][t, first] = rank % R  # an expert id, not -1
+        ids[rank % R][t, k] = ids[rank % R][t, first]
+    return xs, ids, ws
+
+
+def round_trip(session, rt, cfg, xs, ids, ws, layout):
+    """One dispatch in ``layout`` and the combine of the reference's expert outputs; the batch
+    fields and the output as host copies, and the error the next synchronize raised."""
+    from ep_runtime.errors import EPInputError
+
+    r = session.rank
+    batch = rt.dispatch_wait(rt.dispatch_async(xs[r].view(np.uint16), ids[r], ws[r]), layout=layout)
+    got = {k: session.to_host(getattr(batch, k)).copy() for k in BATCH_FIELDS}
+    if layout == "compact":
+        got["gather"] = session.to_host(batch.gather).copy()
+        got["recv_tokens"] = session.to_host(batch.recv_tokens).copy()
+    y = expert_outputs(cfg, reference.dispatch(xs, ids, ws, cfg)[r], r)
+    out = rt.combine_wait(rt.combine_async(y, batch.handle))
+    try:
+        rt.synchronize()
+        got["error"] = None
+    except EPInputError as e:
+        got["error"] = str(e)
+    got["out"] = session.to_host(out).copy()[:len(xs[r])]
+    return got
+
+
+def ids_pe(session, cfg: EPConfig, seed: int) -> dict:
+    """Per layout: a call with planted ids, reset(), a clean call; then a call with repeated ids."""
+    from ep_runtime.runtime import EPRuntime
+
+    res = {}
+    with EPRuntime(cfg, session, debug=False) as rt:
+        for layout in ("expanded", "compact"):
+            res["planted", layout] = round_trip(session, rt, cfg, *planted_inputs(cfg, seed), layout)
+            rt.reset()  # collective: the ranks that raised, and the others
+            xs, ids, ws = make_inputs(cfg, "random", seed + 1)
+            res["after_reset", layout] = round_trip(session, rt, cfg, xs, ids, ws, layout)
+            res["repeats", layout] = round_trip(session, rt, cfg, *planted_inputs(cfg, seed + 2, (), REPEATS),
+                                                layout)
+    return res
+
+
+@pytest.fixture(scope="module")
+def runs():
+    cache = {}
+
+    def get(R: int, token_dtype: str = "bfloat16"):
+        if (R, token_dtype) not in cache:
+            cfg = case_cfg(R, token_dtype=token_dtype, hidden=256 if token_dtype != "bfloat16" else 32)
+            cache[R, token_dtype] = (cfg, run_pes(ids_pe, R, args=(cfg, SEED), timeout_s=RUN_TIMEOUT_S))
+        return cache[R, token_dtype]
+
+    return get
+
+
+def check_round_trip(cfg: EPConfig, per_rank: list, key, inputs, what: str) -> None:
+    """Every rank's batch and combine output of ``key`` against the reference of ``inputs``."""
+    xs, ids, ws = inputs
+    refs = reference.dispatch(xs, ids, ws, cfg)
+    outs = reference.combine([expert_outputs(cfg, refs[s], s) for s in range(cfg.n_ranks)], refs, ids, cfg)
+    layout = key[1]
+    for r, res in enumerate(per_rank):
+        got, at = res[key], f"{what}: rank {r} ({layout})"
+        if cfg.token_format.quantized:  # the codes: checked bit for bit by the FP8 suites; here the rows' places
+            np.testing.assert_array_equal(got["row_offsets"], refs[r].row_offsets, err_msg=at)
+            for k in ("src_rank", "src_token", "src_k"):
+                np.testing.assert_array_equal(got[k][:refs[r].n_rows], getattr(refs[r], k), err_msg=f"{at}: {k}")
+        else:
+            assert_batch_is_the_reference(got, refs[r], layout, xs, cfg, at)
+        np.testing.assert_array_equal(got["out"], outs[r].view(np.uint16), err_msg=f"{at}: combine")
+
+
+@pytest.mark.parametrize("layout", ["expanded", "compact"])
+@pytest.mark.parametrize("R", WORLD_SIZES)
+def test_planted_ids_are_dropped_and_named_by_the_rank_that_passed_them(runs, R, layout):
+    cfg, per_rank = runs(R)
+    check_round_trip(cfg, per_rank, ("planted", layout), planted_inputs(cfg, SEED), "planted ids")
+    named = {rank % R: (t, k, eval(v.format(E=cfg.n_experts))) for rank, t, k, v in PLANTED}  # noqa: S307
+    for r, res in enumerate(per_rank):
+        err = res["planted", layout]["error"]
+        if r not in named:
+            assert err is None, f"rank {r} raised for another rank's ids: {err}"
+            continue
+        t, k, x = named[r]
+        assert err is not None, f"rank {r}: the planted topk_ids[{t}, {k}] = {x} raised nothing"
+        for frag in (f"rank {r}: topk_ids[{t}, {k}] = {x} in call ", f"outside [-1, n_experts={cfg.n_experts})",
+                     "dispatch_async dropped that slot", "reset() on every rank"):
+            assert frag in err, f"rank {r}: {frag!r} not in {err!r}"
+
+
+@pytest.mark.parametrize("layout", ["expanded", "compact"])
+@pytest.mark.parametrize("R", WORLD_SIZES)
+def test_after_reset_the_next_call_is_exact(runs, R, layout):
+    cfg, per_rank = runs(R)
+    assert [res["after_reset", layout]["error"] for res in per_rank] == [None] * R
+    check_round_trip(cfg, per_rank, ("after_reset", layout), make_inputs(cfg, "random", SEED + 1), "after reset")
+
+
+@pytest.mark.parametrize("layout", ["expanded", "compact"])
+@pytest.mark.parametrize("R", WORLD_SIZES)
+def test_a_repeated_id_counts_once_with_its_first_slot_weight(runs, R, layout):
+    cfg, per_rank = runs(R)
+    inputs = planted_inputs(cfg, SEED + 2, (), REPEATS)
+    assert [res["repeats", layout]["error"] for res in per_rank] == [None] * R
+    check_round_trip(cfg, per_rank, ("repeats", layout), inputs, "repeated ids")
+    # the reference's rule, seen in the batch: rank 0's token 3 has one row for its repeated expert, from slot 0
+    owner = per_rank[0]["repeats", layout]  # expert 0 lives on rank 0
+    n = int(owner["row_offsets"][-1])
+    rows = (owner["src_rank"][:n] == 0) & (owner["src_token"][:n] == 3)
+    assert owner["src_k"][:n][rows].tolist() == [0], owner["src_k"][:n][rows]
+
+
+def test_fp8_masked_and_planted_ids(runs):
+    cfg, per_rank = runs(2, "fp8_e4m3")
+    for layout in ("expanded", "compact"):
+        check_round_trip(cfg, per_rank, ("planted", layout), planted_inputs(cfg, SEED), "FP8 planted ids")
+        assert per_rank[0]["planted", layout]["error"] is not None
+        check_round_trip(cfg, per_rank, ("repeats", layout), planted_inputs(cfg, SEED + 2, (), REPEATS),
+                         "FP8 repeated ids")
+
+
+def test_the_masked_routing_has_what_it_promises():
+    cfg = case_cfg(3)
+    xs, ids, ws = make_inputs(cfg, "masked", SEED, n_tokens=[6, 6, 6])
+    assert (ids[-1] == -1).all(), "the last rank masks every token"
+    assert (ids[0][::7] == -1).all() and (ids[0] == -1).any(axis=1).sum() >= 1
+    outs = reference.combine([expert_outputs(cfg, b, s) for s, b in enumerate(reference.dispatch(xs, ids, ws, cfg))],
+                             reference.dispatch(xs, ids, ws, cfg), ids, cfg)
+    for s in range(3):
+        fully = (ids[s] == -1).all(axis=1)
+        assert not outs[s].view(np.uint16)[fully].any(), "a fully masked token combines to a zero row"
