@@ -86,10 +86,11 @@ DSV3_LOCAL = {
     "row_gather": ((262144,), i32, 1_048_576, 4_233_234_944),
     # [R] i32: 32 B; + 1,048,576 = 4,234,283,520
     "recv_tokens": ((8,), i32, 32, 4_234_283_520),
-    # [48] i64: 384 B (8 error words + TRACE_LEN 40 trace words); 4,234,283,520 + 32 -> 4,234,283,776
-    "status": ((48,), i64, 384, 4_234_283_776),
+    # [56] i64: 448 B (8 error words, 8 dropped-slot words, TRACE_LEN 40 trace words);
+    # 4,234,283,520 + 32 -> 4,234,283,776
+    "status": ((56,), i64, 448, 4_234_283_776),
 }
-# 4,234,283,776 + 384 = 4,234,284,160 -> round up to 256 = 4,234,284,288
+# 4,234,283,776 + 448 = 4,234,284,224 -> round up to 256 = 4,234,284,288
 DSV3_LOCAL_BYTES = 4_234_284_288
 
 SMALL_SYMMETRIC = {
@@ -146,10 +147,10 @@ SMALL_LOCAL = {
     "row_gather": ((50,), i32, 200, 13568),
     # [R] i32: 8 B; 13568 + 200 -> 13824
     "recv_tokens": ((2,), i32, 8, 13824),
-    # [48] i64: 384 B; 13824 + 8 -> 14080
-    "status": ((48,), i64, 384, 14080),
+    # [56] i64: 448 B; 13824 + 8 -> 14080
+    "status": ((56,), i64, 448, 14080),
 }
-SMALL_LOCAL_BYTES = 14592  # 14080 + 384 = 14464 -> 14592
+SMALL_LOCAL_BYTES = 14592  # 14080 + 448 = 14528 -> 14592
 
 CASES = {
     "dsv3": (DSV3, DSV3_SYMMETRIC, DSV3_SYMMETRIC_BYTES, DSV3_LOCAL, DSV3_LOCAL_BYTES),

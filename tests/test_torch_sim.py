@@ -82,6 +82,7 @@ CASES_2 = (
     # float32 combine partials: the module passes bf16 expert outputs (expanded layout), as in bf16 mode
     Case("random_float32_partials", cfg2(combine_dtype="float32"), seed=7),
     Case("weights_without_gradient", cfg2(), seed=9, weights_grad=False),
+    Case("masked", cfg2(), "masked", seed=8),  # -1 slots, fully masked tokens, a rank masking every token
 )
 CASES_4 = (Case("random_4_ranks", dict(cfg2(n_ranks=4, n_experts=8), top_k=3), seed=6),)
 
@@ -204,10 +205,11 @@ def dense_reference(case: Case, xs, ids, ws, cs):
         y = x64[:, None, :] * a.double() + b.double()
         y = y + (y32.double() - y).detach()  # the bf16 rounding as a constant
         c64 = torch.from_numpy(c).double()
-        out = (w64[:, :, None] * y).sum(1)
+        live = torch.from_numpy((i >= 0).astype(np.float64))  # a masked slot (-1) adds nothing, its weight no gradient
+        out = ((w64 * live)[:, :, None] * y).sum(1)
         (out * c64).sum().backward()
         res.append(dict(out=out.detach().numpy(), x_grad=x64.grad.numpy(), w_grad=w64.grad.numpy(),
-                        x_scale=(a.double() * w64.detach()[:, :, None]).abs().sum(1).numpy() * np.abs(c),
+                        x_scale=(a.double() * (w64.detach() * live)[:, :, None]).abs().sum(1).numpy() * np.abs(c),
                         w_scale=(y32.double().abs() * c64.abs()[:, None, :]).sum(2).numpy(),
                         y_max=float(y32.abs().max()) if len(x) else 0.0))
     return res
