@@ -250,6 +250,33 @@ def dispatch_to_host(session, rt, cfg: EPConfig, x, i, w, layout: str, device_co
     return got, batch
 
 
+def round_trip_with_error(session, rt, cfg: EPConfig, xs, ids, ws, layout: str) -> dict:
+    """One dispatch of this rank's inputs in ``layout`` (as the session's arrays) and the combine
+    of the reference's expert outputs: the batch's :data:`BATCH_FIELDS` (and the compact
+    layout's ``gather`` and ``recv_tokens``) and the combine output (``"out"``) as host copies,
+    and the ``EPInputError`` message the next synchronize raised (``"error"``, or None): what a
+    call with bad expert ids leaves behind."""
+    from . import reference
+    from .errors import EPInputError
+
+    r, dev = session.rank, session.to_device
+    batch = rt.dispatch_wait(rt.dispatch_async(dev(np.ascontiguousarray(xs[r].view(np.uint16))), dev(ids[r]),
+                                               dev(ws[r])), layout=layout)
+    got = {k: session.to_host(getattr(batch, k)).copy() for k in BATCH_FIELDS}
+    if layout == "compact":
+        got["gather"] = session.to_host(batch.gather).copy()
+        got["recv_tokens"] = session.to_host(batch.recv_tokens).copy()
+    out = rt.combine_wait(rt.combine_async(dev(expert_outputs(cfg, reference.dispatch(xs, ids, ws, cfg)[r], r)),
+                                           batch.handle))
+    try:
+        rt.synchronize()
+        got["error"] = None
+    except EPInputError as e:
+        got["error"] = str(e)
+    got["out"] = session.to_host(out).copy()[:len(xs[r])]
+    return got
+
+
 def plan_round_trips(session, rt, cfg: EPConfig, calls: int, seed: int, device_count: bool,
                      buffers: tuple = ()) -> list:
     """``calls`` round trips on ``rt`` (call c: :func:`call_inputs` in :func:`call_layout`), each

@@ -3,10 +3,10 @@
 Every receiver needs each source's routing rows (``dispatch_topk_ids`` / ``_weights``: ids and
 weights of every token, sent to every rank). The ids go as ``routed_id`` reads them: -1 for a
 masked slot, for an id outside ``[0, n_experts)`` (dropped, and recorded) and for a repeat of an
-earlier slot's id, so every receiver sees only its experts' ids or -1. The ``wait`` and ``land`` receivers also need each
-(token, k)'s rank among the source's tokens with that expert (``dispatch_ranks``) and each
-expert's token count (``dispatch_counts``): the grid's last blocks (routing blocks) compute
-them beside the token blocks, each a chunk of the tokens. Route-first receivers rank for
+earlier slot's id, so every receiver sees only its experts' ids or -1. The ``wait`` and ``land``
+receivers also need each (token, k)'s rank among the source's tokens with that expert
+(``dispatch_ranks``) and each expert's token count (``dispatch_counts``): the grid's last blocks
+(routing blocks) compute them beside the token blocks, each a chunk of the tokens. Route-first receivers rank for
 themselves: a route-first sender only sends the routing rows and T and signals them
 (``dispatch_route_signal``) before its token rows.
 
@@ -23,9 +23,9 @@ from ep_runtime.kernels import shmem
 from ep_runtime.kernels.bits import f32_bits
 from ep_runtime.kernels.block import last_block_ticket, popc32, publish_fence, record_error, udiv32, warp_geometry
 from ep_runtime.kernels.cuda_api import SIMULATED, cuda, inlined
-from ep_runtime.kernels.protocol import (DROPPED_SLOT, ERR_BAD_EXPERT_ID, KERNEL_DISPATCH_ASYNC, MASKED_SLOT, PEER_COUNTS,
-                                         PEER_IDS, PEER_RANKS, PEER_WEIGHTS, SIGNAL_TOKEN_BITS, STATUS_LEN,
-                                         SYNC_ROUTE_TICKET)
+from ep_runtime.kernels.protocol import (DROPPED_SLOT, ERR_BAD_EXPERT_ID, KERNEL_DISPATCH_ASYNC, MASKED_SLOT,
+                                         PEER_COUNTS, PEER_IDS, PEER_RANKS, PEER_WEIGHTS, SIGNAL_TOKEN_BITS,
+                                         STATUS_LEN, SYNC_ROUTE_TICKET)
 from ep_runtime.kernels.ranking import ID_BATCH, make_ranking
 from ep_runtime.kernels.trace import stamp_last
 from ep_runtime.kernels.variant import DispatchVariant, Receiver

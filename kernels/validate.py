@@ -19,8 +19,8 @@ from ep_runtime.kernels import shmem
 from ep_runtime.kernels.bits import f32_bits
 from ep_runtime.kernels.block import record_error
 from ep_runtime.kernels.cuda_api import cuda
-from ep_runtime.kernels.protocol import (ERR_BAD_EXPERT_ID, ERR_BAD_WEIGHT, ERR_DUPLICATE_EXPERT, KERNEL_VALIDATE_ROUTING,
-                                         MASKED_SLOT)
+from ep_runtime.kernels.protocol import (ERR_BAD_EXPERT_ID, ERR_BAD_WEIGHT, ERR_DUPLICATE_EXPERT,
+                                         KERNEL_VALIDATE_ROUTING, MASKED_SLOT)
 
 
 @cuda.jit

@@ -21,7 +21,7 @@ import pytest
 from ep_runtime import reference
 from ep_runtime.config import EPConfig
 from ep_runtime.shmem.launch import run_pes
-from ep_runtime.testing import BATCH_FIELDS, assert_batch_is_the_reference, expert_outputs, make_inputs
+from ep_runtime.testing import assert_batch_is_the_reference, expert_outputs, make_inputs, round_trip_with_error
 
 RUN_TIMEOUT_S = 240
 WORLD_SIZES = (2, 3)
@@ -52,28 +52,6 @@ def planted_inputs(cfg: EPConfig, seed: int, planted=PLANTED, repeats=()):
     return xs, ids, ws
 
 
-def round_trip(session, rt, cfg, xs, ids, ws, layout):
-    """One dispatch in ``layout`` and the combine of the reference's expert outputs; the batch
-    fields and the output as host copies, and the error the next synchronize raised."""
-    from ep_runtime.errors import EPInputError
-
-    r = session.rank
-    batch = rt.dispatch_wait(rt.dispatch_async(xs[r].view(np.uint16), ids[r], ws[r]), layout=layout)
-    got = {k: session.to_host(getattr(batch, k)).copy() for k in BATCH_FIELDS}
-    if layout == "compact":
-        got["gather"] = session.to_host(batch.gather).copy()
-        got["recv_tokens"] = session.to_host(batch.recv_tokens).copy()
-    y = expert_outputs(cfg, reference.dispatch(xs, ids, ws, cfg)[r], r)
-    out = rt.combine_wait(rt.combine_async(y, batch.handle))
-    try:
-        rt.synchronize()
-        got["error"] = None
-    except EPInputError as e:
-        got["error"] = str(e)
-    got["out"] = session.to_host(out).copy()[:len(xs[r])]
-    return got
-
-
 def ids_pe(session, cfg: EPConfig, seed: int) -> dict:
     """Per layout: a call with planted ids, reset(), a clean call; then a call with repeated ids."""
     from ep_runtime.runtime import EPRuntime
@@ -81,12 +59,12 @@ def ids_pe(session, cfg: EPConfig, seed: int) -> dict:
     res = {}
     with EPRuntime(cfg, session, debug=False) as rt:
         for layout in ("expanded", "compact"):
-            res["planted", layout] = round_trip(session, rt, cfg, *planted_inputs(cfg, seed), layout)
+            res["planted", layout] = round_trip_with_error(session, rt, cfg, *planted_inputs(cfg, seed), layout)
             rt.reset()  # collective: the ranks that raised, and the others
             xs, ids, ws = make_inputs(cfg, "random", seed + 1)
-            res["after_reset", layout] = round_trip(session, rt, cfg, xs, ids, ws, layout)
-            res["repeats", layout] = round_trip(session, rt, cfg, *planted_inputs(cfg, seed + 2, (), REPEATS),
-                                                layout)
+            res["after_reset", layout] = round_trip_with_error(session, rt, cfg, xs, ids, ws, layout)
+            repeats = planted_inputs(cfg, seed + 2, (), REPEATS)
+            res["repeats", layout] = round_trip_with_error(session, rt, cfg, *repeats, layout)
     return res
 
 

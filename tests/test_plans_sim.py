@@ -4,9 +4,9 @@ rank, exact against the NumPy reference.
 The plan variants (``ep_runtime.plan``: receiver x transport x expanded copy, the route-first
 thresholds lowered so the simulator's small batches cross them) each run CALLS round trips on
 one runtime over the awkward routings (a rank with no tokens; masked slots (-1), with fully
-masked tokens, a rank masking every token and experts with none; no token anywhere), in the layouts the runtime serves (both mixed, or one), and
-every batch (offsets, counts, descriptions, weights, rows or gathered rows) and every combine
-output must be the reference's bit for bit. Cases add 3 ranks, top-k 1, padding, a device token
+masked tokens, a rank masking every token and experts with none; no token anywhere), in the
+layouts the runtime serves (both mixed, or one), and every batch (offsets, counts, descriptions,
+weights, rows or gathered rows) and every combine output must be the reference's bit for bit. Cases add 3 ranks, top-k 1, padding, a device token
 count (as a captured CUDA graph passes it), rows without word pairs (hidden 5), several ranking
 windows and rounds, and grids of 3 and 4 blocks. The FP8 formats (codes and scales in both scale
 layouts, quantized in dispatch_async and pre-quantized) and float32 combine partials run on every

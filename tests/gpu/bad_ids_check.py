@@ -24,31 +24,6 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # tests/: the simulator test's inputs
 
 
-def device_round_trip(session, rt, cfg, xs, ids, ws, layout):
-    """One dispatch and combine of this rank's inputs (as device arrays): the batch fields and
-    the combine output as host copies, and the error the next synchronize raised (or None)."""
-    from ep_runtime import reference
-    from ep_runtime.errors import EPInputError
-    from ep_runtime.testing import BATCH_FIELDS, expert_outputs
-
-    r, dev = session.rank, session.to_device
-    batch = rt.dispatch_wait(rt.dispatch_async(dev(np.ascontiguousarray(xs[r].view(np.uint16))), dev(ids[r]),
-                                               dev(ws[r])), layout=layout)
-    got = {k: session.to_host(getattr(batch, k)).copy() for k in BATCH_FIELDS}
-    if layout == "compact":
-        got["gather"] = session.to_host(batch.gather).copy()
-        got["recv_tokens"] = session.to_host(batch.recv_tokens).copy()
-    y = dev(expert_outputs(cfg, reference.dispatch(xs, ids, ws, cfg)[r], r))
-    out = rt.combine_wait(rt.combine_async(y, batch.handle))
-    try:
-        rt.synchronize()
-        got["error"] = None
-    except EPInputError as e:
-        got["error"] = str(e)
-    got["out"] = session.to_host(out).copy()[:len(xs[r])]
-    return got
-
-
 def check(cfg, me, got, inputs, layout, what) -> list[str]:
     """This rank's batch and output against the reference of ``inputs``: failures."""
     from ep_runtime import reference
@@ -93,7 +68,7 @@ def main() -> int:
     from ep_runtime import EPConfig, EPRuntime
     from ep_runtime.layout import BufferLayout
     from ep_runtime.shmem import open_session
-    from ep_runtime.testing import make_inputs
+    from ep_runtime.testing import make_inputs, round_trip_with_error
 
     R = MPI.COMM_WORLD.Get_size()
     cfg = EPConfig(n_ranks=R, n_experts=args.experts, top_k=args.top_k, hidden=args.hidden,
@@ -107,7 +82,7 @@ def main() -> int:
             label = f"{rt.plan.receiver.value}/{rt.plan.transport.value}"
             for layout in ("expanded", "compact"):
                 planted = planted_inputs(cfg, args.seed)
-                got = device_round_trip(session, rt, cfg, *planted, layout)
+                got = round_trip_with_error(session, rt, cfg, *planted, layout)
                 fails = check(cfg, me, got, planted, layout, f"{label} {layout} planted")
                 err = got["error"]
                 if me in named:
@@ -119,11 +94,11 @@ def main() -> int:
                     fails.append(f"{label} {layout}: rank {me} raised for another rank's ids: {err}")
                 rt.reset()
                 clean = make_inputs(cfg, "random", args.seed + 1, n_tokens=[args.tokens] * R)
-                after = device_round_trip(session, rt, cfg, *clean, layout)
+                after = round_trip_with_error(session, rt, cfg, *clean, layout)
                 fails += check(cfg, me, after, clean, layout, f"{label} {layout} after reset")
                 fails += [f"{label} {layout} after reset: {after['error']}"] if after["error"] else []
                 repeats = planted_inputs(cfg, args.seed + 2, (), REPEATS)
-                rep = device_round_trip(session, rt, cfg, *repeats, layout)
+                rep = round_trip_with_error(session, rt, cfg, *repeats, layout)
                 fails += check(cfg, me, rep, repeats, layout, f"{label} {layout} repeated ids")
                 fails += [f"{label} {layout} repeated ids: {rep['error']}"] if rep["error"] else []
                 rows.append((me, label, layout, (err or "none")[:60], "exact" if not fails else "FAIL"))

@@ -271,7 +271,8 @@ def main() -> int:
                         f"rule")
     conversion = f"hardware E4M3 conversion: {checked - differ}/{checked} words as the software rule"
 
-    refs = {fmt: [fp8_reference(cfg, T, args.seed, me, args.scenario) for T in args.tokens] for fmt, cfg in cfgs.items()}
+    refs = {fmt: [fp8_reference(cfg, T, args.seed, me, args.scenario) for T in args.tokens]
+            for fmt, cfg in cfgs.items()}
     lines, rows = [], []
     for i, text in enumerate(plans):
         for fmt, cfg in cfgs.items():
