@@ -92,7 +92,7 @@ class FusedDispatchCompact(torch.autograd.Function):
 
     Parameters
     ----------
-    tokens : [T, hidden] bfloat16. topk_ids : [T, top_k] int32 or int64.
+    tokens : [T, hidden] bfloat16. topk_ids : [T, top_k] int32 or int64 (-1 masks a slot).
     topk_weights : [T, top_k] float32 (they travel; no gradient flows to them here).
     runtime : an :class:`~ep_runtime.runtime.EPRuntime` in bf16 that serves the compact layout.
 

@@ -34,7 +34,7 @@ def weights_pe(session, cfg: EPConfig) -> dict:
     from ep_runtime.runtime import EPRuntime
 
     r, res = session.rank, {}
-    xs, ids, ws = make_inputs(cfg, "random", SEED)
+    xs, ids, ws = make_inputs(cfg, "masked", SEED)
     refs = reference.dispatch(xs, ids, ws, cfg)
     y = expert_outputs(cfg, refs[r], r)
     explicit = explicit_weights(cfg, refs)[r]
@@ -72,7 +72,7 @@ def run(request):
 @pytest.mark.parametrize("mode", MODES)
 def test_combine_applies_the_weights_asked_for(run, mode, layout):
     cfg, per_rank = run
-    xs, ids, ws = make_inputs(cfg, "random", SEED)
+    xs, ids, ws = make_inputs(cfg, "masked", SEED)
     refs = reference.dispatch(xs, ids, ws, cfg)
     weights = {"dispatch": "dispatch", "none": None, "explicit": explicit_weights(cfg, refs)}[mode]
     want = reference.combine([expert_outputs(cfg, refs[s], s) for s in range(cfg.n_ranks)], refs, ids, cfg,

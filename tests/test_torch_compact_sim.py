@@ -1,6 +1,6 @@
 """ep_runtime.torch_compact on the simulator: the compact layout as autograd functions, a toy MoE
 layer's output and token gradients against dense float64 torch (tests/test_torch_sim.py's
-reference), and the backward's cost: 1 dispatch + 1 combine."""
+reference), masked slots included, and the backward's cost: 1 dispatch + 1 combine."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from ep_runtime.shmem.launch import run_pes  # noqa: E402
 RUN_TIMEOUT_S = 240
 CASES = (
     Case("random", cfg2(), seed=11),
+    Case("masked", cfg2(), "masked", seed=12),  # -1 slots, fully masked tokens, a rank masking every token
     Case("zero_rank_top_k_1", cfg2(top_k=1), "zero_rank", seed=13),
 )
 
@@ -67,7 +68,7 @@ def test_compact_layer_matches_dense_torch(runs, case):
     for r, ref in enumerate(refs):
         got = runs[r][case.name]
         assert got["out"].shape == ref["out"].shape == xs[r].shape
-        tol = reference.combine_tolerance(ws[r], ref["y_max"])
+        tol = reference.combine_tolerance(np.where(ids[r] >= 0, ws[r], 0), ref["y_max"])
         assert (np.abs(got["out"] - ref["out"]) <= tol).all(), f"rank {r}: out"
         err_x = np.abs(got["x_grad"] - ref["x_grad"])
         assert (err_x <= 2.0**-7 * ref["x_scale"] + 1e-30).all(), f"rank {r}: dL/dx off by up to {err_x.max()}"
