@@ -1,7 +1,7 @@
 """Planted out-of-range and repeated expert ids with the routing check off, on GPUs (one rank per
 GPU), as tests/test_masked_ids_sim.py checks them on the simulator:
 
-    mpirun -np 2 -x PYTHONPATH python3 tests/gpu/bad_ids_check.py [--tokens 128] [--plans default]
+    mpirun -np 2 -x PYTHONPATH python3 tests/gpu/bad_ids_check.py [--tokens 128] [--plans default] [--layouts expanded]
     mpirun -np 2 -x PYTHONPATH compute-sanitizer --tool memcheck python3 tests/gpu/bad_ids_check.py
 
 Per plan and layout, on a runtime built with ``debug=False``: a call whose routing is the
@@ -61,6 +61,7 @@ def main() -> int:
     ap.add_argument("--token-dtype", default="bfloat16")
     ap.add_argument("--seed", type=int, default=5)
     ap.add_argument("--plans", nargs="+", default=["default"])
+    ap.add_argument("--layouts", nargs="+", default=["expanded", "compact"], choices=["expanded", "compact"])
     args = ap.parse_args()
     from mpi4py import MPI
     from test_masked_ids_sim import PLANTED, REPEATS, planted_inputs
@@ -80,7 +81,7 @@ def main() -> int:
     for plan in args.plans:
         with EPRuntime(cfg, session, debug=False, plan=None if plan == "default" else plan) as rt:
             label = f"{rt.plan.receiver.value}/{rt.plan.transport.value}"
-            for layout in ("expanded", "compact"):
+            for layout in args.layouts:
                 planted = planted_inputs(cfg, args.seed)
                 got = round_trip_with_error(session, rt, cfg, *planted, layout)
                 fails = check(cfg, me, got, planted, layout, f"{label} {layout} planted")
