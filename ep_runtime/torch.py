@@ -101,8 +101,9 @@ def get_buffer(session: Session, hidden_bytes: int, n_experts: int, top_k: int, 
 
     Parameters
     ----------
-    session : the SHMEM session of the expert-parallel group (``open_session``; a
-        ``torch.distributed`` group is not a transport here). Its symmetric heap must hold
+    session : the SHMEM session of the expert-parallel group: ``session_for(group, heap_bytes)``
+        (:func:`ep_runtime.shmem.session_for`, one per process, opened over a ``torch.distributed``
+        group or an mpi4py communicator) or ``open_session``. Its symmetric heap must hold
         ``BufferLayout(cfg).symmetric_bytes`` of the largest buffer requested.
     hidden_bytes : bytes of one token row on the wire, :func:`get_hidden_bytes` (``hidden * 2``).
     n_experts, top_k, max_tokens_per_rank, pad_multiple, ``**config`` : the
@@ -121,8 +122,8 @@ def get_buffer(session: Session, hidden_bytes: int, n_experts: int, top_k: int, 
     """
     if not isinstance(session, Session):
         raise EPInputError(f"get_buffer: session must be an ep_runtime Session (open_session(...)); got "
-                           f"{type(session).__name__}. A torch.distributed group is not a transport here: open "
-                           f"the session for the same ranks.")
+                           f"{type(session).__name__}. For a torch.distributed group pass its session: "
+                           f"ep_runtime.shmem.session_for(group, heap_bytes).")
     if hidden_bytes <= 0 or hidden_bytes % WIRE_BYTES:
         raise EPInputError(f"get_buffer: hidden_bytes={hidden_bytes} must be a positive multiple of {WIRE_BYTES} "
                            f"(tokens travel as bf16); use get_hidden_bytes(x).")

@@ -6,8 +6,10 @@
   with :class:`~ep_runtime.errors.PEFailure` (its traceback, the signal that killed it, or
   the Python stacks of the PEs still running).
 - :func:`mpi_rank_size` and :func:`local_rank` read the MPI launcher's environment;
-  :func:`open_sim_session_from_mpi` opens a simulated session in a script started with
-  ``mpiexec -n N`` (the script must be started with ``NUMBA_ENABLE_CUDASIM=1``).
+  :func:`open_sim_session` opens a simulated session over the job's group (an mpi4py
+  communicator under ``mpiexec -n N``, a torch.distributed process group under torchrun;
+  every process started with ``NUMBA_ENABLE_CUDASIM=1``), :func:`open_sim_session_from_mpi`
+  over an mpi4py communicator.
 
 Shutdown: a simulated job keeps nothing in /dev/shm past bring-up (see
 :mod:`~ep_runtime.shmem.sim_heap`), so a job that ends in any way, SIGKILL included, frees its
@@ -37,6 +39,8 @@ import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable
+
+import numpy as np
 
 from ..errors import EPInputError, MissingDependencyError, PEFailure
 from .sim_heap import DEFAULT_HEAP_BYTES, WAIT_TIMEOUT_ENV, remove_job_files
@@ -83,9 +87,13 @@ class _PESpec:
     environ: dict | None = None
 
 
+#: Length of a job id (hex digits).
+_JOB_ID_BYTES = 16
+
+
 def new_job_id() -> str:
     """A fresh job id (16 hex digits) naming a job's /dev/shm files."""
-    return uuid.uuid4().hex[:16]
+    return uuid.uuid4().hex[:_JOB_ID_BYTES]
 
 
 def run_pes(target: Callable, n_ranks: int, args: tuple = (), kwargs: dict | None = None,
@@ -221,24 +229,38 @@ def local_rank() -> int:
     return MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
 
 
-def open_sim_session_from_mpi(heap_bytes: int = DEFAULT_HEAP_BYTES, timeout_s: float = 60.0):
-    """Open a :class:`~ep_runtime.shmem.sim_session.SimSession` in a script started with
-    ``mpiexec -n N`` (and ``NUMBA_ENABLE_CUDASIM=1``), one PE per rank. Collective.
+def open_sim_session(group=None, heap_bytes: int = DEFAULT_HEAP_BYTES, timeout_s: float = 60.0):
+    """Open a :class:`~ep_runtime.shmem.sim_session.SimSession` over the job's group, one PE per
+    member (PE index: group rank). Collective over ``group``.
 
-    Rank 0 makes the job id and mpi4py broadcasts it. All ranks must run on one node
-    (the heaps are /dev/shm files). The files exist only during bring-up; a rank whose
-    bring-up fails removes them, and only a job whose every rank is killed during bring-up
-    leaves them (empty, sparse): remove them with
+    ``group``: what :func:`~ep_runtime.shmem.bootstrap.bootstrap_group` accepts (``None``: the
+    job's group; an mpi4py communicator; a torch.distributed ProcessGroup). Every process must
+    have started with ``NUMBA_ENABLE_CUDASIM=1``. Group rank 0 makes the job id and broadcasts
+    it over the group. All members must run on one node (the heaps are /dev/shm files). The
+    files exist only during bring-up; a rank whose bring-up fails removes them, and only a job
+    whose every rank is killed during bring-up leaves them (empty, sparse): remove them with
     :func:`ep_runtime.shmem.sim_heap.remove_job_files`. A rank whose peer process dies gets
-    :class:`~ep_runtime.errors.PEFailure` naming it at its next wait.
+    :class:`~ep_runtime.errors.PEFailure` naming it at its next wait. The simulated kernels of a
+    process use its one current heap: one open session per process.
     """
-    _require_simulator("open_sim_session_from_mpi")
-    MPI = _mpi("open_sim_session_from_mpi")
+    _require_simulator("open_sim_session")
+    from .bootstrap import bootstrap_group
     from .sim_session import SimSession
 
-    comm = MPI.COMM_WORLD
-    job = comm.bcast(new_job_id() if comm.Get_rank() == 0 else None, root=0)
-    return SimSession.open(comm.Get_rank(), comm.Get_size(), job, heap_bytes, timeout_s)
+    boot = bootstrap_group(group)
+    job = np.zeros(_JOB_ID_BYTES, np.uint8)
+    if boot.rank == 0:
+        job[:] = np.frombuffer(new_job_id().encode(), np.uint8)
+    boot.broadcast_bytes(job, root=0)
+    return SimSession.open(boot.rank, boot.size, job.tobytes().decode(), heap_bytes, timeout_s, bootstrap=boot)
+
+
+def open_sim_session_from_mpi(heap_bytes: int = DEFAULT_HEAP_BYTES, timeout_s: float = 60.0, comm=None):
+    """:func:`open_sim_session` over the mpi4py communicator ``comm`` (default ``COMM_WORLD``), in
+    a script started with ``mpiexec -n N`` and ``NUMBA_ENABLE_CUDASIM=1``. Collective."""
+    _require_simulator("open_sim_session_from_mpi")
+    MPI = _mpi("open_sim_session_from_mpi")
+    return open_sim_session(comm if comm is not None else MPI.COMM_WORLD, heap_bytes, timeout_s)
 
 
 def _mpi(what: str):

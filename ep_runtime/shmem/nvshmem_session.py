@@ -1,13 +1,15 @@
 """The ``nvshmem`` backend of :class:`~ep_runtime.shmem.session.Session`: real GPUs.
 
-Bring-up (collective, under mpirun): bind this process to GPU ``local_rank`` (modulo the GPUs
-visible: with more ranks than GPUs, ranks share GPUs round-robin, NVSHMEM's "multiple processes
-per GPU"; kernels of ranks that wait on each other then need CUDA MPS with each rank's share of
-the GPU limited, e.g. ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``, so that their cooperative grids
-are co-resident; for correctness runs on few GPUs, not speed), set NVSHMEM's
-environment (:func:`ep_runtime.shmem.env.configure_nvshmem_env`), broadcast NVSHMEM's unique
-id from rank 0 with mpi4py and initialize with ``initializer_method="uid"`` (this works with
-Open MPI and MPICH alike; NVSHMEM's own MPI plugin is linked against Open MPI only).
+Bring-up (collective over the job's group: an mpi4py communicator or a torch.distributed
+process group, :mod:`ep_runtime.shmem.bootstrap`): bind this process to GPU ``local_rank`` (its
+rank among the group's processes on this node, modulo the GPUs visible: with more ranks than
+GPUs, ranks share GPUs round-robin, NVSHMEM's "multiple processes per GPU"; kernels of ranks that
+wait on each other then need CUDA MPS with each rank's share of the GPU limited, e.g.
+``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``, so that their cooperative grids are co-resident; for
+correctness runs on few GPUs, not speed), set NVSHMEM's environment
+(:func:`ep_runtime.shmem.env.configure_nvshmem_env`), broadcast NVSHMEM's unique id from rank 0
+over the group and initialize with ``initializer_method="uid"`` (this works with Open MPI, MPICH
+and torch.distributed alike; NVSHMEM's own MPI plugin is linked against Open MPI only).
 Symmetric arrays are CuPy arrays from ``nvshmem.core.array``; kernels run on one stream
 created with cuda.core, shared with Numba and made CuPy's current stream in this thread. The
 stream is *blocking* (ordered with the legacy default stream), so a caller's work on the
@@ -81,31 +83,39 @@ class NvshmemSession(Session):
     backend = "nvshmem"
 
     @classmethod
-    def open(cls, heap_bytes: int, comm=None) -> "NvshmemSession":
-        """Collective: join the NVSHMEM job of ``comm`` (default MPI.COMM_WORLD) with a symmetric
-        heap of at least ``heap_bytes`` per PE.
+    def open(cls, heap_bytes: int, group=None) -> "NvshmemSession":
+        """Collective over ``group``: join the NVSHMEM job of its processes, one PE each (PE index:
+        group rank), with a symmetric heap of at least ``heap_bytes`` per PE.
+
+        ``group``: what :func:`~ep_runtime.shmem.bootstrap.bootstrap_group` accepts (``None``: the
+        job's group, MPI.COMM_WORLD under mpirun; an mpi4py communicator; a torch.distributed
+        ProcessGroup, whose ranks must have called ``torch.cuda.set_device`` on an nccl group).
+        Its host collectives carry NVSHMEM's unique id and :meth:`allgather_object`. NVSHMEM is
+        initialized once per process: one such session per process.
 
         Raises :class:`~ep_runtime.errors.GPUUnavailableError` (no CUDA driver or GPU; it names
         the simulator) or :class:`~ep_runtime.errors.MissingDependencyError` (the ``gpu`` extra
         is not installed) before it starts anything.
         """
         from . import require_gpu
+        from .bootstrap import bootstrap_group
 
         n_gpus = require_gpu("NvshmemSession.open")
         try:
             import nvshmem.core as nvshmem
-            from mpi4py import MPI
         except ImportError as exc:
             raise MissingDependencyError(
                 f"NvshmemSession.open: {exc.name or exc} is not installed; the nvshmem backend needs "
-                "nvshmem4py and mpi4py: pip install -e \".[gpu]\"") from exc
+                "nvshmem4py: pip install -e \".[gpu]\"") from exc
         import cupy
         from numba import cuda as numba_cuda
 
         self = cls.__new__(cls)
-        self._comm = comm or MPI.COMM_WORLD
-        self.rank, self.n_ranks = self._comm.Get_rank(), self._comm.Get_size()
-        self.local_rank = self._comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
+        #: the job's group this session bootstrapped over (its host collectives)
+        self.bootstrap = bootstrap_group(group)
+        self.rank, self.n_ranks = self.bootstrap.rank, self.bootstrap.size
+        self.local_rank = self.bootstrap.local_rank
+        self.heap_bytes = heap_bytes
         configure_nvshmem_env(heap_bytes)
         #: the GPU this rank uses: local_rank modulo the GPUs visible (see the module docstring)
         self.device_index = self.local_rank % n_gpus
@@ -113,7 +123,7 @@ class NvshmemSession(Session):
         self._device.set_current()
         cupy.cuda.Device(self.device_index).use()
         uid = nvshmem.get_unique_id(empty=self.rank != 0)
-        self._comm.Bcast(uid._data.view(np.int8), root=0)
+        self.bootstrap.broadcast_bytes(uid._data.view(np.int8), root=0)
         nvshmem.init(device=self._device, uid=uid, rank=self.rank, nranks=self.n_ranks,
                      initializer_method="uid")
         self._nvshmem = nvshmem
@@ -298,7 +308,7 @@ class NvshmemSession(Session):
         self._nvshmem.barrier_all(stream=self._core_stream)
 
     def allgather_object(self, obj):
-        return self._comm.allgather(obj)
+        return self.bootstrap.allgather_object(obj)
 
     # -- lifetime -------------------------------------------------------------------------------
     def close(self):

@@ -32,11 +32,23 @@ class Session(abc.ABC):
         This PE's index in ``[0, n_ranks)``.
     n_ranks : int
         Number of PEs in the job.
+    heap_bytes : int
+        The symmetric heap per PE asked for at opening (allocations may use this much).
+    bootstrap : BootstrapGroup or None
+        The job's group the session bootstrapped over (:mod:`ep_runtime.shmem.bootstrap`);
+        None for PEs started by :func:`~ep_runtime.shmem.launch.run_pes`.
     """
 
     backend: str
     rank: int
     n_ranks: int
+    heap_bytes: int
+    bootstrap: Any
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
 
     # -- memory ---------------------------------------------------------------------------
     @abc.abstractmethod

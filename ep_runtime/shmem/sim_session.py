@@ -8,7 +8,7 @@ simulator's ``FakeCUDAArray`` instead (no copy), and :meth:`SimSession.launch` d
 every array argument.
 
 One process per PE: use :func:`ep_runtime.shmem.launch.run_pes` (tests) or
-:func:`ep_runtime.shmem.launch.open_sim_session_from_mpi` (scripts under ``mpiexec``).
+:func:`ep_runtime.shmem.launch.open_sim_session` (jobs under ``mpiexec`` or torchrun).
 """
 
 from __future__ import annotations
@@ -52,25 +52,30 @@ class SimSession(Session):
 
     backend = "sim"
 
-    def __init__(self, heap: SimHeap):
+    def __init__(self, heap: SimHeap, bootstrap=None):
         """Use :meth:`open`."""
         self.heap = heap
         self.rank = heap.rank
         self.n_ranks = heap.n_ranks
+        self.heap_bytes = heap.heap_bytes
+        #: the job's group the job id came over (a BootstrapGroup), or None (run_pes)
+        self.bootstrap = bootstrap
         self._closed = False
 
     @classmethod
     def open(cls, rank: int, n_ranks: int, job: str, heap_bytes: int = DEFAULT_HEAP_BYTES,
-             timeout_s: float = 60.0) -> SimSession:
+             timeout_s: float = 60.0, bootstrap=None) -> SimSession:
         """Join job ``job`` as PE ``rank`` of ``n_ranks``. Collective.
 
         ``heap_bytes`` is each PE's symmetric heap (sparse /dev/shm file); ``timeout_s``
-        bounds bring-up and every barrier. Makes this session's heap the one simulated
-        kernels of this process use. Raises :class:`ShmemError` if the CUDA simulator is off.
+        bounds bring-up and every barrier. ``bootstrap``: the
+        :class:`~ep_runtime.shmem.bootstrap.BootstrapGroup` that carried ``job``, if any (kept
+        as :attr:`bootstrap`). Makes this session's heap the one simulated kernels of this
+        process use. Raises :class:`ShmemError` if the CUDA simulator is off.
         """
         _check_simulator_enabled()
         sim_block.install()  # the simulator's blocks without its poller
-        session = cls(SimHeap.open(rank, n_ranks, job, heap_bytes, timeout_s))
+        session = cls(SimHeap.open(rank, n_ranks, job, heap_bytes, timeout_s), bootstrap)
         set_current_heap(session.heap)
         return session
 
