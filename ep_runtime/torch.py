@@ -462,21 +462,44 @@ def _row_scalars_home(bridge: _Bridge, per_row: torch.Tensor, h: DispatchContext
     """``[T, top_k]`` float32 at home: ``per_row[i]`` at ``(t(i), k(i))``, through one unweighted
     combine (``rt_handle`` is a dispatch with unit weights and the forward's routing)."""
     cfg = h.runtime.cfg
-    K, parts = cfg.top_k, min(WEIGHT_GRAD_PARTS, cfg.hidden // cfg.top_k)
-    pieces, rest = [], per_row
+    real = h.row_src_k >= 0
+    slots = torch.zeros(h.n_rows, cfg.top_k, dtype=torch.float32, device=bridge.device)
+    slots.scatter_(1, h.row_src_k.clamp(min=0).long()[:, None], torch.where(real, per_row, 0.0)[:, None])
+    rows = encode_slot_values(slots, cfg.hidden)
+    return decode_slot_values(_combine(bridge, rows, rt_handle, h.n_tokens), cfg.top_k)
+
+
+def slot_parts(hidden: int, top_k: int) -> int:
+    """bf16 values per float32 slot value in :func:`encode_slot_values` (at most
+    ``WEIGHT_GRAD_PARTS``, fewer when ``hidden < WEIGHT_GRAD_PARTS * top_k``)."""
+    return min(WEIGHT_GRAD_PARTS, hidden // top_k)
+
+
+def encode_slot_values(values: torch.Tensor, hidden: int) -> torch.Tensor:
+    """``values`` [N, K] float32 as bf16 rows [N, hidden] that an unweighted combine carries home
+    exactly when each (token, slot) has one non-zero value over all the rows summed: value
+    ``[n, k]`` split into ``parts`` bf16 terms (hi, mid, lo) in columns ``k * parts ...``, the
+    other columns zero (so each column's sum has one non-zero term)."""
+    n, k = values.shape
+    parts = slot_parts(hidden, k)
+    pieces, rest = [], values
     for _ in range(parts):
         piece = rest.to(_BF16)
         pieces.append(piece)
         rest = rest - piece.float()
-    real = (h.row_src_k >= 0)[:, None]
-    cols = h.row_src_k.clamp(min=0).long()[:, None] * parts + torch.arange(parts, device=bridge.device)
-    rows = torch.zeros(h.n_rows, cfg.hidden, dtype=_BF16, device=bridge.device)
-    rows.scatter_(1, cols, torch.where(real, torch.stack(pieces, dim=1),
-                                         torch.zeros((), dtype=_BF16, device=bridge.device)))
-    home = _combine(bridge, rows, rt_handle, h.n_tokens)[:, :K * parts].float().view(h.n_tokens, K, parts)
-    total = home[:, :, 0]
+    rows = torch.zeros(n, hidden, dtype=_BF16, device=values.device)
+    rows[:, :k * parts] = torch.stack(pieces, dim=2).reshape(n, k * parts)
+    return rows
+
+
+def decode_slot_values(home: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The ``[T, top_k]`` float32 values of :func:`encode_slot_values` rows summed home
+    (``home`` [T, hidden] bf16)."""
+    parts = slot_parts(home.shape[1], top_k)
+    terms = home[:, :top_k * parts].float().view(home.shape[0], top_k, parts)
+    total = terms[:, :, 0]
     for j in range(1, parts):
-        total = total + home[:, :, j]
+        total = total + terms[:, :, j]
     return total
 
 
@@ -491,4 +514,4 @@ def fused_combine(expert_out, topk_weights, handle: DispatchContext):
 
 
 __all__ = ["FusedDispatch", "FusedCombine", "DispatchContext", "fused_dispatch", "fused_combine", "get_buffer",
-           "get_hidden_bytes", "close_buffers", "WEIGHT_GRAD_PARTS"]
+           "get_hidden_bytes", "close_buffers", "WEIGHT_GRAD_PARTS", "encode_slot_values", "decode_slot_values"]

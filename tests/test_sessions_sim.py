@@ -130,21 +130,25 @@ def torch_rank_main(rank: int, n: int, store: str, out_dir: str) -> None:
     _write(out_dir, rank, got)
 
 
-def torch_job_main(n: int, store: str, out_dir: str) -> None:
-    """The ``n`` ranks of a torch job, forked from this process once it has imported torch and
-    the simulator (one import for all ranks: seconds each on a 2-core machine). Exits 0 when every
-    rank did; when one fails, stops the others and exits 1."""
+def torch_job_main(n: int, store: str, out_dir: str, module: str = "test_sessions_sim") -> None:
+    """The ``n`` ranks of a torch job running ``module``'s ``torch_rank_main(rank, n, store,
+    out_dir)``, forked from this process once it has imported torch and the simulator (one import
+    for all ranks: seconds each on a 2-core machine). Exits 0 when every rank did; when one fails,
+    stops the others and exits 1."""
+    import importlib
+
     import torch.distributed  # noqa: F401 - imported before the forks, for every rank
 
     import ep_runtime.runtime  # noqa: F401 - numba in simulator mode, likewise
 
+    rank_main = importlib.import_module(module).torch_rank_main
     pids = {}
     for rank in range(n):
         pid = os.fork()
         if pid == 0:  # the rank: no thread was started before the fork
             code = 1
             try:
-                torch_rank_main(rank, n, store, out_dir)
+                rank_main(rank, n, store, out_dir)
                 code = 0
             except BaseException:  # noqa: BLE001 - the rank reports any failure and exits with code 1
                 traceback.print_exc()
