@@ -50,29 +50,33 @@ RUN_BATCH = 8
 
 
 @cuda.jit(device=True)
-def routed_id(topk_ids, t, k, E, status, me, n):
+def routed_id(topk_ids, t, k, K, E, ids_l) -> int32:
     """The expert slot ``k`` of token ``t`` routes to (int32): ``topk_ids[t, k]`` (``[Tc, K]``
-    int32), or -1 (``MASKED_SLOT``) when the slot is masked (-1), when its id is outside
-    ``[0, E)`` (the slot is dropped and recorded in the dropped-slot record: rank ``me``,
-    token, slot, id, call ``n + 1``; ``status`` int64) or when an earlier slot of the token
-    names the same expert (a repeated id counts once, with its first slot's weight). The
-    earlier slots' ids are loaded ``ID_BATCH`` at a time, each batch's loads issued together
-    (one memory latency, not one per slot: the routing rows are on a route-first dispatch's
-    critical path)."""
+    int32), or -1 (``MASKED_SLOT``) when the slot is masked (-1), when its id is outside ``[0,
+    E)`` (the slot is dropped: the caller records it, ``record_dropped``) or when an earlier slot
+    of the token names the same expert (a repeated id counts once, with its first slot's
+    weight). The token's first ``ID_BATCH`` ids are loaded together into ``ids_l`` (local int32
+    [ID_BATCH]) and compared in registers, so a slot costs one memory latency (the routing rows
+    are on a route-first dispatch's critical path); slots past ``ID_BATCH`` read the rest."""
+    for u in range(ID_BATCH):  # a constant trip count: unrolled, ids_l in registers, the loads independent
+        if u < K:
+            ids_l[u] = topk_ids[t, u]
     x = topk_ids[t, k]
-    repeat = False
-    for k0 in range(0, k, ID_BATCH):
-        for u in range(ID_BATCH):  # a constant trip count: unrolled, the loads independent
-            if k0 + u < k:
-                repeat |= topk_ids[t, k0 + u] == x
-    if uint32(x) >= uint32(E):  # (one comparison: a negative id is a large uint32)
-        if x != MASKED_SLOT:
-            record_error(status[DROPPED_SLOT:DROPPED_SLOT + STATUS_LEN], ERR_BAD_EXPERT_ID, KERNEL_DISPATCH_ASYNC,
-                         me, t, k, E, x, n + 1)
-        return int32(MASKED_SLOT)
-    if repeat:
-        return int32(MASKED_SLOT)
-    return x
+    keep = uint32(x) < uint32(E)  # (one comparison: a negative id is a large uint32)
+    for u in range(ID_BATCH):
+        if u < k:
+            keep = keep and ids_l[u] != x
+    for u in range(ID_BATCH, k):
+        keep = keep and topk_ids[t, u] != x
+    return x if keep else int32(MASKED_SLOT)
+
+
+@cuda.jit(device=True)
+def record_dropped(status, topk_ids, t, k, E, me, n):
+    """Record slot ``k`` of token ``t`` (an id outside ``[-1, E)``) in the dropped-slot record of
+    ``status`` (int64): rank ``me``, token, slot, the id, call ``n + 1``. The first wins."""
+    record_error(status[DROPPED_SLOT:DROPPED_SLOT + STATUS_LEN], ERR_BAD_EXPERT_ID, KERNEL_DISPATCH_ASYNC, me, t, k,
+                 E, topk_ids[t, k], n + 1)
 
 
 @functools.lru_cache(maxsize=None)
@@ -157,16 +161,20 @@ def make_dispatch_route(v: DispatchVariant) -> SimpleNamespace:
         here first and put from here to every other rank."""
         tid = cuda.threadIdx.x
         E = R * L
+        ids_l = cuda.local.array(ID_BATCH, int32)
+        drop = int32(-1)  # the first slot (t K + k) this thread dropped
         if STORES:
             ids_at = address_of(d_ids[g, me]) - address_of(d_ids)
             weights_at = address_of(d_weights[g, me]) - address_of(d_weights)
             for j in range(cuda.blockIdx.x * threads + tid, T * K, token_blocks * threads):
                 t = j // K
                 k = j - t * K
-                x = uint32(routed_id(topk_ids, t, k, E, status, me, n))
+                x = routed_id(topk_ids, t, k, K, E, ids_l)
+                if x == MASKED_SLOT and drop < 0 and uint32(topk_ids[t, k]) >= uint32(E) and topk_ids[t, k] != x:
+                    drop = int32(j)
                 wbits = f32_bits(topk_weights[t, k])
                 for d in range(R):
-                    store_u32_at(peer_bases[PEER_IDS, d] + ids_at, j, x)
+                    store_u32_at(peer_bases[PEER_IDS, d] + ids_at, j, uint32(x))
                     store_u32_at(peer_bases[PEER_WEIGHTS, d] + weights_at, j, wbits)
         else:
             per = (T + token_blocks - 1) // token_blocks
@@ -175,7 +183,10 @@ def make_dispatch_route(v: DispatchVariant) -> SimpleNamespace:
             for j in range(t0 * K + tid, t1 * K, threads):
                 t = j // K
                 k = j - t * K
-                d_ids[g, me, t, k] = routed_id(topk_ids, t, k, E, status, me, n)
+                x = routed_id(topk_ids, t, k, K, E, ids_l)
+                if x == MASKED_SLOT and drop < 0 and uint32(topk_ids[t, k]) >= uint32(E) and topk_ids[t, k] != x:
+                    drop = int32(j)
+                d_ids[g, me, t, k] = x
                 d_weights[g, me, t, k] = topk_weights[t, k]
             cuda.syncthreads()  # the block's rows are here before its puts read them
             if t0 < t1:
@@ -183,6 +194,8 @@ def make_dispatch_route(v: DispatchVariant) -> SimpleNamespace:
                     if d != me:
                         shmem.put_nbi_block(d_ids[g, me, t0:t1], d_ids[g, me, t0:t1], d)
                         shmem.put_nbi_block(d_weights[g, me, t0:t1], d_weights[g, me, t0:t1], d)
+        if drop >= 0:
+            record_dropped(status, topk_ids, drop // K, drop - (drop // K) * K, E, me, n)
 
     @inlined
     def send_routing_first(topk_ids, topk_weights, d_ids, d_weights, d_counts, d_route, peer_bases, g, me, n, T, R,
@@ -194,13 +207,20 @@ def make_dispatch_route(v: DispatchVariant) -> SimpleNamespace:
         ids_at = address_of(d_ids[g, me]) - address_of(d_ids)
         weights_at = address_of(d_weights[g, me]) - address_of(d_weights)
         E = R * L
+        ids_l = cuda.local.array(ID_BATCH, int32)
+        drop = int32(-1)  # the first slot (t K + k) this thread dropped
         for j in range(cuda.threadIdx.x, T * K, threads):
             t = int32(udiv32(j, K))
-            x = uint32(routed_id(topk_ids, t, j - t * K, E, status, me, n))
-            wbits = f32_bits(topk_weights[t, j - t * K])
+            k = j - t * K
+            x = routed_id(topk_ids, t, k, K, E, ids_l)
+            if x == MASKED_SLOT and drop < 0 and uint32(topk_ids[t, k]) >= uint32(E) and topk_ids[t, k] != x:
+                drop = int32(j)
+            wbits = f32_bits(topk_weights[t, k])
             for d in range(R):
-                store_u32_at(peer_bases[PEER_IDS, d] + ids_at, j, x)
+                store_u32_at(peer_bases[PEER_IDS, d] + ids_at, j, uint32(x))
                 store_u32_at(peer_bases[PEER_WEIGHTS, d] + weights_at, j, wbits)
+        if drop >= 0:
+            record_dropped(status, topk_ids, drop // K, drop - (drop // K) * K, E, me, n)
         store_token_count(d_counts, peer_bases, g, me, R, L, T)
         cuda.syncthreads()
         if cuda.threadIdx.x == 0:  # data before signal: the system fence is cumulative over the barrier
