@@ -17,9 +17,9 @@ unweighted. Per rank and case, checked:
 - the runtime calls: forward 1 dispatch + 1 combine, backward 1 dispatch + 1 combine, plus 1 + 1
   that carry the probabilities' gradient home.
 
-The layer runs twice: on ``run_pes`` sessions bound with :func:`ep_runtime.megatron.use_session`,
-and in a torch.distributed gloo job whose ranks pass only the process group, as Megatron does
-(the session then comes from :func:`ep_runtime.shmem.session_for` over that group).
+The layer runs on ``run_pes`` sessions bound with :func:`ep_runtime.megatron.use_session`; the
+path through a torch.distributed group's own session (``session_for``, what Megatron calls) runs
+in tests/test_megatron_core_sim.py, inside Megatron-core's MoE layer.
 """
 
 from __future__ import annotations
@@ -65,14 +65,14 @@ def _counting(rt, counts: dict) -> None:
         setattr(rt, name, counted)
 
 
-def deepep_pe(session, cases, group=None) -> dict:
-    """The DeepEP-style layer of each case; ``session`` None: the group's own (torch.distributed)."""
+def deepep_pe(session, cases) -> dict:
+    """The DeepEP-style layer of each case."""
     from ep_runtime import megatron
 
     torch.set_num_threads(1)
-    if session is not None:
-        megatron.use_session(session)
-    r, results = torch.distributed.get_rank(group) if session is None else session.rank, {}
+    megatron.use_session(session)
+    group = None  # the session bound to the default group
+    r, results = session.rank, {}
     for case in cases:
         cfg = case.config()
         xs, ids, ws, cs = case.inputs()
@@ -100,14 +100,14 @@ def deepep_pe(session, cases, group=None) -> dict:
     return results
 
 
-def hybrid_pe(session, cases, group=None) -> dict:
-    """The HybridEP-style layer of each case; ``session`` None: the group's own (torch.distributed)."""
+def hybrid_pe(session, cases) -> dict:
+    """The HybridEP-style layer of each case."""
     from ep_runtime import megatron
 
     torch.set_num_threads(1)
-    if session is not None:
-        megatron.use_session(session)
-    r, results = torch.distributed.get_rank(group) if session is None else session.rank, {}
+    megatron.use_session(session)
+    group = None  # the session bound to the default group
+    r, results = session.rank, {}
     for case in cases:
         cfg = case.config()
         xs, ids, ws, cs = case.inputs()
@@ -149,47 +149,6 @@ def sim(kind: str) -> list:
     if kind == "deepep":
         return run_pes(deepep_pe, 2, args=(CASES,), timeout_s=RUN_TIMEOUT_S)
     return run_pes(hybrid_pe, 2, args=(HYBRID_CASES,), timeout_s=RUN_TIMEOUT_S)
-
-
-#: The cases of the gloo job (one of each pair's).
-GLOO_CASES = (CASES[0],)
-
-
-def torch_rank_main(rank: int, n: int, store: str, out_dir: str) -> None:
-    """One rank of a gloo job: both layers over the default group, no session of its own."""
-    import datetime
-    import pickle
-
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=n,
-                            timeout=datetime.timedelta(seconds=RUN_TIMEOUT_S))
-    try:
-        from ep_runtime import megatron
-        from ep_runtime.shmem import session_for
-
-        got = {"deepep": deepep_pe(None, GLOO_CASES, dist.group.WORLD),
-               "hybridep": hybrid_pe(None, GLOO_CASES, dist.group.WORLD)}
-        session = session_for(dist.group.WORLD)
-        got["session"] = (session.backend, session.rank, session.n_ranks)
-        megatron.close_buffers()
-        session.close()
-    finally:
-        dist.destroy_process_group()
-    with open(f"{out_dir}/{rank}.pkl", "wb") as f:
-        pickle.dump(got, f)
-
-
-def test_both_pairs_run_over_a_torch_distributed_group_without_a_session_of_their_own(tmp_path):
-    from test_sessions_sim import run_job
-
-    store, out = str(tmp_path / "store"), str(tmp_path / "out")
-    launch = f"import test_sessions_sim as t; t.torch_job_main(2, {store!r}, {out!r}, 'test_megatron_sim')"
-    results = run_job([sys.executable, "-c", launch], tmp_path, 2)
-    assert [r["session"] for r in results] == [("sim", 0, 2), ("sim", 1, 2)]
-    for case in GLOO_CASES:
-        _check_against_dense(case, [r["deepep"] for r in results], "w_grad")
-        _check_against_dense(case, [r["hybridep"] for r in results], "dense_grad")
 
 
 def _check_against_dense(case, got_per_rank, grad_key):

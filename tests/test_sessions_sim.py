@@ -223,7 +223,7 @@ def _check_group(got: list, what: str) -> None:
 
 # -- tests ----------------------------------------------------------------------------------------
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="no torch (pip install -e \".[torch]\")")
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [3])  # a world of 3 and its subgroup [1, 2]
 def test_torch_gloo_group_session_round_trip(tmp_path, n):
     store, out = str(tmp_path / "store"), str(tmp_path / "out")
     results = run_job([sys.executable, "-c",
