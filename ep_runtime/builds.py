@@ -16,16 +16,17 @@ import dataclasses
 from .config import EPConfig
 from .kernel_args import argtypes
 from .layout import BufferLayout
-from .plan import ExpandedCopy, Plan
+from .plan import ExpandedCopy, Plan, Transport
 
 
 def plan_kernels(cfg: EPConfig, plan: Plan) -> dict:
     """``{name: kernel}``: every kernel a runtime of ``cfg`` under ``plan`` launches.
     ``combine_async_rows`` copies partial words unchanged, so the bf16-partials build serves
     float32 partials too. ``dispatch_copy`` only where the expanded layout is served and copied
-    after the placement."""
+    after the placement. The slot-value kernels depend on the block size, transport and PDL only."""
     from .kernels.combine import make_combine_kernels
     from .kernels.dispatch import make_dispatch_kernels
+    from .kernels.slot_values import make_slot_values_kernels
     from .kernels.validate import validate_routing
 
     kernels = make_dispatch_kernels(plan.dispatch_variant(cfg))
@@ -36,6 +37,7 @@ def plan_kernels(cfg: EPConfig, plan: Plan) -> dict:
     rows = make_combine_kernels(dataclasses.replace(cv, f32_partials=False))["combine_async_rows"]
     kernels.update(combine_async=combine["combine_async"], combine_async_rows=rows,
                    combine_wait=combine["combine_wait"], validate_routing=validate_routing)
+    kernels.update(make_slot_values_kernels(plan.threads, plan.transport is Transport.STORES, plan.pdl))
     return kernels
 
 

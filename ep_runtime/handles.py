@@ -40,6 +40,15 @@ class CombineHandle:
 
 
 @dataclass(frozen=True)
+class SlotValuesHandle:
+    """Returned by ``slot_values_async``; passed to ``slot_values_wait``."""
+
+    owner: int
+    call: int
+    n_tokens: int
+
+
+@dataclass(frozen=True)
 class ExpertBatch:
     """This rank's expert-major ragged batch (device arrays, views into runtime buffers).
 

@@ -27,6 +27,8 @@ CALLER_ARRAYS = {
     "aux": (np.float32, 2),
     "own_rows": (np.uint16, 2),  # combine_wait: the compact expert_out (this rank's own partials), or [0, 0]
     "token_scales": (np.uint8, 2),  # pre-quantized FP8 input: the scales' bytes, [T, S * scale bytes]
+    "row_values": (np.float32, 1),  # slot_values_async: one value per expert-batch row
+    "slot_out": (np.float32, 2),  # slot_values_wait: [T, K], the values home
 }
 #: Arrays the runtime makes outside the layout, as (dtype, ndim): ``peer_bases`` [P, R] uint64,
 #: the address of each region of ``layout.PEER_REGIONS`` (row ``PEER_TOKENS`` ...) on every PE as
@@ -83,6 +85,10 @@ KERNEL_ARGS = {
     "combine_wait": (
         "out", "out_partials", "dispatch_topk_ids", "dispatch_counts", "combine_partials", "dispatch_async_sync",
         "status", "mode", "timeout_ns", "aux", "own_rows", "combine_row_flag", "combine_wait_claims"),
+    "slot_values_async": ("row_values", "row_offsets", "row_src_rank", "row_src_token", "row_src_k", "slot_values",
+                          "slot_signal", "dispatch_async_sync", "status", "peer_bases"),
+    "slot_values_wait": ("slot_out", "slot_values", "slot_signal", "dispatch_topk_ids", "dispatch_counts",
+                         "dispatch_async_sync", "status", "timeout_ns"),
 }
 
 

@@ -200,6 +200,10 @@ def _regions(cfg: EPConfig) -> list[Region]:
         Region("dispatch_placed", (1,), u64, 0, S, f"{DW} (its placing block)", (DW,),
                "[0]: (n + 1) << 1 (plus 1 if it failed) once the placing block of a copying route-first "
                "dispatch_wait of call n has described every row and seen every token row"),
+        Region("slot_values", (G, T, K), f32, 0, S, "slot_values_async (peers)", ("slot_values_wait",),
+               "[g, t, k]: the value of the expert row slot k of my token t went to (one float per slot home)"),
+        Region("slot_signal", (G, R), u64, 0, S, "slot_values_async (peers)", ("slot_values_wait",),
+               "[g, src]: n + 1 once src's slot values of call n have arrived (monotonic)"),
         # -- local: counters ------------------------------------------------------------------------
         Region("dispatch_async_sync", (SYNC_LEN,), i64, 0, Lc, DA, (DA, DC, CA, CW),
                "[0] ticket: finished blocks of the launch (reset by the last block); "

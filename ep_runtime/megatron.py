@@ -33,9 +33,9 @@ experts::
 
 What a training step costs (per layer): forward 1 dispatch + 1 combine; backward 1 dispatch of
 ``dL/dout`` (the combine's backward, left open) and 1 combine of the row gradients on it (the
-dispatch's backward), plus, when the probabilities need a gradient (training the router), one
-more dispatch and combine that carry their ``T x K`` values home (:func:`ep_runtime.torch.
-encode_slot_values`). DeepEP and HybridEP move those values inside the backward combine.
+dispatch's backward), plus, when the probabilities need a gradient (training the router), their
+``T x K`` values home on that same dispatch, before its combine (``EPRuntime.slot_values``: a
+float a slot). DeepEP and HybridEP move those values inside the backward combine.
 
 Buffers: one runtime per (group, kind), built at the first call of its kind with
 ``max_tokens_per_rank`` the largest ``T`` over the group's ranks at that call (one host
@@ -72,8 +72,7 @@ from .torch import (
     _dispatch,
     _rows,
     _same_tensor,
-    decode_slot_values,
-    encode_slot_values,
+    slot_values_home,
 )
 from .torch_compact import _combine_compact, _dispatch_compact, _received_rows
 
@@ -278,17 +277,29 @@ class FusedDispatch(torch.autograd.Function):
     def backward(ctx, grad_recv_x, _grad_indices, grad_recv_probs, _grad_counts, _grad_handle):
         h = ctx.handle
         bridge, cfg, T = _Bridge(h.runtime), h.runtime.cfg, h.n_tokens
+        want_probs = ctx.needs_input_grad[2] and grad_recv_probs is not None
         grad_x = grad_probs = None
+        if not (ctx.needs_input_grad[0] or want_probs):
+            return grad_x, None, grad_probs, None, None, None, None
+        rt_handle = _open_or_redispatch(bridge, h, "compact")
+        if want_probs:  # the slot values first: the combine ends the dispatch
+            values = torch.where(h.recv_slots, grad_recv_probs.float(), 0.0)
+            grad_probs = slot_values_home(bridge, _compact_row_values(bridge, values), rt_handle, T)
         if ctx.needs_input_grad[0]:
             rows = (torch.zeros(cfg.n_ranks * cfg.max_tokens_per_rank, cfg.hidden, dtype=_BF16, device=bridge.device)
                     if grad_recv_x is None else grad_recv_x.to(_BF16).contiguous())
-            grad_x = _combine_compact(bridge, rows, _open_or_redispatch(bridge, h, "compact"), T)
-        if ctx.needs_input_grad[2] and grad_recv_probs is not None:
-            values = torch.where(h.recv_slots, grad_recv_probs.float(), 0.0)
-            grad_probs = decode_slot_values(
-                _combine_compact(bridge, encode_slot_values(values, cfg.hidden),
-                                 _open_or_redispatch(bridge, h, "compact"), T), cfg.top_k)
+            grad_x = _combine_compact(bridge, rows, rt_handle, T)
         return grad_x, None, grad_probs, None, None, None, None
+
+
+def _compact_row_values(bridge: _Bridge, values: torch.Tensor) -> torch.Tensor:
+    """float32 [capacity]: ``values[gather[i], src_k[i]]`` (``values`` [R * C, K], per received row
+    and slot) for each row i of the runtime's current compact batch, 0 on padding rows."""
+    rt = bridge.runtime
+    gather = bridge.from_rt(rt.buffers["row_gather"]).long()
+    src_k = bridge.from_rt(rt.buffers["row_src_k"]).long()
+    picked = values[gather.clamp(min=0), src_k.clamp(min=0)]
+    return torch.where((gather >= 0) & (src_k >= 0), picked, 0.0)
 
 
 def _open_or_redispatch(bridge: _Bridge, h, layout: str):
@@ -463,21 +474,20 @@ class HybridEPDispatch(torch.autograd.Function):
     def backward(ctx, grad_x, grad_probs, _grad_scaling, _grad_counts, _grad_handle):
         h = ctx.handle
         bridge, cfg, T = _Bridge(h.runtime), h.runtime.cfg, h.n_tokens
+        want_probs = ctx.needs_input_grad[2] and grad_probs is not None
         grad_tokens = grad_dense = None
+        if not (ctx.needs_input_grad[0] or want_probs):
+            return grad_tokens, None, grad_dense, None, None, None, None, None, None
+        rt_handle = _open_or_redispatch(bridge, h, "expanded")
+        if want_probs:  # the slot values first: the combine ends the dispatch
+            values = torch.where(h.row_src_k >= 0, grad_probs.float(), 0.0)  # [n_rows], one per row
+            home = slot_values_home(bridge, values, rt_handle, T)
+            grad_dense = torch.zeros(T, h.n_experts, dtype=torch.float32, device=bridge.device)
+            grad_dense.scatter_add_(1, h.topk_ids.clamp(min=0).long(), torch.where(h.topk_ids >= 0, home, 0.0))
         if ctx.needs_input_grad[0]:
             rows = (torch.zeros(h.n_rows, cfg.hidden, dtype=_BF16, device=bridge.device) if grad_x is None
                     else grad_x.to(_BF16).contiguous())
-            grad_tokens = _combine(bridge, rows, _open_or_redispatch(bridge, h, "expanded"), T, weights=None)
-        if ctx.needs_input_grad[2] and grad_probs is not None:
-            real = h.row_src_k >= 0
-            values = torch.zeros(h.n_rows, cfg.top_k, dtype=torch.float32, device=bridge.device)
-            values.scatter_(1, h.row_src_k.clamp(min=0).long()[:, None],
-                            torch.where(real, grad_probs.float(), 0.0)[:, None])
-            home = decode_slot_values(_combine(bridge, encode_slot_values(values, cfg.hidden),
-                                               _open_or_redispatch(bridge, h, "expanded"), T, weights=None),
-                                      cfg.top_k)
-            grad_dense = torch.zeros(T, h.n_experts, dtype=torch.float32, device=bridge.device)
-            grad_dense.scatter_add_(1, h.topk_ids.clamp(min=0).long(), torch.where(h.topk_ids >= 0, home, 0.0))
+            grad_tokens = _combine(bridge, rows, rt_handle, T, weights=None)
         return grad_tokens, None, grad_dense, None, None, None, None, None, None
 
 

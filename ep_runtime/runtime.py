@@ -26,7 +26,7 @@ from .builds import combine_wait_with, kernel_builds
 from .call_memo import CallMemo, PreparedCall
 from .config import LAYOUTS, EPConfig
 from .errors import EPConfigError, EPInputError, EPStateError
-from .handles import CombineHandle, CompactBatch, DispatchHandle, ExpertBatch, from_fields
+from .handles import CombineHandle, CompactBatch, DispatchHandle, ExpertBatch, SlotValuesHandle, from_fields
 from .kernel_args import KERNEL_ARGS, WORD_ARRAYS, build_args, region_view
 from .layout import PEER_REGIONS, SYNC_CALLS, BufferLayout, partial_dtype, token_word
 from .plan import ExpandedCopy, Plan, Receiver, Topology, Transport, agree, check_plan, choose_plan, merged_overrides
@@ -48,12 +48,13 @@ _INT64 = (np.int64(0), np.int64(1))
 class _State(Enum):
     IDLE = "idle"                    # next: dispatch_async
     DISPATCH_SENT = "dispatch sent"  # next: dispatch_wait
-    DISPATCHED = "dispatched"        # next: combine_async (or dispatch_async, skipping combine)
+    DISPATCHED = "dispatched"        # next: combine_async (or dispatch_async, skipping combine, or slot_values_async)
+    SLOTS_SENT = "slot values sent"  # next: slot_values_wait (then DISPATCHED again)
     COMBINE_SENT = "combine sent"    # next: combine_wait
 
 
 #: Position of each state within one call, to tell a reused handle from a premature one.
-_STEP = {_State.DISPATCH_SENT: 1, _State.DISPATCHED: 2, _State.COMBINE_SENT: 3, _State.IDLE: 4}
+_STEP = {_State.DISPATCH_SENT: 1, _State.DISPATCHED: 2, _State.SLOTS_SENT: 2, _State.COMBINE_SENT: 3, _State.IDLE: 4}
 
 
 class EPRuntime:
@@ -149,6 +150,7 @@ class EPRuntime:
         self._memo = CallMemo()  # the launches prepared from the caller's last arrays, per call
         self._calls = 0
         self._state = _State.IDLE
+        self._slots_call = -1  # the dispatch call whose slot values went home last
         self._failed: Exception | None = None
         self._closed = False
         session.barrier()
@@ -491,6 +493,63 @@ class EPRuntime:
         self.synchronize()
         return out
 
+    # -- slot values home (the router weights' gradient) ---------------------------------------
+    def slot_values_async(self, values, handle: DispatchHandle) -> SlotValuesHandle:
+        """Start sending one float32 per expert-batch row home, to the (token, top-k slot) the row
+        came from. Collective; enqueued on the stream; at most once per dispatch, between
+        ``dispatch_wait`` and ``combine_async`` (the runtime stays dispatched: the combine of the
+        same batch may follow ``slot_values_wait``).
+
+        What a backward returns for the router weights: ``values[i]`` = the dot product of row
+        i's expert output with the gradient of its token's combine output, ``T x K`` floats a
+        rank where a combine would move ``T x K`` rows of ``hidden`` values.
+
+        Parameters
+        ----------
+        values : float32 ``[rows]``, row-aligned with the batch of ``handle`` (either layout's
+            rows: ``batch.src_rank`` / ``src_token`` / ``src_k`` say where each came from),
+            ``rows >= row_offsets[L]`` (e.g. the batch's capacity, ``EPConfig.recv_rows_capacity``;
+            padding rows are not read; a shorter array is a device error that
+            :meth:`synchronize` raises, and nothing is sent). Must stay unmodified until
+            :meth:`slot_values_wait` has run on the stream.
+        handle : the dispatch's handle (``batch.handle``).
+        """
+        self._require(_State.DISPATCHED, call="slot_values_async", handle=handle, handle_type=DispatchHandle)
+        if self._slots_call == handle.call:
+            raise EPStateError(f"rank {self.rank}: slot_values_async: the slot values of call {handle.call} already "
+                               f"went home; it runs at most once per dispatch.")
+        values = arrays.to_backend(values, self.session.backend, "slot_values_async", "values")
+        arrays.check_array(values, "slot_values_async", "values", np.float32, (None,),
+                           "Expected float32 [rows], one value per expert-batch row (row-aligned with the batch).")
+        self._run(self._prepare("slot_values_async", row_values=values))
+        self._slots_call = handle.call
+        self._state = _State.SLOTS_SENT
+        return from_fields(SlotValuesHandle, {"owner": self._owner, "call": handle.call, "n_tokens": handle.n_tokens})
+
+    def slot_values_wait(self, handle: SlotValuesHandle, out=None):
+        """Complete :meth:`slot_values_async`. Collective; enqueued on the stream.
+
+        Returns ``out`` float32 ``[T, top_k]`` (allocated when None): for each of this rank's
+        tokens and top-k slots, the value of the expert row the slot went to; 0.0 for a masked
+        (-1) or dropped slot and a repeated id's later slots (they made no row). The runtime is
+        dispatched again: ``combine_async`` of the same batch may follow.
+        """
+        self._require(_State.SLOTS_SENT, call="slot_values_wait", handle=handle, handle_type=SlotValuesHandle)
+        shape = (handle.n_tokens, self.cfg.top_k)
+        if out is None:
+            out = self.session.alloc_local("slot_values_out", shape, np.float32, fill=None)
+        out = arrays.to_backend(out, self.session.backend, "slot_values_wait", "out")
+        arrays.check_array(out, "slot_values_wait", "out", np.float32, shape, "Pass None to allocate it.")
+        self._run(self._prepare("slot_values_wait", slot_out=out, timeout_ns=self._timeout_ns))
+        self._state = _State.DISPATCHED
+        return out
+
+    def slot_values(self, values, handle: DispatchHandle, out=None):
+        """``slot_values_async`` then ``slot_values_wait``, then :meth:`synchronize`. Collective."""
+        out = self.slot_values_wait(self.slot_values_async(values, handle), out=out)
+        self.synchronize()
+        return out
+
     def _check_partial_dtype(self, x, call: str, name: str, what: str) -> None:
         """Refuse ``x`` (a backend array) unless it has the partials' dtype (uint16 bf16 bits, or
         float32 with ``combine_dtype="float32"``), naming the mode and both ways out."""
@@ -523,7 +582,7 @@ class EPRuntime:
             self.session.fill(self.buffers[r.name], r.init)
         self.session.synchronize()
         self.session.barrier()
-        self._calls, self._state, self._failed = 0, _State.IDLE, None
+        self._calls, self._state, self._failed, self._slots_call = 0, _State.IDLE, None, -1
 
     def close(self) -> None:
         """Collective: free the symmetric buffers. Idempotent; the session stays open."""
@@ -586,8 +645,8 @@ class EPRuntime:
                                    f"in order dispatch_async -> dispatch_wait -> combine_async -> combine_wait.")
         if self._state not in states:
             nxt = {_State.IDLE: "dispatch_async", _State.DISPATCH_SENT: "dispatch_wait",
-                   _State.DISPATCHED: "combine_async or dispatch_async",
-                   _State.COMBINE_SENT: "combine_wait"}[self._state]
+                   _State.DISPATCHED: "combine_async, slot_values_async or dispatch_async",
+                   _State.SLOTS_SENT: "slot_values_wait", _State.COMBINE_SENT: "combine_wait"}[self._state]
             raise EPStateError(f"rank {self.rank}: {call} called out of order: the runtime is in state "
                                f"'{self._state.value}' and expects {nxt} next.")
 

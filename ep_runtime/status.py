@@ -21,19 +21,21 @@ from .kernels.protocol import (DROPPED_SLOT, STATUS_CALL, STATUS_CODE, STATUS_CO
                                STATUS_KERNEL, STATUS_LEN, STATUS_OBSERVED, STATUS_PEER, STATUS_RANK)
 
 from .kernels.protocol import (COUNTER_COMBINE_ROW_FLAG, COUNTER_DISPATCH_PLACED, COUNTER_DISPATCH_ROW_FLAG,  # noqa: F401
-                               COUNTER_DISPATCH_SIGNAL, COUNTER_RECV_ROWS, COUNTER_ROUTE_SIGNAL, COUNTER_TOKEN_CREDIT,
-                               ERR_BAD_EXPERT_ID, ERR_BAD_WEIGHT, ERR_CAPACITY, ERR_DUPLICATE_EXPERT, ERR_NONE,
-                               ERR_TIMEOUT, KERNEL_COMBINE_ASYNC, KERNEL_COMBINE_WAIT, KERNEL_DISPATCH_ASYNC,
-                               KERNEL_DISPATCH_LAND, KERNEL_DISPATCH_WAIT, KERNEL_VALIDATE_ROUTING)
+                               COUNTER_DISPATCH_SIGNAL, COUNTER_RECV_ROWS, COUNTER_ROUTE_SIGNAL, COUNTER_SLOT_SIGNAL,
+                               COUNTER_TOKEN_CREDIT, ERR_BAD_EXPERT_ID, ERR_BAD_WEIGHT, ERR_CAPACITY,
+                               ERR_DUPLICATE_EXPERT, ERR_NONE, ERR_SHORT_ROWS, ERR_TIMEOUT, KERNEL_COMBINE_ASYNC,
+                               KERNEL_COMBINE_WAIT, KERNEL_DISPATCH_ASYNC, KERNEL_DISPATCH_LAND, KERNEL_DISPATCH_WAIT,
+                               KERNEL_SLOT_VALUES_ASYNC, KERNEL_SLOT_VALUES_WAIT, KERNEL_VALIDATE_ROUTING)
 
 KERNEL_NAMES = {KERNEL_DISPATCH_ASYNC: "dispatch_async", KERNEL_DISPATCH_WAIT: "dispatch_wait",
                 KERNEL_COMBINE_ASYNC: "combine_async", KERNEL_COMBINE_WAIT: "combine_wait",
-                KERNEL_VALIDATE_ROUTING: "validate_routing", KERNEL_DISPATCH_LAND: "dispatch_land"}
+                KERNEL_VALIDATE_ROUTING: "validate_routing", KERNEL_DISPATCH_LAND: "dispatch_land",
+                KERNEL_SLOT_VALUES_ASYNC: "slot_values_async", KERNEL_SLOT_VALUES_WAIT: "slot_values_wait"}
 
 COUNTER_NAMES = {COUNTER_DISPATCH_SIGNAL: "dispatch_signal", COUNTER_RECV_ROWS: "expert-batch rows",
                  COUNTER_TOKEN_CREDIT: "dispatch_token_credit", COUNTER_COMBINE_ROW_FLAG: "combine_row_flag",
                  COUNTER_ROUTE_SIGNAL: "dispatch_route_signal", COUNTER_DISPATCH_ROW_FLAG: "dispatch_row_flag",
-                 COUNTER_DISPATCH_PLACED: "dispatch_placed"}
+                 COUNTER_DISPATCH_PLACED: "dispatch_placed", COUNTER_SLOT_SIGNAL: "slot_signal"}
 #: Counters without a group axis (cumulative over calls): a timeout names them without ``[g]``.
 UNGROUPED_COUNTERS = (COUNTER_TOKEN_CREDIT, COUNTER_COMBINE_ROW_FLAG, COUNTER_DISPATCH_ROW_FLAG,
                       COUNTER_DISPATCH_PLACED)
@@ -80,6 +82,12 @@ def error_from_status(status: np.ndarray, timeout_s: float) -> EPError | None:
             f"rank {rank}: {kernel} of call {call - 1} needed {observed} expert-batch rows but the "
             f"capacity is {expected} (EPConfig.max_recv_rows); no row was written. Raise max_recv_rows "
             f"to at least {observed}, or use None for the worst case.")
+    if code == ERR_SHORT_ROWS:
+        return EPInputError(
+            f"rank {rank}: {kernel} of call {call - 1}: values has {expected} rows but the expert batch has "
+            f"{observed}; nothing was sent, so the other ranks' slot_values_wait time out naming rank {rank}. Pass "
+            f"one float32 value per batch row (e.g. [capacity] = [EPConfig.recv_rows_capacity]), then call "
+            f"reset() on every rank.")
     after = (f"(checked on the device before dispatch_async; nothing was sent, so the other ranks' waits "
              f"time out naming rank {rank}). Fix the router's output, then call reset() on every rank.")
     if code == ERR_BAD_EXPERT_ID:

@@ -22,17 +22,14 @@ gradient for them.
 What the backward costs (a combine needs a dispatch with the forward's routing before it;
 ``combine_async(weights=None)`` sums a token's rows unweighted)::
 
-    FusedCombine.backward   1 dispatch of dL/dout (the rows dL/dout[t(i)])
-                            + 1 combine of the weight-gradient rows, if topk_weights needs a gradient
-    FusedDispatch.backward  1 unweighted combine of dL/dX on that dispatch while it is still open
-                            (topk_weights needs no gradient); else 1 dispatch of zeros first
+    FusedCombine.backward   1 dispatch of dL/dout (the rows dL/dout[t(i)]), then, if topk_weights
+                            needs a gradient, its T x K values home (``slot_values``: a float a slot)
+    FusedDispatch.backward  1 unweighted combine of dL/dX on that dispatch, still open; a dispatch
+                            of zeros first only when the combine's backward did not run
 
-i.e. 1 dispatch + 1 combine per layer when the router weights need no gradient, 2 + 2 when they
-do (their T x K values go home in a combine of their own). The weight gradient of row ``i``
-is a float32 scalar computed where ``Y[i]`` lives; it goes home in the second combine as
-``WEIGHT_GRAD_PARTS`` bf16 values (hi + mid + lo, float32 to within one rounding) in columns
-``k * parts ... k * parts + parts - 1`` of an otherwise zero row: every column of a token then
-has one non-zero term, and the combine's float32 sums and bf16 roundings carry it exactly.
+i.e. 1 dispatch + 1 combine per layer, plus ``T x K`` floats when the router weights need a
+gradient. The weight gradient of row ``i`` is a float32 scalar computed where ``Y[i]`` lives;
+``EPRuntime.slot_values_async`` puts it into its (token, slot) at home, exactly.
 
 Copies and zero copy (``nvshmem``: CUDA tensors on this rank's GPU; ``sim``: CPU tensors, seen by
 the simulated kernels as NumPy views of the same memory; the same rules on both):
@@ -74,9 +71,6 @@ from .config import EPConfig
 from .runtime import EPRuntime
 from .shmem.session import Session
 
-#: bf16 values that carry one float32 weight gradient home (hi, mid, lo: 3 x 8 significant bits
-#: cover float32's 24); fewer when hidden < 3 * top_k.
-WEIGHT_GRAD_PARTS = 3
 #: Bytes of one token element on the wire (the runtime moves bf16).
 WIRE_BYTES = 2
 
@@ -411,8 +405,9 @@ class FusedCombine(torch.autograd.Function):
     Returns ``out`` [T, hidden] bfloat16 (written by the kernel in place, no copy).
 
     Backward (1 dispatch of ``dL/dout`` with the forward's routing, then, if ``topk_weights``
-    needs a gradient, 1 combine bringing the per-row weight gradients home; if it needs none,
-    the dispatch stays open for :class:`FusedDispatch`'s backward to combine on):
+    needs a gradient, the per-row weight gradients home as ``T x K`` floats
+    (``EPRuntime.slot_values``); the dispatch stays open for :class:`FusedDispatch`'s backward to
+    combine on):
 
     - ``dL/dexpert_out[i] = w_{t(i)k(i)} * dL/dout[t(i)]`` (float32 product, rounded to bf16);
     - ``dL/dw_tk = < expert_out[i(t, k)], dL/dout[t] >`` (float32 over hidden, on the expert's rank).
@@ -432,9 +427,6 @@ class FusedCombine(torch.autograd.Function):
             raise EPInputError(f"{c}: topk_weights is not the tensor given to the dispatch of this handle (or it "
                                f"was modified since): the kernel applies the weights that travelled with the "
                                f"dispatch, so pass that same tensor.")
-        if ctx.needs_input_grad[1] and cfg.hidden < cfg.top_k:
-            raise EPInputError(f"{c}: the router-weight gradient travels in the hidden columns of one combine, "
-                               f"which needs hidden >= top_k; got hidden={cfg.hidden}, top_k={cfg.top_k}.")
         out = _combine(bridge, expert_out.contiguous(), handle.rt_handle, handle.n_tokens)
         ctx.save_for_backward(expert_out, handle.topk_ids)
         ctx.handle = handle
@@ -452,55 +444,22 @@ class FusedCombine(torch.autograd.Function):
         grad_weights = None
         if ctx.needs_input_grad[1]:
             per_row = (expert_out.float() * g).sum(dim=1)
-            grad_weights = _row_scalars_home(bridge, per_row, h, batch.handle)
-        else:  # FusedDispatch's backward may combine on this dispatch (the same routing)
-            _OPEN_BACKWARD[id(h.runtime)] = (batch.handle, ids, "expanded")
+            grad_weights = slot_values_home(bridge, per_row, batch.handle, h.n_tokens)
+        _OPEN_BACKWARD[id(h.runtime)] = (batch.handle, ids, "expanded")  # FusedDispatch's backward combines here
         return grad_expert_out, grad_weights, None
 
 
-def _row_scalars_home(bridge: _Bridge, per_row: torch.Tensor, h: DispatchContext, rt_handle) -> torch.Tensor:
-    """``[T, top_k]`` float32 at home: ``per_row[i]`` at ``(t(i), k(i))``, through one unweighted
-    combine (``rt_handle`` is a dispatch with unit weights and the forward's routing)."""
-    cfg = h.runtime.cfg
-    real = h.row_src_k >= 0
-    slots = torch.zeros(h.n_rows, cfg.top_k, dtype=torch.float32, device=bridge.device)
-    slots.scatter_(1, h.row_src_k.clamp(min=0).long()[:, None], torch.where(real, per_row, 0.0)[:, None])
-    rows = encode_slot_values(slots, cfg.hidden)
-    return decode_slot_values(_combine(bridge, rows, rt_handle, h.n_tokens), cfg.top_k)
-
-
-def slot_parts(hidden: int, top_k: int) -> int:
-    """bf16 values per float32 slot value in :func:`encode_slot_values` (at most
-    ``WEIGHT_GRAD_PARTS``, fewer when ``hidden < WEIGHT_GRAD_PARTS * top_k``)."""
-    return min(WEIGHT_GRAD_PARTS, hidden // top_k)
-
-
-def encode_slot_values(values: torch.Tensor, hidden: int) -> torch.Tensor:
-    """``values`` [N, K] float32 as bf16 rows [N, hidden] that an unweighted combine carries home
-    exactly when each (token, slot) has one non-zero value over all the rows summed: value
-    ``[n, k]`` split into ``parts`` bf16 terms (hi, mid, lo) in columns ``k * parts ...``, the
-    other columns zero (so each column's sum has one non-zero term)."""
-    n, k = values.shape
-    parts = slot_parts(hidden, k)
-    pieces, rest = [], values
-    for _ in range(parts):
-        piece = rest.to(_BF16)
-        pieces.append(piece)
-        rest = rest - piece.float()
-    rows = torch.zeros(n, hidden, dtype=_BF16, device=values.device)
-    rows[:, :k * parts] = torch.stack(pieces, dim=2).reshape(n, k * parts)
-    return rows
-
-
-def decode_slot_values(home: torch.Tensor, top_k: int) -> torch.Tensor:
-    """The ``[T, top_k]`` float32 values of :func:`encode_slot_values` rows summed home
-    (``home`` [T, hidden] bf16)."""
-    parts = slot_parts(home.shape[1], top_k)
-    terms = home[:, :top_k * parts].float().view(home.shape[0], top_k, parts)
-    total = terms[:, :, 0]
-    for j in range(1, parts):
-        total = total + terms[:, :, j]
-    return total
+def slot_values_home(bridge: _Bridge, row_values: torch.Tensor, rt_handle, n_tokens: int) -> torch.Tensor:
+    """``[n_tokens, top_k]`` float32 at home: ``row_values[i]`` (float32, ``>=`` the batch's
+    rows, row-aligned with the batch of ``rt_handle``, the runtime's current dispatch) at the
+    (token, slot) row i came from, 0.0 where a slot made no row. ``T x K`` floats
+    (``EPRuntime.slot_values_async``); the dispatch stays open for its combine."""
+    rt = bridge.runtime
+    out = torch.empty(n_tokens, rt.cfg.top_k, dtype=torch.float32, device=bridge.device)
+    with bridge.runtime_calls():
+        rt.slot_values_wait(rt.slot_values_async(bridge.to_rt(row_values.float().contiguous()), rt_handle),
+                            out=bridge.to_rt(out))
+    return out
 
 
 def fused_dispatch(tokens, topk_ids, topk_weights, runtime: EPRuntime, num_permuted_tokens: int | None = None):
@@ -514,4 +473,4 @@ def fused_combine(expert_out, topk_weights, handle: DispatchContext):
 
 
 __all__ = ["FusedDispatch", "FusedCombine", "DispatchContext", "fused_dispatch", "fused_combine", "get_buffer",
-           "get_hidden_bytes", "close_buffers", "WEIGHT_GRAD_PARTS", "encode_slot_values", "decode_slot_values"]
+           "get_hidden_bytes", "close_buffers", "slot_values_home"]

@@ -49,6 +49,8 @@ ERR_CAPACITY = 2
 ERR_BAD_EXPERT_ID = 3
 ERR_DUPLICATE_EXPERT = 4
 ERR_BAD_WEIGHT = 5
+#: slot_values_async: the caller's values have fewer rows than the expert batch.
+ERR_SHORT_ROWS = 6
 
 #: Kernel ids (``status[STATUS_KERNEL]``).
 KERNEL_DISPATCH_ASYNC = 1
@@ -57,6 +59,8 @@ KERNEL_COMBINE_ASYNC = 3
 KERNEL_COMBINE_WAIT = 4
 KERNEL_VALIDATE_ROUTING = 5
 KERNEL_DISPATCH_LAND = 6
+KERNEL_SLOT_VALUES_ASYNC = 7
+KERNEL_SLOT_VALUES_WAIT = 8
 
 #: Counter ids (``status[STATUS_COUNTER]``): what a timed-out wait was waiting for.
 COUNTER_DISPATCH_SIGNAL = 1
@@ -66,6 +70,7 @@ COUNTER_COMBINE_ROW_FLAG = 5
 COUNTER_ROUTE_SIGNAL = 6
 COUNTER_DISPATCH_ROW_FLAG = 7
 COUNTER_DISPATCH_PLACED = 9
+COUNTER_SLOT_SIGNAL = 10
 
 # -- counters in local regions ----------------------------------------------------------------
 
@@ -76,7 +81,9 @@ SYNC_CALLS = 1
 #: ``dispatch_async_sync``: blocks whose share of the routing went out (landing and split
 #: route-first calls; the last resets it).
 SYNC_ROUTE_TICKET = 2
-SYNC_LEN = 3
+#: ``dispatch_async_sync``: finished blocks of the slot_values_async launch (the last resets it).
+SYNC_SLOT_TICKET = 3
+SYNC_LEN = 4
 
 #: ``receive_sync`` (int64): blocks of the current receive launch that read its call number
 #: (the last resets it).
@@ -93,8 +100,8 @@ RECV_LEN = 4
 #: of the ``peer_bases`` table [len(PEER_REGIONS), R]: the address of each on every PE as mapped
 #: on this one. The ``PEER_*`` constants name the rows in kernel code.
 PEER_REGIONS = ("dispatch_tokens", "combine_partials", "dispatch_counts", "dispatch_topk_ids",
-                "dispatch_topk_weights", "dispatch_ranks")
-PEER_TOKENS, PEER_PARTIALS, PEER_COUNTS, PEER_IDS, PEER_WEIGHTS, PEER_RANKS = range(len(PEER_REGIONS))
+                "dispatch_topk_weights", "dispatch_ranks", "slot_values")
+PEER_TOKENS, PEER_PARTIALS, PEER_COUNTS, PEER_IDS, PEER_WEIGHTS, PEER_RANKS, PEER_SLOTS = range(len(PEER_REGIONS))
 
 # -- FP8 codes ----------------------------------------------------------------------------------
 

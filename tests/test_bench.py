@@ -235,14 +235,20 @@ def test_smoke_run_on_the_simulator(tmp_path):
 def test_prequantized_fp8_input_is_timed_and_counted_on_the_simulator(tmp_path):
     """Both FP8 formats timed next to bf16, each with bf16 tokens (quantized in dispatch_async)
     and with their codes and scales (--fp8-input prequantized: token_scales=); the sender's reads
-    follow the input, and the logical bytes count the codes and scales sent."""
+    follow the input, and the logical bytes count the codes and scales sent. ``--backward``
+    times one layer's backward (bf16 only: a backward sends bf16 gradients) both ways, with the
+    NVLink bytes of each: the slot values add 4 bytes a row where 2 + 2 add a dispatch and a
+    combine."""
     path = tmp_path / "bench.json"
     proc = subprocess.run(
         [sys.executable, "-m", "ep_runtime.bench", "--backend", "sim", "--ranks", "2", "--tokens", "4",
          "--hidden", "256", "--experts", "4", "--top-k", "2", "--samples", "2", "--warmup", "1",
          "--token-dtype", "bfloat16", "fp8_e4m3", "fp8_e4m3_ue8m0", "--fp8-input", "bf16", "prequantized",
-         "--layout", "expanded", "compact", "--json", str(path)], capture_output=True, text=True, timeout=600)
+         "--layout", "expanded", "compact", "--backward", "--json", str(path)], capture_output=True, text=True,
+        timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "backward of one layer (median us" in proc.stdout
+    assert len([ln for ln in proc.stdout.splitlines() if ln.endswith(" MB") and " | " in ln]) == 4  # 2 ranks x 2 layouts
     assert " ue8m0+pq eager expanded     wait |" in proc.stdout and "    ue8m0 eager  compact     wait |" in proc.stdout
     assert "  e4m3 eager expanded     wait |" in proc.stdout and "  bf16 eager expanded     wait |" in proc.stdout
     assert "+pq: pre-quantized input" in proc.stdout
@@ -254,6 +260,15 @@ def test_prequantized_fp8_input_is_timed_and_counted_on_the_simulator(tmp_path):
             for lay in ("expanded", "compact")}
         # 4 tokens, each received by this rank or not: logical bytes count the bytes sent (256 codes and
         # two 4-byte scales; the message's padding is never sent) against 512-byte bf16 rows
+        for key, res in runs.items():
+            assert ("backward" in res["times_us"]) == (key[0] == "bfloat16"), key
+        for lay in ("expanded", "compact"):
+            res = runs["bfloat16", "bf16", lay]
+            assert res["times_us"]["backward"]["n"] == 2 and res["times_us"]["backward_2d2c"]["median"] > 0
+            tr, nvl = res["traffic"], res["backward_nvlink_bytes"]
+            assert 0 < tr["slot_nvlink_bytes"] <= 4 * 4 * 2 and tr["slot_nvlink_bytes"] % 4 == 0  # 4 tokens, top-2
+            assert nvl["backward"] == tr["dispatch_nvlink_bytes"] + tr["slot_nvlink_bytes"] + tr["combine_nvlink_bytes"]
+            assert nvl["backward_2d2c"] == 2 * (tr["dispatch_nvlink_bytes"] + tr["combine_nvlink_bytes"])
         bf16 = runs["bfloat16", "bf16", "expanded"]["traffic"]["logical_bytes"]
         assert runs["fp8_e4m3", "bf16", "expanded"]["traffic"]["logical_bytes"] * 512 == bf16 * 264
         for lay in ("expanded", "compact"):

@@ -49,14 +49,18 @@ DSV3_SYMMETRIC = {
     "dispatch_row_flag": ((8, 4096, 16), u64, 4_194_304, 1_419_774_976),
     # [1] u64 (a route-first dispatch_wait's placed flag): 8 B; 1,419,774,976 + 4,194,304 = 1,423,969,280
     "dispatch_placed": ((1,), u64, 8, 1_423_969_280),
+    # [G, T, K] f32 (home slots, not per source): 2 * 4096 * 8 * 4 = 262,144 B; 1,423,969,288 -> 1,423,969,536
+    "slot_values": ((2, 4096, 8), f32, 262_144, 1_423_969_536),
+    # [G, R] u64: 128 B; 1,423,969,536 + 262,144 = 1,424,231,680
+    "slot_signal": ((2, 8), u64, 128, 1_424_231_680),
 }
-# 1,423,969,280 + 8 -> 1,423,969,536 (256-byte alignment)
-DSV3_SYMMETRIC_BYTES = 1_423_969_536
+# 1,424,231,680 + 128 -> 1,424,231,936 (256-byte alignment)
+DSV3_SYMMETRIC_BYTES = 1_424_231_936
 
 DSV3_LOCAL = {
-    # [3] i64: 24 B at 0
-    "dispatch_async_sync": ((3,), i64, 24, 0),
-    # [4] i64: 32 B; 24 -> 256
+    # [4] i64: 32 B at 0
+    "dispatch_async_sync": ((4,), i64, 32, 0),
+    # [4] i64: 32 B; 32 -> 256
     "receive_sync": ((4,), i64, 32, 256),
     # [2] i32: 8 B; 256 + 32 -> 512
     "combine_wait_claims": ((2,), i32, 8, 512),
@@ -114,12 +118,14 @@ SMALL_SYMMETRIC = {
     "combine_row_flag": ((2, 16, 16), u64, 4096, 14848),  # [R, T, 16] u64; 14592 + 16 -> 14848
     "dispatch_row_flag": ((2, 16, 16), u64, 4096, 18944),  # [R, T, 16] u64; 14848 + 4096 = 18944
     "dispatch_placed": ((1,), u64, 8, 23040),  # [1] u64; 18944 + 4096 = 23040
+    "slot_values": ((2, 16, 2), f32, 256, 23296),  # [G, T, K] f32: 2 * 16 * 2 * 4 = 256 B; 23040 + 8 -> 23296
+    "slot_signal": ((2, 2), u64, 32, 23552),  # [G, R] u64: 32 B; 23296 + 256 = 23552
 }
-SMALL_SYMMETRIC_BYTES = 23296  # 23040 + 8 -> 23296 (256-byte alignment)
+SMALL_SYMMETRIC_BYTES = 23808  # 23552 + 32 -> 23808 (256-byte alignment)
 
 SMALL_LOCAL = {
-    "dispatch_async_sync": ((3,), i64, 24, 0),
-    "receive_sync": ((4,), i64, 32, 256),  # 24 -> 256
+    "dispatch_async_sync": ((4,), i64, 32, 0),
+    "receive_sync": ((4,), i64, 32, 256),  # 32 -> 256
     "combine_wait_claims": ((2,), i32, 8, 512),  # 256 + 32 -> 512
     # [T, K] i32: 16 * 2 * 4 = 128 B; 512 + 8 -> 768
     "dispatch_send_ranks": ((16, 2), i32, 128, 768),
@@ -197,9 +203,9 @@ def test_totals(case):
 def test_dsv3_totals_in_mib():
     # [R, T, H] bf16 received tokens (one buffer: 448 MiB) and two groups of combine partials
     # (896 MiB), plus 4 MiB of routing (ids and weights), 2 MiB of ranks, 4 MiB of combine part
-    # flags, 4 MiB of token part flags and a few KiB.
+    # flags, 4 MiB of token part flags, 0.25 MiB of slot values and a few KiB.
     layout = BufferLayout(DSV3)
-    assert 1358 < layout.symmetric_bytes / MiB < 1358.01
+    assert 1358.25 < layout.symmetric_bytes / MiB < 1358.26
     # combine_stage 448 MiB + expert_x 3584 MiB + token_rows 1 MiB + 5 row arrays of 1 MiB
     # + the sender's 0.125 MiB of staged ranks and a few KiB.
     assert 4038 < layout.local_bytes / MiB < 4038.2
@@ -249,6 +255,9 @@ def test_symmetric_regions_have_leading_group_dimension(case):
             continue
         if r.name == "dispatch_placed":  # this rank's own monotonic flag: [1], no group or rank axis
             assert r.shape == (1,), r.shape
+            continue
+        if r.name == "slot_values":  # [G, T, K]: this rank's own tokens' slots (one writer each), no rank axis
+            assert r.shape == (2, layout.cfg.max_tokens_per_rank, layout.cfg.top_k), r.shape
             continue
         if r.name in ("dispatch_tokens", "combine_row_flag", "dispatch_row_flag"):  # [R, T, ...], no group axis:
             # one buffer guarded by the credits; row flags monotonic over calls (call numbers)
@@ -309,8 +318,8 @@ def test_describe_dsv3_figures():
     assert "448.000" in text          # dispatch_tokens (and combine_stage)
     assert "896.000" in text          # combine_partials
     assert "3584.000" in text         # expert_x
-    # 1,423,969,536 / 2**20 = 1358.0032; 4,234,284,288 / 2**20 = 4038.1282
-    assert "symmetric 1358.003 MiB, local 4038.128 MiB" in text
+    # 1,424,231,936 / 2**20 = 1358.2534; 4,234,284,288 / 2**20 = 4038.1282
+    assert "symmetric 1358.253 MiB, local 4038.128 MiB" in text
 
 
 def test_region_unknown_name_raises_key_error():

@@ -132,6 +132,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the tokens and the routing")
     p.add_argument("--ceiling-mib", type=int, default=256, help="MiB copied to measure each ceiling (GPUs)")
     p.add_argument("--no-baselines", action="store_true", help="skip NCCL and nvshmem alltoall")
+    p.add_argument("--backward", action="store_true",
+                   help="also time one MoE layer's backward (bf16 tokens): a dispatch, the router weights' "
+                        "gradient home as slot values and a combine, against the 2 dispatches + 2 combines "
+                        "of the backward before slot values")
     p.add_argument("--json", metavar="FILE", help="write results as JSON")
     p.add_argument("--plot", metavar="FILE", help="plot time against tokens (PNG; needs matplotlib)")
     p.add_argument("--timeout", type=float, default=600.0,

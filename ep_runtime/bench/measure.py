@@ -236,6 +236,75 @@ def time_graph_round_trips(rt, session, inputs, expert_out, out, samples: int, w
     return spans
 
 
+#: The backward of one MoE layer as runtime calls, per sequence its calls in order: this tree's
+#: (``FusedCombine.backward``'s dispatch of dL/dout, the router weights' gradient home as slot
+#: values, ``FusedDispatch.backward``'s unweighted combine on that dispatch) and the one before
+#: it, 2 + 2 (the weights' gradient in a combine of its own, then a dispatch to combine on).
+BACKWARD_SEQUENCES = {"backward": ("dispatch", "slot_values", "combine"),
+                      "backward_2d2c": ("dispatch", "combine", "dispatch", "combine")}
+
+
+def _backward_calls(rt, inputs, expert_out, out, values, slot_out, n_tokens, layout: str) -> dict:
+    """The calls of :data:`BACKWARD_SEQUENCES` as argument-less functions (``inputs`` as in
+    :func:`time_round_trips`; each dispatch sends them, as a backward sends dL/dout). The
+    expanded layout's combines are unweighted, as a backward's are."""
+    tokens, ids, weights, kw = _dispatch_inputs(inputs)
+    if n_tokens is not None:
+        kw = {**kw, "n_tokens": n_tokens}
+    combine_kw = {**_layout(layout), **({"weights": None} if layout == "expanded" else {})}
+    st = {}
+
+    def dispatch():
+        st["b"] = rt.dispatch_wait(rt.dispatch_async(tokens, ids, weights, **kw), **_layout(layout))
+
+    def slot_values():
+        rt.slot_values_wait(rt.slot_values_async(values, st["b"].handle), out=slot_out)
+
+    def combine():
+        rt.combine_wait(rt.combine_async(expert_out, st["b"].handle, **combine_kw), out=out)
+
+    return {"dispatch": dispatch, "slot_values": slot_values, "combine": combine}
+
+
+def time_backward(rt, session, inputs, expert_out, out, samples: int, warmup: int, graph: bool,
+                  n_tokens=None, layout: str = "expanded") -> dict:
+    """Samples (us) of each sequence of :data:`BACKWARD_SEQUENCES` (one MoE layer's backward),
+    ``warmup + samples`` times each in turn. Eager: events around the sequence's calls after a
+    host barrier. ``graph`` (GPUs): one CUDA graph per sequence, replayed as
+    :func:`time_graph_round_trips` replays (host barrier, device spin, on-stream barrier, then
+    events around the replay). ``expert_out`` is shaped for ``layout``; the slot values are one
+    float32 a batch row."""
+    cfg = rt.cfg
+    values = session.alloc_local("bench.row_values", (cfg.recv_rows_capacity,), np.float32, fill=1.0)
+    slot_out = session.alloc_local("bench.slot_out", (cfg.max_tokens_per_rank, cfg.top_k), np.float32)
+    calls = _backward_calls(rt, inputs, expert_out, out, values, slot_out, n_tokens, layout)
+    clock = clock_for(session)
+    spans = {name: [] for name in BACKWARD_SEQUENCES}
+    rt.synchronize()
+    session.barrier()
+    if graph:
+        stream = session.stream
+        spin = (lambda: None) if session.backend == "sim" else DeviceSpin(stream, START_SPIN_US)
+        graphs = {name: _capture(stream, [calls[c] for c in seq]) for name, seq in BACKWARD_SEQUENCES.items()}
+    for i in range(warmup + samples):
+        for name, seq in BACKWARD_SEQUENCES.items():
+            session.barrier()
+            if graph:
+                spin()
+                session.stream_barrier()
+                a = clock.mark()
+                graphs[name].launch(stream)
+            else:
+                a = clock.mark()
+                for c in seq:
+                    calls[c]()
+            b = clock.mark()
+            if i >= warmup:
+                spans[name].append(clock.elapsed_us(a, b))
+    rt.synchronize()  # raise any error a call recorded on the device
+    return spans
+
+
 def ceilings(session, nbytes: int, reps: int) -> dict:
     """Measured in this run (GPUs only): ``nvlink_gbps``, one direction, every rank copying
     ``nbytes`` into the next rank's symmetric array at once (copy engine, through a peer

@@ -16,6 +16,7 @@ from ..config import EPConfig
 from ..layout import partial_dtype
 from ..testing import make_inputs
 from .measure import (GRAPH_ROUND_TRIPS, ceilings, nccl_all_to_all, nvshmem_alltoall, takes_device_token_count,
+                      time_backward,
                       time_graph_round_trips, time_round_trips)
 from .stats import gbps, summarize
 from .traffic import nccl_permutation, rank_traffic
@@ -170,9 +171,13 @@ def _time_runtime(session, args, cfg: EPConfig, inputs_of: dict, outs: dict, out
                                 session.alloc_local("bench.expert_rows", (cfg.n_ranks * T, cfg.hidden),
                                                     partial_dtype(cfg)))
             y = outs[layout]
+            backward = getattr(args, "backward", False) and token_input == "bf16" and not cfg.token_format.quantized
             for mode in modes(args):
                 if mode == "eager":
                     spans = time_round_trips(rt, session, inputs, y, out, args.samples, args.warmup, layout=layout)
+                    if backward:
+                        spans.update(time_backward(rt, session, inputs, y, out, args.samples, args.warmup, False,
+                                                   layout=layout))
                     runs.append((mode, layout, token_input, spans, None, plan))
                     continue
                 # captured with all T rows; with n_tokens, T is also read on the device at replay
@@ -185,6 +190,9 @@ def _time_runtime(session, args, cfg: EPConfig, inputs_of: dict, outs: dict, out
                 # a replay that did not run would time as nothing: count the calls the device made
                 graph["replayed_round_trips"] = len(GRAPH_ROUND_TRIPS) * (args.warmup + args.samples)
                 graph["device_calls"] = rt.device_calls() - before
+                if backward:
+                    spans.update(time_backward(rt, session, inputs, y, out, args.samples, args.warmup, True,
+                                               n_tokens=n_tok, layout=layout))
                 runs.append((mode, layout, token_input, spans, graph, plan))
     return runs
 
@@ -217,6 +225,9 @@ def _result(cfg, tr, spans, base, ceil, mode="eager", graph=None, layout="expand
     }
     if graph is not None:  # how the graphs were captured: rows, and whether T came from a device scalar
         res["graph"] = graph
+    if "backward" in times:  # one layer's backward: NVLink bytes of this rank (the larger direction)
+        D, C = tr.dispatch_nvlink_bytes, tr.combine_nvlink_bytes
+        res["backward_nvlink_bytes"] = {"backward": D + tr.slot_nvlink_bytes + C, "backward_2d2c": 2 * D + 2 * C}
     return res
 
 
@@ -281,6 +292,17 @@ def table(per_rank: list[list[dict]], simulated: bool = False) -> str:
                 f"{_fig(d['floor_us'], '.1f', 7)} {_fig(100 * d['of_floor'], '.1f', 5, suffix='%')} | "
                 f"{t['combine']['median']:>10.1f} {_fig(c['logical_gbps'], '.1f', 8, gpu)} "
                 f"{_fig(c['floor_us'], '.1f', 7)} {_fig(100 * c['of_floor'], '.1f', 5, suffix='%')} | {bl}")
+    backward = [(r, res) for r, results in enumerate(per_rank) for res in results if "backward" in res["times_us"]]
+    if backward:
+        lines.append("backward of one layer (median us, p10-p90; MB over NVLink, this rank's larger direction): "
+                     "dispatch + slot values + combine | 2 dispatches + 2 combines (before slot values)")
+    for r, res in backward:
+        t, b = res["times_us"], res["backward_nvlink_bytes"]
+        lines.append(f"{r:>4} {res['config']['max_tokens_per_rank']:>5} {res.get('mode', 'eager'):>5} "
+                     f"{res.get('layout', 'expanded'):>8} | {t['backward']['median']:>8.1f} "
+                     f"({t['backward']['p10']:.1f}-{t['backward']['p90']:.1f}) {b['backward'] / 1e6:>8.2f} MB | "
+                     f"{t['backward_2d2c']['median']:>8.1f} ({t['backward_2d2c']['p10']:.1f}-"
+                     f"{t['backward_2d2c']['p90']:.1f}) {b['backward_2d2c'] / 1e6:>8.2f} MB")
     if any(res.get("token_input") == "prequantized" for results in per_rank for res in results):
         lines.append("+pq: pre-quantized input (FP8 codes and scales from the caller, token_scales=); FP8 rows "
                      "without it quantize bf16 tokens inside dispatch_async")

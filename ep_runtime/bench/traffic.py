@@ -58,6 +58,8 @@ class Traffic:
     combine_hbm_bytes: int
     compact_dispatch_hbm_bytes: int
     compact_combine_hbm_bytes: int
+    #: a slot return (``EPRuntime.slot_values``): 4 bytes per row, home from the rows' ranks
+    slot_nvlink_bytes: int = 0
 
     def hbm_bytes(self, phase: str, layout: str = "expanded") -> int:
         """Device-memory bytes of ``phase`` ("dispatch" or "combine") in ``layout``."""
@@ -93,6 +95,10 @@ def rank_traffic(ids_per_rank, rank: int, n_local_experts: int, hidden: int, tok
     routing_in = sum(np.asarray(ids_per_rank[s]).shape[0] * K * 8 for s in range(R) if s != rank)
     out_rows = sum(sent) - sent[rank]
     in_rows = sum(recv) - recv[rank]
+    rows_from_others = sum(int((np.asarray(ids_per_rank[s]) // n_local_experts == rank).sum()) for s in range(R)
+                           if s != rank)
+    my_slots_elsewhere = int(((mine >= 0) & (mine < R * n_local_experts) & (mine // n_local_experts != rank)).sum()) \
+        if mine.size else 0
     return Traffic(
         tokens=T, rows=rows, sent=sent, recv=recv,
         logical_bytes=sum(recv) * tok,
@@ -102,6 +108,7 @@ def rank_traffic(ids_per_rank, rank: int, n_local_experts: int, hidden: int, tok
         combine_hbm_bytes=(rows + T) * row + 2 * sum(sent) * part,
         compact_dispatch_hbm_bytes=sent_any * in_row + sum(recv) * tok,
         compact_combine_hbm_bytes=T * row + (sum(recv) + 2 * out_rows) * part,
+        slot_nvlink_bytes=4 * max(rows_from_others, my_slots_elsewhere),
     )
 
 

@@ -1,0 +1,141 @@
+"""Slot values home: ``slot_values_async`` / ``slot_values_wait`` carry one float32 per expert-batch
+row back to the (token, top-k slot) it came from.
+
+What a backward needs for the router weights' gradient: ``d loss / d w[t, k]`` is the dot product
+of the combine output's gradient for token t with the output of the expert row slot k went to.
+Both are on the expert's rank after the backward's dispatch of the gradient, so each rank
+computes one float per row there, and these kernels bring the ``T x K`` floats home: 4 bytes a
+slot, where a combine moves a row of hidden values.
+
+``slot_values_async`` (the plan's grid, after ``dispatch_wait`` of call n): every row ``i <
+row_offsets[L]`` that came from a slot (``row_src_k[i] >= 0``; padding rows did not) writes
+``values[i]`` into ``slot_values[g, t, k]`` of its source rank (``t, k`` = ``row_src_token[i],
+row_src_k[i]``), a thread a row: a 4-byte store through the peer's NVLink mapping
+(``peer_bases[PEER_SLOTS]``), or an NVSHMEM put on the puts transport. Each block then publishes
+and takes a ticket (``dispatch_async_sync[SYNC_SLOT_TICKET]``); the last sets
+``slot_signal[g, me]`` to ``n + 1`` on every rank. Each routed slot of a token is one row
+somewhere, so every element it writes has exactly one writer.
+
+``slot_values_wait`` (the plan's grid): thread r of every block waits for ``slot_signal[g, r] >=
+n + 1`` (bounded; a timeout is recorded naming the rank and the counter), then the grid copies
+``slot_values[g]`` into ``out`` [T_out, K], an element a thread: the value of each routed slot of
+this rank's tokens, 0.0 for a masked or dropped slot (the routing row carries -1: ``routed_id``)
+and for tokens past the call's T. (One block copying ``T x K`` elements took about 50 us at
+T=4096, K=8: 64 dependent loads a thread.)
+
+Both read the call number from the device (``dispatch_async_sync[SYNC_CALLS]``), so they replay
+in CUDA graphs as the other calls do, and both wait for their predecessor before anything else
+(PDL: ``pdl_wait``, then ``pdl_trigger``). ``g = n % 2``: a rank's next call of the same group
+comes after a dispatch that every rank's earlier call must have finished.
+"""
+
+import functools
+
+from numba import float32, int32, int64, uint32, uint64
+
+from ep_runtime.kernels import shmem
+from ep_runtime.kernels.bits import f32_bits
+from ep_runtime.kernels.block import last_block_ticket, record_error
+from ep_runtime.kernels.cuda_api import cuda, kernel_jit
+from ep_runtime.kernels.pdl import make_pdl, programmatic
+from ep_runtime.kernels.protocol import (COUNTER_SLOT_SIGNAL, ERR_SHORT_ROWS, ERR_TIMEOUT, KERNEL_SLOT_VALUES_ASYNC,
+                                         KERNEL_SLOT_VALUES_WAIT, N_GROUPS, PEER_SLOTS, STATUS_CODE, SYNC_CALLS,
+                                         SYNC_SLOT_TICKET)
+from ep_runtime.kernels.vec import store_u32_at
+
+
+@functools.lru_cache(maxsize=None)
+def make_slot_values_kernels(threads: int, stores: bool, pdl: bool) -> dict:
+    """``{"slot_values_async": ..., "slot_values_wait": ...}`` for blocks of ``threads`` threads,
+    the plan's transport (``stores``: into the peers' NVLink mappings, else NVSHMEM puts) and
+    PDL (they do not depend on the formats or layouts)."""
+    STORES = stores
+    pdl_wait, pdl_trigger = make_pdl(pdl)
+
+    @kernel_jit(threads)
+    def slot_values_async(values, row_offsets, row_src_rank, row_src_token, row_src_k, slot_values, slot_signal,
+                          sync, status, peer_bases):
+        """Write each expert-batch row's value home; the last block signals every rank.
+
+        values [V] float32: one value per expert-batch row (row-aligned with the batch, ``V >=
+        row_offsets[L]``; a shorter array is refused with ``ERR_SHORT_ROWS`` and nothing is sent,
+        so the ranks waiting for this one time out naming it). row_offsets [L + 1], row_src_rank /
+        row_src_token / row_src_k [C] int32: the batch dispatch_wait of call n placed.
+        slot_values [G, T, K] float32, slot_signal [G, R] uint64: symmetric. sync: this rank's
+        dispatch_async_sync (the call number, the launch's ticket). status: the error record.
+        peer_bases [P, R] uint64: row PEER_SLOTS, ``slot_values`` on every rank (stores)."""
+        flag = cuda.shared.array(1, int32)
+        pdl_wait()  # the caller's values and the batch are complete
+        pdl_trigger()
+        n = sync[SYNC_CALLS] - 1
+        g = n % N_GROUPS
+        if status[STATUS_CODE] != 0:
+            return
+        me = shmem.my_pe()
+        L = row_offsets.shape[0] - 1
+        rows = row_offsets[L]
+        if rows > values.shape[0]:  # every block sees it: none takes the ticket, nothing is signalled
+            if cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
+                record_error(status, ERR_SHORT_ROWS, KERNEL_SLOT_VALUES_ASYNC, me, -1, 0, values.shape[0], rows,
+                             n + 1)
+            return
+        Tm = slot_values.shape[1]
+        K = slot_values.shape[2]
+        for i in range(cuda.blockIdx.x * threads + cuda.threadIdx.x, rows, cuda.gridDim.x * threads):
+            k = row_src_k[i]
+            if k >= 0:
+                s = row_src_rank[i]
+                t = row_src_token[i]
+                if STORES:
+                    store_u32_at(peer_bases[PEER_SLOTS, s], (g * Tm + t) * K + k, f32_bits(values[i]))
+                else:
+                    shmem.put(slot_values[g, t, k:k + 1], values[i:i + 1], s)
+        if last_block_ticket(sync[SYNC_SLOT_TICKET:SYNC_SLOT_TICKET + 1], flag, STORES):
+            if cuda.threadIdx.x == 0:  # every block published before its ticket: values before signal
+                for d in range(slot_signal.shape[1]):
+                    shmem.signal_op(slot_signal[g, me:me + 1], uint64(n + 1), shmem.SIGNAL_SET, d)
+                sync[SYNC_SLOT_TICKET] = 0
+
+    @kernel_jit(threads)
+    def slot_values_wait(out, slot_values, slot_signal, d_ids, d_counts, sync, status, timeout_ns):
+        """Wait for every rank's slot values of call n, then ``out[t, k]`` (float32 [T_out, K]) =
+        ``slot_values[g, t, k]`` where slot k of token t was routed (``d_ids[g, me, t, k]`` in
+        ``[0, E)``) and ``t < T`` (``d_counts[g, me, L]``), else 0.0. After a timeout (recorded) or
+        an earlier error, ``out`` is not (or not wholly) written: ``synchronize`` raises it."""
+        stop = cuda.shared.array(1, int32)
+        pdl_wait()
+        pdl_trigger()
+        n = sync[SYNC_CALLS] - 1
+        g = n % N_GROUPS
+        tid = cuda.threadIdx.x
+        me = shmem.my_pe()
+        if tid == 0:
+            stop[0] = int32(status[STATUS_CODE] != 0)
+        cuda.syncthreads()
+        if stop[0] != 0:
+            return
+        want = uint64(n + 1)
+        for r in range(tid, slot_signal.shape[1], threads):
+            seen = shmem.wait_signal_ge(slot_signal[g, r:r + 1], want, timeout_ns)
+            if seen < want:
+                record_error(status, ERR_TIMEOUT, KERNEL_SLOT_VALUES_WAIT, me, r, COUNTER_SLOT_SIGNAL, n + 1,
+                             int64(seen), n + 1)
+                stop[0] = 1
+        cuda.syncthreads()  # with the acquire polls: what the signals published is visible to the block
+        if stop[0] != 0:
+            return
+        R = d_counts.shape[1]
+        L = d_counts.shape[2] - 1
+        E = R * L
+        K = out.shape[1]
+        T = d_counts[g, me, L]
+        for j in range(cuda.blockIdx.x * threads + tid, out.shape[0] * K, cuda.gridDim.x * threads):
+            t = j // K
+            k = j - t * K
+            v = float32(0.0)
+            if t < T and uint32(d_ids[g, me, t, k]) < uint32(E):  # a masked (-1) or dropped slot has none
+                v = slot_values[g, t, k]
+            out[t, k] = v
+
+    return {"slot_values_async": programmatic(slot_values_async, pdl),
+            "slot_values_wait": programmatic(slot_values_wait, pdl)}

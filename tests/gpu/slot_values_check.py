@@ -1,0 +1,152 @@
+"""Slot values home on GPUs (one rank per GPU), as tests/test_slot_values_sim.py checks them on the
+simulator, then their time next to a combine of the same batch:
+
+    mpirun -np 2 -x PYTHONPATH python3 tests/gpu/slot_values_check.py [--tokens 128 4096] [--hidden 512]
+
+Per token count, on a runtime with ``debug=False``: the simulator test's calls (``slot_pe``: masked
+slots, a rank with no tokens, none anywhere, every token to one expert, a planted repeated id, both
+layouts), each rank's ``[T, K]`` slot values exactly the expected ones (values that encode the
+row's source rank, token and expert) and the same batch's combine within the reference's
+tolerance (exact on the simulator; a GPU's fused multiply-adds round differently);
+then values shorter than the batch (``short_values_pe``): ``EPInputError`` on that rank and an
+``EPTimeoutError`` naming its ``slot_signal`` on the others. Then, at ``--time-tokens`` tokens a
+rank and ``--time-hidden`` (random routing), CUDA-event medians of ``slot_values_async +
+slot_values_wait`` and of the combine (``combine_async + combine_wait``) of the same batch, with
+the bytes each moves. Prints a table (rank 0), then PASS or FAIL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # tests/: the simulator test's helpers
+
+
+def exactness(session, cfg, me: int) -> list[str]:
+    """The simulator test's calls on this runtime config: this rank's failures."""
+    from test_slot_values_sim import CALLS, expected_home, planted_inputs, slot_pe
+
+    from ep_runtime import reference
+    from ep_runtime.testing import expert_outputs
+
+    fails = []
+    got = slot_pe(session, cfg)
+    for call in range(CALLS):
+        xs, ids, ws = planted_inputs(cfg, call)
+        if not np.array_equal(got[call]["home"], expected_home(cfg, me, ids[me])):
+            bad = np.argwhere(got[call]["home"] != expected_home(cfg, me, ids[me]))
+            fails.append(f"T={cfg.max_tokens_per_rank} call {call}: slot values differ at {bad[:4].tolist()}")
+        refs = reference.dispatch(xs, ids, ws, cfg)
+        ys = [expert_outputs(cfg, refs[s], s) for s in range(cfg.n_ranks)]
+        want = reference.combine(ys, refs, ids, cfg, home_ranks=[me])[me].astype(np.float32)
+        # within the reference's tolerance (a GPU's fused multiply-adds round differently)
+        y_max = max(float(np.abs(y.view(reference.BF16)[:b.n_rows].astype(np.float32)).max(initial=0))
+                    for y, b in zip(ys, refs))
+        weights = np.where(reference.routed_ids(ids[me], cfg.n_experts) >= 0, ws[me], 0)
+        tol = reference.combine_tolerance(weights, y_max)
+        err = np.abs(got[call]["combined"].view(reference.BF16).astype(np.float32) - want)
+        if (err > tol[:, None]).any():
+            fails.append(f"T={cfg.max_tokens_per_rank} call {call}: the combine after the slot values is off by "
+                         f"{float(err.max())}, over its tolerance")
+    return fails
+
+
+def timings(session, cfg, samples: int) -> dict:
+    """Medians (us) of the slot return and of the combine of the same batch, on this rank."""
+    from ep_runtime import EPRuntime
+    from ep_runtime.bench.measure import clock_for
+    from ep_runtime.testing import make_inputs
+
+    clock = clock_for(session)
+    xs, ids, ws = make_inputs(cfg, "random", 7, n_tokens=[cfg.max_tokens_per_rank] * cfg.n_ranks)
+    me = session.rank
+    x, i, w = (session.to_device(a) for a in (xs[me].view(np.uint16), ids[me], ws[me]))
+    values = session.to_device(np.ones(cfg.recv_rows_capacity, np.float32))
+    y = session.to_device(np.zeros((cfg.recv_rows_capacity, cfg.hidden), np.uint16))
+    out = session.to_device(np.zeros((cfg.max_tokens_per_rank, cfg.top_k), np.float32))
+    slot_us, combine_us = [], []
+    with EPRuntime(cfg, session, debug=False) as rt:
+        for n in range(5 + samples):
+            batch = rt.dispatch_wait(rt.dispatch_async(x, i, w))
+            session.barrier()
+            a = clock.mark()
+            rt.slot_values_wait(rt.slot_values_async(values, batch.handle), out=out)
+            b = clock.mark()
+            session.barrier()
+            c = clock.mark()
+            rt.combine_wait(rt.combine_async(y, batch.handle))
+            d = clock.mark()
+            if n >= 5:
+                slot_us.append(clock.elapsed_us(a, b))
+                combine_us.append(clock.elapsed_us(c, d))
+        rt.synchronize()
+        rows = int(session.to_host(batch.row_offsets)[-1])
+    return {"slot_us": float(np.median(slot_us)), "combine_us": float(np.median(combine_us)),
+            "slot_bytes": rows * 4, "combine_bytes": rows * cfg.hidden * 2}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, nargs="+", default=[128, 4096])
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--experts", type=int, default=64)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--time-tokens", type=int, nargs="*", default=[128, 4096])
+    ap.add_argument("--time-hidden", type=int, default=7168)
+    ap.add_argument("--time-experts", type=int, default=256)
+    ap.add_argument("--samples", type=int, default=50)
+    args = ap.parse_args()
+    from mpi4py import MPI
+    from test_slot_values_sim import cfg_of, short_values_pe
+
+    from ep_runtime.layout import BufferLayout
+    from ep_runtime.shmem import open_session
+
+    comm = MPI.COMM_WORLD
+    R = comm.Get_size()
+    configs = [cfg_of(R, n_experts=args.experts, top_k=args.top_k, hidden=args.hidden, max_tokens_per_rank=T)
+               for T in args.tokens]
+    timed = [cfg_of(R, n_experts=args.time_experts, top_k=args.top_k, hidden=args.time_hidden, max_tokens_per_rank=T,
+                    pad_multiple=1) for T in args.time_tokens]
+    heap = max(BufferLayout(c).symmetric_bytes for c in configs + timed)
+    session = open_session("nvshmem", heap_bytes=heap)
+    me, failures, rows = session.rank, [], []
+    for cfg in configs:
+        fails = exactness(session, cfg, me)
+        rows.append((f"exact, T={cfg.max_tokens_per_rank} hidden {cfg.hidden}", "exact" if not fails else "FAIL"))
+        failures += fails
+    short = short_values_pe(session, cfg_of(R, wait_timeout_s=1.0, max_tokens_per_rank=4))
+    want = "EPInputError: rank 0: slot_values_async of call 0: values has" if me == 0 else \
+        f"EPTimeoutError: rank {me}: slot_values_wait of call 0 timed out"
+    ok = short["error"] is not None and short["error"].startswith(want) and \
+        (me == 0 or "waiting for rank 0: slot_signal[0][0]" in short["error"])
+    rows.append(("short values: the error raised", (short["error"] or "none")[:70]))
+    failures += [] if ok else [f"short values: expected {want!r}, got {short['error']!r}"]
+    times = [(cfg, timings(session, cfg, args.samples)) for cfg in timed]
+    all_rows, all_failures = comm.gather(rows, root=0), comm.gather(failures, root=0)
+    all_times = comm.gather([t for _, t in times], root=0)
+    session.close()
+    if me != 0:
+        return 0
+    for f in sum(all_failures, []):
+        print("FAIL:", f)
+    for r, r_rows in enumerate(all_rows):
+        for what, result in r_rows:
+            print(f"rank {r}  {what:<40} {result}")
+    print(f"{'T':>6} {'hidden':>6} {'rank':>4} {'slot values us':>15} {'bytes':>10} {'combine us':>11} {'bytes':>12}")
+    for j, (cfg, _) in enumerate(times):
+        for r in range(R):
+            t = all_times[r][j]
+            print(f"{cfg.max_tokens_per_rank:>6} {cfg.hidden:>6} {r:>4} {t['slot_us']:>15.1f} {t['slot_bytes']:>10} "
+                  f"{t['combine_us']:>11.1f} {t['combine_bytes']:>12}")
+    ok = not sum(all_failures, [])
+    print("PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
