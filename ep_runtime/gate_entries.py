@@ -68,19 +68,21 @@ def plan_entries(formats=FORMATS, variants=PLAN_VARIANTS, pdl: bool = True) -> l
     return out
 
 
-def _in_cross_section(name: str, token_dtype: str, receiver: str) -> bool:
-    """Whether the default gate builds kernel ``name`` of a plan with ``receiver`` in
-    ``token_dtype``. Every bfloat16 build is in it (each receiver, transport and partial
-    format). In an FP8 format the receivers' own kernels and ``dispatch_copy`` are built once
-    each, and ``dispatch_async`` only for the ``wait`` receiver (on both transports): the FP8
-    quantizing code is one device function every sender calls, and what a sender of another
-    receiver adds (routes, parts) is the bfloat16 build's, which the gate builds. The receive
-    kernels of UE8M0 equal FP8_E4M3's except for the scale words they copy, so they are built
-    in FP8_E4M3 only; ``dispatch_copy`` (which writes the scales' layout) in both."""
+def _in_cross_section(name: str, token_dtype: str, receiver: str, transport: str = "stores") -> bool:
+    """Whether the default gate builds kernel ``name`` of a plan with ``receiver`` and
+    ``transport`` in ``token_dtype``. Every bfloat16 build is in it (each receiver, transport
+    and partial format). In an FP8 format the receivers' own kernels and ``dispatch_copy`` are
+    built once each, and ``dispatch_async`` only for the ``wait`` receiver (FP8_E4M3 on both
+    transports, UE8M0 on stores): the FP8 quantizing code is one device function every sender
+    calls, and what a sender of another receiver adds (routes, parts) is the bfloat16 build's,
+    which the gate builds; UE8M0's puts sender is FP8_E4M3's with UE8M0's scale code, built in
+    its stores sender. The receive kernels of UE8M0 equal FP8_E4M3's except for the scale words
+    they copy, so they are built in FP8_E4M3 only; ``dispatch_copy`` (which writes the scales'
+    layout) in both."""
     if token_dtype == "bfloat16":
         return True
     if name == "dispatch_async":
-        return receiver == "wait"
+        return receiver == "wait" and (token_dtype == "fp8_e4m3" or transport == "stores")
     if name == "dispatch_copy":
         return True
     return token_dtype == "fp8_e4m3"
@@ -102,7 +104,8 @@ def ep_kernel_entries(every_build: bool = False):
     seen, entries = set(), []
     for label, cfg, plan in plan_entries():
         for name, kernel, argtypes in kernel_builds(cfg, plan):
-            if not (every_build or _in_cross_section(name, cfg.token_dtype, plan.receiver.value)):
+            if not (every_build or _in_cross_section(name, cfg.token_dtype, plan.receiver.value,
+                                                     plan.transport.value)):
                 continue
             key = kernel_key(kernel, argtypes, TARGET_CC)
             if key not in seen:
@@ -111,11 +114,16 @@ def ep_kernel_entries(every_build: bool = False):
     return entries
 
 
+#: The probes of nvshmem4py's device calls the EP kernels make (the rest of GATE_ENTRIES are the
+#: SHMEM layer's self-test kernels, which every_build checks and tests/gpu/shmem_check.py runs).
+PROBE_ENTRIES = GATE_ENTRIES[:2]
+
+
 def gate_entries():
-    """The default gate: the probes, the SHMEM layer's kernels and the EP builds' cross-section."""
-    return list(GATE_ENTRIES) + ep_kernel_entries()
+    """The default gate (CI): the probes and the EP builds' cross-section."""
+    return list(PROBE_ENTRIES) + ep_kernel_entries()
 
 
 def every_build():
-    """:func:`gate_entries` with every EP build of every plan variant and format."""
+    """The probes, the SHMEM layer's self-test kernels and every EP build of every plan variant and format."""
     return list(GATE_ENTRIES) + ep_kernel_entries(every_build=True)
