@@ -2,7 +2,11 @@
 GPU), as tests/test_masked_ids_sim.py checks them on the simulator:
 
     mpirun -np 2 -x PYTHONPATH python3 tests/gpu/bad_ids_check.py [--tokens 128] [--plans default] [--layouts expanded]
-    mpirun -np 2 -x PYTHONPATH compute-sanitizer --tool memcheck python3 tests/gpu/bad_ids_check.py
+    NVSHMEM_DISABLE_CUDA_VMM=1 mpirun -np 2 -x PYTHONPATH -x NVSHMEM_DISABLE_CUDA_VMM compute-sanitizer \
+        --tool memcheck --leak-check no --report-api-errors no --check-device-heap no \
+        python3 tests/gpu/bad_ids_check.py --tokens 32 --hidden 1024 --experts 16 --top-k 4
+
+(under memcheck NVSHMEM's bring-up alone takes about 300 s; fill the kernel cache first)
 
 Per plan and layout, on a runtime built with ``debug=False``: a call whose routing is the
 ``masked`` scenario with ``n_experts + 3`` planted on rank 0 (token 1, slot 0) and ``-7`` on the
