@@ -7,8 +7,10 @@ and token in the first columns) and from where it was placed (the global expert 
 ``rank * 1e6 + t * 1e3 + routed_id[t, k]``, or 0.0 for a masked slot and a repeated id's later
 slot; a row that went to the wrong token, slot or rank shows as a wrong number. The calls cover
 the awkward routings (masked slots, a rank with no tokens, no token anywhere, every token to one
-expert), a planted repeated id, both layouts, and the same batch's combine after the slot values
-(the runtime stays dispatched), exact against the reference. Then what the host refuses (a second
+expert), a planted repeated id, both layouts, a token count on the device (inputs padded to
+capacity, as a captured CUDA graph passes them: the slots past the count come home as 0), and the
+same batch's combine after the slot values (the runtime stays dispatched), exact against the
+reference; both transports. Then what the host refuses (a second
 slot return for one dispatch, a combine before slot_values_wait, wrong dtypes and shapes) and the
 device errors: values shorter than the batch, named on its rank, and the peers' waits timing out
 naming that rank's slot signal.
@@ -23,10 +25,13 @@ from ep_runtime import reference
 from ep_runtime.config import EPConfig
 from ep_runtime.errors import EPInputError, EPStateError, EPTimeoutError
 from ep_runtime.shmem.launch import run_pes
-from ep_runtime.testing import call_inputs, call_layout, expert_outputs
+from ep_runtime.testing import POISON_BF16, call_inputs, call_layout, expert_outputs
 
 SEED = 4100
-CALLS = 5  # random, zero_rank, masked, one_expert (no token anywhere at call 3), random again
+CALLS = 6  # random, zero_rank, masked, one_expert (no token anywhere at call 3), random, zero_rank
+#: its tokens padded to capacity, their count a device scalar; the routing rows and slot values past
+#: the count are an earlier call's of the same buffer group (call 1), which must not come home
+DEVICE_COUNT_CALL = 5
 
 
 def cfg_of(R: int, **changes) -> EPConfig:
@@ -65,6 +70,15 @@ def expected_home(cfg: EPConfig, rank: int, ids: np.ndarray) -> np.ndarray:
     return np.where(routed >= 0, rank * 1e6 + t * 1e3 + routed, 0.0).astype(np.float32)
 
 
+def expected_home_of_call(cfg: EPConfig, rank: int, call: int) -> np.ndarray:
+    """:func:`expected_home` of call ``call``'s routing on ``rank``, with zero rows up to capacity on
+    the device-count call (its slots past the count)."""
+    want = expected_home(cfg, rank, planted_inputs(cfg, call)[1][rank])
+    if call == DEVICE_COUNT_CALL:
+        want = np.vstack([want, np.zeros((cfg.max_tokens_per_rank - len(want), cfg.top_k), np.float32)])
+    return want
+
+
 def slot_pe(session, cfg: EPConfig, plan=None) -> list:
     from ep_runtime.runtime import EPRuntime
 
@@ -73,8 +87,15 @@ def slot_pe(session, cfg: EPConfig, plan=None) -> list:
         for call in range(CALLS):
             xs, ids, ws = planted_inputs(cfg, call)
             layout = call_layout(cfg, call)
-            x, i, w = (session.to_device(a) for a in (xs[r].view(np.uint16), ids[r], ws[r]))
-            batch = rt.dispatch_wait(rt.dispatch_async(x, i, w), layout=layout)
+            x, i, w, n_tokens = xs[r].view(np.uint16), ids[r], ws[r], None
+            if call == DEVICE_COUNT_CALL:  # padded to capacity, the count on the device (a graph's call)
+                T, n = cfg.max_tokens_per_rank, len(x)
+                x = np.vstack([x, np.full((T - n, cfg.hidden), POISON_BF16, np.uint16)])
+                i = np.vstack([i, np.zeros((T - n, cfg.top_k), np.int32) + np.arange(cfg.top_k, dtype=np.int32)])
+                w = np.vstack([w, np.ones((T - n, cfg.top_k), np.float32)])
+                n_tokens = session.to_device(np.array([n], np.int32))
+            x, i, w = (session.to_device(a) for a in (x, i, w))
+            batch = rt.dispatch_wait(rt.dispatch_async(x, i, w, n_tokens=n_tokens), layout=layout)
             values = session.to_device(row_values(session, cfg, batch, layout))
             refs = reference.dispatch(xs, ids, ws, cfg)
             y = session.to_device(expert_outputs(cfg, refs[r], r))
@@ -116,8 +137,8 @@ def test_every_slot_value_reaches_its_token_and_slot(runs):
     for call in range(CALLS):
         xs, ids, ws = planted_inputs(cfg, call)
         for r in range(cfg.n_ranks):
-            got, want = res[r][call]["home"], expected_home(cfg, r, ids[r])
-            assert got.shape == (len(ids[r]), cfg.top_k) and got.dtype == np.float32
+            got, want = res[r][call]["home"], expected_home_of_call(cfg, r, call)
+            assert got.shape == want.shape and got.dtype == np.float32
             np.testing.assert_array_equal(got, want, err_msg=f"call {call} rank {r}")
     masked = [ids for call in range(CALLS) for ids in planted_inputs(cfg, call)[1] if len(ids)]
     assert any((i < 0).any() for i in masked), "no masked slot was exercised"

@@ -28,7 +28,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # tests
 
 def exactness(session, cfg, me: int) -> list[str]:
     """The simulator test's calls on this runtime config: this rank's failures."""
-    from test_slot_values_sim import CALLS, expected_home, planted_inputs, slot_pe
+    from test_slot_values_sim import CALLS, expected_home_of_call, planted_inputs, slot_pe
 
     from ep_runtime import reference
     from ep_runtime.testing import expert_outputs
@@ -37,9 +37,11 @@ def exactness(session, cfg, me: int) -> list[str]:
     got = slot_pe(session, cfg)
     for call in range(CALLS):
         xs, ids, ws = planted_inputs(cfg, call)
-        if not np.array_equal(got[call]["home"], expected_home(cfg, me, ids[me])):
-            bad = np.argwhere(got[call]["home"] != expected_home(cfg, me, ids[me]))
-            fails.append(f"T={cfg.max_tokens_per_rank} call {call}: slot values differ at {bad[:4].tolist()}")
+        want = expected_home_of_call(cfg, me, call)
+        if got[call]["home"].shape != want.shape or not np.array_equal(got[call]["home"], want):
+            bad = (np.argwhere(got[call]["home"] != want).tolist() if got[call]["home"].shape == want.shape
+                   else [f"shape {got[call]['home'].shape}, want {want.shape}"])
+            fails.append(f"T={cfg.max_tokens_per_rank} call {call}: slot values differ at {bad[:4]}")
         refs = reference.dispatch(xs, ids, ws, cfg)
         ys = [expert_outputs(cfg, refs[s], s) for s in range(cfg.n_ranks)]
         want = reference.combine(ys, refs, ids, cfg, home_ranks=[me])[me].astype(np.float32)
