@@ -229,19 +229,26 @@ BATCH_FIELDS = ("x", "row_offsets", "expert_counts", "src_rank", "src_token", "s
 FP8_CALLS = (("expanded", "row"), ("compact", "row"), ("expanded", "column"))
 
 
+def padded_to_capacity(session, cfg: EPConfig, x, i, w):
+    """``(x, i, w, n_tokens)``: this rank's inputs (host arrays: bf16 bits, ids, weights) padded
+    to the runtime's capacity (NaN token rows, distinct ids, weights 1) and their token count as
+    a [1] int32 device scalar, as a captured CUDA graph passes them to ``dispatch_async``."""
+    T, n = cfg.max_tokens_per_rank, len(x)
+    x = np.vstack([x, np.full((T - n, cfg.hidden), POISON_BF16, np.uint16)])
+    i = np.vstack([i, np.zeros((T - n, cfg.top_k), np.int32) + np.arange(cfg.top_k, dtype=np.int32)])
+    w = np.vstack([w, np.ones((T - n, cfg.top_k), np.float32)])
+    return x, i, w, session.to_device(np.array([n], np.int32))
+
+
 def dispatch_to_host(session, rt, cfg: EPConfig, x, i, w, layout: str, device_count: bool = False):
     """One dispatch of this rank's ``x`` (bf16 bits), ``i`` (ids), ``w`` (weights) in ``layout``:
     ``(got, batch)``, ``got`` the batch's :data:`BATCH_FIELDS` as host copies (the compact
     layout's ``gather`` and ``recv_tokens`` too). ``device_count``: the inputs padded to the
     runtime's capacity (NaN token rows, distinct ids, weights 1) and the token count passed as a
-    device scalar (``n_tokens``), as a captured CUDA graph passes it."""
+    device scalar (``n_tokens``), as a captured CUDA graph passes it (:func:`padded_to_capacity`)."""
     n_tokens = None
     if device_count:
-        T, n = cfg.max_tokens_per_rank, len(x)
-        x = np.vstack([x, np.full((T - n, cfg.hidden), POISON_BF16, np.uint16)])
-        i = np.vstack([i, np.zeros((T - n, cfg.top_k), np.int32) + np.arange(cfg.top_k, dtype=np.int32)])
-        w = np.vstack([w, np.ones((T - n, cfg.top_k), np.float32)])
-        n_tokens = session.to_device(np.array([n], np.int32))
+        x, i, w, n_tokens = padded_to_capacity(session, cfg, x, i, w)
     batch = rt.dispatch_wait(rt.dispatch_async(x, i, w, n_tokens=n_tokens), layout=layout)
     got = {k: session.to_host(getattr(batch, k)).copy() for k in BATCH_FIELDS}
     if layout == "compact":

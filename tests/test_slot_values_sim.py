@@ -25,7 +25,7 @@ from ep_runtime import reference
 from ep_runtime.config import EPConfig
 from ep_runtime.errors import EPInputError, EPStateError, EPTimeoutError
 from ep_runtime.shmem.launch import run_pes
-from ep_runtime.testing import POISON_BF16, call_inputs, call_layout, expert_outputs
+from ep_runtime.testing import call_inputs, call_layout, expert_outputs, padded_to_capacity
 
 SEED = 4100
 CALLS = 6  # random, zero_rank, masked, one_expert (no token anywhere at call 3), random, zero_rank
@@ -89,11 +89,7 @@ def slot_pe(session, cfg: EPConfig, plan=None) -> list:
             layout = call_layout(cfg, call)
             x, i, w, n_tokens = xs[r].view(np.uint16), ids[r], ws[r], None
             if call == DEVICE_COUNT_CALL:  # padded to capacity, the count on the device (a graph's call)
-                T, n = cfg.max_tokens_per_rank, len(x)
-                x = np.vstack([x, np.full((T - n, cfg.hidden), POISON_BF16, np.uint16)])
-                i = np.vstack([i, np.zeros((T - n, cfg.top_k), np.int32) + np.arange(cfg.top_k, dtype=np.int32)])
-                w = np.vstack([w, np.ones((T - n, cfg.top_k), np.float32)])
-                n_tokens = session.to_device(np.array([n], np.int32))
+                x, i, w, n_tokens = padded_to_capacity(session, cfg, x, i, w)
             x, i, w = (session.to_device(a) for a in (x, i, w))
             batch = rt.dispatch_wait(rt.dispatch_async(x, i, w, n_tokens=n_tokens), layout=layout)
             values = session.to_device(row_values(session, cfg, batch, layout))
