@@ -20,8 +20,7 @@ somewhere, so every element it writes has exactly one writer.
 n + 1`` (bounded; a timeout is recorded naming the rank and the counter), then the grid copies
 ``slot_values[g]`` into ``out`` [T_out, K], an element a thread: the value of each routed slot of
 this rank's tokens, 0.0 for a masked or dropped slot (the routing row carries -1: ``routed_id``)
-and for tokens past the call's T. (One block copying ``T x K`` elements took about 50 us at
-T=4096, K=8: 64 dependent loads a thread.)
+and for tokens past the call's T (docs/plans.md says why the whole grid copies).
 
 Both read the call number from the device (``dispatch_async_sync[SYNC_CALLS]``), so they replay
 in CUDA graphs as the other calls do, and both wait for their predecessor before anything else
