@@ -3,7 +3,9 @@
 Every receiver needs each source's routing rows (``dispatch_topk_ids`` / ``_weights``: ids and
 weights of every token, sent to every rank). The ids go as ``routed_id`` reads them: -1 for a
 masked slot, for an id outside ``[0, n_experts)`` (dropped, and recorded) and for a repeat of an
-earlier slot's id, so every receiver sees only its experts' ids or -1. The ``wait`` and ``land``
+earlier slot's id, so every receiver sees only its experts' ids or -1; only a plain route-first
+call's routing block leaves repeats in, which its receivers mask in their copy of the rows before
+any kernel reads them (``ranking.rank_round``). The ``wait`` and ``land``
 receivers also need each (token, k)'s rank among the source's tokens with that expert
 (``dispatch_ranks``) and each expert's token count (``dispatch_counts``): the grid's last blocks
 (routing blocks) compute them beside the token blocks, each a chunk of the tokens. Route-first receivers rank for
@@ -92,6 +94,7 @@ def make_dispatch_route(v: DispatchVariant) -> SimpleNamespace:
     QUANT = v.quantized
     LAND = v.receiver is Receiver.LAND
     FIRST = v.receiver.routes_first
+    CHUNKS = v.receiver is Receiver.ROUTE_FIRST_CHUNKED
     SW = RANK_WINDOW
     RANK_WORDS = warps * SW
     warp_first_ranks = make_ranking(threads).warp_first_ranks
@@ -200,32 +203,45 @@ def make_dispatch_route(v: DispatchVariant) -> SimpleNamespace:
     @inlined
     def send_routing_first(topk_ids, topk_weights, d_ids, d_weights, d_counts, d_route, peer_bases, g, me, n, T, R,
                            L, K, status):
-        """Every thread of a route-first call's routing block: the routing rows (the ids as
-        ``routed_id`` reads them, the weights) and
-        T (``d_counts[g, me, L]``, read by combine) into every rank, then, after a system fence,
-        the route signal. Nothing is ranked here: each receiver ranks from the routing rows."""
+        """Every thread of a route-first call's routing block: the routing rows (the ids, the
+        weights) and T (``d_counts[g, me, L]``, read by combine) into every rank, then, after a
+        system fence, the route signal. Nothing is ranked here: each receiver ranks from the
+        routing rows. An id outside ``[0, E)`` goes as -1, and once the route signal is out a
+        second pass over the ids records the first such slot (``record_dropped``): no
+        bookkeeping in the loop before the signal (docs/plans.md, "The guard on expert ids"). A
+        chunked build's ids go as ``routed_id`` reads them (its chunk counts take them as they
+        are); a plain route-first build's repeats go as they are: its receivers mask them from
+        the marks they rank with (``ranking.rank_round``), where comparing each slot with its
+        token's earlier slots here would be on the routing's critical path."""
         ids_at = address_of(d_ids[g, me]) - address_of(d_ids)
         weights_at = address_of(d_weights[g, me]) - address_of(d_weights)
         E = R * L
         ids_l = cuda.local.array(ID_BATCH, int32)
-        drop = int32(-1)  # the first slot (t K + k) this thread dropped
         for j in range(cuda.threadIdx.x, T * K, threads):
             t = int32(udiv32(j, K))
             k = j - t * K
-            x = routed_id(topk_ids, t, k, K, E, ids_l)
-            if x == MASKED_SLOT and drop < 0 and uint32(topk_ids[t, k]) >= uint32(E) and topk_ids[t, k] != x:
-                drop = int32(j)
+            if CHUNKS:
+                x = routed_id(topk_ids, t, k, K, E, ids_l)
+            else:  # the range alone: the receivers mask repeats
+                x = topk_ids[t, k]
+                if uint32(x) >= uint32(E):
+                    x = int32(MASKED_SLOT)
             wbits = f32_bits(topk_weights[t, k])
             for d in range(R):
                 store_u32_at(peer_bases[PEER_IDS, d] + ids_at, j, uint32(x))
                 store_u32_at(peer_bases[PEER_WEIGHTS, d] + weights_at, j, wbits)
-        if drop >= 0:
-            record_dropped(status, topk_ids, drop // K, drop - (drop // K) * K, E, me, n)
         store_token_count(d_counts, peer_bases, g, me, R, L, T)
         cuda.syncthreads()
         if cuda.threadIdx.x == 0:  # data before signal: the system fence is cumulative over the barrier
             publish_fence(True)
             signal_routing(d_route, g, me, n, T, R, 0, 1)
+        for j in range(cuda.threadIdx.x, T * K, threads):  # the dropped slots, after the signal
+            t = int32(udiv32(j, K))
+            k = j - t * K
+            x = topk_ids[t, k]
+            if uint32(x) >= uint32(E) and x != MASKED_SLOT:
+                record_dropped(status, topk_ids, t, k, E, me, n)
+                break
         stamp_last(status, 29)
 
     @cuda.jit(device=True)

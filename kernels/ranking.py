@@ -19,6 +19,7 @@ from numba import int32, uint32
 from ep_runtime.kernels.block import popc32, warp_geometry
 from ep_runtime.kernels.cuda_api import SIMULATED, cuda
 from ep_runtime.kernels.placement import make_placement
+from ep_runtime.kernels.protocol import MASKED_SLOT
 
 #: Local experts a receiver ranks per pass over the received tokens (shared lane masks and row
 #: words of warps x RECV_WINDOW words each, 8 KB apiece at 16 warps): one pass for up to 128
@@ -65,10 +66,13 @@ def make_ranking(threads: int) -> SimpleNamespace:
     @cuda.jit(device=True)
     def mark_window(masks, x, x0, wid, lane):
         """Set this lane's bit in its warp's mask of expert ``x`` (global id) if it is in the
-        window ``[x0, x0 + RECV_WINDOW)``."""
+        window ``[x0, x0 + RECV_WINDOW)``. Returns whether the bit was set already: an earlier
+        slot of the lane's token named the same expert (a repeat)."""
         el = x - x0
         if el >= 0 and el < RW:
-            cuda.atomic.or_(masks, wid * RW + el, uint32(1) << uint32(lane))
+            bit = uint32(1) << uint32(lane)
+            return (cuda.atomic.or_(masks, wid * RW + el, bit) & bit) != uint32(0)
+        return False
 
     @cuda.jit(device=True)
     def rank_round(d_ids, g, s, t, K, valid, ids_l, x0, masks, warp_rows, next_rank, wid, lane):
@@ -77,17 +81,31 @@ def make_ranking(threads: int) -> SimpleNamespace:
         mask of each of its token's experts in the window ``[x0, x0 + RECV_WINDOW)`` (global
         ids), then a thread per window expert turns the masks into each warp's first rank
         (``warp_rows``, from ``next_rank``, which it advances past the round). Three barriers;
-        the masks and warp rows stay valid until the next round."""
+        the masks and warp rows stay valid until the next round.
+
+        A slot whose expert an earlier slot of its token named (its bit was set already: the
+        lane marks its slots in order) is a repeat: masked, -1 in ``ids_l`` and in the routing
+        rows ``d_ids[g, s, t]`` themselves, so the descriptions and the kernels after this
+        receiver count the expert once (a plain route-first sender leaves repeats in: docs/
+        protocol.md, "Semantics"). Every thread ranking the token writes the same -1s. Only this
+        window's experts are seen: the local ones, all a receiver places."""
         tid = cuda.threadIdx.x
         for m in range(tid, RECV_WORDS, threads):
             masks[m] = uint32(0)
         cuda.syncthreads()
         if valid:
+            repeats = uint32(0)  # bit u: slot u repeats (no branch on an atomic's result: all in flight)
             for u in range(ID_BATCH):
                 if u < K:
-                    mark_window(masks, ids_l[u], x0, wid, lane)
+                    repeats |= uint32(mark_window(masks, ids_l[u], x0, wid, lane)) << uint32(u)
+            if repeats != uint32(0):
+                for u in range(ID_BATCH):
+                    if (repeats >> uint32(u)) & uint32(1):
+                        ids_l[u] = int32(MASKED_SLOT)
+                        d_ids[g, s, t, u] = int32(MASKED_SLOT)
             for k in range(ID_BATCH, K):
-                mark_window(masks, d_ids[g, s, t, k], x0, wid, lane)
+                if mark_window(masks, d_ids[g, s, t, k], x0, wid, lane):
+                    d_ids[g, s, t, k] = int32(MASKED_SLOT)
         cuda.syncthreads()
         warp_first_ranks(masks, warp_rows, next_rank, RW)
         cuda.syncthreads()

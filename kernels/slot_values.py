@@ -19,8 +19,10 @@ somewhere, so every element it writes has exactly one writer.
 ``slot_values_wait`` (the plan's grid): thread r of every block waits for ``slot_signal[g, r] >=
 n + 1`` (bounded; a timeout is recorded naming the rank and the counter), then the grid copies
 ``slot_values[g]`` into ``out`` [T_out, K], an element a thread: the value of each routed slot of
-this rank's tokens, 0.0 for a masked or dropped slot (the routing row carries -1: ``routed_id``)
-and for tokens past the call's T (docs/plans.md says why the whole grid copies).
+this rank's tokens, 0.0 for a masked or dropped slot (the routing row carries -1: ``routed_id``),
+for a repeat of an earlier slot's id (a plain route-first sender sends repeats, and a receiver
+masks only its own experts': each element is compared with its token's earlier slots) and for
+tokens past the call's T (docs/plans.md says why the whole grid copies).
 
 Both read the call number from the device (``dispatch_async_sync[SYNC_CALLS]``), so they replay
 in CUDA graphs as the other calls do, and both wait for their predecessor before anything else
@@ -99,7 +101,7 @@ def make_slot_values_kernels(threads: int, stores: bool, pdl: bool) -> dict:
     def slot_values_wait(out, slot_values, slot_signal, d_ids, d_counts, sync, status, timeout_ns):
         """Wait for every rank's slot values of call n, then ``out[t, k]`` (float32 [T_out, K]) =
         ``slot_values[g, t, k]`` where slot k of token t was routed (``d_ids[g, me, t, k]`` in
-        ``[0, E)``) and ``t < T`` (``d_counts[g, me, L]``), else 0.0. After a timeout (recorded) or
+        ``[0, E)`` and no earlier slot's) and ``t < T`` (``d_counts[g, me, L]``), else 0.0. After a timeout (recorded) or
         an earlier error, ``out`` is not (or not wholly) written: ``synchronize`` raises it."""
         stop = cuda.shared.array(1, int32)
         pdl_wait()
@@ -132,8 +134,14 @@ def make_slot_values_kernels(threads: int, stores: bool, pdl: bool) -> dict:
             t = j // K
             k = j - t * K
             v = float32(0.0)
-            if t < T and uint32(d_ids[g, me, t, k]) < uint32(E):  # a masked (-1) or dropped slot has none
-                v = slot_values[g, t, k]
+            x = d_ids[g, me, t, k]
+            if t < T and uint32(x) < uint32(E):  # a masked (-1) or dropped slot has none
+                routed = True  # ... nor a repeat (a plain route-first sender sends them; receivers mask their own)
+                for k2 in range(k):
+                    if d_ids[g, me, t, k2] == x:
+                        routed = False
+                if routed:
+                    v = slot_values[g, t, k]
             out[t, k] = v
 
     return {"slot_values_async": programmatic(slot_values_async, pdl),

@@ -29,6 +29,8 @@ SEED = 31
 #: (rank, token, slot, id) planted in the routing: rank 0 an id past the last expert, the last
 #: rank a negative one other than -1. {E}: n_experts.
 PLANTED = ((0, 1, 0, "{E} + 3"), (-1, 2, 1, "-7"))
+#: (ranks, plan) run: the simulator's default plan (``wait``) and a plain route-first one.
+RUN_PLANS = [(R, None) for R in WORLD_SIZES] + [(R, "route_first") for R in WORLD_SIZES]
 #: (rank, token, slot, earlier slot): a repeat of an earlier slot's id.
 REPEATS = ((0, 3, 1, 0), (-1, 0, 1, 0))
 
@@ -52,19 +54,28 @@ def planted_inputs(cfg: EPConfig, seed: int, planted=PLANTED, repeats=()):
     return xs, ids, ws
 
 
-def ids_pe(session, cfg: EPConfig, seed: int) -> dict:
+#: Plans besides the simulator's default (``wait``): a plain route-first sender sends repeats as
+#: they are and its receivers mask them (``ranking.load_token``); thresholds as the plan suite's.
+PLANS = {"route_first": {"receiver": "route_first", "share_from_tokens": 4, "chunk_from_tokens": 8,
+                         "split_from_tokens": 4}}
+#: Repeats past the ids a receiver loads together (``ranking.ID_BATCH`` = 8): top-k 10, slot 9
+#: repeating slot 8 and slot 8 repeating slot 2 (rank, token, slot, earlier slot; applied in order).
+WIDE_REPEATS = ((0, 1, 9, 8), (0, 4, 8, 2), (-1, 0, 9, 3), (-1, 0, 3, 1))
+
+
+def ids_pe(session, cfg: EPConfig, seed: int, plan=None, repeats=REPEATS) -> dict:
     """Per layout: a call with planted ids, reset(), a clean call; then a call with repeated ids."""
     from ep_runtime.runtime import EPRuntime
 
     res = {}
-    with EPRuntime(cfg, session, debug=False) as rt:
+    with EPRuntime(cfg, session, debug=False, plan=plan) as rt:
         for layout in ("expanded", "compact"):
             res["planted", layout] = round_trip_with_error(session, rt, cfg, *planted_inputs(cfg, seed), layout)
             rt.reset()  # collective: the ranks that raised, and the others
             xs, ids, ws = make_inputs(cfg, "random", seed + 1)
             res["after_reset", layout] = round_trip_with_error(session, rt, cfg, xs, ids, ws, layout)
-            repeats = planted_inputs(cfg, seed + 2, (), REPEATS)
-            res["repeats", layout] = round_trip_with_error(session, rt, cfg, *repeats, layout)
+            res["repeats", layout] = round_trip_with_error(session, rt, cfg,
+                                                           *planted_inputs(cfg, seed + 2, (), repeats), layout)
     return res
 
 
@@ -72,11 +83,15 @@ def ids_pe(session, cfg: EPConfig, seed: int) -> dict:
 def runs():
     cache = {}
 
-    def get(R: int, token_dtype: str = "bfloat16"):
-        if (R, token_dtype) not in cache:
-            cfg = case_cfg(R, token_dtype=token_dtype, hidden=256 if token_dtype != "bfloat16" else 32)
-            cache[R, token_dtype] = (cfg, run_pes(ids_pe, R, args=(cfg, SEED), timeout_s=RUN_TIMEOUT_S))
-        return cache[R, token_dtype]
+    def get(R: int, token_dtype: str = "bfloat16", plan: str | None = None, top_k: int = 2):
+        key = (R, token_dtype, plan, top_k)
+        if key not in cache:
+            cfg = case_cfg(R, token_dtype=token_dtype, hidden=256 if token_dtype != "bfloat16" else 32, top_k=top_k,
+                           n_experts=max(2 * R, 6 * top_k // 5))
+            repeats = WIDE_REPEATS if top_k > 8 else REPEATS
+            cache[key] = (cfg, run_pes(ids_pe, R, args=(cfg, SEED, PLANS.get(plan), repeats),
+                                       timeout_s=RUN_TIMEOUT_S))
+        return cache[key]
 
     return get
 
@@ -99,9 +114,9 @@ def check_round_trip(cfg: EPConfig, per_rank: list, key, inputs, what: str) -> N
 
 
 @pytest.mark.parametrize("layout", ["expanded", "compact"])
-@pytest.mark.parametrize("R", WORLD_SIZES)
-def test_planted_ids_are_dropped_and_named_by_the_rank_that_passed_them(runs, R, layout):
-    cfg, per_rank = runs(R)
+@pytest.mark.parametrize("R, plan", RUN_PLANS)
+def test_planted_ids_are_dropped_and_named_by_the_rank_that_passed_them(runs, R, plan, layout):
+    cfg, per_rank = runs(R, plan=plan)
     check_round_trip(cfg, per_rank, ("planted", layout), planted_inputs(cfg, SEED), "planted ids")
     named = {rank % R: (t, k, eval(v.format(E=cfg.n_experts))) for rank, t, k, v in PLANTED}  # noqa: S307
     for r, res in enumerate(per_rank):
@@ -117,17 +132,17 @@ def test_planted_ids_are_dropped_and_named_by_the_rank_that_passed_them(runs, R,
 
 
 @pytest.mark.parametrize("layout", ["expanded", "compact"])
-@pytest.mark.parametrize("R", WORLD_SIZES)
-def test_after_reset_the_next_call_is_exact(runs, R, layout):
-    cfg, per_rank = runs(R)
+@pytest.mark.parametrize("R, plan", RUN_PLANS)
+def test_after_reset_the_next_call_is_exact(runs, R, plan, layout):
+    cfg, per_rank = runs(R, plan=plan)
     assert [res["after_reset", layout]["error"] for res in per_rank] == [None] * R
     check_round_trip(cfg, per_rank, ("after_reset", layout), make_inputs(cfg, "random", SEED + 1), "after reset")
 
 
 @pytest.mark.parametrize("layout", ["expanded", "compact"])
-@pytest.mark.parametrize("R", WORLD_SIZES)
-def test_a_repeated_id_counts_once_with_its_first_slot_weight(runs, R, layout):
-    cfg, per_rank = runs(R)
+@pytest.mark.parametrize("R, plan", RUN_PLANS)
+def test_a_repeated_id_counts_once_with_its_first_slot_weight(runs, R, plan, layout):
+    cfg, per_rank = runs(R, plan=plan)
     inputs = planted_inputs(cfg, SEED + 2, (), REPEATS)
     assert [res["repeats", layout]["error"] for res in per_rank] == [None] * R
     check_round_trip(cfg, per_rank, ("repeats", layout), inputs, "repeated ids")
@@ -136,6 +151,20 @@ def test_a_repeated_id_counts_once_with_its_first_slot_weight(runs, R, layout):
     n = int(owner["row_offsets"][-1])
     rows = (owner["src_rank"][:n] == 0) & (owner["src_token"][:n] == 3)
     assert owner["src_k"][:n][rows].tolist() == [0], owner["src_k"][:n][rows]
+
+
+@pytest.mark.parametrize("plan", [None, "route_first"])
+def test_repeats_past_the_ids_loaded_together(runs, plan):
+    """Top-k 10: repeats at slots 8 and 9, past the 8 ids a route-first receiver loads together
+    and masks in registers (it masks these in memory, as it finds them)."""
+    cfg, per_rank = runs(2, plan=plan, top_k=10)
+    inputs = planted_inputs(cfg, SEED + 2, (), WIDE_REPEATS)
+    for layout in ("expanded", "compact"):
+        assert [res["repeats", layout]["error"] for res in per_rank] == [None, None]
+        check_round_trip(cfg, per_rank, ("repeats", layout), inputs, "repeated ids past slot 8")
+    rows = reference.dispatch(*inputs, cfg)[0]
+    assert ((rows.src_rank == 0) & (rows.src_token == 1)).sum() < (inputs[1][0][1] // cfg.n_local_experts == 0).sum(), \
+        "the case has a repeat on rank 0"
 
 
 def test_fp8_masked_and_planted_ids(runs):
