@@ -23,9 +23,11 @@ def plan_kernels(cfg: EPConfig, plan: Plan) -> dict:
     """``{name: kernel}``: every kernel a runtime of ``cfg`` under ``plan`` launches.
     ``combine_async_rows`` copies partial words unchanged, so the bf16-partials build serves
     float32 partials too. ``dispatch_copy`` only where the expanded layout is served and copied
-    after the placement. The slot-value kernels depend on the block size, transport and PDL only."""
+    after the placement. The slot-value kernels depend on the block size, transport and PDL only,
+    ``routing_copy`` (a kept routing aside and back) on the block size and PDL."""
     from .kernels.combine import make_combine_kernels
     from .kernels.dispatch import make_dispatch_kernels
+    from .kernels.routing_keep import make_routing_copy
     from .kernels.slot_values import make_slot_values_kernels
     from .kernels.validate import validate_routing
 
@@ -38,6 +40,7 @@ def plan_kernels(cfg: EPConfig, plan: Plan) -> dict:
     kernels.update(combine_async=combine["combine_async"], combine_async_rows=rows,
                    combine_wait=combine["combine_wait"], validate_routing=validate_routing)
     kernels.update(make_slot_values_kernels(plan.threads, plan.transport is Transport.STORES, plan.pdl))
+    kernels["routing_copy"] = make_routing_copy(plan.threads, plan.pdl)
     return kernels
 
 

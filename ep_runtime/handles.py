@@ -48,6 +48,36 @@ class SlotValuesHandle:
     n_tokens: int
 
 
+@dataclass(frozen=True, eq=False)
+class KeptRouting:
+    """Returned by ``keep_routing``: a dispatch's routing, kept for ``dispatch_async(tokens,
+    routing=kept)`` (this rank's copies of every rank's routing tables; device arrays owned by
+    this object). Compared by identity.
+
+    Attributes
+    ----------
+    owner, call : the runtime and the dispatch call it was kept from.
+    n_tokens : that dispatch's ``tokens`` rows (a reusing dispatch passes as many).
+    epoch : the runtime's reset count when kept (a ``reset()`` retires it).
+    ids, weights, ranks : [n_ranks, max_tokens_per_rank, top_k] int32 / float32 / int32 (ranks
+        [0, 0, 0] for the route-first receivers, which rank for themselves); source s's rows
+        ``t < counts[s, L]`` are defined.
+    counts : [n_ranks, n_local_experts + 1] int32, each source's tokens per local expert (the
+        ``wait`` and ``land`` receivers) and its token count (last column).
+    restore : the prepared launch that copies them back for a reusing call.
+    """
+
+    owner: int
+    call: int
+    n_tokens: int
+    epoch: int
+    ids: Any
+    weights: Any
+    counts: Any
+    ranks: Any
+    restore: Any
+
+
 @dataclass(frozen=True)
 class ExpertBatch:
     """This rank's expert-major ragged batch (device arrays, views into runtime buffers).

@@ -29,6 +29,11 @@ CALLER_ARRAYS = {
     "token_scales": (np.uint8, 2),  # pre-quantized FP8 input: the scales' bytes, [T, S * scale bytes]
     "row_values": (np.float32, 1),  # slot_values_async: one value per expert-batch row
     "slot_out": (np.float32, 2),  # slot_values_wait: [T, K], the values home
+    # routing_copy: a kept routing (EPRuntime.keep_routing), [R, Tmax, K] and [R, L + 1]
+    "kept_ids": (np.int32, 3),
+    "kept_weights": (np.float32, 3),
+    "kept_counts": (np.int32, 2),
+    "kept_ranks": (np.int32, 3),
 }
 #: Arrays the runtime makes outside the layout, as (dtype, ndim): ``peer_bases`` [P, R] uint64,
 #: the address of each region of ``layout.PEER_REGIONS`` (row ``PEER_TOKENS`` ...) on every PE as
@@ -49,7 +54,7 @@ WORD_ARRAYS = frozenset({"tokens", "expert_out", "own_rows", "out", "out_partial
                          "combine_partials", "combine_stage", "expert_x"})
 #: int64 scalar arguments.
 SCALARS = ("pad_multiple", "timeout_ns", "mode", "n_experts", "allow_negative", "use_valid", "prequantized",
-           "scales_col_major", "copy_rows")
+           "scales_col_major", "copy_rows", "reuse_routing", "restore")
 
 KERNEL_ARGS = {
     "validate_routing": ("topk_ids", "topk_weights", "valid_tokens", "use_valid", "n_experts",
@@ -59,7 +64,7 @@ KERNEL_ARGS = {
         "dispatch_topk_weights", "dispatch_counts", "dispatch_ranks", "dispatch_signal", "dispatch_async_sync",
         "dispatch_send_ranks", "dispatch_send_counts", "status", "token_scales", "prequantized",
         "dispatch_send_stage", "dispatch_send_stage:u8", "dispatch_tokens:u8", "peer_bases", "dispatch_token_credit",
-        "timeout_ns", "dispatch_route_signal", "dispatch_row_flag"),
+        "timeout_ns", "dispatch_route_signal", "dispatch_row_flag", "reuse_routing"),
     "dispatch_wait": (
         "dispatch_topk_ids", "dispatch_topk_weights", "dispatch_counts", "dispatch_ranks", "dispatch_signal",
         "dispatch_async_sync", "row_offsets", "expert_counts", "row_src_rank", "row_src_token",
@@ -85,6 +90,9 @@ KERNEL_ARGS = {
     "combine_wait": (
         "out", "out_partials", "dispatch_topk_ids", "dispatch_counts", "combine_partials", "dispatch_async_sync",
         "status", "mode", "timeout_ns", "aux", "own_rows", "combine_row_flag", "combine_wait_claims"),
+    "routing_copy": ("dispatch_topk_ids", "dispatch_topk_weights", "dispatch_counts", "dispatch_ranks",
+                     "dispatch_route_signal", "dispatch_async_sync", "kept_ids", "kept_weights", "kept_counts",
+                     "kept_ranks", "restore"),
     "slot_values_async": ("row_values", "row_offsets", "row_src_rank", "row_src_token", "row_src_k", "slot_values",
                           "slot_signal", "dispatch_async_sync", "status", "peer_bases"),
     "slot_values_wait": ("slot_out", "slot_values", "slot_signal", "dispatch_topk_ids", "dispatch_counts",

@@ -70,6 +70,7 @@ from .torch import (
     _Bridge,
     _combine,
     _dispatch,
+    _keep,
     _rows,
     _same_tensor,
     slot_values_home,
@@ -322,7 +323,8 @@ class FusedCombine(torch.autograd.Function):
 
     ``FusedCombine.apply(x, group, handle, async_finish=False, allocate_on_comm_stream=False)``
     -> ``(out [T, H] bf16, None)``. Backward: 1 dispatch of ``dL/dout`` with the forward's
-    routing, left open for :class:`FusedDispatch`'s backward.
+    routing (kept by the forward when ``x`` needs a gradient: no routing sent again), left open
+    for :class:`FusedDispatch`'s backward.
     """
 
     @staticmethod
@@ -332,6 +334,7 @@ class FusedCombine(torch.autograd.Function):
             raise EPInputError(f"{c}: handle must be the one FusedDispatch returned; got {type(handle).__name__}.")
         bridge, cfg = _Bridge(handle.runtime), handle.runtime.cfg
         bridge.check(x, c, "x", (_BF16,), (cfg.n_ranks * cfg.max_tokens_per_rank, cfg.hidden))
+        ctx.kept = _keep(bridge, handle.rt_handle) if ctx.needs_input_grad[0] else None
         out = _combine_compact(bridge, x.contiguous(), handle.rt_handle, handle.n_tokens)
         ctx.handle = handle
         return out, None
@@ -340,7 +343,7 @@ class FusedCombine(torch.autograd.Function):
     def backward(ctx, grad_out, _grad_none=None):
         h = ctx.handle
         bridge = _Bridge(h.runtime)
-        batch = _dispatch_compact(bridge, grad_out.to(_BF16).contiguous(), h.topk_ids, h.topk_weights)
+        batch = _dispatch_compact(bridge, grad_out.to(_BF16).contiguous(), routing=ctx.kept)  # the forward's routing
         rows = torch.where(h.received[:, None], bridge.from_rt(batch.x), torch.zeros((), dtype=_BF16,
                                                                                       device=bridge.device))
         _OPEN_BACKWARD[id(h.runtime)] = (batch.handle, h.topk_ids, "compact")
@@ -496,8 +499,9 @@ class HybridEPCombine(torch.autograd.Function):
     over every rank, unweighted (the experts applied the probabilities).
 
     ``HybridEPCombine.apply(x, handle, num_permuted_tokens=None, pad_multiple=None)`` -> ``out``
-    [T, H] bf16. Backward: 1 dispatch of ``dL/dout`` with the forward's routing, its rows (zero
-    on padding) the gradient of ``x``; left open for :class:`HybridEPDispatch`'s backward.
+    [T, H] bf16. Backward: 1 dispatch of ``dL/dout`` with the forward's routing (kept by the
+    forward: no routing sent again), its rows (zero on padding) the gradient of ``x``; left open
+    for :class:`HybridEPDispatch`'s backward.
     """
 
     @staticmethod
@@ -508,14 +512,14 @@ class HybridEPCombine(torch.autograd.Function):
         bridge, cfg = _Bridge(handle.runtime), handle.runtime.cfg
         bridge.check(x, c, "x", (_BF16,), (handle.n_rows, cfg.hidden))
         ctx.handle = handle
+        ctx.kept = _keep(bridge, handle.rt_handle) if ctx.needs_input_grad[0] else None
         return _combine(bridge, x.contiguous(), handle.rt_handle, handle.n_tokens, weights=None)
 
     @staticmethod
     def backward(ctx, grad_out):
         h = ctx.handle
-        bridge, cfg = _Bridge(h.runtime), h.runtime.cfg
-        ones = torch.ones(h.n_tokens, cfg.top_k, dtype=torch.float32, device=bridge.device)
-        batch = _dispatch(bridge, grad_out.to(_BF16).contiguous(), h.topk_ids, ones)
+        bridge = _Bridge(h.runtime)
+        batch = _dispatch(bridge, grad_out.to(_BF16).contiguous(), routing=ctx.kept)  # the forward's routing
         grad_rows = _rows(bridge.from_rt(batch.x), h.n_rows, h.row_valid, 0)
         _OPEN_BACKWARD[id(h.runtime)] = (batch.handle, h.topk_ids, "expanded")
         return grad_rows, None, None, None

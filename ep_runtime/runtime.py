@@ -26,7 +26,8 @@ from .builds import combine_wait_with, kernel_builds
 from .call_memo import CallMemo, PreparedCall
 from .config import LAYOUTS, EPConfig
 from .errors import EPConfigError, EPInputError, EPStateError
-from .handles import CombineHandle, CompactBatch, DispatchHandle, ExpertBatch, SlotValuesHandle, from_fields
+from .handles import (CombineHandle, CompactBatch, DispatchHandle, ExpertBatch, KeptRouting, SlotValuesHandle,
+                      from_fields)
 from .kernel_args import KERNEL_ARGS, WORD_ARRAYS, build_args, region_view
 from .layout import PEER_REGIONS, SYNC_CALLS, BufferLayout, partial_dtype, token_word
 from .plan import ExpandedCopy, Plan, Receiver, Topology, Transport, agree, check_plan, choose_plan, merged_overrides
@@ -151,6 +152,7 @@ class EPRuntime:
         self._calls = 0
         self._state = _State.IDLE
         self._slots_call = -1  # the dispatch call whose slot values went home last
+        self._epoch = 0  # reset() count: a kept routing of an earlier epoch is refused
         self._failed: Exception | None = None
         self._closed = False
         session.barrier()
@@ -174,7 +176,8 @@ class EPRuntime:
         return fixed
 
     # -- dispatch -----------------------------------------------------------------------------
-    def dispatch_async(self, tokens, topk_ids, topk_weights, n_tokens=None, token_scales=None) -> DispatchHandle:
+    def dispatch_async(self, tokens, topk_ids=None, topk_weights=None, n_tokens=None, token_scales=None,
+                       routing: KeptRouting | None = None) -> DispatchHandle:
         """Start sending this rank's tokens to the ranks of their experts. Collective.
 
         Parameters
@@ -198,28 +201,50 @@ class EPRuntime:
         token_scales : FP8 token formats, pre-quantized input only: [T, hidden / 128] float32
             (``fp8_e4m3``) or uint8 UE8M0 codes (``fp8_e4m3_ue8m0``), block j of token t
             scaling elements 128 j .. 128 j + 127 (MAX's input scales).
+        routing : a :class:`KeptRouting` of this runtime (:meth:`keep_routing`), instead of
+            ``topk_ids``, ``topk_weights`` and ``n_tokens``: dispatch ``tokens`` (as many rows
+            as that dispatch had, e.g. a backward's gradients) with that dispatch's routing,
+            weights and token count, sending no routing (every rank restores its own copies of
+            the tables first). The batch is placed exactly as that dispatch's was. Every rank
+            passes a routing kept from the same call.
 
         The inputs must stay unmodified until :meth:`dispatch_wait` of this call has run on
         the stream. Returns the handle for :meth:`dispatch_wait`.
         """
         self._require(_State.IDLE, _State.DISPATCHED, call="dispatch_async")
         inputs = (tokens, topk_ids, topk_weights, n_tokens, token_scales)
-        call = self._memo.get_or_prepare("dispatch_async", (), inputs, lambda: self._prepare_dispatch_async(*inputs))
-        if self.debug:
+        if routing is not None:
+            self._check_kept(routing, topk_ids, topk_weights, n_tokens)
+        call = self._memo.get_or_prepare("dispatch_async", (routing,), inputs,
+                                         lambda: self._prepare_dispatch_async(*inputs, routing))
+        if self.debug and routing is None:
             self._check_routing(*call.checked)
         self._land = call.land
+        if routing is not None:
+            self._run(routing.restore)
         self._run(call)
         handle = from_fields(DispatchHandle, {"owner": self._owner, "call": self._calls, "n_tokens": call.n_tokens})
         self._calls += 1
         self._state = _State.DISPATCH_SENT
         return handle
 
-    def _prepare_dispatch_async(self, tokens, topk_ids, topk_weights, n_tokens, token_scales) -> PreparedCall:
+    def _prepare_dispatch_async(self, tokens, topk_ids, topk_weights, n_tokens, token_scales,
+                                routing: KeptRouting | None = None) -> PreparedCall:
         """Check and convert dispatch_async's arguments (raising EPInputError before any
         launch); the launch, with T and the routing check's arguments (and, for a landing plan,
-        the receive launches that read this call's tokens)."""
+        the receive launches that read this call's tokens). With a kept ``routing`` the routing
+        arguments are its own arrays for this rank: its ids and weights, its token count."""
         cfg, be, c, fmt = self.cfg, self.session.backend, "dispatch_async", self._fmt
         tokens = arrays.to_backend(tokens, be, c, "tokens")
+        if routing is not None:
+            T = tokens.shape[0] if getattr(tokens, "ndim", 0) == 2 else -1
+            if T != routing.n_tokens:
+                raise EPInputError(f"{c}: tokens has shape {tuple(tokens.shape)} but the kept routing (call "
+                                   f"{routing.call}) dispatched {routing.n_tokens} rows; pass [{routing.n_tokens}, "
+                                   f"hidden={cfg.hidden}] tokens (rows past its token count are not sent).")
+            me, L = self.rank, cfg.n_local_experts
+            topk_ids, topk_weights = routing.ids[me, :T], routing.weights[me, :T]
+            n_tokens = routing.counts[me, L:L + 1]
         topk_ids = arrays.to_backend(topk_ids, be, c, "topk_ids")
         topk_weights = arrays.to_backend(topk_weights, be, c, "topk_weights")
         fp8_in = token_scales is not None
@@ -254,7 +279,8 @@ class EPRuntime:
             scales = token_scales.view(np.uint8)
         valid = self._valid_tokens(n_tokens, c)
         call = self._prepare("dispatch_async", tokens=tokens, topk_ids=topk_ids, topk_weights=topk_weights, **valid,
-                             token_scales=scales, prequantized=_INT64[fp8_in], timeout_ns=self._timeout_ns)
+                             token_scales=scales, prequantized=_INT64[fp8_in], timeout_ns=self._timeout_ns,
+                             reuse_routing=_INT64[routing is not None])
         land = ()
         if self.plan.receiver is Receiver.LAND:  # places only, or places and copies (bf16 expanded)
             own = tokens if not fmt.quantized else self._no_tokens  # bf16: this rank's own rows, never sent
@@ -349,6 +375,60 @@ class EPRuntime:
                                    layout=layout, scales=scales)
         self.synchronize()
         return batch
+
+    # -- kept routing -------------------------------------------------------------------------
+    def keep_routing(self, handle: DispatchHandle, into: KeptRouting | None = None) -> KeptRouting:
+        """Keep the routing of the dispatch of ``handle`` for later dispatches of other tokens
+        (``dispatch_async(tokens, routing=kept)``: a backward's dispatch of its gradients with
+        its forward's routing, sending no routing). Not collective; enqueued on the stream (one
+        small kernel, no host synchronization; graph-safe).
+
+        Call it after ``dispatch_wait`` of ``handle`` and before the next ``dispatch_async``
+        (the runtime's routing regions alternate by call, so later dispatches overwrite them).
+        It copies this rank's tables of that call: every rank's routing rows (ids, weights),
+        counts and, for the ``wait`` and ``land`` receivers, ranks (``[n_ranks,
+        max_tokens_per_rank, top_k]`` int32 and float32 apiece, plus ``[n_ranks, L + 1]``).
+
+        ``into``: a :class:`KeptRouting` of this runtime to overwrite (its memory reused, as a
+        CUDA graph needs); None allocates one. A ``reset()`` retires every kept routing.
+        """
+        self._require(_State.DISPATCHED, _State.IDLE, call="keep_routing", handle=handle, handle_type=DispatchHandle)
+        if into is not None:
+            if not isinstance(into, KeptRouting) or into.owner != self._owner:
+                raise EPInputError("keep_routing: into must be a KeptRouting this runtime returned (or None to "
+                                   "allocate one).")
+            arrays_ = (into.ids, into.weights, into.counts, into.ranks)
+        else:
+            cfg, alloc = self.cfg, self.session.alloc_local
+            R, T, K, L = cfg.n_ranks, cfg.max_tokens_per_rank, cfg.top_k, cfg.n_local_experts
+            ranked = self.layout.has("dispatch_ranks")
+            arrays_ = (alloc("kept_ids", (R, T, K), np.int32, fill=None),
+                       alloc("kept_weights", (R, T, K), np.float32, fill=None),
+                       alloc("kept_counts", (R, L + 1), np.int32, fill=None),
+                       alloc("kept_ranks", (R, T, K) if ranked else (0, 0, 0), np.int32, fill=None))
+        ids, weights, counts, ranks = arrays_
+        kept = dict(kept_ids=ids, kept_weights=weights, kept_counts=counts, kept_ranks=ranks)
+        self._run(self._prepare("routing_copy", restore=_INT64[0], **kept))
+        restore = into.restore if into is not None else self._prepare("routing_copy", restore=_INT64[1], **kept)
+        return from_fields(KeptRouting, {"owner": self._owner, "call": handle.call, "n_tokens": handle.n_tokens,
+                                         "epoch": self._epoch, "ids": ids, "weights": weights, "counts": counts,
+                                         "ranks": ranks, "restore": restore})
+
+    def _check_kept(self, routing, topk_ids, topk_weights, n_tokens) -> None:
+        """Refuse a ``routing=`` dispatch whose kept routing is not this runtime's current one,
+        or that also passes routing arguments."""
+        if not isinstance(routing, KeptRouting):
+            raise EPInputError(f"dispatch_async: routing must be a KeptRouting (keep_routing(handle)); got "
+                               f"{type(routing).__name__}.")
+        if topk_ids is not None or topk_weights is not None or n_tokens is not None:
+            raise EPInputError("dispatch_async: routing= reuses a kept routing's ids, weights and token count; pass "
+                               "topk_ids, topk_weights and n_tokens only without it.")
+        if routing.owner != self._owner:
+            raise EPStateError(f"rank {self.rank}: dispatch_async got a routing kept by another EPRuntime; keep it "
+                               f"with this runtime's keep_routing.")
+        if routing.epoch != self._epoch:
+            raise EPStateError(f"rank {self.rank}: dispatch_async got a routing kept (call {routing.call}) before "
+                               f"reset(); reset() retires kept routings: dispatch with topk_ids again.")
 
     # -- combine ------------------------------------------------------------------------------
     def combine_async(self, expert_out, handle: DispatchHandle, layout: str = "expanded",
@@ -583,6 +663,7 @@ class EPRuntime:
         self.session.synchronize()
         self.session.barrier()
         self._calls, self._state, self._failed, self._slots_call = 0, _State.IDLE, None, -1
+        self._epoch += 1
 
     def close(self) -> None:
         """Collective: free the symmetric buffers. Idempotent; the session stays open."""

@@ -22,8 +22,10 @@ gradient for them.
 What the backward costs (a combine needs a dispatch with the forward's routing before it;
 ``combine_async(weights=None)`` sums a token's rows unweighted)::
 
-    FusedCombine.backward   1 dispatch of dL/dout (the rows dL/dout[t(i)]), then, if topk_weights
-                            needs a gradient, its T x K values home (``slot_values``: a float a slot)
+    FusedCombine.backward   1 dispatch of dL/dout (the rows dL/dout[t(i)]) with the forward's
+                            routing, kept by the forward combine (``keep_routing``: no routing
+                            sent again), then, if topk_weights needs a gradient, its T x K values
+                            home (``slot_values``: a float a slot)
     FusedDispatch.backward  1 unweighted combine of dL/dX on that dispatch, still open; a dispatch
                             of zeros first only when the combine's backward did not run
 
@@ -238,13 +240,35 @@ def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
             and a.shape == b.shape and a.stride() == b.stride())
 
 
-def _dispatch(bridge: _Bridge, tokens, topk_ids, topk_weights):
-    """One collective dispatch of contiguous tensors; the runtime's batch (views)."""
+def _dispatch(bridge: _Bridge, tokens, topk_ids=None, topk_weights=None, layout: str = "expanded", routing=None):
+    """One collective dispatch of contiguous tensors in ``layout``; the runtime's batch (views).
+    With a kept ``routing`` (:func:`_keep`) instead of ``topk_ids`` / ``topk_weights``, the
+    dispatch reuses it (no routing sent) and gives the kept routing back to the runtime's pool."""
     rt = bridge.runtime
     _OPEN_BACKWARD.pop(id(rt), None)
     with bridge.runtime_calls():
-        handle = rt.dispatch_async(bridge.to_rt(tokens), bridge.to_rt(topk_ids), bridge.to_rt(topk_weights))
-        return rt.dispatch_wait(handle)
+        if routing is not None:
+            handle = rt.dispatch_async(bridge.to_rt(tokens), routing=routing)
+            pool = _KEPT_POOL.setdefault(id(rt), [])
+            if not any(k is routing for k in pool):  # (a retained graph's second backward reuses it)
+                pool.append(routing)  # its restore precedes any reuse of its memory in stream order
+        else:
+            handle = rt.dispatch_async(bridge.to_rt(tokens), bridge.to_rt(topk_ids), bridge.to_rt(topk_weights))
+        return rt.dispatch_wait(handle, layout=layout)
+
+
+#: id(runtime) -> kept routings a backward has dispatched with (:func:`_dispatch`): their memory is
+#: reused by the next :func:`_keep` (one per layer in flight, then steady).
+_KEPT_POOL: dict = {}
+
+
+def _keep(bridge: _Bridge, rt_handle):
+    """The routing of the runtime's current dispatch (``rt_handle``), kept for the backward's
+    dispatch (``EPRuntime.keep_routing``, into pooled memory where there is some)."""
+    rt = bridge.runtime
+    pool = _KEPT_POOL.get(id(rt))
+    with bridge.runtime_calls():
+        return rt.keep_routing(rt_handle, into=pool.pop() if pool else None)
 
 
 def _combine(bridge: _Bridge, expert_out, handle, n_tokens: int, weights="dispatch") -> torch.Tensor:
@@ -404,8 +428,9 @@ class FusedCombine(torch.autograd.Function):
 
     Returns ``out`` [T, hidden] bfloat16 (written by the kernel in place, no copy).
 
-    Backward (1 dispatch of ``dL/dout`` with the forward's routing, then, if ``topk_weights``
-    needs a gradient, the per-row weight gradients home as ``T x K`` floats
+    Backward (1 dispatch of ``dL/dout`` with the forward's routing, which the forward keeps when
+    an input needs a gradient (``EPRuntime.keep_routing``: the backward sends no routing), then,
+    if ``topk_weights`` needs a gradient, the per-row weight gradients home as ``T x K`` floats
     (``EPRuntime.slot_values``); the dispatch stays open for :class:`FusedDispatch`'s backward to
     combine on):
 
@@ -427,6 +452,7 @@ class FusedCombine(torch.autograd.Function):
             raise EPInputError(f"{c}: topk_weights is not the tensor given to the dispatch of this handle (or it "
                                f"was modified since): the kernel applies the weights that travelled with the "
                                f"dispatch, so pass that same tensor.")
+        ctx.kept = _keep(bridge, handle.rt_handle) if any(ctx.needs_input_grad[:2]) else None
         out = _combine(bridge, expert_out.contiguous(), handle.rt_handle, handle.n_tokens)
         ctx.save_for_backward(expert_out, handle.topk_ids)
         ctx.handle = handle
@@ -436,9 +462,8 @@ class FusedCombine(torch.autograd.Function):
     def backward(ctx, grad_out):
         expert_out, ids = ctx.saved_tensors
         h = ctx.handle
-        bridge, cfg = _Bridge(h.runtime), h.runtime.cfg
-        ones = torch.ones(h.n_tokens, cfg.top_k, dtype=torch.float32, device=bridge.device)
-        batch = _dispatch(bridge, grad_out.to(_BF16).contiguous(), ids, ones)
+        bridge = _Bridge(h.runtime)
+        batch = _dispatch(bridge, grad_out.to(_BF16).contiguous(), routing=ctx.kept)  # the forward's routing
         g = _rows(bridge.from_rt(batch.x), h.n_rows, h.row_valid, 0).float()  # dL/dout[t(i)] per row
         grad_expert_out = (h.row_weight[:, None] * g).to(_BF16) if ctx.needs_input_grad[0] else None
         grad_weights = None

@@ -31,7 +31,7 @@ import torch
 
 from .errors import EPInputError
 from .runtime import EPRuntime
-from .torch import _BF16, _OPEN_BACKWARD, _Bridge, _same_tensor
+from .torch import _BF16, _OPEN_BACKWARD, _Bridge, _dispatch, _keep, _same_tensor
 
 
 @dataclass(frozen=True, eq=False)
@@ -55,13 +55,10 @@ class CompactContext:
     topk_weights: torch.Tensor
 
 
-def _dispatch_compact(bridge: _Bridge, tokens, topk_ids, topk_weights):
-    """One collective dispatch in the compact layout; the runtime's batch (views)."""
-    rt = bridge.runtime
-    _OPEN_BACKWARD.pop(id(rt), None)
-    with bridge.runtime_calls():
-        return rt.dispatch_wait(rt.dispatch_async(bridge.to_rt(tokens), bridge.to_rt(topk_ids),
-                                                  bridge.to_rt(topk_weights)), layout="compact")
+def _dispatch_compact(bridge: _Bridge, tokens, topk_ids=None, topk_weights=None, routing=None):
+    """One collective dispatch in the compact layout (with a kept ``routing``, reusing it);
+    the runtime's batch (views)."""
+    return _dispatch(bridge, tokens, topk_ids, topk_weights, layout="compact", routing=routing)
 
 
 def _combine_compact(bridge: _Bridge, rows, rt_handle, n_tokens: int) -> torch.Tensor:
@@ -161,7 +158,7 @@ class FusedCombineCompact(torch.autograd.Function):
     handle : the :class:`CompactContext` of the runtime's latest dispatch.
 
     Returns ``out`` [T, hidden] bfloat16. Backward: 1 dispatch of ``dL/dout`` with the forward's
-    routing; its rows are ``dL/drows`` (zero where no token came), and it stays open for the
+    routing (kept by the forward: no routing sent again); its rows are ``dL/drows`` (zero where no token came), and it stays open for the
     dispatch's backward to combine on.
     """
 
@@ -173,6 +170,7 @@ class FusedCombineCompact(torch.autograd.Function):
                                f"{type(handle).__name__}.")
         bridge, cfg = _Bridge(handle.runtime), handle.runtime.cfg
         bridge.check(rows, c, "rows", (_BF16,), (cfg.n_ranks * cfg.max_tokens_per_rank, cfg.hidden))
+        ctx.kept = _keep(bridge, handle.rt_handle) if ctx.needs_input_grad[0] else None
         out = _combine_compact(bridge, rows.contiguous(), handle.rt_handle, handle.n_tokens)
         ctx.handle = handle
         return out
@@ -181,7 +179,7 @@ class FusedCombineCompact(torch.autograd.Function):
     def backward(ctx, grad_out):
         h = ctx.handle
         bridge = _Bridge(h.runtime)
-        batch = _dispatch_compact(bridge, grad_out.to(_BF16).contiguous(), h.topk_ids, h.topk_weights)
+        batch = _dispatch_compact(bridge, grad_out.to(_BF16).contiguous(), routing=ctx.kept)  # the forward's routing
         rows = torch.where(h.received[:, None], bridge.from_rt(batch.x),
                            torch.zeros((), dtype=_BF16, device=bridge.device))
         _OPEN_BACKWARD[id(h.runtime)] = (batch.handle, h.topk_ids, "compact")

@@ -254,7 +254,7 @@ def make_dispatch_async(v: DispatchVariant):
                        d_tokens, d_ids, d_weights, d_counts, d_ranks, d_signal,
                        sync, send_ranks, send_counts, status,
                        token_scales, prequantized, stage64, stage8, d_tokens8, peer_bases,
-                       d_credit, timeout_ns, d_route, d_row_flag):
+                       d_credit, timeout_ns, d_route, d_row_flag, reuse_routing):
         """Send this rank's tokens, once per destination rank, and signal each destination.
 
         tokens [Tc, W] words, topk_ids [Tc, K] int32, topk_weights [Tc, K] float32: this rank's
@@ -289,6 +289,12 @@ def make_dispatch_async(v: DispatchVariant):
         each block takes the route ticket once its share of the routing is out, the last setting
         ``d_route``. This kernel triggers its dependents after its own dependency wait, so a
         receive kernel started early finds everything before this one complete.
+
+        reuse_routing (int64) nonzero: a dispatch with a kept routing (kernels/routing_keep.py
+        restored every source's tables and route signal on every rank just before): the token
+        rows and the signal only, no routing rows, ranks, counts or route tickets; topk_ids is
+        then this rank's kept ids, and on the puts path the signal goes alone (the counts rows
+        are the receivers' own).
         """
         flag = cuda.shared.array(1, int32)
         masks = cuda.shared.array(RANK_WORDS, uint32)  # routing blocks: [warp, expert] lanes with the expert
@@ -328,7 +334,8 @@ def make_dispatch_async(v: DispatchVariant):
         own_skip = uint64(1) << uint64(me) if LAND and not QUANT else uint64(0)
         # a chunked route-first call of split_from_tokens or more: no routing block, the token
         # blocks send the routing rows and take the route ticket
-        split = CHUNKS and T >= SPLIT_FROM
+        split = CHUNKS and T >= SPLIT_FROM and reuse_routing == 0
+        route = reuse_routing == 0  # this call sends its routing (not a kept routing's call)
         # ... FP8 rows encoded here: each block's share published by one thread, so the fence holds
         # up one warp, not the block's token rows; rows that are only copied (bf16, pre-quantized
         # FP8) flood the SM's stores at once and a fence behind them held the routing back: the
@@ -341,13 +348,13 @@ def make_dispatch_async(v: DispatchVariant):
 
         # routing rows (ids, weights) to every rank, spread over the token blocks (route first: the
         # routing block sends them, below, unless the call is split)
-        if cuda.blockIdx.x < token_blocks and (split or not FIRST):
+        if route and cuda.blockIdx.x < token_blocks and (split or not FIRST):
             send_routing_spread(topk_ids, topk_weights, d_ids, d_weights, peer_bases, g, me, n, T, R, L, K,
                                 token_blocks, status)
         if split and cuda.blockIdx.x == 0:  # T into every rank's counts row (combine reads it there)
             store_token_count(d_counts, peer_bases, g, me, R, L, T)
         stamp_last(status, 4)
-        if (LAND or (split and not share_route)) and cuda.blockIdx.x < token_blocks and not routing_block:
+        if route and (LAND or (split and not share_route)) and cuda.blockIdx.x < token_blocks and not routing_block:
             publish_route(sync, flag, d_route, g, me, n, T, R, status)  # this block's share of the routing is out
         if share_route:
             cuda.syncthreads()  # every thread's routing rows stored before one thread publishes them (below)
@@ -381,10 +388,10 @@ def make_dispatch_async(v: DispatchVariant):
                        own_skip, ids_l, lo, hi)
         stamp_last(status, 1)
 
-        if routing_block and FIRST:  # the routing rows and T, then the route signal
+        if route and routing_block and FIRST:  # the routing rows and T, then the route signal
             send_routing_first(topk_ids, topk_weights, d_ids, d_weights, d_counts, d_route, peer_bases, g, me, n, T,
                                R, L, K, status)
-        if routing_block and not FIRST:  # each (token, k)'s rank and each expert's count, on its rank
+        if route and routing_block and not FIRST:  # each (token, k)'s rank and each expert's count, on its rank
             rank_chunk(ids_base, d_ranks, d_counts, send_ranks, send_counts, peer_bases, g, me, n, T, R, L, K, rb,
                        n_route, sync, flag, d_route, status, masks, warp_rows, next_rank, run_l)
         stamp_last(status, 2)
@@ -395,7 +402,7 @@ def make_dispatch_async(v: DispatchVariant):
             stamp_last(status, 3)
             signal = (uint64(n + 1) << uint64(SIGNAL_TOKEN_BITS)) | uint64(T)
             for d in range(tid, R, threads):
-                if STORES:
+                if STORES or not route:
                     shmem.signal_op(d_signal[g, me:me + 1], signal, shmem.SIGNAL_SET, d)
                 else:
                     shmem.put_signal(d_counts[g, me], send_counts[d], d_signal[g, me:me + 1], signal,

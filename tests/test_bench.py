@@ -267,7 +267,12 @@ def test_prequantized_fp8_input_is_timed_and_counted_on_the_simulator(tmp_path):
             assert res["times_us"]["backward"]["n"] == 2 and res["times_us"]["backward_2d2c"]["median"] > 0
             tr, nvl = res["traffic"], res["backward_nvlink_bytes"]
             assert 0 < tr["slot_nvlink_bytes"] <= 4 * 4 * 2 and tr["slot_nvlink_bytes"] % 4 == 0  # 4 tokens, top-2
-            assert nvl["backward"] == tr["dispatch_nvlink_bytes"] + tr["slot_nvlink_bytes"] + tr["combine_nvlink_bytes"]
+            assert nvl["backward_routing"] == (tr["dispatch_nvlink_bytes"] + tr["slot_nvlink_bytes"]
+                                               + tr["combine_nvlink_bytes"])
+            # the kept routing's dispatch sends the token rows alone: 8 bytes a slot less to each peer
+            assert nvl["backward"] == (tr["kept_dispatch_nvlink_bytes"] + tr["slot_nvlink_bytes"]
+                                       + tr["combine_nvlink_bytes"]) < nvl["backward_routing"]
+            assert res["times_us"]["backward_routing"]["n"] == 2
             assert nvl["backward_2d2c"] == 2 * (tr["dispatch_nvlink_bytes"] + tr["combine_nvlink_bytes"])
         bf16 = runs["bfloat16", "bf16", "expanded"]["traffic"]["logical_bytes"]
         assert runs["fp8_e4m3", "bf16", "expanded"]["traffic"]["logical_bytes"] * 512 == bf16 * 264

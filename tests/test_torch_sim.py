@@ -95,9 +95,12 @@ def _record_pointers(rt, log: list):
     """Wrap the runtime's calls to log the data pointers of the arrays they receive."""
     da, ca, cw = rt.dispatch_async, rt.combine_async, rt.combine_wait
 
-    def dispatch_async(tokens, topk_ids, topk_weights):
-        log.append(("dispatch", _ptr(tokens), _ptr(topk_ids), _ptr(topk_weights)))
-        return da(tokens, topk_ids, topk_weights)
+    def dispatch_async(tokens, topk_ids=None, topk_weights=None, **kw):
+        if kw.get("routing") is not None:  # a kept routing: no ids or weights pass
+            log.append(("dispatch with a kept routing", _ptr(tokens)))
+        else:
+            log.append(("dispatch", _ptr(tokens), _ptr(topk_ids), _ptr(topk_weights)))
+        return da(tokens, topk_ids, topk_weights, **kw)
 
     def combine_async(expert_out, handle, **kw):
         log.append(("combine_in", _ptr(expert_out)))
@@ -152,13 +155,14 @@ def grads_pe(session, cases) -> dict:
         out = fused_combine(y, w, h)
         forward_log = list(log)
         (out.float() * torch.from_numpy(cs[r])).sum().backward()
+        backward_log = [entry[0] for entry in log[len(forward_log):]]
         results[case.name] = dict(
             out=out.detach().float().numpy(), x_grad=x.grad.float().numpy(),
             w_grad=w.grad.numpy() if case.weights_grad else None,
             expert_x=expert_x.detach().view(torch.int16).numpy().view(np.uint16), row_weight=row_weight.numpy(),
             tokens_per_expert=tokens_per_expert.numpy(), row_offsets=h.row_offsets.numpy(),
             row_src_k=h.row_src_k.numpy(), n_rows=h.n_rows, wrong_weights=wrong_weights,
-            forward_log=forward_log, n_runtime_calls=rt.calls - calls_before,
+            forward_log=forward_log, backward_log=backward_log, n_runtime_calls=rt.calls - calls_before,
             pointers=dict(x=x.data_ptr(), ids=idt.data_ptr(), w=w.data_ptr(), y=y.data_ptr(), out=out.data_ptr(),
                           expert_x=expert_x.data_ptr(),
                           heap=(_ptr(rt.buffers["expert_x"]), rt.buffers["expert_x"].nbytes)))
@@ -269,6 +273,10 @@ def test_backward_dispatches_once_with_or_without_the_weights_gradient(R, case):
     # forward: 1 dispatch (+ 1 rejected combine, + 1 combine); backward: 1 dispatch, its slot values
     # home when the weights need a gradient, then the combine of dL/dx on it
     assert all(run[case.name]["n_runtime_calls"] == 2 for run in sim(R))
+    # ... with the forward's routing, kept: no ids or weights go again
+    for run in sim(R):
+        assert run[case.name]["backward_log"] == ["dispatch with a kept routing", "combine_in", "combine_out"], \
+            run[case.name]["backward_log"]
 
 
 def test_combine_rejects_weights_other_than_the_dispatched_tensor():

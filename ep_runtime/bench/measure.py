@@ -236,26 +236,36 @@ def time_graph_round_trips(rt, session, inputs, expert_out, out, samples: int, w
     return spans
 
 
-#: The backward of one MoE layer as runtime calls, per sequence its calls in order: this tree's
-#: (``FusedCombine.backward``'s dispatch of dL/dout, the router weights' gradient home as slot
-#: values, ``FusedDispatch.backward``'s unweighted combine on that dispatch) and the one before
-#: it, 2 + 2 (the weights' gradient in a combine of its own, then a dispatch to combine on).
-BACKWARD_SEQUENCES = {"backward": ("dispatch", "slot_values", "combine"),
+#: The backward of one MoE layer as runtime calls, per sequence its calls in order: the torch
+#: wrappers' (``FusedCombine.backward``'s dispatch of dL/dout with the forward's kept routing,
+#: the router weights' gradient home as slot values, ``FusedDispatch.backward``'s unweighted
+#: combine on that dispatch), the same with the routing sent again, and 2 + 2 (the weights'
+#: gradient in a combine of its own, then a dispatch to combine on).
+BACKWARD_SEQUENCES = {"backward": ("dispatch_kept", "slot_values", "combine"),
+                      "backward_routing": ("dispatch", "slot_values", "combine"),
                       "backward_2d2c": ("dispatch", "combine", "dispatch", "combine")}
 
 
 def _backward_calls(rt, inputs, expert_out, out, values, slot_out, n_tokens, layout: str) -> dict:
     """The calls of :data:`BACKWARD_SEQUENCES` as argument-less functions (``inputs`` as in
-    :func:`time_round_trips`; each dispatch sends them, as a backward sends dL/dout). The
-    expanded layout's combines are unweighted, as a backward's are."""
+    :func:`time_round_trips`; each dispatch sends them, as a backward sends dL/dout; the kept
+    routing is theirs, kept here from one round trip, collectively). The expanded layout's
+    combines are unweighted, as a backward's are."""
     tokens, ids, weights, kw = _dispatch_inputs(inputs)
     if n_tokens is not None:
         kw = {**kw, "n_tokens": n_tokens}
     combine_kw = {**_layout(layout), **({"weights": None} if layout == "expanded" else {})}
     st = {}
+    batch = rt.dispatch_wait(rt.dispatch_async(tokens, ids, weights, **kw), **_layout(layout))
+    kept = rt.keep_routing(batch.handle)
+    rt.combine_wait(rt.combine_async(expert_out, batch.handle, **combine_kw), out=out)
+    token_kw = {"token_scales": kw["token_scales"]} if "token_scales" in kw else {}
 
     def dispatch():
         st["b"] = rt.dispatch_wait(rt.dispatch_async(tokens, ids, weights, **kw), **_layout(layout))
+
+    def dispatch_kept():
+        st["b"] = rt.dispatch_wait(rt.dispatch_async(tokens, routing=kept, **token_kw), **_layout(layout))
 
     def slot_values():
         rt.slot_values_wait(rt.slot_values_async(values, st["b"].handle), out=slot_out)
@@ -263,7 +273,7 @@ def _backward_calls(rt, inputs, expert_out, out, values, slot_out, n_tokens, lay
     def combine():
         rt.combine_wait(rt.combine_async(expert_out, st["b"].handle, **combine_kw), out=out)
 
-    return {"dispatch": dispatch, "slot_values": slot_values, "combine": combine}
+    return {"dispatch": dispatch, "dispatch_kept": dispatch_kept, "slot_values": slot_values, "combine": combine}
 
 
 def time_backward(rt, session, inputs, expert_out, out, samples: int, warmup: int, graph: bool,

@@ -226,8 +226,9 @@ def _result(cfg, tr, spans, base, ceil, mode="eager", graph=None, layout="expand
     if graph is not None:  # how the graphs were captured: rows, and whether T came from a device scalar
         res["graph"] = graph
     if "backward" in times:  # one layer's backward: NVLink bytes of this rank (the larger direction)
-        D, C = tr.dispatch_nvlink_bytes, tr.combine_nvlink_bytes
-        res["backward_nvlink_bytes"] = {"backward": D + tr.slot_nvlink_bytes + C, "backward_2d2c": 2 * D + 2 * C}
+        D, C, S = tr.dispatch_nvlink_bytes, tr.combine_nvlink_bytes, tr.slot_nvlink_bytes
+        res["backward_nvlink_bytes"] = {"backward": tr.kept_dispatch_nvlink_bytes + S + C,
+                                        "backward_routing": D + S + C, "backward_2d2c": 2 * D + 2 * C}
     return res
 
 
@@ -295,14 +296,14 @@ def table(per_rank: list[list[dict]], simulated: bool = False) -> str:
     backward = [(r, res) for r, results in enumerate(per_rank) for res in results if "backward" in res["times_us"]]
     if backward:
         lines.append("backward of one layer (median us, p10-p90; MB over NVLink, this rank's larger direction): "
-                     "dispatch + slot values + combine | 2 dispatches + 2 combines (before slot values)")
+                     "dispatch with the kept routing + slot values + combine | the same, the routing sent again "
+                     "| 2 dispatches + 2 combines (before slot values)")
     for r, res in backward:
         t, b = res["times_us"], res["backward_nvlink_bytes"]
+        cells = " | ".join(f"{t[k]['median']:>8.1f} ({t[k]['p10']:.1f}-{t[k]['p90']:.1f}) {b[k] / 1e6:>8.3f} MB"
+                           for k in ("backward", "backward_routing", "backward_2d2c"))
         lines.append(f"{r:>4} {res['config']['max_tokens_per_rank']:>5} {res.get('mode', 'eager'):>5} "
-                     f"{res.get('layout', 'expanded'):>8} | {t['backward']['median']:>8.1f} "
-                     f"({t['backward']['p10']:.1f}-{t['backward']['p90']:.1f}) {b['backward'] / 1e6:>8.2f} MB | "
-                     f"{t['backward_2d2c']['median']:>8.1f} ({t['backward_2d2c']['p10']:.1f}-"
-                     f"{t['backward_2d2c']['p90']:.1f}) {b['backward_2d2c'] / 1e6:>8.2f} MB")
+                     f"{res.get('layout', 'expanded'):>8} | {cells}")
     if any(res.get("token_input") == "prequantized" for results in per_rank for res in results):
         lines.append("+pq: pre-quantized input (FP8 codes and scales from the caller, token_scales=); FP8 rows "
                      "without it quantize bf16 tokens inside dispatch_async")

@@ -60,6 +60,9 @@ class Traffic:
     compact_combine_hbm_bytes: int
     #: a slot return (``EPRuntime.slot_values``): 4 bytes per row, home from the rows' ranks
     slot_nvlink_bytes: int = 0
+    #: a dispatch with a kept routing (``dispatch_async(tokens, routing=kept)``): the token rows
+    #: without the routing rows
+    kept_dispatch_nvlink_bytes: int = 0
 
     def hbm_bytes(self, phase: str, layout: str = "expanded") -> int:
         """Device-memory bytes of ``phase`` ("dispatch" or "combine") in ``layout``."""
@@ -109,6 +112,7 @@ def rank_traffic(ids_per_rank, rank: int, n_local_experts: int, hidden: int, tok
         compact_dispatch_hbm_bytes=sent_any * in_row + sum(recv) * tok,
         compact_combine_hbm_bytes=T * row + (sum(recv) + 2 * out_rows) * part,
         slot_nvlink_bytes=4 * max(rows_from_others, my_slots_elsewhere),
+        kept_dispatch_nvlink_bytes=max(out_rows, in_rows) * tok,
     )
 
 
