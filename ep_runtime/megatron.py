@@ -68,6 +68,7 @@ from .torch import (
     _BF16,
     _OPEN_BACKWARD,
     _Bridge,
+    _close,
     _combine,
     _dispatch,
     _keep,
@@ -198,7 +199,7 @@ def _group_size(group) -> int:
 def close_buffers() -> None:
     """Close every runtime of this module. Collective; call it before closing the sessions."""
     for key in list(_RUNTIMES):
-        _RUNTIMES.pop(key).close()
+        _close(_RUNTIMES.pop(key))
     _HYBRID.clear()
 
 

@@ -229,6 +229,24 @@ BATCH_FIELDS = ("x", "row_offsets", "expert_counts", "src_rank", "src_token", "s
 FP8_CALLS = (("expanded", "row"), ("compact", "row"), ("expanded", "column"))
 
 
+def rank_rows(all_rows: list) -> list[str]:
+    """A GPU check's (tests/gpu/) per-rank ``(what, result)`` rows, gathered on rank 0, as lines
+    ``rank r  what  result``."""
+    return [f"rank {r}  {what:<40} {result}" for r, rows in enumerate(all_rows) for what, result in rows]
+
+
+def gpu_check_report(all_failures: list, lines: list) -> int:
+    """Rank 0 of a GPU check: every rank's failures (``all_failures``, a list per rank) as
+    ``FAIL: ...``, then ``lines`` (its table), then PASS or FAIL. Returns the exit code (0: PASS)."""
+    failures = sum(all_failures, [])
+    for f in failures:
+        print("FAIL:", f)
+    for line in lines:
+        print(line)
+    print("FAIL" if failures else "PASS")
+    return 1 if failures else 0
+
+
 def padded_to_capacity(session, cfg: EPConfig, x, i, w):
     """``(x, i, w, n_tokens)``: this rank's inputs (host arrays: bf16 bits, ids, weights) padded
     to the runtime's capacity (NaN token rows, distinct ids, weights 1) and their token count as

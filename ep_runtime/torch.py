@@ -145,7 +145,14 @@ def close_buffers(session: Session | None = None) -> None:
     for key in [id(session)] if session is not None else list(_BUFFERS):
         rt = _BUFFERS.pop(key, None)
         if rt is not None:
-            rt.close()
+            _close(rt)
+
+
+def _close(rt: EPRuntime) -> None:
+    """Close ``rt`` (collective) and drop what this module keeps for it."""
+    _KEPT_POOL.pop(rt._owner, None)
+    _OPEN_BACKWARD.pop(id(rt), None)
+    rt.close()
 
 
 # -- tensors in and out of the runtime -------------------------------------------------------------
@@ -249,7 +256,7 @@ def _dispatch(bridge: _Bridge, tokens, topk_ids=None, topk_weights=None, layout:
     with bridge.runtime_calls():
         if routing is not None:
             handle = rt.dispatch_async(bridge.to_rt(tokens), routing=routing)
-            pool = _KEPT_POOL.setdefault(id(rt), [])
+            pool = _KEPT_POOL.setdefault(rt._owner, [])
             if not any(k is routing for k in pool):  # (a retained graph's second backward reuses it)
                 pool.append(routing)  # its restore precedes any reuse of its memory in stream order
         else:
@@ -257,8 +264,9 @@ def _dispatch(bridge: _Bridge, tokens, topk_ids=None, topk_weights=None, layout:
         return rt.dispatch_wait(handle, layout=layout)
 
 
-#: id(runtime) -> kept routings a backward has dispatched with (:func:`_dispatch`): their memory is
-#: reused by the next :func:`_keep` (one per layer in flight, then steady).
+#: runtime (its owner id: unique, unlike id()) -> kept routings a backward has dispatched with
+#: (:func:`_dispatch`): their memory is reused by the next :func:`_keep` (one per layer in flight,
+#: then steady); dropped when the runtime is closed here (:func:`_close`).
 _KEPT_POOL: dict = {}
 
 
@@ -266,7 +274,7 @@ def _keep(bridge: _Bridge, rt_handle):
     """The routing of the runtime's current dispatch (``rt_handle``), kept for the backward's
     dispatch (``EPRuntime.keep_routing``, into pooled memory where there is some)."""
     rt = bridge.runtime
-    pool = _KEPT_POOL.get(id(rt))
+    pool = _KEPT_POOL.get(rt._owner)
     with bridge.runtime_calls():
         return rt.keep_routing(rt_handle, into=pool.pop() if pool else None)
 

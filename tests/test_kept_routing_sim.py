@@ -19,6 +19,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+from test_plans_sim import VARIANTS as PLAN_VARIANTS
 
 from ep_runtime import reference
 from ep_runtime.config import EPConfig
@@ -29,16 +30,9 @@ from ep_runtime.testing import (BATCH_FIELDS, POISON_BF16, assert_batch_is_the_r
 
 RUN_TIMEOUT_S = 300
 SEED = 5200
-LOW = {"share_from_tokens": 4, "chunk_from_tokens": 8, "split_from_tokens": 4}
-#: name -> plan overrides (every receiver on every transport it runs on)
-VARIANTS = {
-    "wait": {"receiver": "wait"},
-    "wait-puts": {"receiver": "wait", "transport": "puts"},
-    "land": {"receiver": "land"},
-    "land-puts": {"receiver": "land", "transport": "puts"},
-    "route_first": {"receiver": "route_first", **LOW},
-    "route_first_chunked": {"receiver": "route_first_chunked", **LOW},
-}
+#: name -> plan overrides: every receiver on every transport it runs on (the plan suite's, its
+#: route-first thresholds lowered so some calls here split, share and chunk)
+VARIANTS = {k: v for k, v in PLAN_VARIANTS.items() if k != "route_first-copy"}
 #: (call, layout) of the dispatches that reuse call 0's routing: the other buffer group, then call 0's
 REUSES = ((2, "compact"), (3, "expanded"))
 
@@ -265,10 +259,10 @@ def test_the_host_refuses_misused_kept_routings():
     cfg = cfg_of(2)
     res = run_pes(refusals_pe, 2, args=(cfg,), timeout_s=RUN_TIMEOUT_S)
     for r, got in enumerate(res):
-        want = {"another runtime's handle": "got a handle from another EPRuntime", "ids beside routing": "pass topk_ids, topk_weights "
-                "and n_tokens only without it", "wrong token count": "dispatched", "not a kept routing":
-                "routing must be a KeptRouting", "into not a kept routing": "into must be a KeptRouting",
-                "another runtime's routing": "routing kept by another EPRuntime",
-                "kept before reset": "before reset()"}
+        want = {"another runtime's handle": "got a handle from another EPRuntime",
+                "ids beside routing": "pass topk_ids, topk_weights and n_tokens only without it",
+                "wrong token count": "dispatched", "not a kept routing": "routing must be a KeptRouting",
+                "into not a kept routing": "into must be a KeptRouting",
+                "another runtime's routing": "routing kept by another EPRuntime", "kept before reset": "before reset()"}
         for key, frag in want.items():
             assert got[key] is not None and frag in got[key], (r, key, got[key])

@@ -73,7 +73,7 @@ def main() -> int:
     from ep_runtime import EPConfig, EPRuntime
     from ep_runtime.layout import BufferLayout
     from ep_runtime.shmem import open_session
-    from ep_runtime.testing import make_inputs, round_trip_with_error
+    from ep_runtime.testing import gpu_check_report, make_inputs, round_trip_with_error
 
     R = MPI.COMM_WORLD.Get_size()
     cfg = EPConfig(n_ranks=R, n_experts=args.experts, top_k=args.top_k, hidden=args.hidden,
@@ -113,15 +113,10 @@ def main() -> int:
     session.close()
     if me != 0:
         return 0
-    for f in sum(all_failures, []):
-        print("FAIL:", f)
-    print(f"{'rank':>4} {'plan':<24} {'layout':<9} {'planted ids: the error raised':<62} checks")
-    for r_rows in all_rows:
-        for r, label, layout, err, ok in r_rows:
-            print(f"{r:>4} {label:<24} {layout:<9} {err:<62} {ok}")
-    ok = not sum(all_failures, [])
-    print("PASS" if ok else "FAIL")
-    return 0 if ok else 1
+    table = [f"{'rank':>4} {'plan':<24} {'layout':<9} {'planted ids: the error raised':<62} checks"]
+    table += [f"{r:>4} {label:<24} {layout:<9} {err:<62} {ok}" for r_rows in all_rows
+              for r, label, layout, err, ok in r_rows]
+    return gpu_check_report(all_failures, table)
 
 
 if __name__ == "__main__":

@@ -78,6 +78,7 @@ def main() -> int:
 
     from ep_runtime.layout import BufferLayout
     from ep_runtime.shmem import open_session
+    from ep_runtime.testing import gpu_check_report, rank_rows
 
     comm = MPI.COMM_WORLD
     R = comm.Get_size()
@@ -98,16 +99,7 @@ def main() -> int:
                 failures += [f"{what}: {f}" for f in fails]
     all_rows, all_failures = comm.gather(rows, root=0), comm.gather(failures, root=0)
     session.close()
-    if me != 0:
-        return 0
-    for f in sum(all_failures, []):
-        print("FAIL:", f)
-    for r, r_rows in enumerate(all_rows):
-        for what, result in r_rows:
-            print(f"rank {r}  {what:<40} {result}")
-    ok = not sum(all_failures, [])
-    print("PASS" if ok else "FAIL")
-    return 0 if ok else 1
+    return gpu_check_report(all_failures, rank_rows(all_rows)) if me == 0 else 0
 
 
 if __name__ == "__main__":

@@ -107,6 +107,7 @@ def main() -> int:
 
     from ep_runtime.layout import BufferLayout
     from ep_runtime.shmem import open_session
+    from ep_runtime.testing import gpu_check_report, rank_rows
 
     comm = MPI.COMM_WORLD
     R = comm.Get_size()
@@ -134,20 +135,14 @@ def main() -> int:
     session.close()
     if me != 0:
         return 0
-    for f in sum(all_failures, []):
-        print("FAIL:", f)
-    for r, r_rows in enumerate(all_rows):
-        for what, result in r_rows:
-            print(f"rank {r}  {what:<40} {result}")
-    print(f"{'T':>6} {'hidden':>6} {'rank':>4} {'slot values us':>15} {'bytes':>10} {'combine us':>11} {'bytes':>12}")
+    table = [f"{'T':>6} {'hidden':>6} {'rank':>4} {'slot values us':>15} {'bytes':>10} {'combine us':>11} "
+             f"{'bytes':>12}"]
     for j, (cfg, _) in enumerate(times):
         for r in range(R):
             t = all_times[r][j]
-            print(f"{cfg.max_tokens_per_rank:>6} {cfg.hidden:>6} {r:>4} {t['slot_us']:>15.1f} {t['slot_bytes']:>10} "
-                  f"{t['combine_us']:>11.1f} {t['combine_bytes']:>12}")
-    ok = not sum(all_failures, [])
-    print("PASS" if ok else "FAIL")
-    return 0 if ok else 1
+            table.append(f"{cfg.max_tokens_per_rank:>6} {cfg.hidden:>6} {r:>4} {t['slot_us']:>15.1f} "
+                         f"{t['slot_bytes']:>10} {t['combine_us']:>11.1f} {t['combine_bytes']:>12}")
+    return gpu_check_report(all_failures, rank_rows(all_rows) + table)
 
 
 if __name__ == "__main__":
