@@ -78,9 +78,11 @@ def _in_cross_section(name: str, token_dtype: str, receiver: str, transport: str
     which the gate builds; UE8M0's puts sender is FP8_E4M3's with UE8M0's scale code, built in
     its stores sender. The receive kernels of UE8M0 equal FP8_E4M3's except for the scale words
     they copy, so they are built in FP8_E4M3 only; ``dispatch_copy`` (which writes the scales'
-    layout) in both. ``routing_copy`` calls no NVSHMEM function (nothing to link) and
-    tests/test_prebuild.py builds it for sm_90a: only ``every_build`` has it."""
-    if name == "routing_copy":
+    layout) in both; FP8's ``dispatch_land`` is left out too (no default plan lands FP8 rows:
+    only an override does, and its landing code is the bfloat16 build's). ``routing_copy`` calls
+    no NVSHMEM function (nothing to link) and tests/test_prebuild.py builds it for sm_90a. Only
+    ``every_build`` has these."""
+    if name == "routing_copy" or (name == "dispatch_land" and token_dtype != "bfloat16"):
         return False
     if token_dtype == "bfloat16":
         return True
