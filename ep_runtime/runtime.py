@@ -215,6 +215,9 @@ class EPRuntime:
         inputs = (tokens, topk_ids, topk_weights, n_tokens, token_scales)
         if routing is not None:
             self._check_kept(routing, topk_ids, topk_weights, n_tokens)
+        elif topk_ids is None or topk_weights is None:
+            raise EPInputError("dispatch_async: pass topk_ids and topk_weights (the routing), or routing= a "
+                               "KeptRouting (keep_routing(handle)) to reuse an earlier dispatch's.")
         call = self._memo.get_or_prepare("dispatch_async", (routing,), inputs,
                                          lambda: self._prepare_dispatch_async(*inputs, routing))
         if self.debug and routing is None:
@@ -390,7 +393,8 @@ class EPRuntime:
         max_tokens_per_rank, top_k]`` int32 and float32 apiece, plus ``[n_ranks, L + 1]``).
 
         ``into``: a :class:`KeptRouting` of this runtime to overwrite (its memory reused, as a
-        CUDA graph needs); None allocates one. A ``reset()`` retires every kept routing.
+        CUDA graph needs; the routing it held is gone, so use only the one returned); None
+        allocates one. A ``reset()`` retires every kept routing.
         """
         self._require(_State.DISPATCHED, _State.IDLE, call="keep_routing", handle=handle, handle_type=DispatchHandle)
         if into is not None:

@@ -247,6 +247,7 @@ def refusals_pe(session, cfg: EPConfig) -> dict:
         refused("wrong token count", lambda: rt.dispatch_async(dev(np.zeros((len(xs[r]) + 1, cfg.hidden),
                                                                              np.uint16)), routing=kept))
         refused("not a kept routing", lambda: rt.dispatch_async(x, routing=batch.handle))
+        refused("no routing at all", lambda: rt.dispatch_async(x))
         refused("into not a kept routing", lambda: rt.keep_routing(batch.handle, into=batch))
         rt.combine(dev(expert_outputs(cfg, reference.dispatch(xs, ids, ws, cfg)[r], r)), batch.handle)
         refused("another runtime's routing", lambda: other.dispatch_async(x, routing=kept))
@@ -263,6 +264,7 @@ def test_the_host_refuses_misused_kept_routings():
                 "ids beside routing": "pass topk_ids, topk_weights and n_tokens only without it",
                 "wrong token count": "dispatched", "not a kept routing": "routing must be a KeptRouting",
                 "into not a kept routing": "into must be a KeptRouting",
-                "another runtime's routing": "routing kept by another EPRuntime", "kept before reset": "before reset()"}
+                "another runtime's routing": "routing kept by another EPRuntime", "kept before reset": "before reset()",
+                "no routing at all": "pass topk_ids and topk_weights (the routing), or routing="}
         for key, frag in want.items():
             assert got[key] is not None and frag in got[key], (r, key, got[key])
