@@ -3,14 +3,15 @@ real kernels, one process per rank, exact against the NumPy reference.
 
 A backward dispatches its gradients with its forward's routing. Each run keeps the routing of call
 0 (masked slots, a repeated id, a rank with no tokens), dispatches another routing at call 1 (other
-layers share the runtime), then dispatches new tokens with the kept routing at calls 2 and 3 (the
-other buffer group and the same one as call 0), and a fresh routing at call 4. Every batch (either
-layout), every combine and the slot values after a reusing dispatch must be the reference's for
+layers share the runtime; its slot values fill call 3's buffer group), then dispatches new tokens
+with the kept routing at calls 2 and 3 (call 0's buffer group, then the other one), and a fresh
+routing at call 4. Every batch (either layout), every combine and the slot values after a reusing
+dispatch must be the reference's for
 those tokens with that routing, bit for bit, on every receiver and transport, with the token count
 given on the host and on the device (inputs padded to capacity, as a captured CUDA graph passes
 them). Then the protocol's promise: a reusing dispatch_async writes no routing region on any rank
 (no routing is sent), and what the host refuses (routing arguments beside a kept routing, a kept
-routing of another runtime or from before a ``reset()``, a wrong token count).
+routing of another runtime or from before a ``reset()``, a wrong token count, no routing at all).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ SEED = 5200
 #: name -> plan overrides: every receiver on every transport it runs on (the plan suite's, its
 #: route-first thresholds lowered so some calls here split, share and chunk)
 VARIANTS = {k: v for k, v in PLAN_VARIANTS.items() if k != "route_first-copy"}
-#: (call, layout) of the dispatches that reuse call 0's routing: the other buffer group, then call 0's
+#: (call, layout) of the dispatches that reuse call 0's routing: call 0's buffer group, then the other
 REUSES = ((2, "compact"), (3, "expanded"))
 
 
