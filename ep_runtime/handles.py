@@ -65,6 +65,9 @@ class KeptRouting:
     counts : [n_ranks, n_local_experts + 1] int32, each source's tokens per local expert (the
         ``wait`` and ``land`` receivers) and its token count (last column).
     restore : the prepared launch that copies them back for a reusing call.
+    generation, memory : this routing's number among those kept in its arrays, and the arrays'
+        latest (a one-element list shared by every KeptRouting of those arrays: a
+        ``keep_routing(into=...)`` advances it, retiring the routing kept there before).
     """
 
     owner: int
@@ -76,6 +79,8 @@ class KeptRouting:
     counts: Any
     ranks: Any
     restore: Any
+    generation: int
+    memory: list
 
 
 @dataclass(frozen=True)

@@ -414,9 +414,12 @@ class EPRuntime:
         kept = dict(kept_ids=ids, kept_weights=weights, kept_counts=counts, kept_ranks=ranks)
         self._run(self._prepare("routing_copy", restore=_INT64[0], **kept))
         restore = into.restore if into is not None else self._prepare("routing_copy", restore=_INT64[1], **kept)
+        memory = into.memory if into is not None else [0]
+        memory[0] += 1  # the routing kept in these arrays before (into) is retired
         return from_fields(KeptRouting, {"owner": self._owner, "call": handle.call, "n_tokens": handle.n_tokens,
                                          "epoch": self._epoch, "ids": ids, "weights": weights, "counts": counts,
-                                         "ranks": ranks, "restore": restore})
+                                         "ranks": ranks, "restore": restore, "generation": memory[0],
+                                         "memory": memory})
 
     def _check_kept(self, routing, topk_ids, topk_weights, n_tokens) -> None:
         """Refuse a ``routing=`` dispatch whose kept routing is not this runtime's current one,
@@ -433,6 +436,9 @@ class EPRuntime:
         if routing.epoch != self._epoch:
             raise EPStateError(f"rank {self.rank}: dispatch_async got a routing kept (call {routing.call}) before "
                                f"reset(); reset() retires kept routings: dispatch with topk_ids again.")
+        if routing.generation != routing.memory[0]:
+            raise EPStateError(f"rank {self.rank}: dispatch_async got a routing kept (call {routing.call}) in arrays "
+                               f"a later keep_routing(into=...) overwrote; pass the KeptRouting that call returned.")
 
     # -- combine ------------------------------------------------------------------------------
     def combine_async(self, expert_out, handle: DispatchHandle, layout: str = "expanded",

@@ -250,10 +250,12 @@ def refusals_pe(session, cfg: EPConfig) -> dict:
         refused("not a kept routing", lambda: rt.dispatch_async(x, routing=batch.handle))
         refused("no routing at all", lambda: rt.dispatch_async(x))
         refused("into not a kept routing", lambda: rt.keep_routing(batch.handle, into=batch))
+        again = rt.keep_routing(batch.handle, into=kept)  # the same arrays: kept is retired
+        refused("overwritten by into", lambda: rt.dispatch_async(x, routing=kept))
         rt.combine(dev(expert_outputs(cfg, reference.dispatch(xs, ids, ws, cfg)[r], r)), batch.handle)
-        refused("another runtime's routing", lambda: other.dispatch_async(x, routing=kept))
+        refused("another runtime's routing", lambda: other.dispatch_async(x, routing=again))
         rt.reset()
-        refused("kept before reset", lambda: rt.dispatch_async(x, routing=kept))
+        refused("kept before reset", lambda: rt.dispatch_async(x, routing=again))
     return out
 
 
@@ -266,6 +268,7 @@ def test_the_host_refuses_misused_kept_routings():
                 "wrong token count": "dispatched", "not a kept routing": "routing must be a KeptRouting",
                 "into not a kept routing": "into must be a KeptRouting",
                 "another runtime's routing": "routing kept by another EPRuntime", "kept before reset": "before reset()",
-                "no routing at all": "pass topk_ids and topk_weights (the routing), or routing="}
+                "no routing at all": "pass topk_ids and topk_weights (the routing), or routing=",
+                "overwritten by into": "a later keep_routing(into=...) overwrote"}
         for key, frag in want.items():
             assert got[key] is not None and frag in got[key], (r, key, got[key])
