@@ -229,6 +229,24 @@ BATCH_FIELDS = ("x", "row_offsets", "expert_counts", "src_rank", "src_token", "s
 FP8_CALLS = (("expanded", "row"), ("compact", "row"), ("expanded", "column"))
 
 
+def combine_over_tolerance(cfg: EPConfig, refs: list, ids: list, ws: list, rank: int, out: np.ndarray):
+    """A GPU check's combine on ``rank`` of every rank's :func:`expert_outputs` of the reference
+    batches ``refs``: ``out`` [T, H] bf16 bits against ``reference.combine``. None when every
+    token is within ``reference.combine_tolerance`` (of the weights of its routed slots: a GPU's
+    fused multiply-adds round differently from the reference), else the largest error."""
+    from . import reference
+
+    ys = [expert_outputs(cfg, refs[s], s) for s in range(cfg.n_ranks)]
+    want = reference.combine(ys, refs, ids, cfg, home_ranks=[rank])[rank].astype(np.float32)
+    # the largest output of a real row (padding rows hold NaN: a NaN bound would pass anything)
+    y_max = max(float(np.abs(y.view(reference.BF16)[:b.n_rows][b.src_rank >= 0].astype(np.float32)).max(initial=0))
+                for y, b in zip(ys, refs))
+    tol = reference.combine_tolerance(np.where(reference.routed_ids(ids[rank], cfg.n_experts) >= 0, ws[rank], 0),
+                                      y_max)  # [T, 1]: each token's own bound
+    err = np.abs(out.view(reference.BF16).astype(np.float32) - want)
+    return float(err.max()) if not (err <= tol).all() else None
+
+
 def rank_rows(all_rows: list) -> list[str]:
     """A GPU check's (tests/gpu/) per-rank ``(what, result)`` rows, gathered on rank 0, as lines
     ``rank r  what  result``."""

@@ -31,7 +31,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # tests
 def check(cfg, me, got, inputs, layout, what) -> list[str]:
     """This rank's batch and output against the reference of ``inputs``: failures."""
     from ep_runtime import reference
-    from ep_runtime.testing import assert_batch_is_the_reference, expert_outputs
+    from ep_runtime.testing import assert_batch_is_the_reference, combine_over_tolerance
 
     xs, ids, ws = inputs
     refs = reference.dispatch(xs, ids, ws, cfg)
@@ -45,15 +45,8 @@ def check(cfg, me, got, inputs, layout, what) -> list[str]:
             assert_batch_is_the_reference(got, refs[me], layout, xs, cfg, what)
     except AssertionError as e:
         return [f"{what}: batch: {str(e).strip()[:300]}"]
-    want = reference.combine([expert_outputs(cfg, refs[s], s) for s in range(cfg.n_ranks)], refs, ids, cfg,
-                             home_ranks=[me])[me].astype(np.float32)
-    y_max = max(float(np.abs(expert_outputs(cfg, refs[s], s).view(reference.BF16)[:refs[s].n_rows]
-                             .astype(np.float32)).max(initial=0)) for s in range(cfg.n_ranks))
-    tol = reference.combine_tolerance(np.where(reference.routed_ids(ids[me], cfg.n_experts) >= 0, ws[me], 0), y_max)
-    err = np.abs(got["out"].view(reference.BF16).astype(np.float32) - want)
-    if (err > tol[:, None]).any():
-        return [f"{what}: combine: max error {float(err.max())} over its tolerance"]
-    return []
+    err = combine_over_tolerance(cfg, refs, ids, ws, me, got["out"])
+    return [] if err is None else [f"{what}: combine: max error {err} over its tolerance"]
 
 
 def main() -> int:

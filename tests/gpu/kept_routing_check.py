@@ -29,7 +29,7 @@ def check(session, cfg, plan: dict, device_count: bool) -> list[str]:
     from test_kept_routing_sim import REUSES, SEED, kept_inputs, kept_pe, reused_tokens
 
     from ep_runtime import reference
-    from ep_runtime.testing import assert_batch_is_the_reference, call_inputs, expert_outputs
+    from ep_runtime.testing import assert_batch_is_the_reference, call_inputs, combine_over_tolerance
 
     me, fails = session.rank, []
     got = kept_pe(session, plan, cfg, device_count)
@@ -41,15 +41,9 @@ def check(session, cfg, plan: dict, device_count: bool) -> list[str]:
             assert_batch_is_the_reference(got[call], refs[me], layout, toks, cfg, f"call {call}")
         except AssertionError as e:
             fails.append(f"call {call} ({layout}) batch: {str(e)[:200]}")
-        ys = [expert_outputs(cfg, refs[s], s) for s in range(cfg.n_ranks)]
-        want = reference.combine(ys, refs, ids, cfg, home_ranks=[me])[me].astype(np.float32)
-        y_max = max(float(np.abs(y.view(reference.BF16)[:b.n_rows].astype(np.float32)).max(initial=0))
-                    for y, b in zip(ys, refs))
-        weights = np.where(reference.routed_ids(ids[me], cfg.n_experts) >= 0, ws[me], 0)
-        tol = reference.combine_tolerance(weights, y_max)
-        err = np.abs(got[call]["out"][:len(toks[me])].view(reference.BF16).astype(np.float32) - want)
-        if (err > tol[:, None]).any():
-            fails.append(f"call {call} ({layout}): the combine is off by {float(err.max())}, over its tolerance")
+        err = combine_over_tolerance(cfg, refs, ids, ws, me, got[call]["out"][:len(toks[me])])
+        if err is not None:
+            fails.append(f"call {call} ({layout}): the combine is off by {err}, over its tolerance")
     routed = reference.routed_ids(ids[me], cfg.n_experts)
     t = np.arange(len(xs[me]), dtype=np.float32)[:, None]
     k = np.arange(cfg.top_k, dtype=np.float32)[None, :]

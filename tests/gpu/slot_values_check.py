@@ -31,7 +31,7 @@ def exactness(session, cfg, me: int) -> list[str]:
     from test_slot_values_sim import CALLS, expected_home_of_call, planted_inputs, slot_pe
 
     from ep_runtime import reference
-    from ep_runtime.testing import expert_outputs
+    from ep_runtime.testing import combine_over_tolerance
 
     fails = []
     got = slot_pe(session, cfg)
@@ -42,18 +42,10 @@ def exactness(session, cfg, me: int) -> list[str]:
             bad = (np.argwhere(got[call]["home"] != want).tolist() if got[call]["home"].shape == want.shape
                    else [f"shape {got[call]['home'].shape}, want {want.shape}"])
             fails.append(f"T={cfg.max_tokens_per_rank} call {call}: slot values differ at {bad[:4]}")
-        refs = reference.dispatch(xs, ids, ws, cfg)
-        ys = [expert_outputs(cfg, refs[s], s) for s in range(cfg.n_ranks)]
-        want = reference.combine(ys, refs, ids, cfg, home_ranks=[me])[me].astype(np.float32)
-        # within the reference's tolerance (a GPU's fused multiply-adds round differently)
-        y_max = max(float(np.abs(y.view(reference.BF16)[:b.n_rows].astype(np.float32)).max(initial=0))
-                    for y, b in zip(ys, refs))
-        weights = np.where(reference.routed_ids(ids[me], cfg.n_experts) >= 0, ws[me], 0)
-        tol = reference.combine_tolerance(weights, y_max)
-        err = np.abs(got[call]["combined"].view(reference.BF16).astype(np.float32) - want)
-        if (err > tol[:, None]).any():
+        err = combine_over_tolerance(cfg, reference.dispatch(xs, ids, ws, cfg), ids, ws, me, got[call]["combined"])
+        if err is not None:
             fails.append(f"T={cfg.max_tokens_per_rank} call {call}: the combine after the slot values is off by "
-                         f"{float(err.max())}, over its tolerance")
+                         f"{err}, over its tolerance")
     return fails
 
 
