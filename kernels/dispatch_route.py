@@ -277,6 +277,37 @@ def make_dispatch_route(v: DispatchVariant) -> SimpleNamespace:
             m = wid * SW + el
             store_u32_at(ranks_src, j, uint32(warp_rows[m] + popc32(masks[m] & lanes_below)))
 
+    @cuda.jit(device=True)
+    def count_token_experts(ids_base, t, K, w0, next_rank, ids_l):
+        """Add 1 to ``next_rank[x - w0]`` for each distinct expert ``x`` of token ``t`` (the flat
+        ids at ``ids_base``) in the window ``[w0, w0 + RANK_WINDOW)``: a repeated id counts once,
+        as the masks of :func:`rank_chunk`'s rounds count it (a lane's bit is set once) and as
+        ``routed_id`` sends it. The first ``ID_BATCH`` ids are compared in registers (``ids_l``)."""
+        for u in range(ID_BATCH):  # a constant trip count: unrolled, ids_l in registers, the loads independent
+            if u < K:
+                ids_l[u] = int32(load_u32_at(ids_base, t * K + u))
+        for u in range(ID_BATCH):
+            if u < K:
+                x = ids_l[u]
+                el = x - w0
+                if el >= 0 and el < SW:
+                    first = True
+                    for u2 in range(ID_BATCH):
+                        if u2 < u and ids_l[u2] == x:
+                            first = False
+                    if first:
+                        cuda.atomic.add(next_rank, el, int32(1))
+        for k in range(ID_BATCH, K):
+            x = int32(load_u32_at(ids_base, t * K + k))
+            el = x - w0
+            if el >= 0 and el < SW:
+                first = True
+                for k2 in range(k):
+                    if int32(load_u32_at(ids_base, t * K + k2)) == x:
+                        first = False
+                if first:
+                    cuda.atomic.add(next_rank, el, int32(1))
+
     @inlined
     def rank_chunk(ids_base, d_ranks, d_counts, send_ranks, send_counts, peer_bases, g, me, n, T, R, L, K, rb,
                    n_route, sync, flag, d_route, status, masks, warp_rows, next_rank, run_l):
@@ -284,7 +315,8 @@ def make_dispatch_route(v: DispatchVariant) -> SimpleNamespace:
         tokens ranked among this rank's tokens with expert ``topk_ids[t, k]`` (``ids_base``, the
         flat ids), staged in send_ranks and stored on every rank (``d_ranks[g, me]``), starting
         from the count of each expert's tokens before the chunk (a shared-memory histogram of
-        their ids), so no routing block waits for another; the last chunk's block stores each
+        their experts, a token counting a repeated id once: ``count_token_experts``), so no
+        routing block waits for another; the last chunk's block stores each
         expert's count on its rank (``d_counts[g, me, :L]``, and T at ``[g, me, L]``). A landing
         build then takes the route ticket (``publish_route``). The puts path stages the counts
         rows (send_counts) and puts the ranks per block."""
@@ -300,16 +332,15 @@ def make_dispatch_route(v: DispatchVariant) -> SimpleNamespace:
         ranks_at = address_of(d_ranks[g, me]) - address_of(d_ranks)  # element t * K + k of the run
         counts_at = address_of(d_counts[g, me]) - address_of(d_counts)
         ranks_src = address_of(send_ranks)  # likewise [Tmax, K]
+        ids_l = cuda.local.array(ID_BATCH, int32)
         for w0 in range(0, E, SW):
             for el in range(tid, SW, threads):
                 next_rank[el] = 0
             for m in range(tid, RANK_WORDS, threads):
                 masks[m] = uint32(0)
             cuda.syncthreads()
-            for j in range(tid, c0 * K, threads):  # tokens before the chunk: each expert's first rank
-                el = int32(load_u32_at(ids_base, j)) - w0
-                if el >= 0 and el < SW:
-                    cuda.atomic.add(next_rank, el, int32(1))
+            for t in range(tid, c0, threads):  # tokens before the chunk: each expert's first rank
+                count_token_experts(ids_base, t, K, w0, next_rank, ids_l)
             cuda.syncthreads()
             for tb in range(c0, c1, threads):
                 if tb > c0:  # a later round: clear the masks the last one set (read by all: its last barrier)

@@ -29,8 +29,11 @@ SEED = 31
 #: (rank, token, slot, id) planted in the routing: rank 0 an id past the last expert, the last
 #: rank a negative one other than -1. {E}: n_experts.
 PLANTED = ((0, 1, 0, "{E} + 3"), (-1, 2, 1, "-7"))
-#: (ranks, plan) run: the simulator's default plan (``wait``) and a plain route-first one.
-RUN_PLANS = [(R, None) for R in WORLD_SIZES] + [(R, "route_first") for R in WORLD_SIZES]
+#: (ranks, plan) run: the simulator's default plan (``wait``), a plain route-first one and, at
+#: R=2, a landing one and a chunked route-first one whose routing block sends the ids
+#: (``routed_id``'s repeats).
+RUN_PLANS = ([(R, None) for R in WORLD_SIZES] + [(R, "route_first") for R in WORLD_SIZES]
+             + [(2, "land"), (2, "route_first_chunked")])
 #: (rank, token, slot, earlier slot): a repeat of an earlier slot's id.
 REPEATS = ((0, 3, 1, 0), (-1, 0, 1, 0))
 
@@ -55,9 +58,17 @@ def planted_inputs(cfg: EPConfig, seed: int, planted=PLANTED, repeats=()):
 
 
 #: Plans besides the simulator's default (``wait``): a plain route-first sender sends repeats as
-#: they are and its receivers mask them (``ranking.load_token``); thresholds as the plan suite's.
+#: they are and its receivers mask them (``ranking.rank_round``); thresholds as the plan suite's.
+#: The chunked one is never split (its routing block sends the routing, as ``routed_id`` reads it).
 PLANS = {"route_first": {"receiver": "route_first", "share_from_tokens": 4, "chunk_from_tokens": 8,
-                         "split_from_tokens": 4}}
+                         "split_from_tokens": 4},
+         "route_first_chunked": {"receiver": "route_first_chunked", "share_from_tokens": 4, "chunk_from_tokens": 2,
+                                 "split_from_tokens": 64},
+         "land": {"receiver": "land"}}
+#: Config changes of a plan's runs: the ranking senders (``wait``, the default, and ``land``) on a
+#: grid of 3 SMs, so two routing blocks rank a chunk of the tokens each, the second from a count of
+#: the first chunk's (where the last rank's repeat at token 0 must count once).
+PLAN_CFG = {None: {"n_sms": 3}, "land": {"n_sms": 3}}
 #: Repeats past the ids a receiver loads together (``ranking.ID_BATCH`` = 8): top-k 10, slot 9
 #: repeating slot 8 and slot 8 repeating slot 2 (rank, token, slot, earlier slot; applied in order).
 WIDE_REPEATS = ((0, 1, 9, 8), (0, 4, 8, 2), (-1, 0, 9, 3), (-1, 0, 3, 1))
@@ -87,7 +98,7 @@ def runs():
         key = (R, token_dtype, plan, top_k)
         if key not in cache:
             cfg = case_cfg(R, token_dtype=token_dtype, hidden=256 if token_dtype != "bfloat16" else 32, top_k=top_k,
-                           n_experts=max(2 * R, 6 * top_k // 5))
+                           n_experts=max(2 * R, 6 * top_k // 5), **PLAN_CFG.get(plan, {}))
             repeats = WIDE_REPEATS if top_k > 8 else REPEATS
             cache[key] = (cfg, run_pes(ids_pe, R, args=(cfg, SEED, PLANS.get(plan), repeats),
                                        timeout_s=RUN_TIMEOUT_S))
