@@ -66,13 +66,14 @@ def make_ranking(threads: int) -> SimpleNamespace:
     @cuda.jit(device=True)
     def mark_window(masks, x, x0, wid, lane):
         """Set this lane's bit in its warp's mask of expert ``x`` (global id) if it is in the
-        window ``[x0, x0 + RECV_WINDOW)``. Returns whether the bit was set already: an earlier
-        slot of the lane's token named the same expert (a repeat)."""
+        window ``[x0, x0 + RECV_WINDOW)``. Returns the mask word before (uint32; 0 outside the
+        window): the lane's bit set in it means an earlier slot of the lane's token named the
+        same expert (a repeat). The caller tests it only once all its slots are marked, so the
+        atomics are in flight together rather than one round trip each."""
         el = x - x0
         if el >= 0 and el < RW:
-            bit = uint32(1) << uint32(lane)
-            return (cuda.atomic.or_(masks, wid * RW + el, bit) & bit) != uint32(0)
-        return False
+            return cuda.atomic.or_(masks, wid * RW + el, uint32(1) << uint32(lane))
+        return uint32(0)
 
     @cuda.jit(device=True)
     def rank_round(d_ids, g, s, t, K, valid, ids_l, x0, masks, warp_rows, next_rank, wid, lane):
@@ -94,17 +95,20 @@ def make_ranking(threads: int) -> SimpleNamespace:
             masks[m] = uint32(0)
         cuda.syncthreads()
         if valid:
-            repeats = uint32(0)  # bit u: slot u repeats (no branch on an atomic's result: all in flight)
+            bit = uint32(1) << uint32(lane)
+            olds = cuda.local.array(ID_BATCH, uint32)  # unrolled: registers
+            for u in range(ID_BATCH):  # every atomic issued before any result is read
+                olds[u] = mark_window(masks, ids_l[u], x0, wid, lane) if u < K else uint32(0)
+            seen = uint32(0)
             for u in range(ID_BATCH):
-                if u < K:
-                    repeats |= uint32(mark_window(masks, ids_l[u], x0, wid, lane)) << uint32(u)
-            if repeats != uint32(0):
+                seen |= olds[u]
+            if seen & bit:  # some slot repeats (rare): mask each one whose bit was set before
                 for u in range(ID_BATCH):
-                    if (repeats >> uint32(u)) & uint32(1):
+                    if olds[u] & bit:
                         ids_l[u] = int32(MASKED_SLOT)
                         d_ids[g, s, t, u] = int32(MASKED_SLOT)
             for k in range(ID_BATCH, K):
-                if mark_window(masks, d_ids[g, s, t, k], x0, wid, lane):
+                if mark_window(masks, d_ids[g, s, t, k], x0, wid, lane) & bit:
                     d_ids[g, s, t, k] = int32(MASKED_SLOT)
         cuda.syncthreads()
         warp_first_ranks(masks, warp_rows, next_rank, RW)
