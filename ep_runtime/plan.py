@@ -97,7 +97,8 @@ class Topology:
     peers: the kernels can store into them); ``sm_count``: the GPU's SMs (the whole grid);
     ``pdl``: programmatic dependent launch is available (compute capability 9.0 or later and the
     session's fast launcher, which sets its launch attribute); ``simulated``: Numba's CUDA
-    simulator runs the kernels.
+    simulator runs the kernels; ``node_of``: every PE's node (``Session.node_of``; empty: one
+    node), logical nodes of a testing topology included.
     """
 
     n_ranks: int
@@ -105,12 +106,19 @@ class Topology:
     sm_count: int
     pdl: bool
     simulated: bool = False
+    node_of: tuple = ()
+
+    @property
+    def n_nodes(self) -> int:
+        """Nodes the PEs are on (1 when ``node_of`` is empty)."""
+        return len(set(self.node_of)) or 1
 
     @classmethod
     def of(cls, session) -> "Topology":
-        """The topology of an open session (collective: it probes the peer mappings)."""
+        """The topology of an open session (collective: it probes the peer mappings and gathers
+        the PEs' nodes)."""
         return cls(session.n_ranks, session.peers_mapped(), session.sm_count(), session.pdl_capable(),
-                   session.backend == "sim")
+                   session.backend == "sim", session.node_of())
 
     @classmethod
     def nvlink_gpus(cls, n_ranks: int, sm_count: int = 132) -> "Topology":
@@ -334,6 +342,10 @@ def choose_plan(cfg: EPConfig, topology: Topology, overrides: dict | None = None
     fp8 = cfg.token_format.quantized
     transport = pick("transport", *((Transport.STORES, "every PE's heap is mapped here (NVLink): stores from the SMs")
                                     if topology.peers_mapped else
+                                    (Transport.PUTS, f"the PEs are on {topology.n_nodes} nodes: peers of another node "
+                                                     f"are reached by NVSHMEM puts, and the kernels use one transport "
+                                                     f"for every peer")
+                                    if topology.n_nodes > 1 else
                                     (Transport.PUTS, "some PE's heap is not mapped here: NVSHMEM puts")))
     pdl = pick("pdl", topology.pdl, "compute capability 9.0+ and the fast launcher" if topology.pdl else
                "the simulator" if topology.simulated else "no PDL here (compute capability < 9.0 or no fast launcher)")

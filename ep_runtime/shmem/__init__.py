@@ -19,7 +19,7 @@ DEFAULT_SESSION_HEAP_BYTES = 1 << 30
 
 
 def open_session(backend: str = "auto", heap_bytes: int = DEFAULT_SESSION_HEAP_BYTES, comm=None,
-                 group=None) -> Session:
+                 group=None, logical_nodes: int | None = None) -> Session:
     """Collective over the group: this process's session, one PE per member of the job's group.
 
     Parameters
@@ -35,6 +35,9 @@ def open_session(backend: str = "auto", heap_bytes: int = DEFAULT_SESSION_HEAP_B
         MPI.COMM_WORLD under mpirun, else torch.distributed's default group). PE index = group
         rank. Its host collectives carry the bootstrap (NVSHMEM's unique id, the simulator's job
         id) and the session's ``allgather_object``.
+    logical_nodes : a testing topology (``Session.use_logical_nodes``, collective, right after
+        opening): the PEs split into this many nodes of consecutive PEs, peers of another one
+        reached by NVSHMEM puts only, as across real nodes (e.g. 2 on a host of 4 GPUs: 2 x 2).
 
     One session per process: NVSHMEM is initialized once per process, and simulated kernels use
     their process's one current heap. :func:`session_for` keeps that session for its group.
@@ -48,12 +51,20 @@ def open_session(backend: str = "auto", heap_bytes: int = DEFAULT_SESSION_HEAP_B
         require_gpu("open_session('nvshmem')")
         from .nvshmem_session import NvshmemSession
 
-        return NvshmemSession.open(heap_bytes, group)
-    if backend == "sim":
+        session = NvshmemSession.open(heap_bytes, group)
+    elif backend == "sim":
         from .launch import open_sim_session
 
-        return open_sim_session(group, heap_bytes)
-    raise ValueError(f"backend must be 'auto', 'nvshmem' or 'sim'; got {backend!r}")
+        session = open_sim_session(group, heap_bytes)
+    else:
+        raise ValueError(f"backend must be 'auto', 'nvshmem' or 'sim'; got {backend!r}")
+    if logical_nodes is not None:
+        try:
+            session.use_logical_nodes(logical_nodes)
+        except Exception:
+            session.close()  # collective: every PE raised the same checked error
+            raise
+    return session
 
 
 @dataclass

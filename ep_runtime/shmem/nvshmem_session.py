@@ -202,9 +202,12 @@ class NvshmemSession(Session):
             array.fill(value)
 
     def peer_view(self, array, pe):
+        self._check_same_node(pe, "peer_view")
         return self._nvshmem.get_peer_array(array, pe)
 
     def peer_addresses(self, array):
+        if self.spans_nodes():  # real or logical nodes: peers of another node are reached by puts only
+            return None
         out = []
         for pe in range(self.n_ranks):
             try:

@@ -86,7 +86,8 @@ class Session(abc.ABC):
 
     def peers_mapped(self) -> bool:
         """Collective: whether every PE's symmetric heap is mapped into this process (the kernels
-        can store into peers: NVLink), probed once on a small symmetric allocation."""
+        can store into peers: NVLink), probed once on a small symmetric allocation. False when
+        the PEs are on more than one node (:meth:`node_of`), logical ones included."""
         if getattr(self, "_peers_mapped", None) is None:
             probe = self.alloc_symmetric("ep_runtime.peer_probe", (256,), "uint8")
             try:
@@ -94,6 +95,56 @@ class Session(abc.ABC):
             finally:
                 self.free_symmetric(probe)
         return self._peers_mapped
+
+    # -- nodes --------------------------------------------------------------------------------
+    def node_of(self) -> tuple[int, ...]:
+        """Every PE's node (index: PE; nodes numbered in the order of their first PE; see
+        :mod:`ep_runtime.shmem.nodes`): from the PEs' host names, or the logical nodes of
+        :meth:`use_logical_nodes`. Collective the first time (an allgather of host names), then
+        cached."""
+        if getattr(self, "_node_of", None) is None:
+            import socket
+
+            from .nodes import nodes_of_hosts
+
+            self._node_of = nodes_of_hosts(self.allgather_object(socket.gethostname()))
+        return self._node_of
+
+    def use_logical_nodes(self, n_nodes: int) -> None:
+        """Collective, before any runtime is built on this session: a testing topology of
+        ``n_nodes`` logical nodes of consecutive PEs, each inside one real node. Peers in another
+        logical node are then not mapped (:meth:`peer_addresses` is None, :meth:`peer_view`
+        refuses them), so the kernels reach them through NVSHMEM puts only, as across real
+        nodes. Raises EPInputError, changing nothing, when ``n_nodes`` does not divide the PEs,
+        when a logical node would span real nodes, when PEs pass different counts, or after the
+        session reported its peer mappings."""
+        from ..errors import EPInputError
+        from .nodes import logical_nodes
+
+        if getattr(self, "_peers_mapped", None) is not None:
+            raise EPInputError("use_logical_nodes: this session already reported its peer mappings (a runtime was "
+                               "built on it); call use_logical_nodes right after opening the session.")
+        asked = self.allgather_object(n_nodes)
+        if len(set(map(repr, asked))) > 1:
+            raise EPInputError(f"use_logical_nodes: the PEs asked for different node counts {asked} (index: PE); "
+                               f"every PE passes the same n_nodes.")
+        self._node_of = logical_nodes(self.node_of(), n_nodes)
+
+    def spans_nodes(self) -> bool:
+        """Whether the PEs are on more than one node (:meth:`node_of`). Collective the first time."""
+        return len(set(self.node_of())) > 1
+
+    def _check_same_node(self, pe: int, op: str) -> None:
+        """Refuse a peer view of a PE on another node (it is reached by puts only), once the node
+        map is known (never collective: a session without logical nodes leaves the rest to the
+        backend, whose mapping of another node's PE fails anyway)."""
+        node_of = getattr(self, "_node_of", None)
+        if node_of is not None and node_of[pe] != node_of[self.rank]:
+            from ..errors import EPInputError
+
+            raise EPInputError(f"{op}: PE {pe} is on node {node_of[pe]}, this PE ({self.rank}) on node "
+                               f"{node_of[self.rank]}; a peer on another node (logical ones included) has no "
+                               f"load/store mapping here: reach it with NVSHMEM puts.")
 
     def pdl_capable(self) -> bool:
         """Whether kernels may be launched with programmatic dependent launch here (compute

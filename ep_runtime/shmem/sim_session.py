@@ -109,15 +109,23 @@ class SimSession(Session):
 
     def peer_view(self, array, pe: int):
         """PE ``pe``'s copy of the symmetric ``array`` (ndarray, same shape and strides).
-        Stores into it are visible to PE ``pe`` at once."""
+        Stores into it are visible to PE ``pe`` at once. A PE on another (logical) node is
+        refused (:meth:`use_logical_nodes`)."""
+        self._check_same_node(pe, "peer_view")
         return self.heap.peer_view(_ndarray(array), pe)
 
     def peers_mapped(self) -> bool:
-        """Every PE's heap is mapped in every PE process (no collective probe needed)."""
-        return True
+        """Every PE's heap is mapped in every PE process, unless the session has logical nodes
+        (collective the first time: :meth:`node_of`). Reported once: the topology is fixed from
+        then on."""
+        self._peers_mapped = not self.spans_nodes()
+        return self._peers_mapped
 
     def peer_addresses(self, array):
-        """Every PE's heap is mapped in every PE process: the addresses of those mappings."""
+        """Every PE's heap is mapped in every PE process: the addresses of those mappings; None
+        when the session has logical nodes (peers of another node are reached by puts only)."""
+        if self.spans_nodes():
+            return None
         return [int(self.peer_view(array, pe).ctypes.data) for pe in range(self.n_ranks)]
 
     # -- host/device transfer ---------------------------------------------------------------
