@@ -5,7 +5,8 @@ nodes reached from each other by NVSHMEM puts only (``Session.use_logical_nodes`
 An mpiexec job of 4 simulated PEs opens its session as 2 x 2 logical nodes: the node map, no peer
 mapping across nodes (``peer_view`` refuses a PE of the other node, ``peer_addresses`` is None),
 the plan's transport (puts, its reason naming the nodes) and round trips in both layouts, bit for
-bit the reference's. The node-map helpers and the refusals run on their own.
+bit the reference's. Eight PEs as 2 x 4 and 4 x 2 map only their own node. The node-map helpers
+and the refusals run on their own.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from ep_runtime.plan import Topology, choose_plan
 from ep_runtime.shmem import open_session
 from ep_runtime.shmem.launch import run_pes
 from ep_runtime.shmem.nodes import logical_nodes, nodes_of_hosts
-from ep_runtime.testing import assert_calls_are_the_reference, plan_pe
+from ep_runtime.testing import assert_calls_are_the_reference, input_error_of, plan_pe
 from test_sessions_sim import _mpiexec, _write, ep_config, heap_bytes, run_job
 
 SEED = 23
@@ -102,8 +103,6 @@ def test_a_logical_topology_that_cannot_be_is_refused_naming_the_argument(real, 
 
 def refusals_pe(session) -> dict:
     """Each way ``use_logical_nodes`` refuses, on a session of 2 PEs, and the map left unchanged."""
-    from ep_runtime.testing import input_error_of
-
     got = {"odd": input_error_of(lambda: session.use_logical_nodes(3)),
            "differ": input_error_of(lambda: session.use_logical_nodes(1 + session.rank)),
            "after_odd": session.node_of(), "mapped": session.peers_mapped()}
@@ -118,3 +117,24 @@ def test_use_logical_nodes_refuses_before_changing_anything():
         assert "the PEs asked for different node counts [1, 2]" in g["differ"], g
         assert g["after_odd"] == (0, 0) and g["mapped"] is True, f"rank {r}: {g}"
         assert "already reported its peer mappings" in g["late"], g
+
+
+def logical_map_pe(session, n_nodes: int) -> dict:
+    """The node map and the mappings a session of ``n_nodes`` logical nodes reports on this PE."""
+    session.use_logical_nodes(n_nodes)
+    probe = session.alloc_symmetric("test.probe", (4,), "int32")
+    node_of = session.node_of()
+    refused = [pe for pe in range(session.n_ranks)
+               if input_error_of(lambda: session.peer_view(probe, pe)) is not None]
+    got = {"node_of": node_of, "mapped": session.peers_mapped(), "refused": refused}
+    session.free_symmetric(probe)
+    return got
+
+
+@pytest.mark.parametrize("n_nodes, want", [(2, (0, 0, 0, 0, 1, 1, 1, 1)), (4, (0, 0, 1, 1, 2, 2, 3, 3))],
+                         ids=["2x4", "4x2"])
+def test_eight_pes_as_2x4_and_4x2_map_only_their_own_node(n_nodes, want):
+    got = run_pes(logical_map_pe, 8, args=(n_nodes,), timeout_s=120)
+    for r, g in enumerate(got):
+        assert g["node_of"] == want and g["mapped"] is False, f"rank {r}: {g}"
+        assert g["refused"] == [pe for pe in range(8) if want[pe] != want[r]], f"rank {r}: {g['refused']}"
