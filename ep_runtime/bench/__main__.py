@@ -8,7 +8,9 @@ and device-memory bytes / HBM ceiling, with both ceilings measured in this run, 
 time as a fraction of it; baselines moving the same rows in the same run (NCCL
 ``all_to_all_single`` when torch is importable, alone and with the permutation its users need
 to reach our layout, recorded as not run where ranks share a GPU, as under CUDA MPS: NCCL needs
-a GPU per rank; nvshmem4py's host ``alltoall``). A baseline that fails is recorded with its
+a GPU per rank; nvshmem4py's host ``alltoall``; DeepEP V1's intranode normal kernels on the
+same tokens and routing when ``deep_ep`` is importable, bf16 only, at 32 and 20 SMs:
+``get_dispatch_layout`` + ``dispatch``, and ``combine``). A baseline that fails is recorded with its
 error and never stops the benchmark. Lists of values sweep their cartesian
 product. Outside mpirun (or with ``--backend sim``) it runs on the simulator, as a smoke test:
 no ceilings or baselines, host-clock times.
@@ -131,7 +133,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, help=_size_help("untimed round trips first", g["warmup"], m["warmup"]))
     p.add_argument("--seed", type=int, default=0, help="seed of the tokens and the routing")
     p.add_argument("--ceiling-mib", type=int, default=256, help="MiB copied to measure each ceiling (GPUs)")
-    p.add_argument("--no-baselines", action="store_true", help="skip NCCL and nvshmem alltoall")
+    p.add_argument("--no-baselines", action="store_true", help="skip NCCL, nvshmem alltoall and DeepEP")
     p.add_argument("--backward", action="store_true",
                    help="also time one MoE layer's backward (bf16 tokens): a dispatch, the router weights' "
                         "gradient home as slot values and a combine, against the 2 dispatches + 2 combines "

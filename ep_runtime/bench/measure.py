@@ -358,15 +358,7 @@ def nccl_all_to_all(session, sent, recv, hidden: int, perm, samples: int, warmup
     import torch
     import torch.distributed as dist
 
-    if not dist.is_initialized():
-        shared = ranks_sharing_a_gpu(session.allgather_object(_device_uuid()))
-        if shared:  # every rank sees the same list, so all skip alike (no rank left in a collective)
-            raise RuntimeError(f"ranks {shared} share one GPU (e.g. CUDA MPS); NCCL needs a GPU of its own per "
-                               f"rank, so this baseline is not run")
-        port = session.allgather_object(_free_port() if session.rank == 0 else None)[0]
-        torch.cuda.set_device(torch.device("cuda", _device_index()))
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=session.rank,
-                                world_size=session.n_ranks)
+    _join_nccl(session, "NCCL")
     dev = torch.device("cuda", torch.cuda.current_device())
     send = torch.randn(sum(sent), hidden, device=dev).to(torch.bfloat16)
     recv_buf = torch.empty(sum(recv), hidden, device=dev, dtype=torch.bfloat16)
@@ -385,6 +377,79 @@ def nccl_all_to_all(session, sent, recv, hidden: int, perm, samples: int, warmup
             e1.synchronize()
             if i >= warmup:
                 out[name].append(e0.elapsed_time(e1) * 1e3)
+    return out
+
+
+def _join_nccl(session, who: str) -> None:
+    """Join torch.distributed over NCCL, the session's ranks in its rank order, unless this process
+    already has: the torch baselines' group (``close_baselines`` leaves it)."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    shared = ranks_sharing_a_gpu(session.allgather_object(_device_uuid()))
+    if shared:  # every rank sees the same list, so all skip alike (no rank left in a collective)
+        raise RuntimeError(f"ranks {shared} share one GPU (e.g. CUDA MPS); {who} needs a GPU of its own per "
+                           f"rank, so this baseline is not run")
+    port = session.allgather_object(_free_port() if session.rank == 0 else None)[0]
+    torch.cuda.set_device(torch.device("cuda", _device_index()))
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=session.rank,
+                            world_size=session.n_ranks)
+
+
+#: SM counts the DeepEP baseline runs its normal kernels on: the 32 its intranode tests tune with,
+#: and its default (``Buffer.num_sms``).
+DEEPEP_SMS = (32, 20)
+
+
+def deepep_v1(session, tokens, ids, weights, n_experts: int, samples: int, warmup: int) -> dict:
+    """DeepEP V1's intranode normal kernels (``deep_ep.Buffer``, when the package is importable) on
+    this rank's tokens (``[T, H]`` bf16 bits as uint16), routing (``[T, K]`` int32) and weights
+    (``[T, K]`` float32): per SM count of :data:`DEEPEP_SMS`, the dispatch as Megatron's DeepEP path
+    runs it (``get_dispatch_layout`` then ``dispatch``, which syncs the host on the received counts)
+    and the ``combine`` of the received rows with the handle and the received weights; CUDA-event
+    times, a barrier before each."""
+    import deep_ep
+    import torch
+    import torch.distributed as dist
+
+    _join_nccl(session, "DeepEP")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    x = torch.from_numpy(np.ascontiguousarray(tokens).view(np.int16)).to(dev).view(torch.bfloat16)
+    idx = torch.from_numpy(np.ascontiguousarray(ids, np.int64)).to(dev)
+    w = torch.from_numpy(np.ascontiguousarray(weights, np.float32)).to(dev)
+    buffer = deep_ep.Buffer(dist.group.WORLD, int(2e9), 0, explicitly_destroy=True)  # its tests' NVLink buffer
+    out = {}
+    try:
+        for sms in DEEPEP_SMS:
+            deep_ep.Buffer.set_num_sms(sms)
+            times = {f"deepep_{sms}sms_dispatch": [], f"deepep_{sms}sms_combine": []}
+            for i in range(warmup + samples):
+                torch.cuda.synchronize()
+                session.barrier()
+                e = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+                e[0].record()
+                per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, n_experts)
+                recv_x, _, recv_w, _, handle, _ = buffer.dispatch(x, num_tokens_per_rank=per_rank,
+                                                                  is_token_in_rank=in_rank,
+                                                                  num_tokens_per_expert=per_expert, topk_idx=idx,
+                                                                  topk_weights=w)
+                e[1].record()
+                torch.cuda.synchronize()
+                session.barrier()
+                e[2].record()
+                buffer.combine(recv_x, handle, topk_weights=recv_w)
+                e[3].record()
+                e[3].synchronize()
+                if i >= warmup:
+                    times[f"deepep_{sms}sms_dispatch"].append(e[0].elapsed_time(e[1]) * 1e3)
+                    times[f"deepep_{sms}sms_combine"].append(e[2].elapsed_time(e[3]) * 1e3)
+            out.update(times)
+    finally:
+        torch.cuda.synchronize()
+        session.barrier()
+        buffer.destroy()
     return out
 
 

@@ -4,6 +4,7 @@ plot). The command line is :mod:`ep_runtime.bench.__main__`."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
 import math
 import subprocess
@@ -15,9 +16,8 @@ import numpy as np
 from ..config import EPConfig
 from ..layout import partial_dtype
 from ..testing import make_inputs
-from .measure import (GRAPH_ROUND_TRIPS, ceilings, nccl_all_to_all, nvshmem_alltoall, takes_device_token_count,
-                      time_backward,
-                      time_graph_round_trips, time_round_trips)
+from .measure import (GRAPH_ROUND_TRIPS, ceilings, deepep_v1, nccl_all_to_all, nvshmem_alltoall,
+                      takes_device_token_count, time_backward, time_graph_round_trips, time_round_trips)
 from .stats import gbps, summarize
 from .traffic import nccl_permutation, rank_traffic
 
@@ -144,6 +144,9 @@ def bench_rank(session, args_dict) -> list[dict]:
                                                      args.samples, args.warmup), "nccl"))
             base.update(_try(lambda: nvshmem_alltoall(session, tr.sent, cfg.hidden, args.samples, args.warmup),
                              "nvshmem_alltoall"))
+            if importlib.util.find_spec("deep_ep") is not None and not cfg.token_format.quantized:
+                base.update(_try(lambda: deepep_v1(session, xs[r], ids[r], ws[r], cfg.n_experts, args.samples,
+                                                   args.warmup), "deepep"))
         for mode, layout, token_input, spans, graph, plan in runs:
             results.append(_result(cfg, trs[token_input], spans, base, ceil, mode, graph, layout, plan, token_input))
     if gpu:
