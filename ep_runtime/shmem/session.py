@@ -16,9 +16,13 @@ Collective calls (every PE must make them, in the same order, with the same argu
 from __future__ import annotations
 
 import abc
+import socket
 from typing import Any
 
 import numpy as np
+
+from ..errors import EPInputError
+from .nodes import logical_nodes, nodes_of_hosts
 
 
 class Session(abc.ABC):
@@ -103,10 +107,6 @@ class Session(abc.ABC):
         :meth:`use_logical_nodes`. Collective the first time (an allgather of host names), then
         cached."""
         if getattr(self, "_node_of", None) is None:
-            import socket
-
-            from .nodes import nodes_of_hosts
-
             self._node_of = nodes_of_hosts(self.allgather_object(socket.gethostname()))
         return self._node_of
 
@@ -118,9 +118,6 @@ class Session(abc.ABC):
         nodes. Raises EPInputError, changing nothing, when ``n_nodes`` does not divide the PEs,
         when a logical node would span real nodes, when PEs pass different counts, or after the
         session reported its peer mappings."""
-        from ..errors import EPInputError
-        from .nodes import logical_nodes
-
         if getattr(self, "_peers_mapped", None) is not None:
             raise EPInputError("use_logical_nodes: this session already reported its peer mappings (a runtime was "
                                "built on it); call use_logical_nodes right after opening the session.")
@@ -140,8 +137,6 @@ class Session(abc.ABC):
         backend, whose mapping of another node's PE fails anyway)."""
         node_of = getattr(self, "_node_of", None)
         if node_of is not None and node_of[pe] != node_of[self.rank]:
-            from ..errors import EPInputError
-
             raise EPInputError(f"{op}: PE {pe} is on node {node_of[pe]}, this PE ({self.rank}) on node "
                                f"{node_of[self.rank]}; a peer on another node (logical ones included) has no "
                                f"load/store mapping here: reach it with NVSHMEM puts.")
@@ -157,7 +152,8 @@ class Session(abc.ABC):
         :meth:`alloc_symmetric` returned it: NVSHMEM tracks allocations, not views of them) as
         mapped in this process (index: PE; this PE's own copy included), for kernels that store
         into peers' copies through pointers; None when some PE's copy is not mapped here (no
-        NVLink path). A region at byte offset o of the allocation is at address + o on every
+        NVLink path, or PEs on several nodes, logical ones included: :meth:`node_of`, collective
+        the first time). A region at byte offset o of the allocation is at address + o on every
         PE. Publish such stores as :meth:`peer_view` says."""
 
     # -- host/device transfer ---------------------------------------------------------------
