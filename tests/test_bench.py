@@ -439,3 +439,43 @@ def test_plot_draws_one_line_per_layout_and_names_only_what_it_draws(tmp_path):
             assert sum(label.startswith("floor") for label in drawn) == (2 if floors else 0)
             for line in ax.get_lines():
                 assert list(line.get_xdata()) == [3, 6]
+
+
+def test_report_renders_the_readme_table_and_the_plot_with_the_baselines_of_the_run(tmp_path):
+    from ep_runtime.bench.measure import SPANS
+    from ep_runtime.bench.report import baseline_series, main, markdown_table
+    from ep_runtime.bench.run import _result
+
+    results = []
+    for T in (6, 3):
+        cfg = EPConfig(n_ranks=2, n_experts=4, top_k=2, hidden=128, max_tokens_per_rank=T)
+        _, ids, _ = make_inputs(cfg, "random", 1, n_tokens=[T, T])
+        tr = rank_traffic(ids, 0, cfg.n_local_experts, cfg.hidden)
+        base = {"all_to_all": [T + 1.0] * 3, "all_to_all+permute": [T + 2.0] * 3,
+                "deepep_32sms_dispatch": [T + 3.0] * 3, "deepep_32sms_dispatch_cached": [T + 4.0] * 3,
+                "deepep_32sms_combine": [T + 5.0] * 3}
+        for layout, scale in (("expanded", 2.0), ("compact", 1.0)):
+            spans = {k: [scale * T + 0.25] * 3 for k in SPANS}
+            results.append(_result(cfg, tr, spans, base, {"nvlink_gbps": 100.0, "hbm_gbps": 1000.0}, "graph",
+                                   None, layout))
+    table = markdown_table(results).splitlines()
+    assert len(table) == 4 and table[1].count("---") == table[0].count("|") - 1
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table[2:]]
+    assert [r[:2] for r in rows] == [["3", "bf16"], ["6", "bf16"]]  # sorted by T
+    for row, T, res in zip(rows, (3, 6), (results[3], results[1])):
+        t = res["times_us"]
+        assert row[2] == f"{t['dispatch']['median']:.1f} / {t['combine']['median']:.1f}"  # compact first
+        assert row[6] == f"{T + 1.0:.1f} / {T + 2.0:.1f}"
+        assert row[7] == f"{T + 3.0:.1f} / {T + 4.0:.1f} / {T + 5.0:.1f}"
+    series = {(s["phase"], s["label"]): s for s in baseline_series(results)}
+    assert sorted(series) == [("combine", "DeepEP V1 32 SMs, combine (bf16)"),
+                              ("dispatch", "DeepEP V1 32 SMs, cached dispatch (bf16)"),
+                              ("dispatch", "DeepEP V1 32 SMs, layout + dispatch (bf16)"),
+                              ("dispatch", "NCCL all_to_all (bf16)"), ("dispatch", "NCCL all_to_all + permute (bf16)")]
+    assert series["dispatch", "NCCL all_to_all (bf16)"]["T"] == [3, 6]
+    assert series["dispatch", "NCCL all_to_all (bf16)"]["us"] == [4.0, 7.0]
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"meta": {"ranks": 2, "device": "NVIDIA H200", "git_sha": "abc1234"},
+                                "results": [results, results]}))
+    assert main([str(path), "--plot", str(tmp_path / "run.png")]) == 0
+    assert (tmp_path / "run.png").stat().st_size > 0

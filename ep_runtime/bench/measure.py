@@ -403,48 +403,67 @@ def _join_nccl(session, who: str) -> None:
 DEEPEP_SMS = (32, 20)
 
 
-def deepep_v1(session, tokens, ids, weights, n_experts: int, samples: int, warmup: int) -> dict:
+def deepep_v1(session, tokens, ids, weights, n_experts: int, samples: int, warmup: int, fp8=None) -> dict:
     """DeepEP V1's intranode normal kernels (``deep_ep.Buffer``, when the package is importable) on
     this rank's tokens (``[T, H]`` bf16 bits as uint16), routing (``[T, K]`` int32) and weights
-    (``[T, K]`` float32): per SM count of :data:`DEEPEP_SMS`, the dispatch as Megatron's DeepEP path
-    runs it (``get_dispatch_layout`` then ``dispatch``, which syncs the host on the received counts)
-    and the ``combine`` of the received rows with the handle and the received weights; CUDA-event
-    times, a barrier before each."""
+    (``[T, K]`` float32), or, with ``fp8 = (codes, scales)`` (E4M3 codes ``[T, H]`` uint8, float32
+    scales ``[T, H / 128]``), those FP8 tokens. Per SM count of :data:`DEEPEP_SMS`, three CUDA-event
+    times, a barrier before each:
+
+    - ``deepep_{sms}sms_dispatch``: the dispatch as Megatron's DeepEP path runs it
+      (``get_dispatch_layout`` then ``dispatch``, which syncs the host on the received counts);
+    - ``deepep_{sms}sms_dispatch_cached``: ``dispatch`` with the previous call's handle (no layout,
+      no count exchange, no host sync: the kernel DeepEP's own tests tune, for a caller whose
+      routing did not change);
+    - ``deepep_{sms}sms_combine``: ``combine`` of ``[received, H]`` bf16 rows with the handle and
+      the received weights (bf16 whatever the dispatch format: DeepEP combines bf16 only)."""
     import deep_ep
     import torch
     import torch.distributed as dist
 
     _join_nccl(session, "DeepEP")
     dev = torch.device("cuda", torch.cuda.current_device())
-    x = torch.from_numpy(np.ascontiguousarray(tokens).view(np.int16)).to(dev).view(torch.bfloat16)
+    if fp8 is None:
+        x = torch.from_numpy(np.ascontiguousarray(tokens).view(np.int16)).to(dev).view(torch.bfloat16)
+    else:
+        codes, scales = fp8
+        x = (torch.from_numpy(np.ascontiguousarray(codes)).to(dev).view(torch.float8_e4m3fn),
+             torch.from_numpy(np.ascontiguousarray(scales, np.float32)).to(dev))
     idx = torch.from_numpy(np.ascontiguousarray(ids, np.int64)).to(dev)
     w = torch.from_numpy(np.ascontiguousarray(weights, np.float32)).to(dev)
     buffer = deep_ep.Buffer(dist.group.WORLD, int(2e9), 0, explicitly_destroy=True)  # its tests' NVLink buffer
     out = {}
+
+    def timed(run, *args, **kwargs):
+        """``run(*args, **kwargs)`` after a sync and a barrier: its result and CUDA-event us."""
+        torch.cuda.synchronize()
+        session.barrier()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        result = run(*args, **kwargs)
+        b.record()
+        b.synchronize()
+        return result, a.elapsed_time(b) * 1e3
+
+    def dispatch():
+        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, n_experts)
+        return buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                               num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+
     try:
         for sms in DEEPEP_SMS:
             deep_ep.Buffer.set_num_sms(sms)
-            times = {f"deepep_{sms}sms_dispatch": [], f"deepep_{sms}sms_combine": []}
+            names = [f"deepep_{sms}sms_{what}" for what in ("dispatch", "dispatch_cached", "combine")]
+            times = {name: [] for name in names}
             for i in range(warmup + samples):
-                torch.cuda.synchronize()
-                session.barrier()
-                e = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
-                e[0].record()
-                per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, n_experts)
-                recv_x, _, recv_w, _, handle, _ = buffer.dispatch(x, num_tokens_per_rank=per_rank,
-                                                                  is_token_in_rank=in_rank,
-                                                                  num_tokens_per_expert=per_expert, topk_idx=idx,
-                                                                  topk_weights=w)
-                e[1].record()
-                torch.cuda.synchronize()
-                session.barrier()
-                e[2].record()
-                buffer.combine(recv_x, handle, topk_weights=recv_w)
-                e[3].record()
-                e[3].synchronize()
+                (recv_x, _, recv_w, _, handle, _), t_full = timed(dispatch)
+                _, t_cached = timed(buffer.dispatch, x, handle=handle)
+                rows = recv_x[0].shape[0] if isinstance(recv_x, tuple) else recv_x.shape[0]
+                y = recv_x if fp8 is None else torch.ones((rows, tokens.shape[1]), device=dev, dtype=torch.bfloat16)
+                _, t_combine = timed(buffer.combine, y, handle, topk_weights=recv_w)
                 if i >= warmup:
-                    times[f"deepep_{sms}sms_dispatch"].append(e[0].elapsed_time(e[1]) * 1e3)
-                    times[f"deepep_{sms}sms_combine"].append(e[2].elapsed_time(e[3]) * 1e3)
+                    for name, t in zip(names, (t_full, t_cached, t_combine)):
+                        times[name].append(t)
             out.update(times)
     finally:
         torch.cuda.synchronize()

@@ -144,9 +144,10 @@ def bench_rank(session, args_dict) -> list[dict]:
                                                      args.samples, args.warmup), "nccl"))
             base.update(_try(lambda: nvshmem_alltoall(session, tr.sent, cfg.hidden, args.samples, args.warmup),
                              "nvshmem_alltoall"))
-            if importlib.util.find_spec("deep_ep") is not None and not cfg.token_format.quantized:
+            if importlib.util.find_spec("deep_ep") is not None and cfg.token_dtype in ("bfloat16", "fp8_e4m3"):
+                fp8 = cfg.token_format.quantize(xs[r].view(np.uint16)) if cfg.token_format.quantized else None
                 base.update(_try(lambda: deepep_v1(session, xs[r], ids[r], ws[r], cfg.n_experts, args.samples,
-                                                   args.warmup), "deepep"))
+                                                   args.warmup, fp8=fp8), "deepep"))
         for mode, layout, token_input, spans, graph, plan in runs:
             results.append(_result(cfg, trs[token_input], spans, base, ceil, mode, graph, layout, plan, token_input))
     if gpu:
