@@ -77,7 +77,9 @@ def _in_cross_section(name: str, token_dtype: str, receiver: str, transport: str
     calls, and what a sender of another receiver adds (routes, parts) is the bfloat16 build's,
     which the gate builds; UE8M0's puts sender is FP8_E4M3's with UE8M0's scale code, built in
     its stores sender. The receive kernels of UE8M0 equal FP8_E4M3's except for the scale words
-    they copy, so they are built in FP8_E4M3 only; ``dispatch_copy`` (which writes the scales'
+    they copy, so they are built in FP8_E4M3 only, and of the route-first receivers only the
+    chunked one (the plain one's code is its bfloat16 build's less the copy, and the chunked
+    FP8 build's less the chunks); ``dispatch_copy`` (which writes the scales'
     layout) in both; FP8's ``dispatch_land`` is left out too (no default plan lands FP8 rows:
     only an override does, and its landing code is the bfloat16 build's). ``routing_copy`` calls
     no NVSHMEM function (nothing to link) and tests/test_prebuild.py builds it for sm_90a. Only
@@ -90,6 +92,8 @@ def _in_cross_section(name: str, token_dtype: str, receiver: str, transport: str
         return receiver == "wait" and (token_dtype == "fp8_e4m3" or transport == "stores")
     if name == "dispatch_copy":
         return True
+    if name == "dispatch_wait" and receiver == "route_first":  # its FP8 code is route_first_chunked's build's
+        return False
     return token_dtype == "fp8_e4m3"
 
 
