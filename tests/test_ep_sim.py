@@ -621,9 +621,12 @@ def dispatch_mismatches(got: dict, ref: reference.ExpertBatchRef, cfg: EPConfig,
     for row in rows[:MAX_REPORTED_ROWS]:
         e = rank * L + int(np.searchsorted(ref.row_offsets, row, side="right")) - 1
         fields = ", ".join(k for k, d in differs.items() if d[row])
+        cols = np.flatnonzero(got["x"][row] != want["x"][row])
+        where = (f"; x columns {cols[:8].tolist()} got {got['x'][row][cols[:8]].tolist()} want "
+                 f"{want['x'][row][cols[:8]].tolist()} (bf16 bits)" if len(cols) else "")
         msgs.append(f"rank {rank}, row {row} (segment of expert {e}; {fields} differ): got "
                     f"{_row_story(got['x'][row], *(got[k][row] for k in ROW_FIELDS))}, want "
-                    f"{_row_story(want['x'][row], *(want[k][row] for k in ROW_FIELDS))}")
+                    f"{_row_story(want['x'][row], *(want[k][row] for k in ROW_FIELDS))}{where}")
     if len(rows) > MAX_REPORTED_ROWS:
         msgs.append(f"rank {rank}: {len(rows) - MAX_REPORTED_ROWS} more wrong rows of {n}")
     return msgs

@@ -130,3 +130,49 @@ def test_the_block_execution_keeps_the_simulator_s_semantics():
     assert got["raised"] is not None and "tid=[3, 0, 0]" in got["raised"], got["raised"]
     assert got["errstate_raise"] is not None and "encountered" in got["errstate_raise"], got["errstate_raise"]
     assert got["ignored_warnings"] == 0 and got["quotients_nan"]
+
+
+@cuda.jit
+def shared_flag_kernel(ids, seen):
+    """Thread 0 sets a shared flag; after the barrier every thread reads it (dispatch_async's
+    credit flag has this shape)."""
+    t = cuda.threadIdx.x
+    flag = cuda.shared.array(1, np.int32)
+    ids[t] = id(flag)  # (the simulator runs Python: the array object each thread got)
+    if t == 0:
+        flag[0] = 1
+    cuda.syncthreads()
+    seen[t] = flag[0]
+
+
+def racing_shared_pe(session):
+    """``shared_flag_kernel`` with the block's look-up of its shared arrays made to give the GIL
+    away on every miss, so all the threads reach the array's creation together (the window a
+    loaded machine opens by chance)."""
+    import time
+
+    from numba.cuda.simulator import kernelapi
+
+    class SlowMiss(dict):
+        def get(self, key, default=None):
+            found = super().get(key, default)
+            if found is None:
+                time.sleep(0.002)
+            return found
+
+    init = kernelapi.FakeCUDAShared.__init__
+
+    def slow_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self._allocations = SlowMiss()
+
+    kernelapi.FakeCUDAShared.__init__ = slow_init
+    ids, seen = np.zeros(THREADS, np.int64), np.zeros(THREADS, np.int32)
+    shared_flag_kernel[1, THREADS](ids, seen)
+    return len(set(ids.tolist())), seen
+
+
+def test_the_threads_of_a_block_share_one_array_even_when_they_create_it_together():
+    (arrays, seen) = run_pes(racing_shared_pe, 1, timeout_s=120)[0]
+    assert arrays == 1, f"{arrays} arrays for one call site: a thread kept one of its own"
+    assert seen.tolist() == [1] * THREADS

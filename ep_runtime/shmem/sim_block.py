@@ -164,7 +164,12 @@ def _device_call(kernel, original, *args):
 
 def _shared_array_of(original):
     """``cuda.shared.array``: the simulator's rule (one array per block and call site, the call
-    site being the caller's file and line), with the call site read from the caller's frame."""
+    site being the caller's file and line), with the call site read from the caller's frame.
+
+    The block's threads reach a call site at once, so the array is inserted with one atomic
+    ``dict.setdefault``: with a look-up then a store (the simulator's own code), two threads that
+    both missed would each keep an array of their own, and a flag one of them set would read as
+    uninitialized memory in the other (a sender thread returning early, its rows never stored)."""
     from numba.cuda import types
     from numba.cuda.np import numpy_support
 
@@ -176,8 +181,8 @@ def _shared_array_of(original):
         frame = sys._getframe(1)
         caller = (frame.f_code.co_filename, frame.f_lineno)
         found = shared._allocations.get(caller)
-        if found is None:
-            found = shared._allocations[caller] = np.empty(shape, dtype)
+        if found is None:  # the first thread here makes it; one atomic insert, so all share one
+            found = shared._allocations.setdefault(caller, np.empty(shape, dtype))
         return found
 
     return array
