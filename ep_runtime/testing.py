@@ -277,7 +277,7 @@ def padded_to_capacity(session, cfg: EPConfig, x, i, w):
 
 
 def dispatch_to_host(session, rt, cfg: EPConfig, x, i, w, layout: str, device_count: bool = False):
-    """One dispatch of this rank's ``x`` (bf16 bits), ``i`` (ids), ``w`` (weights) in ``layout``:
+    """One dispatch of this rank's ``x`` (bf16 bits), ``i`` (ids), ``w`` (weights), host arrays, in ``layout``:
     ``(got, batch)``, ``got`` the batch's :data:`BATCH_FIELDS` as host copies (the compact
     layout's ``gather`` and ``recv_tokens`` too). ``device_count``: the inputs padded to the
     runtime's capacity (NaN token rows, distinct ids, weights 1) and the token count passed as a
@@ -285,6 +285,7 @@ def dispatch_to_host(session, rt, cfg: EPConfig, x, i, w, layout: str, device_co
     n_tokens = None
     if device_count:
         x, i, w, n_tokens = padded_to_capacity(session, cfg, x, i, w)
+    x, i, w = (session.to_device(a) for a in (x, i, w))  # host arrays in: the same on every backend
     batch = rt.dispatch_wait(rt.dispatch_async(x, i, w, n_tokens=n_tokens), layout=layout)
     got = {k: session.to_host(getattr(batch, k)).copy() for k in BATCH_FIELDS}
     if layout == "compact":
@@ -335,7 +336,7 @@ def plan_round_trips(session, rt, cfg: EPConfig, calls: int, seed: int, device_c
         got, batch = dispatch_to_host(session, rt, cfg, xs[r].view(np.uint16), ids[r], ws[r],
                                       call_layout(cfg, call), device_count)
         refs = reference.dispatch(xs, ids, ws, cfg)
-        y = expert_outputs(cfg, refs[r], r)  # a gathering GEMM writes expanded-order outputs
+        y = session.to_device(expert_outputs(cfg, refs[r], r))  # a gathering GEMM writes expanded-order outputs
         got["out"] = session.to_host(rt.combine(y, batch.handle)).copy()[:len(xs[r])]
         session.barrier()
         for name in buffers:
