@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import hashlib
 import importlib
 import importlib.util
 import json
@@ -403,6 +404,35 @@ def gate_entries() -> list[tuple]:
     return load_entries(DEFAULT_ENTRIES)
 
 
+def source_fingerprint(spec: str = DEFAULT_ENTRIES) -> str:
+    """SHA-256 of what a gate run of ``spec`` compiles: every ``.py`` file of the ``ep_runtime``
+    package and of its kernels (wherever the install maps them), the entries' own file when
+    ``spec`` names one, and ``spec`` itself. A report carries it (``"sources"``), so a report
+    written earlier (``.ci/run`` runs the gate while the rest of the test extras install) is
+    used only for the tree it was made from."""
+    import ep_runtime
+    import ep_runtime.kernels
+
+    files = set()
+    for package in (ep_runtime, ep_runtime.kernels):
+        root = os.path.dirname(os.path.abspath(package.__file__))
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames[:] = [d for d in dirnames if d != "__pycache__"]
+            files.update(os.path.join(dirpath, f) for f in filenames if f.endswith(".py"))
+    module, _, function = spec.rpartition(":") if ":" in spec else (spec, "", "")
+    name = spec
+    if module.endswith(".py") or os.sep in module:  # a file: its content and name, wherever it lies
+        files.add(os.path.abspath(module))
+        name = f"{os.path.basename(module)}:{function}"
+    digest = hashlib.sha256(name.encode())
+    for path in sorted(files):
+        digest.update(os.path.relpath(path, os.path.dirname(os.path.dirname(os.path.abspath(ep_runtime.__file__))))
+                      .encode())
+        with open(path, "rb") as f:
+            digest.update(hashlib.sha256(f.read()).digest())
+    return digest.hexdigest()
+
+
 def _compile_in_worker(spec: str, names: list[str]) -> list[CompileResult]:
     entries = {e[0]: e for e in load_entries(spec)}
     return run_gate([entries[n] for n in names])
@@ -462,7 +492,8 @@ def main(argv=None) -> int:
                 results = run_gate(entries)
     except GateSetupError as exc:
         if args.json:
-            print(json.dumps({"ok": False, "setup_error": str(exc), "results": []}))
+            print(json.dumps({"ok": False, "setup_error": str(exc), "results": [],
+                              "sources": source_fingerprint(args.entries)}))
         else:
             print(f"compile gate: cannot run: {exc}", file=sys.stderr)
         return 2
@@ -473,6 +504,7 @@ def main(argv=None) -> int:
         print(json.dumps({
             "ok": ok, "target": "sm_%d%d%s" % TARGET_CC, "numba_cuda": version,
             "seconds": round(wall, 2), "results": [dataclasses.asdict(r) for r in results],
+            "sources": source_fingerprint(args.entries),
         }))
     else:
         for r in results:
