@@ -18,7 +18,7 @@ from ep_runtime import EPConfig
 from ep_runtime.errors import PEFailure
 from ep_runtime.shmem.launch import run_pes
 
-SOAK_CALLS = int(os.environ.get("EP_SOAK_CALLS", 300))
+SOAK_CALLS = int(os.environ.get("EP_SOAK_CALLS", 200))
 #: A tiny layer: the soak is about the protocol across calls (groups, epochs, tickets), not size.
 SOAK_CFG = dict(n_ranks=2, n_experts=4, top_k=2, hidden=8, max_tokens_per_rank=6, n_sms=1,
                 wait_timeout_s=5.0)
