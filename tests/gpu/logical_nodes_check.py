@@ -5,7 +5,7 @@ simulator:
     mpirun -np 4 -x PYTHONPATH python3 tests/gpu/logical_nodes_check.py [--nodes 2] [--tokens 128 4096]
 
 On a session of ``--nodes`` logical nodes: the node map, no mapping of a peer on another node
-(``peer_addresses`` None, ``peer_view`` refused), the plan on puts with its reason; per token
+(``peer_addresses`` None, ``peer_view`` refused), the plan on puts; per token
 count, the round trips of the simulator test's calls (expanded and compact, ranks with no
 tokens, masked slots) with every batch the reference's bit for bit and every combine within the
 reference's tolerance; ``--soak`` more round trips of call 0's inputs, each bit-identical to the
