@@ -46,6 +46,11 @@ def _by_setting(results: list[dict]) -> dict:
     return dict(sorted(rows.items(), key=lambda kv: (kv[0][0], kv[0][1] != "bfloat16", kv[0][1])))
 
 
+def _baselines(by_layout: dict) -> dict:
+    """The baselines of one (T, token format) setting: measured once, shared by its layouts."""
+    return next(iter(by_layout.values())).get("baselines_us", {})
+
+
 def markdown_table(results: list[dict]) -> str:
     """The README table of one rank's ``results`` (the bench JSON's ``results[rank]``): per row,
     median us of dispatch / combine in each layout, their floors, and the baselines of the same
@@ -63,10 +68,10 @@ def markdown_table(results: list[dict]) -> str:
             t = r["times_us"]
             cells.append(f"{_us(t['dispatch']['median'])} / {_us(t['combine']['median'])}")
             cells.append(f"{_us(r['dispatch']['floor_us'])} / {_us(r['combine']['floor_us'])}")
-        base = next(iter(by_layout.values())).get("baselines_us", {})
-        cells.append(" / ".join(_us(base.get(k)) for k in ("all_to_all", "all_to_all+permute")))
-        cells.append(" / ".join(_us(base.get(k)) for k in ("deepep_32sms_dispatch", "deepep_32sms_dispatch_cached",
-                                                            "deepep_32sms_combine")))
+        base = _baselines(by_layout)
+        nccl, deepep = DISPATCH_BASELINES[:2], DISPATCH_BASELINES[2:] + COMBINE_BASELINES
+        for group in (nccl, deepep):
+            cells.append(" / ".join(_us(base.get(key)) for key, _ in group))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -81,10 +86,9 @@ def baseline_series(results: list[dict]) -> list[dict]:
     for phase, names in (("dispatch", DISPATCH_BASELINES), ("combine", COMBINE_BASELINES)):
         for key, label in names:
             for fmt in formats:
-                points = [(T, _median(next(iter(by.values())).get("baselines_us", {}).get(key)))
-                          for (T, f), by in settings.items() if f == fmt]
+                points = [(T, _median(_baselines(by).get(key))) for (T, f), by in settings.items() if f == fmt]
                 points = [(T, v) for T, v in points if isinstance(v, (int, float))]
-                if points and not (key.startswith("all_to_all") and phase == "combine"):
+                if points:
                     lines.append({"phase": phase, "label": f"{label} ({FORMAT_NAMES.get(fmt, fmt)})",
                                   "T": [T for T, _ in points], "us": [v for _, v in points]})
     return lines
