@@ -21,14 +21,36 @@ SIMULATED = bool(_config.ENABLE_CUDASIM)
 if SIMULATED:
     from numba.cuda.simulator.kernel import _get_kernel_context
 
+    _MISSING = object()
+
+    def _sim_device_function(fn):
+        """A device function for the simulator: ``fn`` itself where its module holds no
+        ``numba.cuda`` (it reaches the kernel's context through this proxy), so a call costs a
+        Python call, not the simulator's module swap with its three locks per call, which the
+        simulated threads of a block contend for; numba's device wrapper otherwise."""
+        if any(v is _numba_cuda for v in fn.__globals__.values()):
+            return _numba_cuda.jit(device=True)(fn)
+        return fn
+
     class _SimulatedCuda:
         """Forwards attribute access to the running simulated kernel's fake ``cuda`` module."""
 
         def __getattr__(self, name):
             ctx = _get_kernel_context()
-            if ctx is not None and hasattr(ctx, name):
-                return getattr(ctx, name)
+            if ctx is not None:
+                value = getattr(ctx, name, _MISSING)
+                if value is not _MISSING:
+                    return value
             return getattr(_numba_cuda, name)
+
+        def jit(self, func_or_sig=None, device=False, **options):
+            """numba.cuda.jit, but a device function is :func:`_sim_device_function`'s."""
+            if not device:
+                return _numba_cuda.jit(func_or_sig, device=device, **options) if func_or_sig is not None \
+                    else _numba_cuda.jit(device=device, **options)
+            if callable(func_or_sig):
+                return _sim_device_function(func_or_sig)
+            return _sim_device_function
 
     cuda = _SimulatedCuda()
 else:
@@ -66,7 +88,7 @@ def inlined(func):
     (``forceinline``), so the kernel compiles to the code it had with the stage written inline.
     The simulator refuses the option: there it is a plain device function."""
     if SIMULATED:
-        return _numba_cuda.jit(device=True)(func)
+        return _sim_device_function(func)
     return _numba_cuda.jit(device=True, forceinline=True)(func)
 
 

@@ -26,6 +26,9 @@ driven by a condition variable:
 - ``cuda.shared.array`` finds the block's array by its caller's file and line from the
   caller's frame, as the simulator does, without extracting (and reading the source of) the
   whole stack on every call.
+- A numba scalar type called on a number (``uint64(x)``) makes the NumPy scalar directly
+  (:func:`_fast_scalar_casts`), as numba's own cast does, skipping its per-call import and
+  checks.
 - The block's manager sleeps until every thread has exited or one has raised. As before, the
   first exception is re-raised with its thread and block in the message, and the threads
   still waiting in ``syncthreads`` are aborted (a thread in a loop that never reaches one is
@@ -222,5 +225,31 @@ def install() -> bool:
 
         kernel_cls.__call__ = call
         shared_cls.array = _shared_array_of(shared_cls.array)
+        _fast_scalar_casts()
         _installed = True
         return True
+
+
+def _fast_scalar_casts() -> None:
+    """A numba integer or float type called on one number (the kernels' ``uint64(x)``,
+    ``int32(x)``, ``float32(x)``) returns the NumPy scalar of the type, as numba's
+    ``cast_python_value`` does, without the import, the ABC check and the look-up that
+    ``Type.__call__`` makes on every call (a fifth of a simulated thread's time in the EP
+    kernels). Any other call (a signature, a non-number) takes numba's path."""
+    from numba.core import types
+
+    numbers = (int, float, bool, np.integer, np.floating, np.bool_)
+    constructors: dict = {}
+
+    def for_type(original):
+        def call(self, *args):
+            if len(args) == 1 and isinstance(args[0], numbers):
+                make = constructors.get(self.name)
+                if make is None:
+                    make = constructors.setdefault(self.name, getattr(np, self.name))
+                return make(args[0])
+            return original(self, *args)
+        return call
+
+    for cls in (types.Integer, types.Float):
+        cls.__call__ = for_type(cls.__call__)
