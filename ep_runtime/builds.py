@@ -39,6 +39,8 @@ def plan_kernels(cfg: EPConfig, plan: Plan) -> dict:
     rows = make_combine_kernels(dataclasses.replace(cv, f32_partials=False))["combine_async_rows"]
     kernels.update(combine_async=combine["combine_async"], combine_async_rows=rows,
                    combine_wait=combine["combine_wait"], validate_routing=validate_routing)
+    if "combine_relay" in combine:  # the hierarchical transport's proxy, in the runtime's partial format
+        kernels["combine_relay"] = combine["combine_relay"]
     kernels.update(make_slot_values_kernels(plan.threads, plan.transport is Transport.STORES, plan.pdl))
     kernels["routing_copy"] = make_routing_copy(plan.threads, plan.pdl)
     return kernels

@@ -41,34 +41,42 @@ GATE_ENTRIES = [
 ]
 
 
-#: The plan variants the gate builds: every receiver on every transport it can run on.
+#: The plan variants the gate builds: every receiver on every transport it can run on one node.
 PLAN_VARIANTS = (("wait", "stores"), ("land", "stores"), ("route_first", "stores"), ("route_first_chunked", "stores"),
                  ("wait", "puts"), ("land", "puts"))
+#: ... and across nodes (built for 4 PEs as 2 nodes of 2).
+NODE_VARIANTS = (("wait", "hierarchical"),)
+#: The kernels of the hierarchical transport in the default gate (bfloat16 tokens and partials):
+#: its new kernels and its sender; every_build has the rest (its combine senders, which change
+#: only a put's target, combine_wait, and the FP8 and float32-partial builds).
+HIERARCHICAL_CROSS_SECTION = ("dispatch_async", "dispatch_relay", "combine_relay")
 #: The formats it builds them in: (token_dtype, combine_dtype).
 FORMATS = (("bfloat16", "bfloat16"), ("bfloat16", "float32"), ("fp8_e4m3", "bfloat16"),
            ("fp8_e4m3_ue8m0", "bfloat16"))
 
 
-def plan_entries(formats=FORMATS, variants=PLAN_VARIANTS, pdl: bool = True) -> list:
+def plan_entries(formats=FORMATS, variants=PLAN_VARIANTS + NODE_VARIANTS, pdl: bool = True) -> list:
     """``[(label, cfg, plan)]``: a plan of every receiver on every transport, in each format, on
-    GPUs of one NVLink domain (``Topology.nvlink_gpus``), both layouts served (so every kernel a
-    plan can launch is built)."""
+    GPUs of one NVLink domain (``Topology.nvlink_gpus``; the hierarchical transport on 4 GPUs as
+    2 nodes of 2), both layouts served (so every kernel a plan can launch is built)."""
     from ep_runtime.config import EPConfig
     from ep_runtime.plan import Topology, choose_plan
 
     out = []
     for token_dtype, combine_dtype in formats:
-        cfg = EPConfig(n_ranks=2, n_experts=8, top_k=2, hidden=256, max_tokens_per_rank=16, token_dtype=token_dtype,
-                       combine_dtype=combine_dtype)
         for receiver, transport in variants:
-            plan = choose_plan(cfg, Topology.nvlink_gpus(2), {"receiver": receiver, "transport": transport,
-                                                              "pdl": pdl})
+            nodes = transport == "hierarchical"  # 4 PEs as 2 nodes of 2 (their heaps not mapped across)
+            cfg = EPConfig(n_ranks=4 if nodes else 2, n_experts=8, top_k=2, hidden=256, max_tokens_per_rank=16,
+                           token_dtype=token_dtype, combine_dtype=combine_dtype)
+            topology = Topology(4, False, 132, True, False, (0, 0, 1, 1)) if nodes else Topology.nvlink_gpus(2)
+            plan = choose_plan(cfg, topology, {"receiver": receiver, "transport": transport, "pdl": pdl})
             out.append((f"{receiver}/{transport}, {token_dtype}" + (", f32 partials" if combine_dtype == "float32"
                                                                       else ""), cfg, plan))
     return out
 
 
-def _in_cross_section(name: str, token_dtype: str, receiver: str, transport: str = "stores") -> bool:
+def _in_cross_section(name: str, token_dtype: str, receiver: str, transport: str = "stores",
+                      combine_dtype: str = "bfloat16") -> bool:
     """Whether the default gate builds kernel ``name`` of a plan with ``receiver`` and
     ``transport`` in ``token_dtype``. Every bfloat16 build is in it (each receiver, transport
     and partial format). In an FP8 format the receivers' own kernels and ``dispatch_copy`` are
@@ -82,8 +90,11 @@ def _in_cross_section(name: str, token_dtype: str, receiver: str, transport: str
     FP8 build's less the chunks); ``dispatch_copy`` (which writes the scales'
     layout) in both; FP8's ``dispatch_land`` is left out too (no default plan lands FP8 rows:
     only an override does, and its landing code is the bfloat16 build's). ``routing_copy`` calls
-    no NVSHMEM function (nothing to link) and tests/test_prebuild.py builds it for sm_90a. Only
-    ``every_build`` has these."""
+    no NVSHMEM function (nothing to link) and tests/test_prebuild.py builds it for sm_90a. Of the
+    hierarchical transport's builds, :data:`HIERARCHICAL_CROSS_SECTION` in bfloat16. Only
+    ``every_build`` has the others."""
+    if transport == "hierarchical":
+        return name in HIERARCHICAL_CROSS_SECTION and token_dtype == combine_dtype == "bfloat16"
     if name == "routing_copy" or (name == "dispatch_land" and token_dtype != "bfloat16"):
         return False
     if token_dtype == "bfloat16":
@@ -114,7 +125,7 @@ def ep_kernel_entries(every_build: bool = False):
     for label, cfg, plan in plan_entries():
         for name, kernel, argtypes in kernel_builds(cfg, plan):
             if not (every_build or _in_cross_section(name, cfg.token_dtype, plan.receiver.value,
-                                                     plan.transport.value)):
+                                                     plan.transport.value, cfg.combine_dtype)):
                 continue
             key = kernel_key(kernel, argtypes, TARGET_CC)
             if key not in seen:

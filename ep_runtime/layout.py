@@ -204,6 +204,21 @@ def _regions(cfg: EPConfig) -> list[Region]:
                "[g, t, k]: the value of the expert row slot k of my token t went to (one float per slot home)"),
         Region("slot_signal", (G, R), u64, 0, S, "slot_values_async (peers)", ("slot_values_wait",),
                "[g, src]: n + 1 once src's slot values of call n have arrived (monotonic)"),
+        # the hierarchical transport's proxies (kernels/relay.py): [s] is a source of this PE
+        # (a PE of another node with its local index), row node(s) * node_size + j its node's
+        # rows for PE j of this node
+        Region("relay_counts", (G, R, R, L + 1), i32, 0, S, f"{DA} (peers: sources, with the signal)",
+               ("dispatch_relay",), "[g, s, j]: source s's counts row for PE j of this node (hierarchical)"),
+        Region("relay_signal", (G, R), u64, 0, S, f"{DA} (peers: the sources, last block)", ("dispatch_relay",),
+               "[g, s]: (n + 1) << 32 | T once everything of call n from source s for this node has arrived "
+               "(hierarchical; monotonic)"),
+        Region("relay_partials", (R, T, H), pdt, 0, S, f"{CA} (node peers)", ("combine_relay",),
+               f"[node(s) node_size + j, t]: PE j's partial for token t of source s ({pname}; hierarchical)"),
+        # monotonic (call numbers), no group axis: PE j writes call n + 1's partials only after its
+        # dispatch_wait of call n + 1 saw this PE's signal, sent after this PE's relay of call n
+        Region("relay_flag", (R, T, COMBINE_FLAG_PARTS), u64, 0, S, f"{CA} (node peers, each part's warp)",
+               ("combine_relay",), "[node(s) node_size + j, t, p]: n + 1 once part p of PE j's partial for token t "
+               "of source s of call n has arrived (hierarchical)"),
         # -- local: counters ------------------------------------------------------------------------
         Region("dispatch_async_sync", (SYNC_LEN,), i64, 0, Lc, DA, (DA, DC, CA, CW),
                "[0] ticket: finished blocks of the launch (reset by the last block); "
@@ -250,6 +265,9 @@ def _regions(cfg: EPConfig) -> list[Region]:
                "first device error: code, kernel, rank, peer/token, counter/slot, expected, observed, call; "
                "then the first dropped slot (an expert id outside [-1, n_experts), the same fields); "
                "then TRACE_LEN phase time stamps (kernels/trace.py, EP_RUNTIME_TRACE=1)"),
+        Region("relay_sync", (2,), i64, 0, Lc, "dispatch_relay", ("dispatch_relay",),
+               "[0] ticket: finished blocks of the dispatch_relay launch (reset by the last); [1] unused "
+               "(hierarchical)"),
     ]
 
 
@@ -262,7 +280,11 @@ def _ranked_by_sender(plan, cfg) -> bool:
 
 
 def _puts(plan, cfg) -> bool:
-    return plan.transport.value == "puts"
+    return plan.transport.value != "stores"
+
+
+def _hierarchical(plan, cfg) -> bool:
+    return plan.transport.value == "hierarchical"
 
 
 def _expanded(plan, cfg) -> bool:
@@ -281,6 +303,11 @@ USED_BY = {
     "dispatch_send_counts": _puts,
     "dispatch_send_stage": _puts,
     "combine_stage": _puts,
+    "relay_counts": _hierarchical,
+    "relay_signal": _hierarchical,
+    "relay_partials": _hierarchical,
+    "relay_flag": _hierarchical,
+    "relay_sync": _hierarchical,
     "expert_x": _expanded,
     "expert_scales": _expanded,
 }

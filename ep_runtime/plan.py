@@ -113,6 +113,16 @@ class Topology:
         """Nodes the PEs are on (1 when ``node_of`` is empty)."""
         return len(set(self.node_of)) or 1
 
+    @property
+    def node_size(self) -> int:
+        """PEs per node when the nodes are blocks of equal size of consecutive PEs, numbered in
+        order (what the hierarchical transport needs), else 0."""
+        R, n = self.n_ranks, self.n_nodes
+        if not self.node_of or R % n:
+            return 0
+        size = R // n
+        return size if tuple(self.node_of) == tuple(p // size for p in range(R)) else 0
+
     @classmethod
     def of(cls, session) -> "Topology":
         """The topology of an open session (collective: it probes the peer mappings and gathers
@@ -140,8 +150,9 @@ class Plan:
     layout (0 for the other receivers). ``combine_wait_sms`` / ``combine_wait_sms_expanded``:
     SMs combine_async leaves to combine_wait (compact / expanded combine input).
     ``share_from_tokens``, ``chunk_from_tokens``, ``split_from_tokens``: the route-first
-    kernels' thresholds (:class:`~ep_runtime.kernels.variant.DispatchVariant`). ``reasons``:
-    one line per rule, not part of the plan's identity.
+    kernels' thresholds (:class:`~ep_runtime.kernels.variant.DispatchVariant`). ``node_size``:
+    PEs per node of the hierarchical transport (0 with the others; from the topology, not an
+    override). ``reasons``: one line per rule, not part of the plan's identity.
     """
 
     layouts: tuple
@@ -158,6 +169,7 @@ class Plan:
     share_from_tokens: int = SHARE_FROM_TOKENS
     chunk_from_tokens: int = CHUNK_FROM_TOKENS
     split_from_tokens: int = SPLIT_FROM_TOKENS
+    node_size: int = 0
     reasons: tuple = field(default=(), compare=False)
 
     # -- grids ----------------------------------------------------------------------------------
@@ -192,14 +204,14 @@ class Plan:
         fmt = cfg.token_format
         return DispatchVariant(self.threads, fmt.quantized, fmt.scale is not None and fmt.scale.dtype.itemsize == 1,
                                self.transport, self.receiver, self.pdl, self.share_from_tokens,
-                               self.chunk_from_tokens, self.split_from_tokens)
+                               self.chunk_from_tokens, self.split_from_tokens, self.node_size)
 
     def combine_variant(self, cfg: EPConfig) -> CombineVariant:
         """The combine kernels' compile-time constants for a runtime of ``cfg``."""
         from .layout import token_word
 
         return CombineVariant(self.threads, token_word(cfg.hidden).name, cfg.combine_dtype == "float32",
-                              self.transport, self.pdl)
+                              self.transport, self.pdl, self.node_size)
 
     # -- records --------------------------------------------------------------------------------
     def as_dict(self) -> dict:
@@ -221,7 +233,8 @@ class Plan:
     def describe(self) -> str:
         """The plan as a table (under 100 columns): each field, its value and why."""
         why = dict(_split_reason(r) for r in self.reasons)
-        rows = [("layouts", "+".join(self.layouts)), ("transport", self.transport.value),
+        transport = self.transport.value + (f" ({self.node_size} PEs a node)" if self.node_size else "")
+        rows = [("layouts", "+".join(self.layouts)), ("transport", transport),
                 ("receiver", self.receiver.value), ("expanded_copy", self.expanded_copy.value),
                 ("pdl", "on" if self.pdl else "off"), ("threads", self.threads), ("grid", self.grid),
                 ("receiver_sms", self.receiver_sms), ("placing_blocks", self.placing_blocks),
@@ -342,11 +355,15 @@ def choose_plan(cfg: EPConfig, topology: Topology, overrides: dict | None = None
     fp8 = cfg.token_format.quantized
     transport = pick("transport", *((Transport.STORES, "every PE's heap is mapped here (NVLink): stores from the SMs")
                                     if topology.peers_mapped else
-                                    (Transport.PUTS, f"the PEs are on {topology.n_nodes} nodes: peers of another node "
-                                                     f"are reached by NVSHMEM puts, and the kernels use one transport "
-                                                     f"for every peer")
+                                    (Transport.HIERARCHICAL, f"the PEs are on {topology.n_nodes} nodes of "
+                                                             f"{topology.node_size}: puts within a node, one put per "
+                                                             f"(token, node) across, through the node's proxy")
+                                    if topology.n_nodes > 1 and topology.node_size else
+                                    (Transport.PUTS, f"the PEs are on {topology.n_nodes} nodes, not blocks of "
+                                                     f"consecutive PEs of one size: NVSHMEM puts to every peer")
                                     if topology.n_nodes > 1 else
                                     (Transport.PUTS, "some PE's heap is not mapped here: NVSHMEM puts")))
+    node_size = topology.node_size if transport is Transport.HIERARCHICAL else 0
     pdl = pick("pdl", topology.pdl, "compute capability 9.0+ and the fast launcher" if topology.pdl else
                "the simulator" if topology.simulated else "no PDL here (compute capability < 9.0 or no fast launcher)")
     threads = SIM_THREADS if topology.simulated else GPU_THREADS
@@ -376,7 +393,7 @@ def choose_plan(cfg: EPConfig, topology: Topology, overrides: dict | None = None
         reasons.append("trade: serving both layouts, the compact one lands too; a runtime serving only the "
                        "compact layout routes first, chunked (docs/plans.md)")
     plan = Plan(layouts, transport, receiver, expanded_copy, pdl, threads, grid, receiver_sms, placing_blocks,
-                combine_sms, combine_sms_x, reasons=tuple(reasons), **thresholds)
+                combine_sms, combine_sms_x, node_size=node_size, reasons=tuple(reasons), **thresholds)
     check_plan(plan, cfg, topology)
     return plan
 
@@ -389,6 +406,8 @@ def _receiver_rule(cfg, layouts, transport, pdl, whole):
         return Receiver.WAIT, "EPConfig.n_sms or the simulator: no SMs left for an early receiver"
     if not pdl:
         return Receiver.WAIT, "no PDL: no receiver can start beside dispatch_async"
+    if transport is Transport.HIERARCHICAL:
+        return Receiver.WAIT, "hierarchical: the proxies forward whole calls, then signal on the sources' behalf"
     stores = transport is Transport.STORES
     received = cfg.n_ranks * T
     fp8_copied = fp8 and "expanded" in layouts and received > ROUTE_FIRST_FP8_EXPANDED_MAX_RECEIVED
@@ -433,6 +452,13 @@ def check_plan(plan: Plan, cfg: EPConfig, topology: Topology) -> None:
          "build the plan from the config"),
         (plan.transport is not Transport.STORES or topology.peers_mapped, "transport",
          "transport=stores needs every PE's heap mapped here (NVLink peers)", "use transport=puts"),
+        (plan.transport is not Transport.HIERARCHICAL or (topology.n_nodes > 1 and topology.node_size and
+                                                          plan.node_size == topology.node_size), "transport",
+         f"transport=hierarchical needs PEs on 2 or more nodes of equal size, each a block of consecutive PEs; "
+         f"these PEs are on nodes {list(topology.node_of) or [0] * topology.n_ranks}", "use transport=puts"),
+        (plan.transport is not Transport.HIERARCHICAL or plan.receiver is Receiver.WAIT, "receiver",
+         f"receiver={plan.receiver.value} with transport=hierarchical: the proxies forward whole calls, which only "
+         f"the wait receiver takes", "use receiver=wait"),
         (not plan.receiver.routes_first or plan.transport is Transport.STORES, "receiver",
          f"receiver={plan.receiver.value} stores the routing through the peers' mappings: it needs transport=stores",
          "use receiver=wait or receiver=land"),

@@ -201,7 +201,7 @@ def partial_sums(expert_out_per_rank, batches: list[ExpertBatchRef], topk_ids_pe
 
 
 def combine(expert_out_per_rank, batches: list[ExpertBatchRef], topk_ids_per_rank, cfg: EPConfig,
-            reduce: bool = True, home_ranks=None, weights="dispatch"):
+            reduce: bool = True, home_ranks=None, weights="dispatch", node_size: int = 0):
     """Each token's router-weighted sum of its experts' outputs, back on its home rank.
 
     Parameters
@@ -219,6 +219,10 @@ def combine(expert_out_per_rank, batches: list[ExpertBatchRef], topk_ids_per_ran
     weights : what each row is multiplied by: ``"dispatch"`` (its router weight, the batch's
         ``weight``), None (1: the plain sum of a token's rows) or per rank a float32 array
         row-aligned with ``batches[r]`` (``EPRuntime.combine_async``'s ``weights``).
+    node_size : the hierarchical transport's PEs per node (0: one transport for every peer).
+        Then each other node's partials of a token are first summed on that node (float32 from
+        0, ascending rank, rounded to the partial dtype), and the home rank sums its own node's
+        partials and one per other node, in ascending rank (:func:`sum_home`).
 
     Returns
     -------
@@ -226,9 +230,8 @@ def combine(expert_out_per_rank, batches: list[ExpertBatchRef], topk_ids_per_ran
     With ``combine_dtype="bfloat16"`` each partial is rounded to bf16 before the home rank sums
     them; with ``"float32"`` it is not, and only the output is rounded.
     """
-    R, L, H = cfg.n_ranks, cfg.n_local_experts, cfg.hidden
+    R, L = cfg.n_ranks, cfg.n_local_experts
     wire = partial_wire_dtype(cfg)
-    n_tokens = [np.asarray(ids).shape[0] for ids in topk_ids_per_rank]
     wanted = _home_ranks(home_ranks, R)
     partials = partial_sums(expert_out_per_rank, batches, topk_ids_per_rank, cfg, home_ranks=wanted, weights=weights)
     outs = []
@@ -242,12 +245,32 @@ def combine(expert_out_per_rank, batches: list[ExpertBatchRef], topk_ids_per_ran
             outs.append(np.stack([np.where(went[r][:, None], partials[r][s], 0).astype(wire)
                                   for r in range(R)]) if R else None)
             continue
-        acc = np.zeros((n_tokens[s], H), np.float32)
-        for r in range(R):
-            p = partials[r][s].astype(wire).astype(np.float32)
-            acc = np.where(went[r][:, None], acc + p, acc)
-        outs.append(acc.astype(BF16))
+        outs.append(sum_home([partials[r][s].astype(wire) for r in range(R)], went, s, wire, node_size))
     return outs
+
+
+def sum_home(terms, went, home: int, wire, node_size: int = 0) -> np.ndarray:
+    """A home rank's combine output, bf16 [T, hidden]: ``terms[r]`` [T, hidden] (rank r's partials
+    of its tokens, in the ``wire`` dtype) summed in float32 from 0 in ascending rank, each token
+    over the ranks with ``went[r]`` [T] set. With ``node_size`` (the hierarchical transport),
+    the ranks of another node count as one term, at their node's place: the float32 sum from 0,
+    in ascending rank, of that node's terms, rounded to ``wire`` (its proxy's sum)."""
+    R = len(terms)
+    acc = np.zeros(terms[0].shape if R else (0, 0), np.float32)
+    r = 0
+    while r < R:
+        if node_size and r // node_size != home // node_size:  # another node: its proxy's sum
+            node = range(r, r + node_size)
+            part = np.zeros_like(acc)
+            for q in node:
+                part = np.where(went[q][:, None], part + terms[q].astype(np.float32), part)
+            hit = np.any([went[q] for q in node], axis=0)
+            acc = np.where(hit[:, None], acc + part.astype(wire).astype(np.float32), acc)
+            r += node_size
+            continue
+        acc = np.where(went[r][:, None], acc + terms[r].astype(np.float32), acc)
+        r += 1
+    return acc.astype(BF16)
 
 
 def receive_rows(inputs_per_rank, topk_ids_per_rank, cfg: EPConfig, token_scales_per_rank=None,
@@ -298,7 +321,7 @@ def partial_rows_f32(rows: np.ndarray, cfg: EPConfig) -> np.ndarray:
     return as_bf16(rows).astype(np.float32)
 
 
-def combine_rows(rows_per_rank, topk_ids_per_rank, cfg: EPConfig):
+def combine_rows(rows_per_rank, topk_ids_per_rank, cfg: EPConfig, node_size: int = 0):
     """Combine in the compact layout: rank ``r`` returns, for each token it received, one row
     (its own partial, already weighted and reduced over its experts: bf16, or float32 with
     ``cfg.combine_dtype == "float32"``).
@@ -313,19 +336,18 @@ def combine_rows(rows_per_rank, topk_ids_per_rank, cfg: EPConfig):
     Returns
     -------
     list of [T_s, hidden] bfloat16: per home rank, the float32 sum from 0, in rank order, of the
-    partials of the ranks each token went to, rounded to bfloat16.
+    partials of the ranks each token went to, rounded to bfloat16 (with ``node_size``, in the
+    hierarchical order of :func:`combine`).
     """
     R, L, T = cfg.n_ranks, cfg.n_local_experts, cfg.max_tokens_per_rank
+    wire = partial_wire_dtype(cfg)
     outs = []
     for s in range(R):
         ids = routed_ids(topk_ids_per_rank[s], cfg.n_experts)
         n = ids.shape[0]
-        acc = np.zeros((n, cfg.hidden), np.float32)
-        for r in range(R):
-            went = np.any(ids // L == r, axis=1)
-            p = partial_rows_f32(rows_per_rank[r], cfg)[s * T:s * T + n]
-            acc = np.where(went[:, None], acc + p, acc)
-        outs.append(acc.astype(BF16))
+        went = [np.any(ids // L == r, axis=1) for r in range(R)]
+        terms = [partial_rows_f32(rows_per_rank[r], cfg)[s * T:s * T + n].astype(wire) for r in range(R)]
+        outs.append(sum_home(terms, went, s, wire, node_size))
     return outs
 
 

@@ -161,7 +161,8 @@ class EPRuntime:
         """The launches of dispatch_wait whose arguments are all the runtime's own, prepared once:
         ``"compact"`` (and the placement before ``dispatch_copy``), ``"expanded"`` where the
         receive kernel copies too (a route-first dispatch_wait on the whole grid), and
-        ``("dispatch_copy", scales)``. A landing plan's receive launches read each call's tokens:
+        ``("dispatch_copy", scales)``, and with the hierarchical transport ``"dispatch_relay"``
+        and ``"combine_relay"``. A landing plan's receive launches read each call's tokens:
         they are prepared with dispatch_async's."""
         plan, fixed = self.plan, {}
         if plan.receiver is not Receiver.LAND:
@@ -169,6 +170,9 @@ class EPRuntime:
                                              **self._wait_scalars)
             if plan.expanded_copy is ExpandedCopy.IN_WAIT:
                 fixed["expanded"] = self._prepare("dispatch_wait", copy_rows=_INT64[1], **self._wait_scalars)
+        if plan.transport is Transport.HIERARCHICAL:  # the proxies' forwarding, before the receiver and combine_wait
+            fixed["dispatch_relay"] = self._prepare("dispatch_relay", timeout_ns=self._timeout_ns)
+            fixed["combine_relay"] = self._prepare("combine_relay", timeout_ns=self._timeout_ns)
         if plan.expanded_copy is ExpandedCopy.DISPATCH_COPY:
             for scales in SCALE_LAYOUTS:
                 fixed["dispatch_copy", scales] = self._prepare("dispatch_copy",
@@ -356,6 +360,8 @@ class EPRuntime:
             raise EPInputError(f"dispatch_wait: scales={scales!r}; expected one of {SCALE_LAYOUTS} (row-major "
                                f"[rows, hidden / 128] or column-major [hidden / 128, rows]).")
         land = self.plan.receiver is Receiver.LAND
+        if "dispatch_relay" in self._fixed:  # this node's share of the other nodes' calls, forwarded first
+            self._run(self._fixed["dispatch_relay"])
         if layout == "compact":
             self._run(self._land[0] if land else self._fixed["compact"])
             self._state = _State.DISPATCHED
@@ -397,6 +403,7 @@ class EPRuntime:
         allocates one. A ``reset()`` retires every kept routing.
         """
         self._require(_State.DISPATCHED, _State.IDLE, call="keep_routing", handle=handle, handle_type=DispatchHandle)
+        self._refuse_hierarchical("keep_routing", "a kept routing")
         if into is not None:
             if not isinstance(into, KeptRouting) or into.owner != self._owner:
                 raise EPInputError("keep_routing: into must be a KeptRouting this runtime returned (or None to "
@@ -541,6 +548,10 @@ class EPRuntime:
         ``EPConfig.combine_dtype`` is ``"float32"``.
         """
         self._require(_State.COMBINE_SENT, call="combine_wait", handle=handle, handle_type=CombineHandle)
+        if not reduce and self.plan.transport is Transport.HIERARCHICAL:
+            raise EPInputError("combine_wait: reduce=False returns each rank's partial, but the hierarchical "
+                               "transport sums each other node's partials on that node; use reduce=True, or a "
+                               "runtime with plan transport=puts.")
         if out is None:  # every element is written by the kernel (rows < n_tokens with n_tokens)
             shape = (handle.n_tokens, self.cfg.hidden) if reduce else (self.cfg.n_ranks, handle.n_tokens,
                                                                        self.cfg.hidden)
@@ -549,6 +560,8 @@ class EPRuntime:
         call = self._memo.get_or_prepare("combine_wait", (handle.n_tokens, bool(reduce), epilogue), (out, aux, own),
                                          lambda: self._prepare_combine_wait(handle.n_tokens, out, aux, epilogue,
                                                                             reduce, own))
+        if "combine_relay" in self._fixed:  # the other nodes' partials of this node's proxies, summed and sent
+            self._run(self._fixed["combine_relay"])
         self._run(call)
         self._state = _State.IDLE
         return call.checked[0]
@@ -605,6 +618,7 @@ class EPRuntime:
         handle : the dispatch's handle (``batch.handle``).
         """
         self._require(_State.DISPATCHED, call="slot_values_async", handle=handle, handle_type=DispatchHandle)
+        self._refuse_hierarchical("slot_values_async", "slot values")
         if self._slots_call == handle.call:
             raise EPStateError(f"rank {self.rank}: slot_values_async: the slot values of call {handle.call} already "
                                f"went home; it runs at most once per dispatch.")
@@ -740,6 +754,14 @@ class EPRuntime:
                    _State.SLOTS_SENT: "slot_values_wait", _State.COMBINE_SENT: "combine_wait"}[self._state]
             raise EPStateError(f"rank {self.rank}: {call} called out of order: the runtime is in state "
                                f"'{self._state.value}' and expects {nxt} next.")
+
+    def _refuse_hierarchical(self, call: str, what: str) -> None:
+        """Raise EPInputError if this runtime's transport is hierarchical, which does not carry
+        ``what`` yet (its proxies forward a call's routing, rows and partials only)."""
+        if self.plan.transport is Transport.HIERARCHICAL:
+            raise EPInputError(f"rank {self.rank}: {call}: the hierarchical transport does not carry {what} "
+                               f"(its proxies forward routing, token rows and partials only); use a runtime "
+                               f"with plan transport=puts for it.")
 
     def _peer_bases(self) -> np.ndarray:
         """The ``peer_bases`` kernel argument, [len(PEER_REGIONS), R] uint64: the address of each

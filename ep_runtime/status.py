@@ -21,26 +21,29 @@ from .kernels.protocol import (DROPPED_SLOT, STATUS_CALL, STATUS_CODE, STATUS_CO
                                STATUS_KERNEL, STATUS_LEN, STATUS_OBSERVED, STATUS_PEER, STATUS_RANK)
 
 from .kernels.protocol import (COUNTER_COMBINE_ROW_FLAG, COUNTER_DISPATCH_PLACED, COUNTER_DISPATCH_ROW_FLAG,  # noqa: F401
-                               COUNTER_DISPATCH_SIGNAL, COUNTER_RECV_ROWS, COUNTER_ROUTE_SIGNAL, COUNTER_SLOT_SIGNAL,
-                               COUNTER_TOKEN_CREDIT, ERR_BAD_EXPERT_ID, ERR_BAD_WEIGHT, ERR_CAPACITY,
-                               ERR_DUPLICATE_EXPERT, ERR_NONE, ERR_SHORT_ROWS, ERR_TIMEOUT, KERNEL_COMBINE_ASYNC,
-                               KERNEL_COMBINE_WAIT, KERNEL_DISPATCH_ASYNC, KERNEL_DISPATCH_LAND, KERNEL_DISPATCH_WAIT,
+                               COUNTER_DISPATCH_SIGNAL, COUNTER_RECV_ROWS, COUNTER_RELAY_FLAG, COUNTER_RELAY_SIGNAL,
+                               COUNTER_ROUTE_SIGNAL, COUNTER_SLOT_SIGNAL, COUNTER_TOKEN_CREDIT, ERR_BAD_EXPERT_ID,
+                               ERR_BAD_WEIGHT, ERR_CAPACITY, ERR_DUPLICATE_EXPERT, ERR_NONE, ERR_SHORT_ROWS,
+                               ERR_TIMEOUT, KERNEL_COMBINE_ASYNC, KERNEL_COMBINE_RELAY, KERNEL_COMBINE_WAIT,
+                               KERNEL_DISPATCH_ASYNC, KERNEL_DISPATCH_LAND, KERNEL_DISPATCH_RELAY, KERNEL_DISPATCH_WAIT,
                                KERNEL_SLOT_VALUES_ASYNC, KERNEL_SLOT_VALUES_WAIT, KERNEL_VALIDATE_ROUTING)
 
 KERNEL_NAMES = {KERNEL_DISPATCH_ASYNC: "dispatch_async", KERNEL_DISPATCH_WAIT: "dispatch_wait",
                 KERNEL_COMBINE_ASYNC: "combine_async", KERNEL_COMBINE_WAIT: "combine_wait",
                 KERNEL_VALIDATE_ROUTING: "validate_routing", KERNEL_DISPATCH_LAND: "dispatch_land",
-                KERNEL_SLOT_VALUES_ASYNC: "slot_values_async", KERNEL_SLOT_VALUES_WAIT: "slot_values_wait"}
+                KERNEL_SLOT_VALUES_ASYNC: "slot_values_async", KERNEL_SLOT_VALUES_WAIT: "slot_values_wait",
+                KERNEL_DISPATCH_RELAY: "dispatch_relay", KERNEL_COMBINE_RELAY: "combine_relay"}
 
 COUNTER_NAMES = {COUNTER_DISPATCH_SIGNAL: "dispatch_signal", COUNTER_RECV_ROWS: "expert-batch rows",
                  COUNTER_TOKEN_CREDIT: "dispatch_token_credit", COUNTER_COMBINE_ROW_FLAG: "combine_row_flag",
                  COUNTER_ROUTE_SIGNAL: "dispatch_route_signal", COUNTER_DISPATCH_ROW_FLAG: "dispatch_row_flag",
-                 COUNTER_DISPATCH_PLACED: "dispatch_placed", COUNTER_SLOT_SIGNAL: "slot_signal"}
+                 COUNTER_DISPATCH_PLACED: "dispatch_placed", COUNTER_SLOT_SIGNAL: "slot_signal",
+                 COUNTER_RELAY_SIGNAL: "relay_signal", COUNTER_RELAY_FLAG: "relay_flag"}
 #: Counters without a group axis (cumulative over calls): a timeout names them without ``[g]``.
 UNGROUPED_COUNTERS = (COUNTER_TOKEN_CREDIT, COUNTER_COMBINE_ROW_FLAG, COUNTER_DISPATCH_ROW_FLAG,
-                      COUNTER_DISPATCH_PLACED)
+                      COUNTER_DISPATCH_PLACED, COUNTER_RELAY_FLAG)
 #: Per-row flags: a timeout's observed value holds the token in its high 32 bits.
-ROW_FLAG_COUNTERS = (COUNTER_COMBINE_ROW_FLAG, COUNTER_DISPATCH_ROW_FLAG)
+ROW_FLAG_COUNTERS = (COUNTER_COMBINE_ROW_FLAG, COUNTER_DISPATCH_ROW_FLAG, COUNTER_RELAY_FLAG)
 
 
 def error_from_status(status: np.ndarray, timeout_s: float) -> EPError | None:

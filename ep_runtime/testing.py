@@ -229,15 +229,17 @@ BATCH_FIELDS = ("x", "row_offsets", "expert_counts", "src_rank", "src_token", "s
 FP8_CALLS = (("expanded", "row"), ("compact", "row"), ("expanded", "column"))
 
 
-def combine_over_tolerance(cfg: EPConfig, refs: list, ids: list, ws: list, rank: int, out: np.ndarray):
+def combine_over_tolerance(cfg: EPConfig, refs: list, ids: list, ws: list, rank: int, out: np.ndarray,
+                           node_size: int = 0):
     """A GPU check's combine on ``rank`` of every rank's :func:`expert_outputs` of the reference
-    batches ``refs``: ``out`` [T, H] bf16 bits against ``reference.combine``. None when every
-    token is within ``reference.combine_tolerance`` (of the weights of its routed slots: a GPU's
-    fused multiply-adds round differently from the reference), else the largest error."""
+    batches ``refs``: ``out`` [T, H] bf16 bits against ``reference.combine`` (in the hierarchical
+    transport's order for ``node_size``). None when every token is within
+    ``reference.combine_tolerance`` (of the weights of its routed slots: a GPU's fused
+    multiply-adds round differently from the reference), else the largest error."""
     from . import reference
 
     ys = [expert_outputs(cfg, refs[s], s) for s in range(cfg.n_ranks)]
-    want = reference.combine(ys, refs, ids, cfg, home_ranks=[rank])[rank].astype(np.float32)
+    want = reference.combine(ys, refs, ids, cfg, home_ranks=[rank], node_size=node_size)[rank].astype(np.float32)
     # the largest output of a real row (padding rows hold NaN: a NaN bound would pass anything)
     y_max = max(float(np.abs(y.view(reference.BF16)[:b.n_rows][b.src_rank >= 0].astype(np.float32)).max(initial=0))
                 for y, b in zip(ys, refs))
@@ -380,15 +382,18 @@ def assert_batch_is_the_reference(got: dict, ref, layout: str, xs, cfg: EPConfig
                                       err_msg=f"{what}: x[gather]")
 
 
-def assert_calls_are_the_reference(cfg: EPConfig, runs: list, calls: int, seed: int, what: str) -> None:
+def assert_calls_are_the_reference(cfg: EPConfig, runs: list, calls: int, seed: int, what: str,
+                                   node_size: int = 0) -> None:
     """:func:`plan_pe`'s runs against the reference: every call's batch on every rank
-    (:func:`assert_batch_is_the_reference`) and its combine output, bit for bit."""
+    (:func:`assert_batch_is_the_reference`) and its combine output, bit for bit (summed in the
+    hierarchical transport's order for ``node_size`` PEs a node: ``reference.combine``)."""
     from . import reference
 
     for call in range(calls):
         xs, ids, ws = call_inputs(cfg, call, seed)
         refs = reference.dispatch(xs, ids, ws, cfg)
-        outs = reference.combine([expert_outputs(cfg, refs[s], s) for s in range(cfg.n_ranks)], refs, ids, cfg)
+        outs = reference.combine([expert_outputs(cfg, refs[s], s) for s in range(cfg.n_ranks)], refs, ids, cfg,
+                                 node_size=node_size)
         layout = call_layout(cfg, call)
         for r in range(cfg.n_ranks):
             got, at = runs[r]["calls"][call], f"{what}: rank {r} call {call} ({layout})"
@@ -423,10 +428,12 @@ def fp8_plan_pe(session, plan: dict, cfg: EPConfig, seed: int, prequantized: boo
     return {"calls": out, "plan": rt.plan.as_dict()}
 
 
-def assert_fp8_calls_are_the_reference(cfg: EPConfig, runs: list, seed: int, prequantized: bool, what: str) -> None:
+def assert_fp8_calls_are_the_reference(cfg: EPConfig, runs: list, seed: int, prequantized: bool, what: str,
+                                       node_size: int = 0) -> None:
     """:func:`fp8_plan_pe`'s runs against the reference: offsets, descriptions, the codes (the
     expanded rows, or the compact rows each gather index picks) and their scales (in the scale
-    layout asked for) bit for bit; the combine output too."""
+    layout asked for) bit for bit; the combine output too (in the hierarchical order for
+    ``node_size``, as :func:`assert_calls_are_the_reference`)."""
     from . import reference
 
     for call in range(len(runs[0]["calls"])):
@@ -435,7 +442,8 @@ def assert_fp8_calls_are_the_reference(cfg: EPConfig, runs: list, seed: int, pre
         codes_in = [cfg.token_format.quantize(x.view(np.uint16))[0] for x in xs] if prequantized else xs
         refs = reference.dispatch(codes_in, ids, ws, cfg, scales_in)
         outs = reference.combine([expert_outputs(cfg, reference.dispatch(xs, ids, ws, cfg)[s], s)
-                                  for s in range(cfg.n_ranks)], reference.dispatch(xs, ids, ws, cfg), ids, cfg)
+                                  for s in range(cfg.n_ranks)], reference.dispatch(xs, ids, ws, cfg), ids, cfg,
+                                 node_size=node_size)
         for r in range(cfg.n_ranks):
             got, ref = runs[r]["calls"][call], refs[r]
             layout, n = got["layout"], ref.n_rows

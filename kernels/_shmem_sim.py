@@ -167,6 +167,7 @@ def signal_op(sig, value, sig_op, pe):
     atomically. Not ordered after earlier puts (no flush). One thread."""
     heap = current_heap()
     target = _signal_target(heap, "signal_op", sig, sig_op, pe)
+    heap.count(int(pe), 8)
     _apply_signal(heap, target, value, sig_op)
 
 
@@ -329,6 +330,7 @@ def _put_operands(heap, op: str, dst, src, pe) -> tuple[np.ndarray, np.ndarray]:
                            "NVSHMEM puts need one element type (move bfloat16 as uint16)")
     count = min(dst.size, src.size)
     target = heap.peer_view(dst, int(pe), op).reshape(-1)[:count]
+    heap.count(int(pe), target.nbytes)
     return target, src.reshape(-1)[:count].copy()
 
 

@@ -38,6 +38,7 @@ def make_combine_send(v: CombineVariant) -> dict:
     warp, warps, word_t, pack, P, F32 = geo.warp, geo.warps, geo.word_t, geo.pack, geo.P, geo.F32
     rounded_word = geo.rounded_word
     STORES = v.stores  # peer stores (else NVSHMEM puts)
+    NODE = v.node_size  # PEs per node of the hierarchical transport (0: every home sent to alike)
     U = geo.U
     ACC = U * pack  # float32 accumulators per lane (a compile-time constant for local.array)
     UP = geo.UP  # word pairs per lane in flight (pair loops)
@@ -70,7 +71,7 @@ def make_combine_send(v: CombineVariant) -> dict:
 
     @kernel_jit(threads)
     def combine_async(expert_out, d_ids, d_counts, c_partials, sync, token_rows, row_weight, stage, status, peer_bases,
-                      d_credit, c_row_flag):
+                      d_credit, c_row_flag, relay_partials, relay_flag):
         """Weight and pre-reduce the expert outputs per token, send each partial home, signal.
 
         expert_out [>= rows, W] words, row-aligned with the last expert batch.
@@ -102,6 +103,12 @@ def make_combine_send(v: CombineVariant) -> dict:
         started on the SMs this grid leaves free) reduces each part as it lands (docs/protocol.md,
         "Combine rows as they land"). The kernel lets its dependent start only after its own
         dependency wait (the caller's expert outputs are then complete for combine_wait too).
+
+        The hierarchical transport: a partial for a token whose home is on another node goes to
+        the home's proxy on this node (the PE with the home's local index) instead, into its
+        ``relay_partials[row, t]`` flagged in ``relay_flag[row, t, p]`` (symmetric [R, Tmax, P W]
+        partial words and [R, Tmax, FLAG_PARTS] uint64; row = the home's node x node_size + this
+        rank's local index), and the proxy sends the node's sum home (kernels/relay.py).
         """
         acc = cuda.local.array(ACC, float32)
         vals = cuda.local.array(U, word_t)
@@ -118,7 +125,7 @@ def make_combine_send(v: CombineVariant) -> dict:
             return
         stamp_first(status, 16)
         if cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
-            grant_token_credits(d_credit, sync[SYNC_CALLS])  # the next call (n + 1, n = calls - 1)
+            grant_token_credits(d_credit, sync[SYNC_CALLS], NODE)  # the next call (n + 1, n = calls - 1)
         me = shmem.my_pe()
         R = d_counts.shape[1]
         L = d_counts.shape[2] - 1
@@ -211,8 +218,14 @@ def make_combine_send(v: CombineVariant) -> dict:
                         pw0 = 2 * w0 if F32 else w0
                         pw1 = 2 * w1 if F32 else w1
                         p = item - t * parts
-                        shmem.put_signal_nbi_warp(c_partials[g, me, t, pw0:pw1], stage[s, t, pw0:pw1],
-                                                  c_row_flag[me, t, p:p + 1], uint64(n + 1), shmem.SIGNAL_SET, s)
+                        if NODE > 0 and s // NODE != me // NODE:  # to the home's proxy on this node
+                            row = (s // NODE) * NODE + me % NODE
+                            shmem.put_signal_nbi_warp(relay_partials[row, t, pw0:pw1], stage[s, t, pw0:pw1],
+                                                      relay_flag[row, t, p:p + 1], uint64(n + 1), shmem.SIGNAL_SET,
+                                                      (me // NODE) * NODE + s % NODE)
+                        else:
+                            shmem.put_signal_nbi_warp(c_partials[g, me, t, pw0:pw1], stage[s, t, pw0:pw1],
+                                                      c_row_flag[me, t, p:p + 1], uint64(n + 1), shmem.SIGNAL_SET, s)
                     else:
                         flag_part(c_row_flag, me, t, item - t * parts, n, uint64(1) << uint64(s), lane)
             q += all_warps
@@ -221,7 +234,8 @@ def make_combine_send(v: CombineVariant) -> dict:
         stamp_last(status, 18)
 
     @kernel_jit(threads)
-    def combine_async_rows(expert_out, d_ids, d_counts, c_partials, sync, status, peer_bases, d_credit, c_row_flag):
+    def combine_async_rows(expert_out, d_ids, d_counts, c_partials, sync, status, peer_bases, d_credit, c_row_flag,
+                           relay_partials, relay_flag):
         """Compact layout: send the caller's per-(source, token) rows home as the partials.
 
         expert_out [R * Tmax, P W] partial words (bf16, or float32 with ``f32_partials``): row
@@ -240,7 +254,8 @@ def make_combine_send(v: CombineVariant) -> dict:
         ``put_signal_nbi_warp``. This rank's own rows (``s = me``) are not copied: combine_wait
         reads them from expert_out itself (its ``own_rows``), so every warp carries NVLink rows.
         Each part is flagged as combine_async flags its parts (parts of partial words: this one
-        build serves both partial formats).
+        build serves both partial formats). The hierarchical transport sends a row whose home is
+        on another node to the home's proxy on this node, as combine_async does.
         """
         lo = cuda.local.array(UP, word_t)
         hi = cuda.local.array(UP, word_t)
@@ -250,7 +265,7 @@ def make_combine_send(v: CombineVariant) -> dict:
             return
         stamp_first(status, 16)
         if cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
-            grant_token_credits(d_credit, sync[SYNC_CALLS])  # the next call (n + 1, n = calls - 1)
+            grant_token_credits(d_credit, sync[SYNC_CALLS], NODE)  # the next call (n + 1, n = calls - 1)
         me = shmem.my_pe()
         R = d_counts.shape[1]
         L = d_counts.shape[2] - 1
@@ -290,6 +305,12 @@ def make_combine_send(v: CombineVariant) -> dict:
                             for w in range(w0 + lane, w1, warp):
                                 store_word_at(peer_row, w, src[w])
                         flag_part(c_row_flag, me, t, item - t * parts, n, uint64(1) << uint64(s), lane)
+                    elif NODE > 0 and s // NODE != me // NODE:  # to the home's proxy on this node
+                        p = item - t * parts
+                        row = (s // NODE) * NODE + me % NODE
+                        shmem.put_signal_nbi_warp(relay_partials[row, t, w0:w1], src[w0:w1],
+                                                  relay_flag[row, t, p:p + 1], uint64(n + 1), shmem.SIGNAL_SET,
+                                                  (me // NODE) * NODE + s % NODE)
                     else:
                         p = item - t * parts
                         shmem.put_signal_nbi_warp(c_partials[g, me, t, w0:w1], src[w0:w1], c_row_flag[me, t, p:p + 1],

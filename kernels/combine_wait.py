@@ -17,6 +17,7 @@ from ep_runtime.kernels import shmem
 from ep_runtime.kernels.bits import bf16_bits_at, f32_word_at, word_f32
 from ep_runtime.kernels.block import await_part, part_bounds, warp_sync
 from ep_runtime.kernels.cuda_api import cuda, kernel_jit
+from ep_runtime.kernels.nodes import via_proxies
 from ep_runtime.kernels.partials import flagged_parts, partial_geometry
 from ep_runtime.kernels.pdl import make_pdl, programmatic
 from ep_runtime.kernels.protocol import COUNTER_COMBINE_ROW_FLAG, KERNEL_COMBINE_WAIT, STATUS_CODE, SYNC_CALLS
@@ -35,12 +36,15 @@ def identity_epilogue(value, token, col, aux):
 
 
 @functools.lru_cache(maxsize=None)
-def make_combine_wait(threads: int, word: str, f32_partials: bool, pdl: bool, epilogue=identity_epilogue):
+def make_combine_wait(threads: int, word: str, f32_partials: bool, pdl: bool, epilogue=identity_epilogue,
+                      node_size: int = 0):
     """``combine_wait`` for blocks of ``threads`` threads, token words of ``word`` (a NumPy
     dtype name), the partial format, PDL, and ``epilogue(value: float32, token: int, col: int,
     aux: [T, H] float32) -> float32``, a Numba device function applied to each reduced element
-    before the bf16 store (e.g. a residual add reading ``aux[token, col]``). It does not depend
-    on the transport."""
+    before the bf16 store (e.g. a residual add reading ``aux[token, col]``). Of the transport it
+    sees only the hierarchical one's ``node_size`` (PEs per node; 0 otherwise): a token's
+    partials from another node then come summed, from this rank's proxy there
+    (``nodes.via_proxies``)."""
     geo = partial_geometry(threads, word, f32_partials)
     warp, warps, word_t, pack, P, F32 = geo.warp, geo.warps, geo.word_t, geo.pack, geo.P, geo.F32
     rounded_word = geo.rounded_word
@@ -132,6 +136,7 @@ def make_combine_wait(threads: int, word: str, f32_partials: bool, pdl: bool, ep
                 x = d_ids[g, me, t, k]
                 if uint32(x) < uint32(R * L):  # a masked (-1) or dropped id went nowhere
                     went |= uint64(1) << uint64(x // L)
+            went = via_proxies(went, me, node_size, R)  # hierarchical: one partial per other node
             if lane == 0:  # lane 0 waits for the part's partials (its own in expert_out are there)
                 ok = 1
                 p = i - t * parts

@@ -10,6 +10,7 @@ place              ``dispatch_wait`` (receivers ``wait``,  kernels/dispatch_wait
                                                            route_first.py, route_chunks.py
 land               ``dispatch_land`` (receiver ``land``)   kernels/dispatch_land.py
 copy               ``dispatch_copy`` (expanded layout)     kernels/dispatch_copy.py
+relay              ``dispatch_relay`` (hierarchical)       kernels/relay.py
 =================  ======================================  =============================
 
 Symbols as in :mod:`ep_runtime.layout`; ``g = n % 2`` is the buffer group of call ``n``
@@ -22,17 +23,21 @@ from ep_runtime.kernels.dispatch_copy import make_dispatch_copy
 from ep_runtime.kernels.dispatch_land import make_dispatch_land
 from ep_runtime.kernels.dispatch_send import make_dispatch_async
 from ep_runtime.kernels.dispatch_wait import make_dispatch_wait
+from ep_runtime.kernels.relay import make_dispatch_relay
 from ep_runtime.kernels.variant import DispatchVariant, Receiver
 
 
 def make_dispatch_kernels(v: DispatchVariant) -> dict:
     """``{name: kernel}``: the dispatch kernels a plan of variant ``v`` launches:
     ``dispatch_async``, its receiver's kernel (``dispatch_land`` for ``land``, ``dispatch_wait``
-    otherwise) and ``dispatch_copy``. Each is marked for PDL when ``v.pdl``."""
+    otherwise), ``dispatch_copy``, and with the hierarchical transport ``dispatch_relay``
+    (kernels/relay.py). Each is marked for PDL when ``v.pdl`` (but the relay)."""
     kernels = {"dispatch_async": make_dispatch_async(v)}
     if v.receiver is Receiver.LAND:
         kernels["dispatch_land"] = make_dispatch_land(v)
     else:
         kernels["dispatch_wait"] = make_dispatch_wait(v)
     kernels["dispatch_copy"] = make_dispatch_copy(v.threads, v.quantized, v.ue8m0, v.pdl).dispatch_copy
+    if v.node_size:
+        kernels["dispatch_relay"] = make_dispatch_relay(v)
     return kernels

@@ -21,6 +21,7 @@ from ep_runtime.kernels.block import (flag_part, flag_rule, grant_token_credits,
 from ep_runtime.kernels.cuda_api import cuda, inlined, kernel_jit
 from ep_runtime.kernels.dispatch_copy import COPY_UNROLL
 from ep_runtime.kernels.dispatch_route import RUN_BATCH, make_dispatch_route
+from ep_runtime.kernels.nodes import reaches, via_proxies
 from ep_runtime.kernels.pdl import make_pdl, programmatic
 from ep_runtime.kernels.protocol import (COUNTER_TOKEN_CREDIT, DISPATCH_FLAG_PARTS, ERR_TIMEOUT, KERNEL_DISPATCH_ASYNC,
                                          PEER_TOKENS, SIGNAL_TOKEN_BITS, STATUS_CODE, SYNC_CALLS, SYNC_TICKET)
@@ -45,6 +46,7 @@ def make_dispatch_async(v: DispatchVariant):
     warp, warps = warp_geometry(threads)
     QUANT = v.quantized
     STORES = v.stores
+    NODE = v.node_size  # PEs per node of the hierarchical transport (0: every peer sent to alike)
     LAND = v.receiver is Receiver.LAND  # the routing signalled on its own, bf16 row parts flagged
     FIRST = v.receiver.routes_first  # the routing rows first; nothing ranked here
     CHUNKS = v.receiver is Receiver.ROUTE_FIRST_CHUNKED
@@ -65,11 +67,13 @@ def make_dispatch_async(v: DispatchVariant):
     store_token_count = route.store_token_count
 
     @cuda.jit(device=True)
-    def token_destinations(ids_at, K, L, R, skip, ids_l):
+    def token_destinations(ids_at, K, L, R, me, skip, ids_l):
         """Bit d set (uint64) for every rank d holding one of a token's ``K`` experts, but not for
         the ranks set in ``skip``: the token's ids are the int32 at address ``ids_at`` (its row of
         ``topk_ids``), rank d holds experts ``[d L, (d + 1) L)``; an id outside ``[0, R L)`` (-1,
-        a masked slot, or one the routing rows drop: ``routed_id``) sets none. The ids are loaded
+        a masked slot, or one the routing rows drop: ``routed_id``) sets none. The hierarchical
+        transport sends a token once to each other node, to this rank's proxy there
+        (``nodes.via_proxies``), which forwards it. The ids are loaded
         ``ID_BATCH`` at a time into ``ids_l`` (local int32 [ID_BATCH]), all before any is used
         (one memory latency, not one per id, on the token rows' path)."""
         E = R * L
@@ -81,7 +85,7 @@ def make_dispatch_async(v: DispatchVariant):
             for u in range(ID_BATCH):
                 if k0 + u < K and uint32(ids_l[u]) < uint32(E):  # (a negative id is a large uint32)
                     sent |= uint64(1) << uint64(udiv32(ids_l[u], L))
-        return sent & ~skip
+        return via_proxies(sent & ~skip, me, NODE, R)
 
     @cuda.jit(device=True)
     def send_prequantized(codes, scales8, b0, b1, PB, peer_bases, sent, slot, lane, lo, hi):
@@ -126,11 +130,12 @@ def make_dispatch_async(v: DispatchVariant):
         """One thread: wait until every peer granted call ``n`` its token rows (``d_credit[d]
         >= n + 1``; ``grant_token_credits``), bounded by ``timeout_ns``; a timeout is recorded
         naming ``dispatch_async``, the peer and ``dispatch_token_credit``. Returns whether every
-        credit was seen. This rank's own rows need none (its stream orders its reads first)."""
+        credit was seen. This rank's own rows need none (its stream orders its reads first); the
+        hierarchical transport waits only for the peers it sends to (``nodes.reaches``)."""
         me = shmem.my_pe()
         ok = True
         for d in range(d_credit.shape[0]):
-            if d != me:
+            if d != me and reaches(me, d, NODE):
                 seen = shmem.wait_signal_ge(d_credit[d:d + 1], uint64(n + 1), timeout_ns)
                 if seen < uint64(n + 1):
                     record_error(status, ERR_TIMEOUT, KERNEL_DISPATCH_ASYNC, me, d, COUNTER_TOKEN_CREDIT, n + 1,
@@ -165,7 +170,7 @@ def make_dispatch_async(v: DispatchVariant):
             t, b0, b1 = part_bounds(i, parts, span, S)
             sent = uint64(0)
             if b0 < b1:
-                sent = token_destinations(ids_base + uint64(4 * t * K), K, L, R, uint64(0), ids_l)  # bit d: to rank d
+                sent = token_destinations(ids_base + uint64(4 * t * K), K, L, R, me, uint64(0), ids_l)  # bit d: to d
             if sent != 0:  # (a token whose slots are all masked goes nowhere: zero would mean the stage row)
                 if direct:
                     slot = address_of(d_tokens[me, t]) - address_of(d_tokens)  # the same on every PE
@@ -215,7 +220,7 @@ def make_dispatch_async(v: DispatchVariant):
         while cuda.blockIdx.x < token_blocks and i < T_parts * parts:
             t, w0, w1 = part_bounds(i, parts, span, W)
             if w0 < w1:
-                sent = token_destinations(ids_base + uint64(4 * t * K), K, L, R, own_skip, ids_l)  # bit d: to rank d
+                sent = token_destinations(ids_base + uint64(4 * t * K), K, L, R, me, own_skip, ids_l)  # bit d: to d
                 p = i - t * parts
                 src = tokens[t]
                 if sent == 0:
@@ -254,7 +259,7 @@ def make_dispatch_async(v: DispatchVariant):
                        d_tokens, d_ids, d_weights, d_counts, d_ranks, d_signal,
                        sync, send_ranks, send_counts, status,
                        token_scales, prequantized, stage64, stage8, d_tokens8, peer_bases,
-                       d_credit, timeout_ns, d_route, d_row_flag, reuse_routing):
+                       d_credit, timeout_ns, d_route, d_row_flag, reuse_routing, relay_counts, relay_signal):
         """Send this rank's tokens, once per destination rank, and signal each destination.
 
         tokens [Tc, W] words, topk_ids [Tc, K] int32, topk_weights [Tc, K] float32: this rank's
@@ -273,7 +278,11 @@ def make_dispatch_async(v: DispatchVariant):
         prequantized, int64, is nonzero: then tokens are [Tc, P] code words), the message stage
         [Tmax, MW] as uint64 and uint8 views (stage64 / 8); d_tokens then holds [R, Tmax, MW]
         messages, d_tokens8 their uint8 view. peer_bases [P, R] uint64: the address of each of
-        ``protocol.PEER_REGIONS`` on each PE as mapped here (a stores build).
+        ``protocol.PEER_REGIONS`` on each PE as mapped here (a stores build). The hierarchical
+        transport (kernels/relay.py): relay_counts [G, R, R, L + 1] int32 and relay_signal
+        [G, R] uint64 symmetric: a proxy gets this rank's counts rows for its node's PEs in
+        ``relay_counts[g, me, :node_size]`` with ``relay_signal[g, me]`` (the dispatch signal's
+        value) instead of any signal of this rank; empty stand-ins otherwise.
 
         Block 0 first grants every peer this call (``grant_token_credits``), and no block stores a
         token row into a peer before that peer's credit of call n is seen (``await_credits``,
@@ -321,7 +330,7 @@ def make_dispatch_async(v: DispatchVariant):
         stamp_first(status, 0)
         stamp_last(status, 30)
         if cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
-            grant_token_credits(d_credit, n)
+            grant_token_credits(d_credit, n, NODE)
         me = shmem.my_pe()
         R = d_counts.shape[1]
         L = d_counts.shape[2] - 1
@@ -402,7 +411,12 @@ def make_dispatch_async(v: DispatchVariant):
             stamp_last(status, 3)
             signal = (uint64(n + 1) << uint64(SIGNAL_TOKEN_BITS)) | uint64(T)
             for d in range(tid, R, threads):
-                if STORES or not route:
+                if NODE > 0 and d // NODE != me // NODE:  # a proxy: its node's counts rows, its relay signal
+                    if reaches(me, d, NODE):
+                        n0 = (d // NODE) * NODE
+                        shmem.put_signal(relay_counts[g, me, 0:NODE], send_counts[n0:n0 + NODE],
+                                         relay_signal[g, me:me + 1], signal, shmem.SIGNAL_SET, d)
+                elif STORES or not route:
                     shmem.signal_op(d_signal[g, me:me + 1], signal, shmem.SIGNAL_SET, d)
                 else:
                     shmem.put_signal(d_counts[g, me], send_counts[d], d_signal[g, me:me + 1], signal,

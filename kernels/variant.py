@@ -20,6 +20,10 @@ class Transport(str, Enum):
     STORES = "stores"
     #: NVSHMEM puts (any peer NVSHMEM reaches; completion by quiet and put_signal)
     PUTS = "puts"
+    #: several nodes: NVSHMEM puts to the peers of this PE's node, and across nodes one put per
+    #: (token, node) to the node's proxy, the PE with this PE's local index there, which forwards
+    #: it to its node's peers (``kernels/relay.py``; nodes of ``node_size`` consecutive PEs)
+    HIERARCHICAL = "hierarchical"
 
 
 class Receiver(str, Enum):
@@ -51,7 +55,8 @@ class DispatchVariant:
     route-first dispatch_wait's placing blocks share the rows' descriptions;
     ``chunk_from_tokens``: ... from which a chunked build's blocks each rank a chunk;
     ``split_from_tokens``: tokens of a call from which a chunked build's token blocks send the
-    routing rows (no routing block).
+    routing rows (no routing block). ``node_size``: PEs per node of the hierarchical transport
+    (0 otherwise).
     """
 
     threads: int
@@ -63,6 +68,7 @@ class DispatchVariant:
     share_from_tokens: int
     chunk_from_tokens: int
     split_from_tokens: int
+    node_size: int = 0
 
     @property
     def stores(self) -> bool:
@@ -73,13 +79,15 @@ class DispatchVariant:
 class CombineVariant:
     """The compile-time constants of the combine kernels: ``threads`` per block, the token word
     (``word``: NumPy dtype name, ``"uint64"`` / ``"uint32"`` / ``"uint16"``), float32 partials
-    (``f32_partials``), the ``transport`` and ``pdl``."""
+    (``f32_partials``), the ``transport``, ``pdl`` and the hierarchical transport's
+    ``node_size`` (PEs per node; 0 otherwise)."""
 
     threads: int
     word: str
     f32_partials: bool
     transport: Transport
     pdl: bool
+    node_size: int = 0
 
     @property
     def stores(self) -> bool:

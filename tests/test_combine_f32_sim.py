@@ -414,11 +414,12 @@ def test_hidden_not_a_multiple_of_4_is_refused_with_float32_partials(hidden):
 def test_layout_holds_float32_partials_of_twice_the_bytes():
     kw = dict(n_ranks=2, n_experts=4, top_k=2, hidden=12, max_tokens_per_rank=5)
     bf16, f32 = BufferLayout(EPConfig(**kw)), BufferLayout(EPConfig(**kw, combine_dtype="float32"))
-    for name in ("combine_partials", "combine_stage"):
+    partials = ("combine_partials", "combine_stage", "relay_partials")  # (the last: the hierarchical transport's)
+    for name in partials:
         a, b = bf16.region(name), f32.region(name)
         assert (a.dtype, b.dtype) == (np.dtype(np.uint16), np.dtype(np.float32)) and a.shape == b.shape
         assert b.nbytes == 2 * a.nbytes and "float32" in b.doc and "bf16 bits" in a.doc
-    same = [r.name for r in bf16.regions if r.name not in ("combine_partials", "combine_stage")]
+    same = [r.name for r in bf16.regions if r.name not in partials]
     assert all(bf16.region(n).nbytes == f32.region(n).nbytes for n in same)
     assert "combine_partials" in f32.describe() and "float32" in f32.describe()
 

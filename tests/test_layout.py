@@ -53,9 +53,18 @@ DSV3_SYMMETRIC = {
     "slot_values": ((2, 4096, 8), f32, 262_144, 1_423_969_536),
     # [G, R] u64: 128 B; 1,423,969,536 + 262,144 = 1,424,231,680
     "slot_signal": ((2, 8), u64, 128, 1_424_231_680),
+    # the hierarchical transport's: [G, R, R, L + 1] i32: 2 * 8 * 8 * 33 * 4 = 16,896 B;
+    # 1,424,231,680 + 128 -> 1,424,231,936
+    "relay_counts": ((2, 8, 8, 33), i32, 16_896, 1_424_231_936),
+    # [G, R] u64: 128 B; 1,424,231,936 + 16,896 = 1,424,248,832
+    "relay_signal": ((2, 8), u64, 128, 1_424_248_832),
+    # [R, T, H] u16 (one buffer, no group axis): 469,762,048 B; 1,424,248,832 + 128 -> 1,424,249,088
+    "relay_partials": ((8, 4096, 7168), u16, 469_762_048, 1_424_249_088),
+    # [R, T, 16] u64: 4,194,304 B; 1,424,249,088 + 469,762,048 = 1,894,011,136
+    "relay_flag": ((8, 4096, 16), u64, 4_194_304, 1_894_011_136),
 }
-# 1,424,231,680 + 128 -> 1,424,231,936 (256-byte alignment)
-DSV3_SYMMETRIC_BYTES = 1_424_231_936
+# 1,894,011,136 + 4,194,304 = 1,898,205,440 (256-byte aligned)
+DSV3_SYMMETRIC_BYTES = 1_898_205_440
 
 DSV3_LOCAL = {
     # [4] i64: 32 B at 0
@@ -93,9 +102,11 @@ DSV3_LOCAL = {
     # [56] i64: 448 B (8 error words, 8 dropped-slot words, TRACE_LEN 40 trace words);
     # 4,234,283,520 + 32 -> 4,234,283,776
     "status": ((56,), i64, 448, 4_234_283_776),
+    # [2] i64 (the hierarchical transport's relay ticket): 16 B; 4,234,283,776 + 448 -> 4,234,284,288
+    "relay_sync": ((2,), i64, 16, 4_234_284_288),
 }
-# 4,234,283,776 + 448 = 4,234,284,224 -> round up to 256 = 4,234,284,288
-DSV3_LOCAL_BYTES = 4_234_284_288
+# 4,234,284,288 + 16 -> round up to 256 = 4,234,284,544
+DSV3_LOCAL_BYTES = 4_234_284_544
 
 SMALL_SYMMETRIC = {
     # [R, T, H] u16: 2 * 16 * 64 * 2 = 4096 B at 0
@@ -120,8 +131,12 @@ SMALL_SYMMETRIC = {
     "dispatch_placed": ((1,), u64, 8, 23040),  # [1] u64; 18944 + 4096 = 23040
     "slot_values": ((2, 16, 2), f32, 256, 23296),  # [G, T, K] f32: 2 * 16 * 2 * 4 = 256 B; 23040 + 8 -> 23296
     "slot_signal": ((2, 2), u64, 32, 23552),  # [G, R] u64: 32 B; 23296 + 256 = 23552
+    "relay_counts": ((2, 2, 2, 5), i32, 160, 23808),  # [G, R, R, L + 1] i32: 160 B; 23552 + 32 -> 23808
+    "relay_signal": ((2, 2), u64, 32, 24064),  # [G, R] u64; 23808 + 160 = 23968 -> 24064
+    "relay_partials": ((2, 16, 64), u16, 4096, 24320),  # [R, T, H] u16: 4096 B; 24064 + 32 -> 24320
+    "relay_flag": ((2, 16, 16), u64, 4096, 28416),  # [R, T, 16] u64: 4096 B; 24320 + 4096 = 28416
 }
-SMALL_SYMMETRIC_BYTES = 23808  # 23552 + 32 -> 23808 (256-byte alignment)
+SMALL_SYMMETRIC_BYTES = 32512  # 28416 + 4096 = 32512 (256-byte aligned)
 
 SMALL_LOCAL = {
     "dispatch_async_sync": ((4,), i64, 32, 0),
@@ -155,8 +170,9 @@ SMALL_LOCAL = {
     "recv_tokens": ((2,), i32, 8, 13824),
     # [56] i64: 448 B; 13824 + 8 -> 14080
     "status": ((56,), i64, 448, 14080),
+    "relay_sync": ((2,), i64, 16, 14592),  # [2] i64; 14080 + 448 = 14528 -> 14592
 }
-SMALL_LOCAL_BYTES = 14592  # 14080 + 448 = 14528 -> 14592
+SMALL_LOCAL_BYTES = 14848  # 14592 + 16 -> 14848
 
 CASES = {
     "dsv3": (DSV3, DSV3_SYMMETRIC, DSV3_SYMMETRIC_BYTES, DSV3_LOCAL, DSV3_LOCAL_BYTES),
@@ -203,9 +219,10 @@ def test_totals(case):
 def test_dsv3_totals_in_mib():
     # [R, T, H] bf16 received tokens (one buffer: 448 MiB) and two groups of combine partials
     # (896 MiB), plus 4 MiB of routing (ids and weights), 2 MiB of ranks, 4 MiB of combine part
-    # flags, 4 MiB of token part flags, 0.25 MiB of slot values and a few KiB.
+    # flags, 4 MiB of token part flags, 0.25 MiB of slot values and a few KiB; the hierarchical
+    # transport's relay partials (448 MiB) and their flags (4 MiB).
     layout = BufferLayout(DSV3)
-    assert 1358.25 < layout.symmetric_bytes / MiB < 1358.26
+    assert 1810.26 < layout.symmetric_bytes / MiB < 1810.28
     # combine_stage 448 MiB + expert_x 3584 MiB + token_rows 1 MiB + 5 row arrays of 1 MiB
     # + the sender's 0.125 MiB of staged ranks and a few KiB.
     assert 4038 < layout.local_bytes / MiB < 4038.2
@@ -225,7 +242,8 @@ def test_a_plan_allocates_a_subset_of_every_region_in_the_same_order():
     kept = [r.name for r in layout.regions]
     assert kept == [n for n in every if n in kept]
     assert set(every) - set(kept) == {"dispatch_ranks", "dispatch_row_flag", "dispatch_send_ranks",
-                                      "dispatch_send_counts", "combine_stage", "expert_x"}
+                                      "dispatch_send_counts", "combine_stage", "expert_x", "relay_counts",
+                                      "relay_signal", "relay_partials", "relay_flag", "relay_sync"}
     # 4038.128 MiB less 3584 + 448 + 0.125 + 0.001: the token rows (1 MiB), 5 row arrays and a few KiB
     assert 6 < layout.local_bytes / MiB < 6.01
     assert layout.region("token_rows").offset == 768  # after the three counters, nothing staged
@@ -259,8 +277,9 @@ def test_symmetric_regions_have_leading_group_dimension(case):
         if r.name == "slot_values":  # [G, T, K]: this rank's own tokens' slots (one writer each), no rank axis
             assert r.shape == (2, layout.cfg.max_tokens_per_rank, layout.cfg.top_k), r.shape
             continue
-        if r.name in ("dispatch_tokens", "combine_row_flag", "dispatch_row_flag"):  # [R, T, ...], no group axis:
-            # one buffer guarded by the credits; row flags monotonic over calls (call numbers)
+        if r.name in ("dispatch_tokens", "combine_row_flag", "dispatch_row_flag", "relay_partials", "relay_flag"):
+            # [R, T, ...], no group axis: one buffer guarded by the credits (the relay's: by the
+            # next dispatch's signals); row flags monotonic over calls (call numbers)
             assert r.shape[:2] == (layout.cfg.n_ranks, layout.cfg.max_tokens_per_rank), r.shape
             continue
         assert r.shape[0] == 2, f"{r.name} {r.shape}: no leading group dimension 2"
@@ -318,8 +337,8 @@ def test_describe_dsv3_figures():
     assert "448.000" in text          # dispatch_tokens (and combine_stage)
     assert "896.000" in text          # combine_partials
     assert "3584.000" in text         # expert_x
-    # 1,424,231,936 / 2**20 = 1358.2534; 4,234,284,288 / 2**20 = 4038.1282
-    assert "symmetric 1358.253 MiB, local 4038.128 MiB" in text
+    # 1,898,205,440 / 2**20 = 1810.2696; 4,234,284,544 / 2**20 = 4038.1284
+    assert "symmetric 1810.270 MiB, local 4038.128 MiB" in text
 
 
 def test_region_unknown_name_raises_key_error():

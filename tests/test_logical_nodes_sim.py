@@ -64,9 +64,10 @@ def test_two_logical_nodes_of_two_reach_each_other_by_puts_and_round_trip_exactl
         assert got["other_view"] and f"PE {(r + 2) % n} is on node {1 - r // 2}" in got["other_view"] and \
             "reach it with NVSHMEM puts" in got["other_view"], got["other_view"]
         plan = got["run"]["plan"]
-        assert plan["transport"] == "puts", plan
-        assert any("transport: the PEs are on 2 nodes" in line for line in got["reasons"]), got["reasons"]
-    assert_calls_are_the_reference(ep_config(n), [got["run"] for got in results], CALLS, SEED, "2 x 2 logical nodes")
+        assert plan["transport"] == "hierarchical" and plan["node_size"] == 2, plan
+        assert any("transport: the PEs are on 2 nodes of 2" in line for line in got["reasons"]), got["reasons"]
+    assert_calls_are_the_reference(ep_config(n), [got["run"] for got in results], CALLS, SEED, "2 x 2 logical nodes",
+                                   node_size=2)
 
 
 @pytest.mark.parametrize("hosts, nodes", [

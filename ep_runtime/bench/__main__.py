@@ -134,6 +134,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the tokens and the routing")
     p.add_argument("--ceiling-mib", type=int, default=256, help="MiB copied to measure each ceiling (GPUs)")
     p.add_argument("--no-baselines", action="store_true", help="skip NCCL, nvshmem alltoall and DeepEP")
+    p.add_argument("--logical-nodes", type=int, default=1,
+                   help="split the ranks into this many nodes of consecutive ranks that reach each other by "
+                        "NVSHMEM puts only (the hierarchical transport's testing topology; no baselines); the "
+                        "table adds each rank's bytes between and within nodes")
     p.add_argument("--backward", action="store_true",
                    help="also time one MoE layer's backward (bf16 tokens): a dispatch, the router weights' "
                         "gradient home as slot values and a combine, against the 2 dispatches + 2 combines "

@@ -317,16 +317,18 @@ def time_backward(rt, session, inputs, expert_out, out, samples: int, warmup: in
 
 def ceilings(session, nbytes: int, reps: int) -> dict:
     """Measured in this run (GPUs only): ``nvlink_gbps``, one direction, every rank copying
-    ``nbytes`` into the next rank's symmetric array at once (copy engine, through a peer
-    view); ``hbm_gbps``, a local device-to-device copy counted as bytes read plus written."""
+    ``nbytes`` into the next rank of its node's symmetric array at once (copy engine, through a
+    peer view); ``hbm_gbps``, a local device-to-device copy counted as bytes read plus written."""
     import cupy
 
-    if session.n_ranks < 2:
+    R, node = session.n_ranks, session.node_of()
+    mates = [(session.rank + i) % R for i in range(1, R) if node[(session.rank + i) % R] == node[session.rank]]
+    if not mates:
         nvlink = float("nan")
     else:
         sym = session.alloc_symmetric("bench.nvlink_ceiling", (nbytes,), np.uint8)
         src = session.alloc_local("bench.nvlink_src", (nbytes,), np.uint8, fill=1)
-        peer = session.peer_view(sym, (session.rank + 1) % session.n_ranks)
+        peer = session.peer_view(sym, mates[0])
         nvlink = nbytes / (_median_copy_us(session, peer, src, reps) * 1e3)
         session.barrier()
         session.free_symmetric(sym)

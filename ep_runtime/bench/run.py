@@ -19,7 +19,7 @@ from ..testing import make_inputs
 from .measure import (GRAPH_ROUND_TRIPS, ceilings, deepep_v1, nccl_all_to_all, nvshmem_alltoall,
                       takes_device_token_count, time_backward, time_graph_round_trips, time_round_trips)
 from .stats import gbps, summarize
-from .traffic import nccl_permutation, rank_traffic
+from .traffic import nccl_permutation, node_traffic, rank_traffic
 
 
 def configs(args):
@@ -108,6 +108,9 @@ def bench_rank(session, args_dict) -> list[dict]:
 
     args = argparse.Namespace(**args_dict)
     gpu = session.backend != "sim"
+    nodes = getattr(args, "logical_nodes", 1) or 1
+    if nodes > 1:  # before anything reports the peer mappings
+        session.use_logical_nodes(nodes)
     results, ceil = [], {"nvlink_gbps": float("nan"), "hbm_gbps": float("nan")}
     if gpu:
         ceil = ceilings(session, args.ceiling_mib << 20, reps=10)
@@ -138,7 +141,7 @@ def bench_rank(session, args_dict) -> list[dict]:
             runs += _time_runtime(session, args, EPConfig(**{**cfg.as_dict(), "layouts": serve}), inputs_of, outs,
                                   out, given)
         base = {}
-        if gpu and not args.no_baselines:
+        if gpu and not args.no_baselines and nodes == 1:
             base.update(_try(lambda: nccl_all_to_all(session, tr.sent, tr.recv, cfg.hidden,
                                                      nccl_permutation(ids, r, cfg.n_local_experts),
                                                      args.samples, args.warmup), "nccl"))
@@ -150,6 +153,9 @@ def bench_rank(session, args_dict) -> list[dict]:
                                                    args.warmup, fp8=fp8), "deepep"))
         for mode, layout, token_input, spans, graph, plan in runs:
             results.append(_result(cfg, trs[token_input], spans, base, ceil, mode, graph, layout, plan, token_input))
+            if plan.get("node_size"):  # the hierarchical transport: this rank's bytes by direction and place
+                results[-1]["node_traffic"] = {"node_size": plan["node_size"], **node_traffic(
+                    ids, r, cfg.n_local_experts, plan["node_size"], cfg.token_bytes, cfg.partial_bytes).__dict__}
     if gpu:
         close_baselines(session)
     return results
@@ -308,6 +314,16 @@ def table(per_rank: list[list[dict]], simulated: bool = False) -> str:
                            for k in ("backward", "backward_routing", "backward_2d2c"))
         lines.append(f"{r:>4} {res['config']['max_tokens_per_rank']:>5} {res.get('mode', 'eager'):>5} "
                      f"{res.get('layout', 'expanded'):>8} | {cells}")
+    nodes = [(r, res) for r, results in enumerate(per_rank) for res in results if "node_traffic" in res]
+    if nodes:
+        lines.append("hierarchical transport, one call (dispatch + combine) of each rank, MB by direction: across "
+                     "nodes (to and from its proxies) | within its node; NVSHMEM operations it issues across")
+    for r, res in nodes:
+        n = res["node_traffic"]
+        lines.append(f"{r:>4} {res['config']['max_tokens_per_rank']:>5} {res.get('mode', 'eager'):>5} "
+                     f"{res.get('layout', 'expanded'):>8} | across {n['across_out'] / 1e6:>8.3f} out "
+                     f"{n['across_in'] / 1e6:>8.3f} in | within {n['within_out'] / 1e6:>8.3f} out "
+                     f"{n['within_in'] / 1e6:>8.3f} in | {n['ops_across']} ops (a row, a partial: 1 op)")
     if any(res.get("token_input") == "prequantized" for results in per_rank for res in results):
         lines.append("+pq: pre-quantized input (FP8 codes and scales from the caller, token_scales=); FP8 rows "
                      "without it quantize bf16 tokens inside dispatch_async")

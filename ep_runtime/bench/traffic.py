@@ -137,3 +137,144 @@ def nccl_permutation(ids_per_rank, rank: int, n_local_experts: int) -> np.ndarra
             t = np.nonzero((ids == e).any(axis=1))[0] if ids.size else np.zeros(0, np.int64)
             perm.append(slot[t])
     return np.concatenate(perm).astype(np.int64) if perm else np.zeros(0, np.int64)
+
+
+@dataclass(frozen=True)
+class NodeTraffic:
+    """What one rank moves in one call (a dispatch and its combine) under the hierarchical
+    transport (kernels/relay.py), by direction: ``across_out`` / ``across_in`` bytes to and from
+    PEs of other nodes (only this rank's proxies there: what its NIC carries), ``within_out`` /
+    ``within_in`` to and from the other PEs of its node (NVLink), ``ops_across``: the NVSHMEM
+    operations it issues across nodes (each serviced by a CPU proxy there), ``rows_across``: its
+    token rows sent across. :func:`pair_bytes` says what goes from one PE to another."""
+
+    across_out: int
+    across_in: int
+    within_out: int
+    within_in: int
+    ops_across: int
+    rows_across: int
+
+
+def pair_bytes(ids, src: int, dst: int, n_local_experts: int, node_size: int, token_bytes: int,
+               partial_bytes: int) -> int:
+    """Bytes PE ``src`` puts and signals to PE ``dst`` (not itself) in one call under the
+    hierarchical transport, ``ids`` every rank's ``[T_s, K]`` ids (-1: a masked slot); ``N`` =
+    ``node_size`` PEs a node, ``L`` experts a PE:
+
+    - same node: src's routing rows (ids, weights, ranks: ``12 T K``), its rows with an expert
+      on dst, dst's counts row with the signal (``4 (L + 1)``) and two 8-byte credit grants; as
+      the proxy of each source s on another node (its local index), s's routing rows, s's rows
+      with an expert on dst and dst's counts row; src's partials of dst's tokens, and of the
+      other nodes' tokens whose proxy here is dst;
+    - dst on another node with src's local index (each is the other's proxy): src's routing rows,
+      its rows with an expert on dst's node, that node's counts rows with the signal (``4 N (L +
+      1)``) and two grants; and, as dst's proxy, one partial per token of dst with an expert on
+      src's node (the node's sum);
+    - any other PE: nothing.
+    """
+    N, L = node_size, n_local_experts
+    K = max(np.asarray(i).shape[1] for i in ids)
+    counts_row = 4 * (L + 1)
+
+    def hits(s, pes):  # tokens of s with an expert on one of ``pes``
+        x = np.asarray(ids[s])
+        return int(np.isin(np.where(x >= 0, x // L, -1), list(pes)).any(axis=1).sum()) if x.size else 0
+
+    def routing(s):
+        return 12 * np.asarray(ids[s]).shape[0] * K
+
+    if src == dst:
+        return 0
+    node_of = lambda p: p // N  # noqa: E731
+    nodes = range(len(ids) // N)
+    if node_of(src) == node_of(dst):
+        out = routing(src) + hits(src, [dst]) * token_bytes + counts_row + 16 + hits(dst, [src]) * partial_bytes
+        for node in nodes:
+            if node != node_of(src):
+                s = node * N + src % N  # a source src is the proxy of
+                out += routing(s) + hits(s, [dst]) * token_bytes + counts_row
+                home = node * N + dst % N  # a home whose proxy here is dst
+                out += hits(home, [src]) * partial_bytes
+        return out
+    if src % N != dst % N:
+        return 0
+    here = range(node_of(src) * N, node_of(src) * N + N)
+    there = range(node_of(dst) * N, node_of(dst) * N + N)
+    return (routing(src) + hits(src, there) * token_bytes + N * counts_row + 16
+            + hits(dst, here) * partial_bytes)
+
+
+def node_traffic(ids_per_rank, rank: int, n_local_experts: int, node_size: int, token_bytes: int,
+                 partial_bytes: int, row_parts: int = 1, partial_parts: int = 1, routing_puts: int = 3) -> NodeTraffic:
+    """:class:`NodeTraffic` of ``rank`` for one call (:func:`pair_bytes` over its peers).
+    ``row_parts`` / ``partial_parts``: the puts a token row / a combine partial goes in;
+    ``routing_puts``: the puts of routing rows and ranks a proxy gets per call (the kernels'
+    token and routing blocks with tokens); with the counts rows' signal and two grants."""
+    R, N, L = len(ids_per_rank), node_size, n_local_experts
+
+    def pb(a, b):
+        return pair_bytes(ids_per_rank, a, b, L, N, token_bytes, partial_bytes)
+
+    mine = [p for p in range(R) if p // N == rank // N and p != rank]
+    proxies = [p for p in range(R) if p // N != rank // N and p % N == rank % N]
+    ops = rows = 0
+    for p in proxies:
+        there = set(range((p // N) * N, (p // N) * N + N))
+        x = np.asarray(ids_per_rank[rank])
+        t_b = int(np.isin(np.where(x >= 0, x // L, -1), list(there)).any(axis=1).sum()) if x.size else 0
+        y = np.asarray(ids_per_rank[p])
+        here = set(range((rank // N) * N, (rank // N) * N + N))
+        s_a = int(np.isin(np.where(y >= 0, y // L, -1), list(here)).any(axis=1).sum()) if y.size else 0
+        rows += t_b
+        ops += routing_puts + t_b * row_parts + 1 + 2 + s_a * partial_parts
+    return NodeTraffic(across_out=sum(pb(rank, p) for p in proxies), across_in=sum(pb(p, rank) for p in proxies),
+                       within_out=sum(pb(rank, q) for q in mine), within_in=sum(pb(q, rank) for q in mine),
+                       ops_across=ops, rows_across=rows)
+
+
+def project_nodes(nodes: int, gpus: int, tokens: int, hidden: int = 7168, n_experts: int = 256, top_k: int = 8,
+                  nic_gbps: float = 400.0, nvlink_gbs: float = 380.0, proxy_op_us: float = 1.0,
+                  row_parts: int = 4, routing_puts: int = 256, seed: int = 0) -> dict:
+    """The traffic model's projection for one rank of ``nodes`` x ``gpus`` GPUs, bf16 tokens and
+    partials, ``tokens`` per GPU routed uniformly at random to ``top_k`` of ``n_experts`` (one
+    draw of ``seed``): :func:`node_traffic`'s bytes and operations, and the times they bound
+    (us) for a NIC of ``nic_gbps`` Gb/s per GPU, NVLink at ``nvlink_gbs`` GB/s per direction and
+    a CPU proxy that services one operation in ``proxy_op_us``; the call (a dispatch and its
+    combine) takes at least the largest. ``row_parts`` and ``routing_puts``: the puts of a row and
+    of the routing a proxy gets per call (kernels on an H100's 132 SMs: about 4 and 256)."""
+    rng = np.random.default_rng(seed)
+    R, L = nodes * gpus, n_experts // (nodes * gpus)
+    ids = [np.argsort(rng.random((tokens, n_experts)), axis=1)[:, :top_k].astype(np.int64) for _ in range(R)]
+    t = node_traffic(ids, 0, L, gpus, 2 * hidden, 2 * hidden, row_parts=row_parts, routing_puts=routing_puts)
+    nic_us = max(t.across_out, t.across_in) / (nic_gbps / 8 * 1e3)  # bytes / (GB/s) = ns; / 1e3 = us
+    return {"ranks": R, "across_out": t.across_out, "across_in": t.across_in, "within_out": t.within_out,
+            "within_in": t.within_in, "ops_across": t.ops_across, "rows_across": t.rows_across, "nic_us": nic_us,
+            "proxy_us": t.ops_across * proxy_op_us,
+            "nvlink_us": max(t.within_out, t.within_in) / (nvlink_gbs * 1e3)}
+
+
+def main(argv=None) -> None:
+    """``python -m ep_runtime.bench.traffic``: the projection table of docs/cluster.md."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description="The hierarchical transport's traffic model (docs/cluster.md)")
+    ap.add_argument("--shapes", nargs="+", default=["2x8", "4x8"], help="NODESxGPUS")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[128, 4096])
+    ap.add_argument("--proxy-op-us", type=float, default=1.0)
+    ap.add_argument("--nic-gbps", type=float, default=400.0)
+    args = ap.parse_args(argv)
+    print(f"| nodes x GPUs | tokens/GPU | MB across out / in (NIC) | MB within out / in (NVLink) | ops across "
+          f"| NIC us | proxy us at {args.proxy_op_us:g} us/op | NVLink us |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for shape in args.shapes:
+        nodes, gpus = (int(x) for x in shape.split("x"))
+        for T in args.tokens:
+            p = project_nodes(nodes, gpus, T, nic_gbps=args.nic_gbps, proxy_op_us=args.proxy_op_us)
+            print(f"| {shape} | {T} | {p['across_out'] / 1e6:.2f} / {p['across_in'] / 1e6:.2f} | "
+                  f"{p['within_out'] / 1e6:.2f} / {p['within_in'] / 1e6:.2f} | {p['ops_across']} | "
+                  f"{p['nic_us']:.0f} | {p['proxy_us']:.0f} | {p['nvlink_us']:.0f} |")
+
+
+if __name__ == "__main__":
+    main()

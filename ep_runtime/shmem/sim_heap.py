@@ -258,6 +258,8 @@ class SimHeap:
         self._gathers = 0
         self._pending: list[tuple[np.ndarray, np.ndarray]] = []
         self._pending_lock = threading.Lock()
+        #: [pe] = (operations, bytes) this process put or signalled to PE pe (:meth:`count`)
+        self.traffic = np.zeros((n_ranks, 2), np.int64)
         self._closed = False
         self._peers = _PeerWatch.open(rank, [int(w[_PID_WORD]) for w in self._words],
                                       [int(w[_START_WORD]) for w in self._words])
@@ -397,6 +399,13 @@ class SimHeap:
         return ", ".join(f"'{r.name}' [{r.offset}, {r.end})" for r in self._regions) or "none"
 
     # -- queued puts --------------------------------------------------------------------------
+    def count(self, pe: int, nbytes: int) -> None:
+        """Add one operation of ``nbytes`` bytes to PE ``pe`` to :attr:`traffic` (every put and
+        signal of the simulated SHMEM facade; a signal counts 8 bytes)."""
+        with self._pending_lock:
+            self.traffic[pe, 0] += 1
+            self.traffic[pe, 1] += nbytes
+
     def enqueue_put(self, dst: np.ndarray, data: np.ndarray) -> None:
         """Queue the copy of ``data`` into ``dst`` (1-D, same size; ``dst`` a peer view)."""
         with self._pending_lock:

@@ -114,6 +114,16 @@ class SimSession(Session):
         self._check_same_node(pe, "peer_view")
         return self.heap.peer_view(_ndarray(array), pe)
 
+    def traffic(self, reset: bool = False) -> np.ndarray:
+        """``[n_ranks, 2]`` int64: the operations and bytes this PE's kernels put or signalled
+        to each PE since the session opened (or the last ``reset``), its own included; stores
+        through peer views are not counted. What the transport sends, measured on the
+        simulator (tests, the traffic model in docs/cluster.md)."""
+        out = self.heap.traffic.copy()
+        if reset:
+            self.heap.traffic[...] = 0
+        return out
+
     def peers_mapped(self) -> bool:
         """Every PE's heap is mapped in every PE process, unless the session has logical nodes
         (collective the first time: :meth:`node_of`). Reported once: the topology is fixed from

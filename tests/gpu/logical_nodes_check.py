@@ -1,31 +1,32 @@
 """Logical nodes on GPUs: one host's GPUs split into nodes that reach each other by NVSHMEM puts
-only (``open_session(logical_nodes=n)``), as tests/test_logical_nodes_sim.py checks them on the
-simulator:
+only (``open_session(logical_nodes=n)``), the hierarchical transport's testing topology, as
+tests/test_hierarchical_sim.py checks it on the simulator:
 
     mpirun -np 4 -x PYTHONPATH python3 tests/gpu/logical_nodes_check.py [--nodes 2] [--tokens 128 4096]
 
 On a session of ``--nodes`` logical nodes: the node map, no mapping of a peer on another node
-(``peer_addresses`` None, ``peer_view`` refused), the plan on puts; per token
-count, the round trips of the simulator test's calls (expanded and compact, ranks with no
-tokens, masked slots) with every batch the reference's bit for bit and every combine within the
-reference's tolerance; ``--soak`` more round trips of call 0's inputs, each bit-identical to the
-first, and the median eager round trip. ``--nodes 1`` runs the soak and the timing on a session of
-one node (stores), for the comparison (NVSHMEM is initialized once a process: one session a run).
-``--backend sim`` runs the same under mpiexec on the simulator. Prints a table last (rank 0),
-then PASS or FAIL.
+(``peer_addresses`` None, ``peer_view`` refused), the plan on the hierarchical transport; per
+token count, the round trips of the simulator test's calls (expanded and compact, ranks with no
+tokens, masked slots, every token to one expert) with every batch the reference's bit for bit and
+every combine within the reference's tolerance of the reference summed in the hierarchical order;
+``--soak`` more round trips of call 0's inputs, each bit-identical to the first, and the median
+eager round trip; ``--fault``: the last logical node withholds one call, and every rank of the
+others must raise the timeout its proxy's ``dispatch_relay`` recorded, naming the source that
+withheld it. ``--nodes 1`` runs the soak and the timing on a session of one node (stores), for
+the comparison (NVSHMEM is initialized once a process: one session a run). ``--backend sim``
+runs the same under mpiexec on the simulator. Prints a table last (rank 0), then PASS or FAIL.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import sys
 import time
 
 import numpy as np
 
 
-def own_failures(session, cfg, run: dict, calls: int, seed: int) -> list[str]:
+def own_failures(session, cfg, run: dict, calls: int, seed: int, node_size: int) -> list[str]:
     """This rank's calls of ``run`` (``testing.plan_pe``) against the reference: batches bit for
     bit, combine within the reference's tolerance."""
     from ep_runtime import reference
@@ -46,13 +47,13 @@ def own_failures(session, cfg, run: dict, calls: int, seed: int) -> list[str]:
             assert_batch_is_the_reference(got, refs[me], layout, xs, cfg, f"call {call} ({layout})")
         except AssertionError as e:
             fails.append(f"call {call} ({layout}) batch: {str(e)[:300]}")
-        err = combine_over_tolerance(cfg, refs, ids, ws, me, got["out"][:len(xs[me])])
+        err = combine_over_tolerance(cfg, refs, ids, ws, me, got["out"][:len(xs[me])], node_size)
         if err is not None:
             fails.append(f"call {call} ({layout}): the combine is off by {err}, over its tolerance")
     return fails
 
 
-def soak_and_time(session, cfg, n: int, seed: int) -> tuple[int, float, float]:
+def soak_and_time(session, cfg, n: int, seed: int, plan: str = "") -> tuple[int, float, float]:
     """``n`` round trips (expanded) of call 0's inputs on a fresh runtime: how many differ from
     the first (dispatch rows and combine output, by hash), and the median dispatch and combine
     us (host clock around each synchronized half: an eager call as a caller sees it)."""
@@ -65,22 +66,32 @@ def soak_and_time(session, cfg, n: int, seed: int) -> tuple[int, float, float]:
     y = session.to_device(expert_outputs(cfg, reference.dispatch(xs, ids, ws, cfg)[me], me))
     x, i, w = (session.to_device(a) for a in (xs[me].view(np.uint16), ids[me], ws[me]))
     first, differ, td, tc = None, 0, [], []
-    with EPRuntime(cfg, session) as rt:
-        for _ in range(n):
-            session.barrier()
-            t0 = time.perf_counter()
+    rt = EPRuntime(cfg, session, plan=plan or None)
+    for k in range(n):
+        session.barrier()
+        t0 = time.perf_counter()
+        try:
             batch = rt.dispatch(x, i, w)
             session.synchronize()
             t1 = time.perf_counter()
             out = rt.combine(y, batch.handle)
             session.synchronize()
-            t2 = time.perf_counter()
-            td.append(t1 - t0)
-            tc.append(t2 - t1)
-            h = hashlib.sha1(session.to_host(batch.x)[:batch_rows(session, batch)].tobytes())
-            h.update(session.to_host(out).tobytes())
-            first = first or h.hexdigest()
-            differ += h.hexdigest() != first
+        except Exception as e:  # print it now: the runtime's collective close would wait for the peers
+            from mpi4py import MPI
+
+            print(f"rank {me}: soak call {k}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            MPI.COMM_WORLD.Abort(1)
+        t2 = time.perf_counter()
+        td.append(t1 - t0)
+        tc.append(t2 - t1)
+        # compared where they are (a host copy and hash of a T=4096 batch took longer than the call)
+        now = (batch.x[:batch_rows(session, batch)], out)
+        xp = __import__("cupy") if "cupy" in type(out).__module__ else np
+        if first is None:
+            first = tuple(a.copy() for a in now)
+        else:
+            differ += not all(bool(xp.array_equal(a, b)) for a, b in zip(now, first))
+    rt.close()
     return differ, 1e6 * float(np.median(td)), 1e6 * float(np.median(tc))
 
 
@@ -88,7 +99,51 @@ def batch_rows(session, batch) -> int:
     return int(session.to_host(batch.row_offsets)[-1])
 
 
+def withheld_call(session, cfg, seed: int, nodes: int) -> str | None:
+    """A runtime of ``cfg`` with a short wait timeout: one round trip on every rank, then the
+    last node's ranks withhold their next dispatch. On the other ranks: the failure, or None
+    when their dispatch raised the timeout of ``dispatch_relay`` naming their source there."""
+    import dataclasses
+
+    from ep_runtime import reference
+    from ep_runtime.errors import EPTimeoutError
+    from ep_runtime.runtime import EPRuntime
+    from ep_runtime.testing import call_inputs, expert_outputs
+
+    me, R = session.rank, session.n_ranks
+    size = R // nodes
+    xs, ids, ws = call_inputs(cfg, 0, seed)
+    y = session.to_device(expert_outputs(cfg, reference.dispatch(xs, ids, ws, cfg)[me], me))
+    x, i, w = (session.to_device(a) for a in (xs[me].view(np.uint16), ids[me], ws[me]))
+    verdict = None
+    with EPRuntime(dataclasses.replace(cfg, wait_timeout_s=2.0), session) as rt:
+        rt.combine(y, rt.dispatch(x, i, w).handle)
+        if me // size != nodes - 1:
+            source = (nodes - 1) * size + me % size
+            try:
+                rt.dispatch(x, i, w)
+                verdict = "the dispatch raised nothing"
+            except EPTimeoutError as e:
+                want = (f"rank {me}: dispatch_relay of call 1 timed out", f"waiting for rank {source}: relay_signal")
+                verdict = None if all(w in str(e) for w in want) else f"another timeout: {str(e)[:200]}"
+        session.barrier()
+    return verdict
+
+
 def main() -> int:
+    from mpi4py import MPI
+
+    try:
+        return checked_main()
+    except BaseException:  # a rank that fails mid-call must not leave its peers in a collective: abort the job
+        import traceback
+
+        print(f"rank {MPI.COMM_WORLD.Get_rank()}: " + traceback.format_exc(), file=sys.stderr, flush=True)
+        MPI.COMM_WORLD.Abort(1)
+        return 1
+
+
+def checked_main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--nodes", type=int, default=2)
     ap.add_argument("--tokens", type=int, nargs="+", default=[128, 4096])
@@ -99,7 +154,14 @@ def main() -> int:
     ap.add_argument("--soak", type=int, default=100)
     ap.add_argument("--seed", type=int, default=11)
     ap.add_argument("--backend", default="nvshmem", choices=("nvshmem", "sim"))
+    ap.add_argument("--fault", action="store_true", help="last: the last node withholds a call (named timeouts)")
+    ap.add_argument("--watchdog", type=float, default=0, help="print every thread's stack every S seconds (hangs)")
+    ap.add_argument("--plan", default="", help="plan overrides (transport=puts, ...): the transport is not checked")
     args = ap.parse_args()
+    if args.watchdog:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(args.watchdog, repeat=True)
     from mpi4py import MPI
 
     from ep_runtime import EPConfig
@@ -130,21 +192,36 @@ def main() -> int:
             if "reach it with NVSHMEM puts" not in str(e):
                 fails.append(f"rank {me}: peer_view refused with another message: {e}")
         session.free_symmetric(probe)
+    def progress(what: str) -> None:  # where a run that hangs got to (stderr, every rank)
+        print(f"rank {me}: {what} ({time.monotonic() - t0:.0f} s)", file=sys.stderr, flush=True)
+
+    t0 = time.monotonic()
     for T, cfg in cfgs.items():
         plan = choose_plan(cfg, Topology.of(session))
-        want = "puts" if nodes > 1 else "stores"
-        if plan.transport.value != want:
+        progress(f"T={T}: {plan.summary()}")
+        want = "hierarchical" if nodes > 1 else "stores"
+        if not args.plan and plan.transport.value != want:
             fails.append(f"rank {me}: {nodes} node(s), T={T}: transport {plan.transport.value}, want {want}")
         exact = None
         if nodes > 1:
-            run = plan_pe(session, {}, cfg, args.calls, args.seed)
-            own = own_failures(session, cfg, run, args.calls, args.seed)
+            run = plan_pe(session, args.plan or {}, cfg, args.calls, args.seed)
+            node_size = run["plan"]["node_size"]
+            own = own_failures(session, cfg, run, args.calls, args.seed, node_size)
+            for f in own:
+                progress(f"T={T}: {f}")
             fails += [f"rank {me}, T={T}: {f}" for f in own]
             exact = args.calls - len({f.split(" ")[1] for f in own})
-        differ, d_us, c_us = soak_and_time(session, cfg, args.soak, args.seed)
+        progress(f"T={T}: round trips checked, soak")
+        differ, d_us, c_us = soak_and_time(session, cfg, args.soak, args.seed, args.plan)
         if differ:
             fails.append(f"rank {me}, T={T}: {differ} of {args.soak} round trips differ from the first")
         rows.append((me, T, plan.summary(), exact, differ, d_us, c_us))
+    fault = None
+    if args.fault and nodes > 1:
+        progress("a withheld call")
+        fault = withheld_call(session, cfgs[min(cfgs)], args.seed, nodes)
+        if fault is not None:
+            fails.append(f"rank {me}: a withheld call: {fault}")
     session.close()
     every = comm.gather((rows, fails), root=0)
     if comm.Get_rank() != 0:
@@ -156,6 +233,9 @@ def main() -> int:
         for me, T, summary, exact, differ, d_us, c_us in rs:
             ex = "-" if exact is None else f"{exact}/{args.calls}"
             print(f"{me:>4} {T:>5} {ex:>11} {differ:>11} {d_us:>12.1f} {c_us:>11.1f}  {summary}")
+    if args.fault and nodes > 1:
+        print(f"fault: node {nodes - 1} withheld call 1; the other nodes' ranks raised dispatch_relay's timeout naming "
+              f"their source: {'yes' if not any('withheld' in f for _, fs in every for f in fs) else 'NO'}")
     all_fails = [f for _, fs in every for f in fs]
     for f in all_fails[:20]:
         print("FAIL:", f)

@@ -1,0 +1,239 @@
+"""The hierarchical transport's proxies: ``dispatch_relay`` and ``combine_relay``.
+
+Nodes are ``node_size`` consecutive PEs (kernels/nodes.py). A PE is the proxy, on its node, of
+each PE of another node that has its local index: its *sources*, one per other node. Across
+nodes only sources and their proxies exchange data, in few large puts; within a node every PE
+puts to every other (NVSHMEM carries those puts over NVLink).
+
+``dispatch_relay`` runs after dispatch_async and before the receive kernel. For each source s,
+once s's relay signal shows call n complete here (s's routing rows and ranks, the rows of its
+tokens with an expert on this node, and this node's counts rows: s put them, then its signal),
+it forwards to each other PE q of this node the routing rows and ranks, and the rows of the
+tokens with an expert on q, into the slots s would have written on q. Then the last block
+gives every PE of the node, this one included, its counts row and dispatch signal of s, as s
+would have. The receive kernels, the layouts and the handles are those of a flat run.
+
+``combine_relay`` runs after combine_async and before combine_wait. For each part of each
+token of each source with an expert on this node, it waits for the partials of this node's PEs
+that hold its experts (``relay_flag``), sums them in ascending PE order in float32 from 0,
+rounds the sum to the partial format, and puts it into this PE's slot of s's
+``combine_partials`` with its ``combine_row_flag``: one partial crosses per (token, node), and
+s sums the partials of its own node's PEs and one per other node, in ascending PE order
+(``reference.combine``'s ``node_size``).
+"""
+
+import functools
+
+from numba import float32, int32, int64, uint64
+
+from ep_runtime.kernels import shmem
+from ep_runtime.kernels.bits import f32_bits_at, f32_word_at, word_f32
+from ep_runtime.kernels.block import last_block_ticket, part_bounds, record_error, warp_geometry, warp_sync
+from ep_runtime.kernels.cuda_api import cuda, kernel_jit
+from ep_runtime.kernels.nodes import holders, node_bits
+from ep_runtime.kernels.partials import flagged_parts, partial_geometry
+from ep_runtime.kernels.protocol import (COUNTER_RELAY_FLAG, COUNTER_RELAY_SIGNAL, COUNTER_TOKEN_CREDIT, ERR_TIMEOUT,
+                                         KERNEL_COMBINE_RELAY, KERNEL_DISPATCH_RELAY, SIGNAL_TOKEN_BITS, STATUS_CODE,
+                                         SYNC_CALLS)
+from ep_runtime.kernels.variant import CombineVariant, DispatchVariant
+
+#: The most nodes a runtime may span (a block keeps each source's token count in shared memory).
+MAX_NODES = 64
+
+
+@functools.lru_cache(maxsize=None)
+def make_dispatch_relay(v: DispatchVariant):
+    """The ``dispatch_relay`` kernel of a hierarchical ``v`` (``v.node_size`` PEs a node)."""
+    threads = v.threads
+    warp, warps = warp_geometry(threads)
+    NODE = v.node_size
+
+    @kernel_jit(threads)
+    def dispatch_relay(d_tokens, d_ids, d_weights, d_ranks, d_counts, d_signal, relay_counts, relay_signal, d_credit,
+                       sync, relay_sync, status, timeout_ns):
+        """Forward each source's call to this node's other PEs, then signal them on its behalf.
+
+        Symmetric, as dispatch_async writes them: d_tokens [R, Tmax, W] token words (or FP8
+        messages), d_ids / d_weights / d_ranks [G, R, Tmax, K], d_counts [G, R, L + 1] int32,
+        d_signal [G, R] uint64, relay_counts [G, R, R, L + 1] int32 ([g, s, j]: source s's
+        counts row for PE j of this node), relay_signal [G, R] uint64, d_credit [R] uint64.
+        Local: sync (dispatch_async's call counter: this is call ``sync[1] - 1``), relay_sync
+        [2] int64 (``[0]``: the launch's ticket), status int64. timeout_ns bounds each wait.
+
+        Every block: thread 0 waits for the credit of call n of each other PE of this node (it
+        has read its rows of earlier calls) and for each source's relay signal (a timeout
+        records this kernel, the peer and the counter, and the block returns: no signal goes
+        out, so the node's receivers time out naming the source). Then, each source's tokens in
+        a chunk a block, the block puts its chunk of the routing rows and ranks to each other PE
+        of the node, and a warp per token puts the token's row (or message) to each other PE of
+        the node holding one of its experts (``holders`` of its routed ids). The last block
+        (ticket after a quiet) puts each source's counts row with its dispatch signal,
+        ``(n + 1) << 32 | T_s``, to every PE of the node.
+        """
+        flag = cuda.shared.array(1, int32)
+        t_of = cuda.shared.array(MAX_NODES, int32)  # each source node's token count (T_s)
+        if status[STATUS_CODE] != 0:
+            return  # an earlier error: forward nothing, so the node's receivers time out naming the sources
+        n = sync[SYNC_CALLS] - 1
+        g = n % 2
+        me = shmem.my_pe()
+        R = d_counts.shape[1]
+        L = d_counts.shape[2] - 1
+        mine = me // NODE
+        first = mine * NODE  # this node's first PE
+        tid = cuda.threadIdx.x
+        if tid == 0:
+            ok = 1
+            for q in range(first, first + NODE):
+                if q != me and ok == 1:
+                    seen = shmem.wait_signal_ge(d_credit[q:q + 1], uint64(n + 1), timeout_ns)
+                    if seen < uint64(n + 1):
+                        record_error(status, ERR_TIMEOUT, KERNEL_DISPATCH_RELAY, me, q, COUNTER_TOKEN_CREDIT, n + 1,
+                                     int64(seen), n + 1)
+                        ok = 0
+            for node in range(R // NODE):
+                s = node * NODE + me % NODE
+                if node != mine and ok == 1:
+                    want = uint64(n + 1) << uint64(SIGNAL_TOKEN_BITS)
+                    seen = shmem.wait_signal_ge(relay_signal[g, s:s + 1], want, timeout_ns)
+                    if seen < want:
+                        record_error(status, ERR_TIMEOUT, KERNEL_DISPATCH_RELAY, me, s, COUNTER_RELAY_SIGNAL,
+                                     int64(want), int64(seen), n + 1)
+                        ok = 0
+                    t_of[node] = int32(seen & uint64(0xFFFFFFFF))
+            flag[0] = ok
+        cuda.syncthreads()
+        if flag[0] == 0:
+            return
+        others = node_bits(mine, NODE) & ~(uint64(1) << uint64(me))  # this node's other PEs
+        all_warps = cuda.gridDim.x * warps
+        for node in range(R // NODE):
+            if node != mine:
+                s = node * NODE + me % NODE
+                T = t_of[node]
+                per = (T + cuda.gridDim.x - 1) // cuda.gridDim.x
+                t0 = min(cuda.blockIdx.x * per, T)
+                t1 = min(t0 + per, T)
+                if t0 < t1:
+                    for q in range(first, first + NODE):
+                        if q != me:
+                            shmem.put_nbi_block(d_ids[g, s, t0:t1], d_ids[g, s, t0:t1], q)
+                            shmem.put_nbi_block(d_weights[g, s, t0:t1], d_weights[g, s, t0:t1], q)
+                            shmem.put_nbi_block(d_ranks[g, s, t0:t1], d_ranks[g, s, t0:t1], q)
+                t = cuda.blockIdx.x * warps + tid // warp
+                while t < T:
+                    to = holders(d_ids[g, s, t], L, R) & others
+                    for q in range(first, first + NODE):
+                        if (to >> uint64(q)) & uint64(1):
+                            shmem.put_nbi_warp(d_tokens[s, t], d_tokens[s, t], q)
+                    t += all_warps
+        if last_block_ticket(relay_sync[0:1], flag, False):  # every block's puts complete (quiet)
+            for j in range(tid, (R // NODE) * NODE, threads):  # (source node, PE of this node)
+                node = j // NODE
+                q = first + j - node * NODE
+                if node != mine:
+                    s = node * NODE + me % NODE
+                    signal = (uint64(n + 1) << uint64(SIGNAL_TOKEN_BITS)) | uint64(t_of[node])
+                    shmem.put_signal(d_counts[g, s], relay_counts[g, s, q - first], d_signal[g, s:s + 1], signal,
+                                     shmem.SIGNAL_SET, q)
+            if tid == 0:
+                relay_sync[0] = 0
+
+    return dispatch_relay
+
+
+@functools.lru_cache(maxsize=None)
+def make_combine_relay(v: CombineVariant):
+    """The ``combine_relay`` kernel of a hierarchical ``v`` (``v.node_size`` PEs a node)."""
+    threads = v.threads
+    geo = partial_geometry(threads, v.word, v.f32_partials)
+    warp, warps, word_t, pack, F32 = geo.warp, geo.warps, geo.word_t, geo.pack, geo.F32
+    rounded_word = geo.rounded_word
+    E = 2 if F32 else pack  # values a partial word holds
+    NODE = v.node_size
+
+    @kernel_jit(threads)
+    def combine_relay(c_partials, relay_partials, relay_flag, c_row_flag, d_ids, d_counts, sync, stage, status,
+                      timeout_ns):
+        """Sum this node's partials of each source's tokens and send one per (token, node) home.
+
+        Symmetric: c_partials [G, R, Tmax, PW] partial words (the sums go to ``[g, me, t]`` of
+        the source), relay_partials [R, Tmax, PW] (``[node(s) node_size + j, t]``: the partial
+        of PE j of this node for token t of source s), relay_flag [R, Tmax, FLAG_PARTS] and
+        c_row_flag [R, Tmax, FLAG_PARTS] uint64; d_ids [G, R, Tmax, K] and d_counts
+        [G, R, L + 1] of the call (group g). Local: sync (the call counter), stage [R, Tmax, PW]
+        (the sums, staged for their puts), status int64.
+
+        A warp per part (``flagged_parts``, as combine_async cuts them) of each token of each
+        source with an expert on this node: lane 0 waits for each holder's relay flag of the part
+        (a timeout records this kernel, the holder and the token, and the warp stops; the source's
+        combine_wait then times out naming this PE), the warp sums the holders' partial words in
+        ascending PE order (float32 from 0), rounds the sum to the partial format into
+        ``stage[s, t]`` and puts it to the source with the part's flag
+        (``put_signal_nbi_warp``).
+        """
+        acc = cuda.local.array(E, float32)
+        verdict = cuda.shared.array(warps, int32)  # each warp's flags: all seen (1) or not
+        if status[STATUS_CODE] != 0:
+            return
+        n = sync[SYNC_CALLS] - 1
+        g = n % 2
+        me = shmem.my_pe()
+        R = d_counts.shape[1]
+        L = d_counts.shape[2] - 1
+        PW = c_partials.shape[3]
+        mine = me // NODE
+        first = mine * NODE
+        lane = cuda.threadIdx.x % warp
+        wid = cuda.threadIdx.x // warp
+        parts, span = flagged_parts(d_counts[g], PW, warp)  # the parts every rank cuts alike
+        all_warps = cuda.gridDim.x * warps
+        for node in range(R // NODE):
+            if node != mine:
+                s = node * NODE + me % NODE
+                T = d_counts[g, s, L]
+                i = cuda.blockIdx.x * warps + cuda.threadIdx.x // warp
+                while i < T * parts:
+                    t, w0, w1 = part_bounds(i, parts, span, PW)
+                    here = holders(d_ids[g, s, t], L, R) & node_bits(mine, NODE)
+                    if w0 < w1 and here != uint64(0):
+                        p = i - t * parts
+                        if lane == 0:
+                            ok = 1
+                            for q in range(first, first + NODE):
+                                if ok == 1 and (here >> uint64(q)) & uint64(1):
+                                    row = node * NODE + q - first
+                                    seen = shmem.wait_signal_ge(relay_flag[row, t, p:p + 1], uint64(n + 1),
+                                                                timeout_ns)
+                                    if seen < uint64(n + 1):
+                                        record_error(status, ERR_TIMEOUT, KERNEL_COMBINE_RELAY, me, q,
+                                                     COUNTER_RELAY_FLAG, n + 1,
+                                                     (int64(t) << 32) | int64(seen & uint64(0xFFFFFFFF)), n + 1)
+                                        ok = 0
+                            verdict[wid] = ok
+                        warp_sync()
+                        ok = verdict[wid]
+                        warp_sync()  # read by every lane before lane 0 writes it again
+                        if ok == 0:
+                            return
+                        for w in range(w0 + lane, w1, warp):
+                            for x in range(E):
+                                acc[x] = float32(0.0)
+                            for q in range(first, first + NODE):
+                                if (here >> uint64(q)) & uint64(1):
+                                    word = relay_partials[node * NODE + q - first, t, w]
+                                    for x in range(E):
+                                        if F32:
+                                            acc[x] += f32_word_at(word, x)
+                                        else:
+                                            acc[x] += word_f32(word, x)
+                            if F32:
+                                stage[s, t, w] = word_t(f32_bits_at(acc[0], 0) | f32_bits_at(acc[1], 1))
+                            else:
+                                stage[s, t, w] = rounded_word(acc, 0)
+                        warp_sync()  # the whole staged part is written before the warp's put
+                        shmem.put_signal_nbi_warp(c_partials[g, me, t, w0:w1], stage[s, t, w0:w1],
+                                                  c_row_flag[me, t, p:p + 1], uint64(n + 1), shmem.SIGNAL_SET, s)
+                    i += all_warps
+
+    return combine_relay
