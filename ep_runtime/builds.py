@@ -19,39 +19,70 @@ from .layout import BufferLayout
 from .plan import ExpandedCopy, Plan, Transport
 
 
-def plan_kernels(cfg: EPConfig, plan: Plan) -> dict:
-    """``{name: kernel}``: every kernel a runtime of ``cfg`` under ``plan`` launches.
-    ``combine_async_rows`` copies partial words unchanged, so the bf16-partials build serves
-    float32 partials too. ``dispatch_copy`` only where the expanded layout is served and copied
-    after the placement. The slot-value kernels depend on the block size, transport and PDL only,
-    ``routing_copy`` (a kept routing aside and back) on the block size and PDL."""
-    from .kernels.combine import make_combine_kernels
-    from .kernels.dispatch import make_dispatch_kernels
-    from .kernels.routing_keep import make_routing_copy
-    from .kernels.slot_values import make_slot_values_kernels
-    from .kernels.validate import validate_routing
+#: The plan variants the gate builds: every receiver on every transport it can run on one node.
+PLAN_VARIANTS = (("wait", "stores"), ("land", "stores"), ("route_first", "stores"), ("route_first_chunked", "stores"),
+                 ("wait", "puts"), ("land", "puts"))
+#: ... and across nodes (built for 4 PEs as 2 nodes of 2).
+NODE_VARIANTS = (("wait", "hierarchical"),)
+#: The kernels of each family, as :func:`plan_kernels` builds them (a family's module is imported
+#: only when one of its kernels is asked for: the dispatch and combine kernels import NVSHMEM).
+DISPATCH_KERNELS = ("dispatch_async", "dispatch_wait", "dispatch_land", "dispatch_copy", "dispatch_relay")
+COMBINE_KERNELS = ("combine_async", "combine_async_rows", "combine_wait", "combine_relay")
 
-    kernels = make_dispatch_kernels(plan.dispatch_variant(cfg))
-    if plan.expanded_copy is not ExpandedCopy.DISPATCH_COPY:
-        del kernels["dispatch_copy"]
-    cv = plan.combine_variant(cfg)
-    combine = make_combine_kernels(cv)
-    rows = make_combine_kernels(dataclasses.replace(cv, f32_partials=False))["combine_async_rows"]
-    kernels.update(combine_async=combine["combine_async"], combine_async_rows=rows,
-                   combine_wait=combine["combine_wait"], validate_routing=validate_routing)
-    if "combine_relay" in combine:  # the hierarchical transport's proxy, in the runtime's partial format
+
+def plan_kernels(cfg: EPConfig, plan: Plan, only=None) -> dict:
+    """``{name: kernel}``: every kernel a runtime of ``cfg`` under ``plan`` launches (or those
+    of them named in ``only``, building nothing else). ``combine_async_rows`` copies partial
+    words unchanged, so the bf16-partials build serves float32 partials too. ``dispatch_copy``
+    only where the expanded layout is served and copied after the placement; ``dispatch_relay``
+    and ``combine_relay`` with the hierarchical transport. The slot-value kernels depend on the
+    block size, transport and PDL only, ``routing_copy`` (a kept routing aside and back) on the
+    block size and PDL."""
+    def wanted(*names) -> bool:
+        return only is None or any(n in only for n in names)
+
+    kernels, relay, combine = {}, None, {}
+    if wanted(*DISPATCH_KERNELS):
+        from .kernels.dispatch import make_dispatch_kernels
+
+        kernels.update(make_dispatch_kernels(plan.dispatch_variant(cfg)))
+        if plan.expanded_copy is not ExpandedCopy.DISPATCH_COPY:
+            del kernels["dispatch_copy"]
+        relay = kernels.pop("dispatch_relay", None)
+    if wanted(*COMBINE_KERNELS):
+        from .kernels.combine import make_combine_kernels
+
+        cv = plan.combine_variant(cfg)
+        combine = make_combine_kernels(cv)
+        rows = make_combine_kernels(dataclasses.replace(cv, f32_partials=False))["combine_async_rows"]
+        kernels.update(combine_async=combine["combine_async"], combine_async_rows=rows,
+                       combine_wait=combine["combine_wait"])
+    if wanted("validate_routing"):
+        from .kernels.validate import validate_routing
+
+        kernels["validate_routing"] = validate_routing
+    if relay is not None:  # the hierarchical transport's proxies
+        kernels["dispatch_relay"] = relay
+    if "combine_relay" in combine:  # (in the runtime's partial format)
         kernels["combine_relay"] = combine["combine_relay"]
-    kernels.update(make_slot_values_kernels(plan.threads, plan.transport is Transport.STORES, plan.pdl))
-    kernels["routing_copy"] = make_routing_copy(plan.threads, plan.pdl)
-    return kernels
+    if wanted("slot_values_async", "slot_values_wait"):
+        from .kernels.slot_values import make_slot_values_kernels
+
+        kernels.update(make_slot_values_kernels(plan.threads, plan.transport is Transport.STORES, plan.pdl))
+    if wanted("routing_copy"):
+        from .kernels.routing_keep import make_routing_copy
+
+        kernels["routing_copy"] = make_routing_copy(plan.threads, plan.pdl)
+    return {name: k for name, k in kernels.items() if only is None or name in only}
 
 
-def kernel_builds(cfg: EPConfig, plan: Plan) -> list:
+def kernel_builds(cfg: EPConfig, plan: Plan, only=None) -> list:
     """``[(name, kernel, argtypes)]``: every kernel a runtime of ``cfg`` under ``plan`` compiles
-    when it is built, with the Numba signature it launches (the argument lists of
-    :mod:`ep_runtime.kernel_args`, the regions the plan leaves out as empty stand-ins)."""
+    when it is built (or those named in ``only``), with the Numba signature it launches (the
+    argument lists of :mod:`ep_runtime.kernel_args`, the regions the plan leaves out as empty
+    stand-ins)."""
     layout = BufferLayout(cfg, plan)
-    return [(name, kernel, argtypes(name, layout)) for name, kernel in plan_kernels(cfg, plan).items()]
+    return [(name, kernel, argtypes(name, layout)) for name, kernel in plan_kernels(cfg, plan, only).items()]
 
 
 def combine_wait_with(cfg: EPConfig, plan: Plan, epilogue):

@@ -8,6 +8,7 @@ CPU-only machine.
 
 from numba import types
 
+from .builds import NODE_VARIANTS, PLAN_VARIANTS  # noqa: F401 (the gate's and the tools' lists)
 from .kernels import gate_probe, selftest
 
 
@@ -41,11 +42,6 @@ GATE_ENTRIES = [
 ]
 
 
-#: The plan variants the gate builds: every receiver on every transport it can run on one node.
-PLAN_VARIANTS = (("wait", "stores"), ("land", "stores"), ("route_first", "stores"), ("route_first_chunked", "stores"),
-                 ("wait", "puts"), ("land", "puts"))
-#: ... and across nodes (built for 4 PEs as 2 nodes of 2).
-NODE_VARIANTS = (("wait", "hierarchical"),)
 #: The kernels of the hierarchical transport in the default gate (bfloat16 tokens and partials):
 #: its new kernels and its sender; every_build has the rest (its combine senders, which change
 #: only a put's target, combine_wait, and the FP8 and float32-partial builds).

@@ -63,8 +63,8 @@ def _plan_of(cfg, overrides=()):
 def _specs(hidden, token_dtypes, combine_dtypes, capacities, layout_sets, all_variants: bool) -> list:
     """``[(hidden, token_dtype, combine_dtype, tokens, layouts, overrides)]``: the jobs' default
     plans at each capacity and set of layouts, or (``all_variants``) a plan of every receiver on
-    every transport it can run on (:data:`ep_runtime.gate_entries.PLAN_VARIANTS`)."""
-    from .gate_entries import PLAN_VARIANTS
+    every transport it can run on (:data:`ep_runtime.builds.PLAN_VARIANTS`)."""
+    from .builds import PLAN_VARIANTS
 
     out = []
     for td in token_dtypes:
@@ -104,9 +104,7 @@ def plan(hidden: int, token_dtypes, combine_dtypes, capacities=CAPACITIES, layou
     for spec in _specs(hidden, token_dtypes, combine_dtypes, capacities, layout_sets, all_variants):
         cfg = _config(*spec[:5])
         p = _plan_of(cfg, spec[5])
-        for name, kernel, types in kernel_builds(cfg, p):
-            if only and name not in only:
-                continue
+        for name, kernel, types in kernel_builds(cfg, p, only or None):
             ident = kernel_key(kernel, types, (9, 0, "a"))  # a build's identity (any one target)
             tag = f"{p.receiver.value}/{p.transport.value}"
             if ident in seen:
@@ -128,7 +126,7 @@ def build_one(spec: tuple, name: str, cc=None) -> tuple:
 
     cache = KernelCache.from_env()
     cfg = _config(*spec[:5])
-    (_, kernel, types), = [b for b in kernel_builds(cfg, _plan_of(cfg, spec[5])) if b[0] == name]
+    (_, kernel, types), = kernel_builds(cfg, _plan_of(cfg, spec[5]), (name,))
     start = time.perf_counter()
     with contextlib.redirect_stdout(sys.stderr):  # compiler chatter stays off the report
         if cc is None:

@@ -53,7 +53,7 @@ def expected_key(cache) -> str:
             "from ep_runtime.shmem.kernel_cache import kernel_key\n"
             "cfg = EPConfig(n_ranks=4, n_experts=64, top_k=6, hidden=7168, max_tokens_per_rank=300)\n"
             "plan = choose_plan(cfg, Topology.nvlink_gpus(4))\n"
-            "(_, k, types), = [b for b in kernel_builds(cfg, plan) if b[0] == 'routing_copy']\n"
+            "(_, k, types), = kernel_builds(cfg, plan, ('routing_copy',))\n"
             "print(kernel_key(k, types, (9, 0, 'a')))\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=_env(cache), text=True, capture_output=True,
                           timeout=300)
