@@ -180,7 +180,7 @@ def soak_pe(session, cfg: EPConfig) -> dict:
 
 
 def test_a_100_call_soak_is_bit_identical_and_what_the_transport_does_not_carry_is_refused():
-    cfg = hier_cfg(4, top_k=4, hidden=32, max_tokens_per_rank=8)
+    cfg = hier_cfg(4, top_k=4, hidden=8, max_tokens_per_rank=6, n_sms=1)  # the protocol across calls, not size
     runs = run_pes(soak_pe, 4, args=(cfg,), timeout_s=RUN_TIMEOUT_S)
     inputs = [make_inputs(cfg, scenario, SEED + 7) for scenario in ("random", "masked")]
     for i, (xs, ids, ws) in enumerate(inputs):
