@@ -43,9 +43,10 @@ GATE_ENTRIES = [
 
 
 #: The kernels of the hierarchical transport in the default gate (bfloat16 tokens and partials):
-#: its new kernels and its sender; every_build has the rest (its combine senders, which change
-#: only a put's target, combine_wait, and the FP8 and float32-partial builds).
-HIERARCHICAL_CROSS_SECTION = ("dispatch_async", "dispatch_relay", "combine_relay")
+#: its new kernels. every_build has the rest: its senders and combine_wait, whose node code
+#: (``nodes.reaches``, ``via_proxies``, the proxies' signal) every build types and lowers with
+#: a node size of 0, and the FP8 and float32-partial builds.
+HIERARCHICAL_CROSS_SECTION = ("dispatch_relay", "combine_relay")
 #: The formats it builds them in: (token_dtype, combine_dtype).
 FORMATS = (("bfloat16", "bfloat16"), ("bfloat16", "float32"), ("fp8_e4m3", "bfloat16"),
            ("fp8_e4m3_ue8m0", "bfloat16"))
