@@ -177,11 +177,11 @@ def capacity_pe(session, plan: dict, cfg: EPConfig, seed: int) -> dict:
     return res
 
 
-def silent_peer_pe(session, plan: dict, cfg: EPConfig, seed: int) -> dict:
-    """Under plan overrides ``plan``, two ranks: one round trip of "random" inputs of ``seed`` on
-    both (rank 1's combine grants call 1 its token credits), then rank 1 skips its second
-    dispatch, so rank 0's call 1 waits for it until ``cfg.wait_timeout_s``: ``{"error": message}``
-    of rank 0's EPTimeoutError (None on rank 1, or where none was raised)."""
+def silent_peer_pe(session, plan: dict, cfg: EPConfig, seed: int, callers=(0,)) -> dict:
+    """Under plan overrides ``plan``: one round trip of "random" inputs of ``seed`` on every rank
+    (each combine grants call 1 its token credits), then only the ranks in ``callers`` make a
+    second dispatch, which waits for the others until ``cfg.wait_timeout_s``: ``{"error":
+    message}`` of a caller's EPTimeoutError (None on the others, or where none was raised)."""
     from . import reference
     from .errors import EPTimeoutError
     from .runtime import EPRuntime
@@ -192,7 +192,7 @@ def silent_peer_pe(session, plan: dict, cfg: EPConfig, seed: int) -> dict:
     with EPRuntime(cfg, session, plan=plan) as rt:
         batch = rt.dispatch(xs[r].view(np.uint16), ids[r], ws[r])
         rt.combine(expert_outputs(cfg, reference.dispatch(xs, ids, ws, cfg)[r], r), batch.handle)
-        if r == 0:
+        if r in callers:
             try:
                 rt.dispatch(xs[r].view(np.uint16), ids[r], ws[r])
             except EPTimeoutError as exc:

@@ -25,12 +25,12 @@ import pytest
 from ep_runtime import reference
 from ep_runtime.bench.traffic import pair_bytes
 from ep_runtime.config import EPConfig
-from ep_runtime.errors import EPConfigError, EPTimeoutError
+from ep_runtime.errors import EPConfigError
 from ep_runtime.plan import Receiver, Topology, Transport, choose_plan
 from ep_runtime.shmem.launch import run_pes
 from ep_runtime.testing import (assert_batch_is_the_reference, assert_calls_are_the_reference,
                                 assert_fp8_calls_are_the_reference, call_inputs, expert_outputs, fp8_plan_pe,
-                                input_error_of, make_inputs, plan_pe, round_trip_with_error)
+                                input_error_of, make_inputs, plan_pe, round_trip_with_error, silent_peer_pe)
 from test_masked_ids_sim import PLANTED, planted_inputs
 
 SEED = 41
@@ -206,23 +206,9 @@ def test_a_100_call_soak_is_bit_identical_and_what_the_transport_does_not_carry_
 
 def withheld_pe(session, cfg: EPConfig) -> dict:
     """One round trip on all four PEs (2 x 2), then node 1 withholds its second call: node 0's
-    dispatch_wait raises what its proxy's relay recorded."""
-    from ep_runtime.runtime import EPRuntime
-
+    dispatch raises what its proxy's relay recorded (``testing.silent_peer_pe``)."""
     session.use_logical_nodes(2)
-    r = session.rank
-    xs, ids, ws = make_inputs(cfg, "random", SEED)
-    res = {"error": None}
-    with EPRuntime(cfg, session) as rt:
-        batch = rt.dispatch(xs[r].view(np.uint16), ids[r], ws[r])
-        rt.combine(expert_outputs(cfg, reference.dispatch(xs, ids, ws, cfg)[r], r), batch.handle)
-        if r < 2:
-            try:
-                rt.dispatch(xs[r].view(np.uint16), ids[r], ws[r])
-            except EPTimeoutError as exc:
-                res["error"] = str(exc)
-        session.barrier()
-    return res
+    return silent_peer_pe(session, {}, cfg, SEED, callers=(0, 1))
 
 
 def test_a_node_that_withholds_its_call_is_named_by_the_proxies_of_the_other():
