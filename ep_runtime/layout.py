@@ -265,9 +265,8 @@ def _regions(cfg: EPConfig) -> list[Region]:
                "first device error: code, kernel, rank, peer/token, counter/slot, expected, observed, call; "
                "then the first dropped slot (an expert id outside [-1, n_experts), the same fields); "
                "then TRACE_LEN phase time stamps (kernels/trace.py, EP_RUNTIME_TRACE=1)"),
-        Region("relay_sync", (2,), i64, 0, Lc, "dispatch_relay", ("dispatch_relay",),
-               "[0] ticket: finished blocks of the dispatch_relay launch (reset by the last); [1] unused "
-               "(hierarchical)"),
+        Region("relay_sync", (1,), i64, 0, Lc, "dispatch_relay", ("dispatch_relay",),
+               "[0] ticket: finished blocks of the dispatch_relay launch, reset by the last (hierarchical)"),
     ]
 
 

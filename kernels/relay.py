@@ -58,7 +58,7 @@ def make_dispatch_relay(v: DispatchVariant):
         d_signal [G, R] uint64, relay_counts [G, R, R, L + 1] int32 ([g, s, j]: source s's
         counts row for PE j of this node), relay_signal [G, R] uint64, d_credit [R] uint64.
         Local: sync (dispatch_async's call counter: this is call ``sync[1] - 1``), relay_sync
-        [2] int64 (``[0]``: the launch's ticket), status int64. timeout_ns bounds each wait.
+        [1] int64 (the launch's ticket), status int64. timeout_ns bounds each wait.
 
         Every block: thread 0 waits for the credit of call n of each other PE of this node (it
         has read its rows of earlier calls) and for each source's relay signal (a timeout

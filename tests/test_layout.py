@@ -102,10 +102,10 @@ DSV3_LOCAL = {
     # [56] i64: 448 B (8 error words, 8 dropped-slot words, TRACE_LEN 40 trace words);
     # 4,234,283,520 + 32 -> 4,234,283,776
     "status": ((56,), i64, 448, 4_234_283_776),
-    # [2] i64 (the hierarchical transport's relay ticket): 16 B; 4,234,283,776 + 448 -> 4,234,284,288
-    "relay_sync": ((2,), i64, 16, 4_234_284_288),
+    # [1] i64 (the hierarchical transport's relay ticket): 8 B; 4,234,283,776 + 448 -> 4,234,284,288
+    "relay_sync": ((1,), i64, 8, 4_234_284_288),
 }
-# 4,234,284,288 + 16 -> round up to 256 = 4,234,284,544
+# 4,234,284,288 + 8 -> round up to 256 = 4,234,284,544
 DSV3_LOCAL_BYTES = 4_234_284_544
 
 SMALL_SYMMETRIC = {
@@ -170,9 +170,9 @@ SMALL_LOCAL = {
     "recv_tokens": ((2,), i32, 8, 13824),
     # [56] i64: 448 B; 13824 + 8 -> 14080
     "status": ((56,), i64, 448, 14080),
-    "relay_sync": ((2,), i64, 16, 14592),  # [2] i64; 14080 + 448 = 14528 -> 14592
+    "relay_sync": ((1,), i64, 8, 14592),  # [1] i64; 14080 + 448 = 14528 -> 14592
 }
-SMALL_LOCAL_BYTES = 14848  # 14592 + 16 -> 14848
+SMALL_LOCAL_BYTES = 14848  # 14592 + 8 -> 14848
 
 CASES = {
     "dsv3": (DSV3, DSV3_SYMMETRIC, DSV3_SYMMETRIC_BYTES, DSV3_LOCAL, DSV3_LOCAL_BYTES),

@@ -156,6 +156,12 @@ class NodeTraffic:
     rows_across: int
 
 
+def _tokens_on(ids, s: int, pes, n_local_experts: int) -> int:
+    """Tokens of rank ``s`` (``ids[s]``, [T_s, K]; -1 masks a slot) with an expert on one of the PEs ``pes``."""
+    x = np.asarray(ids[s])
+    return int(np.isin(np.where(x >= 0, x // n_local_experts, -1), list(pes)).any(axis=1).sum()) if x.size else 0
+
+
 def pair_bytes(ids, src: int, dst: int, n_local_experts: int, node_size: int, token_bytes: int,
                partial_bytes: int) -> int:
     """Bytes PE ``src`` puts and signals to PE ``dst`` (not itself) in one call under the
@@ -177,9 +183,8 @@ def pair_bytes(ids, src: int, dst: int, n_local_experts: int, node_size: int, to
     K = max(np.asarray(i).shape[1] for i in ids)
     counts_row = 4 * (L + 1)
 
-    def hits(s, pes):  # tokens of s with an expert on one of ``pes``
-        x = np.asarray(ids[s])
-        return int(np.isin(np.where(x >= 0, x // L, -1), list(pes)).any(axis=1).sum()) if x.size else 0
+    def hits(s, pes):
+        return _tokens_on(ids, s, pes, L)
 
     def routing(s):
         return 12 * np.asarray(ids[s]).shape[0] * K
@@ -220,12 +225,8 @@ def node_traffic(ids_per_rank, rank: int, n_local_experts: int, node_size: int, 
     proxies = [p for p in range(R) if p // N != rank // N and p % N == rank % N]
     ops = rows = 0
     for p in proxies:
-        there = set(range((p // N) * N, (p // N) * N + N))
-        x = np.asarray(ids_per_rank[rank])
-        t_b = int(np.isin(np.where(x >= 0, x // L, -1), list(there)).any(axis=1).sum()) if x.size else 0
-        y = np.asarray(ids_per_rank[p])
-        here = set(range((rank // N) * N, (rank // N) * N + N))
-        s_a = int(np.isin(np.where(y >= 0, y // L, -1), list(here)).any(axis=1).sum()) if y.size else 0
+        t_b = _tokens_on(ids_per_rank, rank, range((p // N) * N, (p // N) * N + N), L)  # its rows to p's node
+        s_a = _tokens_on(ids_per_rank, p, range((rank // N) * N, (rank // N) * N + N), L)  # p's tokens here
         rows += t_b
         ops += routing_puts + t_b * row_parts + 1 + 2 + s_a * partial_parts
     return NodeTraffic(across_out=sum(pb(rank, p) for p in proxies), across_in=sum(pb(p, rank) for p in proxies),
