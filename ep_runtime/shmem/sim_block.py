@@ -234,8 +234,8 @@ def _fast_scalar_casts() -> None:
     """A numba integer or float type called on one number (the kernels' ``uint64(x)``,
     ``int32(x)``, ``float32(x)``) returns the NumPy scalar of the type, as numba's
     ``cast_python_value`` does, without the import, the ABC check and the look-up that
-    ``Type.__call__`` makes on every call (a fifth of a simulated thread's time in the EP
-    kernels). Any other call (a signature, a non-number) takes numba's path."""
+    ``Type.__call__`` makes on every call (the EP kernels cast in their inner loops). Any other
+    call (a signature, a non-number) takes numba's path."""
     from numba.core import types
 
     numbers = (int, float, bool, np.integer, np.floating, np.bool_)

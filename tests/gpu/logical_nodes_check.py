@@ -84,7 +84,7 @@ def soak_and_time(session, cfg, n: int, seed: int, plan: str = "") -> tuple[int,
         t2 = time.perf_counter()
         td.append(t1 - t0)
         tc.append(t2 - t1)
-        # compared where they are (a host copy and hash of a T=4096 batch took longer than the call)
+        # compared where they are: a host copy of a large batch would cost more than the call
         now = (batch.x[:batch_rows(session, batch)], out)
         xp = __import__("cupy") if "cupy" in type(out).__module__ else np
         if first is None:
