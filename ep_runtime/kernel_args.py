@@ -51,7 +51,8 @@ FORMAT_REGIONS = {"dispatch_send_stage": (np.uint64, 2), "expert_scales": (np.fl
 #: (:func:`ep_runtime.layout.partial_dtype`): then the token word is uint64 (hidden a multiple
 #: of 4) and their views hold ``hidden / 2`` words, 2 floats each; the argument types are the same.
 WORD_ARRAYS = frozenset({"tokens", "expert_out", "own_rows", "out", "out_partials", "dispatch_tokens",
-                         "combine_partials", "combine_stage", "expert_x", "relay_partials"})
+                         "combine_partials", "combine_stage", "expert_x", "relay_partials", "relay_stage",
+                         "relay_rows", "relay_sums"})
 #: int64 scalar arguments.
 SCALARS = ("pad_multiple", "timeout_ns", "mode", "n_experts", "allow_negative", "use_valid", "prequantized",
            "scales_col_major", "copy_rows", "reuse_routing", "restore")
@@ -64,11 +65,12 @@ KERNEL_ARGS = {
         "dispatch_topk_weights", "dispatch_counts", "dispatch_ranks", "dispatch_signal", "dispatch_async_sync",
         "dispatch_send_ranks", "dispatch_send_counts", "status", "token_scales", "prequantized",
         "dispatch_send_stage", "dispatch_send_stage:u8", "dispatch_tokens:u8", "peer_bases", "dispatch_token_credit",
-        "timeout_ns", "dispatch_route_signal", "dispatch_row_flag", "reuse_routing", "relay_counts", "relay_signal"),
+        "timeout_ns", "dispatch_route_signal", "dispatch_row_flag", "reuse_routing", "relay_counts", "relay_signal",
+        "relay_stage", "relay_rows", "relay_chunk_flag", "relay_slot"),
     "dispatch_relay": (
         "dispatch_tokens", "dispatch_topk_ids", "dispatch_topk_weights", "dispatch_ranks", "dispatch_counts",
         "dispatch_signal", "relay_counts", "relay_signal", "dispatch_token_credit", "dispatch_async_sync",
-        "relay_sync", "status", "timeout_ns"),
+        "relay_sync", "status", "timeout_ns", "relay_rows", "relay_chunk_flag"),
     "dispatch_wait": (
         "dispatch_topk_ids", "dispatch_topk_weights", "dispatch_counts", "dispatch_ranks", "dispatch_signal",
         "dispatch_async_sync", "row_offsets", "expert_counts", "row_src_rank", "row_src_token",
@@ -92,11 +94,12 @@ KERNEL_ARGS = {
     "combine_async_rows": (
         "expert_out", "dispatch_topk_ids", "dispatch_counts", "combine_partials", "dispatch_async_sync", "status",
         "peer_bases", "dispatch_token_credit", "combine_row_flag", "relay_partials", "relay_flag"),
-    "combine_relay": ("combine_partials", "relay_partials", "relay_flag", "combine_row_flag", "dispatch_topk_ids",
-                      "dispatch_counts", "dispatch_async_sync", "combine_stage", "status", "timeout_ns"),
+    "combine_relay": ("combine_partials", "relay_partials", "relay_flag", "relay_sums", "combine_chunk_flag",
+                      "dispatch_topk_ids", "dispatch_counts", "dispatch_async_sync", "status", "timeout_ns"),
     "combine_wait": (
         "out", "out_partials", "dispatch_topk_ids", "dispatch_counts", "combine_partials", "dispatch_async_sync",
-        "status", "mode", "timeout_ns", "aux", "own_rows", "combine_row_flag", "combine_wait_claims"),
+        "status", "mode", "timeout_ns", "aux", "own_rows", "combine_row_flag", "combine_wait_claims", "relay_slot",
+        "combine_chunk_flag"),
     "routing_copy": ("dispatch_topk_ids", "dispatch_topk_weights", "dispatch_counts", "dispatch_ranks",
                      "dispatch_route_signal", "dispatch_async_sync", "kept_ids", "kept_weights", "kept_counts",
                      "kept_ranks", "restore"),

@@ -26,6 +26,7 @@ from .kernels.protocol import (COMBINE_FLAG_PARTS, DISPATCH_FLAG_PARTS, N_GROUPS
                                STATUS_PEER, STATUS_RANK, SYNC_CALLS, SYNC_LEN, SYNC_ROUTE_TICKET, SYNC_TICKET,
                                TRACE_BASE, TRACE_LEN)
 from .kernels.protocol import signal_value as dispatch_signal_value  # noqa: F401
+from .kernels.protocol import RELAY_CHUNK
 
 #: Byte alignment of every region (a multiple of every dtype and of 16-byte vector access).
 ALIGN = 256
@@ -93,7 +94,7 @@ class BufferLayout:
 
     def __init__(self, cfg: EPConfig, plan=None):
         self.cfg, self.plan = cfg, plan
-        every = _regions(cfg)
+        every = _regions(cfg, plan)
         self._every = {r.name: r for r in every}
         regions = [r for r in every if plan is None or USED_BY.get(r.name, _always)(plan, cfg)]
         placed, offsets = [], {True: 0, False: 0}
@@ -152,9 +153,9 @@ class BufferLayout:
         return "\n".join(rows)
 
 
-def _regions(cfg: EPConfig) -> list[Region]:
+def _regions(cfg: EPConfig, plan=None) -> list[Region]:
     """Every region any plan of ``cfg`` may use, in allocation order (:data:`USED_BY` says which
-    plans use which)."""
+    plans use which); ``plan`` sizes the hierarchical transport's (:func:`relay_regions`)."""
     R, L, K, H = cfg.n_ranks, cfg.n_local_experts, cfg.top_k, cfg.hidden
     T, C, G = cfg.max_tokens_per_rank, cfg.recv_rows_capacity, N_GROUPS
     i32, i64, u64, f32 = (np.dtype(t) for t in ("int32", "int64", "uint64", "float32"))
@@ -219,6 +220,7 @@ def _regions(cfg: EPConfig) -> list[Region]:
         Region("relay_flag", (R, T, COMBINE_FLAG_PARTS), u64, 0, S, f"{CA} (node peers, each part's warp)",
                ("combine_relay",), "[node(s) node_size + j, t, p]: n + 1 once part p of PE j's partial for token t "
                "of source s of call n has arrived (hierarchical)"),
+        *relay_regions(cfg, plan, symmetric=True),
         # -- local: counters ------------------------------------------------------------------------
         Region("dispatch_async_sync", (SYNC_LEN,), i64, 0, Lc, DA, (DA, DC, CA, CW),
                "[0] ticket: finished blocks of the launch (reset by the last block); "
@@ -267,6 +269,7 @@ def _regions(cfg: EPConfig) -> list[Region]:
                "then TRACE_LEN phase time stamps (kernels/trace.py, EP_RUNTIME_TRACE=1)"),
         Region("relay_sync", (1,), i64, 0, Lc, "dispatch_relay", ("dispatch_relay",),
                "[0] ticket: finished blocks of the dispatch_relay launch, reset by the last (hierarchical)"),
+        *relay_regions(cfg, plan, symmetric=False),
     ]
 
 
@@ -307,6 +310,12 @@ USED_BY = {
     "relay_partials": _hierarchical,
     "relay_flag": _hierarchical,
     "relay_sync": _hierarchical,
+    "relay_stage": _hierarchical,
+    "relay_rows": _hierarchical,
+    "relay_chunk_flag": _hierarchical,
+    "relay_sums": _hierarchical,
+    "combine_chunk_flag": _hierarchical,
+    "relay_slot": _hierarchical,
     "expert_x": _expanded,
     "expert_scales": _expanded,
 }
@@ -328,6 +337,46 @@ def tokens_region(cfg: EPConfig) -> Region:
     return Region("dispatch_tokens", (R, T, fmt.message_words(H)), np.dtype(np.uint64), 0, True,
                   "dispatch_async (peers)", readers,
                   f"[src, t]: the {fmt.name} message of token t of rank src (codes, scales, padding)")
+
+
+def other_nodes(cfg: EPConfig, plan=None) -> int:
+    """The nodes other than its own a PE sends to under ``plan``'s hierarchical transport (at
+    least 1, so a layout sized for any plan, ``plan`` None, holds the most: one PE a node)."""
+    size = getattr(plan, "node_size", 0) or 1
+    return max(cfg.n_ranks // size - 1, 1)
+
+
+def relay_regions(cfg: EPConfig, plan=None, symmetric: bool = True) -> list[Region]:
+    """The hierarchical transport's packed chunks (kernels/relay.py): a source's token rows bound
+    for another node and a proxy's sums bound home cross in one put per (node, chunk of
+    ``RELAY_CHUNK`` tokens), the chunk's tokens bound there packed in token order; ``x`` is
+    the index of a node among the other nodes (ascending). The symmetric ones (``symmetric``),
+    or the local one. Staged rows and sums are symmetric: a remote transport reads a put's
+    source from the registered heap."""
+    R, H, T, G = cfg.n_ranks, cfg.hidden, cfg.max_tokens_per_rank, N_GROUPS
+    X, C = other_nodes(cfg, plan), -(-cfg.max_tokens_per_rank // RELAY_CHUNK)
+    tok, pdt, u64 = tokens_region(cfg), partial_dtype(cfg), np.dtype(np.uint64)
+    row = (tok.shape[2],)
+    if not symmetric:
+        return [Region("relay_slot", (G, T, X), np.dtype(np.int32), -1, False, "dispatch_async", ("combine_wait",),
+                       "[g, t, x]: the packed row (c RELAY_CHUNK + j) token t of chunk c took in its chunk to "
+                       "the x-th other node, where it is bound there (hierarchical)")]
+    return [
+        Region("relay_stage", (X, T, *row), tok.dtype, 0, True, "dispatch_async", ("dispatch_async",),
+               "[x, c RELAY_CHUNK + j]: this PE's j-th row of chunk c bound for the x-th other node, staged for "
+               "its chunk's put (hierarchical)"),
+        Region("relay_rows", (X, T, *row), tok.dtype, 0, True, "dispatch_async (peers: sources)",
+               ("dispatch_relay",), "[x, c RELAY_CHUNK + j]: the j-th row of chunk c of this PE's source on the "
+               "x-th other node (hierarchical)"),
+        Region("relay_chunk_flag", (R, C), u64, 0, True, "dispatch_async (peers: sources)", ("dispatch_relay",),
+               "[s, c]: n + 1 once source s's chunk c of call n has arrived (hierarchical; monotonic)"),
+        Region("relay_sums", (X, T, H), pdt, 0, True, "combine_relay", ("combine_relay",),
+               f"[x, c RELAY_CHUNK + j]: this node's sum for the j-th token of chunk c of the source of the x-th "
+               f"other node ({partial_format_name(cfg)}), staged for its chunk's put (hierarchical)"),
+        Region("combine_chunk_flag", (R, C), u64, 0, True, "combine_relay (peers: proxies)", ("combine_wait",),
+               "[r, c]: n + 1 once proxy r's sums of chunk c of my tokens of call n have arrived in "
+               "combine_partials[g, r, c RELAY_CHUNK:] (hierarchical; monotonic)"),
+    ]
 
 
 def send_stage_regions(cfg: EPConfig) -> list[Region]:

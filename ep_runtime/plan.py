@@ -356,8 +356,8 @@ def choose_plan(cfg: EPConfig, topology: Topology, overrides: dict | None = None
     transport = pick("transport", *((Transport.STORES, "every PE's heap is mapped here (NVLink): stores from the SMs")
                                     if topology.peers_mapped else
                                     (Transport.HIERARCHICAL, f"the PEs are on {topology.n_nodes} nodes of "
-                                                             f"{topology.node_size}: puts within a node, one put per "
-                                                             f"(token, node) across, through the node's proxy")
+                                                             f"{topology.node_size}: puts within a node; across, a put "
+                                                             f"per chunk of tokens and node, through the node's proxy")
                                     if topology.n_nodes > 1 and topology.node_size else
                                     (Transport.PUTS, f"the PEs are on {topology.n_nodes} nodes, not blocks of "
                                                      f"consecutive PEs of one size: NVSHMEM puts to every peer")

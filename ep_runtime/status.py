@@ -20,8 +20,9 @@ from .errors import EPCapacityError, EPError, EPInputError, EPTimeoutError
 from .kernels.protocol import (DROPPED_SLOT, STATUS_CALL, STATUS_CODE, STATUS_COUNTER, STATUS_EXPECTED,
                                STATUS_KERNEL, STATUS_LEN, STATUS_OBSERVED, STATUS_PEER, STATUS_RANK)
 
-from .kernels.protocol import (COUNTER_COMBINE_ROW_FLAG, COUNTER_DISPATCH_PLACED, COUNTER_DISPATCH_ROW_FLAG,  # noqa: F401
-                               COUNTER_DISPATCH_SIGNAL, COUNTER_RECV_ROWS, COUNTER_RELAY_FLAG, COUNTER_RELAY_SIGNAL,
+from .kernels.protocol import (COUNTER_COMBINE_CHUNK, COUNTER_COMBINE_ROW_FLAG,  # noqa: F401
+                               COUNTER_DISPATCH_PLACED, COUNTER_DISPATCH_ROW_FLAG, COUNTER_DISPATCH_SIGNAL,
+                               COUNTER_RECV_ROWS, COUNTER_RELAY_CHUNK, COUNTER_RELAY_FLAG, COUNTER_RELAY_SIGNAL,
                                COUNTER_ROUTE_SIGNAL, COUNTER_SLOT_SIGNAL, COUNTER_TOKEN_CREDIT, ERR_BAD_EXPERT_ID,
                                ERR_BAD_WEIGHT, ERR_CAPACITY, ERR_DUPLICATE_EXPERT, ERR_NONE, ERR_SHORT_ROWS,
                                ERR_TIMEOUT, KERNEL_COMBINE_ASYNC, KERNEL_COMBINE_RELAY, KERNEL_COMBINE_WAIT,
@@ -38,12 +39,14 @@ COUNTER_NAMES = {COUNTER_DISPATCH_SIGNAL: "dispatch_signal", COUNTER_RECV_ROWS: 
                  COUNTER_TOKEN_CREDIT: "dispatch_token_credit", COUNTER_COMBINE_ROW_FLAG: "combine_row_flag",
                  COUNTER_ROUTE_SIGNAL: "dispatch_route_signal", COUNTER_DISPATCH_ROW_FLAG: "dispatch_row_flag",
                  COUNTER_DISPATCH_PLACED: "dispatch_placed", COUNTER_SLOT_SIGNAL: "slot_signal",
-                 COUNTER_RELAY_SIGNAL: "relay_signal", COUNTER_RELAY_FLAG: "relay_flag"}
+                 COUNTER_RELAY_SIGNAL: "relay_signal", COUNTER_RELAY_FLAG: "relay_flag",
+                 COUNTER_RELAY_CHUNK: "relay_chunk_flag", COUNTER_COMBINE_CHUNK: "combine_chunk_flag"}
 #: Counters without a group axis (cumulative over calls): a timeout names them without ``[g]``.
 UNGROUPED_COUNTERS = (COUNTER_TOKEN_CREDIT, COUNTER_COMBINE_ROW_FLAG, COUNTER_DISPATCH_ROW_FLAG,
-                      COUNTER_DISPATCH_PLACED, COUNTER_RELAY_FLAG)
+                      COUNTER_DISPATCH_PLACED, COUNTER_RELAY_FLAG, COUNTER_RELAY_CHUNK, COUNTER_COMBINE_CHUNK)
 #: Per-row flags: a timeout's observed value holds the token in its high 32 bits.
-ROW_FLAG_COUNTERS = (COUNTER_COMBINE_ROW_FLAG, COUNTER_DISPATCH_ROW_FLAG, COUNTER_RELAY_FLAG)
+ROW_FLAG_COUNTERS = (COUNTER_COMBINE_ROW_FLAG, COUNTER_DISPATCH_ROW_FLAG, COUNTER_RELAY_FLAG, COUNTER_RELAY_CHUNK,
+                     COUNTER_COMBINE_CHUNK)
 
 
 def error_from_status(status: np.ndarray, timeout_s: float) -> EPError | None:

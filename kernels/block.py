@@ -391,11 +391,18 @@ def flag_part(row_flag, me, t, part, n, dests, lane):
 @cuda.jit(device=True)
 def await_part(row_flag, r, t, part, n, timeout_ns, status, kernel, counter):
     """One thread (lane 0 of the warp that will read the part): wait until
-    ``row_flag[r, t, part] >= n + 1`` (rank r's part of row t of call n is here), bounded by
+    ``row_flag[r, t, part] >= n + 1`` (rank r's part of row t of call n is here): ``await_flag``."""
+    return await_flag(row_flag[r, t, part:part + 1], r, t, n, timeout_ns, status, kernel, counter)
+
+
+@cuda.jit(device=True)
+def await_flag(flag, r, t, n, timeout_ns, status, kernel, counter):
+    """One thread: wait until ``flag[0] >= n + 1`` (``flag``: a 1-element uint64 slice of a
+    flag rank r sets for row t of call n, or for the chunk holding it), bounded by
     ``timeout_ns``; a timeout is recorded naming ``kernel``, rank r and ``counter``, with the
-    token in the high half of the observed value. Returns whether the flag was seen. The
-    caller fences before its warp reads the part."""
-    seen = shmem.wait_signal_ge(row_flag[r, t, part:part + 1], uint64(n + 1), timeout_ns)
+    token in the high half of the observed value. Returns whether the flag was seen. The caller
+    fences before its warp reads what the flag guards."""
+    seen = shmem.wait_signal_ge(flag, uint64(n + 1), timeout_ns)
     if seen < uint64(n + 1):
         record_error(status, ERR_TIMEOUT, kernel, shmem.my_pe(), r, counter, n + 1,
                      (int64(t) << 32) | int64(seen & uint64(0xFFFFFFFF)), n + 1)

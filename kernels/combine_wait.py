@@ -15,12 +15,13 @@ from numba import float32, int32, uint32, uint64
 
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.bits import bf16_bits_at, f32_word_at, word_f32
-from ep_runtime.kernels.block import await_part, part_bounds, warp_sync
+from ep_runtime.kernels.block import await_flag, await_part, part_bounds, warp_sync
 from ep_runtime.kernels.cuda_api import cuda, kernel_jit
-from ep_runtime.kernels.nodes import via_proxies
+from ep_runtime.kernels.nodes import other_index, via_proxies
 from ep_runtime.kernels.partials import flagged_parts, partial_geometry
 from ep_runtime.kernels.pdl import make_pdl, programmatic
-from ep_runtime.kernels.protocol import COUNTER_COMBINE_ROW_FLAG, KERNEL_COMBINE_WAIT, STATUS_CODE, SYNC_CALLS
+from ep_runtime.kernels.protocol import (COUNTER_COMBINE_CHUNK, COUNTER_COMBINE_ROW_FLAG, KERNEL_COMBINE_WAIT,
+                                         RELAY_CHUNK, STATUS_CODE, SYNC_CALLS)
 from ep_runtime.kernels.trace import stamp_first, stamp_last
 from ep_runtime.kernels.vec import load_pair, pairs_aligned, store_pair
 
@@ -44,7 +45,7 @@ def make_combine_wait(threads: int, word: str, f32_partials: bool, pdl: bool, ep
     before the bf16 store (e.g. a residual add reading ``aux[token, col]``). Of the transport it
     sees only the hierarchical one's ``node_size`` (PEs per node; 0 otherwise): a token's
     partials from another node then come summed, from this rank's proxy there
-    (``nodes.via_proxies``)."""
+    (``nodes.via_proxies``), in its chunk's packed row (``relay_slot``)."""
     geo = partial_geometry(threads, word, f32_partials)
     warp, warps, word_t, pack, P, F32 = geo.warp, geo.warps, geo.word_t, geo.pack, geo.P, geo.F32
     rounded_word = geo.rounded_word
@@ -57,9 +58,18 @@ def make_combine_wait(threads: int, word: str, f32_partials: bool, pdl: bool, ep
     UPW = UP // P  # token-word pairs per pass: UP partial-word pairs in flight
     pdl_wait, pdl_trigger = make_pdl(pdl)
 
+    @cuda.jit(device=True)
+    def partial_row(relay_slot, g, t, r, me):
+        """The row of ``c_partials[g, r]`` holding rank r's partial of token t: t, or under the
+        hierarchical transport, for a proxy r on another node, the packed row of t's chunk to
+        r's node (``relay_slot[g, t, other_index(node(r), node(me))]``)."""
+        if node_size > 0 and r // node_size != me // node_size:
+            return relay_slot[g, t, other_index(r // node_size, me // node_size)]
+        return t
+
     @kernel_jit(threads)
     def combine_wait(out, out_partials, d_ids, d_counts, c_partials, sync, status, mode, timeout_ns, aux, own_rows,
-                     c_row_flag, claims):
+                     c_row_flag, claims, relay_slot, c_chunk_flag):
         """Wait for every rank's partials, then reduce them per token in rank order.
 
         MODE_REDUCE: out [T, W] words = bf16(epilogue(sum over ranks r that token t went to,
@@ -82,6 +92,12 @@ def make_combine_wait(threads: int, word: str, f32_partials: bool, pdl: bool, ep
         claimed in token order, the order they are sent. Before it exits the kernel waits for
         combine_async to complete (``pdl_wait``), so stream order still holds for what follows.
         A flag's timeout records the rank and the token, and the other warps stop claiming.
+
+        Hierarchical (``node_size`` > 0): the partial of a token from another node is its proxy
+        r's sum, in ``c_partials[g, r, relay_slot[g, t, x]]`` (x: ``other_index`` of r's node;
+        the packed row dispatch_async noted), flagged for the token's whole chunk
+        (``c_chunk_flag[r, t // RELAY_CHUNK]``); relay_slot [G, Tmax, X] int32, c_chunk_flag
+        [R, C] uint64 (empty stand-ins otherwise).
         """
         claim = cuda.shared.array(warps, int32)  # each warp's claimed part, then its flags' verdict
         acc = cuda.local.array(ACCW, float32)
@@ -142,8 +158,14 @@ def make_combine_wait(threads: int, word: str, f32_partials: bool, pdl: bool, ep
                 p = i - t * parts
                 for r in range(R):
                     if w0 < w1 and (went >> uint64(r)) & uint64(1) and not (own and r == me):
-                        if not await_part(c_row_flag, r, t, p, n, timeout_ns, status, KERNEL_COMBINE_WAIT,
-                                          COUNTER_COMBINE_ROW_FLAG):
+                        if node_size > 0 and r // node_size != me // node_size:  # a proxy's chunk of sums
+                            c = t // RELAY_CHUNK
+                            seen = await_flag(c_chunk_flag[r, c:c + 1], r, t, n, timeout_ns, status,
+                                              KERNEL_COMBINE_WAIT, COUNTER_COMBINE_CHUNK)
+                        else:
+                            seen = await_part(c_row_flag, r, t, p, n, timeout_ns, status, KERNEL_COMBINE_WAIT,
+                                              COUNTER_COMBINE_ROW_FLAG)
+                        if not seen:
                             ok = 0
                             break
                 claim[wid] = ok
@@ -160,7 +182,8 @@ def make_combine_wait(threads: int, word: str, f32_partials: bool, pdl: bool, ep
                         acc[x] = float32(0.0)
                     for r in range(R):
                         if (went >> uint64(r)) & uint64(1):
-                            src = own_rows[me * Tmax + t] if own and r == me else c_partials[g, r, t]
+                            src = (own_rows[me * Tmax + t] if own and r == me
+                                   else c_partials[g, r, partial_row(relay_slot, g, t, r, me)])
                             for u in range(UPW):
                                 wu = w + 2 * u * warp
                                 if wu < w1:
@@ -197,7 +220,8 @@ def make_combine_wait(threads: int, word: str, f32_partials: bool, pdl: bool, ep
                         acc[x] = float32(0.0)
                     for r in range(R):
                         if (went >> uint64(r)) & uint64(1):
-                            src = own_rows[me * Tmax + t] if own and r == me else c_partials[g, r, t]
+                            src = (own_rows[me * Tmax + t] if own and r == me
+                                   else c_partials[g, r, partial_row(relay_slot, g, t, r, me)])
                             for u in range(UW):
                                 if w + u * warp < w1:
                                     if F32:  # token word w + u warp: partial words 2 (w + u warp) + 0, 1
@@ -226,7 +250,7 @@ def make_combine_wait(threads: int, word: str, f32_partials: bool, pdl: bool, ep
                             if own and r == me:
                                 out_partials[r, t, w] = own_rows[me * Tmax + t, w]
                             else:
-                                out_partials[r, t, w] = c_partials[g, r, t, w]
+                                out_partials[r, t, w] = c_partials[g, r, partial_row(relay_slot, g, t, r, me), w]
                         else:
                             out_partials[r, t, w] = 0
         stamp_last(status, 22)

@@ -25,7 +25,7 @@ from ep_runtime.kernels import shmem
 from ep_runtime.kernels.bits import f32_bits
 from ep_runtime.kernels.block import last_block_ticket, popc32, publish_fence, record_error, udiv32, warp_geometry
 from ep_runtime.kernels.cuda_api import SIMULATED, cuda, inlined
-from ep_runtime.kernels.nodes import reaches
+from ep_runtime.kernels.nodes import on_node
 from ep_runtime.kernels.protocol import (DROPPED_SLOT, ERR_BAD_EXPERT_ID, KERNEL_DISPATCH_ASYNC, MASKED_SLOT,
                                          PEER_COUNTS, PEER_IDS, PEER_RANKS, PEER_WEIGHTS, SIGNAL_TOKEN_BITS,
                                          STATUS_LEN, SYNC_ROUTE_TICKET)
@@ -196,7 +196,7 @@ def make_dispatch_route(v: DispatchVariant) -> SimpleNamespace:
             cuda.syncthreads()  # the block's rows are here before its puts read them
             if t0 < t1:
                 for d in range(R):
-                    if d != me and reaches(me, d, NODE):  # hierarchical: proxies forward to their nodes
+                    if d != me and on_node(me, d, NODE):  # hierarchical: a proxy gets them with its signal
                         shmem.put_nbi_block(d_ids[g, me, t0:t1], d_ids[g, me, t0:t1], d)
                         shmem.put_nbi_block(d_weights[g, me, t0:t1], d_weights[g, me, t0:t1], d)
         if drop >= 0:
@@ -386,7 +386,7 @@ def make_dispatch_route(v: DispatchVariant) -> SimpleNamespace:
                           ranks_at + uint64(4 * c0 * K), tid, run_l)
         elif c1 > c0:
             for d in range(R):
-                if reaches(me, d, NODE):  # hierarchical: proxies forward to their nodes
+                if on_node(me, d, NODE):  # hierarchical: a proxy gets them with its signal
                     shmem.put_nbi_block(d_ranks[g, me, c0:c1], send_ranks[c0:c1], d)
         if LAND:
             if not STORES and counts_here:  # the counts rows before the route signal (its quiet)

@@ -17,14 +17,15 @@ from numba import int32, int64, uint32, uint64
 
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.block import (flag_part, flag_rule, grant_token_credits, last_block_ticket, part_bounds,
-                                      part_words, record_error, row_parts, udiv32, warp_geometry, warp_sync)
+                                      part_words, popc32, publish_fence, record_error, row_parts, udiv32, warp_geometry, warp_sync)
 from ep_runtime.kernels.cuda_api import cuda, inlined, kernel_jit
 from ep_runtime.kernels.dispatch_copy import COPY_UNROLL
 from ep_runtime.kernels.dispatch_route import RUN_BATCH, make_dispatch_route
-from ep_runtime.kernels.nodes import reaches, via_proxies
+from ep_runtime.kernels.nodes import MAX_NODES, node_bits, other_index, reaches
 from ep_runtime.kernels.pdl import make_pdl, programmatic
 from ep_runtime.kernels.protocol import (COUNTER_TOKEN_CREDIT, DISPATCH_FLAG_PARTS, ERR_TIMEOUT, KERNEL_DISPATCH_ASYNC,
-                                         PEER_TOKENS, SIGNAL_TOKEN_BITS, STATUS_CODE, SYNC_CALLS, SYNC_TICKET)
+                                         PEER_TOKENS, RELAY_CHUNK, SIGNAL_TOKEN_BITS, STATUS_CODE, SYNC_CALLS,
+                                         SYNC_TICKET)
 from ep_runtime.kernels.ranking import ID_BATCH
 from ep_runtime.kernels.token_codec import BLOCK_WORDS, CODE_WORDS, HELD_SCALES, make_token_codec
 from ep_runtime.kernels.trace import stamp_first, stamp_last
@@ -57,6 +58,7 @@ def make_dispatch_async(v: DispatchVariant):
     encode_blocks, _ = make_token_codec(warp, bool(v.ue8m0))
     MBUF_WORDS = threads if QUANT else 1  # the encoder's (simulated) warp-max scratch
     HELD_WORDS = warps * HELD_SCALES if QUANT else 1  # each warp's part's scales (the FP8 encoder)
+    CHUNK_MASKS = MAX_NODES if NODE > 0 else 1
     pdl_wait, pdl_trigger = make_pdl(v.pdl)
     route = make_dispatch_route(v)
     RANK_WORDS = route.rank_words if not FIRST else 1  # a routing block's masks and rows (none route first)
@@ -67,15 +69,13 @@ def make_dispatch_async(v: DispatchVariant):
     store_token_count = route.store_token_count
 
     @cuda.jit(device=True)
-    def token_destinations(ids_at, K, L, R, me, skip, ids_l):
-        """Bit d set (uint64) for every rank d holding one of a token's ``K`` experts, but not for
-        the ranks set in ``skip``: the token's ids are the int32 at address ``ids_at`` (its row of
-        ``topk_ids``), rank d holds experts ``[d L, (d + 1) L)``; an id outside ``[0, R L)`` (-1,
-        a masked slot, or one the routing rows drop: ``routed_id``) sets none. The hierarchical
-        transport sends a token once to each other node, to this rank's proxy there
-        (``nodes.via_proxies``), which forwards it. The ids are loaded
-        ``ID_BATCH`` at a time into ``ids_l`` (local int32 [ID_BATCH]), all before any is used
-        (one memory latency, not one per id, on the token rows' path)."""
+    def token_holders(ids_at, K, L, R, ids_l):
+        """Bit d set (uint64) for every rank d holding one of a token's ``K`` experts: the token's
+        ids are the int32 at address ``ids_at`` (its row of ``topk_ids``), rank d holds experts
+        ``[d L, (d + 1) L)``; an id outside ``[0, R L)`` (-1, a masked slot, or one the routing
+        rows drop: ``routed_id``) sets none. The ids are loaded ``ID_BATCH`` at a time into
+        ``ids_l`` (local int32 [ID_BATCH]), all before any is used (one memory latency, not one
+        per id, on the token rows' path)."""
         E = R * L
         sent = uint64(0)
         for k0 in range(0, K, ID_BATCH):
@@ -85,7 +85,18 @@ def make_dispatch_async(v: DispatchVariant):
             for u in range(ID_BATCH):
                 if k0 + u < K and uint32(ids_l[u]) < uint32(E):  # (a negative id is a large uint32)
                     sent |= uint64(1) << uint64(udiv32(ids_l[u], L))
-        return via_proxies(sent & ~skip, me, NODE, R)
+        return sent
+
+    @cuda.jit(device=True)
+    def token_destinations(ids_at, K, L, R, me, skip, ids_l):
+        """The ranks a token's row goes to from here, one at a time (uint64 bits): its holders
+        (``token_holders``) but not the ranks set in ``skip``. The hierarchical transport sends
+        only to the holders on this rank's node here: a row bound for another node crosses in
+        its chunk (``send_node_chunks``)."""
+        sent = token_holders(ids_at, K, L, R, ids_l) & ~skip
+        if NODE > 0:
+            sent &= node_bits(me // NODE, NODE)
+        return sent
 
     @cuda.jit(device=True)
     def send_prequantized(codes, scales8, b0, b1, PB, peer_bases, sent, slot, lane, lo, hi):
@@ -254,12 +265,99 @@ def make_dispatch_async(v: DispatchVariant):
                         flag_part(d_row_flag, me, t, p, n, sent, lane)
             i += all_warps
 
+    @inlined
+    def pack_row(tokens, token_scales, prequantized, t, row, PB, lane, mbuf, peer_bases, held, h0, lo, hi):
+        """Every lane of one warp: token ``t``'s row as it travels (bf16 words; FP8: its message,
+        encoded here or the caller's codes and scales) into the local row ``row`` (a row of
+        ``relay_stage``, 16-byte aligned)."""
+        if QUANT:
+            if prequantized == 0:
+                S = tokens.shape[1] // BLOCK_WORDS
+                encode_blocks(tokens, t, 0, S, pairs_aligned(tokens), address_of(row), PB, lane, mbuf, peer_bases,
+                              uint64(0), uint64(0), held, h0)
+            else:
+                for w in range(lane, tokens.shape[1], warp):  # the codes, then the scales' bytes
+                    row[w] = tokens[t, w]
+                for j in range(lane, token_scales.shape[1], warp):
+                    store_u8_at(address_of(row) + uint64(PB), j, token_scales[t, j])
+        else:
+            W = tokens.shape[1]
+            if tokens.itemsize == 8 and W % 2 == 0 and pairs_aligned(tokens):
+                w = 2 * lane
+                while w < W:
+                    load_pairs(tokens[t], w, W, lo, hi)
+                    store_pairs_at(address_of(row), w, W, lo, hi)
+                    w += 2 * UP * warp
+            else:
+                for w in range(lane, W, warp):
+                    row[w] = tokens[t, w]
+
+    @inlined
+    def send_node_chunks(tokens, token_scales, prequantized, ids_base, relay_stage, relay_rows, relay_chunk_flag,
+                         relay_slot, peer_bases, T, K, L, R, me, n, token_blocks, cmask, mbuf, held, ids_l, lo, hi):
+        """Every thread of a token block, hierarchical transport: the rows bound for other nodes,
+        a chunk of ``RELAY_CHUNK`` consecutive tokens a block in turn. The block ranks the
+        chunk's tokens with an expert on each other node (``cmask[node]``, bit j: token
+        ``c RELAY_CHUNK + j``); for each such node x (``other_index``) it packs those tokens' rows
+        in token order into ``relay_stage[x, c RELAY_CHUNK:]`` (a warp a row; FP8: messages),
+        notes each token's packed row in ``relay_slot[g, t, x]`` (combine_wait finds the node's
+        sum there), and puts the packed rows to its proxy there in one ``put_signal_nbi_block``
+        that sets the proxy's ``relay_chunk_flag[me, c]`` to n + 1. A chunk with no token bound
+        to a node sends it nothing (the proxy ranks the chunk alike and waits for no flag)."""
+        tid = cuda.threadIdx.x
+        lane = tid % warp
+        wid = tid // warp
+        h0 = wid * HELD_SCALES
+        mine = me // NODE
+        nodes = R // NODE
+        g = n % 2
+        PB = 0
+        if QUANT:
+            if prequantized != 0:
+                PB = tokens.shape[1] * 8
+            else:
+                PB = (tokens.shape[1] // BLOCK_WORDS) * CODE_WORDS * 8
+        c = cuda.blockIdx.x
+        while cuda.blockIdx.x < token_blocks and c * RELAY_CHUNK < T:  # block-uniform
+            for node in range(tid, nodes, threads):
+                cmask[node] = uint32(0)
+            cuda.syncthreads()
+            for j in range(tid, RELAY_CHUNK, threads):
+                t = c * RELAY_CHUNK + j
+                if t < T:
+                    held_by = token_holders(ids_base + uint64(4 * t * K), K, L, R, ids_l)
+                    for node in range(nodes):
+                        if node != mine and held_by & node_bits(node, NODE) != uint64(0):
+                            cuda.atomic.or_(cmask, node, uint32(1) << uint32(j))
+            cuda.syncthreads()
+            for node in range(nodes):
+                mask = cmask[node]
+                if node != mine and mask != uint32(0):
+                    x = other_index(node, mine)
+                    c0 = c * RELAY_CHUNK
+                    for b in range(RELAY_CHUNK):
+                        if (mask >> uint32(b)) & uint32(1):
+                            j = popc32(mask & ((uint32(1) << uint32(b)) - uint32(1)))
+                            if j % warps == wid:
+                                if lane == 0:
+                                    relay_slot[g, c0 + b, x] = c0 + j
+                                pack_row(tokens, token_scales, prequantized, c0 + b, relay_stage[x, c0 + j], PB, lane,
+                                         mbuf, peer_bases, held, h0, lo, hi)
+                    cuda.syncthreads()  # the packed rows are written before the block's put reads them
+                    cnt = popc32(mask)
+                    shmem.put_signal_nbi_block(relay_rows[other_index(mine, node), c0:c0 + cnt],
+                                               relay_stage[x, c0:c0 + cnt], relay_chunk_flag[me, c:c + 1],
+                                               uint64(n + 1), shmem.SIGNAL_SET, node * NODE + me % NODE)
+            cuda.syncthreads()  # cmask read by every thread before the next chunk clears it
+            c += token_blocks
+
     @kernel_jit(threads)
     def dispatch_async(tokens, topk_ids, topk_weights, valid_tokens, use_valid,
                        d_tokens, d_ids, d_weights, d_counts, d_ranks, d_signal,
                        sync, send_ranks, send_counts, status,
                        token_scales, prequantized, stage64, stage8, d_tokens8, peer_bases,
-                       d_credit, timeout_ns, d_route, d_row_flag, reuse_routing, relay_counts, relay_signal):
+                       d_credit, timeout_ns, d_route, d_row_flag, reuse_routing, relay_counts, relay_signal,
+                       relay_stage, relay_rows, relay_chunk_flag, relay_slot):
         """Send this rank's tokens, once per destination rank, and signal each destination.
 
         tokens [Tc, W] words, topk_ids [Tc, K] int32, topk_weights [Tc, K] float32: this rank's
@@ -282,7 +380,10 @@ def make_dispatch_async(v: DispatchVariant):
         transport (kernels/relay.py): relay_counts [G, R, R, L + 1] int32 and relay_signal
         [G, R] uint64 symmetric: a proxy gets this rank's counts rows for its node's PEs in
         ``relay_counts[g, me, :node_size]`` with ``relay_signal[g, me]`` (the dispatch signal's
-        value) instead of any signal of this rank; empty stand-ins otherwise.
+        value) instead of any signal of this rank; its rows bound there in chunks
+        (``send_node_chunks``): relay_stage and relay_rows [X, Tmax, W] (X other nodes; token
+        words or messages, symmetric), relay_chunk_flag [R, C] uint64 (symmetric), relay_slot
+        [G, Tmax, X] int32 (local); empty stand-ins otherwise.
 
         Block 0 first grants every peer this call (``grant_token_credits``), and no block stores a
         token row into a peer before that peer's credit of call n is seen (``await_credits``,
@@ -306,6 +407,7 @@ def make_dispatch_async(v: DispatchVariant):
         are the receivers' own).
         """
         flag = cuda.shared.array(1, int32)
+        cmask = cuda.shared.array(CHUNK_MASKS, uint32)  # hierarchical: a chunk's tokens bound for each node
         masks = cuda.shared.array(RANK_WORDS, uint32)  # routing blocks: [warp, expert] lanes with the expert
         warp_rows = cuda.shared.array(RANK_WORDS, int32)  # ... the warp's first rank
         next_rank = cuda.shared.array(RANK_NEXT, int32)  # ... [expert] the next round's first rank
@@ -395,6 +497,9 @@ def make_dispatch_async(v: DispatchVariant):
             T_parts = 0  # no bf16 row parts
         send_bf16_rows(tokens, ids_base, d_tokens, d_row_flag, peer_bases, T_parts, K, L, R, W, me, n, token_blocks,
                        own_skip, ids_l, lo, hi)
+        if NODE > 0:  # the rows bound for other nodes, a packed chunk a put
+            send_node_chunks(tokens, token_scales, prequantized, ids_base, relay_stage, relay_rows, relay_chunk_flag,
+                             relay_slot, peer_bases, T, K, L, R, me, n, token_blocks, cmask, mbuf, held, ids_l, lo, hi)
         stamp_last(status, 1)
 
         if route and routing_block and FIRST:  # the routing rows and T, then the route signal
@@ -409,6 +514,18 @@ def make_dispatch_async(v: DispatchVariant):
         # the call counter
         if last_block_ticket(sync[SYNC_TICKET:SYNC_TICKET + 1], flag, stores_only):
             stamp_last(status, 3)
+            if NODE > 0 and T > 0:  # each proxy: the routing rows and ranks in a put each, complete before its signal
+                for node in range(R // NODE):
+                    if node != me // NODE:
+                        d = node * NODE + me % NODE
+                        shmem.put_nbi_block(d_ids[g, me, 0:T], d_ids[g, me, 0:T], d)
+                        shmem.put_nbi_block(d_weights[g, me, 0:T], d_weights[g, me, 0:T], d)
+                        if not FIRST:
+                            shmem.put_nbi_block(d_ranks[g, me, 0:T], d_ranks[g, me, 0:T], d)
+                cuda.syncthreads()
+                if tid == 0:
+                    publish_fence(False)  # quiet: they are delivered before the signal below
+                cuda.syncthreads()
             signal = (uint64(n + 1) << uint64(SIGNAL_TOKEN_BITS)) | uint64(T)
             for d in range(tid, R, threads):
                 if NODE > 0 and d // NODE != me // NODE:  # a proxy: its node's counts rows, its relay signal

@@ -7,11 +7,18 @@ A token bound for experts on another node goes once to that node's proxy, which 
 its node's peers (kernels/relay.py); a partial bound home goes to the proxy of the home rank's
 local index on the sender's node, which sums its node's partials and sends one. ``node_size``
 0 means one transport for every peer (every helper is then the flat rule).
+
+Across nodes rows and sums travel in chunks of ``RELAY_CHUNK`` consecutive tokens: a chunk's
+tokens bound for a node (an expert there) are packed in token order (``chunk_mask`` ranks
+them) and cross in one put.
 """
 
-from numba import uint64
+from numba import uint32, uint64
 
 from ep_runtime.kernels.cuda_api import cuda
+
+#: The most nodes a runtime may span (a block keeps a mask per node in shared memory).
+MAX_NODES = 64
 
 
 @cuda.jit(device=True)
@@ -19,6 +26,14 @@ def reaches(me, d, node_size):
     """Whether PE ``me`` sends to PE ``d`` itself: always with ``node_size`` 0; else when
     ``d`` is on its node, or is its proxy on another node (the same local index)."""
     return node_size == 0 or d // node_size == me // node_size or d % node_size == me % node_size
+
+
+@cuda.jit(device=True)
+def on_node(me, d, node_size):
+    """Whether PE ``d`` is on PE ``me``'s node (every PE is, with ``node_size`` 0): where a PE
+    spreads its routing rows and ranks as its blocks make them (a proxy gets them in one put each
+    with the relay signal)."""
+    return node_size == 0 or d // node_size == me // node_size
 
 
 @cuda.jit(device=True)
@@ -52,3 +67,24 @@ def holders(ids, L, R):
         if x >= 0 and x < R * L:
             out |= uint64(1) << uint64(x // L)
     return out
+
+
+@cuda.jit(device=True)
+def other_index(node, mine):
+    """The index of ``node`` among the nodes other than ``mine`` (ascending): where a PE of node
+    ``mine`` keeps what it exchanges with ``node`` (``relay_stage``, ``relay_rows``,
+    ``relay_sums``, ``relay_slot``)."""
+    return node if node < mine else node - 1
+
+
+@cuda.jit(device=True)
+def nth_set_bit(mask, j):
+    """The position of the ``j``-th (from 0) set bit of the 32-bit ``mask``, counting from bit 0
+    (32 if it has no such bit): the token of a chunk's ``j``-th packed row."""
+    seen = 0
+    for b in range(32):
+        if (mask >> uint32(b)) & uint32(1):
+            if seen == j:
+                return b
+            seen += 1
+    return 32

@@ -25,6 +25,10 @@ COMBINE_FLAG_PARTS = 16
 #: Flags per token row (``dispatch_row_flag``): a landing dispatch cuts each token row into at most
 #: this many parts, each flagged on arrival.
 DISPATCH_FLAG_PARTS = 16
+#: Tokens of a chunk of the hierarchical transport (kernels/relay.py): a source's rows bound for
+#: another node, and a proxy's sums bound home, cross in one put per (node, chunk of this many
+#: consecutive tokens), packed (the chunk's tokens bound there, in token order) and flagged.
+RELAY_CHUNK = 32
 
 # -- the status region (int64): the first device error, the first dropped slot, the trace words ---
 
@@ -75,6 +79,8 @@ COUNTER_DISPATCH_PLACED = 9
 COUNTER_SLOT_SIGNAL = 10
 COUNTER_RELAY_SIGNAL = 11
 COUNTER_RELAY_FLAG = 12
+COUNTER_RELAY_CHUNK = 13
+COUNTER_COMBINE_CHUNK = 14
 
 # -- counters in local regions ----------------------------------------------------------------
 

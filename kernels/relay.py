@@ -24,21 +24,39 @@ s sums the partials of its own node's PEs and one per other node, in ascending P
 
 import functools
 
-from numba import float32, int32, int64, uint64
+from numba import float32, int32, int64, uint32, uint64
 
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.bits import f32_bits_at, f32_word_at, word_f32
-from ep_runtime.kernels.block import last_block_ticket, part_bounds, record_error, warp_geometry, warp_sync
+from ep_runtime.kernels.block import last_block_ticket, part_bounds, popc32, record_error, warp_geometry, warp_sync
 from ep_runtime.kernels.cuda_api import cuda, kernel_jit
-from ep_runtime.kernels.nodes import holders, node_bits
+from ep_runtime.kernels.nodes import MAX_NODES, holders, node_bits, nth_set_bit, other_index
 from ep_runtime.kernels.partials import flagged_parts, partial_geometry
-from ep_runtime.kernels.protocol import (COUNTER_RELAY_FLAG, COUNTER_RELAY_SIGNAL, COUNTER_TOKEN_CREDIT, ERR_TIMEOUT,
-                                         KERNEL_COMBINE_RELAY, KERNEL_DISPATCH_RELAY, SIGNAL_TOKEN_BITS, STATUS_CODE,
-                                         SYNC_CALLS)
+from ep_runtime.kernels.protocol import (COUNTER_RELAY_CHUNK, COUNTER_RELAY_FLAG, COUNTER_RELAY_SIGNAL,
+                                         COUNTER_TOKEN_CREDIT, ERR_TIMEOUT, KERNEL_COMBINE_RELAY, KERNEL_DISPATCH_RELAY,
+                                         RELAY_CHUNK, SIGNAL_TOKEN_BITS, STATUS_CODE, SYNC_CALLS)
 from ep_runtime.kernels.variant import CombineVariant, DispatchVariant
 
-#: The most nodes a runtime may span (a block keeps each source's token count in shared memory).
-MAX_NODES = 64
+
+
+@cuda.jit(device=True)
+def chunk_mask(cmask, d_ids, g, s, c, T, here, L, R):
+    """Every thread of a block: ``cmask[0]`` (shared uint32) set to the mask of chunk ``c`` of
+    source ``s``'s ``T`` tokens with an expert on a PE of ``here`` (uint64 PE bits), bit j for
+    token ``c RELAY_CHUNK + j``, from the routing rows ``d_ids[g, s]``: the packing its sender
+    made of the chunk (``dispatch_async``'s ``send_node_chunks``). Returns the mask (a barrier
+    before and after)."""
+    if cuda.threadIdx.x == 0:
+        cmask[0] = uint32(0)
+    cuda.syncthreads()
+    for j in range(cuda.threadIdx.x, RELAY_CHUNK, cuda.blockDim.x):
+        t = c * RELAY_CHUNK + j
+        if t < T and holders(d_ids[g, s, t], L, R) & here != uint64(0):
+            cuda.atomic.or_(cmask, 0, uint32(1) << uint32(j))
+    cuda.syncthreads()
+    mask = cmask[0]
+    cuda.syncthreads()  # read by every thread before the next chunk clears it
+    return mask
 
 
 @functools.lru_cache(maxsize=None)
@@ -50,27 +68,33 @@ def make_dispatch_relay(v: DispatchVariant):
 
     @kernel_jit(threads)
     def dispatch_relay(d_tokens, d_ids, d_weights, d_ranks, d_counts, d_signal, relay_counts, relay_signal, d_credit,
-                       sync, relay_sync, status, timeout_ns):
-        """Forward each source's call to this node's other PEs, then signal them on its behalf.
+                       sync, relay_sync, status, timeout_ns, relay_rows, relay_chunk_flag):
+        """Forward each source's call to this node's PEs, then signal them on its behalf.
 
         Symmetric, as dispatch_async writes them: d_tokens [R, Tmax, W] token words (or FP8
         messages), d_ids / d_weights / d_ranks [G, R, Tmax, K], d_counts [G, R, L + 1] int32,
         d_signal [G, R] uint64, relay_counts [G, R, R, L + 1] int32 ([g, s, j]: source s's
-        counts row for PE j of this node), relay_signal [G, R] uint64, d_credit [R] uint64.
-        Local: sync (dispatch_async's call counter: this is call ``sync[1] - 1``), relay_sync
-        [1] int64 (the launch's ticket), status int64. timeout_ns bounds each wait.
+        counts row for PE j of this node), relay_signal [G, R] uint64, d_credit [R] uint64,
+        relay_rows [X, Tmax, W] (``[other_index(node(s)), c RELAY_CHUNK + j]``: the j-th packed
+        row of chunk c of source s) and relay_chunk_flag [R, C] uint64 (``[s, c]``: n + 1 once it
+        arrived). Local: sync (dispatch_async's call counter: this is call ``sync[1] - 1``),
+        relay_sync [1] int64 (the launch's ticket), status int64. timeout_ns bounds each wait.
 
         Every block: thread 0 waits for the credit of call n of each other PE of this node (it
-        has read its rows of earlier calls) and for each source's relay signal (a timeout
-        records this kernel, the peer and the counter, and the block returns: no signal goes
-        out, so the node's receivers time out naming the source). Then, each source's tokens in
-        a chunk a block, the block puts its chunk of the routing rows and ranks to each other PE
-        of the node, and a warp per token puts the token's row (or message) to each other PE of
-        the node holding one of its experts (``holders`` of its routed ids). The last block
-        (ticket after a quiet) puts each source's counts row with its dispatch signal,
-        ``(n + 1) << 32 | T_s``, to every PE of the node.
+        has read its rows of earlier calls) and for each source's relay signal (its routing
+        rows, ranks and counts rows are here). A timeout records this kernel, the peer and the
+        counter, and the block returns: no signal goes out, so the node's receivers time out
+        naming the source. Then, each source's tokens in a range a block, the block puts its
+        range of the routing rows and ranks to each other PE of the node; and a chunk of
+        ``RELAY_CHUNK`` tokens a block in turn, it ranks the chunk's tokens with an expert on
+        this node (``chunk_mask``, as the source packed them), waits for the chunk's flag, and a
+        warp per packed row puts the row into ``d_tokens[s, t]`` of each PE of the node holding
+        one of its experts, this one included. The last block (ticket after a quiet) puts each
+        source's counts row with its dispatch signal, ``(n + 1) << 32 | T_s``, to every PE of
+        the node.
         """
         flag = cuda.shared.array(1, int32)
+        cmask = cuda.shared.array(1, uint32)
         t_of = cuda.shared.array(MAX_NODES, int32)  # each source node's token count (T_s)
         if status[STATUS_CODE] != 0:
             return  # an earlier error: forward nothing, so the node's receivers time out naming the sources
@@ -81,7 +105,9 @@ def make_dispatch_relay(v: DispatchVariant):
         L = d_counts.shape[2] - 1
         mine = me // NODE
         first = mine * NODE  # this node's first PE
+        here = node_bits(mine, NODE)
         tid = cuda.threadIdx.x
+        wid = tid // warp
         if tid == 0:
             ok = 1
             for q in range(first, first + NODE):
@@ -105,8 +131,6 @@ def make_dispatch_relay(v: DispatchVariant):
         cuda.syncthreads()
         if flag[0] == 0:
             return
-        others = node_bits(mine, NODE) & ~(uint64(1) << uint64(me))  # this node's other PEs
-        all_warps = cuda.gridDim.x * warps
         for node in range(R // NODE):
             if node != mine:
                 s = node * NODE + me % NODE
@@ -120,13 +144,28 @@ def make_dispatch_relay(v: DispatchVariant):
                             shmem.put_nbi_block(d_ids[g, s, t0:t1], d_ids[g, s, t0:t1], q)
                             shmem.put_nbi_block(d_weights[g, s, t0:t1], d_weights[g, s, t0:t1], q)
                             shmem.put_nbi_block(d_ranks[g, s, t0:t1], d_ranks[g, s, t0:t1], q)
-                t = cuda.blockIdx.x * warps + tid // warp
-                while t < T:
-                    to = holders(d_ids[g, s, t], L, R) & others
-                    for q in range(first, first + NODE):
-                        if (to >> uint64(q)) & uint64(1):
-                            shmem.put_nbi_warp(d_tokens[s, t], d_tokens[s, t], q)
-                    t += all_warps
+                x = other_index(node, mine)
+                c = cuda.blockIdx.x
+                while c * RELAY_CHUNK < T:  # block-uniform
+                    mask = chunk_mask(cmask, d_ids, g, s, c, T, here, L, R)
+                    if mask != uint32(0):
+                        if tid == 0:
+                            seen = shmem.wait_signal_ge(relay_chunk_flag[s, c:c + 1], uint64(n + 1), timeout_ns)
+                            if seen < uint64(n + 1):
+                                record_error(status, ERR_TIMEOUT, KERNEL_DISPATCH_RELAY, me, s, COUNTER_RELAY_CHUNK,
+                                             n + 1, (int64(c * RELAY_CHUNK) << 32) | int64(seen & uint64(0xFFFFFFFF)),
+                                             n + 1)
+                                flag[0] = 0
+                        cuda.syncthreads()
+                        if flag[0] == 0:
+                            return  # no ticket: the node's receivers time out naming the source
+                        for j in range(wid, popc32(mask), warps):  # a warp a packed row
+                            t = c * RELAY_CHUNK + nth_set_bit(mask, j)
+                            to = holders(d_ids[g, s, t], L, R) & here
+                            for q in range(first, first + NODE):
+                                if (to >> uint64(q)) & uint64(1):
+                                    shmem.put_nbi_warp(d_tokens[s, t], relay_rows[x, c * RELAY_CHUNK + j], q)
+                    c += cuda.gridDim.x
         if last_block_ticket(relay_sync[0:1], flag, False):  # every block's puts complete (quiet)
             for j in range(tid, (R // NODE) * NODE, threads):  # (source node, PE of this node)
                 node = j // NODE
@@ -153,27 +192,33 @@ def make_combine_relay(v: CombineVariant):
     NODE = v.node_size
 
     @kernel_jit(threads)
-    def combine_relay(c_partials, relay_partials, relay_flag, c_row_flag, d_ids, d_counts, sync, stage, status,
+    def combine_relay(c_partials, relay_partials, relay_flag, relay_sums, c_chunk_flag, d_ids, d_counts, sync, status,
                       timeout_ns):
-        """Sum this node's partials of each source's tokens and send one per (token, node) home.
+        """Sum this node's partials of each source's tokens and send them home, a chunk a put.
 
-        Symmetric: c_partials [G, R, Tmax, PW] partial words (the sums go to ``[g, me, t]`` of
-        the source), relay_partials [R, Tmax, PW] (``[node(s) node_size + j, t]``: the partial
-        of PE j of this node for token t of source s), relay_flag [R, Tmax, FLAG_PARTS] and
-        c_row_flag [R, Tmax, FLAG_PARTS] uint64; d_ids [G, R, Tmax, K] and d_counts
-        [G, R, L + 1] of the call (group g). Local: sync (the call counter), stage [R, Tmax, PW]
-        (the sums, staged for their puts), status int64.
+        Symmetric: c_partials [G, R, Tmax, PW] partial words (a chunk's sums go to
+        ``[g, me, c RELAY_CHUNK:]`` of the source, packed), relay_partials [R, Tmax, PW]
+        (``[node(s) node_size + j, t]``: the partial of PE j of this node for token t of source
+        s), relay_flag [R, Tmax, FLAG_PARTS] uint64, relay_sums [X, Tmax, PW] (the sums, packed
+        and staged for their put), c_chunk_flag [R, C] uint64 (``combine_chunk_flag``); d_ids
+        [G, R, Tmax, K] and d_counts [G, R, L + 1] of the call (group g). Local: sync (the call
+        counter), status int64.
 
-        A warp per part (``flagged_parts``, as combine_async cuts them) of each token of each
-        source with an expert on this node: lane 0 waits for each holder's relay flag of the part
-        (a timeout records this kernel, the holder and the token, and the warp stops; the source's
-        combine_wait then times out naming this PE), the warp sums the holders' partial words in
-        ascending PE order (float32 from 0), rounds the sum to the partial format into
-        ``stage[s, t]`` and puts it to the source with the part's flag
-        (``put_signal_nbi_warp``).
+        A chunk of ``RELAY_CHUNK`` tokens of a source a block in turn: the block ranks the
+        chunk's tokens with an expert on this node (``chunk_mask``: the packing of dispatch),
+        and a warp per part (``flagged_parts``, as combine_async cuts them) of each packed token
+        has lane 0 wait for each holder's relay flag of the part, then sums the holders' partial
+        words in ascending PE order (float32 from 0) and rounds the sum to the partial format
+        into ``relay_sums[x, c RELAY_CHUNK + j]`` (x: ``other_index`` of the source's node, j the
+        token's packed row). Then the block puts the chunk's packed sums to the source in one
+        ``put_signal_nbi_block`` setting its ``combine_chunk_flag[me, c]`` to n + 1. A flag's
+        timeout records this kernel, the holder and the token, and the block stops before its
+        put (the source's combine_wait then times out naming this PE).
         """
         acc = cuda.local.array(E, float32)
-        verdict = cuda.shared.array(warps, int32)  # each warp's flags: all seen (1) or not
+        cmask = cuda.shared.array(1, uint32)
+        ok = cuda.shared.array(1, int32)  # the block's flags: all seen (1) or not
+        verdict = cuda.shared.array(warps, int32)  # each warp's flags
         if status[STATUS_CODE] != 0:
             return
         n = sync[SYNC_CALLS] - 1
@@ -184,24 +229,32 @@ def make_combine_relay(v: CombineVariant):
         PW = c_partials.shape[3]
         mine = me // NODE
         first = mine * NODE
+        here = node_bits(mine, NODE)
         lane = cuda.threadIdx.x % warp
         wid = cuda.threadIdx.x // warp
         parts, span = flagged_parts(d_counts[g], PW, warp)  # the parts every rank cuts alike
-        all_warps = cuda.gridDim.x * warps
         for node in range(R // NODE):
             if node != mine:
                 s = node * NODE + me % NODE
                 T = d_counts[g, s, L]
-                i = cuda.blockIdx.x * warps + cuda.threadIdx.x // warp
-                while i < T * parts:
-                    t, w0, w1 = part_bounds(i, parts, span, PW)
-                    here = holders(d_ids[g, s, t], L, R) & node_bits(mine, NODE)
-                    if w0 < w1 and here != uint64(0):
-                        p = i - t * parts
+                x = other_index(node, mine)
+                c = cuda.blockIdx.x
+                while c * RELAY_CHUNK < T:  # block-uniform
+                    if cuda.threadIdx.x == 0:
+                        ok[0] = 1
+                    mask = chunk_mask(cmask, d_ids, g, s, c, T, here, L, R)
+                    packed = popc32(mask)
+                    i = wid
+                    while i < packed * parts and ok[0] == 1:  # (token j, part p) of the chunk, a warp each
+                        j = i // parts
+                        p = i - j * parts
+                        t = c * RELAY_CHUNK + nth_set_bit(mask, j)
+                        _, w0, w1 = part_bounds(t * parts + p, parts, span, PW)
+                        held = holders(d_ids[g, s, t], L, R) & here
                         if lane == 0:
-                            ok = 1
+                            seen_all = 1
                             for q in range(first, first + NODE):
-                                if ok == 1 and (here >> uint64(q)) & uint64(1):
+                                if seen_all == 1 and w0 < w1 and (held >> uint64(q)) & uint64(1):
                                     row = node * NODE + q - first
                                     seen = shmem.wait_signal_ge(relay_flag[row, t, p:p + 1], uint64(n + 1),
                                                                 timeout_ns)
@@ -209,31 +262,37 @@ def make_combine_relay(v: CombineVariant):
                                         record_error(status, ERR_TIMEOUT, KERNEL_COMBINE_RELAY, me, q,
                                                      COUNTER_RELAY_FLAG, n + 1,
                                                      (int64(t) << 32) | int64(seen & uint64(0xFFFFFFFF)), n + 1)
-                                        ok = 0
-                            verdict[wid] = ok
+                                        seen_all = 0
+                                        ok[0] = 0
+                            verdict[wid] = seen_all
                         warp_sync()
-                        ok = verdict[wid]
+                        seen_all = verdict[wid]
                         warp_sync()  # read by every lane before lane 0 writes it again
-                        if ok == 0:
-                            return
-                        for w in range(w0 + lane, w1, warp):
-                            for x in range(E):
-                                acc[x] = float32(0.0)
-                            for q in range(first, first + NODE):
-                                if (here >> uint64(q)) & uint64(1):
-                                    word = relay_partials[node * NODE + q - first, t, w]
-                                    for x in range(E):
-                                        if F32:
-                                            acc[x] += f32_word_at(word, x)
-                                        else:
-                                            acc[x] += word_f32(word, x)
-                            if F32:
-                                stage[s, t, w] = word_t(f32_bits_at(acc[0], 0) | f32_bits_at(acc[1], 1))
-                            else:
-                                stage[s, t, w] = rounded_word(acc, 0)
-                        warp_sync()  # the whole staged part is written before the warp's put
-                        shmem.put_signal_nbi_warp(c_partials[g, me, t, w0:w1], stage[s, t, w0:w1],
-                                                  c_row_flag[me, t, p:p + 1], uint64(n + 1), shmem.SIGNAL_SET, s)
-                    i += all_warps
+                        if seen_all == 1:
+                            for w in range(w0 + lane, w1, warp):
+                                for e in range(E):
+                                    acc[e] = float32(0.0)
+                                for q in range(first, first + NODE):
+                                    if (held >> uint64(q)) & uint64(1):
+                                        word = relay_partials[node * NODE + q - first, t, w]
+                                        for e in range(E):
+                                            if F32:
+                                                acc[e] += f32_word_at(word, e)
+                                            else:
+                                                acc[e] += word_f32(word, e)
+                                if F32:
+                                    relay_sums[x, c * RELAY_CHUNK + j, w] = word_t(f32_bits_at(acc[0], 0)
+                                                                                   | f32_bits_at(acc[1], 1))
+                                else:
+                                    relay_sums[x, c * RELAY_CHUNK + j, w] = rounded_word(acc, 0)
+                        i += warps
+                    cuda.syncthreads()  # every sum of the chunk is staged (or a flag timed out)
+                    if ok[0] == 0:
+                        return  # no put: the source's combine_wait times out naming this PE
+                    if packed > 0:
+                        c0 = c * RELAY_CHUNK
+                        shmem.put_signal_nbi_block(c_partials[g, me, c0:c0 + packed], relay_sums[x, c0:c0 + packed],
+                                                   c_chunk_flag[me, c:c + 1], uint64(n + 1), shmem.SIGNAL_SET, s)
+                    c += cuda.gridDim.x
 
     return combine_relay

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from ep_runtime import reference
-from ep_runtime.bench.traffic import pair_bytes
+from ep_runtime.bench.traffic import pair_bytes, pair_ops
 from ep_runtime.config import EPConfig
 from ep_runtime.errors import EPConfigError
 from ep_runtime.plan import Receiver, Topology, Transport, choose_plan
@@ -62,10 +62,18 @@ def round_trips_pe(session, n_nodes: int, cfg: EPConfig, compare_flat: bool) -> 
     return got
 
 
-@pytest.mark.parametrize("R, n_nodes", [(4, 2), (8, 2), (8, 4)], ids=["2x2", "2x4", "4x2"])
-def test_round_trips_are_the_reference_in_the_hierarchical_order_and_cross_nodes_only_to_proxies(R, n_nodes):
-    cfg, size = hier_cfg(R), R // n_nodes
-    runs = run_pes(round_trips_pe, R, args=(n_nodes, cfg, R == 4), timeout_s=RUN_TIMEOUT_S)
+#: 2 x 2 with several chunks a call (up to 72 tokens: RELAY_CHUNK 32, the last one short) and
+#: top-3 of 16, so that a chunk's tokens bound for the other node have gaps between them (and
+#: under "one_expert" a chunk has none bound there: no put)
+CHUNKS = dict(top_k=3, hidden=32, max_tokens_per_rank=72)
+
+
+@pytest.mark.parametrize("R, n_nodes, changes", [(4, 2, {}), (8, 2, {}), (8, 4, {}), (4, 2, CHUNKS)],
+                         ids=["2x2", "2x4", "4x2", "2x2-chunks"])
+def test_round_trips_are_the_reference_in_the_hierarchical_order_and_cross_nodes_only_to_proxies(R, n_nodes,
+                                                                                                  changes):
+    cfg, size = hier_cfg(R, **changes), R // n_nodes
+    runs = run_pes(round_trips_pe, R, args=(n_nodes, cfg, R == 4 and not changes), timeout_s=RUN_TIMEOUT_S)
     for r, got in enumerate(runs):
         assert (got["plan"]["transport"], got["plan"]["receiver"], got["plan"]["node_size"]) == \
             ("hierarchical", "wait", size), got["plan"]
@@ -98,7 +106,11 @@ def test_round_trips_are_the_reference_in_the_hierarchical_order_and_cross_nodes
                 model = sum(pair_bytes(ids, r, d, cfg.n_local_experts, size, cfg.token_bytes, cfg.partial_bytes)
                             for ids in routings)
                 assert model == int(got["traffic"][d, 1]), f"rank {r} to {d}: model {model}, sent {got['traffic'][d]}"
-    if R == 4:
+                if d // size != r // size:  # and the operations across: a put per chunk, not per row
+                    ops = sum(pair_ops(ids, r, d, cfg.n_local_experts, size) for ids in routings)
+                    assert ops == int(got["traffic"][d, 0]), f"rank {r} to {d}: model {ops} operations, " \
+                                                             f"sent {got['traffic'][d]}"
+    if "flat_traffic" in runs[0]:
         across = [sum(int(g[key][d, 1]) for r, g in enumerate(runs) for d in range(R) if d // size != r // size)
                   for key in ("traffic", "flat_traffic")]
         assert 0 < across[0] < across[1], f"bytes across nodes: hierarchical {across[0]}, to every peer {across[1]}"
@@ -261,11 +273,15 @@ def test_the_bench_table_shows_each_rank_s_bytes_between_and_within_nodes():
     assert sum(p.within_out for p in per) == sum(p.within_in for p in per) > 0
 
 
-def test_the_projection_for_a_cluster_prints_its_table(capsys):
+def test_the_projection_for_a_cluster_prints_the_table_of_the_docs(capsys):
+    from pathlib import Path
+
     from ep_runtime.bench.traffic import main
 
-    main(["--shapes", "2x8", "--tokens", "128"])
+    main([])
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("| nodes x GPUs | tokens/GPU | MB across out / in (NIC)") and len(out) == 3
+    assert out[0].startswith("| nodes x GPUs | tokens/GPU | MB across out / in (NIC)") and len(out) == 6
     cells = [c.strip() for c in out[2].split("|")[1:-1]]
     assert cells[:2] == ["2x8", "128"] and float(cells[2].split(" / ")[0]) > 0 and int(cells[4]) > 0
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "cluster.md").read_text().splitlines()
+    assert [line for line in out if line not in docs] == [], "docs/cluster.md's projection table is stale"

@@ -62,9 +62,21 @@ DSV3_SYMMETRIC = {
     "relay_partials": ((8, 4096, 7168), u16, 469_762_048, 1_424_249_088),
     # [R, T, 16] u64: 4,194,304 B; 1,424,249,088 + 469,762,048 = 1,894,011,136
     "relay_flag": ((8, 4096, 16), u64, 4_194_304, 1_894_011_136),
+    # the packed chunks, sized for the most other nodes (one PE a node: X = 7 other nodes) and
+    # C = 4096 / 32 = 128 chunks: [X, T, H] u16: 7 * 4096 * 7168 * 2 = 411,041,792 B;
+    # 1,894,011,136 + 4,194,304 = 1,898,205,440
+    "relay_stage": ((7, 4096, 7168), u16, 411_041_792, 1_898_205_440),
+    # + 411,041,792 = 2,309,247,232
+    "relay_rows": ((7, 4096, 7168), u16, 411_041_792, 2_309_247_232),
+    # [R, C] u64: 8 * 128 * 8 = 8192 B; + 411,041,792 = 2,720,289,024
+    "relay_chunk_flag": ((8, 128), u64, 8192, 2_720_289_024),
+    # [X, T, H] u16 (bf16 partials): 411,041,792 B; + 8192 = 2,720,297,216
+    "relay_sums": ((7, 4096, 7168), u16, 411_041_792, 2_720_297_216),
+    # [R, C] u64: 8192 B; + 411,041,792 = 3,131,339,008
+    "combine_chunk_flag": ((8, 128), u64, 8192, 3_131_339_008),
 }
-# 1,894,011,136 + 4,194,304 = 1,898,205,440 (256-byte aligned)
-DSV3_SYMMETRIC_BYTES = 1_898_205_440
+# 3,131,339,008 + 8192 = 3,131,347,200 (256-byte aligned)
+DSV3_SYMMETRIC_BYTES = 3_131_347_200
 
 DSV3_LOCAL = {
     # [4] i64: 32 B at 0
@@ -104,9 +116,12 @@ DSV3_LOCAL = {
     "status": ((56,), i64, 448, 4_234_283_776),
     # [1] i64 (the hierarchical transport's relay ticket): 8 B; 4,234,283,776 + 448 -> 4,234,284,288
     "relay_sync": ((1,), i64, 8, 4_234_284_288),
+    # [G, T, X] i32 (each token's packed row per other node): 2 * 4096 * 7 * 4 = 229,376 B;
+    # 4,234,284,288 + 8 -> 4,234,284,544
+    "relay_slot": ((2, 4096, 7), i32, 229_376, 4_234_284_544),
 }
-# 4,234,284,288 + 8 -> round up to 256 = 4,234,284,544
-DSV3_LOCAL_BYTES = 4_234_284_544
+# 4,234,284,544 + 229,376 = 4,234,513,920 (256-byte aligned)
+DSV3_LOCAL_BYTES = 4_234_513_920
 
 SMALL_SYMMETRIC = {
     # [R, T, H] u16: 2 * 16 * 64 * 2 = 4096 B at 0
@@ -135,8 +150,13 @@ SMALL_SYMMETRIC = {
     "relay_signal": ((2, 2), u64, 32, 24064),  # [G, R] u64; 23808 + 160 = 23968 -> 24064
     "relay_partials": ((2, 16, 64), u16, 4096, 24320),  # [R, T, H] u16: 4096 B; 24064 + 32 -> 24320
     "relay_flag": ((2, 16, 16), u64, 4096, 28416),  # [R, T, 16] u64: 4096 B; 24320 + 4096 = 28416
+    "relay_stage": ((1, 16, 64), u16, 2048, 32512),  # [X, T, H] u16, X = 1: 2048 B; 28416 + 4096 = 32512
+    "relay_rows": ((1, 16, 64), u16, 2048, 34560),  # 32512 + 2048 = 34560
+    "relay_chunk_flag": ((2, 1), u64, 16, 36608),  # [R, C] u64, C = 1: 16 B; 34560 + 2048 = 36608
+    "relay_sums": ((1, 16, 64), u16, 2048, 36864),  # 36608 + 16 -> 36864
+    "combine_chunk_flag": ((2, 1), u64, 16, 38912),  # 36864 + 2048 = 38912
 }
-SMALL_SYMMETRIC_BYTES = 32512  # 28416 + 4096 = 32512 (256-byte aligned)
+SMALL_SYMMETRIC_BYTES = 39168  # 38912 + 16 -> 39168 (256-byte aligned)
 
 SMALL_LOCAL = {
     "dispatch_async_sync": ((4,), i64, 32, 0),
@@ -171,8 +191,9 @@ SMALL_LOCAL = {
     # [56] i64: 448 B; 13824 + 8 -> 14080
     "status": ((56,), i64, 448, 14080),
     "relay_sync": ((1,), i64, 8, 14592),  # [1] i64; 14080 + 448 = 14528 -> 14592
+    "relay_slot": ((2, 16, 1), i32, 128, 14848),  # [G, T, X] i32: 128 B; 14592 + 8 -> 14848
 }
-SMALL_LOCAL_BYTES = 14848  # 14592 + 8 -> 14848
+SMALL_LOCAL_BYTES = 15104  # 14848 + 128 -> 15104
 
 CASES = {
     "dsv3": (DSV3, DSV3_SYMMETRIC, DSV3_SYMMETRIC_BYTES, DSV3_LOCAL, DSV3_LOCAL_BYTES),
@@ -220,12 +241,13 @@ def test_dsv3_totals_in_mib():
     # [R, T, H] bf16 received tokens (one buffer: 448 MiB) and two groups of combine partials
     # (896 MiB), plus 4 MiB of routing (ids and weights), 2 MiB of ranks, 4 MiB of combine part
     # flags, 4 MiB of token part flags, 0.25 MiB of slot values and a few KiB; the hierarchical
-    # transport's relay partials (448 MiB) and their flags (4 MiB).
+    # transport's relay partials (448 MiB) and their flags (4 MiB), and its packed chunks for 7
+    # other nodes: staged rows, received rows and staged sums (392 MiB each) and their flags.
     layout = BufferLayout(DSV3)
-    assert 1810.26 < layout.symmetric_bytes / MiB < 1810.28
+    assert 2986.27 < layout.symmetric_bytes / MiB < 2986.29
     # combine_stage 448 MiB + expert_x 3584 MiB + token_rows 1 MiB + 5 row arrays of 1 MiB
-    # + the sender's 0.125 MiB of staged ranks and a few KiB.
-    assert 4038 < layout.local_bytes / MiB < 4038.2
+    # + the sender's 0.125 MiB of staged ranks, 0.22 MiB of packed-row slots and a few KiB.
+    assert 4038.3 < layout.local_bytes / MiB < 4038.4
 
 
 def test_a_plan_allocates_a_subset_of_every_region_in_the_same_order():
@@ -243,8 +265,10 @@ def test_a_plan_allocates_a_subset_of_every_region_in_the_same_order():
     assert kept == [n for n in every if n in kept]
     assert set(every) - set(kept) == {"dispatch_ranks", "dispatch_row_flag", "dispatch_send_ranks",
                                       "dispatch_send_counts", "combine_stage", "expert_x", "relay_counts",
-                                      "relay_signal", "relay_partials", "relay_flag", "relay_sync"}
-    # 4038.128 MiB less 3584 + 448 + 0.125 + 0.001: the token rows (1 MiB), 5 row arrays and a few KiB
+                                      "relay_signal", "relay_partials", "relay_flag", "relay_sync", "relay_stage",
+                                      "relay_rows", "relay_chunk_flag", "relay_sums", "combine_chunk_flag",
+                                      "relay_slot"}
+    # 4038.35 MiB less 3584 + 448 + 0.125 + 0.22 + 0.001: the token rows (1 MiB), 5 row arrays and a few KiB
     assert 6 < layout.local_bytes / MiB < 6.01
     assert layout.region("token_rows").offset == 768  # after the three counters, nothing staged
     assert set(layout.absent()) == set(every) - set(kept) | {"dispatch_send_stage", "expert_scales"}
@@ -282,6 +306,12 @@ def test_symmetric_regions_have_leading_group_dimension(case):
             # next dispatch's signals); row flags monotonic over calls (call numbers)
             assert r.shape[:2] == (layout.cfg.n_ranks, layout.cfg.max_tokens_per_rank), r.shape
             continue
+        if r.name in ("relay_stage", "relay_rows", "relay_sums"):  # [X, T, ...]: one buffer per other node
+            assert r.shape[1] == layout.cfg.max_tokens_per_rank, r.shape
+            continue
+        if r.name in ("relay_chunk_flag", "combine_chunk_flag"):  # [R, C]: monotonic chunk flags
+            assert r.shape == (layout.cfg.n_ranks, -(-layout.cfg.max_tokens_per_rank // 32)), r.shape
+            continue
         assert r.shape[0] == 2, f"{r.name} {r.shape}: no leading group dimension 2"
         assert r.shape[1] == layout.cfg.n_ranks, f"{r.name} {r.shape}: second dimension is not the source rank"
 
@@ -297,6 +327,9 @@ def test_every_region_has_writer_readers_and_doc(case):
 #: Symmetric only so the signal waits (and the simulator's) accept it: written by this rank's own
 #: kernel, for its own blocks.
 SELF_SIGNALLED = {"dispatch_placed"}
+#: Symmetric only so that a remote transport can read a put's source from the registered heap:
+#: the hierarchical transport's staged chunks, written by this rank for its own puts.
+SELF_STAGED = {"relay_stage": "dispatch_async", "relay_sums": "combine_relay"}
 
 
 def test_symmetric_regions_are_written_by_peers(case):
@@ -305,13 +338,17 @@ def test_symmetric_regions_are_written_by_peers(case):
         if r.name in SELF_SIGNALLED:
             assert "peers" not in r.writer and r.readers == ("dispatch_wait",), f"{r.name}: {r.writer!r} {r.readers}"
             continue
+        if r.name in SELF_STAGED:
+            assert r.writer == SELF_STAGED[r.name] and r.readers == (r.writer,), f"{r.name}: {r.writer!r} {r.readers}"
+            continue
         assert "peers" in r.writer, f"{r.name}: writer {r.writer!r}"
 
 
 def test_sentinel_inits():
     layout = BufferLayout(SMALL)
     # -1 marks "no expert id" / "no row" / "padding"; everything else starts at 0.
-    minus_one = {"dispatch_topk_ids", "token_rows", "row_src_rank", "row_src_token", "row_src_k", "row_gather"}
+    minus_one = {"dispatch_topk_ids", "token_rows", "row_src_rank", "row_src_token", "row_src_k", "row_gather",
+                 "relay_slot"}
     for r in layout.regions:
         assert r.init == (-1 if r.name in minus_one else 0), f"{r.name} init {r.init}"
 
@@ -337,8 +374,9 @@ def test_describe_dsv3_figures():
     assert "448.000" in text          # dispatch_tokens (and combine_stage)
     assert "896.000" in text          # combine_partials
     assert "3584.000" in text         # expert_x
-    # 1,898,205,440 / 2**20 = 1810.2696; 4,234,284,544 / 2**20 = 4038.1284
-    assert "symmetric 1810.270 MiB, local 4038.128 MiB" in text
+    assert "392.000" in text          # relay_stage, relay_rows, relay_sums (7 other nodes)
+    # 3,131,347,200 / 2**20 = 2986.2854; 4,234,513,920 / 2**20 = 4038.3472
+    assert "symmetric 2986.285 MiB, local 4038.347 MiB" in text
 
 
 def test_region_unknown_name_raises_key_error():

@@ -323,7 +323,7 @@ def table(per_rank: list[list[dict]], simulated: bool = False) -> str:
         lines.append(f"{r:>4} {res['config']['max_tokens_per_rank']:>5} {res.get('mode', 'eager'):>5} "
                      f"{res.get('layout', 'expanded'):>8} | across {n['across_out'] / 1e6:>8.3f} out "
                      f"{n['across_in'] / 1e6:>8.3f} in | within {n['within_out'] / 1e6:>8.3f} out "
-                     f"{n['within_in'] / 1e6:>8.3f} in | {n['ops_across']} ops (a row, a partial: 1 op)")
+                     f"{n['within_in'] / 1e6:>8.3f} in | {n['ops_across']} ops (a chunk of rows or sums: 1 op)")
     if any(res.get("token_input") == "prequantized" for results in per_rank for res in results):
         lines.append("+pq: pre-quantized input (FP8 codes and scales from the caller, token_scales=); FP8 rows "
                      "without it quantize bf16 tokens inside dispatch_async")

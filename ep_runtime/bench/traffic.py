@@ -42,6 +42,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..kernels.protocol import RELAY_CHUNK
+
 
 @dataclass(frozen=True)
 class Traffic:
@@ -210,12 +212,36 @@ def pair_bytes(ids, src: int, dst: int, n_local_experts: int, node_size: int, to
             + hits(dst, here) * partial_bytes)
 
 
+def _chunks_on(ids, s: int, pes, n_local_experts: int) -> int:
+    """Chunks of ``RELAY_CHUNK`` consecutive tokens of rank ``s`` with a token on one of the PEs
+    ``pes``: the puts that carry its rows to those PEs' node (or their sums home)."""
+    x = np.asarray(ids[s])
+    if not x.size:
+        return 0
+    hit = np.isin(np.where(x >= 0, x // n_local_experts, -1), list(pes)).any(axis=1)
+    return int(np.add.reduceat(hit, np.arange(0, len(hit), RELAY_CHUNK)).astype(bool).sum())
+
+
+def pair_ops(ids, src: int, dst: int, n_local_experts: int, node_size: int) -> int:
+    """NVSHMEM operations PE ``src`` issues to PE ``dst`` of another node in one call under the
+    hierarchical transport (0 unless each is the other's proxy): src's routing rows, weights
+    and ranks in a put each (when src has tokens), the counts rows with the relay signal, two
+    credit grants, one put per chunk of src's tokens bound for dst's node (``RELAY_CHUNK``
+    tokens a chunk, packed), and, as dst's proxy, one per chunk of dst's tokens with an expert
+    on src's node (their sums). Whatever the grid: the same count on the simulator and a GPU."""
+    N, L = node_size, n_local_experts
+    if src // N == dst // N or src % N != dst % N:
+        return 0
+    here = range((src // N) * N, (src // N) * N + N)
+    there = range((dst // N) * N, (dst // N) * N + N)
+    routing = 3 if np.asarray(ids[src]).shape[0] else 0
+    return routing + 1 + 2 + _chunks_on(ids, src, there, L) + _chunks_on(ids, dst, here, L)
+
+
 def node_traffic(ids_per_rank, rank: int, n_local_experts: int, node_size: int, token_bytes: int,
-                 partial_bytes: int, row_parts: int = 1, partial_parts: int = 1, routing_puts: int = 3) -> NodeTraffic:
-    """:class:`NodeTraffic` of ``rank`` for one call (:func:`pair_bytes` over its peers).
-    ``row_parts`` / ``partial_parts``: the puts a token row / a combine partial goes in;
-    ``routing_puts``: the puts of routing rows and ranks a proxy gets per call (the kernels'
-    token and routing blocks with tokens); with the counts rows' signal and two grants."""
+                 partial_bytes: int) -> NodeTraffic:
+    """:class:`NodeTraffic` of ``rank`` for one call (:func:`pair_bytes` and :func:`pair_ops`
+    over its peers)."""
     R, N, L = len(ids_per_rank), node_size, n_local_experts
 
     def pb(a, b):
@@ -223,31 +249,26 @@ def node_traffic(ids_per_rank, rank: int, n_local_experts: int, node_size: int, 
 
     mine = [p for p in range(R) if p // N == rank // N and p != rank]
     proxies = [p for p in range(R) if p // N != rank // N and p % N == rank % N]
-    ops = rows = 0
-    for p in proxies:
-        t_b = _tokens_on(ids_per_rank, rank, range((p // N) * N, (p // N) * N + N), L)  # its rows to p's node
-        s_a = _tokens_on(ids_per_rank, p, range((rank // N) * N, (rank // N) * N + N), L)  # p's tokens here
-        rows += t_b
-        ops += routing_puts + t_b * row_parts + 1 + 2 + s_a * partial_parts
+    rows = sum(_tokens_on(ids_per_rank, rank, range((p // N) * N, (p // N) * N + N), L) for p in proxies)
     return NodeTraffic(across_out=sum(pb(rank, p) for p in proxies), across_in=sum(pb(p, rank) for p in proxies),
                        within_out=sum(pb(rank, q) for q in mine), within_in=sum(pb(q, rank) for q in mine),
-                       ops_across=ops, rows_across=rows)
+                       ops_across=sum(pair_ops(ids_per_rank, rank, p, L, N) for p in proxies),
+                       rows_across=rows)
 
 
 def project_nodes(nodes: int, gpus: int, tokens: int, hidden: int = 7168, n_experts: int = 256, top_k: int = 8,
                   nic_gbps: float = 400.0, nvlink_gbs: float = 380.0, proxy_op_us: float = 1.0,
-                  row_parts: int = 4, routing_puts: int = 256, seed: int = 0) -> dict:
+                  seed: int = 0) -> dict:
     """The traffic model's projection for one rank of ``nodes`` x ``gpus`` GPUs, bf16 tokens and
     partials, ``tokens`` per GPU routed uniformly at random to ``top_k`` of ``n_experts`` (one
     draw of ``seed``): :func:`node_traffic`'s bytes and operations, and the times they bound
     (us) for a NIC of ``nic_gbps`` Gb/s per GPU, NVLink at ``nvlink_gbs`` GB/s per direction and
     a CPU proxy that services one operation in ``proxy_op_us``; the call (a dispatch and its
-    combine) takes at least the largest. ``row_parts`` and ``routing_puts``: the puts of a row and
-    of the routing a proxy gets per call (kernels on an H100's 132 SMs: about 4 and 256)."""
+    combine) takes at least the largest."""
     rng = np.random.default_rng(seed)
     R, L = nodes * gpus, n_experts // (nodes * gpus)
     ids = [np.argsort(rng.random((tokens, n_experts)), axis=1)[:, :top_k].astype(np.int64) for _ in range(R)]
-    t = node_traffic(ids, 0, L, gpus, 2 * hidden, 2 * hidden, row_parts=row_parts, routing_puts=routing_puts)
+    t = node_traffic(ids, 0, L, gpus, 2 * hidden, 2 * hidden)
     nic_us = max(t.across_out, t.across_in) / (nic_gbps / 8 * 1e3)  # bytes / (GB/s) = ns; / 1e3 = us
     return {"ranks": R, "across_out": t.across_out, "across_in": t.across_in, "within_out": t.within_out,
             "within_in": t.within_in, "ops_across": t.ops_across, "rows_across": t.rows_across, "nic_us": nic_us,

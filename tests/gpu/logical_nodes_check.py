@@ -10,8 +10,8 @@ token count, the round trips of the simulator test's calls (expanded and compact
 tokens, masked slots, every token to one expert) with every batch the reference's bit for bit and
 every combine within the reference's tolerance of the reference summed in the hierarchical order;
 ``--soak`` more round trips of call 0's inputs, each bit-identical to the first, and the median
-eager round trip; ``--fault``: the last logical node withholds one call, and every rank of the
-others must raise the timeout its proxy's ``dispatch_relay`` recorded, naming the source that
+eager round trip; ``--fp8`` FP8 (e4m3) round trips too, codes and scales bit for bit;
+``--fault``: the last logical node withholds one call, and every rank of the others must raise the timeout its proxy's ``dispatch_relay`` recorded, naming the source that
 withheld it. ``--nodes 1`` runs the soak and the timing on a session of one node (stores), for
 the comparison (NVSHMEM is initialized once a process: one session a run). ``--backend sim``
 runs the same under mpiexec on the simulator. Prints a table last (rank 0), then PASS or FAIL.
@@ -95,6 +95,27 @@ def soak_and_time(session, cfg, n: int, seed: int, plan: str = "") -> tuple[int,
     return differ, 1e6 * float(np.median(td)), 1e6 * float(np.median(tc))
 
 
+def fp8_failures(session, cfg, seed: int, comm) -> list[str]:
+    """FP8 (e4m3) round trips of the simulator test's calls (``testing.fp8_plan_pe``) on every
+    rank, checked on rank 0 against the reference (``assert_fp8_calls_are_the_reference``: codes
+    and scales bit for bit, the combine within tolerance, in the hierarchical order)."""
+    import dataclasses
+
+    from ep_runtime.testing import assert_fp8_calls_are_the_reference, fp8_plan_pe
+
+    cfg8 = dataclasses.replace(cfg, token_dtype="fp8_e4m3")
+    run = fp8_plan_pe(session, {}, cfg8, seed)
+    runs = comm.gather(run, root=0)
+    if comm.Get_rank() != 0:
+        return []
+    try:
+        assert_fp8_calls_are_the_reference(cfg8, runs, seed, False, f"FP8 T={cfg.max_tokens_per_rank}",
+                                           node_size=run["plan"]["node_size"], exact_combine=False)
+    except AssertionError as e:
+        return [f"FP8 T={cfg.max_tokens_per_rank}: {str(e)[:300]}"]
+    return []
+
+
 def batch_rows(session, batch) -> int:
     return int(session.to_host(batch.row_offsets)[-1])
 
@@ -154,6 +175,7 @@ def checked_main() -> int:
     ap.add_argument("--soak", type=int, default=100)
     ap.add_argument("--seed", type=int, default=11)
     ap.add_argument("--backend", default="nvshmem", choices=("nvshmem", "sim"))
+    ap.add_argument("--fp8", action="store_true", help="also FP8 (e4m3) round trips: codes and scales exact")
     ap.add_argument("--fault", action="store_true", help="last: the last node withholds a call (named timeouts)")
     ap.add_argument("--watchdog", type=float, default=0, help="print every thread's stack every S seconds (hangs)")
     ap.add_argument("--plan", default="", help="plan overrides (transport=puts, ...): the transport is not checked")
@@ -216,6 +238,9 @@ def checked_main() -> int:
         if differ:
             fails.append(f"rank {me}, T={T}: {differ} of {args.soak} round trips differ from the first")
         rows.append((me, T, plan.summary(), exact, differ, d_us, c_us))
+        if args.fp8 and nodes > 1:
+            progress(f"T={T}: FP8 round trips")
+            fails += fp8_failures(session, cfg, args.seed, comm)
     fault = None
     if args.fault and nodes > 1:
         progress("a withheld call")
