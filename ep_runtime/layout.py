@@ -26,7 +26,7 @@ from .kernels.protocol import (COMBINE_FLAG_PARTS, DISPATCH_FLAG_PARTS, N_GROUPS
                                STATUS_PEER, STATUS_RANK, SYNC_CALLS, SYNC_LEN, SYNC_ROUTE_TICKET, SYNC_TICKET,
                                TRACE_BASE, TRACE_LEN)
 from .kernels.protocol import signal_value as dispatch_signal_value  # noqa: F401
-from .kernels.protocol import RELAY_CHUNK
+from .kernels.protocol import RELAY_CHUNK_MIN
 
 #: Byte alignment of every region (a multiple of every dtype and of 16-byte vector access).
 ALIGN = 256
@@ -349,33 +349,34 @@ def other_nodes(cfg: EPConfig, plan=None) -> int:
 def relay_regions(cfg: EPConfig, plan=None, symmetric: bool = True) -> list[Region]:
     """The hierarchical transport's packed chunks (kernels/relay.py): a source's token rows bound
     for another node and a proxy's sums bound home cross in one put per (node, chunk of
-    ``RELAY_CHUNK`` tokens), the chunk's tokens bound there packed in token order; ``x`` is
+    ``protocol.relay_chunk_tokens(T)`` tokens: C, at most ``T / RELAY_CHUNK_MIN`` a batch), the
+    chunk's tokens bound there packed in token order; ``x`` is
     the index of a node among the other nodes (ascending). The symmetric ones (``symmetric``),
     or the local one. Staged rows and sums are symmetric: a remote transport reads a put's
     source from the registered heap."""
     R, H, T, G = cfg.n_ranks, cfg.hidden, cfg.max_tokens_per_rank, N_GROUPS
-    X, C = other_nodes(cfg, plan), -(-cfg.max_tokens_per_rank // RELAY_CHUNK)
+    X, C = other_nodes(cfg, plan), -(-cfg.max_tokens_per_rank // RELAY_CHUNK_MIN)
     tok, pdt, u64 = tokens_region(cfg), partial_dtype(cfg), np.dtype(np.uint64)
     row = (tok.shape[2],)
     if not symmetric:
         return [Region("relay_slot", (G, T, X), np.dtype(np.int32), -1, False, "dispatch_async", ("combine_wait",),
-                       "[g, t, x]: the packed row (c RELAY_CHUNK + j) token t of chunk c took in its chunk to "
+                       "[g, t, x]: the packed row (c CH + j) token t of chunk c took in its chunk to "
                        "the x-th other node, where it is bound there (hierarchical)")]
     return [
         Region("relay_stage", (X, T, *row), tok.dtype, 0, True, "dispatch_async", ("dispatch_async",),
-               "[x, c RELAY_CHUNK + j]: this PE's j-th row of chunk c bound for the x-th other node, staged for "
+               "[x, c CH + j]: this PE's j-th row of chunk c bound for the x-th other node, staged for "
                "its chunk's put (hierarchical)"),
         Region("relay_rows", (X, T, *row), tok.dtype, 0, True, "dispatch_async (peers: sources)",
-               ("dispatch_relay",), "[x, c RELAY_CHUNK + j]: the j-th row of chunk c of this PE's source on the "
+               ("dispatch_relay",), "[x, c CH + j]: the j-th row of chunk c of this PE's source on the "
                "x-th other node (hierarchical)"),
         Region("relay_chunk_flag", (R, C), u64, 0, True, "dispatch_async (peers: sources)", ("dispatch_relay",),
                "[s, c]: n + 1 once source s's chunk c of call n has arrived (hierarchical; monotonic)"),
         Region("relay_sums", (X, T, H), pdt, 0, True, "combine_relay", ("combine_relay",),
-               f"[x, c RELAY_CHUNK + j]: this node's sum for the j-th token of chunk c of the source of the x-th "
+               f"[x, c CH + j]: this node's sum for the j-th token of chunk c of the source of the x-th "
                f"other node ({partial_format_name(cfg)}), staged for its chunk's put (hierarchical)"),
         Region("combine_chunk_flag", (R, C), u64, 0, True, "combine_relay (peers: proxies)", ("combine_wait",),
                "[r, c]: n + 1 once proxy r's sums of chunk c of my tokens of call n have arrived in "
-               "combine_partials[g, r, c RELAY_CHUNK:] (hierarchical; monotonic)"),
+               "combine_partials[g, r, c CH:] (hierarchical; monotonic)"),
     ]
 
 

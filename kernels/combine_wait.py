@@ -17,11 +17,11 @@ from ep_runtime.kernels import shmem
 from ep_runtime.kernels.bits import bf16_bits_at, f32_word_at, word_f32
 from ep_runtime.kernels.block import await_flag, await_part, part_bounds, warp_sync
 from ep_runtime.kernels.cuda_api import cuda, kernel_jit
-from ep_runtime.kernels.nodes import other_index, via_proxies
+from ep_runtime.kernels.nodes import chunk_tokens, other_index, via_proxies
 from ep_runtime.kernels.partials import flagged_parts, partial_geometry
 from ep_runtime.kernels.pdl import make_pdl, programmatic
 from ep_runtime.kernels.protocol import (COUNTER_COMBINE_CHUNK, COUNTER_COMBINE_ROW_FLAG, KERNEL_COMBINE_WAIT,
-                                         RELAY_CHUNK, STATUS_CODE, SYNC_CALLS)
+                                         STATUS_CODE, SYNC_CALLS)
 from ep_runtime.kernels.trace import stamp_first, stamp_last
 from ep_runtime.kernels.vec import load_pair, pairs_aligned, store_pair
 
@@ -96,7 +96,7 @@ def make_combine_wait(threads: int, word: str, f32_partials: bool, pdl: bool, ep
         Hierarchical (``node_size`` > 0): the partial of a token from another node is its proxy
         r's sum, in ``c_partials[g, r, relay_slot[g, t, x]]`` (x: ``other_index`` of r's node;
         the packed row dispatch_async noted), flagged for the token's whole chunk
-        (``c_chunk_flag[r, t // RELAY_CHUNK]``); relay_slot [G, Tmax, X] int32, c_chunk_flag
+        (``c_chunk_flag[r, t // chunk_tokens(T)]``); relay_slot [G, Tmax, X] int32, c_chunk_flag
         [R, C] uint64 (empty stand-ins otherwise).
         """
         claim = cuda.shared.array(warps, int32)  # each warp's claimed part, then its flags' verdict
@@ -159,7 +159,7 @@ def make_combine_wait(threads: int, word: str, f32_partials: bool, pdl: bool, ep
                 for r in range(R):
                     if w0 < w1 and (went >> uint64(r)) & uint64(1) and not (own and r == me):
                         if node_size > 0 and r // node_size != me // node_size:  # a proxy's chunk of sums
-                            c = t // RELAY_CHUNK
+                            c = t // chunk_tokens(T)
                             seen = await_flag(c_chunk_flag[r, c:c + 1], r, t, n, timeout_ns, status,
                                               KERNEL_COMBINE_WAIT, COUNTER_COMBINE_CHUNK)
                         else:

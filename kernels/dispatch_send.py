@@ -21,11 +21,10 @@ from ep_runtime.kernels.block import (flag_part, flag_rule, grant_token_credits,
 from ep_runtime.kernels.cuda_api import cuda, inlined, kernel_jit
 from ep_runtime.kernels.dispatch_copy import COPY_UNROLL
 from ep_runtime.kernels.dispatch_route import RUN_BATCH, make_dispatch_route
-from ep_runtime.kernels.nodes import MAX_NODES, node_bits, other_index, reaches
+from ep_runtime.kernels.nodes import MAX_NODES, chunk_tokens, node_bits, other_index, reaches
 from ep_runtime.kernels.pdl import make_pdl, programmatic
 from ep_runtime.kernels.protocol import (COUNTER_TOKEN_CREDIT, DISPATCH_FLAG_PARTS, ERR_TIMEOUT, KERNEL_DISPATCH_ASYNC,
-                                         PEER_TOKENS, RELAY_CHUNK, SIGNAL_TOKEN_BITS, STATUS_CODE, SYNC_CALLS,
-                                         SYNC_TICKET)
+                                         PEER_TOKENS, SIGNAL_TOKEN_BITS, STATUS_CODE, SYNC_CALLS, SYNC_TICKET)
 from ep_runtime.kernels.ranking import ID_BATCH
 from ep_runtime.kernels.token_codec import BLOCK_WORDS, CODE_WORDS, HELD_SCALES, make_token_codec
 from ep_runtime.kernels.trace import stamp_first, stamp_last
@@ -296,10 +295,10 @@ def make_dispatch_async(v: DispatchVariant):
     def send_node_chunks(tokens, token_scales, prequantized, ids_base, relay_stage, relay_rows, relay_chunk_flag,
                          relay_slot, peer_bases, T, K, L, R, me, n, token_blocks, cmask, mbuf, held, ids_l, lo, hi):
         """Every thread of a token block, hierarchical transport: the rows bound for other nodes,
-        a chunk of ``RELAY_CHUNK`` consecutive tokens a block in turn. The block ranks the
-        chunk's tokens with an expert on each other node (``cmask[node]``, bit j: token
-        ``c RELAY_CHUNK + j``); for each such node x (``other_index``) it packs those tokens' rows
-        in token order into ``relay_stage[x, c RELAY_CHUNK:]`` (a warp a row; FP8: messages),
+        a chunk of ``CH = chunk_tokens(T)`` consecutive tokens a block in turn. The block ranks
+        the chunk's tokens with an expert on each other node (``cmask[node]``, bit j: token
+        ``c CH + j``); for each such node x (``other_index``) it packs those tokens' rows in
+        token order into ``relay_stage[x, c CH:]`` (a warp a row; FP8: messages),
         notes each token's packed row in ``relay_slot[g, t, x]`` (combine_wait finds the node's
         sum there), and puts the packed rows to its proxy there in one ``put_signal_nbi_block``
         that sets the proxy's ``relay_chunk_flag[me, c]`` to n + 1. A chunk with no token bound
@@ -317,13 +316,14 @@ def make_dispatch_async(v: DispatchVariant):
                 PB = tokens.shape[1] * 8
             else:
                 PB = (tokens.shape[1] // BLOCK_WORDS) * CODE_WORDS * 8
+        CH = chunk_tokens(T)
         c = cuda.blockIdx.x
-        while cuda.blockIdx.x < token_blocks and c * RELAY_CHUNK < T:  # block-uniform
+        while cuda.blockIdx.x < token_blocks and c * CH < T:  # block-uniform
             for node in range(tid, nodes, threads):
                 cmask[node] = uint32(0)
             cuda.syncthreads()
-            for j in range(tid, RELAY_CHUNK, threads):
-                t = c * RELAY_CHUNK + j
+            for j in range(tid, CH, threads):
+                t = c * CH + j
                 if t < T:
                     held_by = token_holders(ids_base + uint64(4 * t * K), K, L, R, ids_l)
                     for node in range(nodes):
@@ -334,8 +334,8 @@ def make_dispatch_async(v: DispatchVariant):
                 mask = cmask[node]
                 if node != mine and mask != uint32(0):
                     x = other_index(node, mine)
-                    c0 = c * RELAY_CHUNK
-                    for b in range(RELAY_CHUNK):
+                    c0 = c * CH
+                    for b in range(CH):
                         if (mask >> uint32(b)) & uint32(1):
                             j = popc32(mask & ((uint32(1) << uint32(b)) - uint32(1)))
                             if j % warps == wid:

@@ -8,14 +8,15 @@ its node's peers (kernels/relay.py); a partial bound home goes to the proxy of t
 local index on the sender's node, which sums its node's partials and sends one. ``node_size``
 0 means one transport for every peer (every helper is then the flat rule).
 
-Across nodes rows and sums travel in chunks of ``RELAY_CHUNK`` consecutive tokens: a chunk's
-tokens bound for a node (an expert there) are packed in token order (``chunk_mask`` ranks
-them) and cross in one put.
+Across nodes rows and sums travel in chunks of ``chunk_tokens(T)`` consecutive tokens of a
+source's batch of T: a chunk's tokens bound for a node (an expert there) are packed in token
+order (``chunk_mask`` ranks them) and cross in one put.
 """
 
 from numba import uint32, uint64
 
 from ep_runtime.kernels.cuda_api import cuda
+from ep_runtime.kernels.protocol import relay_chunk_tokens
 
 #: The most nodes a runtime may span (a block keeps a mask per node in shared memory).
 MAX_NODES = 64
@@ -67,6 +68,11 @@ def holders(ids, L, R):
         if x >= 0 and x < R * L:
             out |= uint64(1) << uint64(x // L)
     return out
+
+
+#: Tokens a chunk of a batch of T holds (``protocol.relay_chunk_tokens``, compiled: one rule for
+#: the kernels and the host's traffic model).
+chunk_tokens = cuda.jit(device=True)(relay_chunk_tokens)
 
 
 @cuda.jit(device=True)

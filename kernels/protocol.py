@@ -25,10 +25,14 @@ COMBINE_FLAG_PARTS = 16
 #: Flags per token row (``dispatch_row_flag``): a landing dispatch cuts each token row into at most
 #: this many parts, each flagged on arrival.
 DISPATCH_FLAG_PARTS = 16
-#: Tokens of a chunk of the hierarchical transport (kernels/relay.py): a source's rows bound for
-#: another node, and a proxy's sums bound home, cross in one put per (node, chunk of this many
-#: consecutive tokens), packed (the chunk's tokens bound there, in token order) and flagged.
-RELAY_CHUNK = 32
+#: The hierarchical transport (kernels/relay.py): a source's rows bound for another node, and a
+#: proxy's sums bound home, cross in one put per (node, chunk of consecutive tokens), packed (the
+#: chunk's tokens bound there, in token order) and flagged. A chunk holds RELAY_CHUNK_MIN tokens,
+#: doubled while the batch still makes RELAY_CHUNK_SPREAD chunks, up to RELAY_CHUNK_MAX
+#: (:func:`relay_chunk_tokens`).
+RELAY_CHUNK_MIN = 8
+RELAY_CHUNK_MAX = 32
+RELAY_CHUNK_SPREAD = 128
 
 # -- the status region (int64): the first device error, the first dropped slot, the trace words ---
 
@@ -121,6 +125,18 @@ E4M3_MAX = 448.0
 E4M3_NAN = 0x7F
 #: UE8M0's NaN code.
 UE8M0_NAN = 255
+
+
+def relay_chunk_tokens(n_tokens):
+    """Tokens a chunk of a source's batch of ``n_tokens`` holds under the hierarchical transport:
+    8 up to 2047 tokens, 16 up to 4095, then 32 (``RELAY_CHUNK_*``). Large batches take few
+    large puts (128 chunks at 4096 tokens); small ones still make enough chunks (16 at 128
+    tokens) that every kernel's blocks share the work, a chunk a block. The kernels compile this
+    function (``kernels/nodes.chunk_tokens``); the host's traffic model calls it."""
+    size = RELAY_CHUNK_MIN
+    while size < RELAY_CHUNK_MAX and 2 * size * RELAY_CHUNK_SPREAD <= n_tokens:
+        size *= 2
+    return size
 
 
 def signal_value(call: int, n_tokens: int) -> int:

@@ -30,27 +30,27 @@ from ep_runtime.kernels import shmem
 from ep_runtime.kernels.bits import f32_bits_at, f32_word_at, word_f32
 from ep_runtime.kernels.block import last_block_ticket, part_bounds, popc32, record_error, warp_geometry, warp_sync
 from ep_runtime.kernels.cuda_api import cuda, kernel_jit
-from ep_runtime.kernels.nodes import MAX_NODES, holders, node_bits, nth_set_bit, other_index
+from ep_runtime.kernels.nodes import MAX_NODES, chunk_tokens, holders, node_bits, nth_set_bit, other_index
 from ep_runtime.kernels.partials import flagged_parts, partial_geometry
 from ep_runtime.kernels.protocol import (COUNTER_RELAY_CHUNK, COUNTER_RELAY_FLAG, COUNTER_RELAY_SIGNAL,
                                          COUNTER_TOKEN_CREDIT, ERR_TIMEOUT, KERNEL_COMBINE_RELAY, KERNEL_DISPATCH_RELAY,
-                                         RELAY_CHUNK, SIGNAL_TOKEN_BITS, STATUS_CODE, SYNC_CALLS)
+                                         SIGNAL_TOKEN_BITS, STATUS_CODE, SYNC_CALLS)
 from ep_runtime.kernels.variant import CombineVariant, DispatchVariant
 
 
 
 @cuda.jit(device=True)
-def chunk_mask(cmask, d_ids, g, s, c, T, here, L, R):
+def chunk_mask(cmask, d_ids, g, s, c, CH, T, here, L, R):
     """Every thread of a block: ``cmask[0]`` (shared uint32) set to the mask of chunk ``c`` of
-    source ``s``'s ``T`` tokens with an expert on a PE of ``here`` (uint64 PE bits), bit j for
-    token ``c RELAY_CHUNK + j``, from the routing rows ``d_ids[g, s]``: the packing its sender
-    made of the chunk (``dispatch_async``'s ``send_node_chunks``). Returns the mask (a barrier
-    before and after)."""
+    source ``s``'s ``T`` tokens (``CH`` a chunk: ``chunk_tokens(T)``) with an expert on a PE of
+    ``here`` (uint64 PE bits), bit j for token ``c CH + j``, from the routing rows
+    ``d_ids[g, s]``: the packing its sender made of the chunk (``dispatch_async``'s
+    ``send_node_chunks``). Returns the mask (a barrier before and after)."""
     if cuda.threadIdx.x == 0:
         cmask[0] = uint32(0)
     cuda.syncthreads()
-    for j in range(cuda.threadIdx.x, RELAY_CHUNK, cuda.blockDim.x):
-        t = c * RELAY_CHUNK + j
+    for j in range(cuda.threadIdx.x, CH, cuda.blockDim.x):
+        t = c * CH + j
         if t < T and holders(d_ids[g, s, t], L, R) & here != uint64(0):
             cuda.atomic.or_(cmask, 0, uint32(1) << uint32(j))
     cuda.syncthreads()
@@ -75,7 +75,7 @@ def make_dispatch_relay(v: DispatchVariant):
         messages), d_ids / d_weights / d_ranks [G, R, Tmax, K], d_counts [G, R, L + 1] int32,
         d_signal [G, R] uint64, relay_counts [G, R, R, L + 1] int32 ([g, s, j]: source s's
         counts row for PE j of this node), relay_signal [G, R] uint64, d_credit [R] uint64,
-        relay_rows [X, Tmax, W] (``[other_index(node(s)), c RELAY_CHUNK + j]``: the j-th packed
+        relay_rows [X, Tmax, W] (``[other_index(node(s)), c CH + j]``: the j-th packed
         row of chunk c of source s) and relay_chunk_flag [R, C] uint64 (``[s, c]``: n + 1 once it
         arrived). Local: sync (dispatch_async's call counter: this is call ``sync[1] - 1``),
         relay_sync [1] int64 (the launch's ticket), status int64. timeout_ns bounds each wait.
@@ -86,7 +86,7 @@ def make_dispatch_relay(v: DispatchVariant):
         counter, and the block returns: no signal goes out, so the node's receivers time out
         naming the source. Then, each source's tokens in a range a block, the block puts its
         range of the routing rows and ranks to each other PE of the node; and a chunk of
-        ``RELAY_CHUNK`` tokens a block in turn, it ranks the chunk's tokens with an expert on
+        ``CH = chunk_tokens(T_s)`` tokens a block in turn, it ranks the chunk's tokens with an expert on
         this node (``chunk_mask``, as the source packed them), waits for the chunk's flag, and a
         warp per packed row puts the row into ``d_tokens[s, t]`` of each PE of the node holding
         one of its experts, this one included. The last block (ticket after a quiet) puts each
@@ -145,26 +145,27 @@ def make_dispatch_relay(v: DispatchVariant):
                             shmem.put_nbi_block(d_weights[g, s, t0:t1], d_weights[g, s, t0:t1], q)
                             shmem.put_nbi_block(d_ranks[g, s, t0:t1], d_ranks[g, s, t0:t1], q)
                 x = other_index(node, mine)
+                CH = chunk_tokens(T)
                 c = cuda.blockIdx.x
-                while c * RELAY_CHUNK < T:  # block-uniform
-                    mask = chunk_mask(cmask, d_ids, g, s, c, T, here, L, R)
+                while c * CH < T:  # block-uniform
+                    mask = chunk_mask(cmask, d_ids, g, s, c, CH, T, here, L, R)
                     if mask != uint32(0):
                         if tid == 0:
                             seen = shmem.wait_signal_ge(relay_chunk_flag[s, c:c + 1], uint64(n + 1), timeout_ns)
                             if seen < uint64(n + 1):
                                 record_error(status, ERR_TIMEOUT, KERNEL_DISPATCH_RELAY, me, s, COUNTER_RELAY_CHUNK,
-                                             n + 1, (int64(c * RELAY_CHUNK) << 32) | int64(seen & uint64(0xFFFFFFFF)),
+                                             n + 1, (int64(c * CH) << 32) | int64(seen & uint64(0xFFFFFFFF)),
                                              n + 1)
                                 flag[0] = 0
                         cuda.syncthreads()
                         if flag[0] == 0:
                             return  # no ticket: the node's receivers time out naming the source
                         for j in range(wid, popc32(mask), warps):  # a warp a packed row
-                            t = c * RELAY_CHUNK + nth_set_bit(mask, j)
+                            t = c * CH + nth_set_bit(mask, j)
                             to = holders(d_ids[g, s, t], L, R) & here
                             for q in range(first, first + NODE):
                                 if (to >> uint64(q)) & uint64(1):
-                                    shmem.put_nbi_warp(d_tokens[s, t], relay_rows[x, c * RELAY_CHUNK + j], q)
+                                    shmem.put_nbi_warp(d_tokens[s, t], relay_rows[x, c * CH + j], q)
                     c += cuda.gridDim.x
         if last_block_ticket(relay_sync[0:1], flag, False):  # every block's puts complete (quiet)
             for j in range(tid, (R // NODE) * NODE, threads):  # (source node, PE of this node)
@@ -197,19 +198,19 @@ def make_combine_relay(v: CombineVariant):
         """Sum this node's partials of each source's tokens and send them home, a chunk a put.
 
         Symmetric: c_partials [G, R, Tmax, PW] partial words (a chunk's sums go to
-        ``[g, me, c RELAY_CHUNK:]`` of the source, packed), relay_partials [R, Tmax, PW]
+        ``[g, me, c CH:]`` of the source, packed), relay_partials [R, Tmax, PW]
         (``[node(s) node_size + j, t]``: the partial of PE j of this node for token t of source
         s), relay_flag [R, Tmax, FLAG_PARTS] uint64, relay_sums [X, Tmax, PW] (the sums, packed
         and staged for their put), c_chunk_flag [R, C] uint64 (``combine_chunk_flag``); d_ids
         [G, R, Tmax, K] and d_counts [G, R, L + 1] of the call (group g). Local: sync (the call
         counter), status int64.
 
-        A chunk of ``RELAY_CHUNK`` tokens of a source a block in turn: the block ranks the
+        A chunk of ``CH = chunk_tokens(T_s)`` tokens of a source a block in turn: the block ranks the
         chunk's tokens with an expert on this node (``chunk_mask``: the packing of dispatch),
         and a warp per part (``flagged_parts``, as combine_async cuts them) of each packed token
         has lane 0 wait for each holder's relay flag of the part, then sums the holders' partial
         words in ascending PE order (float32 from 0) and rounds the sum to the partial format
-        into ``relay_sums[x, c RELAY_CHUNK + j]`` (x: ``other_index`` of the source's node, j the
+        into ``relay_sums[x, c CH + j]`` (x: ``other_index`` of the source's node, j the
         token's packed row). Then the block puts the chunk's packed sums to the source in one
         ``put_signal_nbi_block`` setting its ``combine_chunk_flag[me, c]`` to n + 1. A flag's
         timeout records this kernel, the holder and the token, and the block stops before its
@@ -238,17 +239,18 @@ def make_combine_relay(v: CombineVariant):
                 s = node * NODE + me % NODE
                 T = d_counts[g, s, L]
                 x = other_index(node, mine)
+                CH = chunk_tokens(T)
                 c = cuda.blockIdx.x
-                while c * RELAY_CHUNK < T:  # block-uniform
+                while c * CH < T:  # block-uniform
                     if cuda.threadIdx.x == 0:
                         ok[0] = 1
-                    mask = chunk_mask(cmask, d_ids, g, s, c, T, here, L, R)
+                    mask = chunk_mask(cmask, d_ids, g, s, c, CH, T, here, L, R)
                     packed = popc32(mask)
                     i = wid
                     while i < packed * parts and ok[0] == 1:  # (token j, part p) of the chunk, a warp each
                         j = i // parts
                         p = i - j * parts
-                        t = c * RELAY_CHUNK + nth_set_bit(mask, j)
+                        t = c * CH + nth_set_bit(mask, j)
                         _, w0, w1 = part_bounds(t * parts + p, parts, span, PW)
                         held = holders(d_ids[g, s, t], L, R) & here
                         if lane == 0:
@@ -281,16 +283,16 @@ def make_combine_relay(v: CombineVariant):
                                             else:
                                                 acc[e] += word_f32(word, e)
                                 if F32:
-                                    relay_sums[x, c * RELAY_CHUNK + j, w] = word_t(f32_bits_at(acc[0], 0)
-                                                                                   | f32_bits_at(acc[1], 1))
+                                    relay_sums[x, c * CH + j, w] = word_t(f32_bits_at(acc[0], 0)
+                                                                          | f32_bits_at(acc[1], 1))
                                 else:
-                                    relay_sums[x, c * RELAY_CHUNK + j, w] = rounded_word(acc, 0)
+                                    relay_sums[x, c * CH + j, w] = rounded_word(acc, 0)
                         i += warps
                     cuda.syncthreads()  # every sum of the chunk is staged (or a flag timed out)
                     if ok[0] == 0:
                         return  # no put: the source's combine_wait times out naming this PE
                     if packed > 0:
-                        c0 = c * RELAY_CHUNK
+                        c0 = c * CH
                         shmem.put_signal_nbi_block(c_partials[g, me, c0:c0 + packed], relay_sums[x, c0:c0 + packed],
                                                    c_chunk_flag[me, c:c + 1], uint64(n + 1), shmem.SIGNAL_SET, s)
                     c += cuda.gridDim.x

@@ -62,7 +62,7 @@ def round_trips_pe(session, n_nodes: int, cfg: EPConfig, compare_flat: bool) -> 
     return got
 
 
-#: 2 x 2 with several chunks a call (up to 72 tokens: RELAY_CHUNK 32, the last one short) and
+#: 2 x 2 with several chunks a call (up to 72 tokens, 8 a chunk: the last one short) and
 #: top-3 of 16, so that a chunk's tokens bound for the other node have gaps between them (and
 #: under "one_expert" a chunk has none bound there: no put)
 CHUNKS = dict(top_k=3, hidden=32, max_tokens_per_rank=72)
@@ -271,6 +271,16 @@ def test_the_bench_table_shows_each_rank_s_bytes_between_and_within_nodes():
     per = [node_traffic(ids, r, cfg.n_local_experts, 2, cfg.token_bytes, cfg.partial_bytes) for r in range(4)]
     assert sum(p.across_out for p in per) == sum(p.across_in for p in per) > 0
     assert sum(p.within_out for p in per) == sum(p.within_in for p in per) > 0
+
+
+def test_a_chunk_holds_8_tokens_up_to_2047_then_16_then_32_on_the_device_and_in_the_model():
+    from ep_runtime.kernels import nodes
+    from ep_runtime.kernels.protocol import relay_chunk_tokens
+
+    device = getattr(nodes.chunk_tokens, "py_func", nodes.chunk_tokens)  # what the kernels compile
+    sizes = [relay_chunk_tokens(T) for T in range(10000)]
+    assert sizes == [device(T) for T in range(10000)]
+    assert (sizes[0], sizes[2047], sizes[2048], sizes[4095], sizes[4096], sizes[9999]) == (8, 8, 16, 16, 32, 32)
 
 
 def test_the_projection_for_a_cluster_prints_the_table_of_the_docs(capsys):

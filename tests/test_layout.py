@@ -63,20 +63,20 @@ DSV3_SYMMETRIC = {
     # [R, T, 16] u64: 4,194,304 B; 1,424,249,088 + 469,762,048 = 1,894,011,136
     "relay_flag": ((8, 4096, 16), u64, 4_194_304, 1_894_011_136),
     # the packed chunks, sized for the most other nodes (one PE a node: X = 7 other nodes) and
-    # C = 4096 / 32 = 128 chunks: [X, T, H] u16: 7 * 4096 * 7168 * 2 = 411,041,792 B;
+    # the most chunks (8 tokens each: C = 4096 / 8 = 512): [X, T, H] u16: 7 * 4096 * 7168 * 2 = 411,041,792 B;
     # 1,894,011,136 + 4,194,304 = 1,898,205,440
     "relay_stage": ((7, 4096, 7168), u16, 411_041_792, 1_898_205_440),
     # + 411,041,792 = 2,309,247,232
     "relay_rows": ((7, 4096, 7168), u16, 411_041_792, 2_309_247_232),
-    # [R, C] u64: 8 * 128 * 8 = 8192 B; + 411,041,792 = 2,720,289,024
-    "relay_chunk_flag": ((8, 128), u64, 8192, 2_720_289_024),
-    # [X, T, H] u16 (bf16 partials): 411,041,792 B; + 8192 = 2,720,297,216
-    "relay_sums": ((7, 4096, 7168), u16, 411_041_792, 2_720_297_216),
-    # [R, C] u64: 8192 B; + 411,041,792 = 3,131,339,008
-    "combine_chunk_flag": ((8, 128), u64, 8192, 3_131_339_008),
+    # [R, C] u64: 8 * 512 * 8 = 32,768 B; + 411,041,792 = 2,720,289,024
+    "relay_chunk_flag": ((8, 512), u64, 32_768, 2_720_289_024),
+    # [X, T, H] u16 (bf16 partials): 411,041,792 B; + 32,768 = 2,720,321,792
+    "relay_sums": ((7, 4096, 7168), u16, 411_041_792, 2_720_321_792),
+    # [R, C] u64: 32,768 B; + 411,041,792 = 3,131,363,584
+    "combine_chunk_flag": ((8, 512), u64, 32_768, 3_131_363_584),
 }
-# 3,131,339,008 + 8192 = 3,131,347,200 (256-byte aligned)
-DSV3_SYMMETRIC_BYTES = 3_131_347_200
+# 3,131,363,584 + 32,768 = 3,131,396,352 (256-byte aligned)
+DSV3_SYMMETRIC_BYTES = 3_131_396_352
 
 DSV3_LOCAL = {
     # [4] i64: 32 B at 0
@@ -152,11 +152,11 @@ SMALL_SYMMETRIC = {
     "relay_flag": ((2, 16, 16), u64, 4096, 28416),  # [R, T, 16] u64: 4096 B; 24320 + 4096 = 28416
     "relay_stage": ((1, 16, 64), u16, 2048, 32512),  # [X, T, H] u16, X = 1: 2048 B; 28416 + 4096 = 32512
     "relay_rows": ((1, 16, 64), u16, 2048, 34560),  # 32512 + 2048 = 34560
-    "relay_chunk_flag": ((2, 1), u64, 16, 36608),  # [R, C] u64, C = 1: 16 B; 34560 + 2048 = 36608
-    "relay_sums": ((1, 16, 64), u16, 2048, 36864),  # 36608 + 16 -> 36864
-    "combine_chunk_flag": ((2, 1), u64, 16, 38912),  # 36864 + 2048 = 38912
+    "relay_chunk_flag": ((2, 2), u64, 32, 36608),  # [R, C] u64, C = 16 / 8: 32 B; 34560 + 2048 = 36608
+    "relay_sums": ((1, 16, 64), u16, 2048, 36864),  # 36608 + 32 -> 36864
+    "combine_chunk_flag": ((2, 2), u64, 32, 38912),  # 36864 + 2048 = 38912
 }
-SMALL_SYMMETRIC_BYTES = 39168  # 38912 + 16 -> 39168 (256-byte aligned)
+SMALL_SYMMETRIC_BYTES = 39168  # 38912 + 32 -> 39168 (256-byte aligned)
 
 SMALL_LOCAL = {
     "dispatch_async_sync": ((4,), i64, 32, 0),
@@ -244,7 +244,7 @@ def test_dsv3_totals_in_mib():
     # transport's relay partials (448 MiB) and their flags (4 MiB), and its packed chunks for 7
     # other nodes: staged rows, received rows and staged sums (392 MiB each) and their flags.
     layout = BufferLayout(DSV3)
-    assert 2986.27 < layout.symmetric_bytes / MiB < 2986.29
+    assert 2986.32 < layout.symmetric_bytes / MiB < 2986.34
     # combine_stage 448 MiB + expert_x 3584 MiB + token_rows 1 MiB + 5 row arrays of 1 MiB
     # + the sender's 0.125 MiB of staged ranks, 0.22 MiB of packed-row slots and a few KiB.
     assert 4038.3 < layout.local_bytes / MiB < 4038.4
@@ -310,7 +310,7 @@ def test_symmetric_regions_have_leading_group_dimension(case):
             assert r.shape[1] == layout.cfg.max_tokens_per_rank, r.shape
             continue
         if r.name in ("relay_chunk_flag", "combine_chunk_flag"):  # [R, C]: monotonic chunk flags
-            assert r.shape == (layout.cfg.n_ranks, -(-layout.cfg.max_tokens_per_rank // 32)), r.shape
+            assert r.shape == (layout.cfg.n_ranks, -(-layout.cfg.max_tokens_per_rank // 8)), r.shape
             continue
         assert r.shape[0] == 2, f"{r.name} {r.shape}: no leading group dimension 2"
         assert r.shape[1] == layout.cfg.n_ranks, f"{r.name} {r.shape}: second dimension is not the source rank"
@@ -375,8 +375,8 @@ def test_describe_dsv3_figures():
     assert "896.000" in text          # combine_partials
     assert "3584.000" in text         # expert_x
     assert "392.000" in text          # relay_stage, relay_rows, relay_sums (7 other nodes)
-    # 3,131,347,200 / 2**20 = 2986.2854; 4,234,513,920 / 2**20 = 4038.3472
-    assert "symmetric 2986.285 MiB, local 4038.347 MiB" in text
+    # 3,131,396,352 / 2**20 = 2986.3323; 4,234,513,920 / 2**20 = 4038.3472
+    assert "symmetric 2986.332 MiB, local 4038.347 MiB" in text
 
 
 def test_region_unknown_name_raises_key_error():

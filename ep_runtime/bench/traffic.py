@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..kernels.protocol import RELAY_CHUNK
+from ..kernels.protocol import relay_chunk_tokens
 
 
 @dataclass(frozen=True)
@@ -213,21 +213,22 @@ def pair_bytes(ids, src: int, dst: int, n_local_experts: int, node_size: int, to
 
 
 def _chunks_on(ids, s: int, pes, n_local_experts: int) -> int:
-    """Chunks of ``RELAY_CHUNK`` consecutive tokens of rank ``s`` with a token on one of the PEs
-    ``pes``: the puts that carry its rows to those PEs' node (or their sums home)."""
+    """Chunks of rank ``s``'s batch (``relay_chunk_tokens(T_s)`` consecutive tokens each) with a
+    token on one of the PEs ``pes``: the puts that carry its rows to those PEs' node (or their
+    sums home)."""
     x = np.asarray(ids[s])
     if not x.size:
         return 0
     hit = np.isin(np.where(x >= 0, x // n_local_experts, -1), list(pes)).any(axis=1)
-    return int(np.add.reduceat(hit, np.arange(0, len(hit), RELAY_CHUNK)).astype(bool).sum())
+    return int(np.add.reduceat(hit, np.arange(0, len(hit), relay_chunk_tokens(len(hit)))).astype(bool).sum())
 
 
 def pair_ops(ids, src: int, dst: int, n_local_experts: int, node_size: int) -> int:
     """NVSHMEM operations PE ``src`` issues to PE ``dst`` of another node in one call under the
     hierarchical transport (0 unless each is the other's proxy): src's routing rows, weights
     and ranks in a put each (when src has tokens), the counts rows with the relay signal, two
-    credit grants, one put per chunk of src's tokens bound for dst's node (``RELAY_CHUNK``
-    tokens a chunk, packed), and, as dst's proxy, one per chunk of dst's tokens with an expert
+    credit grants, one put per chunk of src's tokens bound for dst's node (packed;
+    ``relay_chunk_tokens`` tokens a chunk), and, as dst's proxy, one per chunk of dst's tokens with an expert
     on src's node (their sums). Whatever the grid: the same count on the simulator and a GPU."""
     N, L = node_size, n_local_experts
     if src // N == dst // N or src % N != dst % N:
