@@ -17,7 +17,8 @@ from numba import int32, int64, uint32, uint64
 
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.block import (flag_part, flag_rule, grant_token_credits, last_block_ticket, part_bounds,
-                                      part_words, popc32, publish_fence, record_error, row_parts, udiv32, warp_geometry, warp_sync)
+                                      part_words, popc32, publish_fence, record_error, row_parts, udiv32,
+                                      warp_geometry, warp_sync)
 from ep_runtime.kernels.cuda_api import cuda, inlined, kernel_jit
 from ep_runtime.kernels.dispatch_copy import COPY_UNROLL
 from ep_runtime.kernels.dispatch_route import RUN_BATCH, make_dispatch_route
@@ -514,7 +515,7 @@ def make_dispatch_async(v: DispatchVariant):
         # the call counter
         if last_block_ticket(sync[SYNC_TICKET:SYNC_TICKET + 1], flag, stores_only):
             stamp_last(status, 3)
-            if NODE > 0 and T > 0:  # each proxy: the routing rows and ranks in a put each, complete before its signal
+            if NODE > 0 and route and T > 0:  # each proxy: the routing in a put each, complete before its signal
                 for node in range(R // NODE):
                     if node != me // NODE:
                         d = node * NODE + me % NODE

@@ -28,7 +28,8 @@ from numba import float32, int32, int64, uint32, uint64
 
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.bits import f32_bits_at, f32_word_at, word_f32
-from ep_runtime.kernels.block import last_block_ticket, part_bounds, popc32, record_error, warp_geometry, warp_sync
+from ep_runtime.kernels.block import (last_block_ticket, part_bounds, popc32, publish_fence, record_error,
+                                      warp_geometry, warp_sync)
 from ep_runtime.kernels.cuda_api import cuda, kernel_jit
 from ep_runtime.kernels.nodes import MAX_NODES, chunk_tokens, holders, node_bits, nth_set_bit, other_index
 from ep_runtime.kernels.partials import flagged_parts, partial_geometry
@@ -212,9 +213,10 @@ def make_combine_relay(v: CombineVariant):
         words in ascending PE order (float32 from 0) and rounds the sum to the partial format
         into ``relay_sums[x, c CH + j]`` (x: ``other_index`` of the source's node, j the
         token's packed row). Then the block puts the chunk's packed sums to the source in one
-        ``put_signal_nbi_block`` setting its ``combine_chunk_flag[me, c]`` to n + 1. A flag's
-        timeout records this kernel, the holder and the token, and the block stops before its
-        put (the source's combine_wait then times out naming this PE).
+        ``put_signal_nbi_block`` setting its ``combine_chunk_flag[me, c]`` to n + 1; each block
+        quiets its puts at the end (their source is reused by the next call). A flag's timeout
+        records this kernel, the holder and the token, and the block stops before its put (the
+        source's combine_wait then times out naming this PE).
         """
         acc = cuda.local.array(E, float32)
         cmask = cuda.shared.array(1, uint32)
@@ -296,5 +298,8 @@ def make_combine_relay(v: CombineVariant):
                         shmem.put_signal_nbi_block(c_partials[g, me, c0:c0 + packed], relay_sums[x, c0:c0 + packed],
                                                    c_chunk_flag[me, c:c + 1], uint64(n + 1), shmem.SIGNAL_SET, s)
                     c += cuda.gridDim.x
+        cuda.syncthreads()
+        if cuda.threadIdx.x == 0:
+            publish_fence(False)  # quiet: the block's puts are complete before relay_sums is written again
 
     return combine_relay

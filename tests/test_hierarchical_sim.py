@@ -13,7 +13,8 @@ that node's proxy, which sends one partial per (token, node) home.
 - Traffic, counted by the simulated SHMEM: no PE sends anything to a PE of another node but its
   proxy there, and fewer bytes cross nodes than with puts to every peer.
 - FP8 messages; ids outside ``[-1, n_experts)`` with the routing check off; a 100-call soak; a
-  node that withholds its call (the other node's proxies time out naming their sources); what
+  node that withholds its call (the other node's proxies time out naming their sources) or its
+  combine (the other node's homes time out naming their proxy's chunk flag and a token); what
   the transport does not carry, refused before any launch; the plan's rules.
 """
 
@@ -230,6 +231,38 @@ def test_a_node_that_withholds_its_call_is_named_by_the_proxies_of_the_other():
         err = runs[r]["error"]
         assert err and f"rank {r}: dispatch_relay of call 1 timed out" in err and \
             f"waiting for rank {r + 2}: relay_signal[1][{r + 2}]" in err, err
+    assert runs[2]["error"] is None and runs[3]["error"] is None
+
+
+def withheld_combine_pe(session, cfg: EPConfig) -> dict:
+    """2 x 2 nodes, one round trip: every rank dispatches, only node 0's ranks combine. Their
+    combine_wait waits for the sums of their proxy on node 1, whose combine_relay never ran:
+    ``{"error": message}`` of the EPTimeoutError (None on node 1's ranks)."""
+    from ep_runtime.errors import EPTimeoutError
+    from ep_runtime.runtime import EPRuntime
+
+    session.use_logical_nodes(2)
+    r = session.rank
+    xs, ids, ws = make_inputs(cfg, "random", SEED)
+    res = {"error": None}
+    with EPRuntime(cfg, session) as rt:
+        batch = rt.dispatch(xs[r].view(np.uint16), ids[r], ws[r])
+        if r < 2:
+            try:
+                rt.combine(expert_outputs(cfg, reference.dispatch(xs, ids, ws, cfg)[r], r), batch.handle)
+            except EPTimeoutError as exc:
+                res["error"] = str(exc)
+        session.barrier()
+    return res
+
+
+def test_a_node_that_withholds_its_combine_is_named_by_the_homes_of_the_other_with_a_token():
+    cfg = hier_cfg(4, wait_timeout_s=3.0)
+    runs = run_pes(withheld_combine_pe, 4, args=(cfg,), timeout_s=RUN_TIMEOUT_S)
+    for r in (0, 1):
+        err = runs[r]["error"]
+        assert err and f"rank {r}: combine_wait of call 0 timed out" in err and \
+            f"waiting for rank {r + 2}: combine_chunk_flag[{r + 2}, token " in err, err
     assert runs[2]["error"] is None and runs[3]["error"] is None
 
 

@@ -11,10 +11,11 @@ tokens, masked slots, every token to one expert) with every batch the reference'
 every combine within the reference's tolerance of the reference summed in the hierarchical order;
 ``--soak`` more round trips of call 0's inputs, each bit-identical to the first, and the median
 eager round trip; ``--fp8`` FP8 (e4m3) round trips too, codes and scales bit for bit;
-``--fault``: the last logical node withholds one call, and every rank of the others must raise the timeout its proxy's ``dispatch_relay`` recorded, naming the source that
-withheld it. ``--nodes 1`` runs the soak and the timing on a session of one node (stores), for
-the comparison (NVSHMEM is initialized once a process: one session a run). ``--backend sim``
-runs the same under mpiexec on the simulator. Prints a table last (rank 0), then PASS or FAIL.
+``--fault``: the last logical node withholds one call, and every rank of the others must raise
+the timeout its proxy's ``dispatch_relay`` recorded, naming the source that withheld it.
+``--nodes 1`` runs the soak and the timing on a session of one node (stores), for the comparison
+(NVSHMEM is initialized once a process: one session a run). ``--backend sim`` runs the same
+under mpiexec on the simulator. Prints a table last (rank 0), then PASS or FAIL.
 """
 
 from __future__ import annotations
