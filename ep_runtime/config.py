@@ -187,6 +187,14 @@ class EPConfig:
         return fmt.payload_bytes(self.hidden) + fmt.scale_bytes(self.hidden)
 
     @property
+    def slot_bytes(self) -> int:
+        """Bytes of one token's slot in the receive buffer, what a copy of a whole slot moves (the
+        hierarchical transport's packed chunks and its proxies' forwards): ``token_bytes`` in
+        bf16, an FP8 message with its padding."""
+        fmt = self.token_format
+        return fmt.message_bytes(self.hidden) if fmt.quantized else self.token_bytes
+
+    @property
     def partial_bytes(self) -> int:
         """Bytes of one combine partial (one token's row from one rank): ``2 * hidden`` with
         bf16 partials, ``4 * hidden`` with float32 partials."""

@@ -119,14 +119,26 @@ def test_round_trips_are_the_reference_in_the_hierarchical_order_and_cross_nodes
 
 def fp8_pe(session, cfg: EPConfig) -> dict:
     session.use_logical_nodes(2)
-    return fp8_plan_pe(session, {}, cfg, SEED)
+    session.traffic(reset=True)
+    got = fp8_plan_pe(session, {}, cfg, SEED)
+    got["traffic"] = session.traffic(reset=True)
+    return got
 
 
-def test_fp8_messages_are_forwarded_exactly():
+def test_fp8_messages_are_forwarded_exactly_and_the_model_counts_their_padding():
     cfg = hier_cfg(4, token_dtype="fp8_e4m3", hidden=128)
     runs = run_pes(fp8_pe, 4, args=(cfg,), timeout_s=RUN_TIMEOUT_S)
     assert runs[0]["plan"]["transport"] == "hierarchical"
     assert_fp8_calls_are_the_reference(cfg, runs, SEED, False, "fp8, 2 x 2 nodes", node_size=2)
+    # packed chunks and the proxies' forwards move whole messages (132 bytes padded to 256 here)
+    assert cfg.slot_bytes > cfg.token_bytes
+    routings = [call_inputs(cfg, c, SEED)[1] for c in range(len(runs[0]["calls"]))]
+    for r, got in enumerate(runs):
+        for d in range(4):
+            if d != r:
+                model = sum(pair_bytes(ids, r, d, cfg.n_local_experts, 2, cfg.token_bytes, cfg.partial_bytes,
+                                       cfg.slot_bytes) for ids in routings)
+                assert model == int(got["traffic"][d, 1]), f"rank {r} to {d}: model {model}, sent {got['traffic'][d]}"
 
 
 def planted_pe(session, cfg: EPConfig) -> dict:

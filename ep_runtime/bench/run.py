@@ -155,7 +155,8 @@ def bench_rank(session, args_dict) -> list[dict]:
             results.append(_result(cfg, trs[token_input], spans, base, ceil, mode, graph, layout, plan, token_input))
             if plan.get("node_size"):  # the hierarchical transport: this rank's bytes by direction and place
                 results[-1]["node_traffic"] = {"node_size": plan["node_size"], **node_traffic(
-                    ids, r, cfg.n_local_experts, plan["node_size"], cfg.token_bytes, cfg.partial_bytes).__dict__}
+                    ids, r, cfg.n_local_experts, plan["node_size"], cfg.token_bytes, cfg.partial_bytes,
+                    cfg.slot_bytes).__dict__}
     if gpu:
         close_baselines(session)
     return results

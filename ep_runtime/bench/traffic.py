@@ -165,10 +165,13 @@ def _tokens_on(ids, s: int, pes, n_local_experts: int) -> int:
 
 
 def pair_bytes(ids, src: int, dst: int, n_local_experts: int, node_size: int, token_bytes: int,
-               partial_bytes: int) -> int:
+               partial_bytes: int, slot_bytes: int | None = None) -> int:
     """Bytes PE ``src`` puts and signals to PE ``dst`` (not itself) in one call under the
     hierarchical transport, ``ids`` every rank's ``[T_s, K]`` ids (-1: a masked slot); ``N`` =
-    ``node_size`` PEs a node, ``L`` experts a PE:
+    ``node_size`` PEs a node, ``L`` experts a PE; a row src sends from its tokens is
+    ``token_bytes``, a row packed in a chunk or forwarded by a proxy a whole slot
+    (``slot_bytes``, ``EPConfig.slot_bytes``: FP8 messages with their padding; default
+    ``token_bytes``):
 
     - same node: src's routing rows (ids, weights, ranks: ``12 T K``), its rows with an expert
       on dst, dst's counts row with the signal (``4 (L + 1)``) and two 8-byte credit grants; as
@@ -184,6 +187,7 @@ def pair_bytes(ids, src: int, dst: int, n_local_experts: int, node_size: int, to
     N, L = node_size, n_local_experts
     K = max(np.asarray(i).shape[1] for i in ids)
     counts_row = 4 * (L + 1)
+    slot = token_bytes if slot_bytes is None else slot_bytes
 
     def hits(s, pes):
         return _tokens_on(ids, s, pes, L)
@@ -200,7 +204,7 @@ def pair_bytes(ids, src: int, dst: int, n_local_experts: int, node_size: int, to
         for node in nodes:
             if node != node_of(src):
                 s = node * N + src % N  # a source src is the proxy of
-                out += routing(s) + hits(s, [dst]) * token_bytes + counts_row
+                out += routing(s) + hits(s, [dst]) * slot + counts_row
                 home = node * N + dst % N  # a home whose proxy here is dst
                 out += hits(home, [src]) * partial_bytes
         return out
@@ -208,7 +212,7 @@ def pair_bytes(ids, src: int, dst: int, n_local_experts: int, node_size: int, to
         return 0
     here = range(node_of(src) * N, node_of(src) * N + N)
     there = range(node_of(dst) * N, node_of(dst) * N + N)
-    return (routing(src) + hits(src, there) * token_bytes + N * counts_row + 16
+    return (routing(src) + hits(src, there) * slot + N * counts_row + 16
             + hits(dst, here) * partial_bytes)
 
 
@@ -240,13 +244,13 @@ def pair_ops(ids, src: int, dst: int, n_local_experts: int, node_size: int) -> i
 
 
 def node_traffic(ids_per_rank, rank: int, n_local_experts: int, node_size: int, token_bytes: int,
-                 partial_bytes: int) -> NodeTraffic:
+                 partial_bytes: int, slot_bytes: int | None = None) -> NodeTraffic:
     """:class:`NodeTraffic` of ``rank`` for one call (:func:`pair_bytes` and :func:`pair_ops`
     over its peers)."""
     R, N, L = len(ids_per_rank), node_size, n_local_experts
 
     def pb(a, b):
-        return pair_bytes(ids_per_rank, a, b, L, N, token_bytes, partial_bytes)
+        return pair_bytes(ids_per_rank, a, b, L, N, token_bytes, partial_bytes, slot_bytes)
 
     mine = [p for p in range(R) if p // N == rank // N and p != rank]
     proxies = [p for p in range(R) if p // N != rank // N and p % N == rank % N]
