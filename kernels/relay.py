@@ -39,7 +39,6 @@ from ep_runtime.kernels.protocol import (COUNTER_RELAY_CHUNK, COUNTER_RELAY_FLAG
 from ep_runtime.kernels.variant import CombineVariant, DispatchVariant
 
 
-
 @cuda.jit(device=True)
 def chunk_mask(cmask, d_ids, g, s, c, CH, T, here, L, R):
     """Every thread of a block: ``cmask[0]`` (shared uint32) set to the mask of chunk ``c`` of
@@ -87,10 +86,10 @@ def make_dispatch_relay(v: DispatchVariant):
         counter, and the block returns: no signal goes out, so the node's receivers time out
         naming the source. Then, each source's tokens in a range a block, the block puts its
         range of the routing rows and ranks to each other PE of the node; and a chunk of
-        ``CH = chunk_tokens(T_s)`` tokens a block in turn, it ranks the chunk's tokens with an expert on
-        this node (``chunk_mask``, as the source packed them), waits for the chunk's flag, and a
-        warp per packed row puts the row into ``d_tokens[s, t]`` of each PE of the node holding
-        one of its experts, this one included. The last block (ticket after a quiet) puts each
+        ``CH = chunk_tokens(T_s)`` tokens a block in turn, it ranks the chunk's tokens with an
+        expert on this node (``chunk_mask``, as the source packed them), waits for the chunk's
+        flag, and a warp per packed row puts the row into ``d_tokens[s, t]`` of each PE of the
+        node holding one of its experts, this one included. The last block (ticket after a quiet) puts each
         source's counts row with its dispatch signal, ``(n + 1) << 32 | T_s``, to every PE of
         the node.
         """
