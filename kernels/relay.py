@@ -28,8 +28,8 @@ from numba import float32, int32, int64, uint32, uint64
 
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.bits import f32_bits_at, f32_word_at, word_f32
-from ep_runtime.kernels.block import (last_block_ticket, part_bounds, popc32, publish_fence, record_error,
-                                      warp_geometry, warp_sync)
+from ep_runtime.kernels.block import (await_flag, last_block_ticket, part_bounds, popc32, publish_fence,
+                                      record_error, warp_geometry, warp_sync)
 from ep_runtime.kernels.cuda_api import cuda, kernel_jit
 from ep_runtime.kernels.nodes import MAX_NODES, chunk_tokens, holders, node_bits, nth_set_bit, other_index
 from ep_runtime.kernels.partials import flagged_parts, partial_geometry
@@ -150,13 +150,9 @@ def make_dispatch_relay(v: DispatchVariant):
                 while c * CH < T:  # block-uniform
                     mask = chunk_mask(cmask, d_ids, g, s, c, CH, T, here, L, R)
                     if mask != uint32(0):
-                        if tid == 0:
-                            seen = shmem.wait_signal_ge(relay_chunk_flag[s, c:c + 1], uint64(n + 1), timeout_ns)
-                            if seen < uint64(n + 1):
-                                record_error(status, ERR_TIMEOUT, KERNEL_DISPATCH_RELAY, me, s, COUNTER_RELAY_CHUNK,
-                                             n + 1, (int64(c * CH) << 32) | int64(seen & uint64(0xFFFFFFFF)),
-                                             n + 1)
-                                flag[0] = 0
+                        if tid == 0 and not await_flag(relay_chunk_flag[s, c:c + 1], s, c * CH, n, timeout_ns,
+                                                       status, KERNEL_DISPATCH_RELAY, COUNTER_RELAY_CHUNK):
+                            flag[0] = 0
                         cuda.syncthreads()
                         if flag[0] == 0:
                             return  # no ticket: the node's receivers time out naming the source
@@ -258,13 +254,9 @@ def make_combine_relay(v: CombineVariant):
                             seen_all = 1
                             for q in range(first, first + NODE):
                                 if seen_all == 1 and w0 < w1 and (held >> uint64(q)) & uint64(1):
-                                    row = node * NODE + q - first
-                                    seen = shmem.wait_signal_ge(relay_flag[row, t, p:p + 1], uint64(n + 1),
-                                                                timeout_ns)
-                                    if seen < uint64(n + 1):
-                                        record_error(status, ERR_TIMEOUT, KERNEL_COMBINE_RELAY, me, q,
-                                                     COUNTER_RELAY_FLAG, n + 1,
-                                                     (int64(t) << 32) | int64(seen & uint64(0xFFFFFFFF)), n + 1)
+                                    row = node * NODE + q - first  # PE q's partials of source s's tokens
+                                    if not await_flag(relay_flag[row, t, p:p + 1], q, t, n, timeout_ns, status,
+                                                      KERNEL_COMBINE_RELAY, COUNTER_RELAY_FLAG):
                                         seen_all = 0
                                         ok[0] = 0
                             verdict[wid] = seen_all
