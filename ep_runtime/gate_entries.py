@@ -55,7 +55,8 @@ FORMATS = (("bfloat16", "bfloat16"), ("bfloat16", "float32"), ("fp8_e4m3", "bflo
 def plan_entries(formats=FORMATS, variants=PLAN_VARIANTS + NODE_VARIANTS, pdl: bool = True) -> list:
     """``[(label, cfg, plan)]``: a plan of every receiver on every transport, in each format, on
     GPUs of one NVLink domain (``Topology.nvlink_gpus``; the hierarchical transport on 4 GPUs as
-    2 nodes of 2), both layouts served (so every kernel a plan can launch is built)."""
+    2 nodes of 2, storing and putting within a node), both layouts served (so every kernel a
+    plan can launch is built)."""
     from ep_runtime.config import EPConfig
     from ep_runtime.plan import Topology, choose_plan
 
@@ -65,10 +66,13 @@ def plan_entries(formats=FORMATS, variants=PLAN_VARIANTS + NODE_VARIANTS, pdl: b
             nodes = transport == "hierarchical"  # 4 PEs as 2 nodes of 2 (their heaps not mapped across)
             cfg = EPConfig(n_ranks=4 if nodes else 2, n_experts=8, top_k=2, hidden=256, max_tokens_per_rank=16,
                            token_dtype=token_dtype, combine_dtype=combine_dtype)
-            topology = Topology(4, False, 132, True, False, (0, 0, 1, 1)) if nodes else Topology.nvlink_gpus(2)
-            plan = choose_plan(cfg, topology, {"receiver": receiver, "transport": transport, "pdl": pdl})
-            out.append((f"{receiver}/{transport}, {token_dtype}" + (", f32 partials" if combine_dtype == "float32"
-                                                                      else ""), cfg, plan))
+            topology = Topology(4, False, 132, True, False, (0, 0, 1, 1), True) if nodes else Topology.nvlink_gpus(2)
+            within = ((True, ""), (False, " puts within")) if nodes else ((False, ""),)
+            for node_stores, note in within:  # the hierarchical transport stores, or puts, within a node
+                plan = choose_plan(cfg, topology, {"receiver": receiver, "transport": transport, "pdl": pdl,
+                                                   **({"node_stores": node_stores} if nodes else {})})
+                out.append((f"{receiver}/{transport}{note}, {token_dtype}" +
+                            (", f32 partials" if combine_dtype == "float32" else ""), cfg, plan))
     return out
 
 

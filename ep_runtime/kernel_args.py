@@ -70,7 +70,7 @@ KERNEL_ARGS = {
     "dispatch_relay": (
         "dispatch_tokens", "dispatch_topk_ids", "dispatch_topk_weights", "dispatch_ranks", "dispatch_counts",
         "dispatch_signal", "relay_counts", "relay_signal", "dispatch_token_credit", "dispatch_async_sync",
-        "relay_sync", "status", "timeout_ns", "relay_rows", "relay_chunk_flag"),
+        "relay_sync", "status", "timeout_ns", "relay_rows", "relay_chunk_flag", "peer_bases"),
     "dispatch_wait": (
         "dispatch_topk_ids", "dispatch_topk_weights", "dispatch_counts", "dispatch_ranks", "dispatch_signal",
         "dispatch_async_sync", "row_offsets", "expert_counts", "row_src_rank", "row_src_token",

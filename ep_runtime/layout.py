@@ -285,6 +285,10 @@ def _puts(plan, cfg) -> bool:
     return plan.transport.value != "stores"
 
 
+def _rows_put(plan, cfg) -> bool:  # token rows and partials put within a node (staged first)
+    return plan.transport.value != "stores" and not plan.node_stores
+
+
 def _hierarchical(plan, cfg) -> bool:
     return plan.transport.value == "hierarchical"
 
@@ -303,8 +307,8 @@ USED_BY = {
     # (a route-first bf16 dispatch_wait publishes it on an early error, whatever its launch)
     "dispatch_placed": lambda plan, cfg: plan.receiver.routes_first and not cfg.token_format.quantized,
     "dispatch_send_counts": _puts,
-    "dispatch_send_stage": _puts,
-    "combine_stage": _puts,
+    "dispatch_send_stage": _rows_put,
+    "combine_stage": _rows_put,
     "relay_counts": _hierarchical,
     "relay_signal": _hierarchical,
     "relay_partials": _hierarchical,

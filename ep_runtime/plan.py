@@ -98,7 +98,8 @@ class Topology:
     ``pdl``: programmatic dependent launch is available (compute capability 9.0 or later and the
     session's fast launcher, which sets its launch attribute); ``simulated``: Numba's CUDA
     simulator runs the kernels; ``node_of``: every PE's node (``Session.node_of``; empty: one
-    node), logical nodes of a testing topology included.
+    node), logical nodes of a testing topology included; ``node_peers_mapped``: every PE maps
+    the heaps of its own node's PEs (``Session.node_peers_mapped``: stores within a node).
     """
 
     n_ranks: int
@@ -107,6 +108,7 @@ class Topology:
     pdl: bool
     simulated: bool = False
     node_of: tuple = ()
+    node_peers_mapped: bool = False
 
     @property
     def n_nodes(self) -> int:
@@ -128,7 +130,7 @@ class Topology:
         """The topology of an open session (collective: it probes the peer mappings and gathers
         the PEs' nodes)."""
         return cls(session.n_ranks, session.peers_mapped(), session.sm_count(), session.pdl_capable(),
-                   session.backend == "sim", session.node_of())
+                   session.backend == "sim", session.node_of(), session.node_peers_mapped())
 
     @classmethod
     def nvlink_gpus(cls, n_ranks: int, sm_count: int = 132) -> "Topology":
@@ -152,7 +154,9 @@ class Plan:
     ``share_from_tokens``, ``chunk_from_tokens``, ``split_from_tokens``: the route-first
     kernels' thresholds (:class:`~ep_runtime.kernels.variant.DispatchVariant`). ``node_size``:
     PEs per node of the hierarchical transport (0 with the others; from the topology, not an
-    override). ``reasons``: one line per rule, not part of the plan's identity.
+    override). ``node_stores``: the hierarchical transport stores into the peers of a node
+    through their mappings (else puts within a node too; False with the other transports).
+    ``reasons``: one line per rule, not part of the plan's identity.
     """
 
     layouts: tuple
@@ -170,6 +174,7 @@ class Plan:
     chunk_from_tokens: int = CHUNK_FROM_TOKENS
     split_from_tokens: int = SPLIT_FROM_TOKENS
     node_size: int = 0
+    node_stores: bool = False
     reasons: tuple = field(default=(), compare=False)
 
     # -- grids ----------------------------------------------------------------------------------
@@ -204,14 +209,14 @@ class Plan:
         fmt = cfg.token_format
         return DispatchVariant(self.threads, fmt.quantized, fmt.scale is not None and fmt.scale.dtype.itemsize == 1,
                                self.transport, self.receiver, self.pdl, self.share_from_tokens,
-                               self.chunk_from_tokens, self.split_from_tokens, self.node_size)
+                               self.chunk_from_tokens, self.split_from_tokens, self.node_size, self.node_stores)
 
     def combine_variant(self, cfg: EPConfig) -> CombineVariant:
         """The combine kernels' compile-time constants for a runtime of ``cfg``."""
         from .layout import token_word
 
         return CombineVariant(self.threads, token_word(cfg.hidden).name, cfg.combine_dtype == "float32",
-                              self.transport, self.pdl, self.node_size)
+                              self.transport, self.pdl, self.node_size, self.node_stores)
 
     # -- records --------------------------------------------------------------------------------
     def as_dict(self) -> dict:
@@ -233,7 +238,9 @@ class Plan:
     def describe(self) -> str:
         """The plan as a table (under 100 columns): each field, its value and why."""
         why = dict(_split_reason(r) for r in self.reasons)
-        transport = self.transport.value + (f" ({self.node_size} PEs a node)" if self.node_size else "")
+        transport = self.transport.value + (f" ({self.node_size} PEs a node, "
+                                            f"{'stores' if self.node_stores else 'puts'} within)"
+                                            if self.node_size else "")
         rows = [("layouts", "+".join(self.layouts)), ("transport", transport),
                 ("receiver", self.receiver.value), ("expanded_copy", self.expanded_copy.value),
                 ("pdl", "on" if self.pdl else "off"), ("threads", self.threads), ("grid", self.grid),
@@ -242,6 +249,8 @@ class Plan:
                 ("combine_wait_sms_expanded", self.combine_wait_sms_expanded),
                 ("share_from_tokens", self.share_from_tokens), ("chunk_from_tokens", self.chunk_from_tokens),
                 ("split_from_tokens", self.split_from_tokens)]
+        if self.node_size:
+            rows.insert(2, ("node_stores", "on" if self.node_stores else "off"))
         lines = [f"{name:<26} {str(value):<20} {why.get(name, '')}".rstrip() for name, value in rows]
         grids = (f"grids: dispatch_async {self.dispatch_async_grid}, dispatch_wait {self.dispatch_wait_grid}, "
                  f"combine_async {self.combine_async_grid('compact')} (compact) / "
@@ -261,7 +270,7 @@ def _split_reason(reason: str) -> tuple[str, str]:
 OVERRIDABLE = {
     "transport": Transport, "receiver": Receiver, "expanded_copy": ExpandedCopy, "pdl": bool,
     "receiver_sms": int, "placing_blocks": int, "combine_wait_sms": int, "combine_wait_sms_expanded": int,
-    "share_from_tokens": int, "chunk_from_tokens": int, "split_from_tokens": int,
+    "share_from_tokens": int, "chunk_from_tokens": int, "split_from_tokens": int, "node_stores": bool,
 }
 
 
@@ -356,14 +365,21 @@ def choose_plan(cfg: EPConfig, topology: Topology, overrides: dict | None = None
     transport = pick("transport", *((Transport.STORES, "every PE's heap is mapped here (NVLink): stores from the SMs")
                                     if topology.peers_mapped else
                                     (Transport.HIERARCHICAL, f"the PEs are on {topology.n_nodes} nodes of "
-                                                             f"{topology.node_size}: puts within a node; across, a put "
-                                                             f"per chunk of tokens and node, through the node's proxy")
+                                                             f"{topology.node_size}: within a node see node_stores; "
+                                                             f"across, a put per chunk of tokens and node, through "
+                                                             f"the node's proxy")
                                     if topology.n_nodes > 1 and topology.node_size else
                                     (Transport.PUTS, f"the PEs are on {topology.n_nodes} nodes, not blocks of "
                                                      f"consecutive PEs of one size: NVSHMEM puts to every peer")
                                     if topology.n_nodes > 1 else
                                     (Transport.PUTS, "some PE's heap is not mapped here: NVSHMEM puts")))
-    node_size = topology.node_size if transport is Transport.HIERARCHICAL else 0
+    hierarchical = transport is Transport.HIERARCHICAL
+    node_size = topology.node_size if hierarchical else 0
+    node_stores = pick("node_stores", hierarchical and topology.node_peers_mapped,
+                       "every PE of a node maps its node's heaps (NVLink): stores within a node"
+                       if hierarchical and topology.node_peers_mapped else
+                       "some PE of a node does not map its node's heaps: puts within a node" if hierarchical
+                       else "not the hierarchical transport")
     pdl = pick("pdl", topology.pdl, "compute capability 9.0+ and the fast launcher" if topology.pdl else
                "the simulator" if topology.simulated else "no PDL here (compute capability < 9.0 or no fast launcher)")
     threads = SIM_THREADS if topology.simulated else GPU_THREADS
@@ -393,7 +409,8 @@ def choose_plan(cfg: EPConfig, topology: Topology, overrides: dict | None = None
         reasons.append("trade: serving both layouts, the compact one lands too; a runtime serving only the "
                        "compact layout routes first, chunked (docs/plans.md)")
     plan = Plan(layouts, transport, receiver, expanded_copy, pdl, threads, grid, receiver_sms, placing_blocks,
-                combine_sms, combine_sms_x, node_size=node_size, reasons=tuple(reasons), **thresholds)
+                combine_sms, combine_sms_x, node_size=node_size, node_stores=node_stores, reasons=tuple(reasons),
+                **thresholds)
     check_plan(plan, cfg, topology)
     return plan
 
@@ -456,6 +473,10 @@ def check_plan(plan: Plan, cfg: EPConfig, topology: Topology) -> None:
                                                           plan.node_size == topology.node_size), "transport",
          f"transport=hierarchical needs PEs on 2 or more nodes of equal size, each a block of consecutive PEs; "
          f"these PEs are on nodes {list(topology.node_of) or [0] * topology.n_ranks}", "use transport=puts"),
+        (not plan.node_stores or (plan.transport is Transport.HIERARCHICAL and topology.node_peers_mapped),
+         "node_stores", f"node_stores=1 needs the hierarchical transport (this plan's: {plan.transport.value}) and "
+         f"every PE mapping its node's heaps (NVLink within a node): "
+         f"{'yes' if topology.node_peers_mapped else 'no'}", "use node_stores=0"),
         (plan.transport is not Transport.HIERARCHICAL or plan.receiver is Receiver.WAIT, "receiver",
          f"receiver={plan.receiver.value} with transport=hierarchical: the proxies forward whole calls, which only "
          f"the wait receiver takes", "use receiver=wait"),

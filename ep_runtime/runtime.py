@@ -773,9 +773,16 @@ class EPRuntime:
             if bases is None:
                 raise EPConfigError(f"rank {self.rank}: the plan stores into peers, but some PE's heap is not mapped "
                                     f"here; use transport=puts.")
-            for row, name in enumerate(PEER_REGIONS):
-                if self.layout.has(name):
-                    table[row] = [base + self.layout.region(name).offset for base in bases]
+        elif self.plan.node_stores:
+            bases = self.session.node_peer_addresses(self._sym)  # 0 for the other nodes' PEs
+            if bases is None:
+                raise EPConfigError(f"rank {self.rank}: the plan stores within its node, but some PE of this node "
+                                    f"has no mapping here; use node_stores=0.")
+        else:
+            return table
+        for row, name in enumerate(PEER_REGIONS):
+            if self.layout.has(name):
+                table[row] = [base + self.layout.region(name).offset if base else 0 for base in bases]
         return table
 
     def _prepare(self, name, epilogue=None, grid=0, **values) -> PreparedCall:

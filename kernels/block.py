@@ -380,12 +380,21 @@ def flag_part(row_flag, me, t, part, n, dests, lane):
     bits are set in ``dests`` (uint64; plain stores, through the mappings or locally): fence at
     system scope, meet, and lane 0 sets ``row_flag[me, t, part]`` on each of them to n + 1
     (data before flag; ``row_flag`` [R, T, parts] uint64 symmetric)."""
+    flag_stored(row_flag[me, t, part:part + 1], n, dests, row_flag.shape[0], lane)
+
+
+@cuda.jit(device=True)
+def flag_stored(flag, n, dests, R, lane):
+    """Every lane of a warp that stored its share of what ``flag`` (a 1-element uint64 slice of
+    a symmetric flag) guards into the PEs whose bits are set in ``dests`` (uint64, PEs below
+    R; plain stores): fence at system scope, meet, and lane 0 sets the flag on each of them to
+    n + 1 (data before flag)."""
     cuda.threadfence_system()
     warp_sync()
     if lane == 0:
-        for d in range(row_flag.shape[0]):
+        for d in range(R):
             if (dests >> uint64(d)) & uint64(1):
-                shmem.signal_op(row_flag[me, t, part:part + 1], uint64(n + 1), shmem.SIGNAL_SET, d)
+                shmem.signal_op(flag, uint64(n + 1), shmem.SIGNAL_SET, d)
 
 
 @cuda.jit(device=True)

@@ -15,12 +15,12 @@ from numba import float32, uint64
 
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.bits import bf16_bits_at, f32_bits_at, word_f32
-from ep_runtime.kernels.block import flag_part, grant_token_credits, interleaved_item, local_expert_count, \
-    most_tokens, part_bounds, warp_sync
+from ep_runtime.kernels.block import flag_part, flag_stored, grant_token_credits, interleaved_item, \
+    local_expert_count, most_tokens, part_bounds, warp_sync
 from ep_runtime.kernels.cuda_api import cuda, kernel_jit
 from ep_runtime.kernels.partials import flagged_parts, partial_geometry
 from ep_runtime.kernels.pdl import make_pdl, programmatic
-from ep_runtime.kernels.protocol import PEER_PARTIALS, STATUS_CODE, SYNC_CALLS
+from ep_runtime.kernels.protocol import PEER_PARTIALS, PEER_RELAY_PARTIALS, STATUS_CODE, SYNC_CALLS
 from ep_runtime.kernels.trace import stamp_first, stamp_last
 from ep_runtime.kernels.variant import CombineVariant
 from ep_runtime.kernels.vec import (address_of, make_pair_loops, pack_f32x2, pairs_aligned, store_pair,
@@ -69,6 +69,30 @@ def make_combine_send(v: CombineVariant) -> dict:
         else:
             store_pair_at(row, wu, uint64(rounded_word(acc, b)), uint64(rounded_word(acc, b + pack)))
 
+    @cuda.jit(device=True)
+    def home_row(c_partials, relay_partials, peer_bases, g, me, s, t):
+        """The address, through its mapping, where this rank's partial of token t of rank s goes
+        in a stores build: slot [g, me, t] of s's ``combine_partials``, or, hierarchical with s
+        on another node, row ``node(s) node_size + local(me)`` of token t in the
+        ``relay_partials`` of s's proxy on this node (the same offsets on every PE)."""
+        if NODE > 0 and s // NODE != me // NODE:
+            row = (s // NODE) * NODE + me % NODE
+            return peer_bases[PEER_RELAY_PARTIALS, (me // NODE) * NODE + s % NODE] + (
+                address_of(relay_partials[row, t]) - address_of(relay_partials))
+        return peer_bases[PEER_PARTIALS, s] + (address_of(c_partials[g, me, t]) - address_of(c_partials))
+
+    @cuda.jit(device=True)
+    def flag_home(c_row_flag, relay_flag, me, s, t, p, n, lane):
+        """Every lane of the warp that stored part p of its partial of token t of rank s
+        (``home_row``): flag it where it went (``flag_stored``): ``c_row_flag[me, t, p]`` on s,
+        or ``relay_flag[row, t, p]`` on s's proxy on this node."""
+        if NODE > 0 and s // NODE != me // NODE:
+            row = (s // NODE) * NODE + me % NODE
+            flag_stored(relay_flag[row, t, p:p + 1], n, uint64(1) << uint64((me // NODE) * NODE + s % NODE),
+                        c_row_flag.shape[0], lane)
+        else:
+            flag_part(c_row_flag, me, t, p, n, uint64(1) << uint64(s), lane)
+
     @kernel_jit(threads)
     def combine_async(expert_out, d_ids, d_counts, c_partials, sync, token_rows, row_weight, stage, status, peer_bases,
                       d_credit, c_row_flag, relay_partials, relay_flag):
@@ -108,7 +132,8 @@ def make_combine_send(v: CombineVariant) -> dict:
         the home's proxy on this node (the PE with the home's local index) instead, into its
         ``relay_partials[row, t]`` flagged in ``relay_flag[row, t, p]`` (symmetric [R, Tmax, P W]
         partial words and [R, Tmax, FLAG_PARTS] uint64; row = the home's node x node_size + this
-        rank's local index), and the proxy sends the node's sum home (kernels/relay.py).
+        rank's local index), and the proxy sends the node's sum home (kernels/relay.py): stored
+        through the proxy's mapping in a stores build (``node_stores``), else put.
         """
         acc = cuda.local.array(ACC, float32)
         vals = cuda.local.array(U, word_t)
@@ -136,7 +161,7 @@ def make_combine_send(v: CombineVariant) -> dict:
         g = n % 2
         all_warps = cuda.gridDim.x * warps
         pairs = (W % 2 == 0 and pairs_aligned(expert_out) and pairs_aligned(c_partials)
-                 and (STORES or pairs_aligned(stage)))
+                 and (STORES or pairs_aligned(stage)) and (NODE == 0 or pairs_aligned(relay_partials)))
         direct = PEER_WORDS and pairs and STORES
 
         # items of every source interleaved (``interleaved_item``): each warp alternates between
@@ -156,9 +181,8 @@ def make_combine_send(v: CombineVariant) -> dict:
                     to_peer = direct and s != me  # ... as word pairs
                     in_pairs = pairs and (to_peer or not stored)  # else a word per lane per step
                     peer_row = uint64(0)
-                    if stored:  # slot [g, me, t] of rank s: the same offset on every PE
-                        peer_row = peer_bases[PEER_PARTIALS, s] + (address_of(c_partials[g, me, t])
-                                                                   - address_of(c_partials))
+                    if stored:
+                        peer_row = home_row(c_partials, relay_partials, peer_bases, g, me, s, t)
                     w = w0 + 2 * lane
                     while in_pairs and w < w1:  # UP word pairs per lane: every row's loads issued before use
                         for x in range(U * pack):
@@ -227,7 +251,7 @@ def make_combine_send(v: CombineVariant) -> dict:
                             shmem.put_signal_nbi_warp(c_partials[g, me, t, pw0:pw1], stage[s, t, pw0:pw1],
                                                       c_row_flag[me, t, p:p + 1], uint64(n + 1), shmem.SIGNAL_SET, s)
                     else:
-                        flag_part(c_row_flag, me, t, item - t * parts, n, uint64(1) << uint64(s), lane)
+                        flag_home(c_row_flag, relay_flag, me, s, t, item - t * parts, n, lane)
             q += all_warps
 
         stamp_last(status, 17)
@@ -271,7 +295,8 @@ def make_combine_send(v: CombineVariant) -> dict:
         L = d_counts.shape[2] - 1
         Tmax = d_ids.shape[2]
         W = c_partials.shape[3]
-        pairs = W % 2 == 0 and pairs_aligned(expert_out) and pairs_aligned(c_partials)
+        pairs = (W % 2 == 0 and pairs_aligned(expert_out) and pairs_aligned(c_partials)
+                 and (NODE == 0 or pairs_aligned(relay_partials)))
         direct = PEER_WORDS and pairs and STORES
         tid = cuda.threadIdx.x
         lane = tid % warp
@@ -292,9 +317,8 @@ def make_combine_send(v: CombineVariant) -> dict:
             if t < d_counts[g, s, L]:
                 if w0 < w1 and local_expert_count(d_ids[g, s, t], L, me) > 0:
                     src = expert_out[s * Tmax + t]
-                    if STORES:  # through the mapping: slot [g, me, t] of rank s, the same offset on every PE
-                        peer_row = peer_bases[PEER_PARTIALS, s] + (address_of(c_partials[g, me, t])
-                                                                   - address_of(c_partials))
+                    if STORES:  # through the mapping (``home_row``)
+                        peer_row = home_row(c_partials, relay_partials, peer_bases, g, me, s, t)
                         if direct:  # UP pairs per lane in flight
                             w = w0 + 2 * lane
                             while w < w1:
@@ -304,7 +328,7 @@ def make_combine_send(v: CombineVariant) -> dict:
                         else:  # rows without 16-byte word pairs: a word per lane per step
                             for w in range(w0 + lane, w1, warp):
                                 store_word_at(peer_row, w, src[w])
-                        flag_part(c_row_flag, me, t, item - t * parts, n, uint64(1) << uint64(s), lane)
+                        flag_home(c_row_flag, relay_flag, me, s, t, item - t * parts, n, lane)
                     elif NODE > 0 and s // NODE != me // NODE:  # to the home's proxy on this node
                         p = item - t * parts
                         row = (s // NODE) * NODE + me % NODE

@@ -163,7 +163,8 @@ def make_dispatch_route(v: DispatchVariant) -> SimpleNamespace:
         ``routed_id`` reads them, the weights) into ``d_ids[g, me]`` / ``d_weights[g, me]`` of
         every rank: 4-byte stores through the peer mappings (rows 0..T are contiguous on both
         sides: element j of the run), or, on the puts path, the block's run of tokens written
-        here first and put from here to every other rank."""
+        here first and put from here to every other rank. Hierarchical: to the ranks of this
+        node only (this rank's own rows included, which its proxies get in one put each)."""
         tid = cuda.threadIdx.x
         E = R * L
         ids_l = cuda.local.array(ID_BATCH, int32)
@@ -179,8 +180,9 @@ def make_dispatch_route(v: DispatchVariant) -> SimpleNamespace:
                     drop = int32(j)
                 wbits = f32_bits(topk_weights[t, k])
                 for d in range(R):
-                    store_u32_at(peer_bases[PEER_IDS, d] + ids_at, j, uint32(x))
-                    store_u32_at(peer_bases[PEER_WEIGHTS, d] + weights_at, j, wbits)
+                    if on_node(me, d, NODE):  # hierarchical: a proxy gets them with its signal
+                        store_u32_at(peer_bases[PEER_IDS, d] + ids_at, j, uint32(x))
+                        store_u32_at(peer_bases[PEER_WEIGHTS, d] + weights_at, j, wbits)
         else:
             per = (T + token_blocks - 1) // token_blocks
             t0 = min(cuda.blockIdx.x * per, T)
@@ -247,11 +249,12 @@ def make_dispatch_route(v: DispatchVariant) -> SimpleNamespace:
         stamp_last(status, 29)
 
     @cuda.jit(device=True)
-    def send_rank_run(src, n, R, peer_bases, ranks_at, tid, run_l):
+    def send_rank_run(src, n, R, me, peer_bases, ranks_at, tid, run_l):
         """Every thread of the routing block: the first ``n`` int32 of the staged ranks (the
         flat run at address ``src``: element ``t K + k``) into every rank's run at byte
-        ``ranks_at`` past its ``dispatch_ranks``: contiguous 4-byte stores across the block,
-        RUN_BATCH loads in flight per thread (``run_l``) before its stores."""
+        ``ranks_at`` past its ``dispatch_ranks`` (hierarchical: the ranks of rank ``me``'s
+        node): contiguous 4-byte stores across the block, RUN_BATCH loads in flight per thread
+        (``run_l``) before its stores."""
         j = tid
         while j < n:
             for b in range(RUN_BATCH):  # a constant trip count: unrolled, run_l in registers
@@ -260,7 +263,8 @@ def make_dispatch_route(v: DispatchVariant) -> SimpleNamespace:
             for b in range(RUN_BATCH):
                 if j + b * threads < n:
                     for d in range(R):
-                        store_u32_at(peer_bases[PEER_RANKS, d] + ranks_at, j + b * threads, run_l[b])
+                        if on_node(me, d, NODE):
+                            store_u32_at(peer_bases[PEER_RANKS, d] + ranks_at, j + b * threads, run_l[b])
             j += RUN_BATCH * threads
 
     @cuda.jit(device=True)
@@ -321,7 +325,9 @@ def make_dispatch_route(v: DispatchVariant) -> SimpleNamespace:
         routing block waits for another; the last chunk's block stores each
         expert's count on its rank (``d_counts[g, me, :L]``, and T at ``[g, me, L]``). A landing
         build then takes the route ticket (``publish_route``). The puts path stages the counts
-        rows (send_counts) and puts the ranks per block."""
+        rows (send_counts) and puts the ranks per block. Hierarchical: the ranks go to this
+        node's ranks, and the counts rows of another node's ranks are staged (its proxy gets
+        them with the relay signal)."""
         tid = cuda.threadIdx.x
         chunk = (T + n_route - 1) // n_route  # this block ranks tokens [c0, c1)
         c0 = min(rb * chunk, T)
@@ -369,20 +375,20 @@ def make_dispatch_route(v: DispatchVariant) -> SimpleNamespace:
                 x = w0 + el
                 if x < E:
                     d = x // L
-                    if STORES:
+                    if STORES and on_node(me, d, NODE):  # (hierarchical: another node's go with its relay signal)
                         store_u32_at(peer_bases[PEER_COUNTS, d] + counts_at, x - d * L, uint32(next_rank[el]))
                     else:
                         send_counts[d, x - d * L] = next_rank[el]
             cuda.syncthreads()  # next_rank read before the next window resets it
         for d in range(tid, R if counts_here else 0, threads):  # T, even when 0
-            if STORES:
+            if STORES and on_node(me, d, NODE):
                 store_u32_at(peer_bases[PEER_COUNTS, d] + counts_at, L, uint32(T))
             else:
                 send_counts[d, L] = T
         cuda.syncthreads()  # the ranks are staged before the block sends them
         stamp_last(status, 19)
         if STORES:  # the staged run of the chunk to every rank, 128 bytes per warp store
-            send_rank_run(ranks_src + uint64(4 * c0 * K), (c1 - c0) * K, R, peer_bases,
+            send_rank_run(ranks_src + uint64(4 * c0 * K), (c1 - c0) * K, R, me, peer_bases,
                           ranks_at + uint64(4 * c0 * K), tid, run_l)
         elif c1 > c0:
             for d in range(R):

@@ -490,11 +490,14 @@ def make_dispatch_async(v: DispatchVariant):
         # token rows, deduplicated per destination rank, a warp per row part, in the token blocks
         if cuda.blockIdx.x < token_blocks:
             stamp_last(status, 31)
-        stores_only = STORES  # the token rows go as plain stores (the ticket's fence: publish_fence)
+        # the token rows go as plain stores (the ticket's fence: publish_fence); the hierarchical
+        # transport's chunks are puts (the ticket's quiet completes them before relay_stage is reused)
+        stores_only = STORES and NODE == 0
         T_parts = T
         if QUANT:
             stores_only = send_fp8_rows(tokens, token_scales, prequantized, ids_base, d_tokens, d_tokens8, stage64,
-                                        stage8, peer_bases, T, K, L, R, me, token_blocks, mbuf, held, ids_l, lo, hi)
+                                        stage8, peer_bases, T, K, L, R, me, token_blocks, mbuf, held, ids_l, lo,
+                                        hi) and NODE == 0
             T_parts = 0  # no bf16 row parts
         send_bf16_rows(tokens, ids_base, d_tokens, d_row_flag, peer_bases, T_parts, K, L, R, W, me, n, token_blocks,
                        own_skip, ids_l, lo, hi)

@@ -112,10 +112,12 @@ RECV_LEN = 4
 
 #: Regions the kernels store into directly on peers (through NVLink mappings), in the row order
 #: of the ``peer_bases`` table [len(PEER_REGIONS), R]: the address of each on every PE as mapped
-#: on this one. The ``PEER_*`` constants name the rows in kernel code.
+#: on this one (0 for a PE not mapped: another node's). The ``PEER_*`` constants name the rows
+#: in kernel code.
 PEER_REGIONS = ("dispatch_tokens", "combine_partials", "dispatch_counts", "dispatch_topk_ids",
-                "dispatch_topk_weights", "dispatch_ranks", "slot_values")
-PEER_TOKENS, PEER_PARTIALS, PEER_COUNTS, PEER_IDS, PEER_WEIGHTS, PEER_RANKS, PEER_SLOTS = range(len(PEER_REGIONS))
+                "dispatch_topk_weights", "dispatch_ranks", "slot_values", "relay_partials")
+(PEER_TOKENS, PEER_PARTIALS, PEER_COUNTS, PEER_IDS, PEER_WEIGHTS, PEER_RANKS, PEER_SLOTS,
+ PEER_RELAY_PARTIALS) = range(len(PEER_REGIONS))
 
 # -- FP8 codes ----------------------------------------------------------------------------------
 

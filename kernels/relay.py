@@ -3,7 +3,7 @@
 Nodes are ``node_size`` consecutive PEs (kernels/nodes.py). A PE is the proxy, on its node, of
 each PE of another node that has its local index: its *sources*, one per other node. Across
 nodes only sources and their proxies exchange data, in few large puts; within a node every PE
-puts to every other (NVSHMEM carries those puts over NVLink).
+writes every other with stores through their mappings (``node_stores``), or with puts.
 
 ``dispatch_relay`` runs after dispatch_async and before the receive kernel. For each source s,
 once s's relay signal shows call n complete here (s's routing rows and ranks, the rows of its
@@ -31,12 +31,15 @@ from ep_runtime.kernels.bits import f32_bits_at, f32_word_at, word_f32
 from ep_runtime.kernels.block import (await_flag, last_block_ticket, part_bounds, popc32, publish_fence,
                                       record_error, warp_geometry, warp_sync)
 from ep_runtime.kernels.cuda_api import cuda, kernel_jit
+from ep_runtime.kernels.dispatch_copy import COPY_UNROLL
 from ep_runtime.kernels.nodes import MAX_NODES, chunk_tokens, holders, node_bits, nth_set_bit, other_index
 from ep_runtime.kernels.partials import flagged_parts, partial_geometry
 from ep_runtime.kernels.protocol import (COUNTER_RELAY_CHUNK, COUNTER_RELAY_FLAG, COUNTER_RELAY_SIGNAL,
                                          COUNTER_TOKEN_CREDIT, ERR_TIMEOUT, KERNEL_COMBINE_RELAY, KERNEL_DISPATCH_RELAY,
-                                         SIGNAL_TOKEN_BITS, STATUS_CODE, SYNC_CALLS)
+                                         PEER_IDS, PEER_RANKS, PEER_TOKENS, PEER_WEIGHTS, SIGNAL_TOKEN_BITS,
+                                         STATUS_CODE, SYNC_CALLS)
 from ep_runtime.kernels.variant import CombineVariant, DispatchVariant
+from ep_runtime.kernels.vec import address_of, load_u32_at, make_pair_loops, pairs_aligned, store_u32_at, store_word_at
 
 
 @cuda.jit(device=True)
@@ -65,10 +68,60 @@ def make_dispatch_relay(v: DispatchVariant):
     threads = v.threads
     warp, warps = warp_geometry(threads)
     NODE = v.node_size
+    STORES = v.stores  # within the node: stores through the mappings (``node_stores``), else puts
+    UP = COPY_UNROLL // 2  # word pairs per lane in flight
+    load_pairs, _, store_pairs_at = make_pair_loops(UP, warp)
+
+    @cuda.jit(device=True)
+    def forward_run(array, g, s, t0, t1, peer_bases, region, first, me):
+        """Every thread of a block: ``array[g, s, t0:t1]`` (int32 or float32 [G, R, Tmax, K],
+        4-byte elements) into the same elements of every other PE of this node: a put each, or
+        4-byte stores through their mappings (``region``: the array's ``peer_bases`` row)."""
+        if STORES:
+            K = array.shape[3]
+            src = address_of(array[g, s, t0])
+            at = src - address_of(array)  # the same offset on every PE
+            for j in range(cuda.threadIdx.x, (t1 - t0) * K, threads):
+                word = load_u32_at(src, j)
+                for q in range(first, first + NODE):
+                    if q != me:
+                        store_u32_at(peer_bases[region, q] + at, j, word)
+        else:
+            for q in range(first, first + NODE):
+                if q != me:
+                    shmem.put_nbi_block(array[g, s, t0:t1], array[g, s, t0:t1], q)
+
+    @cuda.jit(device=True)
+    def forward_row(d_tokens, row, s, t, to, peer_bases, first, lane, lo, hi):
+        """Every lane of a warp: the packed ``row`` (token words or an FP8 message) into
+        ``d_tokens[s, t]`` of each PE of this node whose bit is set in ``to`` (uint64), this one
+        included: a warp put each, or stores through their mappings, each word (pair) loaded
+        once for every PE."""
+        if STORES:
+            W = row.shape[0]
+            slot = address_of(d_tokens[s, t]) - address_of(d_tokens)  # the same on every PE
+            if row.itemsize == 8 and W % 2 == 0 and pairs_aligned(row) and pairs_aligned(d_tokens):
+                w = 2 * lane
+                while w < W:
+                    load_pairs(row, w, W, lo, hi)
+                    for q in range(first, first + NODE):
+                        if (to >> uint64(q)) & uint64(1):
+                            store_pairs_at(peer_bases[PEER_TOKENS, q] + slot, w, W, lo, hi)
+                    w += 2 * UP * warp
+            else:
+                for w in range(lane, W, warp):
+                    val = row[w]
+                    for q in range(first, first + NODE):
+                        if (to >> uint64(q)) & uint64(1):
+                            store_word_at(peer_bases[PEER_TOKENS, q] + slot, w, val)
+        else:
+            for q in range(first, first + NODE):
+                if (to >> uint64(q)) & uint64(1):
+                    shmem.put_nbi_warp(d_tokens[s, t], row, q)
 
     @kernel_jit(threads)
     def dispatch_relay(d_tokens, d_ids, d_weights, d_ranks, d_counts, d_signal, relay_counts, relay_signal, d_credit,
-                       sync, relay_sync, status, timeout_ns, relay_rows, relay_chunk_flag):
+                       sync, relay_sync, status, timeout_ns, relay_rows, relay_chunk_flag, peer_bases):
         """Forward each source's call to this node's PEs, then signal them on its behalf.
 
         Symmetric, as dispatch_async writes them: d_tokens [R, Tmax, W] token words (or FP8
@@ -77,25 +130,30 @@ def make_dispatch_relay(v: DispatchVariant):
         counts row for PE j of this node), relay_signal [G, R] uint64, d_credit [R] uint64,
         relay_rows [X, Tmax, W] (``[other_index(node(s)), c CH + j]``: the j-th packed
         row of chunk c of source s) and relay_chunk_flag [R, C] uint64 (``[s, c]``: n + 1 once it
-        arrived). Local: sync (dispatch_async's call counter: this is call ``sync[1] - 1``),
-        relay_sync [1] int64 (the launch's ticket), status int64. timeout_ns bounds each wait.
+        arrived). peer_bases [P, R] uint64: the node's PEs' regions as mapped here (a
+        ``node_stores`` build forwards with stores through them). Local: sync (dispatch_async's
+        call counter: this is call ``sync[1] - 1``), relay_sync [1] int64 (the launch's ticket),
+        status int64. timeout_ns bounds each wait.
 
         Every block: thread 0 waits for the credit of call n of each other PE of this node (it
         has read its rows of earlier calls) and for each source's relay signal (its routing
         rows, ranks and counts rows are here). A timeout records this kernel, the peer and the
         counter, and the block returns: no signal goes out, so the node's receivers time out
         naming the source. Then, each source's tokens in a range a block, the block puts its
-        range of the routing rows and ranks to each other PE of the node; and a chunk of
+        range of the routing rows and ranks to each other PE of the node (``forward_run``); and a chunk of
         ``CH = chunk_tokens(T_s)`` tokens a block in turn, it ranks the chunk's tokens with an
         expert on this node (``chunk_mask``, as the source packed them), waits for the chunk's
-        flag, and a warp per packed row puts the row into ``d_tokens[s, t]`` of each PE of the
-        node holding one of its experts, this one included. The last block (ticket after a quiet) puts each
+        flag, and a warp per packed row copies the row into ``d_tokens[s, t]`` of each PE of the
+        node holding one of its experts, this one included (``forward_row``). The last block
+        (ticket after a quiet, which also publishes stores) puts each
         source's counts row with its dispatch signal, ``(n + 1) << 32 | T_s``, to every PE of
         the node.
         """
         flag = cuda.shared.array(1, int32)
         cmask = cuda.shared.array(1, uint32)
         t_of = cuda.shared.array(MAX_NODES, int32)  # each source node's token count (T_s)
+        lo = cuda.local.array(UP, uint64)
+        hi = cuda.local.array(UP, uint64)
         if status[STATUS_CODE] != 0:
             return  # an earlier error: forward nothing, so the node's receivers time out naming the sources
         n = sync[SYNC_CALLS] - 1
@@ -139,11 +197,9 @@ def make_dispatch_relay(v: DispatchVariant):
                 t0 = min(cuda.blockIdx.x * per, T)
                 t1 = min(t0 + per, T)
                 if t0 < t1:
-                    for q in range(first, first + NODE):
-                        if q != me:
-                            shmem.put_nbi_block(d_ids[g, s, t0:t1], d_ids[g, s, t0:t1], q)
-                            shmem.put_nbi_block(d_weights[g, s, t0:t1], d_weights[g, s, t0:t1], q)
-                            shmem.put_nbi_block(d_ranks[g, s, t0:t1], d_ranks[g, s, t0:t1], q)
+                    forward_run(d_ids, g, s, t0, t1, peer_bases, PEER_IDS, first, me)
+                    forward_run(d_weights, g, s, t0, t1, peer_bases, PEER_WEIGHTS, first, me)
+                    forward_run(d_ranks, g, s, t0, t1, peer_bases, PEER_RANKS, first, me)
                 x = other_index(node, mine)
                 CH = chunk_tokens(T)
                 c = cuda.blockIdx.x
@@ -159,9 +215,8 @@ def make_dispatch_relay(v: DispatchVariant):
                         for j in range(wid, popc32(mask), warps):  # a warp a packed row
                             t = c * CH + nth_set_bit(mask, j)
                             to = holders(d_ids[g, s, t], L, R) & here
-                            for q in range(first, first + NODE):
-                                if (to >> uint64(q)) & uint64(1):
-                                    shmem.put_nbi_warp(d_tokens[s, t], relay_rows[x, c * CH + j], q)
+                            forward_row(d_tokens, relay_rows[x, c * CH + j], s, t, to, peer_bases, first,
+                                        tid % warp, lo, hi)
                     c += cuda.gridDim.x
         if last_block_ticket(relay_sync[0:1], flag, False):  # every block's puts complete (quiet)
             for j in range(tid, (R // NODE) * NODE, threads):  # (source node, PE of this node)

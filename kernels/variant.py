@@ -20,9 +20,10 @@ class Transport(str, Enum):
     STORES = "stores"
     #: NVSHMEM puts (any peer NVSHMEM reaches; completion by quiet and put_signal)
     PUTS = "puts"
-    #: several nodes: NVSHMEM puts to the peers of this PE's node, and across nodes one put per
-    #: (token, node) to the node's proxy, the PE with this PE's local index there, which forwards
-    #: it to its node's peers (``kernels/relay.py``; nodes of ``node_size`` consecutive PEs)
+    #: several nodes: within this PE's node stores through the mappings (``node_stores``) or
+    #: puts, and across nodes a put per chunk of tokens and node to the node's proxy, the PE
+    #: with this PE's local index there, which forwards the rows to its node's peers
+    #: (``kernels/relay.py``; nodes of ``node_size`` consecutive PEs)
     HIERARCHICAL = "hierarchical"
 
 
@@ -56,7 +57,7 @@ class DispatchVariant:
     ``chunk_from_tokens``: ... from which a chunked build's blocks each rank a chunk;
     ``split_from_tokens``: tokens of a call from which a chunked build's token blocks send the
     routing rows (no routing block). ``node_size``: PEs per node of the hierarchical transport
-    (0 otherwise).
+    (0 otherwise); ``node_stores``: its writes within a node are stores (else puts).
     """
 
     threads: int
@@ -69,10 +70,14 @@ class DispatchVariant:
     chunk_from_tokens: int
     split_from_tokens: int
     node_size: int = 0
+    node_stores: bool = False
 
     @property
     def stores(self) -> bool:
-        return self.transport is Transport.STORES
+        """The peers this PE writes itself are written with stores through their mappings:
+        every peer (``stores``), or, hierarchical with ``node_stores``, the peers of its node
+        (the only ones it writes: across nodes its chunks and sums go as puts)."""
+        return self.transport is Transport.STORES or (self.transport is Transport.HIERARCHICAL and self.node_stores)
 
 
 @dataclass(frozen=True)
@@ -80,7 +85,8 @@ class CombineVariant:
     """The compile-time constants of the combine kernels: ``threads`` per block, the token word
     (``word``: NumPy dtype name, ``"uint64"`` / ``"uint32"`` / ``"uint16"``), float32 partials
     (``f32_partials``), the ``transport``, ``pdl`` and the hierarchical transport's
-    ``node_size`` (PEs per node; 0 otherwise)."""
+    ``node_size`` (PEs per node; 0 otherwise) and ``node_stores`` (its writes within a node
+    are stores)."""
 
     threads: int
     word: str
@@ -88,7 +94,9 @@ class CombineVariant:
     transport: Transport
     pdl: bool
     node_size: int = 0
+    node_stores: bool = False
 
     @property
     def stores(self) -> bool:
-        return self.transport is Transport.STORES
+        """As :attr:`DispatchVariant.stores`."""
+        return self.transport is Transport.STORES or (self.transport is Transport.HIERARCHICAL and self.node_stores)

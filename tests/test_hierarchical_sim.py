@@ -49,13 +49,13 @@ def hier_cfg(R: int, **changes) -> EPConfig:
                               wait_timeout_s=60.0), **changes})
 
 
-def round_trips_pe(session, n_nodes: int, cfg: EPConfig, compare_flat: bool) -> dict:
-    """As ``n_nodes`` logical nodes: :data:`CALLS` round trips on the default plan and the
-    traffic they sent; with ``compare_flat``, the traffic of the same calls with puts to every
-    peer (``transport=puts``)."""
+def round_trips_pe(session, n_nodes: int, cfg: EPConfig, compare_flat: bool, plan: dict) -> dict:
+    """As ``n_nodes`` logical nodes: :data:`CALLS` round trips on the default plan (with the
+    overrides ``plan``) and the traffic they sent; with ``compare_flat``, the traffic of the
+    same calls with puts to every peer (``transport=puts``)."""
     session.use_logical_nodes(n_nodes)
     session.traffic(reset=True)
-    got = plan_pe(session, {}, cfg, CALLS[cfg.n_ranks], SEED)
+    got = plan_pe(session, plan, cfg, CALLS[cfg.n_ranks], SEED)
     got["traffic"] = session.traffic(reset=True)
     if compare_flat:
         plan_pe(session, {"transport": "puts"}, cfg, CALLS[cfg.n_ranks], SEED)
@@ -69,15 +69,48 @@ def round_trips_pe(session, n_nodes: int, cfg: EPConfig, compare_flat: bool) -> 
 CHUNKS = dict(top_k=3, hidden=32, max_tokens_per_rank=72)
 
 
-@pytest.mark.parametrize("R, n_nodes, changes", [(4, 2, {}), (8, 2, {}), (8, 4, {}), (4, 2, CHUNKS)],
-                         ids=["2x2", "2x4", "4x2", "2x2-chunks"])
-def test_round_trips_are_the_reference_in_the_hierarchical_order_and_cross_nodes_only_to_proxies(R, n_nodes,
-                                                                                                  changes):
-    cfg, size = hier_cfg(R, **changes), R // n_nodes
-    runs = run_pes(round_trips_pe, R, args=(n_nodes, cfg, R == 4 and not changes), timeout_s=RUN_TIMEOUT_S)
+def assert_traffic_is_the_model(cfg: EPConfig, runs: list, routings: list, size: int, node_stores: bool) -> None:
+    """What each PE's kernels put and signalled to each other PE (``session.traffic``) against
+    the traffic model (bench.traffic, docs/cluster.md), PE to PE: across nodes the bytes
+    (``pair_bytes``) and the operations (``pair_ops``: a put per chunk, not per row); within a
+    node the model's bytes when the plan puts there, and when it stores there only 8-byte
+    signals (credits, flags, dispatch signals) and the counts rows a proxy forwards with the
+    signal of each source of another node (no row, partial or routing row goes as a put)."""
+    R, L = cfg.n_ranks, cfg.n_local_experts
     for r, got in enumerate(runs):
-        assert (got["plan"]["transport"], got["plan"]["receiver"], got["plan"]["node_size"]) == \
-            ("hierarchical", "wait", size), got["plan"]
+        for d in range(R):
+            if d == r:
+                continue
+            ops, sent = int(got["traffic"][d, 0]), int(got["traffic"][d, 1])
+            if d // size == r // size and node_stores:
+                rows = len(routings) * (R // size - 1)  # a counts row a call per source r is the proxy of
+                assert sent == 8 * (ops - rows) + rows * 4 * (L + 1), \
+                    f"rank {r} to {d} (its node, stores): {ops} operations of {sent} bytes are not {rows} counts " \
+                    f"rows and 8-byte signals: something else went as a put"
+                continue
+            model = sum(pair_bytes(ids, r, d, L, size, cfg.token_bytes, cfg.partial_bytes, cfg.slot_bytes)
+                        for ids in routings)
+            assert model == sent, f"rank {r} to {d}: model {model}, sent {got['traffic'][d]}"
+            if d // size != r // size:  # and the operations across: a put per chunk, not per row
+                model_ops = sum(pair_ops(ids, r, d, L, size) for ids in routings)
+                assert model_ops == ops, f"rank {r} to {d}: model {model_ops} operations, sent {got['traffic'][d]}"
+
+
+@pytest.mark.parametrize("R, n_nodes, changes, node_stores",
+                         [(4, 2, {}, True), (8, 2, {}, True), (8, 4, {}, True), (4, 2, CHUNKS, True),
+                          (4, 2, {}, False), (4, 2, CHUNKS, False)],
+                         ids=["2x2", "2x4", "4x2", "2x2-chunks", "2x2-puts-within", "2x2-chunks-puts-within"])
+def test_round_trips_are_the_reference_in_the_hierarchical_order_and_cross_nodes_only_to_proxies(R, n_nodes,
+                                                                                                  changes,
+                                                                                                  node_stores):
+    cfg, size = hier_cfg(R, **changes), R // n_nodes
+    plan = {} if node_stores else {"node_stores": False}
+    runs = run_pes(round_trips_pe, R, args=(n_nodes, cfg, R == 4 and not changes and node_stores, plan),
+                   timeout_s=RUN_TIMEOUT_S)
+    for r, got in enumerate(runs):
+        assert (got["plan"]["transport"], got["plan"]["receiver"], got["plan"]["node_size"],
+                got["plan"]["node_stores"]) == ("hierarchical", "wait", size, node_stores), got["plan"]
+        assert ("combine_stage" in got["regions"]) == (not node_stores), got["regions"]
     what = f"{n_nodes} x {size} nodes"
     assert_calls_are_the_reference(cfg, runs, CALLS[R], SEED, what, node_size=size)
     # the inputs tell the two orders apart, so a flat sum would have failed above
@@ -99,18 +132,7 @@ def test_round_trips_are_the_reference_in_the_hierarchical_order_and_cross_nodes
             else:
                 assert ops[d] == 0 and sent[d] == 0, f"rank {r} sent {ops[d]} operations ({sent[d]} bytes) to {d}, " \
                                                      f"a PE of another node that is not its proxy"
-    # the traffic model (bench.traffic.pair_bytes, docs/cluster.md) is what the simulated SHMEM moved, PE to PE
-    routings = [call_inputs(cfg, c, SEED)[1] for c in range(CALLS[R])]
-    for r, got in enumerate(runs):
-        for d in range(R):
-            if d != r:
-                model = sum(pair_bytes(ids, r, d, cfg.n_local_experts, size, cfg.token_bytes, cfg.partial_bytes)
-                            for ids in routings)
-                assert model == int(got["traffic"][d, 1]), f"rank {r} to {d}: model {model}, sent {got['traffic'][d]}"
-                if d // size != r // size:  # and the operations across: a put per chunk, not per row
-                    ops = sum(pair_ops(ids, r, d, cfg.n_local_experts, size) for ids in routings)
-                    assert ops == int(got["traffic"][d, 0]), f"rank {r} to {d}: model {ops} operations, " \
-                                                             f"sent {got['traffic'][d]}"
+    assert_traffic_is_the_model(cfg, runs, [call_inputs(cfg, c, SEED)[1] for c in range(CALLS[R])], size, node_stores)
     if "flat_traffic" in runs[0]:
         across = [sum(int(g[key][d, 1]) for r, g in enumerate(runs) for d in range(R) if d // size != r // size)
                   for key in ("traffic", "flat_traffic")]
@@ -118,27 +140,29 @@ def test_round_trips_are_the_reference_in_the_hierarchical_order_and_cross_nodes
 
 
 def fp8_pe(session, cfg: EPConfig) -> dict:
+    """FP8 round trips as 2 x 2, storing within a node, then putting there, each with its traffic."""
     session.use_logical_nodes(2)
-    session.traffic(reset=True)
-    got = fp8_plan_pe(session, {}, cfg, SEED)
-    got["traffic"] = session.traffic(reset=True)
-    return got
+    out = {}
+    for node_stores in (True, False):
+        session.traffic(reset=True)
+        got = fp8_plan_pe(session, {"node_stores": node_stores}, cfg, SEED)
+        got["traffic"] = session.traffic(reset=True)
+        out[node_stores] = got
+    return out
 
 
 def test_fp8_messages_are_forwarded_exactly_and_the_model_counts_their_padding():
     cfg = hier_cfg(4, token_dtype="fp8_e4m3", hidden=128)
-    runs = run_pes(fp8_pe, 4, args=(cfg,), timeout_s=RUN_TIMEOUT_S)
-    assert runs[0]["plan"]["transport"] == "hierarchical"
-    assert_fp8_calls_are_the_reference(cfg, runs, SEED, False, "fp8, 2 x 2 nodes", node_size=2)
+    pes = run_pes(fp8_pe, 4, args=(cfg,), timeout_s=RUN_TIMEOUT_S)
     # packed chunks and the proxies' forwards move whole messages (132 bytes padded to 256 here)
     assert cfg.slot_bytes > cfg.token_bytes
-    routings = [call_inputs(cfg, c, SEED)[1] for c in range(len(runs[0]["calls"]))]
-    for r, got in enumerate(runs):
-        for d in range(4):
-            if d != r:
-                model = sum(pair_bytes(ids, r, d, cfg.n_local_experts, 2, cfg.token_bytes, cfg.partial_bytes,
-                                       cfg.slot_bytes) for ids in routings)
-                assert model == int(got["traffic"][d, 1]), f"rank {r} to {d}: model {model}, sent {got['traffic'][d]}"
+    for node_stores in (True, False):
+        runs = [pe[node_stores] for pe in pes]
+        assert (runs[0]["plan"]["transport"], runs[0]["plan"]["node_stores"]) == ("hierarchical", node_stores)
+        assert_fp8_calls_are_the_reference(cfg, runs, SEED, False, f"fp8, 2 x 2 nodes, node_stores={node_stores}",
+                                           node_size=2)
+        routings = [call_inputs(cfg, c, SEED)[1] for c in range(len(runs[0]["calls"]))]
+        assert_traffic_is_the_model(cfg, runs, routings, 2, node_stores)
 
 
 def planted_pe(session, cfg: EPConfig) -> dict:
@@ -278,7 +302,7 @@ def test_a_node_that_withholds_its_combine_is_named_by_the_homes_of_the_other_wi
     assert runs[2]["error"] is None and runs[3]["error"] is None
 
 
-def test_the_plan_takes_the_hierarchical_transport_across_regular_nodes_only():
+def test_the_plan_takes_the_hierarchical_transport_across_regular_nodes_only_and_stores_within_mapped_ones():
     cfg = hier_cfg(4, max_tokens_per_rank=4096)
     regular = Topology(4, False, 132, True, False, (0, 0, 1, 1))
     assert regular.node_size == 2
@@ -293,6 +317,19 @@ def test_the_plan_takes_the_hierarchical_transport_across_regular_nodes_only():
         choose_plan(cfg, one_node, {"transport": "hierarchical"})
     with pytest.raises(EPConfigError, match="receiver=land with transport=hierarchical"):
         choose_plan(cfg, regular, {"receiver": "land"})
+    # within a node: stores where every PE maps its node's heaps, else puts; an override can put
+    assert plan.node_stores is False and "node_stores: some PE of a node does not map" in "\n".join(plan.reasons)
+    mapped = Topology(4, False, 132, True, False, (0, 0, 1, 1), node_peers_mapped=True)
+    stores = choose_plan(cfg, mapped)
+    assert stores.node_stores is True and "(2 PEs a node, stores within)" in stores.describe(), stores.describe()
+    assert stores.dispatch_variant(cfg).stores and stores.combine_variant(cfg).stores
+    assert not choose_plan(cfg, mapped, {"node_stores": 0}).dispatch_variant(cfg).stores
+    assert choose_plan(cfg, mapped, {"transport": "puts"}).node_stores is False
+    with pytest.raises(EPConfigError, match="node_stores=1 needs the hierarchical transport .* mapping its node's "
+                                            "heaps .*: no"):
+        choose_plan(cfg, regular, {"node_stores": 1})
+    with pytest.raises(EPConfigError, match=r"node_stores=1 needs the hierarchical transport \(this plan's: puts\)"):
+        choose_plan(cfg, mapped, {"transport": "puts", "node_stores": 1})
 
 
 def test_the_bench_table_shows_each_rank_s_bytes_between_and_within_nodes():

@@ -3,7 +3,8 @@ nodes reached from each other by NVSHMEM puts only (``Session.use_logical_nodes`
 ``open_session(logical_nodes=...)``, :mod:`ep_runtime.shmem.nodes`).
 
 An mpiexec job of 4 simulated PEs opens its session as 2 x 2 logical nodes: the node map, no peer
-mapping across nodes (``peer_view`` refuses a PE of the other node, ``peer_addresses`` is None),
+mapping across nodes (``peer_view`` refuses a PE of the other node, ``peer_addresses`` is None,
+``node_peer_addresses`` has its own node's only),
 the plan's transport (puts, its reason naming the nodes) and round trips in both layouts, bit for
 bit the reference's. Eight PEs as 2 x 4 and 4 x 2 map only their own node. The node-map helpers
 and the refusals run on their own.
@@ -37,7 +38,9 @@ def logical_rank_main(out_dir: str) -> None:
     probe = session.alloc_symmetric("test.probe", (8,), "int32")
     mate, other = me ^ 1, (me + 2) % n  # the other PE of its node, a PE of the other node
     got = {"rank": me, "node_of": session.node_of(), "mapped": session.peers_mapped(),
-           "addresses": session.peer_addresses(probe), "mate_view": session.peer_view(probe, mate).shape}
+           "addresses": session.peer_addresses(probe), "mate_view": session.peer_view(probe, mate).shape,
+           "node_addresses": session.node_peer_addresses(probe), "node_mapped": session.node_peers_mapped(),
+           "mate_address": int(session.peer_view(probe, mate).ctypes.data)}
     try:
         session.peer_view(probe, other)
         got["other_view"] = None
@@ -61,10 +64,15 @@ def test_two_logical_nodes_of_two_reach_each_other_by_puts_and_round_trip_exactl
         assert got["node_of"] == (0, 0, 1, 1), got["node_of"]
         assert got["mapped"] is False and got["addresses"] is None, f"rank {r}: a peer of another node is mapped"
         assert got["mate_view"] == (8,), f"rank {r}: its own node's peer view"
+        # its own node's addresses (its own mapping and its mate's), 0 for the other node's PEs
+        node = got["node_addresses"]
+        assert got["node_mapped"] is True and len(node) == n, got
+        assert node[r ^ 1] == got["mate_address"] and node[r] != 0 and node[r] != node[r ^ 1], node
+        assert [node[p] for p in range(n) if p // 2 != r // 2] == [0, 0], node
         assert got["other_view"] and f"PE {(r + 2) % n} is on node {1 - r // 2}" in got["other_view"] and \
             "reach it with NVSHMEM puts" in got["other_view"], got["other_view"]
         plan = got["run"]["plan"]
-        assert plan["transport"] == "hierarchical" and plan["node_size"] == 2, plan
+        assert plan["transport"] == "hierarchical" and plan["node_size"] == 2 and plan["node_stores"], plan
         assert any("transport: the PEs are on 2 nodes of 2" in line for line in got["reasons"]), got["reasons"]
     assert_calls_are_the_reference(ep_config(n), [got["run"] for got in results], CALLS, SEED, "2 x 2 logical nodes",
                                    node_size=2)

@@ -205,20 +205,13 @@ class NvshmemSession(Session):
         self._check_same_node(pe, "peer_view")
         return self._nvshmem.get_peer_array(array, pe)
 
-    def peer_addresses(self, array):
-        if self.spans_nodes():  # real or logical nodes: peers of another node are reached by puts only
+    def _mapped_address(self, array, pe):
+        try:
+            view = self._nvshmem.get_peer_array(array, pe)
+        except Exception as exc:  # noqa: BLE001 - a PE without a load/store mapping (another node)
+            log.info("no NVLink mapping of PE %d's heap (%s): peer stores off", pe, exc)
             return None
-        out = []
-        for pe in range(self.n_ranks):
-            try:
-                view = self._nvshmem.get_peer_array(array, pe)
-            except Exception as exc:  # noqa: BLE001 - a PE without a load/store mapping (another node)
-                log.info("no NVLink mapping of PE %d's heap (%s): peer stores off", pe, exc)
-                return None
-            if view is None:
-                return None
-            out.append(int(view.data.ptr))
-        return out
+        return None if view is None else int(view.data.ptr)
 
     def to_device(self, host):
         import cupy

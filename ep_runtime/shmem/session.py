@@ -146,7 +146,6 @@ class Session(abc.ABC):
         capability 9.0 or later and a launcher that sets its attribute). False by default."""
         return False
 
-    @abc.abstractmethod
     def peer_addresses(self, array) -> list[int] | None:
         """The address of every PE's copy of the symmetric allocation ``array`` (as
         :meth:`alloc_symmetric` returned it: NVSHMEM tracks allocations, not views of them) as
@@ -155,6 +154,43 @@ class Session(abc.ABC):
         NVLink path, or PEs on several nodes, logical ones included: :meth:`node_of`, collective
         the first time). A region at byte offset o of the allocation is at address + o on every
         PE. Publish such stores as :meth:`peer_view` says."""
+        if self.spans_nodes():  # real or logical nodes: peers of another node are reached by puts only
+            return None
+        return self.node_peer_addresses(array)
+
+    def node_peer_addresses(self, array) -> list[int] | None:
+        """As :meth:`peer_addresses` for the PEs of this PE's node (:meth:`node_of`, collective
+        the first time), 0 for every other PE: what the hierarchical transport stores through
+        within a node. None when some PE of this node is not mapped here."""
+        node_of = self.node_of()
+        out = []
+        for pe in range(self.n_ranks):
+            if node_of[pe] != node_of[self.rank]:
+                out.append(0)
+                continue
+            address = self._mapped_address(array, pe)
+            if address is None:
+                return None
+            out.append(address)
+        return out
+
+    def node_peers_mapped(self) -> bool:
+        """Collective: whether every PE maps the heaps of every PE of its node
+        (:meth:`node_peer_addresses`), probed once on a small symmetric allocation; the answer
+        is every PE's (all or none store within their nodes)."""
+        if getattr(self, "_node_peers_mapped", None) is None:
+            probe = self.alloc_symmetric("ep_runtime.node_probe", (256,), "uint8")
+            try:
+                mapped = self.node_peer_addresses(probe) is not None
+            finally:
+                self.free_symmetric(probe)
+            self._node_peers_mapped = all(self.allgather_object(mapped))
+        return self._node_peers_mapped
+
+    @abc.abstractmethod
+    def _mapped_address(self, array, pe: int) -> int | None:
+        """The address of PE ``pe``'s copy of the symmetric allocation ``array`` as mapped in
+        this process, or None when it is not mapped here (``pe`` on this PE's node)."""
 
     # -- host/device transfer ---------------------------------------------------------------
     @abc.abstractmethod

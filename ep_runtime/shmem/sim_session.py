@@ -131,12 +131,9 @@ class SimSession(Session):
         self._peers_mapped = not self.spans_nodes()
         return self._peers_mapped
 
-    def peer_addresses(self, array):
-        """Every PE's heap is mapped in every PE process: the addresses of those mappings; None
-        when the session has logical nodes (peers of another node are reached by puts only)."""
-        if self.spans_nodes():
-            return None
-        return [int(self.peer_view(array, pe).ctypes.data) for pe in range(self.n_ranks)]
+    def _mapped_address(self, array, pe):
+        """Every PE's heap is mapped in every PE process: the address of ``pe``'s mapping."""
+        return int(self.heap.peer_view(_ndarray(array), pe).ctypes.data)
 
     # -- host/device transfer ---------------------------------------------------------------
     def to_device(self, host: np.ndarray):
