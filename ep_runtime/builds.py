@@ -16,7 +16,7 @@ import dataclasses
 from .config import EPConfig
 from .kernel_args import argtypes
 from .layout import BufferLayout
-from .plan import ExpandedCopy, Plan, Transport
+from .plan import ExpandedCopy, Plan
 
 
 #: The plan variants the gate builds: every receiver on every transport it can run on one node.
@@ -68,7 +68,8 @@ def plan_kernels(cfg: EPConfig, plan: Plan, only=None) -> dict:
     if wanted("slot_values_async", "slot_values_wait"):
         from .kernels.slot_values import make_slot_values_kernels
 
-        kernels.update(make_slot_values_kernels(plan.threads, plan.transport is Transport.STORES, plan.pdl))
+        kernels.update(make_slot_values_kernels(plan.threads, plan.dispatch_variant(cfg).stores, plan.pdl,
+                                                plan.node_size))
     if wanted("routing_copy"):
         from .kernels.routing_keep import make_routing_copy
 

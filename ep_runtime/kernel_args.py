@@ -70,7 +70,7 @@ KERNEL_ARGS = {
     "dispatch_relay": (
         "dispatch_tokens", "dispatch_topk_ids", "dispatch_topk_weights", "dispatch_ranks", "dispatch_counts",
         "dispatch_signal", "relay_counts", "relay_signal", "dispatch_token_credit", "dispatch_async_sync",
-        "relay_sync", "status", "timeout_ns", "relay_rows", "relay_chunk_flag", "peer_bases"),
+        "relay_sync", "status", "timeout_ns", "relay_rows", "relay_chunk_flag", "peer_bases", "reuse_routing"),
     "dispatch_wait": (
         "dispatch_topk_ids", "dispatch_topk_weights", "dispatch_counts", "dispatch_ranks", "dispatch_signal",
         "dispatch_async_sync", "row_offsets", "expert_counts", "row_src_rank", "row_src_token",
@@ -104,9 +104,10 @@ KERNEL_ARGS = {
                      "dispatch_route_signal", "dispatch_async_sync", "kept_ids", "kept_weights", "kept_counts",
                      "kept_ranks", "restore"),
     "slot_values_async": ("row_values", "row_offsets", "row_src_rank", "row_src_token", "row_src_k", "slot_values",
-                          "slot_signal", "dispatch_async_sync", "status", "peer_bases"),
+                          "slot_signal", "dispatch_async_sync", "status", "peer_bases", "slot_across", "slot_stage",
+                          "dispatch_counts"),
     "slot_values_wait": ("slot_out", "slot_values", "slot_signal", "dispatch_topk_ids", "dispatch_counts",
-                         "dispatch_async_sync", "status", "timeout_ns"),
+                         "dispatch_async_sync", "status", "timeout_ns", "slot_across"),
 }
 
 

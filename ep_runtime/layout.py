@@ -205,6 +205,12 @@ def _regions(cfg: EPConfig, plan=None) -> list[Region]:
                "[g, t, k]: the value of the expert row slot k of my token t went to (one float per slot home)"),
         Region("slot_signal", (G, R), u64, 0, S, "slot_values_async (peers)", ("slot_values_wait",),
                "[g, src]: n + 1 once src's slot values of call n have arrived (monotonic)"),
+        Region("slot_across", (G, R, T, K), f32, 0, S, "slot_values_async (peers of other nodes)",
+               ("slot_values_wait",), "[g, r, t, k]: rank r's value for slot k of my token t when r is on another "
+               "node, one put a rank and call (hierarchical)"),
+        Region("slot_stage", (R, T, K), f32, 0, S, "slot_values_async", ("slot_values_async",),
+               "[s, t, k]: this rank's value for slot k of token t of rank s of another node, staged for its "
+               "put (hierarchical)"),
         # the hierarchical transport's proxies (kernels/relay.py): [s] is a source of this PE
         # (a PE of another node with its local index), row node(s) * node_size + j its node's
         # rows for PE j of this node
@@ -320,6 +326,8 @@ USED_BY = {
     "relay_sums": _hierarchical,
     "combine_chunk_flag": _hierarchical,
     "relay_slot": _hierarchical,
+    "slot_across": _hierarchical,
+    "slot_stage": _hierarchical,
     "expert_x": _expanded,
     "expert_scales": _expanded,
 }

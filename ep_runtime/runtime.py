@@ -152,6 +152,7 @@ class EPRuntime:
         self._calls = 0
         self._state = _State.IDLE
         self._slots_call = -1  # the dispatch call whose slot values went home last
+        self._kept_call = 0  # the last dispatch_async reused a kept routing (1) or sent its own (0)
         self._epoch = 0  # reset() count: a kept routing of an earlier epoch is refused
         self._failed: Exception | None = None
         self._closed = False
@@ -171,7 +172,9 @@ class EPRuntime:
             if plan.expanded_copy is ExpandedCopy.IN_WAIT:
                 fixed["expanded"] = self._prepare("dispatch_wait", copy_rows=_INT64[1], **self._wait_scalars)
         if plan.transport is Transport.HIERARCHICAL:  # the proxies' forwarding, before the receiver and combine_wait
-            fixed["dispatch_relay"] = self._prepare("dispatch_relay", timeout_ns=self._timeout_ns)
+            for reuse in (0, 1):  # after a dispatch with its routing, and with a kept one
+                fixed["dispatch_relay", reuse] = self._prepare("dispatch_relay", timeout_ns=self._timeout_ns,
+                                                               reuse_routing=_INT64[reuse])
             fixed["combine_relay"] = self._prepare("combine_relay", timeout_ns=self._timeout_ns)
         if plan.expanded_copy is ExpandedCopy.DISPATCH_COPY:
             for scales in SCALE_LAYOUTS:
@@ -227,6 +230,7 @@ class EPRuntime:
         if self.debug and routing is None:
             self._check_routing(*call.checked)
         self._land = call.land
+        self._kept_call = int(routing is not None)  # the relay of a kept routing's call forwards no routing
         if routing is not None:
             self._run(routing.restore)
         self._run(call)
@@ -360,8 +364,8 @@ class EPRuntime:
             raise EPInputError(f"dispatch_wait: scales={scales!r}; expected one of {SCALE_LAYOUTS} (row-major "
                                f"[rows, hidden / 128] or column-major [hidden / 128, rows]).")
         land = self.plan.receiver is Receiver.LAND
-        if "dispatch_relay" in self._fixed:  # this node's share of the other nodes' calls, forwarded first
-            self._run(self._fixed["dispatch_relay"])
+        if self.plan.transport is Transport.HIERARCHICAL:  # this node's share of the other nodes' calls, first
+            self._run(self._fixed["dispatch_relay", self._kept_call])
         if layout == "compact":
             self._run(self._land[0] if land else self._fixed["compact"])
             self._state = _State.DISPATCHED
@@ -403,7 +407,6 @@ class EPRuntime:
         allocates one. A ``reset()`` retires every kept routing.
         """
         self._require(_State.DISPATCHED, _State.IDLE, call="keep_routing", handle=handle, handle_type=DispatchHandle)
-        self._refuse_hierarchical("keep_routing", "a kept routing")
         if into is not None:
             if not isinstance(into, KeptRouting) or into.owner != self._owner:
                 raise EPInputError("keep_routing: into must be a KeptRouting this runtime returned (or None to "
@@ -618,7 +621,6 @@ class EPRuntime:
         handle : the dispatch's handle (``batch.handle``).
         """
         self._require(_State.DISPATCHED, call="slot_values_async", handle=handle, handle_type=DispatchHandle)
-        self._refuse_hierarchical("slot_values_async", "slot values")
         if self._slots_call == handle.call:
             raise EPStateError(f"rank {self.rank}: slot_values_async: the slot values of call {handle.call} already "
                                f"went home; it runs at most once per dispatch.")
@@ -754,14 +756,6 @@ class EPRuntime:
                    _State.SLOTS_SENT: "slot_values_wait", _State.COMBINE_SENT: "combine_wait"}[self._state]
             raise EPStateError(f"rank {self.rank}: {call} called out of order: the runtime is in state "
                                f"'{self._state.value}' and expects {nxt} next.")
-
-    def _refuse_hierarchical(self, call: str, what: str) -> None:
-        """Raise EPInputError if this runtime's transport is hierarchical, which does not carry
-        ``what`` yet (its proxies forward a call's routing, rows and partials only)."""
-        if self.plan.transport is Transport.HIERARCHICAL:
-            raise EPInputError(f"rank {self.rank}: {call}: the hierarchical transport does not carry {what} "
-                               f"(its proxies forward routing, token rows and partials only); use a runtime "
-                               f"with plan transport=puts for it.")
 
     def _peer_bases(self) -> np.ndarray:
         """The ``peer_bases`` kernel argument, [len(PEER_REGIONS), R] uint64: the address of each

@@ -533,10 +533,12 @@ def make_dispatch_async(v: DispatchVariant):
             signal = (uint64(n + 1) << uint64(SIGNAL_TOKEN_BITS)) | uint64(T)
             for d in range(tid, R, threads):
                 if NODE > 0 and d // NODE != me // NODE:  # a proxy: its node's counts rows, its relay signal
-                    if reaches(me, d, NODE):
+                    if reaches(me, d, NODE) and route:
                         n0 = (d // NODE) * NODE
                         shmem.put_signal(relay_counts[g, me, 0:NODE], send_counts[n0:n0 + NODE],
                                          relay_signal[g, me:me + 1], signal, shmem.SIGNAL_SET, d)
+                    elif reaches(me, d, NODE):  # a kept routing's call: the counts rows are the receivers' own
+                        shmem.signal_op(relay_signal[g, me:me + 1], signal, shmem.SIGNAL_SET, d)
                 elif STORES or not route:
                     shmem.signal_op(d_signal[g, me:me + 1], signal, shmem.SIGNAL_SET, d)
                 else:

@@ -121,7 +121,7 @@ def make_dispatch_relay(v: DispatchVariant):
 
     @kernel_jit(threads)
     def dispatch_relay(d_tokens, d_ids, d_weights, d_ranks, d_counts, d_signal, relay_counts, relay_signal, d_credit,
-                       sync, relay_sync, status, timeout_ns, relay_rows, relay_chunk_flag, peer_bases):
+                       sync, relay_sync, status, timeout_ns, relay_rows, relay_chunk_flag, peer_bases, reuse_routing):
         """Forward each source's call to this node's PEs, then signal them on its behalf.
 
         Symmetric, as dispatch_async writes them: d_tokens [R, Tmax, W] token words (or FP8
@@ -133,7 +133,9 @@ def make_dispatch_relay(v: DispatchVariant):
         arrived). peer_bases [P, R] uint64: the node's PEs' regions as mapped here (a
         ``node_stores`` build forwards with stores through them). Local: sync (dispatch_async's
         call counter: this is call ``sync[1] - 1``), relay_sync [1] int64 (the launch's ticket),
-        status int64. timeout_ns bounds each wait.
+        status int64. timeout_ns bounds each wait. reuse_routing (int64) nonzero: the call
+        dispatched a kept routing (every rank restored every source's tables): the rows and the
+        signals only, no routing rows, ranks or counts rows.
 
         Every block: thread 0 waits for the credit of call n of each other PE of this node (it
         has read its rows of earlier calls) and for each source's relay signal (its routing
@@ -196,7 +198,7 @@ def make_dispatch_relay(v: DispatchVariant):
                 per = (T + cuda.gridDim.x - 1) // cuda.gridDim.x
                 t0 = min(cuda.blockIdx.x * per, T)
                 t1 = min(t0 + per, T)
-                if t0 < t1:
+                if t0 < t1 and reuse_routing == 0:
                     forward_run(d_ids, g, s, t0, t1, peer_bases, PEER_IDS, first, me)
                     forward_run(d_weights, g, s, t0, t1, peer_bases, PEER_WEIGHTS, first, me)
                     forward_run(d_ranks, g, s, t0, t1, peer_bases, PEER_RANKS, first, me)
@@ -225,8 +227,11 @@ def make_dispatch_relay(v: DispatchVariant):
                 if node != mine:
                     s = node * NODE + me % NODE
                     signal = (uint64(n + 1) << uint64(SIGNAL_TOKEN_BITS)) | uint64(t_of[node])
-                    shmem.put_signal(d_counts[g, s], relay_counts[g, s, q - first], d_signal[g, s:s + 1], signal,
-                                     shmem.SIGNAL_SET, q)
+                    if reuse_routing == 0:
+                        shmem.put_signal(d_counts[g, s], relay_counts[g, s, q - first], d_signal[g, s:s + 1], signal,
+                                         shmem.SIGNAL_SET, q)
+                    else:
+                        shmem.signal_op(d_signal[g, s:s + 1], signal, shmem.SIGNAL_SET, q)
             if tid == 0:
                 relay_sync[0] = 0
 

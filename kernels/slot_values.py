@@ -16,6 +16,14 @@ and takes a ticket (``dispatch_async_sync[SYNC_SLOT_TICKET]``); the last sets
 ``slot_signal[g, me]`` to ``n + 1`` on every rank. Each routed slot of a token is one row
 somewhere, so every element it writes has exactly one writer.
 
+The hierarchical transport (``node_size`` > 0): a value for a rank of this node goes as above
+(stores within a node, or puts); one for rank s of another node is staged in
+``slot_stage[s, t, k]``, and the last block puts each such rank its whole staged block
+``[T_s, K]`` into ``slot_across[g, me]`` there with the signal (one ``put_signal`` per rank of
+another node and call, 4 T_s K bytes: what a CPU proxy can afford; only the slots this rank
+holds are read there). ``slot_values_wait`` reads a slot held on another node from
+``slot_across[g, holder]``.
+
 ``slot_values_wait`` (the plan's grid): thread r of every block waits for ``slot_signal[g, r] >=
 n + 1`` (bounded; a timeout is recorded naming the rank and the counter), then the grid copies
 ``slot_values[g]`` into ``out`` [T_out, K], an element a thread: the value of each routed slot of
@@ -38,6 +46,7 @@ from ep_runtime.kernels import shmem
 from ep_runtime.kernels.bits import f32_bits
 from ep_runtime.kernels.block import last_block_ticket, record_error
 from ep_runtime.kernels.cuda_api import cuda, kernel_jit
+from ep_runtime.kernels.nodes import on_node
 from ep_runtime.kernels.pdl import make_pdl, programmatic
 from ep_runtime.kernels.protocol import (COUNTER_SLOT_SIGNAL, ERR_SHORT_ROWS, ERR_TIMEOUT, KERNEL_SLOT_VALUES_ASYNC,
                                          KERNEL_SLOT_VALUES_WAIT, N_GROUPS, PEER_SLOTS, STATUS_CODE, SYNC_CALLS,
@@ -46,16 +55,18 @@ from ep_runtime.kernels.vec import store_u32_at
 
 
 @functools.lru_cache(maxsize=None)
-def make_slot_values_kernels(threads: int, stores: bool, pdl: bool) -> dict:
+def make_slot_values_kernels(threads: int, stores: bool, pdl: bool, node_size: int = 0) -> dict:
     """``{"slot_values_async": ..., "slot_values_wait": ...}`` for blocks of ``threads`` threads,
-    the plan's transport (``stores``: into the peers' NVLink mappings, else NVSHMEM puts) and
-    PDL (they do not depend on the formats or layouts)."""
+    the plan's transport (``stores``: into the peers' NVLink mappings, within this rank's node
+    under the hierarchical transport, else NVSHMEM puts), PDL, and ``node_size`` (PEs a node
+    of the hierarchical transport, 0 otherwise). They do not depend on the formats or layouts."""
     STORES = stores
+    NODE = node_size
     pdl_wait, pdl_trigger = make_pdl(pdl)
 
     @kernel_jit(threads)
     def slot_values_async(values, row_offsets, row_src_rank, row_src_token, row_src_k, slot_values, slot_signal,
-                          sync, status, peer_bases):
+                          sync, status, peer_bases, slot_across, slot_stage, d_counts):
         """Write each expert-batch row's value home; the last block signals every rank.
 
         values [V] float32: one value per expert-batch row (row-aligned with the batch, ``V >=
@@ -64,7 +75,10 @@ def make_slot_values_kernels(threads: int, stores: bool, pdl: bool) -> dict:
         row_src_token / row_src_k [C] int32: the batch dispatch_wait of call n placed.
         slot_values [G, T, K] float32, slot_signal [G, R] uint64: symmetric. sync: this rank's
         dispatch_async_sync (the call number, the launch's ticket). status: the error record.
-        peer_bases [P, R] uint64: row PEER_SLOTS, ``slot_values`` on every rank (stores)."""
+        peer_bases [P, R] uint64: row PEER_SLOTS, ``slot_values`` on every rank (stores). The
+        hierarchical transport: slot_across [G, R, Tmax, K] float32 (``[g, r]``: rank r's values
+        when r is on another node) and slot_stage [R, Tmax, K] float32, symmetric; d_counts
+        [G, R, L + 1] int32 (each source's T); empty stand-ins otherwise."""
         flag = cuda.shared.array(1, int32)
         pdl_wait()  # the caller's values and the batch are complete
         pdl_trigger()
@@ -87,22 +101,35 @@ def make_slot_values_kernels(threads: int, stores: bool, pdl: bool) -> dict:
             if k >= 0:
                 s = row_src_rank[i]
                 t = row_src_token[i]
-                if STORES:
+                if not on_node(me, s, NODE):  # staged: the last block puts it with the rest for s
+                    slot_stage[s, t, k] = values[i]
+                elif STORES:
                     store_u32_at(peer_bases[PEER_SLOTS, s], (g * Tm + t) * K + k, f32_bits(values[i]))
                 else:
                     shmem.put(slot_values[g, t, k:k + 1], values[i:i + 1], s)
-        if last_block_ticket(sync[SYNC_SLOT_TICKET:SYNC_SLOT_TICKET + 1], flag, STORES):
-            if cuda.threadIdx.x == 0:  # every block published before its ticket: values before signal
-                for d in range(slot_signal.shape[1]):
+        # (hierarchical: the fence of the staged values before the last block's puts read them is
+        # the ticket's; quiet, as the puts within a node may need)
+        if last_block_ticket(sync[SYNC_SLOT_TICKET:SYNC_SLOT_TICKET + 1], flag, STORES and NODE == 0):
+            R = slot_signal.shape[1]
+            L = d_counts.shape[2] - 1
+            for d in range(cuda.threadIdx.x, R, cuda.blockDim.x):  # values before signal: the ticket
+                if on_node(me, d, NODE):
                     shmem.signal_op(slot_signal[g, me:me + 1], uint64(n + 1), shmem.SIGNAL_SET, d)
+                else:  # this rank's values for d's tokens, one put with the signal
+                    Ts = d_counts[g, d, L]
+                    shmem.put_signal(slot_across[g, me, 0:Ts], slot_stage[d, 0:Ts], slot_signal[g, me:me + 1],
+                                     uint64(n + 1), shmem.SIGNAL_SET, d)
+            if cuda.threadIdx.x == 0:
                 sync[SYNC_SLOT_TICKET] = 0
 
     @kernel_jit(threads)
-    def slot_values_wait(out, slot_values, slot_signal, d_ids, d_counts, sync, status, timeout_ns):
+    def slot_values_wait(out, slot_values, slot_signal, d_ids, d_counts, sync, status, timeout_ns, slot_across):
         """Wait for every rank's slot values of call n, then ``out[t, k]`` (float32 [T_out, K]) =
         ``slot_values[g, t, k]`` where slot k of token t was routed (``d_ids[g, me, t, k]`` in
-        ``[0, E)`` and no earlier slot's) and ``t < T`` (``d_counts[g, me, L]``), else 0.0. After a timeout (recorded) or
-        an earlier error, ``out`` is not (or not wholly) written: ``synchronize`` raises it."""
+        ``[0, E)`` and no earlier slot's) and ``t < T`` (``d_counts[g, me, L]``), else 0.0; the
+        hierarchical transport reads a slot held on another node from ``slot_across[g, holder,
+        t, k]``. After a timeout (recorded) or an earlier error, ``out`` is not (or not wholly)
+        written: ``synchronize`` raises it."""
         stop = cuda.shared.array(1, int32)
         pdl_wait()
         pdl_trigger()
@@ -141,7 +168,10 @@ def make_slot_values_kernels(threads: int, stores: bool, pdl: bool) -> dict:
                     if d_ids[g, me, t, k2] == x:
                         routed = False
                 if routed:
-                    v = slot_values[g, t, k]
+                    if on_node(me, x // L, NODE):
+                        v = slot_values[g, t, k]
+                    else:
+                        v = slot_across[g, x // L, t, k]
             out[t, k] = v
 
     return {"slot_values_async": programmatic(slot_values_async, pdl),

@@ -14,8 +14,9 @@ that node's proxy, which sends one partial per (token, node) home.
   proxy there, and fewer bytes cross nodes than with puts to every peer.
 - FP8 messages; ids outside ``[-1, n_experts)`` with the routing check off; a 100-call soak; a
   node that withholds its call (the other node's proxies time out naming their sources) or its
-  combine (the other node's homes time out naming their proxy's chunk flag and a token); what
-  the transport does not carry, refused before any launch; the plan's rules.
+  combine (the other node's homes time out naming their proxy's chunk flag and a token);
+  ``reduce=False``, which the transport does not carry, refused before any launch; the plan's
+  rules. Kept routings and slot values: tests/test_kept_routing_sim.py.
 """
 
 from __future__ import annotations
@@ -219,11 +220,8 @@ def soak_pe(session, cfg: EPConfig) -> dict:
             outs.append((layout, x, session.to_host(rt.combine(y, batch.handle)).copy()[:len(xs[r])]))
         xs, ids, ws = inputs[0]
         batch = rt.dispatch(xs[r].view(np.uint16), ids[r], ws[r])
-        refused = {"keep_routing": input_error_of(lambda: rt.keep_routing(batch.handle)),
-                   "slot_values": input_error_of(lambda: rt.slot_values_async(
-                       np.zeros(cfg.recv_rows_capacity, np.float32), batch.handle))}
         handle = rt.combine_async(dev(expert_outputs(cfg, refs[0][r], r)), batch.handle)
-        refused["reduce"] = input_error_of(lambda: rt.combine_wait(handle, reduce=False))
+        refused = {"reduce": input_error_of(lambda: rt.combine_wait(handle, reduce=False))}
         rt.combine_wait(handle)
     return {"outs": outs, "refused": refused}
 

@@ -7,7 +7,8 @@ layers share the runtime; its slot values fill call 3's buffer group), then disp
 with the kept routing at calls 2 and 3 (call 0's buffer group, then the other one), and a fresh
 routing at call 4. Every batch (either layout), every combine and the slot values after a reusing
 dispatch must be the reference's for
-those tokens with that routing, bit for bit, on every receiver and transport, with the token count
+those tokens with that routing, bit for bit, on every receiver and transport (the hierarchical
+one as 2 x 2 logical nodes, storing and putting within a node), with the token count
 given on the host and on the device (inputs padded to capacity, as a captured CUDA graph passes
 them). Then the protocol's promise: a reusing dispatch_async writes no routing region on any rank
 (no routing is sent), and what the host refuses (routing arguments beside a kept routing, a kept
@@ -32,8 +33,12 @@ from ep_runtime.testing import (BATCH_FIELDS, POISON_BF16, assert_batch_is_the_r
 RUN_TIMEOUT_S = 300
 SEED = 5200
 #: name -> plan overrides: every receiver on every transport it runs on (the plan suite's, its
-#: route-first thresholds lowered so some calls here split, share and chunk)
-VARIANTS = {k: v for k, v in PLAN_VARIANTS.items() if k != "route_first-copy"}
+#: route-first thresholds lowered so some calls here split, share and chunk), and the
+#: hierarchical transport (2 logical nodes: :data:`NODES`), storing or putting within a node
+VARIANTS = {**{k: v for k, v in PLAN_VARIANTS.items() if k != "route_first-copy"},
+            "hierarchical": {}, "hierarchical-puts": {"node_stores": False}}
+#: variant -> logical nodes of its session (1: none)
+NODES = {"hierarchical": 2, "hierarchical-puts": 2}
 #: (call, layout) of the dispatches that reuse call 0's routing: call 0's buffer group, then the other
 REUSES = ((2, "compact"), (3, "expanded"))
 
@@ -76,11 +81,13 @@ def to_host(session, batch, layout: str) -> dict:
     return got
 
 
-def kept_pe(session, plan: dict, cfg: EPConfig, device_count: bool) -> dict:
-    """Calls 0-4 (module docstring): per call the batch's fields and the combine output; the
-    slot values of call 3."""
+def kept_pe(session, plan: dict, cfg: EPConfig, device_count: bool, nodes: int = 1) -> dict:
+    """Calls 0-4 (module docstring) on a session of ``nodes`` logical nodes: per call the batch's
+    fields and the combine output; the slot values of call 3."""
     from ep_runtime.runtime import EPRuntime
 
+    if nodes > 1:
+        session.use_logical_nodes(nodes)
     r, dev = session.rank, session.to_device
     res = {}
     with EPRuntime(cfg, session, plan=plan, debug=False) as rt:
@@ -118,25 +125,29 @@ def kept_pe(session, plan: dict, cfg: EPConfig, device_count: bool) -> dict:
     return res
 
 
-RUNS = [(v, 2, False) for v in VARIANTS] + [("wait", 3, False), ("route_first", 3, False), ("land", 2, True),
-                                           ("route_first", 2, True)]
+RUNS = [(v, 2, False) for v in VARIANTS if v not in NODES] + [
+    ("wait", 3, False), ("route_first", 3, False), ("land", 2, True), ("route_first", 2, True),
+    ("hierarchical", 4, True), ("hierarchical-puts", 4, False)]
 
 
 @pytest.fixture(scope="module", params=RUNS, ids=[f"{v}-R{R}" + ("-device-count" if d else "") for v, R, d in RUNS])
 def run(request):
     variant, R, device_count = request.param
     cfg = cfg_of(R)
-    return variant, cfg, run_pes(kept_pe, R, args=(VARIANTS[variant], cfg, device_count), timeout_s=RUN_TIMEOUT_S)
+    return variant, cfg, run_pes(kept_pe, R, args=(VARIANTS[variant], cfg, device_count, NODES.get(variant, 1)),
+                                 timeout_s=RUN_TIMEOUT_S)
 
 
 def test_a_kept_routing_dispatches_new_tokens_as_its_own_dispatch_did(run):
     variant, cfg, per_rank = run
     xs, ids, ws = kept_inputs(cfg)
     R = cfg.n_ranks
+    node_size = R // NODES[variant] if variant in NODES else 0  # (the hierarchical order of the sum)
     for call, layout in ((0, "expanded"),) + REUSES:
         toks = xs if call == 0 else reused_tokens(cfg, call, xs)
         refs = reference.dispatch(toks, ids, ws, cfg)
-        outs = reference.combine([expert_outputs(cfg, refs[s], s) for s in range(R)], refs, ids, cfg)
+        outs = reference.combine([expert_outputs(cfg, refs[s], s) for s in range(R)], refs, ids, cfg,
+                                 node_size=node_size)
         for r in range(R):
             got, at = per_rank[r][call], f"{variant}: rank {r} call {call} ({layout})"
             assert_batch_is_the_reference(got, refs[r], layout, toks, cfg, at)

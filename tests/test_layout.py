@@ -53,30 +53,35 @@ DSV3_SYMMETRIC = {
     "slot_values": ((2, 4096, 8), f32, 262_144, 1_423_969_536),
     # [G, R] u64: 128 B; 1,423,969,536 + 262,144 = 1,424,231,680
     "slot_signal": ((2, 8), u64, 128, 1_424_231_680),
+    # the hierarchical transport's slot values from other nodes: [G, R, T, K] f32: 2 * 8 * 4096 * 8 * 4 =
+    # 2,097,152 B; 1,424,231,680 + 128 -> 1,424,231,936
+    "slot_across": ((2, 8, 4096, 8), f32, 2_097_152, 1_424_231_936),
+    # [R, T, K] f32 (staged for their puts): 1,048,576 B; 1,424,231,936 + 2,097,152 = 1,426,329,088
+    "slot_stage": ((8, 4096, 8), f32, 1_048_576, 1_426_329_088),
     # the hierarchical transport's: [G, R, R, L + 1] i32: 2 * 8 * 8 * 33 * 4 = 16,896 B;
-    # 1,424,231,680 + 128 -> 1,424,231,936
-    "relay_counts": ((2, 8, 8, 33), i32, 16_896, 1_424_231_936),
-    # [G, R] u64: 128 B; 1,424,231,936 + 16,896 = 1,424,248,832
-    "relay_signal": ((2, 8), u64, 128, 1_424_248_832),
-    # [R, T, H] u16 (one buffer, no group axis): 469,762,048 B; 1,424,248,832 + 128 -> 1,424,249,088
-    "relay_partials": ((8, 4096, 7168), u16, 469_762_048, 1_424_249_088),
-    # [R, T, 16] u64: 4,194,304 B; 1,424,249,088 + 469,762,048 = 1,894,011,136
-    "relay_flag": ((8, 4096, 16), u64, 4_194_304, 1_894_011_136),
+    # 1,426,329,088 + 1,048,576 = 1,427,377,664
+    "relay_counts": ((2, 8, 8, 33), i32, 16_896, 1_427_377_664),
+    # [G, R] u64: 128 B; 1,427,377,664 + 16,896 = 1,427,394,560
+    "relay_signal": ((2, 8), u64, 128, 1_427_394_560),
+    # [R, T, H] u16 (one buffer, no group axis): 469,762,048 B; 1,427,394,560 + 128 -> 1,427,394,816
+    "relay_partials": ((8, 4096, 7168), u16, 469_762_048, 1_427_394_816),
+    # [R, T, 16] u64: 4,194,304 B; 1,427,394,816 + 469,762,048 = 1,897,156,864
+    "relay_flag": ((8, 4096, 16), u64, 4_194_304, 1_897_156_864),
     # the packed chunks, sized for the most other nodes (one PE a node: X = 7 other nodes) and
     # the most chunks (8 tokens each: C = 4096 / 8 = 512): [X, T, H] u16: 7 * 4096 * 7168 * 2 = 411,041,792 B;
-    # 1,894,011,136 + 4,194,304 = 1,898,205,440
-    "relay_stage": ((7, 4096, 7168), u16, 411_041_792, 1_898_205_440),
-    # + 411,041,792 = 2,309,247,232
-    "relay_rows": ((7, 4096, 7168), u16, 411_041_792, 2_309_247_232),
-    # [R, C] u64: 8 * 512 * 8 = 32,768 B; + 411,041,792 = 2,720,289,024
-    "relay_chunk_flag": ((8, 512), u64, 32_768, 2_720_289_024),
-    # [X, T, H] u16 (bf16 partials): 411,041,792 B; + 32,768 = 2,720,321,792
-    "relay_sums": ((7, 4096, 7168), u16, 411_041_792, 2_720_321_792),
-    # [R, C] u64: 32,768 B; + 411,041,792 = 3,131,363,584
-    "combine_chunk_flag": ((8, 512), u64, 32_768, 3_131_363_584),
+    # 1,897,156,864 + 4,194,304 = 1,901,351,168
+    "relay_stage": ((7, 4096, 7168), u16, 411_041_792, 1_901_351_168),
+    # + 411,041,792 = 2,312,392,960
+    "relay_rows": ((7, 4096, 7168), u16, 411_041_792, 2_312_392_960),
+    # [R, C] u64: 8 * 512 * 8 = 32,768 B; + 411,041,792 = 2,723,434,752
+    "relay_chunk_flag": ((8, 512), u64, 32_768, 2_723_434_752),
+    # [X, T, H] u16 (bf16 partials): 411,041,792 B; + 32,768 = 2,723,467,520
+    "relay_sums": ((7, 4096, 7168), u16, 411_041_792, 2_723_467_520),
+    # [R, C] u64: 32,768 B; + 411,041,792 = 3,134,509,312
+    "combine_chunk_flag": ((8, 512), u64, 32_768, 3_134_509_312),
 }
-# 3,131,363,584 + 32,768 = 3,131,396,352 (256-byte aligned)
-DSV3_SYMMETRIC_BYTES = 3_131_396_352
+# 3,134,509,312 + 32,768 = 3,134,542,080 (256-byte aligned)
+DSV3_SYMMETRIC_BYTES = 3_134_542_080
 
 DSV3_LOCAL = {
     # [4] i64: 32 B at 0
@@ -146,17 +151,19 @@ SMALL_SYMMETRIC = {
     "dispatch_placed": ((1,), u64, 8, 23040),  # [1] u64; 18944 + 4096 = 23040
     "slot_values": ((2, 16, 2), f32, 256, 23296),  # [G, T, K] f32: 2 * 16 * 2 * 4 = 256 B; 23040 + 8 -> 23296
     "slot_signal": ((2, 2), u64, 32, 23552),  # [G, R] u64: 32 B; 23296 + 256 = 23552
-    "relay_counts": ((2, 2, 2, 5), i32, 160, 23808),  # [G, R, R, L + 1] i32: 160 B; 23552 + 32 -> 23808
-    "relay_signal": ((2, 2), u64, 32, 24064),  # [G, R] u64; 23808 + 160 = 23968 -> 24064
-    "relay_partials": ((2, 16, 64), u16, 4096, 24320),  # [R, T, H] u16: 4096 B; 24064 + 32 -> 24320
-    "relay_flag": ((2, 16, 16), u64, 4096, 28416),  # [R, T, 16] u64: 4096 B; 24320 + 4096 = 28416
-    "relay_stage": ((1, 16, 64), u16, 2048, 32512),  # [X, T, H] u16, X = 1: 2048 B; 28416 + 4096 = 32512
-    "relay_rows": ((1, 16, 64), u16, 2048, 34560),  # 32512 + 2048 = 34560
-    "relay_chunk_flag": ((2, 2), u64, 32, 36608),  # [R, C] u64, C = 16 / 8: 32 B; 34560 + 2048 = 36608
-    "relay_sums": ((1, 16, 64), u16, 2048, 36864),  # 36608 + 32 -> 36864
-    "combine_chunk_flag": ((2, 2), u64, 32, 38912),  # 36864 + 2048 = 38912
+    "slot_across": ((2, 2, 16, 2), f32, 512, 23808),  # [G, R, T, K] f32: 512 B; 23552 + 32 -> 23808
+    "slot_stage": ((2, 16, 2), f32, 256, 24320),  # [R, T, K] f32: 256 B; 23808 + 512 = 24320
+    "relay_counts": ((2, 2, 2, 5), i32, 160, 24576),  # [G, R, R, L + 1] i32: 160 B; 24320 + 256 = 24576
+    "relay_signal": ((2, 2), u64, 32, 24832),  # [G, R] u64; 24576 + 160 = 24736 -> 24832
+    "relay_partials": ((2, 16, 64), u16, 4096, 25088),  # [R, T, H] u16: 4096 B; 24832 + 32 -> 25088
+    "relay_flag": ((2, 16, 16), u64, 4096, 29184),  # [R, T, 16] u64: 4096 B; 25088 + 4096 = 29184
+    "relay_stage": ((1, 16, 64), u16, 2048, 33280),  # [X, T, H] u16, X = 1: 2048 B; 29184 + 4096 = 33280
+    "relay_rows": ((1, 16, 64), u16, 2048, 35328),  # 33280 + 2048 = 35328
+    "relay_chunk_flag": ((2, 2), u64, 32, 37376),  # [R, C] u64, C = 16 / 8: 32 B; 35328 + 2048 = 37376
+    "relay_sums": ((1, 16, 64), u16, 2048, 37632),  # 37376 + 32 -> 37632
+    "combine_chunk_flag": ((2, 2), u64, 32, 39680),  # 37632 + 2048 = 39680
 }
-SMALL_SYMMETRIC_BYTES = 39168  # 38912 + 32 -> 39168 (256-byte aligned)
+SMALL_SYMMETRIC_BYTES = 39936  # 39680 + 32 -> 39936 (256-byte aligned)
 
 SMALL_LOCAL = {
     "dispatch_async_sync": ((4,), i64, 32, 0),
@@ -241,10 +248,11 @@ def test_dsv3_totals_in_mib():
     # [R, T, H] bf16 received tokens (one buffer: 448 MiB) and two groups of combine partials
     # (896 MiB), plus 4 MiB of routing (ids and weights), 2 MiB of ranks, 4 MiB of combine part
     # flags, 4 MiB of token part flags, 0.25 MiB of slot values and a few KiB; the hierarchical
-    # transport's relay partials (448 MiB) and their flags (4 MiB), and its packed chunks for 7
-    # other nodes: staged rows, received rows and staged sums (392 MiB each) and their flags.
+    # transport's relay partials (448 MiB) and their flags (4 MiB), its packed chunks for 7
+    # other nodes: staged rows, received rows and staged sums (392 MiB each) and their flags, and
+    # its slot values from other nodes (2 MiB) and staged for them (1 MiB).
     layout = BufferLayout(DSV3)
-    assert 2986.32 < layout.symmetric_bytes / MiB < 2986.34
+    assert 2989.32 < layout.symmetric_bytes / MiB < 2989.34
     # combine_stage 448 MiB + expert_x 3584 MiB + token_rows 1 MiB + 5 row arrays of 1 MiB
     # + the sender's 0.125 MiB of staged ranks, 0.22 MiB of packed-row slots and a few KiB.
     assert 4038.3 < layout.local_bytes / MiB < 4038.4
@@ -267,7 +275,7 @@ def test_a_plan_allocates_a_subset_of_every_region_in_the_same_order():
                                       "dispatch_send_counts", "combine_stage", "expert_x", "relay_counts",
                                       "relay_signal", "relay_partials", "relay_flag", "relay_sync", "relay_stage",
                                       "relay_rows", "relay_chunk_flag", "relay_sums", "combine_chunk_flag",
-                                      "relay_slot"}
+                                      "relay_slot", "slot_across", "slot_stage"}
     # 4038.35 MiB less 3584 + 448 + 0.125 + 0.22 + 0.001: the token rows (1 MiB), 5 row arrays and a few KiB
     assert 6 < layout.local_bytes / MiB < 6.01
     assert layout.region("token_rows").offset == 768  # after the three counters, nothing staged
@@ -306,6 +314,9 @@ def test_symmetric_regions_have_leading_group_dimension(case):
             # next dispatch's signals); row flags monotonic over calls (call numbers)
             assert r.shape[:2] == (layout.cfg.n_ranks, layout.cfg.max_tokens_per_rank), r.shape
             continue
+        if r.name == "slot_stage":  # [R, T, K]: staged for blocking puts, reused every call
+            assert r.shape == (layout.cfg.n_ranks, layout.cfg.max_tokens_per_rank, layout.cfg.top_k), r.shape
+            continue
         if r.name in ("relay_stage", "relay_rows", "relay_sums"):  # [X, T, ...]: one buffer per other node
             assert r.shape[1] == layout.cfg.max_tokens_per_rank, r.shape
             continue
@@ -329,7 +340,7 @@ def test_every_region_has_writer_readers_and_doc(case):
 SELF_SIGNALLED = {"dispatch_placed"}
 #: Symmetric only so that a remote transport can read a put's source from the registered heap:
 #: the hierarchical transport's staged chunks, written by this rank for its own puts.
-SELF_STAGED = {"relay_stage": "dispatch_async", "relay_sums": "combine_relay"}
+SELF_STAGED = {"relay_stage": "dispatch_async", "relay_sums": "combine_relay", "slot_stage": "slot_values_async"}
 
 
 def test_symmetric_regions_are_written_by_peers(case):
@@ -375,8 +386,8 @@ def test_describe_dsv3_figures():
     assert "896.000" in text          # combine_partials
     assert "3584.000" in text         # expert_x
     assert "392.000" in text          # relay_stage, relay_rows, relay_sums (7 other nodes)
-    # 3,131,396,352 / 2**20 = 2986.3323; 4,234,513,920 / 2**20 = 4038.3472
-    assert "symmetric 2986.332 MiB, local 4038.347 MiB" in text
+    # 3,134,542,080 / 2**20 = 2989.3323; 4,234,513,920 / 2**20 = 4038.3472
+    assert "symmetric 2989.332 MiB, local 4038.347 MiB" in text
 
 
 def test_region_unknown_name_raises_key_error():

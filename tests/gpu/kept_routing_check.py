@@ -2,6 +2,7 @@
 simulator:
 
     mpirun -np 2 -x PYTHONPATH python3 tests/gpu/kept_routing_check.py [--tokens 128 4096] [--plans default all]
+    mpirun -np 4 -x PYTHONPATH python3 tests/gpu/kept_routing_check.py --nodes 2
 
 Per token count and plan (``default``: the plan the runtime picks; ``all`` adds every receiver
 on every transport), on a runtime with ``debug=False``, the simulator test's calls
@@ -10,7 +11,9 @@ no tokens), another routing at call 1, new tokens with the kept routing at calls
 3 (expanded, with its slot values home), a fresh routing at call 4, with the token count on the
 host and on the device. Every batch must be the reference's bit for bit, every combine within
 the reference's tolerance (a GPU's fused multiply-adds round differently), the slot values
-exact. Prints a line per run (rank 0), then PASS or FAIL.
+exact. ``--nodes N``: a session of N logical nodes, so the default plan is the hierarchical
+transport (stores within a node; ``all`` adds puts within a node), the combine checked against
+the reference summed in its order. Prints a line per run (rank 0), then PASS or FAIL.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # tests/: the simulator test's helpers
 
 
-def check(session, cfg, plan: dict, device_count: bool) -> list[str]:
+def check(session, cfg, plan: dict, device_count: bool, node_size: int = 0) -> list[str]:
     """The simulator test's run on this rank: its failures."""
     from test_kept_routing_sim import REUSES, SEED, kept_inputs, kept_pe, reused_tokens
 
@@ -41,7 +44,7 @@ def check(session, cfg, plan: dict, device_count: bool) -> list[str]:
             assert_batch_is_the_reference(got[call], refs[me], layout, toks, cfg, f"call {call}")
         except AssertionError as e:
             fails.append(f"call {call} ({layout}) batch: {str(e)[:200]}")
-        err = combine_over_tolerance(cfg, refs, ids, ws, me, got[call]["out"][:len(toks[me])])
+        err = combine_over_tolerance(cfg, refs, ids, ws, me, got[call]["out"][:len(toks[me])], node_size)
         if err is not None:
             fails.append(f"call {call} ({layout}): the combine is off by {err}, over its tolerance")
     routed = reference.routed_ids(ids[me], cfg.n_experts)
@@ -66,9 +69,10 @@ def main() -> int:
     ap.add_argument("--experts", type=int, default=64)
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--plans", nargs="+", default=["default", "all"])
+    ap.add_argument("--nodes", type=int, default=1, help="logical nodes (2: the hierarchical transport)")
     args = ap.parse_args()
     from mpi4py import MPI
-    from test_kept_routing_sim import VARIANTS, cfg_of
+    from test_kept_routing_sim import NODES, VARIANTS, cfg_of
 
     from ep_runtime.layout import BufferLayout
     from ep_runtime.shmem import open_session
@@ -77,18 +81,22 @@ def main() -> int:
     comm = MPI.COMM_WORLD
     R = comm.Get_size()
     plans = {"default": None}
-    if "all" in args.plans:
+    if "all" in args.plans and args.nodes > 1:
+        plans["puts within nodes"] = {"node_stores": False}
+    elif "all" in args.plans:
         plans.update({k: {"receiver": v["receiver"], **({"transport": "puts"} if "puts" in k else {})}
-                      for k, v in VARIANTS.items()})
+                      for k, v in VARIANTS.items() if k not in NODES})
     configs = [cfg_of(R, n_experts=args.experts, top_k=args.top_k, hidden=args.hidden, max_tokens_per_rank=T)
                for T in args.tokens]
-    session = open_session("nvshmem", heap_bytes=max(BufferLayout(c).symmetric_bytes for c in configs))
+    session = open_session("nvshmem", heap_bytes=max(BufferLayout(c).symmetric_bytes for c in configs),
+                           **({"logical_nodes": args.nodes} if args.nodes > 1 else {}))
+    node_size = R // args.nodes if args.nodes > 1 else 0
     me, rows, failures = session.rank, [], []
     for cfg in configs:
         for name, plan in plans.items():
             for device_count in (False, True):
                 what = f"T={cfg.max_tokens_per_rank} {name}" + (" device count" if device_count else "")
-                fails = check(session, cfg, plan, device_count)
+                fails = check(session, cfg, plan, device_count, node_size)
                 rows.append((what, "exact" if not fails else "FAIL"))
                 failures += [f"{what}: {f}" for f in fails]
     all_rows, all_failures = comm.gather(rows, root=0), comm.gather(failures, root=0)
