@@ -20,8 +20,8 @@ The hierarchical transport (``node_size`` > 0): a value for a rank of this node 
 (stores within a node, or puts); one for rank s of another node is staged in
 ``slot_stage[s, t, k]``, and the last block puts each such rank its whole staged block
 ``[T_s, K]`` into ``slot_across[g, me]`` there with the signal (one ``put_signal`` per rank of
-another node and call, 4 T_s K bytes: what a CPU proxy can afford; only the slots this rank
-holds are read there). ``slot_values_wait`` reads a slot held on another node from
+another node and call, 4 T_s K bytes, the whole block's: what a CPU proxy can afford; only the
+slots this rank holds are read there). ``slot_values_wait`` reads a slot held on another node from
 ``slot_across[g, holder]``.
 
 ``slot_values_wait`` (the plan's grid): thread r of every block waits for ``slot_signal[g, r] >=
@@ -115,10 +115,11 @@ def make_slot_values_kernels(threads: int, stores: bool, pdl: bool, node_size: i
             for d in range(cuda.threadIdx.x, R, cuda.blockDim.x):  # values before signal: the ticket
                 if on_node(me, d, NODE):
                     shmem.signal_op(slot_signal[g, me:me + 1], uint64(n + 1), shmem.SIGNAL_SET, d)
-                else:  # this rank's values for d's tokens, one put with the signal
+            for d in range(R if NODE > 0 else 0):  # this rank's values for d's tokens: a put (the block's) each
+                if not on_node(me, d, NODE):
                     Ts = d_counts[g, d, L]
-                    shmem.put_signal(slot_across[g, me, 0:Ts], slot_stage[d, 0:Ts], slot_signal[g, me:me + 1],
-                                     uint64(n + 1), shmem.SIGNAL_SET, d)
+                    shmem.put_signal_block(slot_across[g, me, 0:Ts], slot_stage[d, 0:Ts], slot_signal[g, me:me + 1],
+                                           uint64(n + 1), shmem.SIGNAL_SET, d)
             if cuda.threadIdx.x == 0:
                 sync[SYNC_SLOT_TICKET] = 0
 
