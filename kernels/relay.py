@@ -141,15 +141,16 @@ def make_dispatch_relay(v: DispatchVariant):
         has read its rows of earlier calls) and for each source's relay signal (its routing
         rows, ranks and counts rows are here). A timeout records this kernel, the peer and the
         counter, and the block returns: no signal goes out, so the node's receivers time out
-        naming the source. Then, each source's tokens in a range a block, the block puts its
-        range of the routing rows and ranks to each other PE of the node (``forward_run``); and a chunk of
-        ``CH = chunk_tokens(T_s)`` tokens a block in turn, it ranks the chunk's tokens with an
-        expert on this node (``chunk_mask``, as the source packed them), waits for the chunk's
-        flag, and a warp per packed row copies the row into ``d_tokens[s, t]`` of each PE of the
-        node holding one of its experts, this one included (``forward_row``). The last block
-        (ticket after a quiet, which also publishes stores) puts each
-        source's counts row with its dispatch signal, ``(n + 1) << 32 | T_s``, to every PE of
-        the node.
+        naming the source. Then, each source's tokens in a range a block, the block copies its
+        range of the routing rows and ranks to each other PE of the node (``forward_run``; not
+        on a kept routing's call); and a chunk of ``CH = chunk_tokens(T_s)`` tokens a block in
+        turn, it ranks the chunk's tokens with an expert on this node (``chunk_mask``, as the
+        source packed them), waits for the chunk's flag, and a warp per packed row copies the
+        row into ``d_tokens[s, t]`` of each PE of the node holding one of its experts, this one
+        included (``forward_row``). The last block
+        (ticket after a quiet, which also publishes stores) puts each source's counts row with
+        its dispatch signal, ``(n + 1) << 32 | T_s``, to every PE of the node (the signal alone
+        on a kept routing's call).
         """
         flag = cuda.shared.array(1, int32)
         cmask = cuda.shared.array(1, uint32)
