@@ -18,7 +18,8 @@ unweighted. Per rank and case, checked:
   slot return (``slot_values_async``: ``T x K`` floats) that carries the probabilities' gradient
   home on the backward's dispatch.
 
-The layer runs on ``run_pes`` sessions bound with :func:`ep_runtime.megatron.use_session`; the
+Both layers also train with each rank its own logical node (the hierarchical transport). The
+layer runs on ``run_pes`` sessions bound with :func:`ep_runtime.megatron.use_session`; the
 path through a torch.distributed group's own session (``session_for``, what Megatron calls) runs
 in tests/test_megatron_core_sim.py, inside Megatron-core's MoE layer.
 """
@@ -66,10 +67,12 @@ def _counting(rt, counts: dict) -> None:
         setattr(rt, name, counted)
 
 
-def deepep_pe(session, cases) -> dict:
-    """The DeepEP-style layer of each case."""
+def deepep_pe(session, cases, nodes: int = 1) -> dict:
+    """The DeepEP-style layer of each case (on ``nodes`` logical nodes)."""
     from ep_runtime import megatron
 
+    if nodes > 1:
+        session.use_logical_nodes(nodes)
     torch.set_num_threads(1)
     megatron.use_session(session)
     group = None  # the session bound to the default group
@@ -96,15 +99,17 @@ def deepep_pe(session, cases) -> dict:
             out=out.detach().float().numpy(), x_grad=x.grad.float().numpy(), w_grad=probs.grad.numpy(), none=none,
             recv_x=recv_x.detach().view(torch.int16).numpy().view(np.uint16), indices=indices.numpy(),
             recv_probs=recv_probs.detach().numpy(), tokens_per_expert=tokens_per_expert.numpy(),
-            counts_device=str(tokens_per_expert.device), calls=counts)
+            counts_device=str(tokens_per_expert.device), calls=counts, transport=rt.plan.transport.value)
     megatron.close_buffers()
     return results
 
 
-def hybrid_pe(session, cases) -> dict:
-    """The HybridEP-style layer of each case."""
+def hybrid_pe(session, cases, nodes: int = 1) -> dict:
+    """The HybridEP-style layer of each case (on ``nodes`` logical nodes)."""
     from ep_runtime import megatron
 
+    if nodes > 1:
+        session.use_logical_nodes(nodes)
     torch.set_num_threads(1)
     megatron.use_session(session)
     group = None  # the session bound to the default group
@@ -140,7 +145,8 @@ def hybrid_pe(session, cases) -> dict:
             out=out.detach().float().numpy(), x_grad=x.grad.float().numpy(), dense_grad=dense.grad.numpy(),
             hidden=hidden.detach().view(torch.int16).numpy().view(np.uint16), row_probs=row_probs.detach().numpy(),
             tokens_per_expert=tokens_per_expert.numpy(), scaling=scaling, top_k=handle.runtime.cfg.top_k,
-            calls={**counts, "dispatch_async": 1 + counts.get("dispatch_async", 0)})  # (counted from the combine)
+            calls={**counts, "dispatch_async": 1 + counts.get("dispatch_async", 0)},  # (counted from the combine)
+            transport=handle.runtime.plan.transport.value)
     megatron.close_buffers()
     return results
 
@@ -238,6 +244,20 @@ def test_hybrid_ep_backward_is_one_dispatch_and_one_combine_plus_the_probabiliti
         for case in HYBRID_CASES:
             assert run[case.name]["calls"] == {"dispatch_async": 2, "combine_async": 2, "slot_values_async": 1}, \
                 case.name
+
+
+@pytest.mark.parametrize("kind", ["deepep", "hybridep"])
+def test_both_layers_train_across_logical_nodes(kind):
+    """Each rank its own logical node (2 x 1: the hierarchical transport, every row crossing
+    "nodes" through a proxy): the forward and both gradients as on one node, the backward a kept
+    routing's dispatch, slot values and a combine."""
+    pe, cases, grad = (deepep_pe, CASES, "w_grad") if kind == "deepep" else (hybrid_pe, HYBRID_CASES, "dense_grad")
+    runs = run_pes(pe, 2, args=(cases, 2), timeout_s=RUN_TIMEOUT_S)
+    for case in cases:
+        assert all(run[case.name]["transport"] == "hierarchical" for run in runs), case.name
+        assert all(run[case.name]["calls"] == {"dispatch_async": 2, "combine_async": 2, "slot_values_async": 1}
+                   for run in runs), case.name
+        _check_against_dense(case, runs, grad)
 
 
 def test_install_points_megatron_s_modules_at_these_functions(monkeypatch):
