@@ -30,8 +30,8 @@ from ep_runtime.kernels.ranking import ID_BATCH
 from ep_runtime.kernels.token_codec import BLOCK_WORDS, CODE_WORDS, HELD_SCALES, make_token_codec
 from ep_runtime.kernels.trace import stamp_first, stamp_last
 from ep_runtime.kernels.variant import DispatchVariant, Receiver
-from ep_runtime.kernels.vec import (address_of, load_u32_at, make_pair_loops, pairs_aligned, store_u8_at,
-                                    store_u32_at, store_word_at)
+from ep_runtime.kernels.vec import (address_of, load_u32_at, make_pair_loops, make_peer_copy, pairs_aligned,
+                                    store_u8_at, store_u32_at)
 
 #: Items per warp the bf16 token loop aims at when a batch has a row for every warp
 #: (``send_warps``): rows are cut into parts so the transfer's last round, in which the warps
@@ -55,6 +55,7 @@ def make_dispatch_async(v: DispatchVariant):
     SB = 1 if v.ue8m0 else 4  # scale bytes per 128-element block (FP8 formats)
     UP = COPY_UNROLL // 2  # word pairs per lane in flight
     load_pairs, _, store_pairs_at = make_pair_loops(UP, warp)
+    copy_to_peers = make_peer_copy(UP, warp)
     encode_blocks, _ = make_token_codec(warp, bool(v.ue8m0))
     MBUF_WORDS = threads if QUANT else 1  # the encoder's (simulated) warp-max scratch
     HELD_WORDS = warps * HELD_SCALES if QUANT else 1  # each warp's part's scales (the FP8 encoder)
@@ -245,22 +246,9 @@ def make_dispatch_async(v: DispatchVariant):
                                                           shmem.SIGNAL_SET, d)
                             else:
                                 shmem.put_nbi_warp(d_tokens[me, t, w0:w1], src[w0:w1], d)
-                else:
+                else:  # each word (pair) loaded once, stored to every destination
                     slot = address_of(d_tokens[me, t]) - address_of(d_tokens)  # the same on every PE
-                    if direct:  # UP word pairs per lane loaded once, stored to every destination
-                        w = w0 + 2 * lane
-                        while w < w1:
-                            load_pairs(src, w, w1, lo, hi)
-                            for d in range(R):
-                                if (sent >> uint64(d)) & uint64(1):
-                                    store_pairs_at(peer_bases[PEER_TOKENS, d] + slot, w, w1, lo, hi)
-                            w += 2 * UP * warp
-                    else:  # rows without 16-byte word pairs: a word per lane per step, loaded once
-                        for w in range(w0 + lane, w1, warp):
-                            val = src[w]
-                            for d in range(R):
-                                if (sent >> uint64(d)) & uint64(1):
-                                    store_word_at(peer_bases[PEER_TOKENS, d] + slot, w, val)
+                    copy_to_peers(src, w0, w1, sent, 0, R, peer_bases, PEER_TOKENS, slot, direct, lane, lo, hi)
                     if LAND and not QUANT:  # the part is in every destination: flag it there
                         flag_part(d_row_flag, me, t, p, n, sent, lane)
             i += all_warps

@@ -39,7 +39,7 @@ from ep_runtime.kernels.protocol import (COUNTER_RELAY_CHUNK, COUNTER_RELAY_FLAG
                                          PEER_IDS, PEER_RANKS, PEER_TOKENS, PEER_WEIGHTS, SIGNAL_TOKEN_BITS,
                                          STATUS_CODE, SYNC_CALLS)
 from ep_runtime.kernels.variant import CombineVariant, DispatchVariant
-from ep_runtime.kernels.vec import address_of, load_u32_at, make_pair_loops, pairs_aligned, store_u32_at, store_word_at
+from ep_runtime.kernels.vec import address_of, load_u32_at, make_peer_copy, pairs_aligned, store_u32_at
 
 
 @cuda.jit(device=True)
@@ -70,7 +70,7 @@ def make_dispatch_relay(v: DispatchVariant):
     NODE = v.node_size
     STORES = v.stores  # within the node: stores through the mappings (``node_stores``), else puts
     UP = COPY_UNROLL // 2  # word pairs per lane in flight
-    load_pairs, _, store_pairs_at = make_pair_loops(UP, warp)
+    copy_to_peers = make_peer_copy(UP, warp)
 
     @cuda.jit(device=True)
     def forward_run(array, g, s, t0, t1, peer_bases, region, first, me):
@@ -100,20 +100,8 @@ def make_dispatch_relay(v: DispatchVariant):
         if STORES:
             W = row.shape[0]
             slot = address_of(d_tokens[s, t]) - address_of(d_tokens)  # the same on every PE
-            if row.itemsize == 8 and W % 2 == 0 and pairs_aligned(row) and pairs_aligned(d_tokens):
-                w = 2 * lane
-                while w < W:
-                    load_pairs(row, w, W, lo, hi)
-                    for q in range(first, first + NODE):
-                        if (to >> uint64(q)) & uint64(1):
-                            store_pairs_at(peer_bases[PEER_TOKENS, q] + slot, w, W, lo, hi)
-                    w += 2 * UP * warp
-            else:
-                for w in range(lane, W, warp):
-                    val = row[w]
-                    for q in range(first, first + NODE):
-                        if (to >> uint64(q)) & uint64(1):
-                            store_word_at(peer_bases[PEER_TOKENS, q] + slot, w, val)
+            pairs = row.itemsize == 8 and W % 2 == 0 and pairs_aligned(row) and pairs_aligned(d_tokens)
+            copy_to_peers(row, 0, W, to, first, first + NODE, peer_bases, PEER_TOKENS, slot, pairs, lane, lo, hi)
         else:
             for q in range(first, first + NODE):
                 if (to >> uint64(q)) & uint64(1):

@@ -395,5 +395,40 @@ def make_pair_loops(n: int, warp: int):
     return load_pairs, store_pairs, store_pairs_at
 
 
+def make_peer_copy(n: int, warp: int):
+    """``copy_to_peers(src, w0, w1, dests, d0, d1, peer_bases, region, slot, pairs, lane, lo, hi)``:
+    every lane of a warp copies words ``[w0, w1)`` of the row ``src`` into the same words of the
+    row at byte ``slot`` past ``peer_bases[region, d]`` (a peer's region through its mapping) for
+    every PE d in ``[d0, d1)`` whose bit is set in ``dests`` (uint64), each word loaded once: with
+    ``pairs`` (uint64 words, 16-byte aligned on both sides, ``w0`` even) ``n`` word pairs per
+    lane in flight (:func:`make_pair_loops`), else a word per lane per step. ``lo``, ``hi``:
+    local arrays of at least ``n`` words."""
+    from numba import uint64
+
+    from ep_runtime.kernels.cuda_api import cuda
+
+    load_pairs, _, store_pairs_at = make_pair_loops(n, warp)
+
+    @cuda.jit(device=True)
+    def copy_to_peers(src, w0, w1, dests, d0, d1, peer_bases, region, slot, pairs, lane, lo, hi):
+        if pairs:
+            w = w0 + 2 * lane
+            while w < w1:
+                load_pairs(src, w, w1, lo, hi)
+                for d in range(d0, d1):
+                    if (dests >> uint64(d)) & uint64(1):
+                        store_pairs_at(peer_bases[region, d] + slot, w, w1, lo, hi)
+                w += 2 * n * warp
+        else:
+            for w in range(w0 + lane, w1, warp):
+                val = src[w]
+                for d in range(d0, d1):
+                    if (dests >> uint64(d)) & uint64(1):
+                        store_word_at(peer_bases[region, d] + slot, w, val)
+
+    return copy_to_peers
+
+
 __all__ = ["load_pair", "store_pair", "pairs_aligned", "address_of", "store_pair_at", "load_u32_at", "store_u32_at",
-           "store_u8_at", "max_u16x2", "pack_bf16x2", "pack_bf16x4", "pack_f32x2", "make_pair_loops"]
+           "store_u8_at", "max_u16x2", "pack_bf16x2", "pack_bf16x4", "pack_f32x2", "make_pair_loops",
+           "make_peer_copy"]
