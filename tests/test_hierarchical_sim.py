@@ -266,10 +266,16 @@ def withheld_pe(session, cfg: EPConfig) -> dict:
 def test_a_node_that_withholds_its_call_is_named_by_the_proxies_of_the_other():
     cfg = hier_cfg(4, wait_timeout_s=3.0)
     runs = run_pes(withheld_pe, 4, args=(cfg,), timeout_s=RUN_TIMEOUT_S)
+    assert_node_0_names_its_proxies(runs, lambda r: (f"rank {r}: dispatch_relay of call 1 timed out",
+                                                     f"waiting for rank {r + 2}: relay_signal[1][{r + 2}]"))
+
+
+def assert_node_0_names_its_proxies(runs: list, wanted) -> None:
+    """Node 0's ranks (0, 1) raised an error holding each text of ``wanted(r)`` (their proxy
+    on node 1 is rank r + 2); node 1's ranks raised none."""
     for r in (0, 1):
         err = runs[r]["error"]
-        assert err and f"rank {r}: dispatch_relay of call 1 timed out" in err and \
-            f"waiting for rank {r + 2}: relay_signal[1][{r + 2}]" in err, err
+        assert err and all(text in err for text in wanted(r)), err
     assert runs[2]["error"] is None and runs[3]["error"] is None
 
 
@@ -298,11 +304,8 @@ def withheld_combine_pe(session, cfg: EPConfig) -> dict:
 def test_a_node_that_withholds_its_combine_is_named_by_the_homes_of_the_other_with_a_token():
     cfg = hier_cfg(4, wait_timeout_s=3.0)
     runs = run_pes(withheld_combine_pe, 4, args=(cfg,), timeout_s=RUN_TIMEOUT_S)
-    for r in (0, 1):
-        err = runs[r]["error"]
-        assert err and f"rank {r}: combine_wait of call 0 timed out" in err and \
-            f"waiting for rank {r + 2}: combine_chunk_flag[{r + 2}, token " in err, err
-    assert runs[2]["error"] is None and runs[3]["error"] is None
+    assert_node_0_names_its_proxies(runs, lambda r: (f"rank {r}: combine_wait of call 0 timed out",
+                                                     f"waiting for rank {r + 2}: combine_chunk_flag[{r + 2}, token "))
 
 
 def test_the_plan_takes_the_hierarchical_transport_across_regular_nodes_only_and_stores_within_mapped_ones():
