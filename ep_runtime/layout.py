@@ -19,8 +19,9 @@ import numpy as np
 from .config import EPConfig
 
 # the protocol's constants, re-exported for host code
-from .kernels.protocol import (COMBINE_FLAG_PARTS, DISPATCH_FLAG_PARTS, N_GROUPS, PEER_COUNTS, PEER_IDS,  # noqa: F401
-                               PEER_PARTIALS, PEER_RANKS, PEER_REGIONS, PEER_TOKENS, PEER_WEIGHTS, RECV_CALLS,
+from .kernels.protocol import (COMBINE_FLAG_PARTS, DISPATCH_FLAG_PARTS, MAX_COPY_PLACERS, N_GROUPS,  # noqa: F401
+                               PEER_COUNTS, PEER_IDS, PEER_PARTIALS, PEER_RANKS, PEER_REGIONS, PEER_TOKENS,
+                               PEER_WEIGHTS, RECV_CALLS,
                                RECV_CLAIMS, RECV_LEN, RECV_TICKET, SIGNAL_TOKEN_BITS, STATUS_CALL, STATUS_CODE,
                                STATUS_COUNTER, STATUS_EXPECTED, STATUS_KERNEL, STATUS_LEN, STATUS_OBSERVED,
                                STATUS_PEER, STATUS_RANK, SYNC_CALLS, SYNC_LEN, SYNC_ROUTE_TICKET, SYNC_TICKET,
@@ -198,9 +199,9 @@ def _regions(cfg: EPConfig, plan=None) -> list[Region]:
                "dispatch_land copies each part as it lands; src != this rank)"),
         # monotonic (call numbers), no group axis: written by this rank to itself, symmetric so the
         # waits and the simulator treat it as every other flag
-        Region("dispatch_placed", (1,), u64, 0, S, f"{DW} (its placing block)", (DW,),
-               "[0]: (n + 1) << 1 (plus 1 if it failed) once the placing block of a copying route-first "
-               "dispatch_wait of call n has described every row and seen every token row"),
+        Region("dispatch_placed", (MAX_COPY_PLACERS,), u64, 0, S, f"{DW} (its placing blocks)", (DW,),
+               "[p]: (n + 1) << 1 (plus 1 if it failed) once placing block p of a copying route-first "
+               "dispatch_wait of call n has described its rows and seen every token row"),
         Region("slot_values", (G, T, K), f32, 0, S, "slot_values_async (peers)", ("slot_values_wait",),
                "[g, t, k]: the value of the expert row slot k of my token t went to (one float per slot home)"),
         Region("slot_signal", (G, R), u64, 0, S, "slot_values_async (peers)", ("slot_values_wait",),

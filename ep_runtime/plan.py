@@ -26,6 +26,7 @@ from enum import Enum
 
 from .config import EPConfig
 from .errors import EPConfigError
+from .kernels.protocol import MAX_COPY_PLACERS
 from .kernels.variant import CombineVariant, DispatchVariant, Receiver, Transport
 
 __all__ = ["Plan", "Topology", "Transport", "Receiver", "ExpandedCopy", "choose_plan", "parse_overrides", "agree",
@@ -71,7 +72,7 @@ LARGE_BATCH_TOKENS = 1024
 #: SMs dispatch_async leaves to dispatch_land's early blocks.
 LAND_SMS = 48
 #: Placing blocks of a route-first dispatch_wait (unchunked / chunked), each on an SM
-#: dispatch_async leaves.
+#: dispatch_async leaves; a copying launch (``expanded_copy=in_wait``) places in as many.
 ROUTE_FIRST_BLOCKS = 2
 ROUTE_FIRST_CHUNK_BLOCKS = 4
 #: SMs combine_async leaves to combine_wait's early blocks (compact / expanded combine input).
@@ -149,8 +150,9 @@ class Plan:
     launched with programmatic dependent launch. ``threads``: per block. ``grid``: blocks of a
     whole-grid launch. ``receiver_sms``: SMs dispatch_async leaves to the receive kernel's early
     blocks (0: none). ``placing_blocks``: a route-first dispatch_wait's blocks in the compact
-    layout (0 for the other receivers). ``combine_wait_sms`` / ``combine_wait_sms_expanded``:
-    SMs combine_async leaves to combine_wait (compact / expanded combine input).
+    layout, and the blocks of its copying launch that place (0 for the other receivers).
+    ``combine_wait_sms`` / ``combine_wait_sms_expanded``: SMs combine_async leaves to
+    combine_wait (compact / expanded combine input).
     ``share_from_tokens``, ``chunk_from_tokens``, ``split_from_tokens``: the route-first
     kernels' thresholds (:class:`~ep_runtime.kernels.variant.DispatchVariant`). ``node_size``:
     PEs per node of the hierarchical transport (0 with the others; from the topology, not an
@@ -497,6 +499,9 @@ def check_plan(plan: Plan, cfg: EPConfig, topology: Topology) -> None:
         (not plan.receiver.routes_first or plan.placing_blocks >= 1, "placing_blocks",
          f"placing_blocks={plan.placing_blocks}: a route-first receiver places in at least one block",
          f"use {ROUTE_FIRST_BLOCKS}"),
+        (plan.expanded_copy is not ExpandedCopy.IN_WAIT or plan.placing_blocks <= MAX_COPY_PLACERS,
+         "placing_blocks", f"placing_blocks={plan.placing_blocks} with expanded_copy=in_wait: a copying "
+         f"dispatch_wait places in at most {MAX_COPY_PLACERS} blocks", f"use {MAX_COPY_PLACERS} or fewer"),
         (plan.receiver.routes_first or plan.placing_blocks == 0, "placing_blocks",
          f"placing_blocks={plan.placing_blocks} with receiver={plan.receiver.value}: only route first places in "
          "a few blocks", "leave it 0"),

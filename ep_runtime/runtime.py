@@ -170,7 +170,8 @@ class EPRuntime:
             fixed["compact"] = self._prepare("dispatch_wait", copy_rows=_INT64[0], grid=plan.dispatch_wait_grid,
                                              **self._wait_scalars)
             if plan.expanded_copy is ExpandedCopy.IN_WAIT:
-                fixed["expanded"] = self._prepare("dispatch_wait", copy_rows=_INT64[1], **self._wait_scalars)
+                fixed["expanded"] = self._prepare("dispatch_wait", copy_rows=np.int64(plan.placing_blocks),
+                                                  **self._wait_scalars)
         if plan.transport is Transport.HIERARCHICAL:  # the proxies' forwarding, before the receiver and combine_wait
             for reuse in (0, 1):  # after a dispatch with its routing, and with a kept one
                 fixed["dispatch_relay", reuse] = self._prepare("dispatch_relay", timeout_ns=self._timeout_ns,

@@ -1,10 +1,12 @@
 """Copy: lay the received rows out expert-major, one row per (token, local expert).
 
 The expanded layout's copy, once every row is described (``token_rows``, ``row_offsets``,
-``expert_counts``) and every token row is in: token-major, a warp per received row part reads
-each word once and stores it to the token's local expert rows; then a warp per local expert
-zeroes its padding rows. ``dispatch_copy`` is the kernel; a route-first dispatch_wait that
-copies in one launch and dispatch_land reuse the device functions.
+``expert_counts``) and every token row is in. ``expand_rows`` (the ``dispatch_copy`` kernel's,
+for every batch size): token-major, a warp per received row part reads each word once and
+stores it to the token's local expert rows; then a warp per local expert zeroes its padding
+rows. ``gather_rows`` (a route-first dispatch_wait that copies in the same launch, at decode
+sizes): row-major, a warp per expert row part reads its source slot, then the words.
+dispatch_land reuses ``copy_to_rows``.
 
 :func:`make_dispatch_copy` builds them for a :class:`~ep_runtime.kernels.variant.DispatchVariant`.
 """
@@ -28,15 +30,15 @@ COPY_UNROLL = 8
 #: Word pairs per lane that ``copy_to_rows`` loads before storing any: 128 bytes per lane, 64 KB
 #: per 512-thread block in flight (docs/plans.md, "Copy depth").
 COPY_PAIRS = 8
-#: The same inside a route-first dispatch_wait, whose placement leaves fewer registers: 8 pairs
-#: spilled there, 4 fit with no spill.
+#: Word pairs per lane in flight in ``gather_rows``, the copy inside a route-first dispatch_wait,
+#: whose placement leaves fewer registers: 8 pairs spilled there, 4 fit with no spill.
 WAIT_COPY_PAIRS = 4
 
 
 @functools.lru_cache(maxsize=None)
 def make_dispatch_copy(threads: int, quantized: bool, ue8m0: bool, pdl: bool) -> SimpleNamespace:
     """``copy_in_pairs``, ``copy_to_rows`` (``COPY_PAIRS`` deep), ``expand_rows``,
-    ``expand_rows_in_wait`` (``WAIT_COPY_PAIRS`` deep) and the ``dispatch_copy`` kernel, for
+    ``gather_rows`` (``WAIT_COPY_PAIRS`` deep) and the ``dispatch_copy`` kernel, for
     blocks of ``threads`` threads and a token format (``quantized``: FP8 messages, whose
     scales are laid out too; ``ue8m0``: one scale byte a block)."""
     warp, warps = warp_geometry(threads)
@@ -84,66 +86,108 @@ def make_dispatch_copy(threads: int, quantized: bool, ue8m0: bool, pdl: bool) ->
 
         return copy_to_rows
 
-    def make_expand_rows(copy_rows_of):
-        """``expand_rows`` copying with ``copy_rows_of`` (a ``copy_to_rows``)."""
-
-        @cuda.jit(device=True)
-        def expand_rows(d_tokens, d_ids, d_counts, g, token_rows, row_offsets, expert_counts, expert_x, status,
-                        d_tokens8, expert_scales8, SBYTES, scales_col_major, lo, hi, vals):
-            """Every thread of the grid, once every row of call group g is described and every
-            token row is in: copy each received row once to all its expert rows, then zero the
-            padding rows.
-
-            Token-major: a warp per received row part (``row_parts``: whole rows for large
-            batches; source s's T from ``d_counts[g, s, L]``) reads each word once and stores it
-            to the token's n_local expert rows (``copy_to_rows``). Then a warp per local expert
-            zeroes its padding rows. FP8 token formats (``d_tokens8``, ``expert_scales8``,
-            ``SBYTES`` scale bytes per row, ``scales_col_major``): the warp holding a row's first
-            part lays its scale bytes out; padding rows get zero scales. Scratch: lo, hi local
-            [pairs in flight], vals local [U]."""
-            stamp_first(status, 12)
-            me = shmem.my_pe()
-            R = d_counts.shape[1]
-            L = d_counts.shape[2] - 1
-            W = expert_x.shape[1]
-            C = expert_x.shape[0]
-            pairs = copy_in_pairs(d_tokens, expert_x)
-            lane = cuda.threadIdx.x % warp
-            first_warp = cuda.blockIdx.x * warps + cuda.threadIdx.x // warp
-            all_warps = cuda.gridDim.x * warps
-
-            for s in range(R):
-                T_s = d_counts[g, s, L]
-                parts = row_parts(T_s, W, all_warps, warp)
-                span = part_words(W, parts, warp)
-                i = first_warp
-                while i < T_s * parts:
-                    t, w0, w1 = part_bounds(i, parts, span, W)
-                    n_local = local_expert_count(d_ids[g, s, t], L, me)
-                    copy_rows_of(d_tokens[s, t], token_rows[s, t], n_local, expert_x, w0, w1, pairs, lane, lo, hi,
-                                 vals)
-                    if QUANT:
-                        if w0 == 0:
-                            for j in range(n_local):
-                                store_scales(d_tokens8[s, t], W * 8, SBYTES, expert_scales8, token_rows[s, t, j], C,
-                                             scales_col_major, lane, 0)
-                    i += all_warps
-
-            e = first_warp
-            while e < L:
-                for r in range(row_offsets[e] + expert_counts[e], row_offsets[e + 1]):
-                    for w in range(lane, W, warp):
-                        expert_x[r, w] = 0
-                    if QUANT:
-                        store_scales(d_tokens8[0, 0], W * 8, SBYTES, expert_scales8, r, C, scales_col_major, lane, 1)
-                e += all_warps
-            stamp_last(status, 13)
-
-        return expand_rows
-
     copy_to_rows = make_copy_to_rows(CP)
-    expand_rows = make_expand_rows(copy_to_rows)
-    expand_rows_in_wait = make_expand_rows(make_copy_to_rows(WAIT_COPY_PAIRS))
+
+    @cuda.jit(device=True)
+    def expand_rows(d_tokens, d_ids, d_counts, g, token_rows, row_offsets, expert_counts, expert_x, status,
+                    d_tokens8, expert_scales8, SBYTES, scales_col_major, lo, hi, vals):
+        """Every thread of the grid, once every row of call group g is described and every
+        token row is in: copy each received row once to all its expert rows, then zero the
+        padding rows.
+
+        Token-major: a warp per received row part (``row_parts``: whole rows for large
+        batches; source s's T from ``d_counts[g, s, L]``) reads each word once and stores it
+        to the token's n_local expert rows (``copy_to_rows``). Then a warp per local expert
+        zeroes its padding rows. FP8 token formats (``d_tokens8``, ``expert_scales8``,
+        ``SBYTES`` scale bytes per row, ``scales_col_major``): the warp holding a row's first
+        part lays its scale bytes out; padding rows get zero scales. Scratch: lo, hi local
+        [pairs in flight], vals local [U]."""
+        stamp_first(status, 12)
+        me = shmem.my_pe()
+        R = d_counts.shape[1]
+        L = d_counts.shape[2] - 1
+        W = expert_x.shape[1]
+        C = expert_x.shape[0]
+        pairs = copy_in_pairs(d_tokens, expert_x)
+        lane = cuda.threadIdx.x % warp
+        first_warp = cuda.blockIdx.x * warps + cuda.threadIdx.x // warp
+        all_warps = cuda.gridDim.x * warps
+
+        for s in range(R):
+            T_s = d_counts[g, s, L]
+            parts = row_parts(T_s, W, all_warps, warp)
+            span = part_words(W, parts, warp)
+            i = first_warp
+            while i < T_s * parts:
+                t, w0, w1 = part_bounds(i, parts, span, W)
+                n_local = local_expert_count(d_ids[g, s, t], L, me)
+                copy_to_rows(d_tokens[s, t], token_rows[s, t], n_local, expert_x, w0, w1, pairs, lane, lo, hi,
+                             vals)
+                if QUANT:
+                    if w0 == 0:
+                        for j in range(n_local):
+                            store_scales(d_tokens8[s, t], W * 8, SBYTES, expert_scales8, token_rows[s, t, j], C,
+                                         scales_col_major, lane, 0)
+                i += all_warps
+
+        e = first_warp
+        while e < L:
+            for r in range(row_offsets[e] + expert_counts[e], row_offsets[e + 1]):
+                for w in range(lane, W, warp):
+                    expert_x[r, w] = 0
+                if QUANT:
+                    store_scales(d_tokens8[0, 0], W * 8, SBYTES, expert_scales8, r, C, scales_col_major, lane, 1)
+            e += all_warps
+        stamp_last(status, 13)
+
+    load_wcp, store_wcp, _ = make_pair_loops(WAIT_COPY_PAIRS, warp)
+
+    @cuda.jit(device=True)
+    def gather_rows(d_tokens, row_gather, row_offsets, L, expert_x, status, lo, hi, block, blocks):
+        """Every thread of the ``blocks`` copying blocks of a route-first dispatch_wait (this one
+        is copying block ``block``), once every row is described and every token row is in:
+        expert row r (below ``row_offsets[L]``, the rows placed) is received row
+        ``row_gather[r]`` (``s * Tmax + t`` of d_tokens [R, Tmax, W] words), or zeros for a
+        padding row (-1).
+
+        Row-major: a warp per part of an expert row (``row_parts`` of the rows placed) reads its
+        row's source slot, then the words, and stores them (``WAIT_COPY_PAIRS`` word pairs per
+        lane in flight, or a word at a time where rows are not in word pairs). A received row is
+        read once per local expert, the repeats from L2, so that no warp waits on a token's ids
+        and row list before its words: at decode sizes every warp has about one item and that
+        chain of loads is its time (docs/plans.md, "The expanded copy at decode sizes").
+        Scratch: lo, hi local [WAIT_COPY_PAIRS]."""
+        if block == 0:  # the copy's start: its first copying block (block 0 may be placing)
+            stamp_last(status, 12)
+        W = expert_x.shape[1]
+        Tmax = d_tokens.shape[1]
+        pairs = copy_in_pairs(d_tokens, expert_x)
+        lane = cuda.threadIdx.x % warp
+        first_warp = block * warps + cuda.threadIdx.x // warp
+        all_warps = blocks * warps
+        rows = row_offsets[L]
+        parts = row_parts(rows, W, all_warps, warp)
+        span = part_words(W, parts, warp)
+        i = first_warp
+        while i < rows * parts:
+            r, w0, w1 = part_bounds(i, parts, span, W)
+            at = row_gather[r]
+            if at < 0:  # a padding row
+                for w in range(w0 + lane, w1, warp):
+                    expert_x[r, w] = 0
+            else:
+                s = at // Tmax
+                src = d_tokens[s, at - s * Tmax]
+                w = w0 + 2 * lane
+                while pairs and w < w1:
+                    load_wcp(src, w, w1, lo, hi)
+                    store_wcp(expert_x[r], w, w1, lo, hi)
+                    w += 2 * WAIT_COPY_PAIRS * warp
+                if not pairs:
+                    for w in range(w0 + lane, w1, warp):
+                        expert_x[r, w] = src[w]
+            i += all_warps
+        stamp_last(status, 13)
 
     @kernel_jit(threads)
     def dispatch_copy(d_tokens, d_ids, d_counts, sync, token_rows, row_offsets, expert_counts,
@@ -174,5 +218,5 @@ def make_dispatch_copy(threads: int, quantized: bool, ue8m0: bool, pdl: bool) ->
                     d_tokens8, expert_scales8, SBYTES, scales_col_major, lo, hi, vals)
 
     return SimpleNamespace(copy_in_pairs=copy_in_pairs, copy_to_rows=copy_to_rows, expand_rows=expand_rows,
-                           expand_rows_in_wait=expand_rows_in_wait,
+                           gather_rows=gather_rows,
                            dispatch_copy=programmatic(dispatch_copy, pdl))

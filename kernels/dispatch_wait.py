@@ -18,11 +18,11 @@ from numba import int32, int64, uint32, uint64
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.block import record_error, warp_geometry
 from ep_runtime.kernels.cuda_api import cuda, kernel_jit
-from ep_runtime.kernels.dispatch_copy import COPY_UNROLL, WAIT_COPY_PAIRS, make_dispatch_copy
+from ep_runtime.kernels.dispatch_copy import WAIT_COPY_PAIRS, make_dispatch_copy
 from ep_runtime.kernels.pdl import make_pdl, programmatic
 from ep_runtime.kernels.placement import make_placement
 from ep_runtime.kernels.protocol import (COUNTER_DISPATCH_SIGNAL, COUNTER_RECV_ROWS, ERR_CAPACITY, KERNEL_DISPATCH_WAIT,
-                                         MAX_RANKS, PLACEMENT_WORDS, STATUS_CODE)
+                                         MAX_COPY_PLACERS, MAX_RANKS, PLACEMENT_WORDS, STATUS_CODE)
 from ep_runtime.kernels.ranking import RECV_WINDOW, make_ranking
 from ep_runtime.kernels.receive import make_receive
 from ep_runtime.kernels.route_first import make_route_first
@@ -40,7 +40,6 @@ def make_dispatch_wait(v: DispatchVariant):
     FIRST_COPY = FIRST and not v.quantized  # a route-first wait may copy bf16 rows in its own launch
     RECV_WORDS = make_ranking(threads).recv_words if FIRST else 1  # a route-first wait's masks and warp rows
     RECV_NEXT = RECV_WINDOW if FIRST else 1
-    U = COPY_UNROLL
     WCP = WAIT_COPY_PAIRS
     pdl_wait, pdl_trigger = make_pdl(v.pdl)
     place_fns, recv = make_placement(threads), make_receive(threads)
@@ -54,7 +53,7 @@ def make_dispatch_wait(v: DispatchVariant):
                                                              route.await_placed_rows)
     # only bf16 rows are copied here (FIRST_COPY): the bf16 helper, so that the FP8 builds, which
     # never copy, are one kernel for every FP8 format
-    expand_rows_in_wait = make_dispatch_copy(threads, False, False, v.pdl).expand_rows_in_wait
+    gather_rows = make_dispatch_copy(threads, False, False, v.pdl).gather_rows
 
     @kernel_jit(threads, one_block_per_sm=True)  # its blocks start as dispatch_async's leave their SMs
     def dispatch_wait(d_ids, d_weights, d_counts, d_ranks, d_signal, sync,
@@ -85,10 +84,12 @@ def make_dispatch_wait(v: DispatchVariant):
 
         Route-first builds (launched with the plan's placing blocks): each block waits for the
         routing, places (``place_from_routing``, sharing the descriptions), then waits for the
-        dispatch signals. With copy_rows nonzero (bf16; launched on the whole grid) the block
-        that takes the first ticket places alone and publishes ``d_placed`` (uint64 [1]), and
-        every block waits for it and copies each received row to its expert rows, d_tokens
-        [R, Tmax, W] words into expert_x [C, W] words (``expand_rows_in_wait``).
+        dispatch signals. With copy_rows nonzero (bf16; launched on the whole grid) the blocks
+        taking the first ``copy_rows`` tickets (at most ``MAX_COPY_PLACERS``, and one block fewer
+        than the grid) place, sharing the descriptions, and each publishes its word of
+        ``d_placed`` (uint64 [MAX_COPY_PLACERS]); every other block waits for all of them and
+        copies each received row to its expert rows, d_tokens [R, Tmax, W] words into expert_x
+        [C, W] words (``gather_rows``).
         """
         flag = cuda.shared.array(1, int32)
         sum_buf = cuda.shared.array(threads, int64)
@@ -98,16 +99,18 @@ def make_dispatch_wait(v: DispatchVariant):
         warp_rows = cuda.shared.array(RECV_WORDS, int32)  # ... and each warp's first rank
         next_rank = cuda.shared.array(RECV_NEXT, int32)  # ... and the next round's
         ticket = cuda.shared.array(1, int32)  # the block's receive ticket (0: the first block)
-        copy_lo = cuda.local.array(WCP, uint64)  # a route-first build's copy (expand_rows_in_wait)
+        copy_lo = cuda.local.array(WCP, uint64)  # a route-first build's copy (gather_rows)
         copy_hi = cuda.local.array(WCP, uint64)
-        copy_vals = cuda.local.array(U, uint64)
         pdl_trigger()
         # before the dependency wait (blocks start early, on the SMs dispatch_async's blocks leave):
         # the call number from the receive count, then every source's signal
         code = status[STATUS_CODE]  # an earlier call's error (this call's dispatch_async records after)
         n = begin_receive(receive_sync, combine_claims, ticket)
+        # a copying launch's placing blocks: the first tickets, leaving at least one block to copy
+        placers = max(1, min(copy_rows, MAX_COPY_PLACERS, cuda.gridDim.x - 1))
         if FIRST_COPY and code != 0 and ticket[0] == 0:  # the copying blocks are not left waiting
-            publish_placed(d_placed, n, False)
+            for p in range(placers):
+                publish_placed(d_placed, p, n, False)
         if code != 0:
             pdl_wait()
             return
@@ -122,17 +125,20 @@ def make_dispatch_wait(v: DispatchVariant):
         tid = cuda.threadIdx.x
         g = n % 2
         if FIRST:  # placed from the routing rows while the rows fly
-            # a copying launch (the whole grid): the first block to run places (it cannot wait
-            # for one that never runs), the others copy after it; any other launch (the placing
-            # blocks) places in every block, each describing its share of the rows
+            # a copying launch (the whole grid): the blocks taking the first tickets place, each
+            # describing its share of the rows (a block cannot wait for one that never runs), and
+            # the others copy after them (a one-block grid places and copies); any other launch
+            # (the placing blocks) places in every block, each describing its share
             fused = FIRST_COPY and copy_rows != 0
             placer = True
+            copier = False
             share = cuda.blockIdx.x
             shares = cuda.gridDim.x
             if fused:
-                placer = ticket[0] == 0
-                share = 0
-                shares = 1
+                placer = ticket[0] < placers
+                copier = not placer or cuda.gridDim.x == 1
+                share = ticket[0]
+                shares = placers
             ok = True
             if placer:
                 ok = place_from_routing(d_ids, d_weights, d_route, d_signal, g, n, me, R, L, K, Tmax, C, timeout_ns,
@@ -140,14 +146,14 @@ def make_dispatch_wait(v: DispatchVariant):
                                         row_src_token, row_src_k, row_weight, row_gather, recv_tokens, token_rows,
                                         src_items, flag, place, sum_buf, masks, warp_rows, next_rank, share, shares)
             if FIRST_COPY:
-                if fused:  # the expanded layout in one launch: every block copies once it is placed
+                if fused:  # the expanded layout in one launch: the copying blocks copy once it is placed
                     if placer:
-                        publish_placed(d_placed, n, ok)
+                        publish_placed(d_placed, share, n, ok)
                     else:  # idle until dispatch_async completes, not polling beside its blocks
                         pdl_wait()
-                    if await_placed_rows(d_placed, n, timeout_ns, status, flag):
-                        expand_rows_in_wait(d_tokens, d_ids, d_counts, g, token_rows, row_offsets, expert_counts,
-                                            expert_x, status, d_tokens, d_tokens, 0, 0, copy_lo, copy_hi, copy_vals)
+                    if copier and await_placed_rows(d_placed, placers, n, timeout_ns, status, flag):
+                        gather_rows(d_tokens, row_gather, row_offsets, L, expert_x, status, copy_lo, copy_hi,
+                                    max(0, ticket[0] - placers), max(1, cuda.gridDim.x - placers))
             pdl_wait()  # completes after dispatch_async: stream order for what follows
             return
 

@@ -15,6 +15,9 @@ MAX_RANKS = 64
 #: The receive kernels keep a placement table of ``(n_ranks + 1) * (n_experts / n_ranks)`` int32
 #: words in shared memory (each source's first row per local expert), 16 KB at most.
 PLACEMENT_WORDS = 4096
+#: A copying route-first dispatch_wait (the expanded layout in one launch) places in at most this
+#: many blocks (the plan's ``placing_blocks``), each publishing its own ``dispatch_placed`` word.
+MAX_COPY_PLACERS = 4
 #: dispatch_signal and dispatch_route_signal after call n: ``(n + 1) << SIGNAL_TOKEN_BITS | T``,
 #: the source's token count in the low bits, so the receiver has T with the signal it waits for
 #: and the values still grow with every call (``>=`` tests the call).

@@ -33,7 +33,7 @@ trip, checked like the others.
 
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
@@ -497,15 +497,16 @@ def misuse_pe(session, case: Case) -> dict:
     return res
 
 
-def capacity_pe(session, case: Case, recovery: Case) -> dict:
+def capacity_pe(session, case: Case, recovery: Case, plan: str = "") -> dict:
     """The overflow call (every rank: dispatch, then combine if dispatch returned), a refused
-    call, reset(), and a good round trip."""
+    call, reset(), and a good round trip, on a runtime of ``plan``'s overrides."""
     from ep_runtime.runtime import EPRuntime
 
     cfg, r = case.config(), session.rank
     xs, ids, ws = case.inputs()
     res = {}
-    with EPRuntime(cfg, session) as rt:
+    with EPRuntime(cfg, session, plan=plan or None) as rt:
+        res["plan"] = rt.plan.as_dict()
         def overflow():
             batch = rt.dispatch(xs[r], ids[r], ws[r])
             res["dispatched"] = True
@@ -567,6 +568,11 @@ def sim():
             elif suite == "capacity":
                 cache[suite, R] = run_pes(capacity_pe, R, args=(capacity_case(R), capacity_recovery_case(R)),
                                           timeout_s=RUN_TIMEOUT_S)
+            elif suite == "capacity_two_placers":  # the copying dispatch_wait places in two blocks of four
+                grid4 = {**capacity_case(R).cfg, "n_sms": 4}
+                cases = (replace(capacity_case(R), cfg=grid4), replace(capacity_recovery_case(R), cfg=grid4))
+                plan = "receiver=route_first,expanded_copy=in_wait,share_from_tokens=1,placing_blocks=2"
+                cache[suite, R] = run_pes(capacity_pe, R, args=(*cases, plan), timeout_s=RUN_TIMEOUT_S)
             elif suite == "skip":
                 cache[suite, R] = run_pes(skip_pe, R, args=(skip_case(R), skip_recovery_case(R)),
                                           timeout_s=RUN_TIMEOUT_S)
@@ -919,6 +925,22 @@ def test_capacity_overflow_raises_on_the_overflowing_rank(sim, R):
     for frag in (f"rank {OVERFLOW_RANK}: dispatch_wait of call 0 needed {needed} expert-batch rows",
                  f"capacity is {capacity} (EPConfig.max_recv_rows)", f"at least {needed}"):
         assert frag in message, f"{frag!r} not in {message!r}"
+
+
+def test_capacity_overflow_with_two_placing_blocks_raises_copies_nothing_and_recovers(sim):
+    """Both placing blocks of the copying launch find the overflow and publish it failed: the
+    copying blocks copy nothing (no out-of-bounds row), the rank raises the capacity error, and
+    after reset() the round trip is exact."""
+    R = 2
+    case, recovery = capacity_case(R), capacity_recovery_case(R)
+    per_rank = sim("capacity_two_placers", R)
+    res = per_rank[OVERFLOW_RANK]
+    assert (res["plan"]["receiver"], res["plan"]["expanded_copy"], res["plan"]["grid"]) == ("route_first", "in_wait", 4)
+    assert not res["dispatched"], "dispatch() returned on the overflowing rank"
+    assert res["error"][0] == "EPCapacityError", res["error"]
+    assert f"capacity is {case.cfg['max_recv_rows']}" in res["error"][1], res["error"]
+    assert_dispatch_exact([r["after_reset"]["batch"] for r in per_rank], recovery, " (after reset)")
+    assert_combine_exact([r["after_reset"]["out"] for r in per_rank], recovery, " (after reset)")
 
 
 @pytest.mark.parametrize("R", WORLD_SIZES)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ep_runtime.config import EPConfig
-from ep_runtime.layout import BufferLayout
+from ep_runtime.layout import MAX_COPY_PLACERS, BufferLayout
 
 MiB = 1 << 20
 
@@ -47,9 +47,10 @@ DSV3_SYMMETRIC = {
     "combine_row_flag": ((8, 4096, 16), u64, 4_194_304, 1_415_580_672),
     # [R, T, 16] u64 (monotonic token-part flags): 4,194,304 B; 1,415,580,672 + 4,194,304 = 1,419,774,976
     "dispatch_row_flag": ((8, 4096, 16), u64, 4_194_304, 1_419_774_976),
-    # [1] u64 (a route-first dispatch_wait's placed flag): 8 B; 1,419,774,976 + 4,194,304 = 1,423,969,280
-    "dispatch_placed": ((1,), u64, 8, 1_423_969_280),
-    # [G, T, K] f32 (home slots, not per source): 2 * 4096 * 8 * 4 = 262,144 B; 1,423,969,288 -> 1,423,969,536
+    # [4] u64 (a copying route-first dispatch_wait's placed flags, one a placing block): 32 B;
+    # 1,419,774,976 + 4,194,304 = 1,423,969,280
+    "dispatch_placed": ((4,), u64, 32, 1_423_969_280),
+    # [G, T, K] f32 (home slots, not per source): 2 * 4096 * 8 * 4 = 262,144 B; 1,423,969,312 -> 1,423,969,536
     "slot_values": ((2, 4096, 8), f32, 262_144, 1_423_969_536),
     # [G, R] u64: 128 B; 1,423,969,536 + 262,144 = 1,424,231,680
     "slot_signal": ((2, 8), u64, 128, 1_424_231_680),
@@ -148,8 +149,8 @@ SMALL_SYMMETRIC = {
     "dispatch_token_credit": ((2,), u64, 16, 14592),  # 6400 + 8192 = 14592
     "combine_row_flag": ((2, 16, 16), u64, 4096, 14848),  # [R, T, 16] u64; 14592 + 16 -> 14848
     "dispatch_row_flag": ((2, 16, 16), u64, 4096, 18944),  # [R, T, 16] u64; 14848 + 4096 = 18944
-    "dispatch_placed": ((1,), u64, 8, 23040),  # [1] u64; 18944 + 4096 = 23040
-    "slot_values": ((2, 16, 2), f32, 256, 23296),  # [G, T, K] f32: 2 * 16 * 2 * 4 = 256 B; 23040 + 8 -> 23296
+    "dispatch_placed": ((4,), u64, 32, 23040),  # [4] u64; 18944 + 4096 = 23040
+    "slot_values": ((2, 16, 2), f32, 256, 23296),  # [G, T, K] f32: 2 * 16 * 2 * 4 = 256 B; 23040 + 32 -> 23296
     "slot_signal": ((2, 2), u64, 32, 23552),  # [G, R] u64: 32 B; 23296 + 256 = 23552
     "slot_across": ((2, 2, 16, 2), f32, 512, 23808),  # [G, R, T, K] f32: 512 B; 23552 + 32 -> 23808
     "slot_stage": ((2, 16, 2), f32, 256, 24320),  # [R, T, K] f32: 256 B; 23808 + 512 = 24320
@@ -303,8 +304,8 @@ def test_symmetric_regions_have_leading_group_dimension(case):
         if r.name == "dispatch_token_credit":  # monotonic over calls by design: [R], no group axis
             assert r.shape == (layout.cfg.n_ranks,), r.shape
             continue
-        if r.name == "dispatch_placed":  # this rank's own monotonic flag: [1], no group or rank axis
-            assert r.shape == (1,), r.shape
+        if r.name == "dispatch_placed":  # this rank's own monotonic flags, one a placing block: no group or rank axis
+            assert r.shape == (MAX_COPY_PLACERS,), r.shape
             continue
         if r.name == "slot_values":  # [G, T, K]: this rank's own tokens' slots (one writer each), no rank axis
             assert r.shape == (2, layout.cfg.max_tokens_per_rank, layout.cfg.top_k), r.shape

@@ -31,7 +31,10 @@ RUN_TIMEOUT_S = 240
 MODES = {"peer_stores": ({"transport": "stores"}, False), "puts": ({"transport": "puts"}, False),
          "peer_stores_misaligned": ({"transport": "stores"}, True), "puts_misaligned": ({"transport": "puts"}, True),
          "one_launch_copy": ({"receiver": "route_first", "expanded_copy": "in_wait"}, False),
-         "one_launch_copy_misaligned": ({"receiver": "route_first", "expanded_copy": "in_wait"}, True)}
+         "one_launch_copy_misaligned": ({"receiver": "route_first", "expanded_copy": "in_wait"}, True),
+         # two placing blocks share the descriptions at every size; the other blocks copy
+         "one_launch_copy_two_placers": ({"receiver": "route_first", "expanded_copy": "in_wait",
+                                          "share_from_tokens": 1, "placing_blocks": 2}, False)}
 
 
 def cases(R: int) -> list:
@@ -41,6 +44,8 @@ def cases(R: int) -> list:
         ("hidden_16", {**base, "hidden": 16}, 1, None),
         ("hidden_552_two_passes_and_tail", {**base, "hidden": 552, "n_sms": 2}, 2, (12,) * R),
         ("float32_partials", {**base, "hidden": 16, "combine_dtype": "float32"}, 3, None),
+        # a grid of 4: a copying route-first dispatch_wait places in two blocks and copies in two
+        ("hidden_16_n_sms_4", {**base, "hidden": 16, "n_sms": 4}, 4, None),
     ]
 
 
