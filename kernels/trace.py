@@ -43,7 +43,8 @@ SLOTS = {
     14: ("dispatch_wait", "offsets scanned (last block)"),
     10: ("dispatch_wait", "offsets written (last block)"),
     11: ("dispatch_wait", "end (last block)"),
-    # (12 and 13 also stamp the copy of a copying route-first dispatch_wait: expand_rows)
+    # (12 and 13 also stamp the copy of a copying route-first dispatch_wait, gather_rows: 12 when its
+    # first copying block starts)
     12: ("dispatch_copy", "start"),
     13: ("dispatch_copy", "end (last block)"),
     16: ("combine_async", "start"),
