@@ -56,37 +56,31 @@ def make_dispatch_copy(threads: int, quantized: bool, ue8m0: bool, pdl: bool) ->
         return (expert_x.shape[1] % 2 == 0 and d_tokens.shape[2] % 2 == 0 and pairs_aligned(d_tokens)
                 and pairs_aligned(expert_x))
 
-    def make_copy_to_rows(cp):
-        """``copy_to_rows`` with ``cp`` word pairs per lane in flight."""
-        load_cp, store_cp, _ = make_pair_loops(cp, warp)
+    load_cp, store_cp, _ = make_pair_loops(CP, warp)
 
-        @cuda.jit(device=True)
-        def copy_to_rows(src, rows, n_local, expert_x, w0, w1, pairs, lane, lo, hi, vals):
-            """Every lane of one warp: words ``[w0, w1)`` of the received row ``src`` into the
-            ``n_local`` expert rows ``expert_x[rows[j]]``, each word loaded once: ``cp`` word
-            pairs per lane in flight when ``pairs`` (w0, w1 even; lo, hi local [cp]), else ``U``
-            words."""
-            w = w0 + 2 * lane
-            while pairs and w < w1:
-                load_cp(src, w, w1, lo, hi)
-                for j in range(n_local):
-                    store_cp(expert_x[rows[j]], w, w1, lo, hi)
-                w += 2 * cp * warp
-            w = w0 + lane
-            while not pairs and w < w1:
+    @cuda.jit(device=True)
+    def copy_to_rows(src, rows, n_local, expert_x, w0, w1, pairs, lane, lo, hi, vals):
+        """Every lane of one warp: words ``[w0, w1)`` of the received row ``src`` into the
+        ``n_local`` expert rows ``expert_x[rows[j]]``, each word loaded once: ``CP`` word
+        pairs per lane in flight when ``pairs`` (w0, w1 even; lo, hi local [CP]), else ``U``
+        words."""
+        w = w0 + 2 * lane
+        while pairs and w < w1:
+            load_cp(src, w, w1, lo, hi)
+            for j in range(n_local):
+                store_cp(expert_x[rows[j]], w, w1, lo, hi)
+            w += 2 * CP * warp
+        w = w0 + lane
+        while not pairs and w < w1:
+            for u in range(U):
+                if w + u * warp < w1:
+                    vals[u] = src[w + u * warp]
+            for j in range(n_local):
+                dst = expert_x[rows[j]]
                 for u in range(U):
                     if w + u * warp < w1:
-                        vals[u] = src[w + u * warp]
-                for j in range(n_local):
-                    dst = expert_x[rows[j]]
-                    for u in range(U):
-                        if w + u * warp < w1:
-                            dst[w + u * warp] = vals[u]
-                w += U * warp
-
-        return copy_to_rows
-
-    copy_to_rows = make_copy_to_rows(CP)
+                        dst[w + u * warp] = vals[u]
+            w += U * warp
 
     @cuda.jit(device=True)
     def expand_rows(d_tokens, d_ids, d_counts, g, token_rows, row_offsets, expert_counts, expert_x, status,

@@ -2,8 +2,8 @@
 
     python3 tests/gpu/copy_probe.py [--tokens 128 4096] [--ranks 2] [--hidden 7168]
 
-Why: at decode sizes the expanded dispatch spends ~15 us in its copy (docs/plans.md,
-"The expanded copy"), where device memory moves its bytes in ~5. The copy reads each received
+Why: at decode sizes the expanded dispatch's copy ran far slower than a device copy of the same
+bytes (docs/plans.md, "The expanded copy at decode sizes"). The copy reads each received
 row once and stores it to the token's local expert rows. This script times the copy alone,
 on received rows laid out as the runtime lays them (``R`` sources of ``T`` tokens, top-k of
 ``E`` experts, rank 0's ``E / R`` local experts, rows expert-major in (source, token) order),
