@@ -6,24 +6,25 @@ session or runtime is built. Public names::
     EPConfig, BufferLayout, EPRuntime, open_session, reference, errors
 """
 
-from ._version import __version__
-from .config import EPConfig
-from .errors import (EPCapacityError, EPConfigError, EPError, EPInputError, EPStateError, EPTimeoutError)
-from .layout import BufferLayout
+from ep_runtime._version import __version__
+from ep_runtime.core.config import EPConfig
+from ep_runtime.core.errors import (EPCapacityError, EPConfigError, EPError, EPInputError, EPStateError, EPTimeoutError)
+from ep_runtime.core import reference
+from ep_runtime.core.layout import BufferLayout
 
 
 def __getattr__(name):
     # EPRuntime and open_session import Numba lazily: `import ep_runtime` stays light.
     if name == "EPRuntime":
-        from .runtime import EPRuntime
+        from ep_runtime.core.runtime import EPRuntime
 
         return EPRuntime
     if name == "open_session":
-        from .shmem import open_session
+        from ep_runtime.shmem import open_session
 
         return open_session
     raise AttributeError(f"module 'ep_runtime' has no attribute {name!r}")
 
 
-__all__ = ["__version__", "EPConfig", "BufferLayout", "EPRuntime", "open_session", "EPError", "EPConfigError",
+__all__ = ["__version__", "EPConfig", "BufferLayout", "EPRuntime", "open_session", "reference", "EPError", "EPConfigError",
            "EPInputError", "EPStateError", "EPTimeoutError", "EPCapacityError"]

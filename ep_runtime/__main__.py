@@ -10,9 +10,9 @@ import argparse
 import sys
 import time
 
-from .cli import HelpFormatter, Heartbeat
-from .config import EPConfig
-from .testing import SCENARIOS
+from ep_runtime.tools.cli import HelpFormatter, Heartbeat
+from ep_runtime.core.config import EPConfig
+from ep_runtime.testing import SCENARIOS
 
 #: Seconds between "still running" lines while the simulated ranks run.
 PROGRESS_EVERY_S = 15.0
@@ -44,9 +44,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def simulator_estimate(cfg: EPConfig, scenario: str):
-    """The demo's cost on the simulator (:mod:`ep_runtime.sim_cost`): one round trip, each rank
+    """The demo's cost on the simulator (:mod:`ep_runtime.tools.sim_cost`): one round trip, each rank
     sending (1 + max tokens) / 2 tokens on average."""
-    from .sim_cost import estimate, ranks_per_token
+    from ep_runtime.tools.sim_cost import estimate, ranks_per_token
 
     senders = cfg.n_ranks - (1 if scenario == "zero_rank" else 0)
     messages = senders * (cfg.max_tokens_per_rank + 1) / 2 * ranks_per_token(cfg.n_ranks, cfg.n_experts,
@@ -56,7 +56,7 @@ def simulator_estimate(cfg: EPConfig, scenario: str):
 
 def _too_slow(cfg: EPConfig, args, est) -> str:
     """Why a size is refused on the simulator, and what to do instead."""
-    from .sim_cost import format_duration, timeout_hint
+    from ep_runtime.tools.sim_cost import format_duration, timeout_hint
 
     default = simulator_estimate(EPConfig(n_ranks=4, n_experts=16, top_k=4, hidden=64, max_tokens_per_rank=24),
                                  "random")
@@ -68,9 +68,9 @@ def _too_slow(cfg: EPConfig, args, est) -> str:
 
 
 def demo(args) -> int:
-    from .demo import demo_rank, print_summary, reference_summary
-    from .errors import EPInputError, PEFailure
-    from .shmem.launch import job_backend, job_ranks, run_job
+    from ep_runtime.tools.demo import demo_rank, print_summary, reference_summary
+    from ep_runtime.core.errors import EPInputError, PEFailure
+    from ep_runtime.shmem.launch import job_backend, job_ranks, run_job
 
     backend = args.backend if args.backend == "reference" else job_backend(args.backend)
     n_ranks = args.ranks if backend == "reference" else job_ranks(args.ranks)
@@ -83,7 +83,7 @@ def demo(args) -> int:
         ok = print_summary(cfg, "reference (NumPy oracle, no kernels)", args.scenario,
                            reference_summary(cfg, args.scenario, args.seed), kind="reference")
         return 0 if ok else 1
-    from .layout import BufferLayout
+    from ep_runtime.core.layout import BufferLayout
 
     run = dict(args=(cfg.as_dict(), args.scenario, args.seed), backend=backend,
                heap_bytes=BufferLayout(cfg).symmetric_bytes, timeout_s=args.timeout)
@@ -113,7 +113,7 @@ def demo(args) -> int:
 
 
 def main(argv=None) -> int:
-    from .errors import EPError
+    from ep_runtime.core.errors import EPError
 
     args = _parser().parse_args(argv)
     try:

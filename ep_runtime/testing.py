@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .config import EPConfig
-from .reference import BF16
+from ep_runtime.core.config import EPConfig
+from ep_runtime.core.reference import BF16
 
 #: Routing scenarios: name -> what it exercises.
 SCENARIOS = {
@@ -100,7 +100,7 @@ POISON_BF16 = 0x7FC0
 
 def expert_outputs(cfg: EPConfig, batch, rank: int) -> np.ndarray:
     """The expert outputs a test passes to combine: [capacity, H] bf16 bits, ``linear_experts``
-    of the rows of ``batch`` (a :class:`~ep_runtime.reference.ExpertBatchRef` of ``rank``: their
+    of the rows of ``batch`` (a :class:`~ep_runtime.core.reference.ExpertBatchRef` of ``rank``: their
     bf16 values, or the E4M3 codes as numbers in an FP8 format), :data:`POISON_BF16` on padding
     rows and on every row past the batch."""
     y = np.full((cfg.recv_rows_capacity, cfg.hidden), POISON_BF16, np.uint16)
@@ -117,9 +117,9 @@ def describe_row(x_row: np.ndarray) -> str:
 
 
 def input_error_of(call) -> str | None:
-    """The message of the :class:`~ep_runtime.errors.EPInputError` that ``call()`` raises, or
+    """The message of the :class:`~ep_runtime.core.errors.EPInputError` that ``call()`` raises, or
     None when it returns (any other exception propagates)."""
-    from .errors import EPInputError
+    from ep_runtime.core.errors import EPInputError
 
     try:
         call()
@@ -148,8 +148,8 @@ def off_by_8(a: np.ndarray) -> np.ndarray:
 def plan_disagreement_pe(session, plans: tuple, cfg: EPConfig) -> dict:
     """Build a runtime of ``cfg`` with plan overrides ``plans[rank]``: ``{"error": message}`` of
     the EPConfigError the ranks' disagreement raises, or ``{"error": None}``."""
-    from .errors import EPConfigError
-    from .runtime import EPRuntime
+    from ep_runtime.core.errors import EPConfigError
+    from ep_runtime.core.runtime import EPRuntime
 
     try:
         EPRuntime(cfg, session, plan=plans[session.rank]).close()
@@ -162,8 +162,8 @@ def capacity_pe(session, plan: dict, cfg: EPConfig, seed: int) -> dict:
     """Under plan overrides ``plan``, dispatch "one_expert" inputs of ``seed`` (6 tokens a rank)
     in a runtime of ``cfg`` (a batch capacity below what arrives): ``{"error": message}`` of the
     EPCapacityError, or ``{"error": None}`` on a rank that raised none."""
-    from .errors import EPCapacityError
-    from .runtime import EPRuntime
+    from ep_runtime.core.errors import EPCapacityError
+    from ep_runtime.core.runtime import EPRuntime
 
     r = session.rank
     xs, ids, ws = make_inputs(cfg, "one_expert", seed, n_tokens=[6] * cfg.n_ranks)
@@ -182,9 +182,9 @@ def silent_peer_pe(session, plan: dict, cfg: EPConfig, seed: int, callers=(0,)) 
     (each combine grants call 1 its token credits), then only the ranks in ``callers`` make a
     second dispatch, which waits for the others until ``cfg.wait_timeout_s``: ``{"error":
     message}`` of a caller's EPTimeoutError (None on the others, or where none was raised)."""
-    from . import reference
-    from .errors import EPTimeoutError
-    from .runtime import EPRuntime
+    from ep_runtime.core import reference
+    from ep_runtime.core.errors import EPTimeoutError
+    from ep_runtime.core.runtime import EPRuntime
 
     r = session.rank
     xs, ids, ws = make_inputs(cfg, "random", seed)
@@ -236,7 +236,7 @@ def combine_over_tolerance(cfg: EPConfig, refs: list, ids: list, ws: list, rank:
     transport's order for ``node_size``). None when every token is within
     ``reference.combine_tolerance`` (of the weights of its routed slots: a GPU's fused
     multiply-adds round differently from the reference), else the largest error."""
-    from . import reference
+    from ep_runtime.core import reference
 
     ys = [expert_outputs(cfg, refs[s], s) for s in range(cfg.n_ranks)]
     want = reference.combine(ys, refs, ids, cfg, home_ranks=[rank], node_size=node_size)[rank].astype(np.float32)
@@ -302,8 +302,8 @@ def round_trip_with_error(session, rt, cfg: EPConfig, xs, ids, ws, layout: str) 
     layout's ``gather`` and ``recv_tokens``) and the combine output (``"out"``) as host copies,
     and the ``EPInputError`` message the next synchronize raised (``"error"``, or None): what a
     call with bad expert ids leaves behind."""
-    from . import reference
-    from .errors import EPInputError
+    from ep_runtime.core import reference
+    from ep_runtime.core.errors import EPInputError
 
     r, dev = session.rank, session.to_device
     batch = rt.dispatch_wait(rt.dispatch_async(dev(np.ascontiguousarray(xs[r].view(np.uint16))), dev(ids[r]),
@@ -330,7 +330,7 @@ def plan_round_trips(session, rt, cfg: EPConfig, calls: int, seed: int, device_c
     fields, the combine output (``"out"``, this rank's tokens) and a host copy of each runtime
     region named in ``buffers``, taken once every rank has finished the call (no peer's next
     call writes there yet)."""
-    from . import reference
+    from ep_runtime.core import reference
 
     r, out = session.rank, []
     for call in range(calls):
@@ -352,7 +352,7 @@ def plan_pe(session, plan: dict, cfg: EPConfig, calls: int, seed: int, device_co
             buffers: tuple = ()) -> dict:
     """:func:`plan_round_trips` on a runtime of ``cfg`` under plan overrides ``plan``, with the
     plan it took (``as_dict``) and the regions it allocated."""
-    from .runtime import EPRuntime
+    from ep_runtime.core.runtime import EPRuntime
 
     with EPRuntime(cfg, session, plan=plan) as rt:
         got = plan_round_trips(session, rt, cfg, calls, seed, device_count,
@@ -364,7 +364,7 @@ def assert_batch_is_the_reference(got: dict, ref, layout: str, xs, cfg: EPConfig
     """One rank's batch (``got``, from :func:`dispatch_to_host`) against the reference's ``ref``:
     offsets, counts, row descriptions and weights bit for bit; the expanded rows, or the compact
     rows each gather index picks, and each source's token count."""
-    from . import reference
+    from ep_runtime.core import reference
 
     n = ref.n_rows
     np.testing.assert_array_equal(got["row_offsets"], ref.row_offsets, err_msg=what)
@@ -387,7 +387,7 @@ def assert_calls_are_the_reference(cfg: EPConfig, runs: list, calls: int, seed: 
     """:func:`plan_pe`'s runs against the reference: every call's batch on every rank
     (:func:`assert_batch_is_the_reference`) and its combine output, bit for bit (summed in the
     hierarchical transport's order for ``node_size`` PEs a node: ``reference.combine``)."""
-    from . import reference
+    from ep_runtime.core import reference
 
     for call in range(calls):
         xs, ids, ws = call_inputs(cfg, call, seed)
@@ -406,8 +406,8 @@ def fp8_plan_pe(session, plan: dict, cfg: EPConfig, seed: int, prequantized: boo
     quantized by the format's NumPy encoder and passed with their scales), the calls of
     :data:`FP8_CALLS` (the layouts ``cfg`` serves; inputs of :func:`call_inputs`), each batch's
     :data:`BATCH_FIELDS`, scales and compact gather as host copies, and the combine output."""
-    from . import reference
-    from .runtime import EPRuntime
+    from ep_runtime.core import reference
+    from ep_runtime.core.runtime import EPRuntime
 
     r, out = session.rank, []
     with EPRuntime(cfg, session, plan=plan) as rt:
@@ -437,7 +437,7 @@ def assert_fp8_calls_are_the_reference(cfg: EPConfig, runs: list, seed: int, pre
     layout asked for) bit for bit; the combine output too (in the hierarchical order for
     ``node_size``, as :func:`assert_calls_are_the_reference`), or with ``exact_combine`` False
     within the reference's tolerance (:func:`combine_over_tolerance`: a GPU's FMA contraction)."""
-    from . import reference
+    from ep_runtime.core import reference
 
     for call in range(len(runs[0]["calls"])):
         xs, ids, ws = call_inputs(cfg, call, seed)

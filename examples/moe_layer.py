@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 from ep_runtime import EPConfig
-from ep_runtime.layout import BufferLayout
+from ep_runtime.core.layout import BufferLayout
 
 
 def layer_weights(cfg: EPConfig, ffn: int, seed: int) -> dict:

@@ -1,6 +1,6 @@
 """Negative control for the compile-and-link gate: every entry here must FAIL.
 
-Run: ``python -m ep_runtime.compile_gate --entries tests/gate_negative.py`` (exit status 1).
+Run: ``python -m ep_runtime.tools.compile_gate --entries tests/gate_negative.py`` (exit status 1).
 If one of these ever compiles, the gate is no longer checking what it claims (for instance a
 numba-cuda upgrade changed the private API it patches). tests/test_compile_gate.py checks that
 each fails with its own error (``EXPECTED_ERRORS`` there), so a broken environment does not pass

@@ -6,7 +6,7 @@ two-PE job ``JOB`` opened directly with ``SimSession.open``, the way ranks under
 open theirs (no launcher process watches them).
 
 Once bring-up is done, every PE prints ``PE <rank> pid <pid> job <job>`` and then waits in
-barriers forever. A :class:`~ep_runtime.errors.PEFailure` is printed to stderr as
+barriers forever. A :class:`~ep_runtime.core.errors.PEFailure` is printed to stderr as
 ``PEFailure: <message>`` and the process exits with status 1.
 """
 
@@ -17,7 +17,7 @@ import signal
 import sys
 import time
 
-from ep_runtime.errors import PEFailure
+from ep_runtime.core.errors import PEFailure
 from ep_runtime.shmem.launch import run_pes
 
 N_RANKS = 2

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from ep_runtime import EPConfig, EPRuntime, reference
-from ep_runtime.bench.stats import gbps, summarize
-from ep_runtime.bench.traffic import nccl_permutation, rank_traffic
+from ep_runtime.tools.bench.stats import gbps, summarize
+from ep_runtime.tools.bench.traffic import nccl_permutation, rank_traffic
 from ep_runtime.testing import make_inputs
 
 
@@ -68,7 +68,7 @@ def test_nccl_permutation_builds_the_reference_batch(scenario):
 def test_ranks_sharing_a_gpu_are_found_so_the_nccl_baseline_is_skipped_on_all_alike():
     """Ranks on one GPU (CUDA MPS runs) cannot form an NCCL communicator ("Duplicate GPU
     detected"): the NCCL baseline finds them from every rank's GPU first and is skipped."""
-    from ep_runtime.bench.measure import ranks_sharing_a_gpu
+    from ep_runtime.tools.bench.measure import ranks_sharing_a_gpu
 
     assert ranks_sharing_a_gpu(["0000:3B:00.0", "0000:5C:00.0"]) == []
     assert ranks_sharing_a_gpu(["a"] * 8) == [list(range(8))]
@@ -83,7 +83,7 @@ def test_stats():
 
 
 def test_help_documents_the_tool():
-    out = subprocess.run([sys.executable, "-m", "ep_runtime.bench", "--help"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "ep_runtime.tools.bench", "--help"], capture_output=True, text=True,
                          check=True).stdout
     for word in ("--tokens", "--samples", "--json", "--plot", "floor", "NCCL", "logical GB/s", "--mode",
                  "CUDA graphs", "n_tokens"):
@@ -92,7 +92,7 @@ def test_help_documents_the_tool():
 
 def test_graph_mode_is_refused_on_the_simulator_before_anything_runs(monkeypatch, capsys):
     import ep_runtime.shmem.launch as launch
-    from ep_runtime.bench.__main__ import main
+    from ep_runtime.tools.bench.__main__ import main
 
     def must_not_run(*a, **k):
         raise AssertionError("run_job called: graph mode must be refused before anything runs")
@@ -135,7 +135,7 @@ def graph_mode_pe(session, cfg_dict, seed):
     """The graph-mode timing's host side on the simulator (a fake stream): captures must follow
     the runtime's call order and leave it usable; then an eager round trip, checked."""
     from ep_runtime import EPRuntime, reference
-    from ep_runtime.bench.measure import takes_device_token_count, time_graph_round_trips
+    from ep_runtime.tools.bench.measure import takes_device_token_count, time_graph_round_trips
 
     cfg = EPConfig(n_ranks=session.n_ranks, **cfg_dict)
     T, r = cfg.max_tokens_per_rank, session.rank
@@ -160,7 +160,7 @@ def graph_mode_pe(session, cfg_dict, seed):
 
 
 def test_graph_mode_captures_in_call_order_on_the_simulator():
-    from ep_runtime.bench.measure import GRAPH_ROUND_TRIPS
+    from ep_runtime.tools.bench.measure import GRAPH_ROUND_TRIPS
     from ep_runtime.shmem.launch import run_pes
 
     cfg = dict(n_experts=4, top_k=2, hidden=16, max_tokens_per_rank=3)
@@ -180,8 +180,8 @@ def test_graph_mode_captures_in_call_order_on_the_simulator():
 
 
 def test_table_and_results_carry_the_mode():
-    from ep_runtime.bench.measure import SPANS
-    from ep_runtime.bench.run import _result, table
+    from ep_runtime.tools.bench.measure import SPANS
+    from ep_runtime.tools.bench.run import _result, table
 
     cfg = EPConfig(n_ranks=2, n_experts=4, top_k=2, hidden=8, max_tokens_per_rank=3)
     _, ids, _ = make_inputs(cfg, "random", 1, n_tokens=[3, 3])
@@ -205,16 +205,16 @@ def test_table_and_results_carry_the_mode():
 def test_smoke_run_on_the_simulator(tmp_path):
     path = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "ep_runtime.bench", "--backend", "sim", "--ranks", "2", "--tokens", "3", "6",
+        [sys.executable, "-m", "ep_runtime.tools.bench", "--backend", "sim", "--ranks", "2", "--tokens", "3", "6",
          "--hidden", "16", "--experts", "4", "--top-k", "2", "--samples", "3", "--warmup", "1",
          "--json", str(path), "--plot", str(tmp_path / "bench.png")], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "dispatch us" in proc.stdout and "ceilings measured in this run" in proc.stdout and " bf16 eager expanded     wait |" in proc.stdout
     assert "nan" not in proc.stdout and " 0.0 " not in proc.stdout and "n/a" in proc.stdout
     # progress: the estimate, then a line per configuration, each on its own line
-    assert "\r" not in proc.stderr and "ep_runtime.bench: simulator, about" in proc.stderr
-    progress = [line for line in proc.stderr.splitlines() if line.startswith("ep_runtime.bench: [")]
-    assert [line.split(" (")[0] for line in progress] == [f"ep_runtime.bench: [{i}/2] T={t} H=16 K=2 E=4 sms=all bf16"
+    assert "\r" not in proc.stderr and "ep_runtime.tools.bench: simulator, about" in proc.stderr
+    progress = [line for line in proc.stderr.splitlines() if line.startswith("ep_runtime.tools.bench: [")]
+    assert [line.split(" (")[0] for line in progress] == [f"ep_runtime.tools.bench: [{i}/2] T={t} H=16 K=2 E=4 sms=all bf16"
                                                          for i, t in ((1, 3), (2, 6))]
     assert (tmp_path / "bench.png").stat().st_size > 0
     data = json.loads(path.read_text())
@@ -241,7 +241,7 @@ def test_prequantized_fp8_input_is_timed_and_counted_on_the_simulator(tmp_path):
     combine."""
     path = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "ep_runtime.bench", "--backend", "sim", "--ranks", "2", "--tokens", "4",
+        [sys.executable, "-m", "ep_runtime.tools.bench", "--backend", "sim", "--ranks", "2", "--tokens", "4",
          "--hidden", "256", "--experts", "4", "--top-k", "2", "--samples", "2", "--warmup", "1",
          "--token-dtype", "bfloat16", "fp8_e4m3", "fp8_e4m3_ue8m0", "--fp8-input", "bf16", "prequantized",
          "--layout", "expanded", "compact", "--backward", "--json", str(path)], capture_output=True, text=True,
@@ -292,7 +292,7 @@ def test_prequantized_fp8_input_is_timed_and_counted_on_the_simulator(tmp_path):
 def test_compact_layout_and_float32_partials_are_timed_and_counted_on_the_simulator(tmp_path):
     path = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "ep_runtime.bench", "--backend", "sim", "--ranks", "2", "--tokens", "5",
+        [sys.executable, "-m", "ep_runtime.tools.bench", "--backend", "sim", "--ranks", "2", "--tokens", "5",
          "--hidden", "16", "--experts", "4", "--top-k", "2", "--samples", "2", "--warmup", "1",
          "--layout", "expanded", "compact", "--combine-dtype", "bfloat16", "float32", "--json", str(path)],
         capture_output=True, text=True, timeout=600)
@@ -315,7 +315,7 @@ def test_plan_overrides_and_served_layouts_reach_the_runtimes(tmp_path):
     for serve in ("each", "both"):
         path = tmp_path / f"bench_{serve}.json"
         proc = subprocess.run(
-            [sys.executable, "-m", "ep_runtime.bench", "--backend", "sim", "--ranks", "2", "--tokens", "4",
+            [sys.executable, "-m", "ep_runtime.tools.bench", "--backend", "sim", "--ranks", "2", "--tokens", "4",
              "--hidden", "16", "--experts", "4", "--top-k", "2", "--samples", "2", "--warmup", "1",
              "--layout", "expanded", "compact", "--serve", serve, "--plan", "receiver=land", "--json", str(path)],
             capture_output=True, text=True, timeout=600)
@@ -331,7 +331,7 @@ def test_plan_overrides_and_served_layouts_reach_the_runtimes(tmp_path):
 
 # -- the bench as a newcomer meets it on the simulator --------------------------------------------
 def test_help_shows_the_defaults_of_both_backends():
-    out = subprocess.run([sys.executable, "-m", "ep_runtime.bench", "--help"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "ep_runtime.tools.bench", "--help"], capture_output=True, text=True,
                          check=True).stdout
     text = " ".join(out.split())  # argparse wraps to the terminal's width
     for words in ("(default: 4096 on GPUs, 8 on the simulator)", "(default: 7168 on GPUs, 64 on the simulator)",
@@ -345,7 +345,7 @@ def test_help_shows_the_defaults_of_both_backends():
 def test_size_defaults_follow_the_backend():
     """GPU runs keep the GPU layer (their JSON args unchanged); the simulator gets a tiny one;
     sizes given on the command line are kept on either."""
-    from ep_runtime.bench.__main__ import _parser, apply_size_defaults
+    from ep_runtime.tools.bench.__main__ import _parser, apply_size_defaults
 
     gpu = _parser().parse_args([])
     apply_size_defaults(gpu, "nvshmem", 2)
@@ -358,8 +358,8 @@ def test_size_defaults_follow_the_backend():
 
 def test_gpu_sizes_are_refused_on_the_simulator_before_anything_runs(monkeypatch, capsys):
     import ep_runtime.shmem.launch as launch
-    from ep_runtime import sim_cost
-    from ep_runtime.bench.__main__ import main
+    from ep_runtime.tools import sim_cost
+    from ep_runtime.tools.bench.__main__ import main
 
     def must_not_run(*a, **k):
         raise AssertionError("run_job called: a sweep the simulator cannot finish must be refused first")
@@ -371,15 +371,15 @@ def test_gpu_sizes_are_refused_on_the_simulator_before_anything_runs(monkeypatch
     assert exc.value.code == 2
     err = " ".join(capsys.readouterr().err.split())
     for words in ("the simulator cannot finish this sweep within --timeout 600 s; estimate: about",
-                  "--tokens 8 --hidden 64 --top-k 2 --experts 8", "mpirun -np 2 python -m ep_runtime.bench"):
+                  "--tokens 8 --hidden 64 --top-k 2 --experts 8", "mpirun -np 2 python -m ep_runtime.tools.bench"):
         assert words in err, err
 
 
 def _sim_and_gpu_results():
     """Results of one configuration in both layouts at T = 3 and 6, as the simulator (no
     ceilings) and as a GPU (finite ceilings) report them."""
-    from ep_runtime.bench.measure import SPANS
-    from ep_runtime.bench.run import _result
+    from ep_runtime.tools.bench.measure import SPANS
+    from ep_runtime.tools.bench.run import _result
 
     out = {}
     for name, ceil in (("sim", {"nvlink_gbps": float("nan"), "hbm_gbps": float("nan")}),
@@ -396,7 +396,7 @@ def _sim_and_gpu_results():
 
 
 def test_table_says_n_a_where_a_figure_has_no_meaning():
-    from ep_runtime.bench.run import SIMULATOR_NOTE, table
+    from ep_runtime.tools.bench.run import SIMULATOR_NOTE, table
 
     runs = _sim_and_gpu_results()
     sim = table([runs["sim"]], simulated=True)
@@ -419,7 +419,7 @@ def test_table_says_n_a_where_a_figure_has_no_meaning():
 
 
 def test_plot_draws_one_line_per_layout_and_names_only_what_it_draws(tmp_path):
-    from ep_runtime.bench.run import plot, plot_series
+    from ep_runtime.tools.bench.run import plot, plot_series
 
     runs = _sim_and_gpu_results()
     for name, floors in (("sim", False), ("gpu", True)):
@@ -442,9 +442,9 @@ def test_plot_draws_one_line_per_layout_and_names_only_what_it_draws(tmp_path):
 
 
 def test_report_renders_the_readme_table_and_the_plot_with_the_baselines_of_the_run(tmp_path):
-    from ep_runtime.bench.measure import SPANS
-    from ep_runtime.bench.report import baseline_series, main, markdown_table
-    from ep_runtime.bench.run import _result
+    from ep_runtime.tools.bench.measure import SPANS
+    from ep_runtime.tools.bench.report import baseline_series, main, markdown_table
+    from ep_runtime.tools.bench.run import _result
 
     results = []
     for T in (6, 3):

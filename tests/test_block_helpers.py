@@ -1,4 +1,4 @@
-"""Pure arithmetic of the kernels' block helpers (``kernels/block.py``), their Python source
+"""Pure arithmetic of the kernels' block helpers (``ep_runtime/kernels/block.py``), their Python source
 called on the host (``py_func``): ``interleaved_item``, which deals the combine kernels' rows of every
 source to the warps, must be a bijection for every grid and rank count (a row dealt twice is
 sent twice, a row never dealt is never sent) and must alternate a warp's sources. ``udiv32``
@@ -72,7 +72,7 @@ _UDIV32_PTX = r"""
 import json
 from numba import types
 from numba.cuda.dispatcher import _Kernel
-from ep_runtime import compile_gate as cg
+from ep_runtime.tools import compile_gate as cg
 from ep_runtime.kernels.block import udiv32
 
 def k(out, a, b):
@@ -88,7 +88,7 @@ print(json.dumps({"div_u32": ptx.count("div.u32"), "div64": ptx.count("div.s64")
 def test_udiv32_compiles_to_one_32_bit_division():
     """On the GPU compiler (no simulator; CPU-only, like the compile gate): udiv32 of an int32
     and an int64 is one ``div.u32`` and no 64-bit division, which is its reason to exist."""
-    from ep_runtime import compile_gate
+    from ep_runtime.tools import compile_gate
 
     if not compile_gate.nvshmem_numba_bindings_installed():
         pytest.skip("the GPU compiler's bindings are not installed (pip install -e '.[test]')")

@@ -1,7 +1,7 @@
 """The runtime reuses a call's checked launch arguments only while they still hold
-(:mod:`ep_runtime.call_memo`).
+(:mod:`ep_runtime.core.call_memo`).
 
-Unit tests of :class:`CallMemo` and :func:`~ep_runtime.arrays.fingerprint`, then the runtime on
+Unit tests of :class:`CallMemo` and :func:`~ep_runtime.core.arrays.fingerprint`, then the runtime on
 the simulator (2 ranks, the real kernels): the same array objects refilled in place give the
 new data's exact results without being checked again; an array whose shape or dtype was changed
 in place, and an ``out`` from a call with another token count, are checked again and refused
@@ -13,10 +13,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ep_runtime import reference
-from ep_runtime.arrays import fingerprint
-from ep_runtime.call_memo import CallMemo, PreparedCall
-from ep_runtime.config import EPConfig
+from ep_runtime.core import reference
+from ep_runtime.core.arrays import fingerprint
+from ep_runtime.core.call_memo import CallMemo, PreparedCall
+from ep_runtime.core.config import EPConfig
 from ep_runtime.shmem.launch import run_pes
 from ep_runtime.testing import expert_outputs, input_error_of, make_inputs
 
@@ -93,7 +93,7 @@ def rounds(cfg: EPConfig):
 
 
 def memo_pe(session, R: int) -> dict:
-    from ep_runtime.runtime import EPRuntime
+    from ep_runtime.core.runtime import EPRuntime
 
     cfg, r = config(R), session.rank
     sets = rounds(cfg)

@@ -1,5 +1,5 @@
 """The command-line tools' shared pieces: help that shows defaults, progress lines, and the
-simulator's cost estimate (ep_runtime.cli, ep_runtime.sim_cost)."""
+simulator's cost estimate (ep_runtime.tools.cli, ep_runtime.tools.sim_cost)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from ep_runtime import sim_cost
-from ep_runtime.cli import HelpFormatter, Heartbeat
+from ep_runtime.tools import sim_cost
+from ep_runtime.tools.cli import HelpFormatter, Heartbeat
 
 
 def test_help_ends_each_option_with_its_default():

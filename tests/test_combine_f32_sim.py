@@ -1,7 +1,7 @@
 """float32 combine partials (``EPConfig.combine_dtype="float32"``) through the real kernels on the
 simulator, one process per rank, at 2 and 4 ranks.
 
-- Both layouts equal :func:`ep_runtime.reference.combine` / :func:`~ep_runtime.reference.combine_rows`
+- Both layouts equal :func:`ep_runtime.core.reference.combine` / :func:`~ep_runtime.core.reference.combine_rows`
   in float32 mode bit for bit (the simulator has no FMA), hence within
   ``combine_tolerance(..., "float32")``, on routing scenarios with rows that encode their
   origin (:func:`ep_runtime.testing.make_inputs`, ``linear_experts``), the awkward ones
@@ -13,7 +13,7 @@ simulator, one process per rank, at 2 and 4 ranks.
 - Run to run (a second runtime) the output is bit-identical; an epilogue sees the float32 sum.
 - Precision: with partials that cancel across ranks (many local experts per token, outputs of
   magnitudes 2**0 .. 2**12), the float32 mode's error against the float64 exact combine is far
-  below the bf16 mode's, and each is within :func:`ep_runtime.reference.combine_error_bound`.
+  below the bf16 mode's, and each is within :func:`ep_runtime.core.reference.combine_error_bound`.
 - Wrong dtypes are refused before launch (bf16 compact rows in float32 mode and the reverse,
   the partials' output array), and so is a hidden size float32 partials cannot move.
 """
@@ -23,11 +23,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ep_runtime import reference
-from ep_runtime.config import EPConfig
-from ep_runtime.errors import EPConfigError
-from ep_runtime.layout import BufferLayout
-from ep_runtime.reference import BF16
+from ep_runtime.core import reference
+from ep_runtime.core.config import EPConfig
+from ep_runtime.core.errors import EPConfigError
+from ep_runtime.core.layout import BufferLayout
+from ep_runtime.core.reference import BF16
 from ep_runtime.shmem.launch import run_pes
 from ep_runtime.testing import POISON_BF16, expert_outputs, input_error_of, linear_experts, make_inputs
 
@@ -148,7 +148,7 @@ def f32_pe(session, R: int) -> dict:
     reduce=False, compact); the repeat, the epilogue, the refused inputs and the precision runs."""
     from numba import cuda
 
-    from ep_runtime.runtime import EPRuntime
+    from ep_runtime.core.runtime import EPRuntime
 
     r = session.rank
 
@@ -203,7 +203,7 @@ def f32_pe(session, R: int) -> dict:
 def refused_inputs(session, R: int) -> dict:
     """Wrong partial dtypes in each mode, each refused before launch, then a good call on the
     same runtime (it stays usable)."""
-    from ep_runtime.runtime import EPRuntime
+    from ep_runtime.core.runtime import EPRuntime
 
     r, errors, after = session.rank, {}, {}
     for mode in ("float32", "bfloat16"):
@@ -463,7 +463,7 @@ def test_tolerance_and_bound_of_each_mode():
 
 
 def test_traffic_counts_float32_partials_twice():
-    from ep_runtime.bench.traffic import rank_traffic
+    from ep_runtime.tools.bench.traffic import rank_traffic
 
     ids0 = np.array([[0, 1], [0, 2], [2, 3]])
     ids1 = np.array([[3, 1]])

@@ -3,7 +3,7 @@
 combine_async and combine_wait give each lane ``U`` words of a row per pass; the slots past the
 row's end are summed into accumulators that are never stored. Those slots must hold zeros, not
 whatever the local array held: in the simulator a local array starts as ``np.empty`` memory,
-and summing it printed NumPy RuntimeWarnings ("invalid value", "overflow") from kernels/combine.py
+and summing it printed NumPy RuntimeWarnings ("invalid value", "overflow") from ep_runtime/kernels/combine.py
 at ``python -m ep_runtime demo --hidden 7``, before a correct PASS.
 
 Here every simulated local array of 16-bit or wider elements starts as signalling NaNs (bf16
@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from ep_runtime import EPConfig
-from ep_runtime.layout import BufferLayout
+from ep_runtime.core.layout import BufferLayout
 from ep_runtime.shmem.launch import run_pes
 
 #: bf16 signalling NaN (exponent all ones, quiet bit clear, payload 1): widened to float32 it
@@ -35,7 +35,7 @@ def poisoned_round_trip(session, cfg_fields: dict, seed: int):
     docstring); ``(summary, RuntimeWarnings as "file:line: message")``."""
     from numba.cuda.simulator import kernelapi
 
-    from ep_runtime.demo import demo_rank
+    from ep_runtime.tools.demo import demo_rank
 
     empty_array = kernelapi.FakeCUDALocal.array
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ep_runtime import reference
-from ep_runtime.config import EPConfig
+from ep_runtime.core import reference
+from ep_runtime.core.config import EPConfig
 from ep_runtime.shmem.launch import run_pes
 from ep_runtime.testing import expert_outputs, make_inputs
 
@@ -30,8 +30,8 @@ def explicit_weights(cfg: EPConfig, batches) -> list:
 
 
 def weights_pe(session, cfg: EPConfig) -> dict:
-    from ep_runtime.errors import EPInputError
-    from ep_runtime.runtime import EPRuntime
+    from ep_runtime.core.errors import EPInputError
+    from ep_runtime.core.runtime import EPRuntime
 
     r, res = session.rank, {}
     xs, ids, ws = make_inputs(cfg, "masked", SEED)

@@ -1,8 +1,8 @@
 """The compact layout on the simulator (real kernels, one process per rank): dispatch_wait(layout=
 "compact") leaves the received rows where they landed and lists per local expert the rows to
 gather; combine_async(layout="compact") takes one row per received token. Both exact against
-the reference (:func:`ep_runtime.reference.receive_rows`, :func:`~ep_runtime.reference.gather_index`,
-:func:`~ep_runtime.reference.combine_rows`), including the awkward routings, mixed with expanded
+the reference (:func:`ep_runtime.core.reference.receive_rows`, :func:`~ep_runtime.core.reference.gather_index`,
+:func:`~ep_runtime.core.reference.combine_rows`), including the awkward routings, mixed with expanded
 calls on one runtime (the routing groups alternate; the token rows share one buffer), and with bad
 arguments refused.
 """
@@ -12,10 +12,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ep_runtime import reference
-from ep_runtime.config import EPConfig
-from ep_runtime.layout import dispatch_signal_value
-from ep_runtime.reference import BF16
+from ep_runtime.core import reference
+from ep_runtime.core.config import EPConfig
+from ep_runtime.core.layout import dispatch_signal_value
+from ep_runtime.core.reference import BF16
 from ep_runtime.shmem.launch import run_pes
 from ep_runtime.testing import POISON_BF16, input_error_of, make_inputs
 from ep_runtime.testing import expert_outputs as expanded_outputs
@@ -61,7 +61,7 @@ def compact_rows(cfg: EPConfig, xs, ids, rank: int) -> np.ndarray:
 
 # -- per-rank body ------------------------------------------------------------------------------
 def compact_pe(session, R: int) -> dict:
-    from ep_runtime.runtime import EPRuntime
+    from ep_runtime.core.runtime import EPRuntime
 
     r = session.rank
 

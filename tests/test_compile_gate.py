@@ -1,6 +1,6 @@
 """The compile-and-link gate, run as CI runs it: in separate processes, on a CPU-only machine.
 
-Every kernel in ep_runtime.gate_entries must link to a non-empty sm_90a cubin against
+Every kernel in ep_runtime.tools.gate_entries must link to a non-empty sm_90a cubin against
 nvshmem4py's real device API, and every negative control (tests/gate_negative.py) must fail.
 Skipped only where nvshmem4py's Numba bindings (nvshmem4py-cu13[numba] + cffi) are missing.
 Where ``$EP_RUNTIME_GATE_RUNS`` names the output of gate runs of this same tree (.ci/run starts
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from ep_runtime import compile_gate
+from ep_runtime.tools import compile_gate
 
 pytestmark = pytest.mark.skipif(
     not compile_gate.nvshmem_numba_bindings_installed(),
@@ -45,7 +45,7 @@ def _start(*args, **env_overrides):
     env.pop("NUMBA_FORCE_CUDA_CC", None)
     env.update(env_overrides)
     # its own process group: a gate killed on timeout takes its compiler processes with it
-    return subprocess.Popen([sys.executable, "-m", "ep_runtime.compile_gate", "--json", *args],
+    return subprocess.Popen([sys.executable, "-m", "ep_runtime.tools.compile_gate", "--json", *args],
                             cwd=REPO, env=env, text=True, start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
@@ -170,7 +170,7 @@ def test_every_ep_kernel_fits_its_block_size(gate_runs):
     (CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES: the FP8 dispatch_async needed 134 at 512 threads).
     kernel_jit caps them; the linked cubins must show it."""
     from ep_runtime.kernels.cuda_api import max_registers_for
-    from ep_runtime.plan import GPU_THREADS
+    from ep_runtime.core.plan import GPU_THREADS
 
     _, report, _ = gate_runs["positive"]
     limit = max_registers_for(GPU_THREADS)

@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ep_runtime.config import EPConfig
-from ep_runtime.errors import EPConfigError, EPError
+from ep_runtime.core.config import EPConfig
+from ep_runtime.core.errors import EPConfigError, EPError
 
 #: DeepSeek-V3-like expert-parallel layer on 8 ranks.
 DSV3 = dict(n_ranks=8, n_experts=256, top_k=8, hidden=7168, max_tokens_per_rank=4096)
@@ -61,7 +61,7 @@ def test_n_experts_below_n_ranks_suggests_only_the_multiple_above():
 @pytest.mark.parametrize("n_ranks", [1, 2, 8, 64])
 def test_local_experts_beyond_the_placement_table_are_refused_with_the_largest_that_fits(n_ranks):
     """dispatch_wait keeps (n_ranks + 1) * n_local_experts int32 in shared memory (PLACEMENT_WORDS)."""
-    from ep_runtime.config import PLACEMENT_WORDS
+    from ep_runtime.core.config import PLACEMENT_WORDS
 
     most = PLACEMENT_WORDS // (n_ranks + 1) * n_ranks
     assert cfg(n_ranks=n_ranks, n_experts=most, top_k=1).n_local_experts == most // n_ranks

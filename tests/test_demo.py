@@ -12,7 +12,7 @@ import pytest
 
 from ep_runtime import EPConfig
 from ep_runtime.__main__ import main, simulator_estimate
-from ep_runtime.demo import COLUMNS, SIMULATOR_TIMES_NOTE, print_summary
+from ep_runtime.tools.demo import COLUMNS, SIMULATOR_TIMES_NOTE, print_summary
 
 
 def _demo(*args, timeout=600):
@@ -76,7 +76,7 @@ def _no_job(*args, **kwargs):
 ])
 def test_sizes_the_simulator_cannot_finish_are_refused_up_front(monkeypatch, capsys, argv, raise_timeout):
     import ep_runtime.shmem.launch as launch
-    from ep_runtime import sim_cost
+    from ep_runtime.tools import sim_cost
 
     monkeypatch.setattr(launch, "run_job", _no_job)
     monkeypatch.setattr(sim_cost, "usable_cores", lambda: 2)  # the estimate of a 2-core machine
@@ -139,7 +139,7 @@ def test_summary_of_a_rank_with_no_tokens(capsys):
 
 
 def test_estimate_grows_with_the_size_and_matches_the_reported_cases(monkeypatch):
-    from ep_runtime import sim_cost
+    from ep_runtime.tools import sim_cost
 
     monkeypatch.setattr(sim_cost, "usable_cores", lambda: 2)
 

@@ -1,6 +1,6 @@
 """Acceptance tests of `EPRuntime` on the CPU simulator: the real kernels, one process per rank.
 
-Every case is checked against the NumPy oracle (:mod:`ep_runtime.reference`): dispatch exactly
+Every case is checked against the NumPy oracle (:mod:`ep_runtime.core.reference`): dispatch exactly
 (row bits, offsets, counts, sources, weight bits), combine within
 ``reference.combine_tolerance`` and, on the simulator (no FMA contraction), bit for bit.
 Token rows encode their origin (:func:`ep_runtime.testing.make_tokens`), so a wrong row is
@@ -38,9 +38,9 @@ from dataclasses import dataclass, replace
 import numpy as np
 import pytest
 
-from ep_runtime import reference
-from ep_runtime.config import EPConfig
-from ep_runtime.reference import BF16
+from ep_runtime.core import reference
+from ep_runtime.core.config import EPConfig
+from ep_runtime.core.reference import BF16
 from ep_runtime.shmem.launch import run_pes
 from ep_runtime.testing import describe_row, linear_experts, make_inputs
 
@@ -157,10 +157,10 @@ def correctness_cases(R: int) -> list[Case]:
              n_tokens=(70,) * R),
         Case("no_tokens_anywhere", base_cfg(R), seed=17, n_tokens=(0,) * R),
         # more local experts than the block's 8 threads: each thread of the placement scan sums a run
-        # of 3 experts (kernels/dispatch.py, scan_placement), padded segments inside a run
+        # of 3 experts (ep_runtime/kernels/dispatch.py, scan_placement), padded segments inside a run
         Case("local_experts_beyond_threads_pad_2", base_cfg(R, n_experts=20 * R, top_k=5, pad_multiple=2,
                                                             max_tokens_per_rank=9), seed=25, n_tokens=(9,) * R),
-        # few rows, wide rows, many warps: rows cut into parts (kernels/block.py, row_parts):
+        # few rows, wide rows, many warps: rows cut into parts (ep_runtime/kernels/block.py, row_parts):
         # 3 rows x 4 parts of 16 words on 8 blocks of one 8-lane warp
         Case("row_parts_small_batch_wide_rows", base_cfg(R, hidden=256, max_tokens_per_rank=3, n_sms=8),
              seed=24, n_tokens=(3,) * R),
@@ -218,7 +218,7 @@ def partials_case(R: int) -> Case:
 
 
 #: The epilogue's cases: hidden 20 (5 uint64 words a row: combine_wait's one-word loop) and
-#: hidden 24 (6 words: its word-pair loop, kernels/vec.py).
+#: hidden 24 (6 words: its word-pair loop, ep_runtime/kernels/vec.py).
 EPILOGUE_HIDDEN = {"epilogue": 20, "epilogue_word_pairs": 24}
 
 
@@ -326,7 +326,7 @@ def correctness_pe(session, R: int) -> dict:
     """Every correctness case of world size ``R`` on this rank."""
     from numba import cuda
 
-    from ep_runtime.runtime import EPRuntime
+    from ep_runtime.core.runtime import EPRuntime
 
     def single(case):
         with EPRuntime(case.config(), session) as rt:
@@ -428,7 +428,7 @@ def misuse_pe(session, case: Case) -> dict:
     """Bad inputs and handle misuse, every rank making the same (mis)calls, between good
     round trips. Returns ``errors`` ``{name: (type name, message) or None}``, what followed
     the routing faults, and the good calls' results."""
-    from ep_runtime.runtime import EPRuntime
+    from ep_runtime.core.runtime import EPRuntime
 
     cfg, r, T, H = case.config(), session.rank, case.n_tokens[session.rank], case.cfg["hidden"]
     xs, ids, ws = case.inputs()
@@ -500,7 +500,7 @@ def misuse_pe(session, case: Case) -> dict:
 def capacity_pe(session, case: Case, recovery: Case, plan: str = "") -> dict:
     """The overflow call (every rank: dispatch, then combine if dispatch returned), a refused
     call, reset(), and a good round trip, on a runtime of ``plan``'s overrides."""
-    from ep_runtime.runtime import EPRuntime
+    from ep_runtime.core.runtime import EPRuntime
 
     cfg, r = case.config(), session.rank
     xs, ids, ws = case.inputs()
@@ -531,7 +531,7 @@ def skip_pe(session, case: Case, recovery: Case) -> dict:
     - ``bad_routing``: its routing has an expert id out of range (the device-side check
       raises there, nothing is sent); the others dispatch (and time out).
     """
-    from ep_runtime.runtime import EPRuntime
+    from ep_runtime.core.runtime import EPRuntime
 
     cfg, r = case.config(), session.rank
     xs, ids, ws = case.inputs()

@@ -4,8 +4,8 @@ round trip, exact against the reference, on random routing and the awkward cases
 import pytest
 
 from ep_runtime import EPConfig
-from ep_runtime.demo import demo_rank
-from ep_runtime.layout import BufferLayout
+from ep_runtime.tools.demo import demo_rank
+from ep_runtime.core.layout import BufferLayout
 from ep_runtime.shmem.launch import run_pes
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from ep_runtime import EPConfig
-from ep_runtime.errors import PEFailure
+from ep_runtime.core.errors import PEFailure
 from ep_runtime.shmem.launch import run_pes
 
 SOAK_CALLS = int(os.environ.get("EP_SOAK_CALLS", 200))

@@ -1,15 +1,15 @@
 """Blockwise FP8 token formats (issue #6): the device conversions and the NumPy reference.
 
-(a) kernels/fp8.py on Numba's CUDA simulator, against ``ml_dtypes``: every bf16 bit pattern
+(a) ep_runtime/kernels/fp8.py on Numba's CUDA simulator, against ``ml_dtypes``: every bf16 bit pattern
     divided by a few scales, float32 values on and next to every E4M3 rounding boundary and the
     specials, all 256 codes, the scales of every bf16 amax, and whole tokens encoded into
-    messages and decoded by a device kernel, compared with :mod:`ep_runtime.formats`. The
+    messages and decoded by a device kernel, compared with :mod:`ep_runtime.core.formats`. The
     simulator is chosen when numba is imported, so it runs in one subprocess
     (``NUMBA_ENABLE_CUDASIM=1``) that imports this module and saves what the kernels wrote.
-(b) ep_runtime.formats: message layouts, hidden validation, round trips, zero and non-finite
+(b) ep_runtime.core.formats: message layouts, hidden validation, round trips, zero and non-finite
     blocks, scales against an independent exact computation, the stated error bound.
 (c) the test kernels (hence every device function) compile and link to an sm_90a cubin on a
-    CPU-only machine through ep_runtime.compile_gate, and the device functions' PTX has no
+    CPU-only machine through ep_runtime.tools.compile_gate, and the device functions' PTX has no
     float64 (with a control that does). Another subprocess, without the simulator.
 
 The simulator is slow per converted value (one simulated thread per block: more threads per
@@ -29,8 +29,8 @@ import numpy as np
 import pytest
 from numba import uint32, uint64
 
-from ep_runtime import formats as F
-from ep_runtime.errors import EPConfigError, EPInputError
+from ep_runtime.core import formats as F
+from ep_runtime.core.errors import EPConfigError, EPInputError
 from ep_runtime.kernels import fp8
 from ep_runtime.kernels.bits import bf16_to_f32, f32_bits
 from ep_runtime.kernels.cuda_api import cuda
@@ -320,7 +320,7 @@ def compile_main() -> None:
     from numba import cuda as numba_cuda, types
     from numba.cuda.cudadrv import nvvm
 
-    from ep_runtime import compile_gate
+    from ep_runtime.tools import compile_gate
 
     report = {"skip": None, "kernels": [], "f64_lines": {}, "control_f64_lines": []}
     try:

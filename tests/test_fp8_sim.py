@@ -1,5 +1,5 @@
 """FP8 token formats through the real kernels on the simulator: dispatch quantizes bf16 tokens in
-dispatch_async (per 128-element block, :mod:`ep_runtime.formats`) or takes pre-quantized codes
+dispatch_async (per 128-element block, :mod:`ep_runtime.core.formats`) or takes pre-quantized codes
 and scales, and dispatch_wait returns E4M3 codes and their scales (row- or column-major), in the
 expanded and compact layouts. Codes and scales must equal the reference bit for bit, padding rows
 zero, blocks whose amax is 0 (scale 1) and blocks holding inf / NaN (NaN scale, NaN codes)
@@ -17,10 +17,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from ep_runtime import reference
-from ep_runtime.config import EPConfig
+from ep_runtime.core import reference
+from ep_runtime.core.config import EPConfig
 from ep_runtime.kernels.token_codec import HELD_SCALES
-from ep_runtime.reference import BF16
+from ep_runtime.core.reference import BF16
 from ep_runtime.shmem.launch import run_pes
 from ep_runtime.testing import input_error_of, make_inputs, off_boundary, off_by_8
 
@@ -106,7 +106,7 @@ def expert_outputs(cfg: EPConfig, ref: reference.ExpertBatchRef, rank: int) -> n
 
 
 def fp8_pe(session, R: int) -> dict:
-    from ep_runtime.runtime import EPRuntime
+    from ep_runtime.core.runtime import EPRuntime
 
     r = session.rank
     out = {}

@@ -1,4 +1,4 @@
-"""The hierarchical transport on the simulator (kernels/relay.py, kernels/nodes.py).
+"""The hierarchical transport on the simulator (ep_runtime/kernels/relay.py, ep_runtime/kernels/nodes.py).
 
 Nodes are blocks of consecutive PEs (here logical nodes of one host: ``use_logical_nodes``).
 Within a node every PE puts to every other; across nodes a token goes once to each destination
@@ -24,11 +24,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ep_runtime import reference
-from ep_runtime.bench.traffic import pair_bytes, pair_ops
-from ep_runtime.config import EPConfig
-from ep_runtime.errors import EPConfigError
-from ep_runtime.plan import Receiver, Topology, Transport, choose_plan
+from ep_runtime.core import reference
+from ep_runtime.tools.bench.traffic import pair_bytes, pair_ops
+from ep_runtime.core.config import EPConfig
+from ep_runtime.core.errors import EPConfigError
+from ep_runtime.core.plan import Receiver, Topology, Transport, choose_plan
 from ep_runtime.shmem.launch import run_pes
 from ep_runtime.testing import (assert_batch_is_the_reference, assert_calls_are_the_reference,
                                 assert_fp8_calls_are_the_reference, call_inputs, expert_outputs, fp8_plan_pe,
@@ -173,7 +173,7 @@ def test_fp8_messages_are_forwarded_exactly_and_the_model_counts_their_padding()
 
 def planted_pe(session, cfg: EPConfig) -> dict:
     """With the routing check off: a call with planted ids, reset(), a clean call (2 x 2)."""
-    from ep_runtime.runtime import EPRuntime
+    from ep_runtime.core.runtime import EPRuntime
 
     session.use_logical_nodes(2)
     with EPRuntime(cfg, session, debug=False) as rt:
@@ -208,7 +208,7 @@ def test_planted_ids_are_dropped_named_and_reset_with_the_check_off():
 def soak_pe(session, cfg: EPConfig) -> dict:
     """:data:`SOAK_CALLS` round trips alternating two inputs and the two layouts (2 x 2): each
     call's outputs, then the refusals (after a dispatch, before its combine)."""
-    from ep_runtime.runtime import EPRuntime
+    from ep_runtime.core.runtime import EPRuntime
 
     session.use_logical_nodes(2)
     r, dev = session.rank, session.to_device
@@ -283,8 +283,8 @@ def withheld_combine_pe(session, cfg: EPConfig) -> dict:
     """2 x 2 nodes, one round trip: every rank dispatches, only node 0's ranks combine. Their
     combine_wait waits for the sums of their proxy on node 1, whose combine_relay never ran:
     ``{"error": message}`` of the EPTimeoutError (None on node 1's ranks)."""
-    from ep_runtime.errors import EPTimeoutError
-    from ep_runtime.runtime import EPRuntime
+    from ep_runtime.core.errors import EPTimeoutError
+    from ep_runtime.core.runtime import EPRuntime
 
     session.use_logical_nodes(2)
     r = session.rank
@@ -339,9 +339,9 @@ def test_the_plan_takes_the_hierarchical_transport_across_regular_nodes_only_and
 
 
 def test_the_bench_table_shows_each_rank_s_bytes_between_and_within_nodes():
-    from ep_runtime.bench.measure import SPANS
-    from ep_runtime.bench.run import _result, table
-    from ep_runtime.bench.traffic import node_traffic, rank_traffic
+    from ep_runtime.tools.bench.measure import SPANS
+    from ep_runtime.tools.bench.run import _result, table
+    from ep_runtime.tools.bench.traffic import node_traffic, rank_traffic
 
     cfg = hier_cfg(4)
     _, ids, _ = make_inputs(cfg, "random", SEED)
@@ -374,7 +374,7 @@ def test_a_chunk_holds_8_tokens_below_2048_then_16_below_4096_then_32_by_one_rul
 def test_the_projection_for_a_cluster_prints_the_table_of_the_docs(capsys):
     from pathlib import Path
 
-    from ep_runtime.bench.traffic import main
+    from ep_runtime.tools.bench.traffic import main
 
     main([])
     out = capsys.readouterr().out.splitlines()

@@ -18,14 +18,14 @@ from pathlib import Path
 
 import pytest
 
-from ep_runtime import compile_gate
-from ep_runtime.errors import EPError, GPUUnavailableError, MissingDependencyError
-from ep_runtime.shmem import gpu_visible, launch, open_session, require_gpu
+from ep_runtime.tools import compile_gate
+from ep_runtime.core.errors import EPError, GPUUnavailableError, MissingDependencyError
+from ep_runtime.shmem import gpu_visible, launch, mpi, open_session, require_gpu
 
 tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGE_SOURCES = sorted((ROOT / "ep_runtime").rglob("*.py")) + sorted((ROOT / "kernels").glob("*.py"))
+PACKAGE_SOURCES = sorted((ROOT / "ep_runtime").rglob("*.py"))
 HINT = re.compile(r'pip install -e "\.\[([a-z0-9_,-]+)\]"|"\.\[([a-z0-9_,-]+)\]"')
 
 
@@ -127,7 +127,7 @@ def test_nvshmem_without_a_gpu_says_so_and_names_the_simulator():
     pytest.importorskip("cupy")
     if gpu_visible():
         pytest.skip("a GPU is visible: this test is for machines without one")
-    mpi_was_started = launch._mpi_initialized()
+    mpi_was_started = mpi.mpi_initialized()
     with pytest.raises(GPUUnavailableError) as info:
         open_session("nvshmem")
     message = str(info.value)
@@ -136,7 +136,7 @@ def test_nvshmem_without_a_gpu_says_so_and_names_the_simulator():
     assert "open_session('sim')" in message and "python -m ep_runtime demo --backend sim" in message
     assert "sim" in _named_extras(message)
     # The check comes first: MPI was not started for a session that cannot open.
-    assert launch._mpi_initialized() == mpi_was_started
+    assert mpi.mpi_initialized() == mpi_was_started
 
 
 def test_require_gpu_reports_hidden_gpus(monkeypatch):
@@ -148,7 +148,7 @@ def test_require_gpu_reports_hidden_gpus(monkeypatch):
 
 
 def test_the_bench_plot_without_matplotlib_names_the_extra_before_running(monkeypatch, capsys, tmp_path):
-    from ep_runtime.bench.__main__ import main as bench_main
+    from ep_runtime.tools.bench.__main__ import main as bench_main
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(SystemExit) as info:
@@ -156,4 +156,4 @@ def test_the_bench_plot_without_matplotlib_names_the_extra_before_running(monkey
     err = capsys.readouterr().err
     assert info.value.code == 2 and "plot" in _named_extras(err), err
     assert "matplotlib" in _extras()["plot"]
-    assert "ep_runtime.bench: [1/" not in err  # refused before any configuration ran
+    assert "ep_runtime.tools.bench: [1/" not in err  # refused before any configuration ran

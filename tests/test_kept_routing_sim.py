@@ -23,9 +23,9 @@ import numpy as np
 import pytest
 from test_plans_sim import VARIANTS as PLAN_VARIANTS
 
-from ep_runtime import reference
-from ep_runtime.config import EPConfig
-from ep_runtime.errors import EPInputError, EPStateError
+from ep_runtime.core import reference
+from ep_runtime.core.config import EPConfig
+from ep_runtime.core.errors import EPInputError, EPStateError
 from ep_runtime.shmem.launch import run_pes
 from ep_runtime.testing import (BATCH_FIELDS, POISON_BF16, assert_batch_is_the_reference, call_inputs,
                                 expert_outputs, make_inputs, make_tokens, padded_to_capacity)
@@ -84,7 +84,7 @@ def to_host(session, batch, layout: str) -> dict:
 def kept_pe(session, plan: dict, cfg: EPConfig, device_count: bool, nodes: int = 1) -> dict:
     """Calls 0-4 (module docstring) on a session of ``nodes`` logical nodes: per call the batch's
     fields and the combine output; the slot values of call 3."""
-    from ep_runtime.runtime import EPRuntime
+    from ep_runtime.core.runtime import EPRuntime
 
     if nodes > 1:
         session.use_logical_nodes(nodes)
@@ -198,7 +198,7 @@ def unsent_pe(session, plan: dict, cfg: EPConfig) -> dict:
     every routing region and dispatch_async runs with the kept routing but without its restore
     (replaced by a second copy aside): whatever the senders wrote into the routing regions would
     show. Returns, per region, whether call 1's group is still the poison on this rank."""
-    from ep_runtime.runtime import EPRuntime
+    from ep_runtime.core.runtime import EPRuntime
 
     r, dev = session.rank, session.to_device
     with EPRuntime(cfg, session, plan=plan, debug=False) as rt:
@@ -235,7 +235,7 @@ def test_a_reusing_dispatch_sends_no_routing(variant):
 
 def refusals_pe(session, cfg: EPConfig) -> dict:
     """What the host refuses around kept routings (each a message, or None if it was accepted)."""
-    from ep_runtime.runtime import EPRuntime
+    from ep_runtime.core.runtime import EPRuntime
 
     r, dev = session.rank, session.to_device
     out = {}

@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from ep_runtime import compile_gate
+from ep_runtime.tools import compile_gate
 from ep_runtime.shmem import kernel_cache as kc
 from ep_runtime.shmem import fast_launch as fl
 
@@ -190,7 +190,7 @@ def test_key_refuses_closures_it_cannot_describe(kernel_mod):
 
 
 def test_project_kernels_have_keys():
-    from ep_runtime import gate_entries as signatures
+    from ep_runtime.tools import gate_entries as signatures
 
     keys = {name: kc.kernel_key(k, at, CC) for name, k, at in signatures.ep_kernel_entries()}
     assert len(set(keys.values())) == len(keys)  # one entry per kernel
@@ -209,7 +209,7 @@ def linked():
     from ep_runtime.kernels import selftest
 
     t = _types()
-    argtypes = (_c(t.int32, 2), _c(t.uint64), t.int64, _c(t.int32, 2))  # as in ep_runtime/gate_entries.py
+    argtypes = (_c(t.int32, 2), _c(t.uint64), t.int64, _c(t.int32, 2))  # as in ep_runtime/tools/gate_entries.py
     func, options = compile_gate._kernel_parts(selftest.wait_all_copy_out)
     with compile_gate._fixed_compute_capability(CC):
         kernel = _Kernel(func, argtypes, **options)

@@ -1,17 +1,17 @@
-"""Device code depends on nothing of the host's policy: every module of ``kernels/`` imports only
+"""Device code depends on nothing of the host's policy: every module of ``ep_runtime/kernels/`` imports only
 the standard library, the CUDA toolchain's Python packages, its own package (with the leaf
-``ep_runtime.kernels.protocol`` of constants shared with the host) and ``ep_runtime.errors``;
+``ep_runtime.kernels.protocol`` of constants shared with the host) and ``ep_runtime.core.errors``;
 the simulator's SHMEM backend alone also reaches the simulated heap it runs on."""
 
 import ast
 import pathlib
 import sys
 
-KERNELS = pathlib.Path(__file__).resolve().parents[1] / "kernels"
+KERNELS = pathlib.Path(__file__).resolve().parents[1] / "ep_runtime" / "kernels"
 #: Third-party packages device code may import.
 TOOLCHAIN = {"numba", "llvmlite", "numpy", "cffi", "nvshmem", "cuda"}
 #: Project modules outside the kernels package that a kernel module may import, per module.
-ALLOWED_PROJECT = {"ep_runtime.errors"}
+ALLOWED_PROJECT = {"ep_runtime.core.errors"}
 SIM_BACKEND = {"_shmem_sim.py": {"ep_runtime.shmem.sim_heap"}}
 
 
@@ -49,5 +49,5 @@ def test_the_protocol_module_is_a_leaf():
 
 def test_the_rule_catches_a_host_import(tmp_path):
     bad = tmp_path / "k.py"
-    bad.write_text("from ep_runtime.layout import PEER_TOKENS\nimport ep_runtime.config\n")
-    assert imported_modules(bad) == {"ep_runtime.layout", "ep_runtime.config"}
+    bad.write_text("from ep_runtime.core.layout import PEER_TOKENS\nimport ep_runtime.core.config\n")
+    assert imported_modules(bad) == {"ep_runtime.core.layout", "ep_runtime.core.config"}

@@ -7,8 +7,8 @@ dimension, `describe()`, owners and `region()`'s error.
 import numpy as np
 import pytest
 
-from ep_runtime.config import EPConfig
-from ep_runtime.layout import MAX_COPY_PLACERS, BufferLayout
+from ep_runtime.core.config import EPConfig
+from ep_runtime.core.layout import MAX_COPY_PLACERS, BufferLayout
 
 MiB = 1 << 20
 
@@ -264,7 +264,7 @@ def test_a_plan_allocates_a_subset_of_every_region_in_the_same_order():
     the previous one it keeps: a runtime serving the compact layout on NVLink (route first, in
     chunks, stores) drops the expanded batch (3584 MiB), the puts' staging (448 MiB), the
     sender's ranks and the landing flags."""
-    from ep_runtime.plan import Topology, choose_plan
+    from ep_runtime.core.plan import Topology, choose_plan
 
     cfg = EPConfig(**{**DSV3.as_dict(), "layouts": "compact"})
     plan = choose_plan(cfg, Topology.nvlink_gpus(8))
@@ -414,7 +414,7 @@ def test_layout_is_pure():
 
 
 def test_dispatch_signal_value_carries_the_call_and_the_token_count():
-    from ep_runtime.layout import SIGNAL_TOKEN_BITS, dispatch_signal_value
+    from ep_runtime.core.layout import SIGNAL_TOKEN_BITS, dispatch_signal_value
 
     assert dispatch_signal_value(0, 0) == 1 << 32
     assert dispatch_signal_value(0, 4096) == (1 << 32) + 4096

@@ -16,8 +16,8 @@ import sys
 
 import pytest
 
-from ep_runtime.errors import EPInputError
-from ep_runtime.plan import Topology, choose_plan
+from ep_runtime.core.errors import EPInputError
+from ep_runtime.core.plan import Topology, choose_plan
 from ep_runtime.shmem import open_session
 from ep_runtime.shmem.launch import run_pes
 from ep_runtime.shmem.nodes import logical_nodes, nodes_of_hosts

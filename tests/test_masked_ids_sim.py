@@ -18,8 +18,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ep_runtime import reference
-from ep_runtime.config import EPConfig
+from ep_runtime.core import reference
+from ep_runtime.core.config import EPConfig
 from ep_runtime.shmem.launch import run_pes
 from ep_runtime.testing import assert_batch_is_the_reference, expert_outputs, make_inputs, round_trip_with_error
 
@@ -76,7 +76,7 @@ WIDE_REPEATS = ((0, 1, 9, 8), (0, 4, 8, 2), (-1, 0, 9, 3), (-1, 0, 3, 1))
 
 def ids_pe(session, cfg: EPConfig, seed: int, plan=None, repeats=REPEATS) -> dict:
     """Per layout: a call with planted ids, reset(), a clean call; then a call with repeated ids."""
-    from ep_runtime.runtime import EPRuntime
+    from ep_runtime.core.runtime import EPRuntime
 
     res = {}
     with EPRuntime(cfg, session, debug=False, plan=plan) as rt:

@@ -7,7 +7,7 @@ The layer: each local expert ``f_e(X) = bf16(a_e X + b_e)`` multiplied by its pr
 the expert's side (Megatron's experts apply the probabilities), the combine summing rows
 unweighted. Per rank and case, checked:
 
-- the dispatch outputs exactly against :func:`ep_runtime.reference.dispatch` (DeepEP's
+- the dispatch outputs exactly against :func:`ep_runtime.core.reference.dispatch` (DeepEP's
   ``recv_x``, ``recv_token_indices`` and ``recv_token_probs``; HybridEP's rows, their
   probabilities and the per-expert counts);
 - ``out`` within ``3 * 2**-7 * sum_k |w_tk| * max|y|``: the reference's two bf16 roundings (partial,
@@ -35,7 +35,7 @@ import pytest
 import torch
 from test_torch_sim import Case, cfg2, dense_reference, expert_scale_shift
 
-from ep_runtime import reference
+from ep_runtime.core import reference
 from ep_runtime.shmem.launch import run_pes
 
 RUN_TIMEOUT_S = 240
@@ -282,7 +282,7 @@ def test_install_points_megatron_s_modules_at_these_functions(monkeypatch):
 
 def test_install_without_megatron_names_the_package(monkeypatch):
     from ep_runtime import megatron
-    from ep_runtime.errors import EPInputError
+    from ep_runtime.core.errors import EPInputError
 
     for name in megatron.MEGATRON_MODULES:
         monkeypatch.setitem(sys.modules, name, None)

@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (kernels/pdl.py): the plan's ``pdl`` field builds the kernels with
+"""Programmatic dependent launch (ep_runtime/kernels/pdl.py): the plan's ``pdl`` field builds the kernels with
 or without the two instructions, marks them for the fast launcher, and every EP kernel waits for
 its predecessor before it reads anything that kernel wrote (on the simulator PDL is off: the
 instructions compile to nothing and the results stay exact, which the simulator tests check)."""
@@ -8,9 +8,9 @@ import inspect
 
 import pytest
 
-from ep_runtime.config import EPConfig
+from ep_runtime.core.config import EPConfig
 from ep_runtime.kernels import pdl
-from ep_runtime.plan import Topology, choose_plan
+from ep_runtime.core.plan import Topology, choose_plan
 
 
 def test_one_pair_of_device_functions_per_setting():
@@ -20,7 +20,7 @@ def test_one_pair_of_device_functions_per_setting():
 
 @pytest.mark.parametrize("on", [True, False])
 def test_the_plans_kernels_are_marked_as_the_plan_says(on):
-    from ep_runtime.builds import plan_kernels
+    from ep_runtime.core.builds import plan_kernels
 
     cfg = EPConfig(n_ranks=2, n_experts=8, top_k=2, hidden=64, max_tokens_per_rank=4096)
     plan = dataclasses.replace(choose_plan(cfg, Topology.nvlink_gpus(2)), pdl=on)
@@ -42,7 +42,7 @@ def _body(fn) -> list[str]:
 
 
 def _kernels():
-    from ep_runtime.builds import plan_kernels
+    from ep_runtime.core.builds import plan_kernels
 
     cfg = EPConfig(n_ranks=2, n_experts=8, top_k=2, hidden=64, max_tokens_per_rank=4096)
     land = plan_kernels(cfg, choose_plan(cfg, Topology.nvlink_gpus(2)))
@@ -98,7 +98,7 @@ def test_the_instructions_are_compiled_in_exactly_when_enabled(enabled):
 
     code = (
         "from numba import cuda\n"
-        "from ep_runtime.compile_gate import _fixed_compute_capability\n"
+        "from ep_runtime.tools.compile_gate import _fixed_compute_capability\n"
         "from ep_runtime.kernels.pdl import make_pdl\n"
         f"pdl_wait, pdl_trigger = make_pdl({enabled})\n"
         "def k(a):\n"

@@ -24,8 +24,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ep_runtime import reference
-from ep_runtime.config import EPConfig
+from ep_runtime.core import reference
+from ep_runtime.core.config import EPConfig
 from ep_runtime.shmem.launch import run_pes
 from ep_runtime.testing import expert_outputs, make_inputs
 
@@ -71,7 +71,7 @@ def run_case(session, rt, cfg, xs, ids, ws) -> dict:
 
 def placement_pe(session, plan: dict) -> dict:
     from ep_runtime.kernels.dispatch_route import RANK_WINDOW, ROUTE_BLOCKS, ROUTE_GRID_SHARE
-    from ep_runtime.runtime import EPRuntime
+    from ep_runtime.core.runtime import EPRuntime
 
     # as the simulated kernels see them
     results = {"window": RANK_WINDOW, "route_blocks": ROUTE_BLOCKS, "route_share": ROUTE_GRID_SHARE}

@@ -1,4 +1,4 @@
-"""The execution plan (ep_runtime.plan), without a simulator: the rules and their reasons, the
+"""The execution plan (ep_runtime.core.plan), without a simulator: the rules and their reasons, the
 overrides (arguments and EP_RUNTIME_PLAN) and the errors naming the rule, the grids, the regions
 a plan allocates, and the one environment variable left to choose an algorithm."""
 
@@ -10,10 +10,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from ep_runtime.config import EPConfig
-from ep_runtime.errors import EPConfigError
-from ep_runtime.layout import BufferLayout
-from ep_runtime.plan import (LAND_SMS, PLAN_ENV, ExpandedCopy, Plan, Receiver, Topology, Transport, agree,
+from ep_runtime.core.config import EPConfig
+from ep_runtime.core.errors import EPConfigError
+from ep_runtime.core.layout import BufferLayout
+from ep_runtime.core.plan import (LAND_SMS, PLAN_ENV, ExpandedCopy, Plan, Receiver, Topology, Transport, agree,
                              choose_plan, merged_overrides, parse_overrides)
 
 H100x2 = Topology.nvlink_gpus(2)
@@ -220,7 +220,7 @@ def test_a_plan_allocates_only_the_regions_it_uses():
 
 def test_whole_plans_are_checked_against_the_config():
     plan = choose_plan(cfg(4096), H100x2)
-    from ep_runtime.plan import check_plan
+    from ep_runtime.core.plan import check_plan
 
     with pytest.raises(EPConfigError, match="plan rule 'layouts'"):
         check_plan(plan, cfg(4096, "compact"), H100x2)
@@ -231,17 +231,17 @@ def test_whole_plans_are_checked_against_the_config():
 def test_at_most_four_environment_variables_and_one_chooses_algorithms():
     root = pathlib.Path(__file__).resolve().parents[1]
     names = set()
-    for path in list((root / "ep_runtime").rglob("*.py")) + list((root / "kernels").glob("*.py")):
+    for path in list((root / "ep_runtime").rglob("*.py")):
         names |= set(re.findall(r"EP_RUNTIME_[A-Z0-9_]+", path.read_text()))
     assert names <= {"EP_RUNTIME_PLAN", "EP_RUNTIME_KERNEL_CACHE", "EP_RUNTIME_TRACE", "EP_RUNTIME_FAST_LAUNCH"}, names
 
 
 def test_the_default_plans_table_in_the_docs_is_the_rules_output():
     """docs/plans.md lists the default plans of an H100/H200 host; it must be what choose_plan
-    gives now (regenerate with ``python -m ep_runtime.plan --table``)."""
+    gives now (regenerate with ``python -m ep_runtime.core.plan --table``)."""
     from pathlib import Path
 
-    from ep_runtime.plan import plans_table
+    from ep_runtime.core.plan import plans_table
 
     doc = (Path(__file__).resolve().parent.parent / "docs" / "plans.md").read_text()
-    assert plans_table() in doc, "docs/plans.md's default plans table is stale: python -m ep_runtime.plan --table"
+    assert plans_table() in doc, "docs/plans.md's default plans table is stale: python -m ep_runtime.core.plan --table"

@@ -1,7 +1,7 @@
 """Every execution plan a runtime can take, on the simulator: the real kernels, one process per
 rank, exact against the NumPy reference.
 
-The plan variants (``ep_runtime.plan``: receiver x transport x expanded copy, the route-first
+The plan variants (``ep_runtime.core.plan``: receiver x transport x expanded copy, the route-first
 thresholds lowered so the simulator's small batches cross them) each run CALLS round trips on
 one runtime over the awkward routings (a rank with no tokens; masked slots (-1), with fully
 masked tokens, a rank masking every token and experts with none; no token anywhere), in the
@@ -23,9 +23,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ep_runtime import reference
-from ep_runtime.config import EPConfig
-from ep_runtime.layout import token_word
+from ep_runtime.core import reference
+from ep_runtime.core.config import EPConfig
+from ep_runtime.core.layout import token_word
 from ep_runtime.shmem.launch import run_pes
 from ep_runtime.testing import (BATCH_FIELDS, assert_batch_is_the_reference, assert_calls_are_the_reference,
                                 assert_fp8_calls_are_the_reference, call_inputs, call_layout, capacity_pe,
@@ -123,7 +123,7 @@ def test_the_runtime_takes_the_plan_asked_for_and_allocates_what_it_uses(run):
 
 
 def sender_parts(T: int, words: int, warp: int = 8) -> int:
-    """The parts with words of a landing sender's rows (``kernels/block.flag_rule``) for T tokens
+    """The parts with words of a landing sender's rows (``ep_runtime/kernels/block.flag_rule``) for T tokens
     of ``words`` words, at most 16 parts, with the simulator's 8-lane warps: a part spans
     ``ceil(words / parts)`` words rounded up to whole warps, so a row's last parts may be empty
     (never sent, never flagged)."""
@@ -244,8 +244,8 @@ def lost_flags_pe(session) -> dict:
     """Call 1 sent by both ranks of a landing plan, then rank 0 erases the part flags rank 1 set
     in it (as if they were lost) before its dispatch_land: that must wait for them, and time out
     naming the flag, the rank and a token, instead of copying the rows."""
-    from ep_runtime.errors import EPTimeoutError
-    from ep_runtime.runtime import EPRuntime
+    from ep_runtime.core.errors import EPTimeoutError
+    from ep_runtime.core.runtime import EPRuntime
 
     r, cfg = session.rank, base_cfg(2, wait_timeout_s=1.0)
     xs, ids, ws = make_inputs(cfg, "one_expert", 33, n_tokens=[6, 6])  # every token to rank 0
@@ -282,7 +282,7 @@ def late_flags_pe(session, delay_s: float) -> dict:
     rows fly. Expanded, compact, expanded."""
     import threading
 
-    from ep_runtime.runtime import EPRuntime
+    from ep_runtime.core.runtime import EPRuntime
 
     r, cfg = session.rank, base_cfg(2, wait_timeout_s=60.0)
     out = []

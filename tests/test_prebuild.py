@@ -2,7 +2,7 @@
 (``--cc 9.0a``, the compile gate's way), with the runtime's own kernels and signatures.
 
 The entry it stores must be the one a runtime looks for (its file name is the key of the
-kernel and signature :func:`ep_runtime.builds.kernel_builds` lists for the runtime's plan), a
+kernel and signature :func:`ep_runtime.core.builds.kernel_builds` lists for the runtime's plan), a
 second run must find it (a hit, nothing compiled), a damaged entry must be rebuilt, and bad
 settings must stop it before anything is compiled. It builds the kernels of the plans the jobs
 choose (each format, tokens per rank on both sides of every rule's threshold, each set of
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from ep_runtime import compile_gate
+from ep_runtime.tools import compile_gate
 
 pytestmark = pytest.mark.skipif(
     not compile_gate.nvshmem_numba_bindings_installed(),
@@ -47,9 +47,9 @@ def prebuild(cache, *args, **extra):
 
 def expected_key(cache) -> str:
     """The key a runtime computes for routing_copy on sm_90a (in a process like the tool's)."""
-    code = ("from ep_runtime.builds import kernel_builds\n"
-            "from ep_runtime.config import EPConfig\n"
-            "from ep_runtime.plan import Topology, choose_plan\n"
+    code = ("from ep_runtime.core.builds import kernel_builds\n"
+            "from ep_runtime.core.config import EPConfig\n"
+            "from ep_runtime.core.plan import Topology, choose_plan\n"
             "from ep_runtime.shmem.kernel_cache import kernel_key\n"
             "cfg = EPConfig(n_ranks=4, n_experts=64, top_k=6, hidden=7168, max_tokens_per_rank=300)\n"
             "plan = choose_plan(cfg, Topology.nvlink_gpus(4))\n"
@@ -88,7 +88,7 @@ def test_stores_the_runtime_s_entry_then_hits_then_rebuilds_a_damaged_one(tmp_pa
 
 
 def test_plans_every_kernel_of_the_jobs_plans_once(monkeypatch):
-    from ep_runtime.config import COMBINE_DTYPES, TOKEN_DTYPES
+    from ep_runtime.core.config import COMBINE_DTYPES, TOKEN_DTYPES
     from ep_runtime.prebuild import plan
 
     monkeypatch.delenv("EP_RUNTIME_PLAN", raising=False)

@@ -1,4 +1,4 @@
-"""The NumPy oracle (`ep_runtime.reference`) against invariants checked independently of it.
+"""The NumPy oracle (`ep_runtime.core.reference`) against invariants checked independently of it.
 
 Dispatch is checked as a set and an order: every (source rank, token, k) appears exactly once,
 on the rank holding its expert, in its expert's segment, with its exact weight and row bits,
@@ -16,9 +16,9 @@ columns, so a misplaced row is reported with the place it came from.
 import numpy as np
 import pytest
 
-from ep_runtime import reference as ref
-from ep_runtime.config import EPConfig
-from ep_runtime.reference import BF16
+from ep_runtime.core import reference as ref
+from ep_runtime.core.config import EPConfig
+from ep_runtime.core.reference import BF16
 from ep_runtime.testing import SCENARIOS, applicable_scenarios, describe_row, linear_experts, make_inputs
 
 CONFIGS = {

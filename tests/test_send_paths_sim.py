@@ -4,7 +4,7 @@ kernels, one process per rank), exact against the reference.
 - Sending: dispatch_async, combine_async and combine_async_rows store into peers' heaps through
   their mappings (``transport=stores``, where every PE's heap is mapped) or send with NVSHMEM puts
   (``transport=puts``).
-- Width: rows move as word pairs (``kernels/vec.py``: one 16-byte access per pair of uint64
+- Width: rows move as word pairs (``ep_runtime/kernels/vec.py``: one 16-byte access per pair of uint64
   words) where every row starts 16-byte aligned, one word at a time otherwise: here the
   caller's tokens, expert outputs and combine outputs placed 8 bytes off a 16-byte boundary.
 - The expanded copy: in dispatch_copy (the ``wait`` receiver) and in one route-first launch.
@@ -19,9 +19,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ep_runtime import reference
-from ep_runtime.config import EPConfig
-from ep_runtime.reference import BF16
+from ep_runtime.core import reference
+from ep_runtime.core.config import EPConfig
+from ep_runtime.core.reference import BF16
 from ep_runtime.shmem.launch import run_pes
 from ep_runtime.testing import POISON_BF16, make_inputs, off_by_8
 from ep_runtime.testing import expert_outputs as expanded_outputs
@@ -67,7 +67,7 @@ def compact_rows(cfg: EPConfig, xs, ids, rank: int) -> np.ndarray:
 
 # -- per-rank body ------------------------------------------------------------------------------
 def paths_pe(session, R: int, plan: dict, misaligned: bool) -> dict:
-    from ep_runtime.runtime import EPRuntime
+    from ep_runtime.core.runtime import EPRuntime
 
     r = session.rank
     place = off_by_8 if misaligned else np.ascontiguousarray

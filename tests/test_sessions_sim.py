@@ -27,9 +27,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ep_runtime.config import EPConfig
-from ep_runtime.errors import EPInputError
-from ep_runtime.layout import BufferLayout
+from ep_runtime.core.config import EPConfig
+from ep_runtime.core.errors import EPInputError
+from ep_runtime.core.layout import BufferLayout
 from ep_runtime.shmem import open_session, session_for
 from ep_runtime.shmem.bootstrap import bootstrap_group, local_rank_among
 from ep_runtime.testing import assert_calls_are_the_reference, input_error_of, plan_pe
@@ -139,7 +139,7 @@ def torch_job_main(n: int, store: str, out_dir: str, module: str = "test_session
 
     import torch.distributed  # noqa: F401 - imported before the forks, for every rank
 
-    import ep_runtime.runtime  # noqa: F401 - numba in simulator mode, likewise
+    import ep_runtime.core.runtime  # noqa: F401 - numba in simulator mode, likewise
 
     rank_main = importlib.import_module(module).torch_rank_main
     pids = {}

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ep_runtime.errors import EPInputError, PEFailure
+from ep_runtime.core.errors import EPInputError, PEFailure
 from ep_runtime.shmem import launch
 from ep_runtime.shmem.launch import run_pes
 
@@ -207,7 +207,7 @@ def heap_misuse_pe(session):
 def oversized_gather_pe(session):
     """PE 1 gathers more than a mailbox slot holds, then both PEs gather their rank; returns
     (the first gather's error message or None, the second gather)."""
-    from ep_runtime.errors import ShmemError
+    from ep_runtime.core.errors import ShmemError
     from ep_runtime.shmem.sim_heap import GATHER_SLOT_BYTES
 
     try:
@@ -256,8 +256,8 @@ def mpi_ring_main():
 
 # -- the simulator backend has the GPU backend's API -------------------------------------------------
 def _exported_names(module_file: str) -> list:
-    """``__all__`` of a kernels/ module, read without importing it (no GPU stack needed)."""
-    tree = ast.parse((Path(__file__).parents[1] / "kernels" / module_file).read_text())
+    """``__all__`` of a ep_runtime/kernels/ module, read without importing it (no GPU stack needed)."""
+    tree = ast.parse((Path(__file__).parents[1] / "ep_runtime" / "kernels" / module_file).read_text())
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
             return ast.literal_eval(node.value)
@@ -476,7 +476,7 @@ def test_no_mpi_launcher_means_no_mpi_job(monkeypatch):
 def test_run_pes_without_numba_says_what_to_install(monkeypatch):
     import importlib.util
 
-    from ep_runtime.errors import MissingDependencyError
+    from ep_runtime.core.errors import MissingDependencyError
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "numba" else real(name, *a))

@@ -21,9 +21,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ep_runtime import reference
-from ep_runtime.config import EPConfig
-from ep_runtime.errors import EPInputError, EPStateError, EPTimeoutError
+from ep_runtime.core import reference
+from ep_runtime.core.config import EPConfig
+from ep_runtime.core.errors import EPInputError, EPStateError, EPTimeoutError
 from ep_runtime.shmem.launch import run_pes
 from ep_runtime.testing import call_inputs, call_layout, expert_outputs, padded_to_capacity
 
@@ -80,7 +80,7 @@ def expected_home_of_call(cfg: EPConfig, rank: int, call: int) -> np.ndarray:
 
 
 def slot_pe(session, cfg: EPConfig, plan=None) -> list:
-    from ep_runtime.runtime import EPRuntime
+    from ep_runtime.core.runtime import EPRuntime
 
     r, out = session.rank, []
     with EPRuntime(cfg, session, debug=False, plan=plan) as rt:  # (debug mode refuses the planted repeat)
@@ -163,7 +163,7 @@ def test_the_host_refuses_bad_values_and_a_second_return(runs):
 
 
 def short_values_pe(session, cfg: EPConfig) -> dict:
-    from ep_runtime.runtime import EPRuntime
+    from ep_runtime.core.runtime import EPRuntime
 
     r = session.rank
     with EPRuntime(cfg, session, debug=False) as rt:

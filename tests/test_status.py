@@ -1,4 +1,4 @@
-"""The host's reading of the device error record (``ep_runtime.status.error_from_status``): each
+"""The host's reading of the device error record (``ep_runtime.core.status.error_from_status``): each
 timeout names the rank, the kernel, the counter (with its group and peer) and what it held, and
 the route-first copy's own flag (``dispatch_placed``) is named as this rank's placing block,
 not a peer. CPU only: the records are built here as the kernels' ``record_error`` writes them."""
@@ -8,10 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ep_runtime.errors import EPCapacityError, EPTimeoutError
-from ep_runtime.layout import (STATUS_CALL, STATUS_CODE, STATUS_COUNTER, STATUS_EXPECTED, STATUS_KERNEL,
+from ep_runtime.core.errors import EPCapacityError, EPTimeoutError
+from ep_runtime.core.layout import (STATUS_CALL, STATUS_CODE, STATUS_COUNTER, STATUS_EXPECTED, STATUS_KERNEL,
                                STATUS_LEN, STATUS_OBSERVED, STATUS_PEER, STATUS_RANK)
-from ep_runtime.status import (COUNTER_DISPATCH_PLACED, COUNTER_DISPATCH_SIGNAL, COUNTER_RECV_ROWS, COUNTER_NAMES,
+from ep_runtime.core.status import (COUNTER_DISPATCH_PLACED, COUNTER_DISPATCH_SIGNAL, COUNTER_RECV_ROWS, COUNTER_NAMES,
                                ERR_CAPACITY, ERR_TIMEOUT, KERNEL_DISPATCH_WAIT, UNGROUPED_COUNTERS,
                                error_from_status)
 

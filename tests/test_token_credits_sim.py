@@ -17,8 +17,8 @@ import time
 import numpy as np
 import pytest
 
-from ep_runtime import reference
-from ep_runtime.config import EPConfig
+from ep_runtime.core import reference
+from ep_runtime.core.config import EPConfig
 from ep_runtime.shmem.launch import run_pes
 from ep_runtime.testing import expert_outputs, make_inputs
 
@@ -45,7 +45,7 @@ def address(a) -> int:
 def cycle_pe(session, R: int) -> dict:
     """CALLS round trips (dispatch -> combine), compact and expanded alternating (two compact
     calls in a row at the start), each compact batch's x, gather, recv_tokens and address."""
-    from ep_runtime.runtime import EPRuntime
+    from ep_runtime.core.runtime import EPRuntime
 
     r, cfg = session.rank, base_cfg(R)
     calls = []
@@ -73,7 +73,7 @@ def cycle_pe(session, R: int) -> dict:
 def slow_reader_pe(session) -> dict:
     """Two ranks, dispatch only (no combine): call 0 compact on both; then rank 1 holds its
     batch HOLD_S seconds before reading it, while rank 0 starts call 1 at once."""
-    from ep_runtime.runtime import EPRuntime
+    from ep_runtime.core.runtime import EPRuntime
 
     r, cfg = session.rank, base_cfg(2)
     res = {}

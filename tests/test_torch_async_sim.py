@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from ep_runtime.config import EPConfig
+from ep_runtime.core.config import EPConfig
 from ep_runtime.shmem.launch import run_pes
 from ep_runtime.testing import (FP8_CALLS, assert_calls_are_the_reference, assert_fp8_calls_are_the_reference,
                                 call_inputs, call_layout, expert_outputs, input_error_of)
@@ -42,8 +42,8 @@ def _host(t: torch.Tensor) -> np.ndarray:
 
 
 def async_pe(session, cfg_fields: dict, prequantized: bool) -> dict:
-    from ep_runtime import reference
-    from ep_runtime.runtime import EPRuntime
+    from ep_runtime.core import reference
+    from ep_runtime.core.runtime import EPRuntime
     from ep_runtime.torch_async import combine_async, combine_wait, dispatch_async, dispatch_wait
     from ep_runtime.testing import BATCH_FIELDS
 

@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 
 from test_torch_sim import Case, cfg2, dense_reference, expert_scale_shift  # noqa: E402
 
-from ep_runtime import reference  # noqa: E402
+from ep_runtime.core import reference  # noqa: E402
 from ep_runtime.shmem.launch import run_pes  # noqa: E402
 
 RUN_TIMEOUT_S = 240

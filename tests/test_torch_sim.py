@@ -7,9 +7,9 @@ padding rows come out non-zero and must be ignored) and the loss ``sum(out * c)`
 bf16), then compares with the same layer written densely in float64 torch autograd (the bf16
 rounding of ``f_e`` as a constant, a straight-through copy):
 
-- dispatch outputs against :func:`ep_runtime.reference.dispatch`, exactly, after the backward ran
+- dispatch outputs against :func:`ep_runtime.core.reference.dispatch`, exactly, after the backward ran
   (so they are copies, not views of buffers the backward's dispatches overwrote);
-- ``out`` within :func:`ep_runtime.reference.combine_tolerance`;
+- ``out`` within :func:`ep_runtime.core.reference.combine_tolerance`;
 - ``dL/dx`` within ``2**-7 * sum_k |a_e w_tk c_t|`` per element: three bf16 roundings of at most
   2**-9 each (the row ``w * c``, the combine's partial, its result); a weighted combine where an
   unweighted one belongs is off by a factor w (0.2 - 0.9) of a term;
@@ -31,8 +31,8 @@ import pytest
 
 import torch  # the test extra installs it (torch==2.13.0): no skip  # noqa: E402
 
-from ep_runtime import reference  # noqa: E402
-from ep_runtime.config import EPConfig  # noqa: E402
+from ep_runtime.core import reference  # noqa: E402
+from ep_runtime.core.config import EPConfig  # noqa: E402
 from ep_runtime.shmem.launch import run_pes  # noqa: E402
 from ep_runtime.testing import make_inputs  # noqa: E402
 
@@ -121,7 +121,7 @@ def _bf16(a: np.ndarray):
 def grads_pe(session, cases) -> dict:
     import torch
 
-    from ep_runtime.errors import EPInputError
+    from ep_runtime.core.errors import EPInputError
     from ep_runtime.torch import close_buffers, fused_combine, fused_dispatch, get_buffer, get_hidden_bytes
 
     torch.set_num_threads(1)
@@ -310,5 +310,6 @@ def test_get_buffer_builds_reuses_grows_and_closes():
 def test_importing_without_torch_names_the_install_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)
     monkeypatch.delitem(sys.modules, "ep_runtime.torch", raising=False)
+    monkeypatch.delitem(sys.modules, "ep_runtime.integrations.torch", raising=False)
     with pytest.raises(ImportError, match=r'PyTorch: pip install -e "\.\[torch\]"'):
         importlib.import_module("ep_runtime.torch")

@@ -1,4 +1,4 @@
-"""Phase time stamps (``kernels/trace.py``, ``EP_RUNTIME_TRACE=1``) on the simulator: the real
+"""Phase time stamps (``ep_runtime/kernels/trace.py``, ``EP_RUNTIME_TRACE=1``) on the simulator: the real
 kernels, one process per rank.
 
 With the switch on, every receiver's round trip is stamped (``wait``, ``land``, route first with
@@ -13,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ep_runtime import reference
-from ep_runtime.config import EPConfig
+from ep_runtime.core import reference
+from ep_runtime.core.config import EPConfig
 from ep_runtime.shmem.launch import run_pes
 from ep_runtime.testing import make_inputs
 
@@ -24,8 +24,8 @@ SEED = 5
 
 def trace_pe(session) -> dict:
     from ep_runtime.kernels.trace import TRACE
-    from ep_runtime.layout import TRACE_BASE
-    from ep_runtime.runtime import EPRuntime
+    from ep_runtime.core.layout import TRACE_BASE
+    from ep_runtime.core.runtime import EPRuntime
 
     cfg = EPConfig(**CFG)
     xs, ids, ws = make_inputs(cfg, "random", SEED)

@@ -1,4 +1,4 @@
-"""Measure the simulator's costs behind ``ep_runtime.sim_cost`` (the estimate that lets the demo
+"""Measure the simulator's costs behind ``ep_runtime.tools.sim_cost`` (the estimate that lets the demo
 and the bench refuse sizes the simulator cannot finish).
 
     python tools/sim_cost.py            # about 3 minutes on 2 cores
@@ -23,8 +23,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ep_runtime import EPConfig, sim_cost  # noqa: E402
-from ep_runtime.layout import BufferLayout, token_word  # noqa: E402
+from ep_runtime import EPConfig  # noqa: E402
+from ep_runtime.tools import sim_cost  # noqa: E402
+from ep_runtime.core.layout import BufferLayout, token_word  # noqa: E402
 from ep_runtime.testing import make_inputs  # noqa: E402
 
 #: Demo jobs: (ranks, experts, top-k, hidden, max tokens per rank).
@@ -48,7 +49,7 @@ def messages(cfg: EPConfig, n_tokens=None) -> int:
 
 
 def run_demo(job) -> tuple:
-    from ep_runtime.demo import demo_rank
+    from ep_runtime.tools.demo import demo_rank
     from ep_runtime.shmem.launch import run_pes
 
     R, E, K, H, T = job
@@ -60,8 +61,8 @@ def run_demo(job) -> tuple:
 
 
 def run_bench(job) -> tuple:
-    from ep_runtime.bench.__main__ import _parser
-    from ep_runtime.bench.run import bench_rank
+    from ep_runtime.tools.bench.__main__ import _parser
+    from ep_runtime.tools.bench.run import bench_rank
     from ep_runtime.shmem.launch import run_pes
 
     R, E, K, H, T, samples = job

@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from ..errors import EPInputError, EPStateError
-from .session import Session
+from ep_runtime.core.errors import EPInputError, EPStateError
+from ep_runtime.shmem.session import Session
 
 #: Symmetric heap per PE when none is asked for.
 DEFAULT_SESSION_HEAP_BYTES = 1 << 30
@@ -49,11 +49,11 @@ def open_session(backend: str = "auto", heap_bytes: int = DEFAULT_SESSION_HEAP_B
         backend = "nvshmem" if gpu_visible() else "sim"
     if backend == "nvshmem":
         require_gpu("open_session('nvshmem')")
-        from .nvshmem_session import NvshmemSession
+        from ep_runtime.shmem.nvshmem_session import NvshmemSession
 
         session = NvshmemSession.open(heap_bytes, group)
     elif backend == "sim":
-        from .launch import open_sim_session
+        from ep_runtime.shmem.launch import open_sim_session
 
         session = open_sim_session(group, heap_bytes)
     else:
@@ -89,11 +89,11 @@ def session_for(group=None, heap_bytes: int = DEFAULT_SESSION_HEAP_BYTES, backen
     heap_bytes : symmetric heap per PE. The heap is fixed when the session opens (NVSHMEM sizes it
         at init), so the first call must ask for the most any later call needs: e.g. the largest
         ``BufferLayout(cfg).symmetric_bytes`` of the buffers the job will build
-        (:func:`ep_runtime.torch.get_buffer` grows its runtime inside this heap). A later call
+        (:func:`ep_runtime.integrations.torch.get_buffer` grows its runtime inside this heap). A later call
         asking for more raises.
     backend : as :func:`open_session`.
 
-    Use the result with :func:`ep_runtime.torch.get_buffer` (one runtime per session, grown to fit)
+    Use the result with :func:`ep_runtime.integrations.torch.get_buffer` (one runtime per session, grown to fit)
     for Megatron-style ``get_buffer(group, ...)``. Do not open other sessions in this process.
 
     Raises
@@ -105,7 +105,7 @@ def session_for(group=None, heap_bytes: int = DEFAULT_SESSION_HEAP_BYTES, backen
         The held ``nvshmem`` session was closed: NVSHMEM is not initialized twice in a process.
     """
     global _held
-    from .bootstrap import bootstrap_group
+    from ep_runtime.shmem.bootstrap import bootstrap_group
 
     boot = bootstrap_group(group)
     if _held is not None and _held.session.closed and _held.session.backend == "sim":
@@ -166,7 +166,7 @@ def require_gpu(what: str) -> int:
         No CUDA driver, a driver too old for the CUDA runtime, or no GPU visible. The
         message names the simulator as the way to run on a CPU.
     """
-    from ..errors import GPUUnavailableError, MissingDependencyError
+    from ep_runtime.core.errors import GPUUnavailableError, MissingDependencyError
 
     try:
         import cupy

@@ -22,7 +22,7 @@ import sys
 
 import numpy as np
 
-from ..errors import EPInputError
+from ep_runtime.core.errors import EPInputError
 
 #: What :func:`bootstrap_group` accepts, for its error message.
 ACCEPTED = ("None (the job's group: mpi4py's COMM_WORLD under an MPI launcher, else torch.distributed's default "
@@ -216,10 +216,10 @@ def bootstrap_group(group=None) -> BootstrapGroup:
 
 def _job_group() -> BootstrapGroup:
     """The group of ``bootstrap_group(None)``."""
-    from .launch import _mpi, mpi_rank_size
+    from ep_runtime.shmem.mpi import mpi_module, mpi_rank_size
 
     if mpi_rank_size() is not None:
-        return MpiBootstrap(_mpi("bootstrap_group(None) under an MPI launcher").COMM_WORLD)
+        return MpiBootstrap(mpi_module("bootstrap_group(None) under an MPI launcher").COMM_WORLD)
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         return TorchBootstrap(dist.group.WORLD)

@@ -43,7 +43,7 @@ import struct
 
 import numpy as np
 
-from ..errors import ShmemError
+from ep_runtime.core.errors import ShmemError
 
 _2_64 = 1 << 64
 _I64_MAX = (1 << 63) - 1

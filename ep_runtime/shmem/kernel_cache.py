@@ -52,7 +52,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import shim_memo
+from ep_runtime.shmem import shim_memo
 
 log = logging.getLogger("ep_runtime.shmem.kernel_cache")
 
@@ -622,7 +622,7 @@ class KernelCache:
         entry is there already, ``"compiled"`` once compiled and stored. Compiles as
         ``dispatcher.compile`` does (numba-cuda 0.30.4's ``_Kernel(py_func, argtypes,
         **targetoptions)``, private API) and links for ``cc``. Raises :class:`NotCacheable`,
-        and OSError when the entry cannot be written (``python -m ep_runtime.prebuild``)."""
+        and OSError when the entry cannot be written (``python -m ep_runtime.tools.prebuild``)."""
         from numba.cuda.core import sigutils
         from numba.cuda.dispatcher import _Kernel
 

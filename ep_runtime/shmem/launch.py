@@ -3,7 +3,7 @@
 - :func:`run_pes` runs ``target(session, *args, **kwargs)`` on ``n_ranks`` fresh processes,
   one :class:`~ep_runtime.shmem.sim_session.SimSession` each, and returns their results. It
   never hangs: a PE that raises, exits early or runs past ``timeout_s`` stops the whole job
-  with :class:`~ep_runtime.errors.PEFailure` (its traceback, the signal that killed it, or
+  with :class:`~ep_runtime.core.errors.PEFailure` (its traceback, the signal that killed it, or
   the Python stacks of the PEs still running).
 - :func:`mpi_rank_size` and :func:`local_rank` read the MPI launcher's environment;
   :func:`open_sim_session` opens a simulated session over the job's group (an mpi4py
@@ -17,7 +17,7 @@ memory. :func:`run_pes` owns what bring-up leaves: on SIGTERM, SIGHUP or SIGINT 
 PEs, removes the job's files and then lets the signal take its usual course (the process dies
 of it, or the handler that was installed before runs). Its PEs exit as soon as the launcher is
 gone, killed or not. A PE whose peer process dies fails its next wait at once with
-:class:`~ep_runtime.errors.PEFailure` naming that peer.
+:class:`~ep_runtime.core.errors.PEFailure` naming that peer.
 """
 
 from __future__ import annotations
@@ -42,8 +42,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..errors import EPInputError, MissingDependencyError, PEFailure
-from .sim_heap import DEFAULT_HEAP_BYTES, WAIT_TIMEOUT_ENV, remove_job_files
+from ep_runtime.core.errors import EPInputError, MissingDependencyError, PEFailure
+from ep_runtime.shmem.mpi import local_rank, mpi_module, mpi_rank_size  # noqa: F401 (public here too)
+from ep_runtime.shmem.sim_heap import DEFAULT_HEAP_BYTES, WAIT_TIMEOUT_ENV, remove_job_files
 
 log = logging.getLogger("ep_runtime.shmem")
 
@@ -57,14 +58,6 @@ _TERMINATE_WAIT_S = 2.0
 # takes its course: termination (kill, timeout), a closed terminal, Ctrl-C.
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 
-# (rank variable, size variable) set by MPI launchers: Open MPI, MPICH/Intel MPI (Hydra),
-# MVAPICH. PMIx gives only the rank (PMIX_RANK): its size comes from mpi4py.
-_RANK_SIZE_VARS = (
-    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
-    ("PMI_RANK", "PMI_SIZE"),
-    ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE"),
-)
-_LOCAL_RANK_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK")
 
 
 #: Marks a target module given as a script path (a function of the launching script's __main__).
@@ -168,7 +161,7 @@ def job_backend(backend: str = "auto") -> str:
     else ``"sim"``."""
     if backend != "auto":
         return backend
-    from . import gpu_visible
+    from ep_runtime.shmem import gpu_visible
 
     return "nvshmem" if mpi_rank_size() is not None and gpu_visible() else "sim"
 
@@ -192,41 +185,12 @@ def run_job(target: Callable, n_ranks: int, args: tuple = (), backend: str = "au
         if backend != "sim":
             raise EPInputError(f"backend {backend!r} needs mpirun (one rank per GPU): mpirun -np 2 python ...")
         return run_pes(target, n_ranks, args=args, timeout_s=timeout_s, heap_bytes=heap_bytes)
-    MPI = _mpi("run_job under mpirun")
-    from . import open_session
+    MPI = mpi_module("run_job under mpirun")
+    from ep_runtime.shmem import open_session
 
     with open_session(backend, heap_bytes=heap_bytes) as session:
         result = target(session, *args)
     return MPI.COMM_WORLD.gather(result, root=0)
-
-
-def mpi_rank_size() -> tuple[int, int] | None:
-    """``(rank, size)`` of this process in its MPI job, or ``None`` if no MPI launcher
-    started it.
-
-    Read from the launcher's environment (Open MPI, MPICH/Intel MPI Hydra, MVAPICH); under
-    PMIx (``PMIX_RANK`` only) or once mpi4py has initialized MPI, from ``COMM_WORLD``. Never
-    initializes MPI in a process that no launcher started.
-    """
-    for rank_var, size_var in _RANK_SIZE_VARS:
-        if rank_var in os.environ and size_var in os.environ:
-            return int(os.environ[rank_var]), int(os.environ[size_var])
-    if "PMIX_RANK" in os.environ or _mpi_initialized():
-        MPI = _mpi("mpi_rank_size under a PMIx launcher")
-        return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
-    return None
-
-
-def local_rank() -> int:
-    """This process's rank among the job's processes on its node (it picks the GPU): from
-    the launcher's environment, else from mpi4py under MPI, else 0."""
-    for var in _LOCAL_RANK_VARS:
-        if var in os.environ:
-            return int(os.environ[var])
-    if mpi_rank_size() is None:
-        return 0
-    MPI = _mpi("local_rank under mpirun")
-    return MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
 
 
 def open_sim_session(group=None, heap_bytes: int = DEFAULT_HEAP_BYTES, timeout_s: float = 60.0):
@@ -240,12 +204,12 @@ def open_sim_session(group=None, heap_bytes: int = DEFAULT_HEAP_BYTES, timeout_s
     files exist only during bring-up; a rank whose bring-up fails removes them, and only a job
     whose every rank is killed during bring-up leaves them (empty, sparse): remove them with
     :func:`ep_runtime.shmem.sim_heap.remove_job_files`. A rank whose peer process dies gets
-    :class:`~ep_runtime.errors.PEFailure` naming it at its next wait. The simulated kernels of a
+    :class:`~ep_runtime.core.errors.PEFailure` naming it at its next wait. The simulated kernels of a
     process use its one current heap: one open session per process.
     """
     _require_simulator("open_sim_session")
-    from .bootstrap import bootstrap_group
-    from .sim_session import SimSession
+    from ep_runtime.shmem.bootstrap import bootstrap_group
+    from ep_runtime.shmem.sim_session import SimSession
 
     boot = bootstrap_group(group)
     job = np.zeros(_JOB_ID_BYTES, np.uint8)
@@ -259,21 +223,8 @@ def open_sim_session_from_mpi(heap_bytes: int = DEFAULT_HEAP_BYTES, timeout_s: f
     """:func:`open_sim_session` over the mpi4py communicator ``comm`` (default ``COMM_WORLD``), in
     a script started with ``mpiexec -n N`` and ``NUMBA_ENABLE_CUDASIM=1``. Collective."""
     _require_simulator("open_sim_session_from_mpi")
-    MPI = _mpi("open_sim_session_from_mpi")
+    MPI = mpi_module("open_sim_session_from_mpi")
     return open_sim_session(comm if comm is not None else MPI.COMM_WORLD, heap_bytes, timeout_s)
-
-
-def _mpi(what: str):
-    """mpi4py's ``MPI`` module; :class:`MissingDependencyError` naming the extras that install
-    it if mpi4py is absent."""
-    try:
-        from mpi4py import MPI
-    except ImportError as exc:
-        raise MissingDependencyError(
-            f"{what}: this process runs under an MPI launcher and needs mpi4py, which is not installed: "
-            "pip install -e \".[mpi]\" (mpi4py and MPICH's mpiexec, for simulated ranks on a CPU) or "
-            "\".[gpu]\" (the GPU stack)") from exc
-    return MPI
 
 
 def _require_simulator(what: str) -> None:
@@ -284,12 +235,6 @@ def _require_simulator(what: str) -> None:
             f"{what}: the simulator runs kernels under Numba's CUDA simulator, and numba-cuda is not "
             "installed; install the simulator's extra with pip install -e \".[sim]\" (or run the demo "
             "with --backend reference, which needs only NumPy)")
-
-
-def _mpi_initialized() -> bool:
-    """Whether this process imported mpi4py.MPI and MPI is initialized."""
-    mpi = sys.modules.get("mpi4py.MPI")
-    return mpi is not None and mpi.Is_initialized()
 
 
 # -- parent side -------------------------------------------------------------------------------
@@ -399,7 +344,7 @@ class _Stopped(BaseException):
 
 #: What the PE server imports once, in simulator mode: numba and the simulator's session and
 #: runtime, most of a PE's start-up when each PE is a fresh interpreter.
-_PE_PRELOAD = ("numpy", "numba.cuda", "ep_runtime.shmem.sim_session", "ep_runtime.runtime")
+_PE_PRELOAD = ("numpy", "numba.cuda", "ep_runtime.shmem.sim_session", "ep_runtime.core.runtime")
 _pe_server_lock = threading.Lock()
 _pe_server_started = False
 
@@ -601,7 +546,7 @@ def _import_target_module(name: str):
 def _run_pe(spec: _PESpec):
     # NUMBA_ENABLE_CUDASIM=1 came with the environment at spawn, so the target's module and
     # numba are imported in simulator mode.
-    from .sim_session import SimSession
+    from ep_runtime.shmem.sim_session import SimSession
 
     module_name, qualname = spec.target
     target = _import_target_module(module_name)

@@ -14,7 +14,7 @@ not mapped (``peer_addresses`` is None, ``peer_view`` refuses them) and are reac
 
 from __future__ import annotations
 
-from ..errors import EPInputError
+from ep_runtime.core.errors import EPInputError
 
 
 def nodes_of_hosts(hosts: list[str]) -> tuple[int, ...]:

@@ -31,13 +31,13 @@ import os
 
 import numpy as np
 
-from ..errors import MissingDependencyError, ShmemError
-from ..kernels import pdl
-from .env import configure_nvshmem_env
-from .fast_launch import FastLauncher, Unsupported
-from . import shim_memo
-from .kernel_cache import KernelCache
-from .session import Session
+from ep_runtime.core.errors import MissingDependencyError, ShmemError
+from ep_runtime.kernels import pdl
+from ep_runtime.shmem.env import configure_nvshmem_env
+from ep_runtime.shmem.fast_launch import FastLauncher, Unsupported
+from ep_runtime.shmem import shim_memo
+from ep_runtime.shmem.kernel_cache import KernelCache
+from ep_runtime.shmem.session import Session
 
 log = logging.getLogger("ep_runtime.shmem")
 
@@ -93,12 +93,12 @@ class NvshmemSession(Session):
         Its host collectives carry NVSHMEM's unique id and :meth:`allgather_object`. NVSHMEM is
         initialized once per process: one such session per process.
 
-        Raises :class:`~ep_runtime.errors.GPUUnavailableError` (no CUDA driver or GPU; it names
-        the simulator) or :class:`~ep_runtime.errors.MissingDependencyError` (the ``gpu`` extra
+        Raises :class:`~ep_runtime.core.errors.GPUUnavailableError` (no CUDA driver or GPU; it names
+        the simulator) or :class:`~ep_runtime.core.errors.MissingDependencyError` (the ``gpu`` extra
         is not installed) before it starts anything.
         """
-        from . import require_gpu
-        from .bootstrap import bootstrap_group
+        from ep_runtime.shmem import require_gpu
+        from ep_runtime.shmem.bootstrap import bootstrap_group
 
         n_gpus = require_gpu("NvshmemSession.open")
         try:

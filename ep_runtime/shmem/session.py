@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import EPInputError
-from .nodes import logical_nodes, nodes_of_hosts
+from ep_runtime.core.errors import EPInputError
+from ep_runtime.shmem.nodes import logical_nodes, nodes_of_hosts
 
 
 class Session(abc.ABC):
@@ -85,7 +85,7 @@ class Session(abc.ABC):
 
         Stores through a peer view are plain stores: every storing thread fences at system
         scope (``cuda.threadfence_system()``), then a barrier, then the signal that publishes
-        them (see ``kernels/selftest.py``, ``ring_peer_store_signal``).
+        them (see ``ep_runtime/kernels/selftest.py``, ``ring_peer_store_signal``).
         """
 
     def peers_mapped(self) -> bool:

@@ -33,13 +33,13 @@ bring-up fails calls it for its job).
 
 Each PE also watches its peers' processes (a pidfd per peer, opened at bring-up): a wait of
 this process (a barrier, a simulated signal wait) whose peer process has exited fails at once
-with :class:`~ep_runtime.errors.PEFailure` naming that PE, instead of at its timeout.
+with :class:`~ep_runtime.core.errors.PEFailure` naming that PE, instead of at its timeout.
 
 Limits of the simulator (what a passing simulated test does not prove)
 -----------------------------------------------------------------------
 - Blocks run one at a time, in blockIdx order, their threads as Python threads: a block that
   waits for a later block of the same kernel on the same PE never gets it (the wait times out
-  with :class:`~ep_runtime.errors.ShmemTimeoutError`). ``grid.sync()`` is only a block
+  with :class:`~ep_runtime.core.errors.ShmemTimeoutError`). ``grid.sync()`` is only a block
   barrier and ``max_cooperative_grid_blocks`` is 1.
 - One kernel per process at a time, so PEs are processes, never threads. Streams are ignored:
   a launch returns when the kernel has finished.
@@ -79,7 +79,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..errors import (EPInputError, EPStateError, PEFailure, ShmemError, ShmemTimeoutError,
+from ep_runtime.core.errors import (EPInputError, EPStateError, PEFailure, ShmemError, ShmemTimeoutError,
                       SymmetricAddressError)
 
 SHM_DIR = "/dev/shm"

@@ -18,10 +18,10 @@ from typing import Any
 import numpy as np
 from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
 
-from ..errors import EPStateError, ShmemError
-from . import sim_block
-from .session import Session
-from .sim_heap import DEFAULT_HEAP_BYTES, SimHeap, set_current_heap
+from ep_runtime.core.errors import EPStateError, ShmemError
+from ep_runtime.shmem import sim_block
+from ep_runtime.shmem.session import Session
+from ep_runtime.shmem.sim_heap import DEFAULT_HEAP_BYTES, SimHeap, set_current_heap
 
 # The simulator runs one block at a time and reports max_cooperative_grid_blocks == 1, so one
 # "SM" is the persistent grid that can never wait on a block that has not started.

@@ -30,7 +30,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # tests
 
 def check(cfg, me, got, inputs, layout, what) -> list[str]:
     """This rank's batch and output against the reference of ``inputs``: failures."""
-    from ep_runtime import reference
+    from ep_runtime.core import reference
     from ep_runtime.testing import assert_batch_is_the_reference, combine_over_tolerance
 
     xs, ids, ws = inputs
@@ -64,7 +64,7 @@ def main() -> int:
     from test_masked_ids_sim import PLANTED, REPEATS, planted_inputs
 
     from ep_runtime import EPConfig, EPRuntime
-    from ep_runtime.layout import BufferLayout
+    from ep_runtime.core.layout import BufferLayout
     from ep_runtime.shmem import open_session
     from ep_runtime.testing import gpu_check_report, make_inputs, round_trip_with_error
 

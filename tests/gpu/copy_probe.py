@@ -7,7 +7,7 @@ bytes (docs/plans.md, "The expanded copy at decode sizes"). The copy reads each 
 row once and stores it to the token's local expert rows. This script times the copy alone,
 on received rows laid out as the runtime lays them (``R`` sources of ``T`` tokens, top-k of
 ``E`` experts, rank 0's ``E / R`` local experts, rows expert-major in (source, token) order),
-in three loop shapes over warp items (a part of a row, ``kernels/block.py``'s ``row_parts``):
+in three loop shapes over warp items (a part of a row, ``ep_runtime/kernels/block.py``'s ``row_parts``):
 
 - ``per_source``: the shape of ``expand_rows`` before this probe: a pass per source, each
   item reading the token's ids, then counting its local experts, then reading its rows' indices
@@ -183,7 +183,7 @@ def main() -> int:
     import cupy
     from numba import cuda as numba_cuda
 
-    from ep_runtime.bench.measure import DeviceSpin
+    from ep_runtime.tools.bench.measure import DeviceSpin
 
     stream = cupy.cuda.Stream(non_blocking=True)
     nb_stream = numba_cuda.external_stream(int(stream.ptr))

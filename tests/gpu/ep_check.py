@@ -6,7 +6,7 @@
 For each execution plan of ``--plans`` (a runtime each, built one after another on one NVSHMEM
 session: ``default`` is the rules' plan with EP_RUNTIME_PLAN's overrides, an item such as
 ``receiver=land,transport=puts`` overrides plan fields, and ``variants`` stands for ``default``
-then every receiver on every transport it can run on, ep_runtime.gate_entries.PLAN_VARIANTS)
+then every receiver on every transport it can run on, ep_runtime.tools.gate_entries.PLAN_VARIANTS)
 and each token count T: dispatch exact against the NumPy reference, combine within the
 stated tolerance, ``--calls`` back-to-back round trips bit-identical to the first, a CUDA
 graph of the four calls replayed ``--replays`` times with correct results, and per-call
@@ -29,17 +29,17 @@ import numpy as np
 def plan_list(items) -> list[str]:
     """``--plans`` as the plans to run, in order, each once: ``default`` (``EPRuntime(plan=None)``),
     ``key=value,...`` override strings, and ``variants`` for ``default`` followed by
-    ``receiver=R,transport=T`` for every (R, T) of ep_runtime.gate_entries.PLAN_VARIANTS. Every
-    override string is parsed here (ep_runtime.plan.parse_overrides), so that a typo stops every
+    ``receiver=R,transport=T`` for every (R, T) of ep_runtime.tools.gate_entries.PLAN_VARIANTS. Every
+    override string is parsed here (ep_runtime.core.plan.parse_overrides), so that a typo stops every
     rank before the session opens (an impossible combination fails later, when its runtime is
     built)."""
-    from ep_runtime.errors import EPConfigError
-    from ep_runtime.plan import parse_overrides
+    from ep_runtime.core.errors import EPConfigError
+    from ep_runtime.core.plan import parse_overrides
 
     out = []
     for item in items:
         if item == "variants":
-            from ep_runtime.gate_entries import PLAN_VARIANTS
+            from ep_runtime.tools.gate_entries import PLAN_VARIANTS
 
             texts = ["default"] + [f"receiver={r},transport={t}" for r, t in PLAN_VARIANTS]
         else:
@@ -101,7 +101,7 @@ def replay_graph(rt, session, stream, tok, tid, tw, y, out, batch, n, first_x, f
 def compact_rows(recv_r, r: int, f32: bool) -> np.ndarray:
     """Rank r's compact combine input: its received rows (``receive_rows(...)[r]``) times r + 2,
     rounded to bf16 (float32 with float32 partials), NaN on the rows combine must not read."""
-    from ep_runtime import reference
+    from ep_runtime.core import reference
 
     x_r, def_r = recv_r
     rows_r = (x_r.astype(np.float32) * np.float32(r + 2)).astype(reference.BF16).view(np.uint16)
@@ -113,7 +113,7 @@ def reference_data(cfg, T: int, seed: int, me: int, combine_dtype: str, scenario
     """What the checks at T compare with on rank ``me``, computed once for every plan. Only this
     rank's parts are kept (8 processes at EP8, T=4096, hidden 7168 outgrew a 128 GB host with
     every rank's kept)."""
-    from ep_runtime import reference
+    from ep_runtime.core import reference
     from ep_runtime.testing import linear_experts, make_inputs
 
     R, f32 = cfg.n_ranks, combine_dtype == "float32"
@@ -146,7 +146,7 @@ def check_tokens(rt, session, ref: SimpleNamespace, args, check, label: str) -> 
     """Every check at one T (``ref``: its reference_data) on the runtime ``rt``; the table row."""
     import cupy
 
-    from ep_runtime import reference
+    from ep_runtime.core import reference
 
     cfg, stream, me = rt.cfg, session.stream, session.rank
     T, n = ref.T, ref.n
@@ -298,7 +298,7 @@ def main() -> int:
     from mpi4py import MPI
 
     from ep_runtime import EPConfig
-    from ep_runtime.layout import BufferLayout
+    from ep_runtime.core.layout import BufferLayout
     from ep_runtime.shmem import open_session
 
     comm = MPI.COMM_WORLD

@@ -118,7 +118,7 @@ def check_hardware_conversion() -> tuple[int, int]:
 def fp8_reference(cfg, T: int, seed: int, me: int, scenario: str = "random") -> SimpleNamespace:
     """What the checks of ``cfg``'s format at T compare with on rank ``me``, computed once for
     every plan (only this rank's parts kept)."""
-    from ep_runtime import reference
+    from ep_runtime.core import reference
     from ep_runtime.testing import linear_experts, make_inputs
 
     R = cfg.n_ranks
@@ -147,7 +147,7 @@ def check_format(rt, session, d: SimpleNamespace, args, check, fmt: str) -> tupl
     the table row ``(T, rows, scales per row, combine error, graph replays alike, {check: ok})``."""
     import cupy
 
-    from ep_runtime import reference
+    from ep_runtime.core import reference
 
     cfg, stream = rt.cfg, session.stream
     T, ref, pad = d.T, d.ref, d.pad
@@ -254,7 +254,7 @@ def main() -> int:
     from mpi4py import MPI
 
     from ep_runtime import EPConfig
-    from ep_runtime.layout import BufferLayout
+    from ep_runtime.core.layout import BufferLayout
     from ep_runtime.shmem import open_session
 
     comm = MPI.COMM_WORLD

@@ -40,7 +40,7 @@ def step_reference(cfg, seed: int, i: int, counts: list[int], me: int, compact: 
                    scenario: str = "random") -> SimpleNamespace:
     """Replay ``i``'s inputs on rank ``me`` and what it must give there (only this rank's parts
     kept)."""
-    from ep_runtime import reference
+    from ep_runtime.core import reference
     from ep_runtime.testing import make_inputs
 
     xs, ids, ws = make_inputs(cfg, scenario, seed * 1000 + i, n_tokens=counts)
@@ -62,7 +62,7 @@ def run_plan(cfg, session, text: str, counts_per_step, steps, args, n_plans: int
     import cupy
     from ep_check import plan_label, runtime_for  # this script's folder is on sys.path
 
-    from ep_runtime import reference
+    from ep_runtime.core import reference
 
     me, stream, cap = session.rank, session.stream, cfg.max_tokens_per_rank
     rt, built = runtime_for(cfg, session, text)
@@ -151,7 +151,7 @@ def main() -> int:
     from mpi4py import MPI
 
     from ep_runtime import EPConfig
-    from ep_runtime.layout import BufferLayout
+    from ep_runtime.core.layout import BufferLayout
     from ep_runtime.shmem import open_session
 
     comm = MPI.COMM_WORLD

@@ -48,9 +48,10 @@ def main() -> int:
     import cupy
     from mpi4py import MPI
 
-    from ep_runtime import EPConfig, EPRuntime, arrays
-    from ep_runtime.kernel_args import build_args
-    from ep_runtime.layout import BufferLayout
+    from ep_runtime import EPConfig, EPRuntime
+    from ep_runtime.core import arrays
+    from ep_runtime.core.kernel_args import build_args
+    from ep_runtime.core.layout import BufferLayout
     from ep_runtime.shmem import open_session
     from ep_runtime.testing import make_inputs
     from startup_check import CALLS, _round  # this script's folder is on sys.path

@@ -31,7 +31,7 @@ def check(session, cfg, plan: dict, device_count: bool, node_size: int = 0) -> l
     """The simulator test's run on this rank: its failures."""
     from test_kept_routing_sim import REUSES, SEED, kept_inputs, kept_pe, reused_tokens
 
-    from ep_runtime import reference
+    from ep_runtime.core import reference
     from ep_runtime.testing import assert_batch_is_the_reference, call_inputs, combine_over_tolerance
 
     me, fails = session.rank, []
@@ -74,7 +74,7 @@ def main() -> int:
     from mpi4py import MPI
     from test_kept_routing_sim import NODES, VARIANTS, cfg_of
 
-    from ep_runtime.layout import BufferLayout
+    from ep_runtime.core.layout import BufferLayout
     from ep_runtime.shmem import open_session
     from ep_runtime.testing import gpu_check_report, rank_rows
 

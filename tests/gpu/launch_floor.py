@@ -3,7 +3,7 @@
     mpirun -np 1 -x PYTHONPATH python3 tests/gpu/launch_floor.py
 
 What no kernel body can go below: one or two kernels of the EP grid (one block of 512 threads per
-SM) that only trigger and wait for their dependents (``kernels/pdl.py``), launched through the
+SM) that only trigger and wait for their dependents (``ep_runtime/kernels/pdl.py``), launched through the
 session's fast launcher (PDL where marked), captured in one CUDA graph and timed as the bench
 times a graph (a spin kernel first, then CUDA events around the launch; median of 50). Variants:
 one array argument; the same without PDL; 24 array arguments read by every block and 32 KB of
@@ -58,7 +58,7 @@ def main() -> int:
     import numba
     from numba import cuda, int32
 
-    from ep_runtime.bench.measure import DeviceSpin, EventClock, _capture
+    from ep_runtime.tools.bench.measure import DeviceSpin, EventClock, _capture
     from ep_runtime.kernels import pdl
     from ep_runtime.shmem import open_session
 

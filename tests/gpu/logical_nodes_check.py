@@ -30,7 +30,7 @@ import numpy as np
 def own_failures(session, cfg, run: dict, calls: int, seed: int, node_size: int) -> list[str]:
     """This rank's calls of ``run`` (``testing.plan_pe``) against the reference: batches bit for
     bit, combine within the reference's tolerance."""
-    from ep_runtime import reference
+    from ep_runtime.core import reference
     from ep_runtime.testing import (
         assert_batch_is_the_reference,
         call_inputs,
@@ -58,8 +58,8 @@ def soak_and_time(session, cfg, n: int, seed: int, plan: str = "") -> tuple[int,
     """``n`` round trips (expanded) of call 0's inputs on a fresh runtime: how many differ from
     the first (dispatch rows and combine output, by hash), and the median dispatch and combine
     us (host clock around each synchronized half: an eager call as a caller sees it)."""
-    from ep_runtime import reference
-    from ep_runtime.runtime import EPRuntime
+    from ep_runtime.core import reference
+    from ep_runtime.core.runtime import EPRuntime
     from ep_runtime.testing import call_inputs, expert_outputs
 
     me = session.rank
@@ -127,9 +127,9 @@ def withheld_call(session, cfg, seed: int, nodes: int) -> str | None:
     when their dispatch raised the timeout of ``dispatch_relay`` naming their source there."""
     import dataclasses
 
-    from ep_runtime import reference
-    from ep_runtime.errors import EPTimeoutError
-    from ep_runtime.runtime import EPRuntime
+    from ep_runtime.core import reference
+    from ep_runtime.core.errors import EPTimeoutError
+    from ep_runtime.core.runtime import EPRuntime
     from ep_runtime.testing import call_inputs, expert_outputs
 
     me, R = session.rank, session.n_ranks
@@ -188,9 +188,9 @@ def checked_main() -> int:
     from mpi4py import MPI
 
     from ep_runtime import EPConfig
-    from ep_runtime.errors import EPInputError
-    from ep_runtime.layout import BufferLayout
-    from ep_runtime.plan import Topology, choose_plan
+    from ep_runtime.core.errors import EPInputError
+    from ep_runtime.core.layout import BufferLayout
+    from ep_runtime.core.plan import Topology, choose_plan
     from ep_runtime.shmem import open_session
     from ep_runtime.testing import plan_pe
 

@@ -39,7 +39,7 @@ def main() -> int:
     from mpi4py import MPI
 
     from ep_runtime import EPConfig, EPRuntime, reference
-    from ep_runtime.layout import BufferLayout
+    from ep_runtime.core.layout import BufferLayout
     from ep_runtime.shmem import open_session
     from ep_runtime.testing import assert_batch_is_the_reference, combine_over_tolerance, expert_outputs, make_inputs
     from ep_runtime.torch_async import combine_async, combine_wait, dispatch_async, dispatch_wait

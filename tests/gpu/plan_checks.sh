@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # ep_check, fp8_check and graph_check (expanded and compact layouts) on every plan variant, 2 ranks: one mpirun
 # job per check, each building a runtime of every plan one after another on one NVSHMEM session (--plans variants:
-# the rules' default plan, then every receiver on every transport it can run on, ep_runtime.gate_entries
+# the rules' default plan, then every receiver on every transport it can run on, ep_runtime.tools.gate_entries
 # .PLAN_VARIANTS). Fill the kernel cache with every variant's kernels first, so that no job compiles:
 #   source .devcarry/setup.sh && python3 -m ep_runtime.prebuild --all-variants --jobs 16 && bash tests/gpu/plan_checks.sh
 # (prebuild builds every token format and both combine formats by default, at hidden 7168: what these jobs run.)

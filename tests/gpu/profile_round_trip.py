@@ -33,7 +33,7 @@ def main() -> int:
     from mpi4py import MPI
 
     from ep_runtime import EPConfig, EPRuntime
-    from ep_runtime.layout import BufferLayout
+    from ep_runtime.core.layout import BufferLayout
     from ep_runtime.shmem import open_session
     from ep_runtime.testing import make_inputs
 

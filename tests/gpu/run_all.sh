@@ -5,7 +5,7 @@
 # example bench kernels stores host racecheck memcheck. graph / graph_compact: one CUDA graph, 100 replays, expanded /
 # compact layout; graph_rows: capacity 4096 (whole flagged rows at the largest replays, parts at small ones).
 # ep_puts: ep_check with the kernels sending through NVSHMEM puts (EP_RUNTIME_PLAN=transport=puts).
-# Every section runs under the caller's EP_RUNTIME_PLAN (plan overrides: ep_runtime.plan), so
+# Every section runs under the caller's EP_RUNTIME_PLAN (plan overrides: ep_runtime.core.plan), so
 #   EP_RUNTIME_PLAN=receiver=land bash tests/gpu/run_all.sh ep graph fp8
 # runs those checks on the landing plan (tests/gpu/plan_checks.sh runs them on every plan variant).
 # stores: dispatch_async's store pattern alone against the copy engine; host: host time per call, broken down.
@@ -36,7 +36,7 @@ for s in "${sections[@]}"; do
     host)      cmd="timeout 150 $run python3 tests/gpu/host_costs.py --profile 200" ;;
     fp8)       cmd="timeout 420 $run python3 tests/gpu/fp8_check.py --tokens 4096 128" ;;
     example)   cmd="timeout 150 $run python3 examples/moe_layer.py --hidden 1024 --ffn 512 --experts 16 --top-k 4 --tokens 256" ;;
-    bench)     cmd="timeout 300 $run python3 -m ep_runtime.bench --tokens 128 4096 --layout expanded compact --json $out/bench.json" ;;
+    bench)     cmd="timeout 300 $run python3 -m ep_runtime.tools.bench --tokens 128 4096 --layout expanded compact --json $out/bench.json" ;;
     racecheck) cmd="timeout 240 $run compute-sanitizer --tool racecheck --print-limit 5 python3 tests/gpu/ep_check.py --tokens 32 --calls 1 --replays 0 --samples 1" ;;
     memcheck)  cmd="timeout 500 $run compute-sanitizer --tool memcheck --leak-check no --report-api-errors no --check-device-heap no --print-limit 20 python3 tests/gpu/ep_check.py --tokens 32 --hidden 1024 --experts 16 --top-k 4 --calls 1 --replays 0 --samples 1" ;;
     *) echo "unknown section $s"; continue ;;

@@ -30,7 +30,7 @@ def exactness(session, cfg, me: int) -> list[str]:
     """The simulator test's calls on this runtime config: this rank's failures."""
     from test_slot_values_sim import CALLS, expected_home_of_call, planted_inputs, slot_pe
 
-    from ep_runtime import reference
+    from ep_runtime.core import reference
     from ep_runtime.testing import combine_over_tolerance
 
     fails = []
@@ -52,7 +52,7 @@ def exactness(session, cfg, me: int) -> list[str]:
 def timings(session, cfg, samples: int) -> dict:
     """Medians (us) of the slot return and of the combine of the same batch, on this rank."""
     from ep_runtime import EPRuntime
-    from ep_runtime.bench.measure import clock_for
+    from ep_runtime.tools.bench.measure import clock_for
     from ep_runtime.testing import make_inputs
 
     clock = clock_for(session)
@@ -97,7 +97,7 @@ def main() -> int:
     from mpi4py import MPI
     from test_slot_values_sim import cfg_of, short_values_pe
 
-    from ep_runtime.layout import BufferLayout
+    from ep_runtime.core.layout import BufferLayout
     from ep_runtime.shmem import open_session
     from ep_runtime.testing import gpu_check_report, rank_rows
 

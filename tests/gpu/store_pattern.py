@@ -6,7 +6,7 @@ Why: dispatch_async moved bytes to its peer at the same rate with NVSHMEM puts a
 stores, slower than a copy-engine copy into the peer's array (docs/plans.md). This script
 times the pattern without the rest of the kernel: each warp takes token rows (grid-strided),
 each lane loads ``UP`` word pairs (16 bytes each) before it stores any, and stores them to
-every destination of the row through the NVLink mapping (``kernels/vec.py``: ``load_pairs``,
+every destination of the row through the NVLink mapping (``ep_runtime/kernels/vec.py``: ``load_pairs``,
 ``store_pairs_at``), row ``me * T + t`` of a symmetric [R * T, W] array on each destination;
 both ranks at once, a system fence at the end of each warp's rows. Destinations per row:
 
@@ -82,7 +82,7 @@ def main() -> int:
     import cupy
     from mpi4py import MPI
 
-    from ep_runtime.bench.measure import DeviceSpin, EventClock
+    from ep_runtime.tools.bench.measure import DeviceSpin, EventClock
     from ep_runtime.shmem import open_session
 
     R, me = MPI.COMM_WORLD.Get_size(), MPI.COMM_WORLD.Get_rank()

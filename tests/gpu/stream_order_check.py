@@ -17,7 +17,7 @@ def main():
     import cupy
 
     from ep_runtime import EPConfig, EPRuntime
-    from ep_runtime.layout import BufferLayout
+    from ep_runtime.core.layout import BufferLayout
     from ep_runtime.shmem import open_session
     from ep_runtime.testing import make_inputs
 

@@ -2,7 +2,7 @@
 
     mpirun -np 1 -x PYTHONPATH python3 tests/gpu/trace_phases.py [--tokens 1 128] [--layout compact expanded]
 
-Sets ``EP_RUNTIME_TRACE=1`` before the kernels are built (``kernels/trace.py``: the kernels then
+Sets ``EP_RUNTIME_TRACE=1`` before the kernels are built (``ep_runtime/kernels/trace.py``: the kernels then
 write ``%globaltimer`` stamps into the trace words of the ``status`` region; the build differs
 from the plain one, and the kernel cache keys it apart). Each half of a round trip is queued
 behind a device spin (``--spin-us``), so the kernels run back to back as a graph would run them;
@@ -38,9 +38,9 @@ def main() -> int:
     from mpi4py import MPI
 
     from ep_runtime import EPConfig, EPRuntime
-    from ep_runtime.bench.measure import DeviceSpin
+    from ep_runtime.tools.bench.measure import DeviceSpin
     from ep_runtime.kernels.trace import SLOTS, TRACE
-    from ep_runtime.layout import TRACE_BASE, BufferLayout
+    from ep_runtime.core.layout import TRACE_BASE, BufferLayout
     from ep_runtime.shmem import open_session
     from ep_runtime.testing import make_inputs
 

@@ -17,9 +17,9 @@ either). Each rank checks:
   makes of it, and one array argument of the kernels that call launches, have the tensor's
   data pointer (a copy anywhere on the way shows as a FAIL naming both pointers);
 - batch out: ``batch.x`` seen from torch through DLPack has the runtime buffer's data pointer,
-  and its rows equal :func:`ep_runtime.reference.dispatch` exactly;
+  and its rows equal :func:`ep_runtime.core.reference.dispatch` exactly;
 - out: ``combine_wait(out=tensor)`` returns an array on the tensor's memory, and the tensor holds
-  :func:`ep_runtime.reference.combine` within :func:`ep_runtime.reference.combine_tolerance`;
+  :func:`ep_runtime.core.reference.combine` within :func:`ep_runtime.core.reference.combine_tolerance`;
 - streams: a round trip whose torch work (a slow producer of the tokens, the experts reading the
   batch and slowly writing their outputs, a reader of the output) runs
   (a) on the runtime's stream (``session.stream`` as a torch stream), with no synchronization;
@@ -95,7 +95,7 @@ class RankData:
     def __init__(self, cfg, rank: int, seed: int, device, gpu: bool):
         import torch
 
-        from ep_runtime import reference
+        from ep_runtime.core import reference
         from ep_runtime.testing import linear_experts, make_inputs
 
         self.gpu = gpu
@@ -231,7 +231,8 @@ def check_rank(session, opts: dict) -> list[tuple[str, bool | None, str]]:
     """This rank's checks: ``(what, ok, detail)`` each; ``ok`` is None for information only."""
     import torch
 
-    from ep_runtime import EPConfig, EPRuntime, arrays
+    from ep_runtime import EPConfig, EPRuntime
+    from ep_runtime.core import arrays
 
     gpu = session.backend != "sim"
     if gpu:

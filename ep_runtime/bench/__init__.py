@@ -1,6 +1,0 @@
-"""The benchmark tool: ``mpirun -np N python -m ep_runtime.bench --help``.
-
-- :mod:`~ep_runtime.bench.traffic`: bytes each rank moves per call (pure NumPy);
-- :mod:`~ep_runtime.bench.measure`: timing (eager and CUDA-graph replay), ceilings and baselines;
-- :mod:`~ep_runtime.bench.stats`: medians, percentiles, GB/s.
-"""

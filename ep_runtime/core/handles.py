@@ -1,0 +1,160 @@
+"""Typed, frozen handles that tie each wait to its async call, and the expert batch.
+
+A handle records the runtime that issued it (``owner``) and the call number (``call``).
+The runtime accepts a handle exactly once, only for the call in flight, and only on the
+runtime that issued it; anything else raises :class:`~ep_runtime.core.errors.EPStateError`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+def from_fields(cls, values: dict):
+    """``cls(**values)`` for a frozen dataclass of this module, without its generated
+    ``__init__`` (which sets each field through ``object.__setattr__``: for a batch of ten
+    fields, a noticeable share of a runtime call's host budget). ``values`` must name every
+    field; the result compares equal to ``cls(**values)`` and is as frozen."""
+    obj = object.__new__(cls)
+    obj.__dict__.update(values)
+    return obj
+
+
+@dataclass(frozen=True)
+class DispatchHandle:
+    """Returned by ``dispatch_async``; passed to ``dispatch_wait`` and ``combine_async``."""
+
+    owner: int
+    call: int
+    n_tokens: int
+
+
+@dataclass(frozen=True)
+class CombineHandle:
+    """Returned by ``combine_async``; passed to ``combine_wait``."""
+
+    owner: int
+    call: int
+    n_tokens: int
+
+
+@dataclass(frozen=True)
+class SlotValuesHandle:
+    """Returned by ``slot_values_async``; passed to ``slot_values_wait``."""
+
+    owner: int
+    call: int
+    n_tokens: int
+
+
+@dataclass(frozen=True, eq=False)
+class KeptRouting:
+    """Returned by ``keep_routing``: a dispatch's routing, kept for ``dispatch_async(tokens,
+    routing=kept)`` (this rank's copies of every rank's routing tables; device arrays owned by
+    this object). Compared by identity.
+
+    Attributes
+    ----------
+    owner, call : the runtime and the dispatch call it was kept from.
+    n_tokens : that dispatch's ``tokens`` rows (a reusing dispatch passes as many).
+    epoch : the runtime's reset count when kept (a ``reset()`` retires it).
+    ids, weights, ranks : [n_ranks, max_tokens_per_rank, top_k] int32 / float32 / int32 (ranks
+        [0, 0, 0] for the route-first receivers, which rank for themselves); source s's rows
+        ``t < counts[s, L]`` are defined.
+    counts : [n_ranks, n_local_experts + 1] int32, each source's tokens per local expert (the
+        ``wait`` and ``land`` receivers) and its token count (last column).
+    restore : the prepared launch that copies them back for a reusing call.
+    generation, memory : this routing's number among those kept in its arrays, and the arrays'
+        latest (a one-element list shared by every KeptRouting of those arrays: a
+        ``keep_routing(into=...)`` advances it, retiring the routing kept there before).
+    """
+
+    owner: int
+    call: int
+    n_tokens: int
+    epoch: int
+    ids: Any
+    weights: Any
+    counts: Any
+    ranks: Any
+    restore: Any
+    generation: int
+    memory: list
+
+
+@dataclass(frozen=True)
+class ExpertBatch:
+    """This rank's expert-major ragged batch (device arrays, views into runtime buffers).
+
+    Rows are grouped by local expert, then source rank, then source token. Views stay valid
+    until the next ``dispatch_wait`` on this runtime.
+
+    Attributes
+    ----------
+    x : [capacity, hidden] uint16 (bf16 bits); rows ``[0, row_offsets[L])`` are defined.
+    row_offsets : [L + 1] int32; segment ``e`` is rows ``[row_offsets[e], row_offsets[e + 1])``,
+        each starting at a multiple of ``pad_multiple``.
+    expert_counts : [L] int32, real (unpadded) rows per local expert.
+    src_rank, src_token, src_k : [capacity] int32, where each row came from (-1: padding).
+    weight : [capacity] float32, the router weight of each row (0: padding).
+    handle : the :class:`DispatchHandle` of the call, for ``combine_async``.
+    scales : FP8 token formats only (else None): the rows' block scales, float32 or UE8M0 uint8
+        codes, ``[capacity, hidden / 128]`` or, with ``dispatch_wait(scales="column")``,
+        ``[hidden / 128, capacity]`` (0 on padding rows); ``x`` then holds uint8 E4M3 codes.
+    """
+
+    x: Any
+    row_offsets: Any
+    expert_counts: Any
+    src_rank: Any
+    src_token: Any
+    src_k: Any
+    weight: Any
+    handle: DispatchHandle
+    scales: Any = None
+
+
+@dataclass(frozen=True)
+class CompactBatch:
+    """This rank's received tokens without the expansion copy (``dispatch_wait(layout="compact")``).
+
+    ``x`` is the receive buffer of the call: one row per (source rank, token slot), the rows
+    where the tokens landed. The rest lists, per local expert, which rows to gather, in the
+    expanded batch's order (local expert, then source rank, then source token), so a GEMM that
+    gathers ``x[gather[row_offsets[e]:row_offsets[e + 1]]]`` sees exactly expert e's segment of
+    the expanded batch, and writes its outputs in the expanded order that
+    ``combine_async(layout="expanded")`` takes.
+
+    Attributes
+    ----------
+    x : [n_ranks * max_tokens_per_rank, hidden] uint16 (bf16 bits); row ``s * T + t`` is token
+        t of rank s if that token has an expert on this rank and ``t < recv_tokens[s]`` (other
+        rows are stale). A view of the symmetric receive buffer, the same memory every call
+        (so a CUDA graph that captured one call's batch reads every replay's rows): read it
+        (in stream order) before ``combine_async`` or the next ``dispatch_async``, whichever
+        comes first (either lets peers write their next call's rows into it).
+    recv_tokens : [n_ranks] int32, tokens each source rank dispatched in this call (written by
+        dispatch_wait; the same memory every call).
+    row_offsets, expert_counts, src_rank, src_token, src_k, weight : as :class:`ExpertBatch`
+        (valid until the next ``dispatch_wait``; in a placing runtime until the next
+        ``dispatch_async``, as ``gather``).
+    gather : [capacity] int32, the ``x`` row of each batch row (``src_rank * T + src_token``;
+        -1 on padding rows).
+    handle : the :class:`DispatchHandle` of the call, for ``combine_async``.
+    scales : FP8 token formats only (else None): ``[n_ranks * T, hidden / 128]`` block scales of
+        the rows of ``x`` (float32 or UE8M0 uint8 codes), a strided view of the messages; ``x``
+        is then ``[n_ranks * T, hidden]`` uint8 E4M3 codes, also strided.
+    """
+
+    x: Any
+    recv_tokens: Any
+    row_offsets: Any
+    expert_counts: Any
+    gather: Any
+    src_rank: Any
+    src_token: Any
+    src_k: Any
+    weight: Any
+    handle: DispatchHandle
+    scales: Any = None

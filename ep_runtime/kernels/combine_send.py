@@ -1,0 +1,348 @@
+"""Combine, send half: ``combine_async`` and ``combine_async_rows`` send each token's partial home.
+
+``combine_async`` (the expanded input) weights and pre-reduces the expert outputs of each token
+over this rank's local experts; ``combine_async_rows`` (the compact input) sends the caller's
+per-(source, token) rows as they are. Each part of each partial row is flagged on arrival
+(``combine_row_flag``), so combine_wait reduces it as soon as it lands. docs/protocol.md has
+the timeline and the summation order.
+
+:func:`make_combine_send` builds both for a :class:`~ep_runtime.kernels.variant.CombineVariant`.
+"""
+
+import functools
+
+from numba import float32, uint64
+
+from ep_runtime.kernels import shmem
+from ep_runtime.kernels.bits import bf16_bits_at, f32_bits_at, word_f32
+from ep_runtime.kernels.block import flag_part, flag_stored, grant_token_credits, interleaved_item, \
+    local_expert_count, most_tokens, part_bounds, warp_sync
+from ep_runtime.kernels.cuda_api import cuda, kernel_jit
+from ep_runtime.kernels.partials import flagged_parts, partial_geometry
+from ep_runtime.kernels.pdl import make_pdl, programmatic
+from ep_runtime.kernels.protocol import PEER_PARTIALS, PEER_RELAY_PARTIALS, STATUS_CODE, SYNC_CALLS
+from ep_runtime.kernels.trace import stamp_first, stamp_last
+from ep_runtime.kernels.variant import CombineVariant
+from ep_runtime.kernels.vec import (address_of, make_pair_loops, pack_f32x2, pairs_aligned, store_pair,
+                                    store_pair_at, store_word_at)
+
+
+@functools.lru_cache(maxsize=None)
+def make_combine_send(v: CombineVariant) -> dict:
+    """``{"combine_async": ..., "combine_async_rows": ...}`` for ``v``: blocks of ``v.threads``
+    threads, token words of ``v.word``, the partial format (``v.f32_partials``: float32, ``P =
+    2`` partial words a token word, folded at compile time) and ``v.transport`` (stores into
+    the peers' heaps through their NVLink mappings, ``peer_bases``, or NVSHMEM puts)."""
+    threads = v.threads
+    geo = partial_geometry(threads, v.word, v.f32_partials)
+    warp, warps, word_t, pack, P, F32 = geo.warp, geo.warps, geo.word_t, geo.pack, geo.P, geo.F32
+    rounded_word = geo.rounded_word
+    STORES = v.stores  # peer stores (else NVSHMEM puts)
+    NODE = v.node_size  # PEs per node of the hierarchical transport (0: every home sent to alike)
+    U = geo.U
+    ACC = U * pack  # float32 accumulators per lane (a compile-time constant for local.array)
+    UP = geo.UP  # word pairs per lane in flight (pair loops)
+    # stores through peers' NVLink mappings move uint64 words (16-byte pairs): 4 bf16 values or
+    # 2 float32 partials a word
+    PEER_WORDS = pack == 4
+    load_pairs, _, store_pairs_at = make_pair_loops(UP, warp)
+    pdl_wait, pdl_trigger = make_pdl(v.pdl)
+
+    @cuda.jit(device=True)
+    def store_partial_pair(dst, wu, acc, b):
+        """Store the partials of token words wu, wu + 1 (acc[b .. b + 2 pack - 1]) into the
+        partial row ``dst``: rounded to bf16 (one word pair), or float32 unrounded (``F32``:
+        partial words 2 wu .. 2 wu + 3, two pairs)."""
+        if F32:
+            store_pair(dst, 2 * wu, pack_f32x2(acc[b], acc[b + 1]), pack_f32x2(acc[b + 2], acc[b + 3]))
+            store_pair(dst, 2 * wu + 2, pack_f32x2(acc[b + 4], acc[b + 5]), pack_f32x2(acc[b + 6], acc[b + 7]))
+        else:
+            store_pair(dst, wu, rounded_word(acc, b), rounded_word(acc, b + pack))
+
+    @cuda.jit(device=True)
+    def store_partial_pair_at(row, wu, acc, b):
+        """As ``store_partial_pair``, into the partial row at address ``row`` (a peer's, through
+        its NVLink mapping; uint64 words)."""
+        if F32:
+            store_pair_at(row, 2 * wu, pack_f32x2(acc[b], acc[b + 1]), pack_f32x2(acc[b + 2], acc[b + 3]))
+            store_pair_at(row, 2 * wu + 2, pack_f32x2(acc[b + 4], acc[b + 5]), pack_f32x2(acc[b + 6], acc[b + 7]))
+        else:
+            store_pair_at(row, wu, uint64(rounded_word(acc, b)), uint64(rounded_word(acc, b + pack)))
+
+    @cuda.jit(device=True)
+    def home_row(c_partials, relay_partials, peer_bases, g, me, s, t):
+        """The address, through its mapping, where this rank's partial of token t of rank s goes
+        in a stores build: slot [g, me, t] of s's ``combine_partials``, or, hierarchical with s
+        on another node, row ``node(s) node_size + local(me)`` of token t in the
+        ``relay_partials`` of s's proxy on this node (the same offsets on every PE)."""
+        if NODE > 0 and s // NODE != me // NODE:
+            row = (s // NODE) * NODE + me % NODE
+            return peer_bases[PEER_RELAY_PARTIALS, (me // NODE) * NODE + s % NODE] + (
+                address_of(relay_partials[row, t]) - address_of(relay_partials))
+        return peer_bases[PEER_PARTIALS, s] + (address_of(c_partials[g, me, t]) - address_of(c_partials))
+
+    @cuda.jit(device=True)
+    def flag_home(c_row_flag, relay_flag, me, s, t, p, n, lane):
+        """Every lane of the warp that stored part p of its partial of token t of rank s
+        (``home_row``): flag it where it went (``flag_stored``): ``c_row_flag[me, t, p]`` on s,
+        or ``relay_flag[row, t, p]`` on s's proxy on this node."""
+        if NODE > 0 and s // NODE != me // NODE:
+            row = (s // NODE) * NODE + me % NODE
+            flag_stored(relay_flag[row, t, p:p + 1], n, uint64(1) << uint64((me // NODE) * NODE + s % NODE),
+                        c_row_flag.shape[0], lane)
+        else:
+            flag_part(c_row_flag, me, t, p, n, uint64(1) << uint64(s), lane)
+
+    @kernel_jit(threads)
+    def combine_async(expert_out, d_ids, d_counts, c_partials, sync, token_rows, row_weight, stage, status, peer_bases,
+                      d_credit, c_row_flag, relay_partials, relay_flag):
+        """Weight and pre-reduce the expert outputs per token, send each partial home, signal.
+
+        expert_out [>= rows, W] words, row-aligned with the last expert batch.
+        Symmetric: d_ids [G, R, Tmax, K], d_counts [G, R, L + 1] (group g of the last call),
+        c_partials [G, R, Tmax, P W] partial words, c_row_flag [R, Tmax, FLAG_PARTS] uint64.
+        Local: sync (calls), token_rows [R, Tmax, K], row_weight [C] float32, stage
+        [R, Tmax, P W] partial words (the puts path's staging), status int64. peer_bases [P, R]
+        uint64: row PEER_PARTIALS the address of c_partials on each PE as mapped here, used by a
+        ``stores`` build.
+        d_credit [R] uint64 symmetric (``dispatch_token_credit``): block 0 first grants every
+        peer the next call's token rows (``grant_token_credits``): this rank's reads of the
+        received rows (dispatch_copy, the caller's expert compute on a compact batch) come
+        before combine_async in stream order.
+
+        A warp per item, part p of token (src, t)'s row (``flagged_parts``: the same parts on
+        every rank; the sources' items interleaved, ``interleaved_item``, so partials for this
+        rank, device memory only, overlap those for peers, NVLink), U words per lane in flight:
+        partial = sum over the
+        token's local experts in ascending order of weight * output, in float32 from 0,
+        rounded to bf16 (or kept float32: token word w becomes partial words P w .. P w + P - 1).
+        A partial for this rank's own token is stored straight into its slot [g, me, t]; one
+        for a peer goes to slot [g, me, t] of rank src: in a ``stores`` build stored there
+        through its NVLink mapping, as word pairs where the arrays allow it (uint64 words,
+        16-byte aligned), else a partial word per lane per step (no NVSHMEM put in the build);
+        in a puts build staged in stage[src, t] and its partial words [P w0, P w1) put
+        (``put_signal_nbi_warp``, the part's flag with it). Tokens that hit no local expert send
+        nothing. Each part is flagged once stored (``flag_part``), this rank's own too:
+        ``c_row_flag[me, t, p]`` on rank src set to n + 1, so combine_wait (launched with PDL,
+        started on the SMs this grid leaves free) reduces each part as it lands (docs/protocol.md,
+        "Combine rows as they land"). The kernel lets its dependent start only after its own
+        dependency wait (the caller's expert outputs are then complete for combine_wait too).
+
+        The hierarchical transport: a partial for a token whose home is on another node goes to
+        the home's proxy on this node (the PE with the home's local index) instead, into its
+        ``relay_partials[row, t]`` flagged in ``relay_flag[row, t, p]`` (symmetric [R, Tmax, P W]
+        partial words and [R, Tmax, FLAG_PARTS] uint64; row = the home's node x node_size + this
+        rank's local index), and the proxy sends the node's sum home (ep_runtime/kernels/relay.py): stored
+        through the proxy's mapping in a stores build (``node_stores``), else put.
+        """
+        acc = cuda.local.array(ACC, float32)
+        vals = cuda.local.array(U, word_t)
+        lo = cuda.local.array(UP, word_t)
+        hi = cuda.local.array(UP, word_t)
+        for u in range(UP):  # lanes past a row's end sum these (never stored): keep them finite
+            lo[u] = 0
+            hi[u] = 0
+        for u in range(U):  # and so do the single-word loops' lanes
+            vals[u] = 0
+        pdl_wait()  # nothing stream-ordered is read before this (ep_runtime/kernels/pdl.py)
+        pdl_trigger()  # after the wait: combine_wait may start early
+        if status[STATUS_CODE] != 0:
+            return
+        stamp_first(status, 16)
+        if cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
+            grant_token_credits(d_credit, sync[SYNC_CALLS], NODE)  # the next call (n + 1, n = calls - 1)
+        me = shmem.my_pe()
+        R = d_counts.shape[1]
+        L = d_counts.shape[2] - 1
+        W = c_partials.shape[3] // P  # token words (stage is an empty stand-in in a stores build)
+        tid = cuda.threadIdx.x
+        lane = tid % warp
+        n = sync[SYNC_CALLS] - 1
+        g = n % 2
+        all_warps = cuda.gridDim.x * warps
+        pairs = (W % 2 == 0 and pairs_aligned(expert_out) and pairs_aligned(c_partials)
+                 and (STORES or pairs_aligned(stage)) and (NODE == 0 or pairs_aligned(relay_partials)))
+        direct = PEER_WORDS and pairs and STORES
+
+        # items of every source interleaved (``interleaved_item``): each warp alternates between
+        # rows for this rank (device memory only) and rows for peers (NVLink), so the two overlap
+        parts, span = flagged_parts(d_counts[g], P * W, warp)  # parts every rank cuts alike, each flagged
+        span = span // P  # token words
+        items = R * most_tokens(d_counts[g]) * parts
+        q = cuda.blockIdx.x * warps + tid // warp
+        while q < items:
+            s, item = interleaved_item(q, all_warps, R)
+            t, w0, w1 = part_bounds(item, parts, span, W)
+            if t < d_counts[g, s, L]:
+                n_local = local_expert_count(d_ids[g, s, t], L, me)
+                if n_local > 0 and w0 < w1:
+                    dst = stage[s, t] if s != me and not STORES else c_partials[g, me, t]  # (a peer's: stored below)
+                    stored = STORES and s != me  # stored into rank s through its mapping (else staged, put)
+                    to_peer = direct and s != me  # ... as word pairs
+                    in_pairs = pairs and (to_peer or not stored)  # else a word per lane per step
+                    peer_row = uint64(0)
+                    if stored:
+                        peer_row = home_row(c_partials, relay_partials, peer_bases, g, me, s, t)
+                    w = w0 + 2 * lane
+                    while in_pairs and w < w1:  # UP word pairs per lane: every row's loads issued before use
+                        for x in range(U * pack):
+                            acc[x] = float32(0.0)
+                        for j in range(n_local):
+                            r = token_rows[s, t, j]
+                            weight = row_weight[r]
+                            load_pairs(expert_out[r], w, w1, lo, hi)
+                            for u in range(UP):
+                                for x in range(pack):
+                                    acc[2 * u * pack + x] += weight * word_f32(lo[u], x)
+                                    acc[(2 * u + 1) * pack + x] += weight * word_f32(hi[u], x)
+                        for u in range(UP):
+                            if w + 2 * u * warp < w1:
+                                if to_peer:
+                                    store_partial_pair_at(peer_row, w + 2 * u * warp, acc, 2 * u * pack)
+                                else:
+                                    store_partial_pair(dst, w + 2 * u * warp, acc, 2 * u * pack)
+                        w += 2 * UP * warp
+                    w = w0 + lane
+                    while not in_pairs and w < w1:  # U words per lane: every row's loads issued before use
+                        for x in range(U * pack):
+                            acc[x] = float32(0.0)
+                        for j in range(n_local):
+                            r = token_rows[s, t, j]
+                            weight = row_weight[r]
+                            src = expert_out[r]
+                            for u in range(U):
+                                if w + u * warp < w1:
+                                    vals[u] = src[w + u * warp]
+                            for u in range(U):
+                                for x in range(pack):
+                                    acc[u * pack + x] += weight * word_f32(vals[u], x)
+                        for u in range(U):
+                            if w + u * warp < w1:
+                                if F32:  # unrounded: partial words 2 wu, 2 wu + 1
+                                    wu = w + u * warp
+                                    p0 = f32_bits_at(acc[u * 4], 0) | f32_bits_at(acc[u * 4 + 1], 1)
+                                    p1 = f32_bits_at(acc[u * 4 + 2], 0) | f32_bits_at(acc[u * 4 + 3], 1)
+                                    if stored:
+                                        store_word_at(peer_row, 2 * wu, uint64(p0))
+                                        store_word_at(peer_row, 2 * wu + 1, uint64(p1))
+                                    else:
+                                        dst[2 * wu] = p0
+                                        dst[2 * wu + 1] = p1
+                                else:
+                                    packed = uint64(0)
+                                    for x in range(pack):
+                                        packed |= bf16_bits_at(acc[u * pack + x], x)
+                                    if stored:
+                                        store_word_at(peer_row, w + u * warp, word_t(packed))
+                                    else:
+                                        dst[w + u * warp] = word_t(packed)
+                        w += U * warp
+                    if s != me and not stored:
+                        warp_sync()  # the whole staged part is written before the warp's put
+                        pw0 = 2 * w0 if F32 else w0
+                        pw1 = 2 * w1 if F32 else w1
+                        p = item - t * parts
+                        if NODE > 0 and s // NODE != me // NODE:  # to the home's proxy on this node
+                            row = (s // NODE) * NODE + me % NODE
+                            shmem.put_signal_nbi_warp(relay_partials[row, t, pw0:pw1], stage[s, t, pw0:pw1],
+                                                      relay_flag[row, t, p:p + 1], uint64(n + 1), shmem.SIGNAL_SET,
+                                                      (me // NODE) * NODE + s % NODE)
+                        else:
+                            shmem.put_signal_nbi_warp(c_partials[g, me, t, pw0:pw1], stage[s, t, pw0:pw1],
+                                                      c_row_flag[me, t, p:p + 1], uint64(n + 1), shmem.SIGNAL_SET, s)
+                    else:
+                        flag_home(c_row_flag, relay_flag, me, s, t, item - t * parts, n, lane)
+            q += all_warps
+
+        stamp_last(status, 17)
+        stamp_last(status, 18)
+
+    @kernel_jit(threads)
+    def combine_async_rows(expert_out, d_ids, d_counts, c_partials, sync, status, peer_bases, d_credit, c_row_flag,
+                           relay_partials, relay_flag):
+        """Compact layout: send the caller's per-(source, token) rows home as the partials.
+
+        expert_out [R * Tmax, P W] partial words (bf16, or float32 with ``f32_partials``): row
+        ``s * Tmax + t`` is this rank's partial for token t of rank s, already weighted and
+        reduced over this rank's experts by the caller (the compact batch's row order: one row
+        per received token, as DeepEP's and NCCL's users hold them). Rows of tokens that hit no
+        local expert are not read. Symmetric and local arrays, and the grant of the next call's
+        token rows (d_credit), as in combine_async. Words are copied unchanged, so the kernel is
+        the same for either partial format.
+
+        A warp per item (part of a row, ``row_parts``; the peers' items interleaved,
+        ``interleaved_item`` over the R - 1 peers): a row for a peer goes straight from
+        expert_out to slot [g, me, t] of rank s (no staging): in a ``stores`` build through its
+        NVLink mapping (peer_bases row 1, as in combine_async), 16-byte stores of word pairs
+        where the arrays allow it, else a word per lane per step; in a puts build
+        ``put_signal_nbi_warp``. This rank's own rows (``s = me``) are not copied: combine_wait
+        reads them from expert_out itself (its ``own_rows``), so every warp carries NVLink rows.
+        Each part is flagged as combine_async flags its parts (parts of partial words: this one
+        build serves both partial formats). The hierarchical transport sends a row whose home is
+        on another node to the home's proxy on this node, as combine_async does.
+        """
+        lo = cuda.local.array(UP, word_t)
+        hi = cuda.local.array(UP, word_t)
+        pdl_wait()  # nothing stream-ordered is read before this (ep_runtime/kernels/pdl.py)
+        pdl_trigger()  # after the wait: combine_wait may start early
+        if status[STATUS_CODE] != 0:
+            return
+        stamp_first(status, 16)
+        if cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
+            grant_token_credits(d_credit, sync[SYNC_CALLS], NODE)  # the next call (n + 1, n = calls - 1)
+        me = shmem.my_pe()
+        R = d_counts.shape[1]
+        L = d_counts.shape[2] - 1
+        Tmax = d_ids.shape[2]
+        W = c_partials.shape[3]
+        pairs = (W % 2 == 0 and pairs_aligned(expert_out) and pairs_aligned(c_partials)
+                 and (NODE == 0 or pairs_aligned(relay_partials)))
+        direct = PEER_WORDS and pairs and STORES
+        tid = cuda.threadIdx.x
+        lane = tid % warp
+        n = sync[SYNC_CALLS] - 1
+        g = n % 2
+        all_warps = cuda.gridDim.x * warps
+
+        # the peers' items interleaved (``interleaved_item`` over R - 1 sources, this rank
+        # skipped: combine_wait reads its own rows from expert_out)
+        parts, span = flagged_parts(d_counts[g], W, warp)  # parts every rank cuts alike (partial words)
+        items = (R - 1) * most_tokens(d_counts[g]) * parts
+        q = cuda.blockIdx.x * warps + tid // warp
+        while q < items:
+            s, item = interleaved_item(q, all_warps, R - 1)
+            if s >= me:
+                s += 1
+            t, w0, w1 = part_bounds(item, parts, span, W)
+            if t < d_counts[g, s, L]:
+                if w0 < w1 and local_expert_count(d_ids[g, s, t], L, me) > 0:
+                    src = expert_out[s * Tmax + t]
+                    if STORES:  # through the mapping (``home_row``)
+                        peer_row = home_row(c_partials, relay_partials, peer_bases, g, me, s, t)
+                        if direct:  # UP pairs per lane in flight
+                            w = w0 + 2 * lane
+                            while w < w1:
+                                load_pairs(src, w, w1, lo, hi)
+                                store_pairs_at(peer_row, w, w1, lo, hi)
+                                w += 2 * UP * warp
+                        else:  # rows without 16-byte word pairs: a word per lane per step
+                            for w in range(w0 + lane, w1, warp):
+                                store_word_at(peer_row, w, src[w])
+                        flag_home(c_row_flag, relay_flag, me, s, t, item - t * parts, n, lane)
+                    elif NODE > 0 and s // NODE != me // NODE:  # to the home's proxy on this node
+                        p = item - t * parts
+                        row = (s // NODE) * NODE + me % NODE
+                        shmem.put_signal_nbi_warp(relay_partials[row, t, w0:w1], src[w0:w1],
+                                                  relay_flag[row, t, p:p + 1], uint64(n + 1), shmem.SIGNAL_SET,
+                                                  (me // NODE) * NODE + s % NODE)
+                    else:
+                        p = item - t * parts
+                        shmem.put_signal_nbi_warp(c_partials[g, me, t, w0:w1], src[w0:w1], c_row_flag[me, t, p:p + 1],
+                                                  uint64(n + 1), shmem.SIGNAL_SET, s)
+            q += all_warps
+
+        stamp_last(status, 17)
+        stamp_last(status, 18)
+
+    return {"combine_async": programmatic(combine_async, v.pdl),
+            "combine_async_rows": programmatic(combine_async_rows, v.pdl)}

@@ -1,0 +1,540 @@
+"""Send: ``dispatch_async``, each token row once to every rank that holds one of its experts.
+
+The grid's first blocks (token blocks) send the token rows, a warp per row part, deduplicated
+per destination rank: stores through the peers' NVLink mappings (16-byte word pairs, each word
+loaded once for every destination) or NVSHMEM warp puts. FP8 token formats encode each part
+once (ep_runtime/kernels/token_codec.py) straight into every destination's slot. The routing half (the
+routing rows, and for the ``wait`` and ``land`` receivers the ranks and counts of the grid's
+last blocks) is ep_runtime/kernels/dispatch_route.py. The last block to finish signals every rank.
+
+:func:`make_dispatch_async` builds the kernel for a
+:class:`~ep_runtime.kernels.variant.DispatchVariant`.
+"""
+
+import functools
+
+from numba import int32, int64, uint32, uint64
+
+from ep_runtime.kernels import shmem
+from ep_runtime.kernels.block import (flag_part, flag_rule, grant_token_credits, last_block_ticket, part_bounds,
+                                      part_words, popc32, publish_fence, record_error, row_parts, udiv32,
+                                      warp_geometry, warp_sync)
+from ep_runtime.kernels.cuda_api import cuda, inlined, kernel_jit
+from ep_runtime.kernels.dispatch_copy import COPY_UNROLL
+from ep_runtime.kernels.dispatch_route import RUN_BATCH, make_dispatch_route
+from ep_runtime.kernels.nodes import MAX_NODES, chunk_tokens, node_bits, other_index, reaches
+from ep_runtime.kernels.pdl import make_pdl, programmatic
+from ep_runtime.kernels.protocol import (COUNTER_TOKEN_CREDIT, DISPATCH_FLAG_PARTS, ERR_TIMEOUT, KERNEL_DISPATCH_ASYNC,
+                                         PEER_TOKENS, SIGNAL_TOKEN_BITS, STATUS_CODE, SYNC_CALLS, SYNC_TICKET)
+from ep_runtime.kernels.ranking import ID_BATCH
+from ep_runtime.kernels.token_codec import BLOCK_WORDS, CODE_WORDS, HELD_SCALES, make_token_codec
+from ep_runtime.kernels.trace import stamp_first, stamp_last
+from ep_runtime.kernels.variant import DispatchVariant, Receiver
+from ep_runtime.kernels.vec import (address_of, load_u32_at, make_pair_loops, make_peer_copy, pairs_aligned,
+                                    store_u8_at, store_u32_at)
+
+#: Items per warp the bf16 token loop aims at when a batch has a row for every warp
+#: (``send_warps``): rows are cut into parts so the transfer's last round, in which the warps
+#: with one item more than the others still send, is short. The FP8 encoder keeps a part per
+#: warp (docs/plans.md, "Send rounds").
+SEND_ROUNDS = 8
+
+
+@functools.lru_cache(maxsize=None)
+def make_dispatch_async(v: DispatchVariant):
+    """The ``dispatch_async`` kernel of ``v``, marked for PDL when ``v.pdl``."""
+    threads = v.threads
+    warp, warps = warp_geometry(threads)
+    QUANT = v.quantized
+    STORES = v.stores
+    NODE = v.node_size  # PEs per node of the hierarchical transport (0: every peer sent to alike)
+    LAND = v.receiver is Receiver.LAND  # the routing signalled on its own, bf16 row parts flagged
+    FIRST = v.receiver.routes_first  # the routing rows first; nothing ranked here
+    CHUNKS = v.receiver is Receiver.ROUTE_FIRST_CHUNKED
+    SPLIT_FROM = int(v.split_from_tokens)
+    SB = 1 if v.ue8m0 else 4  # scale bytes per 128-element block (FP8 formats)
+    UP = COPY_UNROLL // 2  # word pairs per lane in flight
+    load_pairs, _, store_pairs_at = make_pair_loops(UP, warp)
+    copy_to_peers = make_peer_copy(UP, warp)
+    encode_blocks, _ = make_token_codec(warp, bool(v.ue8m0))
+    MBUF_WORDS = threads if QUANT else 1  # the encoder's (simulated) warp-max scratch
+    HELD_WORDS = warps * HELD_SCALES if QUANT else 1  # each warp's part's scales (the FP8 encoder)
+    CHUNK_MASKS = MAX_NODES if NODE > 0 else 1
+    pdl_wait, pdl_trigger = make_pdl(v.pdl)
+    route = make_dispatch_route(v)
+    RANK_WORDS = route.rank_words if not FIRST else 1  # a routing block's masks and rows (none route first)
+    RANK_NEXT = route.rank_window if not FIRST else 1
+    route_blocks, send_routing_spread, send_routing_first = (route.route_blocks, route.send_routing_spread,
+                                                             route.send_routing_first)
+    rank_chunk, publish_route, publish_route_share = route.rank_chunk, route.publish_route, route.publish_route_share
+    store_token_count = route.store_token_count
+
+    @cuda.jit(device=True)
+    def token_holders(ids_at, K, L, R, ids_l):
+        """Bit d set (uint64) for every rank d holding one of a token's ``K`` experts: the token's
+        ids are the int32 at address ``ids_at`` (its row of ``topk_ids``), rank d holds experts
+        ``[d L, (d + 1) L)``; an id outside ``[0, R L)`` (-1, a masked slot, or one the routing
+        rows drop: ``routed_id``) sets none. The ids are loaded ``ID_BATCH`` at a time into
+        ``ids_l`` (local int32 [ID_BATCH]), all before any is used (one memory latency, not one
+        per id, on the token rows' path)."""
+        E = R * L
+        sent = uint64(0)
+        for k0 in range(0, K, ID_BATCH):
+            for u in range(ID_BATCH):  # a constant trip count: unrolled, ids_l in registers
+                if k0 + u < K:
+                    ids_l[u] = int32(load_u32_at(ids_at, k0 + u))
+            for u in range(ID_BATCH):
+                if k0 + u < K and uint32(ids_l[u]) < uint32(E):  # (a negative id is a large uint32)
+                    sent |= uint64(1) << uint64(udiv32(ids_l[u], L))
+        return sent
+
+    @cuda.jit(device=True)
+    def token_destinations(ids_at, K, L, R, me, skip, ids_l):
+        """The ranks a token's row goes to from here, one at a time (uint64 bits): its holders
+        (``token_holders``) but not the ranks set in ``skip``. The hierarchical transport sends
+        only to the holders on this rank's node here: a row bound for another node crosses in
+        its chunk (``send_node_chunks``)."""
+        sent = token_holders(ids_at, K, L, R, ids_l) & ~skip
+        if NODE > 0:
+            sent &= node_bits(me // NODE, NODE)
+        return sent
+
+    @cuda.jit(device=True)
+    def send_prequantized(codes, scales8, b0, b1, PB, peer_bases, sent, slot, lane, lo, hi):
+        """Every lane of one warp: the caller's E4M3 code words of blocks ``[b0, b1)`` (``codes``:
+        the token's row of uint64 words, 16-byte aligned) and their scale bytes (``scales8``)
+        stored into the receive slot of every rank whose bit is set in ``sent``, at byte ``slot``
+        past ``peer_bases[PEER_TOKENS, d]``; each word pair loaded once. Float32 scales go a word
+        per block when the caller's row is 4-byte aligned (the message's scales are: ``slot``
+        and ``PB`` are multiples of 128), else a byte per store."""
+        w1 = b1 * CODE_WORDS
+        w = b0 * CODE_WORDS + 2 * lane
+        while w < w1:
+            load_pairs(codes, w, w1, lo, hi)
+            for d in range(peer_bases.shape[1]):
+                if (sent >> uint64(d)) & uint64(1):
+                    store_pairs_at(peer_bases[PEER_TOKENS, d] + slot, w, w1, lo, hi)
+            w += 2 * UP * warp
+        scales_at = slot + uint64(PB)  # uint64 + uint64 (an int64 term would make it float64)
+        src_at = address_of(scales8)
+        if SB == 4 and src_at % uint64(4) == uint64(0):  # a float32 scale per block, as one word
+            for b in range(b0 + lane, b1, warp):
+                val = load_u32_at(src_at, b)
+                for d in range(peer_bases.shape[1]):
+                    if (sent >> uint64(d)) & uint64(1):
+                        store_u32_at(peer_bases[PEER_TOKENS, d] + scales_at, b, val)
+        else:
+            for j in range(b0 * SB + lane, b1 * SB, warp):
+                for d in range(peer_bases.shape[1]):
+                    if (sent >> uint64(d)) & uint64(1):
+                        store_u8_at(peer_bases[PEER_TOKENS, d] + scales_at, j, scales8[j])
+
+    @cuda.jit(device=True)
+    def send_warps(rows, all_warps):
+        """The warp count the bf16 token loop cuts ``rows`` rows for (``row_parts``):
+        ``all_warps``, or ``SEND_ROUNDS`` times it for a batch with a row for every warp."""
+        if rows >= all_warps:
+            return all_warps * SEND_ROUNDS
+        return all_warps
+
+    @cuda.jit(device=True)
+    def await_credits(d_credit, n, status, timeout_ns):
+        """One thread: wait until every peer granted call ``n`` its token rows (``d_credit[d]
+        >= n + 1``; ``grant_token_credits``), bounded by ``timeout_ns``; a timeout is recorded
+        naming ``dispatch_async``, the peer and ``dispatch_token_credit``. Returns whether every
+        credit was seen. This rank's own rows need none (its stream orders its reads first); the
+        hierarchical transport waits only for the peers it sends to (``nodes.reaches``)."""
+        me = shmem.my_pe()
+        ok = True
+        for d in range(d_credit.shape[0]):
+            if d != me and reaches(me, d, NODE):
+                seen = shmem.wait_signal_ge(d_credit[d:d + 1], uint64(n + 1), timeout_ns)
+                if seen < uint64(n + 1):
+                    record_error(status, ERR_TIMEOUT, KERNEL_DISPATCH_ASYNC, me, d, COUNTER_TOKEN_CREDIT, n + 1,
+                                 int64(seen), n + 1)
+                    ok = False
+        return ok
+
+    @inlined
+    def send_fp8_rows(tokens, token_scales, prequantized, ids_base, d_tokens, d_tokens8, stage64, stage8, peer_bases,
+                      T, K, L, R, me, token_blocks, mbuf, held, ids_l, lo, hi):
+        """Every thread of a token block, FP8 formats: a warp per part of a token (a run of
+        128-element blocks), encoded once (or the caller's codes and scales, pre-quantized) and
+        stored into the slot of every rank with one of its experts (16-byte stores of codes,
+        then the scales); on the puts path encoded into stage row t and put. Returns whether
+        the rows went as plain stores (the ticket then fences, else quiets)."""
+        tid = cuda.threadIdx.x
+        all_warps = token_blocks * warps
+        h0 = (tid // warp) * HELD_SCALES
+        lane = tid % warp
+        if prequantized != 0:
+            S = tokens.shape[1] // CODE_WORDS
+        else:
+            S = tokens.shape[1] // BLOCK_WORDS
+        PB = S * CODE_WORDS * 8  # code bytes of a message (= H)
+        parts = row_parts(T, S, all_warps, 1)  # a part per warp (finer cuts measured slower here)
+        span = part_words(S, parts, 1)  # blocks per part
+        # straight into peers' slots (16-byte stores): encoded, or the caller's codes (word pairs)
+        src_pairs = pairs_aligned(tokens)  # rows of whole word pairs (messages and bf16 blocks)
+        direct = STORES and (prequantized == 0 or src_pairs)
+        i = cuda.blockIdx.x * warps + tid // warp
+        while cuda.blockIdx.x < token_blocks and i < T * parts:
+            t, b0, b1 = part_bounds(i, parts, span, S)
+            sent = uint64(0)
+            if b0 < b1:
+                sent = token_destinations(ids_base + uint64(4 * t * K), K, L, R, me, uint64(0), ids_l)  # bit d: to d
+            if sent != 0:  # (a token whose slots are all masked goes nowhere: zero would mean the stage row)
+                if direct:
+                    slot = address_of(d_tokens[me, t]) - address_of(d_tokens)  # the same on every PE
+                    if prequantized == 0:
+                        encode_blocks(tokens, t, b0, b1, src_pairs, uint64(0), PB, lane, mbuf, peer_bases, sent,
+                                      slot, held, h0)
+                    else:
+                        send_prequantized(tokens[t], token_scales[t], b0, b1, PB, peer_bases, sent, slot, lane,
+                                          lo, hi)
+                else:
+                    if prequantized == 0:
+                        encode_blocks(tokens, t, b0, b1, src_pairs, address_of(stage64[t]), PB, lane, mbuf,
+                                      peer_bases, uint64(0), uint64(0), held, h0)
+                        warp_sync()  # the part is staged before the warp's puts read it
+                    for d in range(R):
+                        if (sent >> uint64(d)) & uint64(1):
+                            dst_codes = d_tokens[me, t, b0 * CODE_WORDS:b1 * CODE_WORDS]
+                            dst_scales = d_tokens8[me, t, PB + b0 * SB:PB + b1 * SB]
+                            if prequantized == 0:
+                                shmem.put_nbi_warp(dst_codes, stage64[t, b0 * CODE_WORDS:b1 * CODE_WORDS], d)
+                                shmem.put_nbi_warp(dst_scales, stage8[t, PB + b0 * SB:PB + b1 * SB], d)
+                            else:  # straight from the caller's arrays
+                                shmem.put_nbi_warp(dst_codes, tokens[t, b0 * CODE_WORDS:b1 * CODE_WORDS], d)
+                                shmem.put_nbi_warp(dst_scales, token_scales[t, b0 * SB:b1 * SB], d)
+            i += all_warps
+        return direct
+
+    @inlined
+    def send_bf16_rows(tokens, ids_base, d_tokens, d_row_flag, peer_bases, T_parts, K, L, R, W, me, n, token_blocks,
+                       own_skip, ids_l, lo, hi):
+        """Every thread of a token block, bf16 rows (``T_parts`` of them; 0 in FP8 builds): a warp
+        per row part (``row_parts`` for about SEND_ROUNDS parts a warp; a landing build cuts as
+        its receivers do, ``flag_rule``, and flags each part once it is in every destination),
+        each word pair loaded once and stored to every destination; rows not in word pairs a word
+        per lane per step; the puts path a warp put per destination (a landing build's with the
+        part's flag). ``own_skip``: ranks the row never goes to (a landing build's own rank)."""
+        tid = cuda.threadIdx.x
+        all_warps = token_blocks * warps
+        parts = row_parts(T_parts, W, send_warps(T_parts, all_warps), warp)
+        span = part_words(W, parts, warp)
+        if LAND and not QUANT:  # the receivers cut rows alike from T (dispatch_land)
+            parts, span = flag_rule(T_parts, W, DISPATCH_FLAG_PARTS, warp)
+        direct = (STORES and tokens.itemsize == 8 and W % 2 == 0 and pairs_aligned(tokens)
+                  and pairs_aligned(d_tokens))
+        lane = tid % warp
+        i = cuda.blockIdx.x * warps + tid // warp
+        while cuda.blockIdx.x < token_blocks and i < T_parts * parts:
+            t, w0, w1 = part_bounds(i, parts, span, W)
+            if w0 < w1:
+                sent = token_destinations(ids_base + uint64(4 * t * K), K, L, R, me, own_skip, ids_l)  # bit d: to d
+                p = i - t * parts
+                src = tokens[t]
+                if sent == 0:
+                    pass  # a landing build's row for this rank only (dispatch_land copies it)
+                elif not STORES:  # an NVSHMEM put per destination (landing: the part's flag travels with it)
+                    for d in range(R):
+                        if (sent >> uint64(d)) & uint64(1):
+                            if LAND and not QUANT:
+                                shmem.put_signal_nbi_warp(d_tokens[me, t, w0:w1], src[w0:w1],
+                                                          d_row_flag[me, t, p:p + 1], uint64(n + 1),
+                                                          shmem.SIGNAL_SET, d)
+                            else:
+                                shmem.put_nbi_warp(d_tokens[me, t, w0:w1], src[w0:w1], d)
+                else:  # each word (pair) loaded once, stored to every destination
+                    slot = address_of(d_tokens[me, t]) - address_of(d_tokens)  # the same on every PE
+                    copy_to_peers(src, w0, w1, sent, 0, R, peer_bases, PEER_TOKENS, slot, direct, lane, lo, hi)
+                    if LAND and not QUANT:  # the part is in every destination: flag it there
+                        flag_part(d_row_flag, me, t, p, n, sent, lane)
+            i += all_warps
+
+    @inlined
+    def pack_row(tokens, token_scales, prequantized, t, row, PB, lane, mbuf, peer_bases, held, h0, lo, hi):
+        """Every lane of one warp: token ``t``'s row as it travels (bf16 words; FP8: its message,
+        encoded here or the caller's codes and scales) into the local row ``row`` (a row of
+        ``relay_stage``, 16-byte aligned)."""
+        if QUANT:
+            if prequantized == 0:
+                S = tokens.shape[1] // BLOCK_WORDS
+                encode_blocks(tokens, t, 0, S, pairs_aligned(tokens), address_of(row), PB, lane, mbuf, peer_bases,
+                              uint64(0), uint64(0), held, h0)
+            else:
+                for w in range(lane, tokens.shape[1], warp):  # the codes, then the scales' bytes
+                    row[w] = tokens[t, w]
+                for j in range(lane, token_scales.shape[1], warp):
+                    store_u8_at(address_of(row) + uint64(PB), j, token_scales[t, j])
+        else:
+            W = tokens.shape[1]
+            if tokens.itemsize == 8 and W % 2 == 0 and pairs_aligned(tokens):
+                w = 2 * lane
+                while w < W:
+                    load_pairs(tokens[t], w, W, lo, hi)
+                    store_pairs_at(address_of(row), w, W, lo, hi)
+                    w += 2 * UP * warp
+            else:
+                for w in range(lane, W, warp):
+                    row[w] = tokens[t, w]
+
+    @inlined
+    def send_node_chunks(tokens, token_scales, prequantized, ids_base, relay_stage, relay_rows, relay_chunk_flag,
+                         relay_slot, peer_bases, T, K, L, R, me, n, token_blocks, cmask, mbuf, held, ids_l, lo, hi):
+        """Every thread of a token block, hierarchical transport: the rows bound for other nodes,
+        a chunk of ``CH = chunk_tokens(T)`` consecutive tokens a block in turn. The block ranks
+        the chunk's tokens with an expert on each other node (``cmask[node]``, bit j: token
+        ``c CH + j``); for each such node x (``other_index``) it packs those tokens' rows in
+        token order into ``relay_stage[x, c CH:]`` (a warp a row; FP8: messages),
+        notes each token's packed row in ``relay_slot[g, t, x]`` (combine_wait finds the node's
+        sum there), and puts the packed rows to its proxy there in one ``put_signal_nbi_block``
+        that sets the proxy's ``relay_chunk_flag[me, c]`` to n + 1. A chunk with no token bound
+        to a node sends it nothing (the proxy ranks the chunk alike and waits for no flag)."""
+        tid = cuda.threadIdx.x
+        lane = tid % warp
+        wid = tid // warp
+        h0 = wid * HELD_SCALES
+        mine = me // NODE
+        nodes = R // NODE
+        g = n % 2
+        PB = 0
+        if QUANT:
+            if prequantized != 0:
+                PB = tokens.shape[1] * 8
+            else:
+                PB = (tokens.shape[1] // BLOCK_WORDS) * CODE_WORDS * 8
+        CH = chunk_tokens(T)
+        c = cuda.blockIdx.x
+        while cuda.blockIdx.x < token_blocks and c * CH < T:  # block-uniform
+            for node in range(tid, nodes, threads):
+                cmask[node] = uint32(0)
+            cuda.syncthreads()
+            for j in range(tid, CH, threads):
+                t = c * CH + j
+                if t < T:
+                    held_by = token_holders(ids_base + uint64(4 * t * K), K, L, R, ids_l)
+                    for node in range(nodes):
+                        if node != mine and held_by & node_bits(node, NODE) != uint64(0):
+                            cuda.atomic.or_(cmask, node, uint32(1) << uint32(j))
+            cuda.syncthreads()
+            for node in range(nodes):
+                mask = cmask[node]
+                if node != mine and mask != uint32(0):
+                    x = other_index(node, mine)
+                    c0 = c * CH
+                    for b in range(CH):
+                        if (mask >> uint32(b)) & uint32(1):
+                            j = popc32(mask & ((uint32(1) << uint32(b)) - uint32(1)))
+                            if j % warps == wid:
+                                if lane == 0:
+                                    relay_slot[g, c0 + b, x] = c0 + j
+                                pack_row(tokens, token_scales, prequantized, c0 + b, relay_stage[x, c0 + j], PB, lane,
+                                         mbuf, peer_bases, held, h0, lo, hi)
+                    cuda.syncthreads()  # the packed rows are written before the block's put reads them
+                    cnt = popc32(mask)
+                    shmem.put_signal_nbi_block(relay_rows[other_index(mine, node), c0:c0 + cnt],
+                                               relay_stage[x, c0:c0 + cnt], relay_chunk_flag[me, c:c + 1],
+                                               uint64(n + 1), shmem.SIGNAL_SET, node * NODE + me % NODE)
+            cuda.syncthreads()  # cmask read by every thread before the next chunk clears it
+            c += token_blocks
+
+    @kernel_jit(threads)
+    def dispatch_async(tokens, topk_ids, topk_weights, valid_tokens, use_valid,
+                       d_tokens, d_ids, d_weights, d_counts, d_ranks, d_signal,
+                       sync, send_ranks, send_counts, status,
+                       token_scales, prequantized, stage64, stage8, d_tokens8, peer_bases,
+                       d_credit, timeout_ns, d_route, d_row_flag, reuse_routing, relay_counts, relay_signal,
+                       relay_stage, relay_rows, relay_chunk_flag, relay_slot):
+        """Send this rank's tokens, once per destination rank, and signal each destination.
+
+        tokens [Tc, W] words, topk_ids [Tc, K] int32, topk_weights [Tc, K] float32: this rank's
+        batch; its first T rows are sent, T = Tc, or ``min(Tc, valid_tokens[0])`` when
+        use_valid (int64) is nonzero (valid_tokens [1] int32 on the device: one CUDA graph
+        captured at capacity serves any batch size). An id of -1 masks its slot (nothing is sent
+        for it); an id outside [0, n_experts) is dropped alike and recorded, and a repeated id
+        counts once (``routed_id``): the routing rows carry -1 for all three. Symmetric:
+        d_tokens [R, Tmax, W] (one
+        buffer, guarded by credits), d_ids / d_weights / d_ranks [G, R, Tmax, K], d_counts
+        [G, R, L + 1] int32, d_signal and d_route [G, R] uint64 (``(n + 1) << 32 | T``),
+        d_row_flag [R, Tmax, DISPATCH_FLAG_PARTS] uint64, d_credit [R] uint64. Local: sync
+        [SYNC_LEN] int64, send_ranks [Tmax, K] int32 (the ranks, staged), send_counts [R, L + 1]
+        int32 (the counts rows, staged for the puts path), status int64. FP8 token formats only
+        (empty otherwise): token_scales [Tc, S * SB] uint8 (the caller's scales' bytes when
+        prequantized, int64, is nonzero: then tokens are [Tc, P] code words), the message stage
+        [Tmax, MW] as uint64 and uint8 views (stage64 / 8); d_tokens then holds [R, Tmax, MW]
+        messages, d_tokens8 their uint8 view. peer_bases [P, R] uint64: the address of each of
+        ``protocol.PEER_REGIONS`` on each PE as mapped here (a stores build). The hierarchical
+        transport (ep_runtime/kernels/relay.py): relay_counts [G, R, R, L + 1] int32 and relay_signal
+        [G, R] uint64 symmetric: a proxy gets this rank's counts rows for its node's PEs in
+        ``relay_counts[g, me, :node_size]`` with ``relay_signal[g, me]`` (the dispatch signal's
+        value) instead of any signal of this rank; its rows bound there in chunks
+        (``send_node_chunks``): relay_stage and relay_rows [X, Tmax, W] (X other nodes; token
+        words or messages, symmetric), relay_chunk_flag [R, C] uint64 (symmetric), relay_slot
+        [G, Tmax, X] int32 (local); empty stand-ins otherwise.
+
+        Block 0 first grants every peer this call (``grant_token_credits``), and no block stores a
+        token row into a peer before that peer's credit of call n is seen (``await_credits``,
+        bounded by timeout_ns; on a timeout the blocks send nothing more, so no signal goes out).
+        The token blocks send the routing rows (``send_routing_spread``; a route-first call's
+        routing block does, ``send_routing_first``, unless the call is split: then the token
+        blocks do and take the route ticket), then their token rows (``send_fp8_rows`` /
+        ``send_bf16_rows``). The routing blocks of the ``wait`` and ``land`` receivers rank
+        their chunk of the tokens (``rank_chunk``). The last block (ticket: every block fenced
+        first, or quieted where it put) signals every rank, with its counts row on the puts
+        path, and advances the call counter. A landing build flags each bf16 row part on arrival
+        and sends none to this rank (dispatch_land reads this rank's rows from ``tokens``), and
+        each block takes the route ticket once its share of the routing is out, the last setting
+        ``d_route``. This kernel triggers its dependents after its own dependency wait, so a
+        receive kernel started early finds everything before this one complete.
+
+        reuse_routing (int64) nonzero: a dispatch with a kept routing (ep_runtime/kernels/routing_keep.py
+        restored every source's tables and route signal on every rank just before): the token
+        rows and the signal only, no routing rows, ranks, counts or route tickets; topk_ids is
+        then this rank's kept ids, and on the puts path the signal goes alone (the counts rows
+        are the receivers' own).
+        """
+        flag = cuda.shared.array(1, int32)
+        cmask = cuda.shared.array(CHUNK_MASKS, uint32)  # hierarchical: a chunk's tokens bound for each node
+        masks = cuda.shared.array(RANK_WORDS, uint32)  # routing blocks: [warp, expert] lanes with the expert
+        warp_rows = cuda.shared.array(RANK_WORDS, int32)  # ... the warp's first rank
+        next_rank = cuda.shared.array(RANK_NEXT, int32)  # ... [expert] the next round's first rank
+        mbuf = cuda.shared.array(MBUF_WORDS, int64)
+        held = cuda.shared.array(HELD_WORDS, uint32)
+        lo = cuda.local.array(UP, uint64)
+        hi = cuda.local.array(UP, uint64)
+        run_l = cuda.local.array(RUN_BATCH, uint32)  # a routing block's ranks loaded before they are stored
+        ids_l = cuda.local.array(ID_BATCH, int32)  # a token's expert ids
+        pdl_wait()  # nothing stream-ordered is read before this (ep_runtime/kernels/pdl.py)
+        pdl_trigger()  # after the wait: a receive kernel started now finds all before this complete
+        # the prologue's loads issued together, before the first branch on any of them (one
+        # memory latency for all, not one each; ``n < 0`` never holds: it keeps the compiler
+        # from sinking the counter's load past the early return)
+        code = status[STATUS_CODE]
+        n = sync[SYNC_CALLS]
+        T = tokens.shape[0]
+        if use_valid != 0:
+            T = max(0, min(T, valid_tokens[0]))
+        if code != 0 or n < 0:
+            return  # an earlier call failed: send nothing, so peers time out naming this rank
+        stamp_first(status, 0)
+        stamp_last(status, 30)
+        if cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
+            grant_token_credits(d_credit, n, NODE)
+        me = shmem.my_pe()
+        R = d_counts.shape[1]
+        L = d_counts.shape[2] - 1
+        K = topk_ids.shape[1]
+        W = tokens.shape[1]
+        tid = cuda.threadIdx.x
+        g = n % 2
+        ids_base = address_of(topk_ids)  # [Tc, K] C-contiguous: (t, k) is flat element t K + k
+        # a landing build sends no bf16 row to this rank: dispatch_land reads them from the caller's tokens
+        own_skip = uint64(1) << uint64(me) if LAND and not QUANT else uint64(0)
+        # a chunked route-first call of split_from_tokens or more: no routing block, the token
+        # blocks send the routing rows and take the route ticket
+        split = CHUNKS and T >= SPLIT_FROM and reuse_routing == 0
+        route = reuse_routing == 0  # this call sends its routing (not a kept routing's call)
+        # ... FP8 rows encoded here: each block's share published by one thread, so the fence holds
+        # up one warp, not the block's token rows; rows that are only copied (bf16, pre-quantized
+        # FP8) flood the SM's stores at once and a fence behind them held the routing back: the
+        # block's ticket
+        share_route = split and QUANT and prequantized == 0
+        n_route = route_blocks(cuda.gridDim.x, split)  # routing blocks: the grid's last
+        token_blocks = max(cuda.gridDim.x - n_route, 1)
+        rb = cuda.blockIdx.x - (cuda.gridDim.x - n_route)  # this block's routing chunk (< 0: none)
+        routing_block = rb >= 0
+
+        # routing rows (ids, weights) to every rank, spread over the token blocks (route first: the
+        # routing block sends them, below, unless the call is split)
+        if route and cuda.blockIdx.x < token_blocks and (split or not FIRST):
+            send_routing_spread(topk_ids, topk_weights, d_ids, d_weights, peer_bases, g, me, n, T, R, L, K,
+                                token_blocks, status)
+        if split and cuda.blockIdx.x == 0:  # T into every rank's counts row (combine reads it there)
+            store_token_count(d_counts, peer_bases, g, me, R, L, T)
+        stamp_last(status, 4)
+        if route and (LAND or (split and not share_route)) and cuda.blockIdx.x < token_blocks and not routing_block:
+            publish_route(sync, flag, d_route, g, me, n, T, R, status)  # this block's share of the routing is out
+        if share_route:
+            cuda.syncthreads()  # every thread's routing rows stored before one thread publishes them (below)
+
+        # every peer's credit of call n before any token row goes to it (a block without token
+        # rows, or with only its own, need not)
+        if cuda.blockIdx.x < token_blocks and T > 0 and R > 1:
+            if cuda.threadIdx.x == 0:
+                flag[0] = int32(await_credits(d_credit, n, status, timeout_ns))
+                stamp_first(status, 5)
+            cuda.syncthreads()
+            if flag[0] == 0:
+                return  # a peer's credit timed out (recorded): no token row, no ticket, no signal
+            cuda.syncthreads()  # flag read by every thread before the ticket reuses it
+
+        # an encoding split call's routing share: published by the last warp's first thread (the
+        # fence waits for its stores to land) while the other warps go on to the token rows
+        if share_route and cuda.blockIdx.x < token_blocks and tid == threads - warp:
+            publish_route_share(sync, d_route, g, me, n, T, R, token_blocks, status)
+
+        # token rows, deduplicated per destination rank, a warp per row part, in the token blocks
+        if cuda.blockIdx.x < token_blocks:
+            stamp_last(status, 31)
+        # the token rows go as plain stores (the ticket's fence: publish_fence); the hierarchical
+        # transport's chunks are puts (the ticket's quiet completes them before relay_stage is reused)
+        stores_only = STORES and NODE == 0
+        T_parts = T
+        if QUANT:
+            stores_only = send_fp8_rows(tokens, token_scales, prequantized, ids_base, d_tokens, d_tokens8, stage64,
+                                        stage8, peer_bases, T, K, L, R, me, token_blocks, mbuf, held, ids_l, lo,
+                                        hi) and NODE == 0
+            T_parts = 0  # no bf16 row parts
+        send_bf16_rows(tokens, ids_base, d_tokens, d_row_flag, peer_bases, T_parts, K, L, R, W, me, n, token_blocks,
+                       own_skip, ids_l, lo, hi)
+        if NODE > 0:  # the rows bound for other nodes, a packed chunk a put
+            send_node_chunks(tokens, token_scales, prequantized, ids_base, relay_stage, relay_rows, relay_chunk_flag,
+                             relay_slot, peer_bases, T, K, L, R, me, n, token_blocks, cmask, mbuf, held, ids_l, lo, hi)
+        stamp_last(status, 1)
+
+        if route and routing_block and FIRST:  # the routing rows and T, then the route signal
+            send_routing_first(topk_ids, topk_weights, d_ids, d_weights, d_counts, d_route, peer_bases, g, me, n, T,
+                               R, L, K, status)
+        if route and routing_block and not FIRST:  # each (token, k)'s rank and each expert's count, on its rank
+            rank_chunk(ids_base, d_ranks, d_counts, send_ranks, send_counts, peer_bases, g, me, n, T, R, L, K, rb,
+                       n_route, sync, flag, d_route, status, masks, warp_rows, next_rank, run_l)
+        stamp_last(status, 2)
+
+        # the last block signals every rank (with its counts row, on the puts path), then advances
+        # the call counter
+        if last_block_ticket(sync[SYNC_TICKET:SYNC_TICKET + 1], flag, stores_only):
+            stamp_last(status, 3)
+            if NODE > 0 and route and T > 0:  # each proxy: the routing in a put each, complete before its signal
+                for node in range(R // NODE):
+                    if node != me // NODE:
+                        d = node * NODE + me % NODE
+                        shmem.put_nbi_block(d_ids[g, me, 0:T], d_ids[g, me, 0:T], d)
+                        shmem.put_nbi_block(d_weights[g, me, 0:T], d_weights[g, me, 0:T], d)
+                        if not FIRST:
+                            shmem.put_nbi_block(d_ranks[g, me, 0:T], d_ranks[g, me, 0:T], d)
+                cuda.syncthreads()
+                if tid == 0:
+                    publish_fence(False)  # quiet: they are delivered before the signal below
+                cuda.syncthreads()
+            signal = (uint64(n + 1) << uint64(SIGNAL_TOKEN_BITS)) | uint64(T)
+            for d in range(tid, R, threads):
+                if NODE > 0 and d // NODE != me // NODE:  # a proxy: its node's counts rows, its relay signal
+                    if reaches(me, d, NODE) and route:
+                        n0 = (d // NODE) * NODE
+                        shmem.put_signal(relay_counts[g, me, 0:NODE], send_counts[n0:n0 + NODE],
+                                         relay_signal[g, me:me + 1], signal, shmem.SIGNAL_SET, d)
+                    elif reaches(me, d, NODE):  # a kept routing's call: the counts rows are the receivers' own
+                        shmem.signal_op(relay_signal[g, me:me + 1], signal, shmem.SIGNAL_SET, d)
+                elif STORES or not route:
+                    shmem.signal_op(d_signal[g, me:me + 1], signal, shmem.SIGNAL_SET, d)
+                else:
+                    shmem.put_signal(d_counts[g, me], send_counts[d], d_signal[g, me:me + 1], signal,
+                                     shmem.SIGNAL_SET, d)
+            if tid == 0:
+                sync[SYNC_TICKET] = 0
+                sync[SYNC_CALLS] = n + 1
+            stamp_last(status, 6)
+
+    return programmatic(dispatch_async, v.pdl)

@@ -1,0 +1,78 @@
+"""Combine partials: their formats on the wire, how a row is cut into flagged parts, and the
+geometry both combine kernels share.
+
+Partials (``combine_partials``, ``combine_stage``, ``out_partials``) are bf16 in the token word
+(``P = 1`` partial word per token word), or, with float32 partials (``EPConfig.combine_dtype =
+"float32"``), float32 passed as uint64 words of 2 floats: token word ``w`` (4 bf16 values) owns
+partial words ``2 w`` and ``2 w + 1`` (``P = 2``), element order as in the float32 row. The
+format is a compile-time choice: the bf16 kernels carry no branch for it.
+"""
+
+import functools
+from types import SimpleNamespace
+
+import numpy as np
+from numba import from_dtype
+
+from ep_runtime.kernels.bits import f32_to_bf16
+from ep_runtime.kernels.block import flag_rule, most_tokens, warp_geometry
+from ep_runtime.kernels.cuda_api import cuda
+from ep_runtime.kernels.protocol import COMBINE_FLAG_PARTS
+from ep_runtime.kernels.vec import pack_bf16x2, pack_bf16x4
+
+#: Words of a row each lane loads before using any of them (memory-level parallelism: with
+#: 8-byte words, 64 bytes per lane and 32 KB per 512-thread block in flight per row read).
+#: combine_async reads a token's expert rows one after another, combine_wait its ranks'
+#: partials; within each row the U loads are independent. Where rows allow it they move as
+#: word pairs (``ep_runtime/kernels/vec.py``: one 16-byte access each for uint64 words), U / 2 pairs.
+WORDS_IN_FLIGHT = 8
+
+
+@cuda.jit(device=True)
+def flagged_parts(counts, PW, warp):
+    """``(parts, span)`` of a call's partial rows of ``PW`` partial words, each part flagged on
+    arrival (``combine_row_flag``), the same on every rank whatever its grid and build:
+    :func:`~ep_runtime.kernels.block.flag_rule` for the R x (most tokens) rows of the call, at
+    most COMBINE_FLAG_PARTS parts a row, each part ``span`` partial words (a multiple of
+    ``warp``, so of P). Kernels that walk token words divide ``span`` by P; combine_async_rows,
+    one build for both partial formats, walks partial words."""
+    return flag_rule(counts.shape[0] * max(most_tokens(counts), 1), PW, COMBINE_FLAG_PARTS, warp)
+
+
+def partial_words(word_dtype, f32_partials: bool) -> int:
+    """Partial words per token word (``P``): 1 for bf16 partials (the token word itself), 2 for
+    float32 partials (uint64 words of 2 floats), which need uint64 token words (4 bf16 values;
+    hidden a multiple of 4)."""
+    if not f32_partials:
+        return 1
+    if np.dtype(word_dtype) != np.uint64:
+        raise ValueError(f"float32 partials need uint64 token words (hidden a multiple of 4); got "
+                         f"{np.dtype(word_dtype)}")
+    return 2
+
+
+@functools.lru_cache(maxsize=None)
+def partial_geometry(threads: int, word: str, f32_partials: bool) -> SimpleNamespace:
+    """The compile-time sizes both combine kernels use, for blocks of ``threads`` threads,
+    token words of ``word`` (a NumPy dtype name) and the partial format: ``warp``, ``warps``,
+    ``word_t`` (the Numba word type), ``pack`` (bf16 values a word), ``P`` (partial words a
+    token word), ``F32``, ``U`` (words in flight), ``UP`` (word pairs in flight), and
+    ``rounded_word(acc, b)``, the token word of bf16 values rounded from ``acc[b .. b + pack -
+    1]`` (element 0 in the low bits)."""
+    word_dtype = np.dtype(word)
+    warp, warps = warp_geometry(threads)
+    word_t = from_dtype(word_dtype)
+    pack = word_dtype.itemsize // 2
+    P = partial_words(word_dtype, f32_partials)
+
+    @cuda.jit(device=True)
+    def rounded_word(acc, b):
+        """The token word of bf16 values rounded from acc[b .. b + pack - 1]."""
+        if pack == 4:
+            return word_t(pack_bf16x4(acc[b], acc[b + 1], acc[b + 2], acc[b + 3]))
+        if pack == 2:
+            return word_t(pack_bf16x2(acc[b], acc[b + 1]))
+        return word_t(f32_to_bf16(acc[b]))
+
+    return SimpleNamespace(warp=warp, warps=warps, word_t=word_t, pack=pack, P=P, F32=P == 2, U=WORDS_IN_FLIGHT,
+                           UP=WORDS_IN_FLIGHT // 2, rounded_word=rounded_word)

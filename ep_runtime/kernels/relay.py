@@ -1,0 +1,345 @@
+"""The hierarchical transport's proxies: ``dispatch_relay`` and ``combine_relay``.
+
+Nodes are ``node_size`` consecutive PEs (ep_runtime/kernels/nodes.py). A PE is the proxy, on its node, of
+each PE of another node that has its local index: its *sources*, one per other node. Across
+nodes only sources and their proxies exchange data, in few large puts; within a node every PE
+writes every other with stores through their mappings (``node_stores``), or with puts.
+
+``dispatch_relay`` runs after dispatch_async and before the receive kernel. For each source s,
+once s's relay signal shows call n complete here (s's routing rows and ranks, the rows of its
+tokens with an expert on this node, and this node's counts rows: s put them, then its signal),
+it forwards to each other PE q of this node the routing rows and ranks, and the rows of the
+tokens with an expert on q, into the slots s would have written on q. Then the last block
+gives every PE of the node, this one included, its counts row and dispatch signal of s, as s
+would have. The receive kernels, the layouts and the handles are those of a flat run.
+
+``combine_relay`` runs after combine_async and before combine_wait. For each part of each
+token of each source with an expert on this node, it waits for the partials of this node's PEs
+that hold its experts (``relay_flag``), sums them in ascending PE order in float32 from 0,
+rounds the sum to the partial format, and puts it into this PE's slot of s's
+``combine_partials`` with its ``combine_row_flag``: one partial crosses per (token, node), and
+s sums the partials of its own node's PEs and one per other node, in ascending PE order
+(``reference.combine``'s ``node_size``).
+"""
+
+import functools
+
+from numba import float32, int32, int64, uint32, uint64
+
+from ep_runtime.kernels import shmem
+from ep_runtime.kernels.bits import f32_bits_at, f32_word_at, word_f32
+from ep_runtime.kernels.block import (await_flag, last_block_ticket, part_bounds, popc32, publish_fence,
+                                      record_error, warp_geometry, warp_sync)
+from ep_runtime.kernels.cuda_api import cuda, kernel_jit
+from ep_runtime.kernels.dispatch_copy import COPY_UNROLL
+from ep_runtime.kernels.nodes import MAX_NODES, chunk_tokens, holders, node_bits, nth_set_bit, other_index
+from ep_runtime.kernels.partials import flagged_parts, partial_geometry
+from ep_runtime.kernels.protocol import (COUNTER_RELAY_CHUNK, COUNTER_RELAY_FLAG, COUNTER_RELAY_SIGNAL,
+                                         COUNTER_TOKEN_CREDIT, ERR_TIMEOUT, KERNEL_COMBINE_RELAY, KERNEL_DISPATCH_RELAY,
+                                         PEER_IDS, PEER_RANKS, PEER_TOKENS, PEER_WEIGHTS, SIGNAL_TOKEN_BITS,
+                                         STATUS_CODE, SYNC_CALLS)
+from ep_runtime.kernels.variant import CombineVariant, DispatchVariant
+from ep_runtime.kernels.vec import address_of, load_u32_at, make_peer_copy, pairs_aligned, store_u32_at
+
+
+@cuda.jit(device=True)
+def chunk_mask(cmask, d_ids, g, s, c, CH, T, here, L, R):
+    """Every thread of a block: ``cmask[0]`` (shared uint32) set to the mask of chunk ``c`` of
+    source ``s``'s ``T`` tokens (``CH`` a chunk: ``chunk_tokens(T)``) with an expert on a PE of
+    ``here`` (uint64 PE bits), bit j for token ``c CH + j``, from the routing rows
+    ``d_ids[g, s]``: the packing its sender made of the chunk (``dispatch_async``'s
+    ``send_node_chunks``). Returns the mask (a barrier before and after)."""
+    if cuda.threadIdx.x == 0:
+        cmask[0] = uint32(0)
+    cuda.syncthreads()
+    for j in range(cuda.threadIdx.x, CH, cuda.blockDim.x):
+        t = c * CH + j
+        if t < T and holders(d_ids[g, s, t], L, R) & here != uint64(0):
+            cuda.atomic.or_(cmask, 0, uint32(1) << uint32(j))
+    cuda.syncthreads()
+    mask = cmask[0]
+    cuda.syncthreads()  # read by every thread before the next chunk clears it
+    return mask
+
+
+@functools.lru_cache(maxsize=None)
+def make_dispatch_relay(v: DispatchVariant):
+    """The ``dispatch_relay`` kernel of a hierarchical ``v`` (``v.node_size`` PEs a node)."""
+    threads = v.threads
+    warp, warps = warp_geometry(threads)
+    NODE = v.node_size
+    STORES = v.stores  # within the node: stores through the mappings (``node_stores``), else puts
+    UP = COPY_UNROLL // 2  # word pairs per lane in flight
+    copy_to_peers = make_peer_copy(UP, warp)
+
+    @cuda.jit(device=True)
+    def forward_run(array, g, s, t0, t1, peer_bases, region, first, me):
+        """Every thread of a block: ``array[g, s, t0:t1]`` (int32 or float32 [G, R, Tmax, K],
+        4-byte elements) into the same elements of every other PE of this node: a put each, or
+        4-byte stores through their mappings (``region``: the array's ``peer_bases`` row)."""
+        if STORES:
+            K = array.shape[3]
+            src = address_of(array[g, s, t0])
+            at = src - address_of(array)  # the same offset on every PE
+            for j in range(cuda.threadIdx.x, (t1 - t0) * K, threads):
+                word = load_u32_at(src, j)
+                for q in range(first, first + NODE):
+                    if q != me:
+                        store_u32_at(peer_bases[region, q] + at, j, word)
+        else:
+            for q in range(first, first + NODE):
+                if q != me:
+                    shmem.put_nbi_block(array[g, s, t0:t1], array[g, s, t0:t1], q)
+
+    @cuda.jit(device=True)
+    def forward_row(d_tokens, row, s, t, to, peer_bases, first, lane, lo, hi):
+        """Every lane of a warp: the packed ``row`` (token words or an FP8 message) into
+        ``d_tokens[s, t]`` of each PE of this node whose bit is set in ``to`` (uint64), this one
+        included: a warp put each, or stores through their mappings, each word (pair) loaded
+        once for every PE."""
+        if STORES:
+            W = row.shape[0]
+            slot = address_of(d_tokens[s, t]) - address_of(d_tokens)  # the same on every PE
+            pairs = row.itemsize == 8 and W % 2 == 0 and pairs_aligned(row) and pairs_aligned(d_tokens)
+            copy_to_peers(row, 0, W, to, first, first + NODE, peer_bases, PEER_TOKENS, slot, pairs, lane, lo, hi)
+        else:
+            for q in range(first, first + NODE):
+                if (to >> uint64(q)) & uint64(1):
+                    shmem.put_nbi_warp(d_tokens[s, t], row, q)
+
+    @kernel_jit(threads)
+    def dispatch_relay(d_tokens, d_ids, d_weights, d_ranks, d_counts, d_signal, relay_counts, relay_signal, d_credit,
+                       sync, relay_sync, status, timeout_ns, relay_rows, relay_chunk_flag, peer_bases, reuse_routing):
+        """Forward each source's call to this node's PEs, then signal them on its behalf.
+
+        Symmetric, as dispatch_async writes them: d_tokens [R, Tmax, W] token words (or FP8
+        messages), d_ids / d_weights / d_ranks [G, R, Tmax, K], d_counts [G, R, L + 1] int32,
+        d_signal [G, R] uint64, relay_counts [G, R, R, L + 1] int32 ([g, s, j]: source s's
+        counts row for PE j of this node), relay_signal [G, R] uint64, d_credit [R] uint64,
+        relay_rows [X, Tmax, W] (``[other_index(node(s)), c CH + j]``: the j-th packed
+        row of chunk c of source s) and relay_chunk_flag [R, C] uint64 (``[s, c]``: n + 1 once it
+        arrived). peer_bases [P, R] uint64: the node's PEs' regions as mapped here (a
+        ``node_stores`` build forwards with stores through them). Local: sync (dispatch_async's
+        call counter: this is call ``sync[1] - 1``), relay_sync [1] int64 (the launch's ticket),
+        status int64. timeout_ns bounds each wait. reuse_routing (int64) nonzero: the call
+        dispatched a kept routing (every rank restored every source's tables): the rows and the
+        signals only, no routing rows, ranks or counts rows.
+
+        Every block: thread 0 waits for the credit of call n of each other PE of this node (it
+        has read its rows of earlier calls) and for each source's relay signal (its routing
+        rows, ranks and counts rows are here). A timeout records this kernel, the peer and the
+        counter, and the block returns: no signal goes out, so the node's receivers time out
+        naming the source. Then, each source's tokens in a range a block, the block copies its
+        range of the routing rows and ranks to each other PE of the node (``forward_run``; not
+        on a kept routing's call); and a chunk of ``CH = chunk_tokens(T_s)`` tokens a block in
+        turn, it ranks the chunk's tokens with an expert on this node (``chunk_mask``, as the
+        source packed them), waits for the chunk's flag, and a warp per packed row copies the
+        row into ``d_tokens[s, t]`` of each PE of the node holding one of its experts, this one
+        included (``forward_row``). The last block
+        (ticket after a quiet, which also publishes stores) puts each source's counts row with
+        its dispatch signal, ``(n + 1) << 32 | T_s``, to every PE of the node (the signal alone
+        on a kept routing's call).
+        """
+        flag = cuda.shared.array(1, int32)
+        cmask = cuda.shared.array(1, uint32)
+        t_of = cuda.shared.array(MAX_NODES, int32)  # each source node's token count (T_s)
+        lo = cuda.local.array(UP, uint64)
+        hi = cuda.local.array(UP, uint64)
+        if status[STATUS_CODE] != 0:
+            return  # an earlier error: forward nothing, so the node's receivers time out naming the sources
+        n = sync[SYNC_CALLS] - 1
+        g = n % 2
+        me = shmem.my_pe()
+        R = d_counts.shape[1]
+        L = d_counts.shape[2] - 1
+        mine = me // NODE
+        first = mine * NODE  # this node's first PE
+        here = node_bits(mine, NODE)
+        tid = cuda.threadIdx.x
+        wid = tid // warp
+        if tid == 0:
+            ok = 1
+            for q in range(first, first + NODE):
+                if q != me and ok == 1:
+                    seen = shmem.wait_signal_ge(d_credit[q:q + 1], uint64(n + 1), timeout_ns)
+                    if seen < uint64(n + 1):
+                        record_error(status, ERR_TIMEOUT, KERNEL_DISPATCH_RELAY, me, q, COUNTER_TOKEN_CREDIT, n + 1,
+                                     int64(seen), n + 1)
+                        ok = 0
+            for node in range(R // NODE):
+                s = node * NODE + me % NODE
+                if node != mine and ok == 1:
+                    want = uint64(n + 1) << uint64(SIGNAL_TOKEN_BITS)
+                    seen = shmem.wait_signal_ge(relay_signal[g, s:s + 1], want, timeout_ns)
+                    if seen < want:
+                        record_error(status, ERR_TIMEOUT, KERNEL_DISPATCH_RELAY, me, s, COUNTER_RELAY_SIGNAL,
+                                     int64(want), int64(seen), n + 1)
+                        ok = 0
+                    t_of[node] = int32(seen & uint64(0xFFFFFFFF))
+            flag[0] = ok
+        cuda.syncthreads()
+        if flag[0] == 0:
+            return
+        for node in range(R // NODE):
+            if node != mine:
+                s = node * NODE + me % NODE
+                T = t_of[node]
+                per = (T + cuda.gridDim.x - 1) // cuda.gridDim.x
+                t0 = min(cuda.blockIdx.x * per, T)
+                t1 = min(t0 + per, T)
+                if t0 < t1 and reuse_routing == 0:
+                    forward_run(d_ids, g, s, t0, t1, peer_bases, PEER_IDS, first, me)
+                    forward_run(d_weights, g, s, t0, t1, peer_bases, PEER_WEIGHTS, first, me)
+                    forward_run(d_ranks, g, s, t0, t1, peer_bases, PEER_RANKS, first, me)
+                x = other_index(node, mine)
+                CH = chunk_tokens(T)
+                c = cuda.blockIdx.x
+                while c * CH < T:  # block-uniform
+                    mask = chunk_mask(cmask, d_ids, g, s, c, CH, T, here, L, R)
+                    if mask != uint32(0):
+                        if tid == 0 and not await_flag(relay_chunk_flag[s, c:c + 1], s, c * CH, n, timeout_ns,
+                                                       status, KERNEL_DISPATCH_RELAY, COUNTER_RELAY_CHUNK):
+                            flag[0] = 0
+                        cuda.syncthreads()
+                        if flag[0] == 0:
+                            return  # no ticket: the node's receivers time out naming the source
+                        for j in range(wid, popc32(mask), warps):  # a warp a packed row
+                            t = c * CH + nth_set_bit(mask, j)
+                            to = holders(d_ids[g, s, t], L, R) & here
+                            forward_row(d_tokens, relay_rows[x, c * CH + j], s, t, to, peer_bases, first,
+                                        tid % warp, lo, hi)
+                    c += cuda.gridDim.x
+        if last_block_ticket(relay_sync[0:1], flag, False):  # every block's puts complete (quiet)
+            for j in range(tid, (R // NODE) * NODE, threads):  # (source node, PE of this node)
+                node = j // NODE
+                q = first + j - node * NODE
+                if node != mine:
+                    s = node * NODE + me % NODE
+                    signal = (uint64(n + 1) << uint64(SIGNAL_TOKEN_BITS)) | uint64(t_of[node])
+                    if reuse_routing == 0:
+                        shmem.put_signal(d_counts[g, s], relay_counts[g, s, q - first], d_signal[g, s:s + 1], signal,
+                                         shmem.SIGNAL_SET, q)
+                    else:
+                        shmem.signal_op(d_signal[g, s:s + 1], signal, shmem.SIGNAL_SET, q)
+            if tid == 0:
+                relay_sync[0] = 0
+
+    return dispatch_relay
+
+
+@functools.lru_cache(maxsize=None)
+def make_combine_relay(v: CombineVariant):
+    """The ``combine_relay`` kernel of a hierarchical ``v`` (``v.node_size`` PEs a node)."""
+    threads = v.threads
+    geo = partial_geometry(threads, v.word, v.f32_partials)
+    warp, warps, word_t, pack, F32 = geo.warp, geo.warps, geo.word_t, geo.pack, geo.F32
+    rounded_word = geo.rounded_word
+    E = 2 if F32 else pack  # values a partial word holds
+    NODE = v.node_size
+
+    @kernel_jit(threads)
+    def combine_relay(c_partials, relay_partials, relay_flag, relay_sums, c_chunk_flag, d_ids, d_counts, sync, status,
+                      timeout_ns):
+        """Sum this node's partials of each source's tokens and send them home, a chunk a put.
+
+        Symmetric: c_partials [G, R, Tmax, PW] partial words (a chunk's sums go to
+        ``[g, me, c CH:]`` of the source, packed), relay_partials [R, Tmax, PW]
+        (``[node(s) node_size + j, t]``: the partial of PE j of this node for token t of source
+        s), relay_flag [R, Tmax, FLAG_PARTS] uint64, relay_sums [X, Tmax, PW] (the sums, packed
+        and staged for their put), c_chunk_flag [R, C] uint64 (``combine_chunk_flag``); d_ids
+        [G, R, Tmax, K] and d_counts [G, R, L + 1] of the call (group g). Local: sync (the call
+        counter), status int64.
+
+        A chunk of ``CH = chunk_tokens(T_s)`` tokens of a source a block in turn: the block ranks the
+        chunk's tokens with an expert on this node (``chunk_mask``: the packing of dispatch),
+        and a warp per part (``flagged_parts``, as combine_async cuts them) of each packed token
+        has lane 0 wait for each holder's relay flag of the part, then sums the holders' partial
+        words in ascending PE order (float32 from 0) and rounds the sum to the partial format
+        into ``relay_sums[x, c CH + j]`` (x: ``other_index`` of the source's node, j the
+        token's packed row). Then the block puts the chunk's packed sums to the source in one
+        ``put_signal_nbi_block`` setting its ``combine_chunk_flag[me, c]`` to n + 1; each block
+        quiets its puts at the end (their source is reused by the next call). A flag's timeout
+        records this kernel, the holder and the token, and the block stops before its put (the
+        source's combine_wait then times out naming this PE).
+        """
+        acc = cuda.local.array(E, float32)
+        cmask = cuda.shared.array(1, uint32)
+        ok = cuda.shared.array(1, int32)  # the block's flags: all seen (1) or not
+        verdict = cuda.shared.array(warps, int32)  # each warp's flags
+        if status[STATUS_CODE] != 0:
+            return
+        n = sync[SYNC_CALLS] - 1
+        g = n % 2
+        me = shmem.my_pe()
+        R = d_counts.shape[1]
+        L = d_counts.shape[2] - 1
+        PW = c_partials.shape[3]
+        mine = me // NODE
+        first = mine * NODE
+        here = node_bits(mine, NODE)
+        lane = cuda.threadIdx.x % warp
+        wid = cuda.threadIdx.x // warp
+        parts, span = flagged_parts(d_counts[g], PW, warp)  # the parts every rank cuts alike
+        for node in range(R // NODE):
+            if node != mine:
+                s = node * NODE + me % NODE
+                T = d_counts[g, s, L]
+                x = other_index(node, mine)
+                CH = chunk_tokens(T)
+                c = cuda.blockIdx.x
+                while c * CH < T:  # block-uniform
+                    if cuda.threadIdx.x == 0:
+                        ok[0] = 1
+                    mask = chunk_mask(cmask, d_ids, g, s, c, CH, T, here, L, R)
+                    packed = popc32(mask)
+                    i = wid
+                    while i < packed * parts and ok[0] == 1:  # (token j, part p) of the chunk, a warp each
+                        j = i // parts
+                        p = i - j * parts
+                        t = c * CH + nth_set_bit(mask, j)
+                        _, w0, w1 = part_bounds(t * parts + p, parts, span, PW)
+                        held = holders(d_ids[g, s, t], L, R) & here
+                        if lane == 0:
+                            seen_all = 1
+                            for q in range(first, first + NODE):
+                                if seen_all == 1 and w0 < w1 and (held >> uint64(q)) & uint64(1):
+                                    row = node * NODE + q - first  # PE q's partials of source s's tokens
+                                    if not await_flag(relay_flag[row, t, p:p + 1], q, t, n, timeout_ns, status,
+                                                      KERNEL_COMBINE_RELAY, COUNTER_RELAY_FLAG):
+                                        seen_all = 0
+                                        ok[0] = 0
+                            verdict[wid] = seen_all
+                        warp_sync()
+                        seen_all = verdict[wid]
+                        warp_sync()  # read by every lane before lane 0 writes it again
+                        if seen_all == 1:
+                            for w in range(w0 + lane, w1, warp):
+                                for e in range(E):
+                                    acc[e] = float32(0.0)
+                                for q in range(first, first + NODE):
+                                    if (held >> uint64(q)) & uint64(1):
+                                        word = relay_partials[node * NODE + q - first, t, w]
+                                        for e in range(E):
+                                            if F32:
+                                                acc[e] += f32_word_at(word, e)
+                                            else:
+                                                acc[e] += word_f32(word, e)
+                                if F32:
+                                    relay_sums[x, c * CH + j, w] = word_t(f32_bits_at(acc[0], 0)
+                                                                          | f32_bits_at(acc[1], 1))
+                                else:
+                                    relay_sums[x, c * CH + j, w] = rounded_word(acc, 0)
+                        i += warps
+                    cuda.syncthreads()  # every sum of the chunk is staged (or a flag timed out)
+                    if ok[0] == 0:
+                        return  # no put: the source's combine_wait times out naming this PE
+                    if packed > 0:
+                        c0 = c * CH
+                        shmem.put_signal_nbi_block(c_partials[g, me, c0:c0 + packed], relay_sums[x, c0:c0 + packed],
+                                                   c_chunk_flag[me, c:c + 1], uint64(n + 1), shmem.SIGNAL_SET, s)
+                    c += cuda.gridDim.x
+        cuda.syncthreads()
+        if cuda.threadIdx.x == 0:
+            publish_fence(False)  # quiet: the block's puts are complete before relay_sums is written again
+
+    return combine_relay

@@ -1,0 +1,102 @@
+"""What a kernel build is compiled for: the compile-time part of an execution plan.
+
+:mod:`ep_runtime.core.plan` chooses a :class:`~ep_runtime.core.plan.Plan` per runtime; the kernels see
+only the fields below (:class:`DispatchVariant`, :class:`CombineVariant`), each a closure
+constant of the factory that builds them, so a build holds only the code its plan runs and the
+kernel cache keys builds apart by these values. The enums are the plan's: exclusive choices, so
+an impossible combination cannot be written down.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class Transport(str, Enum):
+    """How rows, routing and partials reach the peers."""
+
+    #: stores from the SMs into the peers' heaps through their NVLink mappings
+    STORES = "stores"
+    #: NVSHMEM puts (any peer NVSHMEM reaches; completion by quiet and put_signal)
+    PUTS = "puts"
+    #: several nodes: within this PE's node stores through the mappings (``node_stores``) or
+    #: puts, and across nodes a put per chunk of tokens and node to the node's proxy, the PE
+    #: with this PE's local index there, which forwards the rows to its node's peers
+    #: (``ep_runtime/kernels/relay.py``; nodes of ``node_size`` consecutive PEs)
+    HIERARCHICAL = "hierarchical"
+
+
+class Receiver(str, Enum):
+    """Where and when the received rows are placed (their expert-batch rows described)."""
+
+    #: dispatch_wait places every row after every source's signal
+    WAIT = "wait"
+    #: dispatch_land, started early, places rows while they fly and copies each part as it lands
+    LAND = "land"
+    #: the routing rows go first; dispatch_wait's few early blocks place from them while the
+    #: token rows fly, every block ranking every received token
+    ROUTE_FIRST = "route_first"
+    #: route first for large batches: the token blocks send the routing rows, and the placing
+    #: blocks each rank a chunk of the received tokens
+    ROUTE_FIRST_CHUNKED = "route_first_chunked"
+
+    @property
+    def routes_first(self) -> bool:
+        return self in (Receiver.ROUTE_FIRST, Receiver.ROUTE_FIRST_CHUNKED)
+
+
+@dataclass(frozen=True)
+class DispatchVariant:
+    """The compile-time constants of the dispatch kernels.
+
+    ``threads``: threads per block (a power of 2; a warp's width on the simulator at most).
+    ``quantized`` / ``ue8m0``: an FP8 token format, with power-of-two scales. ``transport``,
+    ``receiver``, ``pdl``: the plan's. ``share_from_tokens``: received tokens from which a
+    route-first dispatch_wait's placing blocks share the rows' descriptions;
+    ``chunk_from_tokens``: ... from which a chunked build's blocks each rank a chunk;
+    ``split_from_tokens``: tokens of a call from which a chunked build's token blocks send the
+    routing rows (no routing block). ``node_size``: PEs per node of the hierarchical transport
+    (0 otherwise); ``node_stores``: its writes within a node are stores (else puts).
+    """
+
+    threads: int
+    quantized: bool
+    ue8m0: bool
+    transport: Transport
+    receiver: Receiver
+    pdl: bool
+    share_from_tokens: int
+    chunk_from_tokens: int
+    split_from_tokens: int
+    node_size: int = 0
+    node_stores: bool = False
+
+    @property
+    def stores(self) -> bool:
+        """The peers this PE writes itself are written with stores through their mappings:
+        every peer (``stores``), or, hierarchical with ``node_stores``, the peers of its node
+        (the only ones it writes: across nodes its chunks and sums go as puts)."""
+        return self.transport is Transport.STORES or (self.transport is Transport.HIERARCHICAL and self.node_stores)
+
+
+@dataclass(frozen=True)
+class CombineVariant:
+    """The compile-time constants of the combine kernels: ``threads`` per block, the token word
+    (``word``: NumPy dtype name, ``"uint64"`` / ``"uint32"`` / ``"uint16"``), float32 partials
+    (``f32_partials``), the ``transport``, ``pdl`` and the hierarchical transport's
+    ``node_size`` (PEs per node; 0 otherwise) and ``node_stores`` (its writes within a node
+    are stores)."""
+
+    threads: int
+    word: str
+    f32_partials: bool
+    transport: Transport
+    pdl: bool
+    node_size: int = 0
+    node_stores: bool = False
+
+    @property
+    def stores(self) -> bool:
+        """As :attr:`DispatchVariant.stores`."""
+        return self.transport is Transport.STORES or (self.transport is Transport.HIERARCHICAL and self.node_stores)
