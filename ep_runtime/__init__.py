@@ -26,5 +26,5 @@ def __getattr__(name):
     raise AttributeError(f"module 'ep_runtime' has no attribute {name!r}")
 
 
-__all__ = ["__version__", "EPConfig", "BufferLayout", "EPRuntime", "open_session", "reference", "EPError", "EPConfigError",
-           "EPInputError", "EPStateError", "EPTimeoutError", "EPCapacityError"]
+__all__ = ["__version__", "EPConfig", "BufferLayout", "EPRuntime", "open_session", "reference", "EPError",
+           "EPConfigError", "EPInputError", "EPStateError", "EPTimeoutError", "EPCapacityError"]

@@ -27,8 +27,8 @@ from ep_runtime.core import reference
 from ep_runtime.core.config import EPConfig
 from ep_runtime.core.errors import EPInputError, EPStateError
 from ep_runtime.shmem.launch import run_pes
-from ep_runtime.testing import (BATCH_FIELDS, POISON_BF16, assert_batch_is_the_reference, call_inputs,
-                                expert_outputs, make_inputs, make_tokens, padded_to_capacity)
+from ep_runtime.testing import (BATCH_FIELDS, POISON_BF16, assert_batch_is_the_reference, call_inputs, expert_outputs,
+                                make_inputs, make_tokens, padded_to_capacity)
 
 RUN_TIMEOUT_S = 300
 SEED = 5200

@@ -14,7 +14,7 @@ from ep_runtime.core.config import EPConfig
 from ep_runtime.core.errors import EPConfigError
 from ep_runtime.core.layout import BufferLayout
 from ep_runtime.core.plan import (LAND_SMS, PLAN_ENV, ExpandedCopy, Plan, Receiver, Topology, Transport, agree,
-                             choose_plan, merged_overrides, parse_overrides)
+                                  choose_plan, merged_overrides, parse_overrides)
 
 H100x2 = Topology.nvlink_gpus(2)
 

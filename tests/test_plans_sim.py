@@ -29,8 +29,7 @@ from ep_runtime.core.layout import token_word
 from ep_runtime.shmem.launch import run_pes
 from ep_runtime.testing import (BATCH_FIELDS, assert_batch_is_the_reference, assert_calls_are_the_reference,
                                 assert_fp8_calls_are_the_reference, call_inputs, call_layout, capacity_pe,
-                                expert_outputs, fp8_plan_pe, make_inputs, plan_disagreement_pe, plan_pe,
-                                silent_peer_pe)
+                                expert_outputs, fp8_plan_pe, make_inputs, plan_disagreement_pe, plan_pe, silent_peer_pe)
 
 RUN_TIMEOUT_S = 300
 CALLS = 4  # calls 0-2: random, zero_rank, masked (CALL_SCENARIOS); 3: no token anywhere; both groups twice

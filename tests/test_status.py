@@ -10,10 +10,10 @@ import pytest
 
 from ep_runtime.core.errors import EPCapacityError, EPTimeoutError
 from ep_runtime.core.layout import (STATUS_CALL, STATUS_CODE, STATUS_COUNTER, STATUS_EXPECTED, STATUS_KERNEL,
-                               STATUS_LEN, STATUS_OBSERVED, STATUS_PEER, STATUS_RANK)
+                                    STATUS_LEN, STATUS_OBSERVED, STATUS_PEER, STATUS_RANK)
 from ep_runtime.core.status import (COUNTER_DISPATCH_PLACED, COUNTER_DISPATCH_SIGNAL, COUNTER_RECV_ROWS, COUNTER_NAMES,
-                               ERR_CAPACITY, ERR_TIMEOUT, KERNEL_DISPATCH_WAIT, UNGROUPED_COUNTERS,
-                               error_from_status)
+                                    ERR_CAPACITY, ERR_TIMEOUT, KERNEL_DISPATCH_WAIT, UNGROUPED_COUNTERS,
+                                    error_from_status)
 
 
 def record(code, kernel, rank, peer, counter, expected, observed, call) -> np.ndarray:

@@ -79,11 +79,11 @@ def plan_kernels(cfg: EPConfig, plan: Plan, only=None) -> dict:
 
 def kernel_builds(cfg: EPConfig, plan: Plan, only=None) -> list:
     """``[(name, kernel, argtypes)]``: every kernel a runtime of ``cfg`` under ``plan`` compiles
-    when it is built (or those named in ``only``), with the Numba signature it launches (the
-    argument lists of :mod:`ep_runtime.core.kernel_args`, the regions the plan leaves out as empty
-    stand-ins)."""
+    when it is built (or those named in ``only``), with the Numba signature it launches (from
+    the kernels' parameter names, :mod:`ep_runtime.core.kernel_args`; the regions the plan leaves
+    out as empty stand-ins)."""
     layout = BufferLayout(cfg, plan)
-    return [(name, kernel, argtypes(name, layout)) for name, kernel in plan_kernels(cfg, plan, only).items()]
+    return [(name, kernel, argtypes(kernel, layout, name)) for name, kernel in plan_kernels(cfg, plan, only).items()]
 
 
 def combine_wait_with(cfg: EPConfig, plan: Plan, epilogue):

@@ -1,15 +1,23 @@
-"""The argument list of each kernel, named once.
+"""Kernel arguments, named once: by the kernel's own parameters.
 
-The runtime builds launch arguments from these lists, and the compile-and-link gate builds
-the Numba signatures the runtime will launch from the same lists, so the two cannot drift.
-A name is either a :class:`~ep_runtime.core.layout.BufferLayout` region, a view of one in another
-dtype (``"region:u8"``: :data:`VIEWS`, the last axis rescaled), a caller's
-array (:data:`CALLER_ARRAYS`: dtype and rank), or an int64 scalar (:data:`SCALARS`). Regions
-a runtime's plan does not allocate, and those only an FP8 token format has
-(``layout.FORMAT_REGIONS``), are passed as empty stand-ins (:meth:`BufferLayout.absent`).
+A kernel's argument list is its signature. Each parameter is named after what it receives, and
+the runtime builds the launch arguments, and the compile-and-link gate the Numba signature the
+runtime launches, from those names, so a host list cannot drift from the kernel and two arrays
+of one type cannot be passed in each other's place. A name is a
+:class:`~ep_runtime.core.layout.BufferLayout` region, a region seen in another dtype
+(``<region>_u8``: :data:`VIEWS`, the last axis rescaled), a caller's array
+(:data:`CALLER_ARRAYS`: dtype and rank), an array the runtime makes outside the layout
+(:data:`RUNTIME_ARRAYS`) or an int64 scalar (:data:`SCALARS`). Regions a runtime's plan does
+not allocate, and those only an FP8 token format has (``layout.FORMAT_REGIONS``), are passed
+as empty stand-ins (:meth:`BufferLayout.absent`). A parameter that names none of these is an
+error of the kernel (:func:`argtypes` raises, naming it), found by the gate and by the
+runtime's construction before anything is launched.
 """
 
 from __future__ import annotations
+
+import functools
+import inspect
 
 import numpy as np
 
@@ -39,8 +47,9 @@ CALLER_ARRAYS = {
 #: the address of each region of ``layout.PEER_REGIONS`` (row ``PEER_TOKENS`` ...) on every PE as
 #: mapped on this one (``Session.peer_addresses``), known only once the heap is allocated.
 RUNTIME_ARRAYS = {"peer_bases": (np.uint64, 2)}
-#: Dtype views of regions a kernel reads or writes byte-wise (FP8 messages and scales).
-VIEWS = {"u8": np.dtype(np.uint8)}
+#: Dtype views of regions a kernel reads or writes byte-wise (FP8 messages and scales), by the
+#: suffix of the parameter's name: ``dispatch_tokens_u8`` is ``dispatch_tokens`` as uint8.
+VIEWS = {"_u8": np.dtype(np.uint8)}
 #: bf16 arrays (caller's and regions) that kernels take as views in the token word
 #: (:func:`ep_runtime.core.layout.token_word`): the last axis has ``hidden * 2 / itemsize`` words.
 #: The partials (``combine_partials``, ``combine_stage``, the compact ``expert_out``,
@@ -54,96 +63,73 @@ WORD_ARRAYS = frozenset({"tokens", "expert_out", "own_rows", "out", "out_partial
 SCALARS = ("pad_multiple", "timeout_ns", "mode", "n_experts", "allow_negative", "use_valid", "prequantized",
            "scales_col_major", "copy_rows", "reuse_routing", "restore")
 
-KERNEL_ARGS = {
-    "validate_routing": ("topk_ids", "topk_weights", "valid_tokens", "use_valid", "n_experts",
-                         "allow_negative", "status"),
-    "dispatch_async": (
-        "tokens", "topk_ids", "topk_weights", "valid_tokens", "use_valid", "dispatch_tokens", "dispatch_topk_ids",
-        "dispatch_topk_weights", "dispatch_counts", "dispatch_ranks", "dispatch_signal", "dispatch_async_sync",
-        "dispatch_send_ranks", "dispatch_send_counts", "status", "token_scales", "prequantized",
-        "dispatch_send_stage", "dispatch_send_stage:u8", "dispatch_tokens:u8", "peer_bases", "dispatch_token_credit",
-        "timeout_ns", "dispatch_route_signal", "dispatch_row_flag", "reuse_routing", "relay_counts", "relay_signal",
-        "relay_stage", "relay_rows", "relay_chunk_flag", "relay_slot"),
-    "dispatch_relay": (
-        "dispatch_tokens", "dispatch_topk_ids", "dispatch_topk_weights", "dispatch_ranks", "dispatch_counts",
-        "dispatch_signal", "relay_counts", "relay_signal", "dispatch_token_credit", "dispatch_async_sync",
-        "relay_sync", "status", "timeout_ns", "relay_rows", "relay_chunk_flag", "peer_bases", "reuse_routing"),
-    "dispatch_wait": (
-        "dispatch_topk_ids", "dispatch_topk_weights", "dispatch_counts", "dispatch_ranks", "dispatch_signal",
-        "dispatch_async_sync", "row_offsets", "expert_counts", "row_src_rank", "row_src_token",
-        "row_src_k", "row_weight", "row_gather", "recv_tokens", "token_rows", "status", "pad_multiple",
-        "timeout_ns", "dispatch_tokens", "expert_x", "copy_rows", "combine_wait_claims", "receive_sync",
-        "dispatch_route_signal", "dispatch_placed"),
-    "dispatch_land": (
-        "dispatch_topk_ids", "dispatch_topk_weights", "dispatch_counts", "dispatch_ranks", "dispatch_route_signal",
-        "dispatch_signal", "receive_sync", "row_offsets", "expert_counts", "row_src_rank", "row_src_token",
-        "row_src_k", "row_weight", "row_gather", "recv_tokens", "token_rows", "status", "pad_multiple",
-        "timeout_ns", "dispatch_tokens", "expert_x", "dispatch_row_flag", "copy_rows", "combine_wait_claims",
-        "tokens"),
-    "dispatch_copy": (
-        "dispatch_tokens", "dispatch_topk_ids", "dispatch_counts", "dispatch_async_sync",
-        "token_rows", "row_offsets", "expert_counts", "expert_x", "status", "dispatch_tokens:u8",
-        "expert_scales:u8", "scales_col_major"),
-    "combine_async": (
-        "expert_out", "dispatch_topk_ids", "dispatch_counts", "combine_partials", "dispatch_async_sync", "token_rows",
-        "row_weight", "combine_stage", "status", "peer_bases", "dispatch_token_credit", "combine_row_flag",
-        "relay_partials", "relay_flag"),
-    "combine_async_rows": (
-        "expert_out", "dispatch_topk_ids", "dispatch_counts", "combine_partials", "dispatch_async_sync", "status",
-        "peer_bases", "dispatch_token_credit", "combine_row_flag", "relay_partials", "relay_flag"),
-    "combine_relay": ("combine_partials", "relay_partials", "relay_flag", "relay_sums", "combine_chunk_flag",
-                      "dispatch_topk_ids", "dispatch_counts", "dispatch_async_sync", "status", "timeout_ns"),
-    "combine_wait": (
-        "out", "out_partials", "dispatch_topk_ids", "dispatch_counts", "combine_partials", "dispatch_async_sync",
-        "status", "mode", "timeout_ns", "aux", "own_rows", "combine_row_flag", "combine_wait_claims", "relay_slot",
-        "combine_chunk_flag"),
-    "routing_copy": ("dispatch_topk_ids", "dispatch_topk_weights", "dispatch_counts", "dispatch_ranks",
-                     "dispatch_route_signal", "dispatch_async_sync", "kept_ids", "kept_weights", "kept_counts",
-                     "kept_ranks", "restore"),
-    "slot_values_async": ("row_values", "row_offsets", "row_src_rank", "row_src_token", "row_src_k", "slot_values",
-                          "slot_signal", "dispatch_async_sync", "status", "peer_bases", "slot_across", "slot_stage",
-                          "dispatch_counts"),
-    "slot_values_wait": ("slot_out", "slot_values", "slot_signal", "dispatch_topk_ids", "dispatch_counts",
-                         "dispatch_async_sync", "status", "timeout_ns", "slot_across"),
-}
 
 
-def build_args(kernel: str, regions: dict, values: dict) -> tuple:
-    """Launch arguments of ``kernel``: each name from ``values`` if given there, else from
-    ``regions`` (the runtime's kernel-ready region arrays)."""
-    return tuple(values[n] if n in values else regions[n] for n in KERNEL_ARGS[kernel])
+@functools.lru_cache(maxsize=None)
+def arg_names(kernel) -> tuple[str, ...]:
+    """The argument list of ``kernel`` (a ``@cuda.jit`` dispatcher, the simulator's kernel or a
+    plain function): its parameter names, in order."""
+    return tuple(inspect.signature(getattr(kernel, "py_func", kernel)).parameters)
 
 
-def argtypes(kernel: str, layout: BufferLayout) -> tuple:
-    """The Numba signature the runtime launches ``kernel`` with (C-contiguous arrays)."""
+def view_base(name: str):
+    """``(region, dtype)`` when parameter ``name`` is a region seen in another dtype
+    (:data:`VIEWS`), else ``None``."""
+    for suffix, dtype in VIEWS.items():
+        if name.endswith(suffix):
+            return name[:-len(suffix)], dtype
+    return None
+
+
+def build_args(kernel, regions: dict, values: dict) -> tuple:
+    """Launch arguments of ``kernel`` in its parameters' order: each name from ``values`` if
+    given there, else from ``regions`` (the runtime's kernel-ready region arrays and views)."""
+    return tuple(values[n] if n in values else regions[n] for n in arg_names(kernel))
+
+
+def argtypes(kernel, layout: BufferLayout, name: str | None = None) -> tuple:
+    """The Numba signature the runtime launches ``kernel`` with (C-contiguous arrays), from its
+    parameter names. Raises ``TypeError`` naming the kernel (``name``, else its function's)
+    and the parameter when a name is none of the kinds above."""
     from numba import from_dtype, types
 
     absent = layout.absent()
     out = []
-    for n in KERNEL_ARGS[kernel]:
+    for n in arg_names(kernel):
         if n in SCALARS:
             out.append(types.int64)
             continue
-        base, _, view = n.partition(":")
+        view = view_base(n)
+        base = view[0] if view is not None else n
         if base in CALLER_ARRAYS:
             dtype, ndim = CALLER_ARRAYS[base]
         elif base in RUNTIME_ARRAYS:
             dtype, ndim = RUNTIME_ARRAYS[base]
-        elif not layout.has(base):
-            dtype, ndim = absent[base]
-        else:
+        elif layout.has(base):
             r = layout.region(base)
             dtype, ndim = r.dtype, len(r.shape)
-        if view:
-            dtype = VIEWS[view]
+        elif base in absent:
+            dtype, ndim = absent[base]
+        else:
+            who = name or getattr(getattr(kernel, "py_func", kernel), "__name__", repr(kernel))
+            raise TypeError(f"kernel {who}: parameter {n!r} names no region, view (<region>_u8), caller array, "
+                            f"runtime array or scalar; name it after the array it receives (layout regions: "
+                            f"{', '.join(r.name for r in layout.regions)})")
+        if view is not None:
+            dtype = view[1]
         elif n in WORD_ARRAYS:
             dtype = token_word(layout.cfg.hidden)
         out.append(types.Array(from_dtype(np.dtype(dtype)), ndim, "C"))
     return tuple(out)
 
 
-def region_view(array, name: str):
-    """``array`` (a region) as kernel argument ``name``: itself, or for ``"region:u8"`` the same
-    memory as bytes (last axis rescaled)."""
-    _, _, view = name.partition(":")
-    return array.view(VIEWS[view]) if view else array
+def region_views(regions: dict, kernels) -> dict:
+    """``{parameter: view}`` of every region view a parameter of ``kernels`` takes (``regions``:
+    the region arrays by name, stand-ins included)."""
+    out = {}
+    for kernel in kernels:
+        for n in arg_names(kernel):
+            view = view_base(n)
+            if view is not None and view[0] in regions:
+                out[n] = regions[view[0]].view(view[1])
+    return out

@@ -19,13 +19,12 @@ import numpy as np
 from ep_runtime.core.config import EPConfig
 
 # the protocol's constants, re-exported for host code
-from ep_runtime.kernels.protocol import (COMBINE_FLAG_PARTS, DISPATCH_FLAG_PARTS, MAX_COPY_PLACERS, N_GROUPS,  # noqa: F401
-                               PEER_COUNTS, PEER_IDS, PEER_PARTIALS, PEER_RANKS, PEER_REGIONS, PEER_TOKENS,
-                               PEER_WEIGHTS, RECV_CALLS,
-                               RECV_CLAIMS, RECV_LEN, RECV_TICKET, SIGNAL_TOKEN_BITS, STATUS_CALL, STATUS_CODE,
-                               STATUS_COUNTER, STATUS_EXPECTED, STATUS_KERNEL, STATUS_LEN, STATUS_OBSERVED,
-                               STATUS_PEER, STATUS_RANK, SYNC_CALLS, SYNC_LEN, SYNC_ROUTE_TICKET, SYNC_TICKET,
-                               TRACE_BASE, TRACE_LEN)
+from ep_runtime.kernels.protocol import (COMBINE_FLAG_PARTS, DISPATCH_FLAG_PARTS, MAX_COPY_PLACERS,  # noqa: F401
+                                         N_GROUPS, PEER_COUNTS, PEER_IDS, PEER_PARTIALS, PEER_RANKS, PEER_REGIONS,
+                                         PEER_TOKENS, PEER_WEIGHTS, RECV_CALLS, RECV_CLAIMS, RECV_LEN, RECV_TICKET,
+                                         SIGNAL_TOKEN_BITS, STATUS_CALL, STATUS_CODE, STATUS_COUNTER, STATUS_EXPECTED,
+                                         STATUS_KERNEL, STATUS_LEN, STATUS_OBSERVED, STATUS_PEER, STATUS_RANK,
+                                         SYNC_CALLS, SYNC_LEN, SYNC_ROUTE_TICKET, SYNC_TICKET, TRACE_BASE, TRACE_LEN)
 from ep_runtime.kernels.protocol import signal_value as dispatch_signal_value  # noqa: F401
 from ep_runtime.kernels.protocol import RELAY_CHUNK_MIN
 

@@ -26,11 +26,12 @@ from ep_runtime.core.builds import combine_wait_with, kernel_builds
 from ep_runtime.core.call_memo import CallMemo, PreparedCall
 from ep_runtime.core.config import LAYOUTS, EPConfig
 from ep_runtime.core.errors import EPConfigError, EPInputError, EPStateError
-from ep_runtime.core.handles import (CombineHandle, CompactBatch, DispatchHandle, ExpertBatch, KeptRouting, SlotValuesHandle,
-                      from_fields)
-from ep_runtime.core.kernel_args import KERNEL_ARGS, WORD_ARRAYS, build_args, region_view
+from ep_runtime.core.handles import (CombineHandle, CompactBatch, DispatchHandle, ExpertBatch, KeptRouting,
+                                     SlotValuesHandle, from_fields)
+from ep_runtime.core.kernel_args import WORD_ARRAYS, build_args, region_views
 from ep_runtime.core.layout import PEER_REGIONS, SYNC_CALLS, BufferLayout, partial_dtype, token_word
-from ep_runtime.core.plan import ExpandedCopy, Plan, Receiver, Topology, Transport, agree, check_plan, choose_plan, merged_overrides
+from ep_runtime.core.plan import (ExpandedCopy, Plan, Receiver, Topology, Transport, agree, check_plan, choose_plan,
+                                  merged_overrides)
 from ep_runtime.shmem.session import Session
 from ep_runtime.core.status import error_from_status
 
@@ -121,13 +122,13 @@ class EPRuntime:
             regions[name] = session.alloc_local(f"unused {name}", (0,) * ndim, dtype)
         self._arg = {name: session.as_kernel_arg(v.view(self._word) if name in WORD_ARRAYS else v)
                      for name, v in regions.items()}
-        for name in {n for args in KERNEL_ARGS.values() for n in args if ":" in n}:
-            self._arg[name] = session.as_kernel_arg(region_view(regions[name.partition(":")[0]], name))
         self._arg["peer_bases"] = session.as_kernel_arg(session.to_device(self._peer_bases()))
         self._partial = partial_dtype(cfg)  # uint16 (bf16 bits) or float32
         self._f32_partials = self._partial == np.float32
         builds = kernel_builds(cfg, self.plan)
         self._kernels = {name: kernel for name, kernel, _ in builds}
+        for name, view in region_views(regions, self._kernels.values()).items():  # e.g. dispatch_tokens_u8
+            self._arg[name] = session.as_kernel_arg(view)
         for name, kernel, types in builds:  # compile now, not inside a timed wait
             session.precompile(kernel, types)
         # stand-ins for the combine_wait arrays a call does not use (allocated once: graph-safe)
@@ -792,7 +793,7 @@ class EPRuntime:
                 kernel = self._kernels[(name, epilogue)] = combine_wait_with(self.cfg, self.plan, epilogue)
         values = {k: arrays.word_view(v, self._word, name, k) if k in WORD_ARRAYS else v
                   for k, v in values.items()}  # backend arrays: the session makes kernel args
-        return PreparedCall(kernel, build_args(name, self._arg, values), grid=grid)
+        return PreparedCall(kernel, build_args(kernel, self._arg, values), grid=grid)
 
     def _run(self, call: PreparedCall) -> None:
         """Enqueue a prepared launch on the session stream (and, in debug mode, synchronize and

@@ -18,16 +18,18 @@ import numpy as np
 
 from ep_runtime.core.errors import EPCapacityError, EPError, EPInputError, EPTimeoutError
 from ep_runtime.kernels.protocol import (DROPPED_SLOT, STATUS_CALL, STATUS_CODE, STATUS_COUNTER, STATUS_EXPECTED,
-                               STATUS_KERNEL, STATUS_LEN, STATUS_OBSERVED, STATUS_PEER, STATUS_RANK)
+                                         STATUS_KERNEL, STATUS_LEN, STATUS_OBSERVED, STATUS_PEER, STATUS_RANK)
 
 from ep_runtime.kernels.protocol import (COUNTER_COMBINE_CHUNK, COUNTER_COMBINE_ROW_FLAG,  # noqa: F401
-                               COUNTER_DISPATCH_PLACED, COUNTER_DISPATCH_ROW_FLAG, COUNTER_DISPATCH_SIGNAL,
-                               COUNTER_RECV_ROWS, COUNTER_RELAY_CHUNK, COUNTER_RELAY_FLAG, COUNTER_RELAY_SIGNAL,
-                               COUNTER_ROUTE_SIGNAL, COUNTER_SLOT_SIGNAL, COUNTER_TOKEN_CREDIT, ERR_BAD_EXPERT_ID,
-                               ERR_BAD_WEIGHT, ERR_CAPACITY, ERR_DUPLICATE_EXPERT, ERR_NONE, ERR_SHORT_ROWS,
-                               ERR_TIMEOUT, KERNEL_COMBINE_ASYNC, KERNEL_COMBINE_RELAY, KERNEL_COMBINE_WAIT,
-                               KERNEL_DISPATCH_ASYNC, KERNEL_DISPATCH_LAND, KERNEL_DISPATCH_RELAY, KERNEL_DISPATCH_WAIT,
-                               KERNEL_SLOT_VALUES_ASYNC, KERNEL_SLOT_VALUES_WAIT, KERNEL_VALIDATE_ROUTING)
+                                         COUNTER_DISPATCH_PLACED, COUNTER_DISPATCH_ROW_FLAG,
+                                         COUNTER_DISPATCH_SIGNAL, COUNTER_RECV_ROWS, COUNTER_RELAY_CHUNK,
+                                         COUNTER_RELAY_FLAG, COUNTER_RELAY_SIGNAL, COUNTER_ROUTE_SIGNAL,
+                                         COUNTER_SLOT_SIGNAL, COUNTER_TOKEN_CREDIT, ERR_BAD_EXPERT_ID, ERR_BAD_WEIGHT,
+                                         ERR_CAPACITY, ERR_DUPLICATE_EXPERT, ERR_NONE, ERR_SHORT_ROWS, ERR_TIMEOUT,
+                                         KERNEL_COMBINE_ASYNC, KERNEL_COMBINE_RELAY, KERNEL_COMBINE_WAIT,
+                                         KERNEL_DISPATCH_ASYNC, KERNEL_DISPATCH_LAND, KERNEL_DISPATCH_RELAY,
+                                         KERNEL_DISPATCH_WAIT, KERNEL_SLOT_VALUES_ASYNC, KERNEL_SLOT_VALUES_WAIT,
+                                         KERNEL_VALIDATE_ROUTING)
 
 KERNEL_NAMES = {KERNEL_DISPATCH_ASYNC: "dispatch_async", KERNEL_DISPATCH_WAIT: "dispatch_wait",
                 KERNEL_COMBINE_ASYNC: "combine_async", KERNEL_COMBINE_WAIT: "combine_wait",

@@ -64,18 +64,8 @@ from ep_runtime.core.config import EPConfig
 from ep_runtime.core.errors import EPInputError
 from ep_runtime.core.layout import BufferLayout
 from ep_runtime.core.runtime import EPRuntime
-from ep_runtime.integrations.torch import (
-    _BF16,
-    _OPEN_BACKWARD,
-    _Bridge,
-    _close,
-    _combine,
-    _dispatch,
-    _keep,
-    _rows,
-    _same_tensor,
-    slot_values_home,
-)
+from ep_runtime.integrations.torch import (_BF16, _OPEN_BACKWARD, _Bridge, _close, _combine, _dispatch, _keep, _rows,
+                                           _same_tensor, slot_values_home)
 from ep_runtime.integrations.torch_compact import _combine_compact, _dispatch_compact, _received_rows
 
 #: Megatron-core's module these functions stand in for (:func:`install`).

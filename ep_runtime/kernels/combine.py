@@ -9,7 +9,8 @@ of a token row; each lane handles whole words.
 """
 
 from ep_runtime.kernels.combine_send import make_combine_send
-from ep_runtime.kernels.combine_wait import MODE_PARTIALS, MODE_REDUCE, identity_epilogue, make_combine_wait  # noqa: F401
+from ep_runtime.kernels.combine_wait import (MODE_PARTIALS, MODE_REDUCE, identity_epilogue,
+                                             make_combine_wait)  # noqa: F401
 from ep_runtime.kernels.relay import make_combine_relay
 from ep_runtime.kernels.variant import CombineVariant
 

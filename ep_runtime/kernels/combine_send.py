@@ -23,8 +23,8 @@ from ep_runtime.kernels.pdl import make_pdl, programmatic
 from ep_runtime.kernels.protocol import PEER_PARTIALS, PEER_RELAY_PARTIALS, STATUS_CODE, SYNC_CALLS
 from ep_runtime.kernels.trace import stamp_first, stamp_last
 from ep_runtime.kernels.variant import CombineVariant
-from ep_runtime.kernels.vec import (address_of, make_pair_loops, pack_f32x2, pairs_aligned, store_pair,
-                                    store_pair_at, store_word_at)
+from ep_runtime.kernels.vec import (address_of, make_pair_loops, pack_f32x2, pairs_aligned, store_pair, store_pair_at,
+                                    store_word_at)
 
 
 @functools.lru_cache(maxsize=None)
@@ -94,46 +94,42 @@ def make_combine_send(v: CombineVariant) -> dict:
             flag_part(c_row_flag, me, t, p, n, uint64(1) << uint64(s), lane)
 
     @kernel_jit(threads)
-    def combine_async(expert_out, d_ids, d_counts, c_partials, sync, token_rows, row_weight, stage, status, peer_bases,
-                      d_credit, c_row_flag, relay_partials, relay_flag):
+    def combine_async(expert_out, dispatch_topk_ids, dispatch_counts, combine_partials, dispatch_async_sync, token_rows,
+                      row_weight, combine_stage, status, peer_bases, dispatch_token_credit, combine_row_flag,
+                      relay_partials, relay_flag):
         """Weight and pre-reduce the expert outputs per token, send each partial home, signal.
 
-        expert_out [>= rows, W] words, row-aligned with the last expert batch.
-        Symmetric: d_ids [G, R, Tmax, K], d_counts [G, R, L + 1] (group g of the last call),
-        c_partials [G, R, Tmax, P W] partial words, c_row_flag [R, Tmax, FLAG_PARTS] uint64.
-        Local: sync (calls), token_rows [R, Tmax, K], row_weight [C] float32, stage
-        [R, Tmax, P W] partial words (the puts path's staging), status int64. peer_bases [P, R]
-        uint64: row PEER_PARTIALS the address of c_partials on each PE as mapped here, used by a
-        ``stores`` build.
-        d_credit [R] uint64 symmetric (``dispatch_token_credit``): block 0 first grants every
-        peer the next call's token rows (``grant_token_credits``): this rank's reads of the
-        received rows (dispatch_copy, the caller's expert compute on a compact batch) come
-        before combine_async in stream order.
+        expert_out [>= rows, W] words, row-aligned with the last expert batch. Symmetric: dispatch_topk_ids
+        [G, R, Tmax, K], dispatch_counts [G, R, L + 1] (group g of the last call), combine_partials [G, R,
+        Tmax, P W] partial words, combine_row_flag [R, Tmax, FLAG_PARTS] uint64. Local: dispatch_async_sync
+        (calls), token_rows [R, Tmax, K], row_weight [C] float32, stage [R, Tmax, P W] partial words (the puts
+        path's staging), status int64. peer_bases [P, R] uint64: row PEER_PARTIALS the address of
+        combine_partials on each PE as mapped here, used by a ``stores`` build. dispatch_token_credit [R]
+        uint64 symmetric (``dispatch_token_credit``): block 0 first grants every peer the next call's token
+        rows (``grant_token_credits``): this rank's reads of the received rows (dispatch_copy, the caller's
+        expert compute on a compact batch) come before combine_async in stream order.
 
-        A warp per item, part p of token (src, t)'s row (``flagged_parts``: the same parts on
-        every rank; the sources' items interleaved, ``interleaved_item``, so partials for this
-        rank, device memory only, overlap those for peers, NVLink), U words per lane in flight:
-        partial = sum over the
-        token's local experts in ascending order of weight * output, in float32 from 0,
-        rounded to bf16 (or kept float32: token word w becomes partial words P w .. P w + P - 1).
-        A partial for this rank's own token is stored straight into its slot [g, me, t]; one
-        for a peer goes to slot [g, me, t] of rank src: in a ``stores`` build stored there
-        through its NVLink mapping, as word pairs where the arrays allow it (uint64 words,
-        16-byte aligned), else a partial word per lane per step (no NVSHMEM put in the build);
-        in a puts build staged in stage[src, t] and its partial words [P w0, P w1) put
-        (``put_signal_nbi_warp``, the part's flag with it). Tokens that hit no local expert send
-        nothing. Each part is flagged once stored (``flag_part``), this rank's own too:
-        ``c_row_flag[me, t, p]`` on rank src set to n + 1, so combine_wait (launched with PDL,
-        started on the SMs this grid leaves free) reduces each part as it lands (docs/protocol.md,
-        "Combine rows as they land"). The kernel lets its dependent start only after its own
-        dependency wait (the caller's expert outputs are then complete for combine_wait too).
+        A warp per item, part p of token (src, t)'s row (``flagged_parts``: the same parts on every rank; the
+        sources' items interleaved, ``interleaved_item``, so partials for this rank, device memory only,
+        overlap those for peers, NVLink), U words per lane in flight: partial = sum over the token's local
+        experts in ascending order of weight * output, in float32 from 0, rounded to bf16 (or kept float32:
+        token word w becomes partial words P w .. P w + P - 1). A partial for this rank's own token is stored
+        straight into its slot [g, me, t]; one for a peer goes to slot [g, me, t] of rank src: in a ``stores``
+        build stored there through its NVLink mapping, as word pairs where the arrays allow it (uint64 words,
+        16-byte aligned), else a partial word per lane per step (no NVSHMEM put in the build); in a puts build
+        staged in stage[src, t] and its partial words [P w0, P w1) put (``put_signal_nbi_warp``, the part's
+        flag with it). Tokens that hit no local expert send nothing. Each part is flagged once stored
+        (``flag_part``), this rank's own too: ``combine_row_flag[me, t, p]`` on rank src set to n + 1, so
+        combine_wait (launched with PDL, started on the SMs this grid leaves free) reduces each part as it
+        lands (docs/protocol.md, "Combine rows as they land"). The kernel lets its dependent start only after
+        its own dependency wait (the caller's expert outputs are then complete for combine_wait too).
 
-        The hierarchical transport: a partial for a token whose home is on another node goes to
-        the home's proxy on this node (the PE with the home's local index) instead, into its
-        ``relay_partials[row, t]`` flagged in ``relay_flag[row, t, p]`` (symmetric [R, Tmax, P W]
-        partial words and [R, Tmax, FLAG_PARTS] uint64; row = the home's node x node_size + this
-        rank's local index), and the proxy sends the node's sum home (ep_runtime/kernels/relay.py): stored
-        through the proxy's mapping in a stores build (``node_stores``), else put.
+        The hierarchical transport: a partial for a token whose home is on another node goes to the home's
+        proxy on this node (the PE with the home's local index) instead, into its ``relay_partials[row, t]``
+        flagged in ``relay_flag[row, t, p]`` (symmetric [R, Tmax, P W] partial words and [R, Tmax, FLAG_PARTS]
+        uint64; row = the home's node x node_size + this rank's local index), and the proxy sends the node's
+        sum home (ep_runtime/kernels/relay.py): stored through the proxy's mapping in a stores build
+        (``node_stores``), else put.
         """
         acc = cuda.local.array(ACC, float32)
         vals = cuda.local.array(U, word_t)
@@ -150,39 +146,41 @@ def make_combine_send(v: CombineVariant) -> dict:
             return
         stamp_first(status, 16)
         if cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
-            grant_token_credits(d_credit, sync[SYNC_CALLS], NODE)  # the next call (n + 1, n = calls - 1)
+            # the next call (n + 1, n = calls - 1)
+            grant_token_credits(dispatch_token_credit, dispatch_async_sync[SYNC_CALLS], NODE)
         me = shmem.my_pe()
-        R = d_counts.shape[1]
-        L = d_counts.shape[2] - 1
-        W = c_partials.shape[3] // P  # token words (stage is an empty stand-in in a stores build)
+        R = dispatch_counts.shape[1]
+        L = dispatch_counts.shape[2] - 1
+        W = combine_partials.shape[3] // P  # token words (stage is an empty stand-in in a stores build)
         tid = cuda.threadIdx.x
         lane = tid % warp
-        n = sync[SYNC_CALLS] - 1
+        n = dispatch_async_sync[SYNC_CALLS] - 1
         g = n % 2
         all_warps = cuda.gridDim.x * warps
-        pairs = (W % 2 == 0 and pairs_aligned(expert_out) and pairs_aligned(c_partials)
-                 and (STORES or pairs_aligned(stage)) and (NODE == 0 or pairs_aligned(relay_partials)))
+        pairs = (W % 2 == 0 and pairs_aligned(expert_out) and pairs_aligned(combine_partials)
+                 and (STORES or pairs_aligned(combine_stage)) and (NODE == 0 or pairs_aligned(relay_partials)))
         direct = PEER_WORDS and pairs and STORES
 
         # items of every source interleaved (``interleaved_item``): each warp alternates between
         # rows for this rank (device memory only) and rows for peers (NVLink), so the two overlap
-        parts, span = flagged_parts(d_counts[g], P * W, warp)  # parts every rank cuts alike, each flagged
+        parts, span = flagged_parts(dispatch_counts[g], P * W, warp)  # parts every rank cuts alike, each flagged
         span = span // P  # token words
-        items = R * most_tokens(d_counts[g]) * parts
+        items = R * most_tokens(dispatch_counts[g]) * parts
         q = cuda.blockIdx.x * warps + tid // warp
         while q < items:
             s, item = interleaved_item(q, all_warps, R)
             t, w0, w1 = part_bounds(item, parts, span, W)
-            if t < d_counts[g, s, L]:
-                n_local = local_expert_count(d_ids[g, s, t], L, me)
+            if t < dispatch_counts[g, s, L]:
+                n_local = local_expert_count(dispatch_topk_ids[g, s, t], L, me)
                 if n_local > 0 and w0 < w1:
-                    dst = stage[s, t] if s != me and not STORES else c_partials[g, me, t]  # (a peer's: stored below)
+                    # (a peer's: stored below)
+                    dst = combine_stage[s, t] if s != me and not STORES else combine_partials[g, me, t]
                     stored = STORES and s != me  # stored into rank s through its mapping (else staged, put)
                     to_peer = direct and s != me  # ... as word pairs
                     in_pairs = pairs and (to_peer or not stored)  # else a word per lane per step
                     peer_row = uint64(0)
                     if stored:
-                        peer_row = home_row(c_partials, relay_partials, peer_bases, g, me, s, t)
+                        peer_row = home_row(combine_partials, relay_partials, peer_bases, g, me, s, t)
                     w = w0 + 2 * lane
                     while in_pairs and w < w1:  # UP word pairs per lane: every row's loads issued before use
                         for x in range(U * pack):
@@ -244,42 +242,41 @@ def make_combine_send(v: CombineVariant) -> dict:
                         p = item - t * parts
                         if NODE > 0 and s // NODE != me // NODE:  # to the home's proxy on this node
                             row = (s // NODE) * NODE + me % NODE
-                            shmem.put_signal_nbi_warp(relay_partials[row, t, pw0:pw1], stage[s, t, pw0:pw1],
+                            shmem.put_signal_nbi_warp(relay_partials[row, t, pw0:pw1], combine_stage[s, t, pw0:pw1],
                                                       relay_flag[row, t, p:p + 1], uint64(n + 1), shmem.SIGNAL_SET,
                                                       (me // NODE) * NODE + s % NODE)
                         else:
-                            shmem.put_signal_nbi_warp(c_partials[g, me, t, pw0:pw1], stage[s, t, pw0:pw1],
-                                                      c_row_flag[me, t, p:p + 1], uint64(n + 1), shmem.SIGNAL_SET, s)
+                            shmem.put_signal_nbi_warp(combine_partials[g, me, t, pw0:pw1], combine_stage[s, t, pw0:pw1],
+                                                      combine_row_flag[me, t, p:p + 1], uint64(n + 1), shmem.SIGNAL_SET,
+                                                      s)
                     else:
-                        flag_home(c_row_flag, relay_flag, me, s, t, item - t * parts, n, lane)
+                        flag_home(combine_row_flag, relay_flag, me, s, t, item - t * parts, n, lane)
             q += all_warps
 
         stamp_last(status, 17)
         stamp_last(status, 18)
 
     @kernel_jit(threads)
-    def combine_async_rows(expert_out, d_ids, d_counts, c_partials, sync, status, peer_bases, d_credit, c_row_flag,
-                           relay_partials, relay_flag):
+    def combine_async_rows(expert_out, dispatch_topk_ids, dispatch_counts, combine_partials, dispatch_async_sync,
+                           status, peer_bases, dispatch_token_credit, combine_row_flag, relay_partials, relay_flag):
         """Compact layout: send the caller's per-(source, token) rows home as the partials.
 
-        expert_out [R * Tmax, P W] partial words (bf16, or float32 with ``f32_partials``): row
-        ``s * Tmax + t`` is this rank's partial for token t of rank s, already weighted and
-        reduced over this rank's experts by the caller (the compact batch's row order: one row
-        per received token, as DeepEP's and NCCL's users hold them). Rows of tokens that hit no
-        local expert are not read. Symmetric and local arrays, and the grant of the next call's
-        token rows (d_credit), as in combine_async. Words are copied unchanged, so the kernel is
-        the same for either partial format.
+        expert_out [R * Tmax, P W] partial words (bf16, or float32 with ``f32_partials``): row ``s * Tmax +
+        t`` is this rank's partial for token t of rank s, already weighted and reduced over this rank's
+        experts by the caller (the compact batch's row order: one row per received token, as DeepEP's and
+        NCCL's users hold them). Rows of tokens that hit no local expert are not read. Symmetric and local
+        arrays, and the grant of the next call's token rows (dispatch_token_credit), as in combine_async.
+        Words are copied unchanged, so the kernel is the same for either partial format.
 
-        A warp per item (part of a row, ``row_parts``; the peers' items interleaved,
-        ``interleaved_item`` over the R - 1 peers): a row for a peer goes straight from
-        expert_out to slot [g, me, t] of rank s (no staging): in a ``stores`` build through its
-        NVLink mapping (peer_bases row 1, as in combine_async), 16-byte stores of word pairs
-        where the arrays allow it, else a word per lane per step; in a puts build
-        ``put_signal_nbi_warp``. This rank's own rows (``s = me``) are not copied: combine_wait
-        reads them from expert_out itself (its ``own_rows``), so every warp carries NVLink rows.
-        Each part is flagged as combine_async flags its parts (parts of partial words: this one
-        build serves both partial formats). The hierarchical transport sends a row whose home is
-        on another node to the home's proxy on this node, as combine_async does.
+        A warp per item (part of a row, ``row_parts``; the peers' items interleaved, ``interleaved_item`` over
+        the R - 1 peers): a row for a peer goes straight from expert_out to slot [g, me, t] of rank s (no
+        staging): in a ``stores`` build through its NVLink mapping (peer_bases row 1, as in combine_async),
+        16-byte stores of word pairs where the arrays allow it, else a word per lane per step; in a puts build
+        ``put_signal_nbi_warp``. This rank's own rows (``s = me``) are not copied: combine_wait reads them
+        from expert_out itself (its ``own_rows``), so every warp carries NVLink rows. Each part is flagged as
+        combine_async flags its parts (parts of partial words: this one build serves both partial formats).
+        The hierarchical transport sends a row whose home is on another node to the home's proxy on this node,
+        as combine_async does.
         """
         lo = cuda.local.array(UP, word_t)
         hi = cuda.local.array(UP, word_t)
@@ -289,36 +286,37 @@ def make_combine_send(v: CombineVariant) -> dict:
             return
         stamp_first(status, 16)
         if cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
-            grant_token_credits(d_credit, sync[SYNC_CALLS], NODE)  # the next call (n + 1, n = calls - 1)
+            # the next call (n + 1, n = calls - 1)
+            grant_token_credits(dispatch_token_credit, dispatch_async_sync[SYNC_CALLS], NODE)
         me = shmem.my_pe()
-        R = d_counts.shape[1]
-        L = d_counts.shape[2] - 1
-        Tmax = d_ids.shape[2]
-        W = c_partials.shape[3]
-        pairs = (W % 2 == 0 and pairs_aligned(expert_out) and pairs_aligned(c_partials)
+        R = dispatch_counts.shape[1]
+        L = dispatch_counts.shape[2] - 1
+        Tmax = dispatch_topk_ids.shape[2]
+        W = combine_partials.shape[3]
+        pairs = (W % 2 == 0 and pairs_aligned(expert_out) and pairs_aligned(combine_partials)
                  and (NODE == 0 or pairs_aligned(relay_partials)))
         direct = PEER_WORDS and pairs and STORES
         tid = cuda.threadIdx.x
         lane = tid % warp
-        n = sync[SYNC_CALLS] - 1
+        n = dispatch_async_sync[SYNC_CALLS] - 1
         g = n % 2
         all_warps = cuda.gridDim.x * warps
 
         # the peers' items interleaved (``interleaved_item`` over R - 1 sources, this rank
         # skipped: combine_wait reads its own rows from expert_out)
-        parts, span = flagged_parts(d_counts[g], W, warp)  # parts every rank cuts alike (partial words)
-        items = (R - 1) * most_tokens(d_counts[g]) * parts
+        parts, span = flagged_parts(dispatch_counts[g], W, warp)  # parts every rank cuts alike (partial words)
+        items = (R - 1) * most_tokens(dispatch_counts[g]) * parts
         q = cuda.blockIdx.x * warps + tid // warp
         while q < items:
             s, item = interleaved_item(q, all_warps, R - 1)
             if s >= me:
                 s += 1
             t, w0, w1 = part_bounds(item, parts, span, W)
-            if t < d_counts[g, s, L]:
-                if w0 < w1 and local_expert_count(d_ids[g, s, t], L, me) > 0:
+            if t < dispatch_counts[g, s, L]:
+                if w0 < w1 and local_expert_count(dispatch_topk_ids[g, s, t], L, me) > 0:
                     src = expert_out[s * Tmax + t]
                     if STORES:  # through the mapping (``home_row``)
-                        peer_row = home_row(c_partials, relay_partials, peer_bases, g, me, s, t)
+                        peer_row = home_row(combine_partials, relay_partials, peer_bases, g, me, s, t)
                         if direct:  # UP pairs per lane in flight
                             w = w0 + 2 * lane
                             while w < w1:
@@ -328,7 +326,7 @@ def make_combine_send(v: CombineVariant) -> dict:
                         else:  # rows without 16-byte word pairs: a word per lane per step
                             for w in range(w0 + lane, w1, warp):
                                 store_word_at(peer_row, w, src[w])
-                        flag_home(c_row_flag, relay_flag, me, s, t, item - t * parts, n, lane)
+                        flag_home(combine_row_flag, relay_flag, me, s, t, item - t * parts, n, lane)
                     elif NODE > 0 and s // NODE != me // NODE:  # to the home's proxy on this node
                         p = item - t * parts
                         row = (s // NODE) * NODE + me % NODE
@@ -337,8 +335,8 @@ def make_combine_send(v: CombineVariant) -> dict:
                                                   (me // NODE) * NODE + s % NODE)
                     else:
                         p = item - t * parts
-                        shmem.put_signal_nbi_warp(c_partials[g, me, t, w0:w1], src[w0:w1], c_row_flag[me, t, p:p + 1],
-                                                  uint64(n + 1), shmem.SIGNAL_SET, s)
+                        shmem.put_signal_nbi_warp(combine_partials[g, me, t, w0:w1], src[w0:w1],
+                                                  combine_row_flag[me, t, p:p + 1], uint64(n + 1), shmem.SIGNAL_SET, s)
             q += all_warps
 
         stamp_last(status, 17)

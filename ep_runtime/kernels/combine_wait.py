@@ -68,36 +68,35 @@ def make_combine_wait(threads: int, word: str, f32_partials: bool, pdl: bool, ep
         return t
 
     @kernel_jit(threads)
-    def combine_wait(out, out_partials, d_ids, d_counts, c_partials, sync, status, mode, timeout_ns, aux, own_rows,
-                     c_row_flag, claims, relay_slot, c_chunk_flag):
+    def combine_wait(out, out_partials, dispatch_topk_ids, dispatch_counts, combine_partials, dispatch_async_sync,
+                     status, mode, timeout_ns, aux, own_rows, combine_row_flag, combine_wait_claims, relay_slot,
+                     combine_chunk_flag):
         """Wait for every rank's partials, then reduce them per token in rank order.
 
-        MODE_REDUCE: out [T, W] words = bf16(epilogue(sum over ranks r that token t went to,
-        in ascending r, of f32(partial_r), from 0)). MODE_PARTIALS: out_partials [R, T, P W]
-        partial words = partial_r (zero where the token did not go to r). The array of the
-        other mode is not touched (pass any array of the right rank). c_partials [G, R, T, P W]
-        partial words. aux [T, H] float32: the epilogue's input. own_rows: after
-        combine_async_rows (compact layout), its expert_out [R * Tmax, P W] partial words, where
-        this rank's own partial of token t is row ``me * Tmax + t`` (combine_async_rows does not
-        copy it); after combine_async, an empty [0, 0] array (the own partial is in
-        c_partials[g, me, t]).
+        MODE_REDUCE: out [T, W] words = bf16(epilogue(sum over ranks r that token t went to, in ascending r,
+        of f32(partial_r), from 0)). MODE_PARTIALS: out_partials [R, T, P W] partial words = partial_r (zero
+        where the token did not go to r). The array of the other mode is not touched (pass any array of the
+        right rank). combine_partials [G, R, T, P W] partial words. aux [T, H] float32: the epilogue's input.
+        own_rows: after combine_async_rows (compact layout), its expert_out [R * Tmax, P W] partial words,
+        where this rank's own partial of token t is row ``me * Tmax + t`` (combine_async_rows does not copy
+        it); after combine_async, an empty [0, 0] array (the own partial is in combine_partials[g, me, t]).
 
-        No dependency wait first: combine_async lets this kernel start once the caller's data is
-        complete, so with PDL its blocks start on the SMs combine_async leaves free and work
-        while the partials arrive. Each warp claims the senders' parts (``flagged_parts``) in
-        turn (lane 0: ``claims[g]``, int32 [2], an atomic counter the receive kernel of the call
-        zeroes), lane 0 waits for the part's flags (``c_row_flag[r, t, p] >= n + 1`` for every
-        rank r the token went to, this rank's own row in expert_out excepted), and the warp
-        reduces the part, U partial words per lane in flight (UW = U / P token words); parts are
-        claimed in token order, the order they are sent. Before it exits the kernel waits for
-        combine_async to complete (``pdl_wait``), so stream order still holds for what follows.
-        A flag's timeout records the rank and the token, and the other warps stop claiming.
+        No dependency wait first: combine_async lets this kernel start once the caller's data is complete, so
+        with PDL its blocks start on the SMs combine_async leaves free and work while the partials arrive.
+        Each warp combine_wait_claims the senders' parts (``flagged_parts``) in turn (lane 0:
+        ``combine_wait_claims[g]``, int32 [2], an atomic counter the receive kernel of the call zeroes), lane
+        0 waits for the part's flags (``combine_row_flag[r, t, p] >= n + 1`` for every rank r the token went
+        to, this rank's own row in expert_out excepted), and the warp reduces the part, U partial words per
+        lane in flight (UW = U / P token words); parts are claimed in token order, the order they are sent.
+        Before it exits the kernel waits for combine_async to complete (``pdl_wait``), so stream order still
+        holds for what follows. A flag's timeout records the rank and the token, and the other warps stop
+        claiming.
 
-        Hierarchical (``node_size`` > 0): the partial of a token from another node is its proxy
-        r's sum, in ``c_partials[g, r, relay_slot[g, t, x]]`` (x: ``other_index`` of r's node;
-        the packed row dispatch_async noted), flagged for the token's whole chunk
-        (``c_chunk_flag[r, t // chunk_tokens(T)]``); relay_slot [G, Tmax, X] int32, c_chunk_flag
-        [R, C] uint64 (empty stand-ins otherwise).
+        Hierarchical (``node_size`` > 0): the partial of a token from another node is its proxy r's sum, in
+        ``combine_partials[g, r, relay_slot[g, t, x]]`` (x: ``other_index`` of r's node; the packed row
+        dispatch_async noted), flagged for the token's whole chunk (``combine_chunk_flag[r, t //
+        chunk_tokens(T)]``); relay_slot [G, Tmax, X] int32, combine_chunk_flag [R, C] uint64 (empty stand-ins
+        otherwise).
         """
         claim = cuda.shared.array(warps, int32)  # each warp's claimed part, then its flags' verdict
         acc = cuda.local.array(ACCW, float32)
@@ -113,33 +112,33 @@ def make_combine_wait(threads: int, word: str, f32_partials: bool, pdl: bool, ep
         # what is read before the dependency wait (counts, calls, status, the caller's arrays)
         # was complete before combine_async started, which triggers this kernel only after its
         # own dependency wait
-        n = sync[SYNC_CALLS] - 1
+        n = dispatch_async_sync[SYNC_CALLS] - 1
         g = n % 2
         if status[STATUS_CODE] != 0:
             pdl_wait()
             return
         stamp_first(status, 20)
         me = shmem.my_pe()
-        R = d_counts.shape[1]
-        L = d_counts.shape[2] - 1
-        K = d_ids.shape[3]
-        W = c_partials.shape[3] // 2 if F32 else c_partials.shape[3]  # token words
+        R = dispatch_counts.shape[1]
+        L = dispatch_counts.shape[2] - 1
+        K = dispatch_topk_ids.shape[3]
+        W = combine_partials.shape[3] // 2 if F32 else combine_partials.shape[3]  # token words
         own = own_rows.shape[0] > 0  # this rank's partials in the compact expert_out
-        pairs = (W % 2 == 0 and pairs_aligned(out) and pairs_aligned(c_partials)
+        pairs = (W % 2 == 0 and pairs_aligned(out) and pairs_aligned(combine_partials)
                  and (not own or pairs_aligned(own_rows)))
         tid = cuda.threadIdx.x
         lane = tid % warp
         wid = tid // warp
 
-        T = d_counts[g, me, L]
-        Tmax = d_ids.shape[2]
-        parts, span = flagged_parts(d_counts[g], P * W, warp)  # the senders' parts (in partial words)
+        T = dispatch_counts[g, me, L]
+        Tmax = dispatch_topk_ids.shape[2]
+        parts, span = flagged_parts(dispatch_counts[g], P * W, warp)  # the senders' parts (in partial words)
         span = span // P
         while True:
             if lane == 0:  # claim the next part (token order: the order the senders send them)
                 c = T * parts
                 if status[STATUS_CODE] == 0:
-                    c = cuda.atomic.add(claims, g, int32(1))
+                    c = cuda.atomic.add(combine_wait_claims, g, int32(1))
                 claim[wid] = c
             warp_sync()
             i = claim[wid]
@@ -149,7 +148,7 @@ def make_combine_wait(threads: int, word: str, f32_partials: bool, pdl: bool, ep
             t, w0, w1 = part_bounds(i, parts, span, W)
             went = uint64(0)  # bit r: token t went to rank r
             for k in range(K):
-                x = d_ids[g, me, t, k]
+                x = dispatch_topk_ids[g, me, t, k]
                 if uint32(x) < uint32(R * L):  # a masked (-1) or dropped id went nowhere
                     went |= uint64(1) << uint64(x // L)
             went = via_proxies(went, me, node_size, R)  # hierarchical: one partial per other node
@@ -160,10 +159,10 @@ def make_combine_wait(threads: int, word: str, f32_partials: bool, pdl: bool, ep
                     if w0 < w1 and (went >> uint64(r)) & uint64(1) and not (own and r == me):
                         if node_size > 0 and r // node_size != me // node_size:  # a proxy's chunk of sums
                             c = t // chunk_tokens(T)
-                            seen = await_flag(c_chunk_flag[r, c:c + 1], r, t, n, timeout_ns, status,
+                            seen = await_flag(combine_chunk_flag[r, c:c + 1], r, t, n, timeout_ns, status,
                                               KERNEL_COMBINE_WAIT, COUNTER_COMBINE_CHUNK)
                         else:
-                            seen = await_part(c_row_flag, r, t, p, n, timeout_ns, status, KERNEL_COMBINE_WAIT,
+                            seen = await_part(combine_row_flag, r, t, p, n, timeout_ns, status, KERNEL_COMBINE_WAIT,
                                               COUNTER_COMBINE_ROW_FLAG)
                         if not seen:
                             ok = 0
@@ -183,7 +182,7 @@ def make_combine_wait(threads: int, word: str, f32_partials: bool, pdl: bool, ep
                     for r in range(R):
                         if (went >> uint64(r)) & uint64(1):
                             src = (own_rows[me * Tmax + t] if own and r == me
-                                   else c_partials[g, r, partial_row(relay_slot, g, t, r, me)])
+                                   else combine_partials[g, r, partial_row(relay_slot, g, t, r, me)])
                             for u in range(UPW):
                                 wu = w + 2 * u * warp
                                 if wu < w1:
@@ -221,7 +220,7 @@ def make_combine_wait(threads: int, word: str, f32_partials: bool, pdl: bool, ep
                     for r in range(R):
                         if (went >> uint64(r)) & uint64(1):
                             src = (own_rows[me * Tmax + t] if own and r == me
-                                   else c_partials[g, r, partial_row(relay_slot, g, t, r, me)])
+                                   else combine_partials[g, r, partial_row(relay_slot, g, t, r, me)])
                             for u in range(UW):
                                 if w + u * warp < w1:
                                     if F32:  # token word w + u warp: partial words 2 (w + u warp) + 0, 1
@@ -250,7 +249,7 @@ def make_combine_wait(threads: int, word: str, f32_partials: bool, pdl: bool, ep
                             if own and r == me:
                                 out_partials[r, t, w] = own_rows[me * Tmax + t, w]
                             else:
-                                out_partials[r, t, w] = c_partials[g, r, partial_row(relay_slot, g, t, r, me), w]
+                                out_partials[r, t, w] = combine_partials[g, r, partial_row(relay_slot, g, t, r, me), w]
                         else:
                             out_partials[r, t, w] = 0
         stamp_last(status, 22)

@@ -184,19 +184,19 @@ def make_dispatch_copy(threads: int, quantized: bool, ue8m0: bool, pdl: bool) ->
         stamp_last(status, 13)
 
     @kernel_jit(threads)
-    def dispatch_copy(d_tokens, d_ids, d_counts, sync, token_rows, row_offsets, expert_counts,
-                      expert_x, status, d_tokens8, expert_scales8, scales_col_major):
+    def dispatch_copy(dispatch_tokens, dispatch_topk_ids, dispatch_counts, dispatch_async_sync, token_rows, row_offsets,
+                      expert_counts, expert_x, status, dispatch_tokens_u8, expert_scales_u8, scales_col_major):
         """Copy each received token row once to all its expert rows; zero the padding rows.
 
-        d_tokens [R, Tmax, W] words (symmetric: the rows of the last call), d_ids
-        [G, R, Tmax, K], d_counts [G, R, L + 1]; token_rows, row_offsets, expert_counts as the
-        receive kernel wrote them; expert_x [C, W] words (output). Runs after the receive kernel
-        on the same stream and reads only what it waited for (``expand_rows``).
+        dispatch_tokens [R, Tmax, W] words (symmetric: the rows of the last call), dispatch_topk_ids [G, R,
+        Tmax, K], dispatch_counts [G, R, L + 1]; token_rows, row_offsets, expert_counts as the receive kernel
+        wrote them; expert_x [C, W] words (output). Runs after the receive kernel on the same stream and reads
+        only what it waited for (``expand_rows``).
 
-        FP8 token formats: d_tokens holds messages ([R, Tmax, MW] words; d_tokens8 a uint8
-        view); the first ``P = expert_x.shape[1]`` words of each (the codes) go to expert_x, and
-        the scale bytes to expert_scales8 (a uint8 view of [C * S] scales, row-major, or
-        column-major when scales_col_major, int64, is nonzero); padding rows get zero scales.
+        FP8 token formats: dispatch_tokens holds messages ([R, Tmax, MW] words; dispatch_tokens_u8 a uint8
+        view); the first ``P = expert_x.shape[1]`` words of each (the codes) go to expert_x, and the scale
+        bytes to expert_scales_u8 (a uint8 view of [C * S] scales, row-major, or column-major when
+        scales_col_major, int64, is nonzero); padding rows get zero scales.
         """
         vals = cuda.local.array(U, uint64)
         lo = cuda.local.array(CP, uint64)  # copy_to_rows' pairs
@@ -205,11 +205,11 @@ def make_dispatch_copy(threads: int, quantized: bool, ue8m0: bool, pdl: bool) ->
         pdl_wait()  # nothing stream-ordered is read before this (ep_runtime/kernels/pdl.py)
         if status[STATUS_CODE] != 0:
             return
-        n = sync[SYNC_CALLS] - 1
+        n = dispatch_async_sync[SYNC_CALLS] - 1
         C = expert_x.shape[0]
-        SBYTES = expert_scales8.shape[0] // C if C > 0 else 0  # scale bytes per row (FP8 formats)
-        expand_rows(d_tokens, d_ids, d_counts, n % 2, token_rows, row_offsets, expert_counts, expert_x, status,
-                    d_tokens8, expert_scales8, SBYTES, scales_col_major, lo, hi, vals)
+        SBYTES = expert_scales_u8.shape[0] // C if C > 0 else 0  # scale bytes per row (FP8 formats)
+        expand_rows(dispatch_tokens, dispatch_topk_ids, dispatch_counts, n % 2, token_rows, row_offsets, expert_counts,
+                    expert_x, status, dispatch_tokens_u8, expert_scales_u8, SBYTES, scales_col_major, lo, hi, vals)
 
     return SimpleNamespace(copy_in_pairs=copy_in_pairs, copy_to_rows=copy_to_rows, expand_rows=expand_rows,
                            gather_rows=gather_rows,

@@ -187,32 +187,30 @@ def make_dispatch_land(v: DispatchVariant):
         stamp_last(status, 28)
 
     @kernel_jit(threads)
-    def dispatch_land(d_ids, d_weights, d_counts, d_ranks, d_route, d_signal, receive_sync,
-                      row_offsets, expert_counts, row_src_rank, row_src_token, row_src_k,
+    def dispatch_land(dispatch_topk_ids, dispatch_topk_weights, dispatch_counts, dispatch_ranks, dispatch_route_signal,
+                      dispatch_signal, receive_sync, row_offsets, expert_counts, row_src_rank, row_src_token, row_src_k,
                       row_weight, row_gather, recv_tokens, token_rows, status, pad_multiple, timeout_ns,
-                      d_tokens, expert_x, d_row_flag, copy_rows, combine_claims, tokens):
-        """The receive kernel of landing calls: place every received row while the rows are still
-        in flight, and (bf16, ``copy_rows`` nonzero: the expanded layout) copy each part of each
-        row to its expert rows as it lands.
+                      dispatch_tokens, expert_x, dispatch_row_flag, copy_rows, combine_wait_claims, tokens):
+        """The receive kernel of landing calls: place every received row while the rows are still in flight,
+        and (bf16, ``copy_rows`` nonzero: the expanded layout) copy each part of each row to its expert rows
+        as it lands.
 
-        Every block reads its call number (``begin_receive``) and waits for each source's route
-        signal (d_route [G, R] uint64: ``(n + 1) << 32 | T`` once its ids, weights, ranks and
-        counts are here), scans the placement table and checks the capacity as dispatch_wait
-        does, and a warp per local expert writes its segment. Then each warp claims items
-        (``receive_sync[RECV_CLAIMS + g]``, an atomic counter): (token t, source s, part p),
-        token-major, the parts being the senders' (``flag_rule`` from s's T; one per row unless
-        copy_rows). For a token with an expert here it writes its rows' descriptions (part 0)
-        and token_rows, and with copy_rows lane 0 first waits for the part's flag (d_row_flag
-        [R, Tmax, DISPATCH_FLAG_PARTS] uint64, ``[s, t, p] >= n + 1``) and the warp copies the
-        part to every expert row, each word read once. This rank's own bf16 rows come from
-        ``tokens`` (the caller's [T, W] words of this call; an empty stand-in for FP8, whose own
-        rows are sent), copied to the expert rows, or in the compact layout to this rank's slots
-        ``d_tokens[me, t]``. Without copy_rows block 0 waits for every source's dispatch signal
-        (all of its rows in) before the kernel ends. Finally every block waits for dispatch_async
-        to complete (``pdl_wait``), so stream order holds for what follows. Outputs and their
-        values are dispatch_wait's (and dispatch_copy's), bit for bit. A timeout names the route
-        signal or the part's flag (rank and token); more rows than C records a capacity error
-        and writes nothing.
+        Every block reads its call number (``begin_receive``) and waits for each source's route signal
+        (dispatch_route_signal [G, R] uint64: ``(n + 1) << 32 | T`` once its ids, weights, ranks and counts
+        are here), scans the placement table and checks the capacity as dispatch_wait does, and a warp per
+        local expert writes its segment. Then each warp claims items (``receive_sync[RECV_CLAIMS + g]``, an
+        atomic counter): (token t, source s, part p), token-major, the parts being the senders' (``flag_rule``
+        from s's T; one per row unless copy_rows). For a token with an expert here it writes its rows'
+        descriptions (part 0) and token_rows, and with copy_rows lane 0 first waits for the part's flag
+        (dispatch_row_flag [R, Tmax, DISPATCH_FLAG_PARTS] uint64, ``[s, t, p] >= n + 1``) and the warp copies
+        the part to every expert row, each word read once. This rank's own bf16 rows come from ``tokens`` (the
+        caller's [T, W] words of this call; an empty stand-in for FP8, whose own rows are sent), copied to the
+        expert rows, or in the compact layout to this rank's slots ``dispatch_tokens[me, t]``. Without
+        copy_rows block 0 waits for every source's dispatch signal (all of its rows in) before the kernel
+        ends. Finally every block waits for dispatch_async to complete (``pdl_wait``), so stream order holds
+        for what follows. Outputs and their values are dispatch_wait's (and dispatch_copy's), bit for bit. A
+        timeout names the route signal or the part's flag (rank and token); more rows than C records a
+        capacity error and writes nothing.
         """
         flag = cuda.shared.array(1, int32)
         sum_buf = cuda.shared.array(threads, int64)
@@ -227,11 +225,12 @@ def make_dispatch_land(v: DispatchVariant):
         pdl_trigger()
         # the receive kernel of the previous call completed before dispatch_async of this one
         # started, and that kernel starts this one only after its own dependency wait
-        n = begin_receive(receive_sync, combine_claims, ticket)
-        land_rows(d_ids, d_weights, d_counts, d_ranks, d_route, d_signal, receive_sync, row_offsets, expert_counts,
-                  row_src_rank, row_src_token, row_src_k, row_weight, row_gather, recv_tokens, token_rows, status,
-                  pad_multiple, timeout_ns, d_tokens, expert_x, d_row_flag, copy_rows, tokens, n,
-                  flag, sum_buf, place, src_T, claim, item_rows, lo, hi, vals)
+        n = begin_receive(receive_sync, combine_wait_claims, ticket)
+        land_rows(dispatch_topk_ids, dispatch_topk_weights, dispatch_counts, dispatch_ranks, dispatch_route_signal,
+                  dispatch_signal, receive_sync, row_offsets, expert_counts, row_src_rank, row_src_token, row_src_k,
+                  row_weight, row_gather, recv_tokens, token_rows, status, pad_multiple, timeout_ns, dispatch_tokens,
+                  expert_x, dispatch_row_flag, copy_rows, tokens, n, flag, sum_buf, place, src_T, claim, item_rows, lo,
+                  hi, vals)
         pdl_wait()  # completes after dispatch_async: stream order for what follows
 
     return programmatic(dispatch_land, v.pdl)

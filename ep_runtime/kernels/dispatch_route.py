@@ -27,8 +27,8 @@ from ep_runtime.kernels.block import last_block_ticket, popc32, publish_fence, r
 from ep_runtime.kernels.cuda_api import SIMULATED, cuda, inlined
 from ep_runtime.kernels.nodes import on_node
 from ep_runtime.kernels.protocol import (DROPPED_SLOT, ERR_BAD_EXPERT_ID, KERNEL_DISPATCH_ASYNC, MASKED_SLOT,
-                                         PEER_COUNTS, PEER_IDS, PEER_RANKS, PEER_WEIGHTS, SIGNAL_TOKEN_BITS,
-                                         STATUS_LEN, SYNC_ROUTE_TICKET)
+                                         PEER_COUNTS, PEER_IDS, PEER_RANKS, PEER_WEIGHTS, SIGNAL_TOKEN_BITS, STATUS_LEN,
+                                         SYNC_ROUTE_TICKET)
 from ep_runtime.kernels.ranking import ID_BATCH, make_ranking
 from ep_runtime.kernels.trace import stamp_last
 from ep_runtime.kernels.variant import DispatchVariant, Receiver

@@ -17,8 +17,8 @@ from numba import int32, int64, uint32, uint64
 
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.block import (flag_part, flag_rule, grant_token_credits, last_block_ticket, part_bounds,
-                                      part_words, popc32, publish_fence, record_error, row_parts, udiv32,
-                                      warp_geometry, warp_sync)
+                                      part_words, popc32, publish_fence, record_error, row_parts, udiv32, warp_geometry,
+                                      warp_sync)
 from ep_runtime.kernels.cuda_api import cuda, inlined, kernel_jit
 from ep_runtime.kernels.dispatch_copy import COPY_UNROLL
 from ep_runtime.kernels.dispatch_route import RUN_BATCH, make_dispatch_route
@@ -341,59 +341,55 @@ def make_dispatch_async(v: DispatchVariant):
             c += token_blocks
 
     @kernel_jit(threads)
-    def dispatch_async(tokens, topk_ids, topk_weights, valid_tokens, use_valid,
-                       d_tokens, d_ids, d_weights, d_counts, d_ranks, d_signal,
-                       sync, send_ranks, send_counts, status,
-                       token_scales, prequantized, stage64, stage8, d_tokens8, peer_bases,
-                       d_credit, timeout_ns, d_route, d_row_flag, reuse_routing, relay_counts, relay_signal,
-                       relay_stage, relay_rows, relay_chunk_flag, relay_slot):
+    def dispatch_async(tokens, topk_ids, topk_weights, valid_tokens, use_valid, dispatch_tokens, dispatch_topk_ids,
+                       dispatch_topk_weights, dispatch_counts, dispatch_ranks, dispatch_signal, dispatch_async_sync,
+                       dispatch_send_ranks, dispatch_send_counts, status, token_scales, prequantized,
+                       dispatch_send_stage, dispatch_send_stage_u8, dispatch_tokens_u8, peer_bases,
+                       dispatch_token_credit, timeout_ns, dispatch_route_signal, dispatch_row_flag, reuse_routing,
+                       relay_counts, relay_signal, relay_stage, relay_rows, relay_chunk_flag, relay_slot):
         """Send this rank's tokens, once per destination rank, and signal each destination.
 
-        tokens [Tc, W] words, topk_ids [Tc, K] int32, topk_weights [Tc, K] float32: this rank's
-        batch; its first T rows are sent, T = Tc, or ``min(Tc, valid_tokens[0])`` when
-        use_valid (int64) is nonzero (valid_tokens [1] int32 on the device: one CUDA graph
-        captured at capacity serves any batch size). An id of -1 masks its slot (nothing is sent
-        for it); an id outside [0, n_experts) is dropped alike and recorded, and a repeated id
-        counts once (``routed_id``): the routing rows carry -1 for all three. Symmetric:
-        d_tokens [R, Tmax, W] (one
-        buffer, guarded by credits), d_ids / d_weights / d_ranks [G, R, Tmax, K], d_counts
-        [G, R, L + 1] int32, d_signal and d_route [G, R] uint64 (``(n + 1) << 32 | T``),
-        d_row_flag [R, Tmax, DISPATCH_FLAG_PARTS] uint64, d_credit [R] uint64. Local: sync
-        [SYNC_LEN] int64, send_ranks [Tmax, K] int32 (the ranks, staged), send_counts [R, L + 1]
-        int32 (the counts rows, staged for the puts path), status int64. FP8 token formats only
-        (empty otherwise): token_scales [Tc, S * SB] uint8 (the caller's scales' bytes when
-        prequantized, int64, is nonzero: then tokens are [Tc, P] code words), the message stage
-        [Tmax, MW] as uint64 and uint8 views (stage64 / 8); d_tokens then holds [R, Tmax, MW]
-        messages, d_tokens8 their uint8 view. peer_bases [P, R] uint64: the address of each of
-        ``protocol.PEER_REGIONS`` on each PE as mapped here (a stores build). The hierarchical
-        transport (ep_runtime/kernels/relay.py): relay_counts [G, R, R, L + 1] int32 and relay_signal
-        [G, R] uint64 symmetric: a proxy gets this rank's counts rows for its node's PEs in
-        ``relay_counts[g, me, :node_size]`` with ``relay_signal[g, me]`` (the dispatch signal's
-        value) instead of any signal of this rank; its rows bound there in chunks
-        (``send_node_chunks``): relay_stage and relay_rows [X, Tmax, W] (X other nodes; token
-        words or messages, symmetric), relay_chunk_flag [R, C] uint64 (symmetric), relay_slot
-        [G, Tmax, X] int32 (local); empty stand-ins otherwise.
+        tokens [Tc, W] words, topk_ids [Tc, K] int32, topk_weights [Tc, K] float32: this rank's batch; its
+        first T rows are sent, T = Tc, or ``min(Tc, valid_tokens[0])`` when use_valid (int64) is nonzero
+        (valid_tokens [1] int32 on the device: one CUDA graph captured at capacity serves any batch size). An
+        id of -1 masks its slot (nothing is sent for it); an id outside [0, n_experts) is dropped alike and
+        recorded, and a repeated id counts once (``routed_id``): the routing rows carry -1 for all three.
+        Symmetric: dispatch_tokens [R, Tmax, W] (one buffer, guarded by credits), dispatch_topk_ids /
+        dispatch_topk_weights / dispatch_ranks [G, R, Tmax, K], dispatch_counts [G, R, L + 1] int32,
+        dispatch_signal and dispatch_route_signal [G, R] uint64 (``(n + 1) << 32 | T``), dispatch_row_flag [R,
+        Tmax, DISPATCH_FLAG_PARTS] uint64, dispatch_token_credit [R] uint64. Local: dispatch_async_sync
+        [SYNC_LEN] int64, dispatch_send_ranks [Tmax, K] int32 (the ranks, staged), dispatch_send_counts [R, L
+        + 1] int32 (the counts rows, staged for the puts path), status int64. FP8 token formats only (empty
+        otherwise): token_scales [Tc, S * SB] uint8 (the caller's scales' bytes when prequantized, int64, is
+        nonzero: then tokens are [Tc, P] code words), the message stage [Tmax, MW] as uint64 and uint8 views
+        (dispatch_send_stage / 8); dispatch_tokens then holds [R, Tmax, MW] messages, dispatch_tokens_u8 their
+        uint8 view. peer_bases [P, R] uint64: the address of each of ``protocol.PEER_REGIONS`` on each PE as
+        mapped here (a stores build). The hierarchical transport (ep_runtime/kernels/relay.py): relay_counts
+        [G, R, R, L + 1] int32 and relay_signal [G, R] uint64 symmetric: a proxy gets this rank's counts rows
+        for its node's PEs in ``relay_counts[g, me, :node_size]`` with ``relay_signal[g, me]`` (the dispatch
+        signal's value) instead of any signal of this rank; its rows bound there in chunks
+        (``send_node_chunks``): relay_stage and relay_rows [X, Tmax, W] (X other nodes; token words or
+        messages, symmetric), relay_chunk_flag [R, C] uint64 (symmetric), relay_slot [G, Tmax, X] int32
+        (local); empty stand-ins otherwise.
 
-        Block 0 first grants every peer this call (``grant_token_credits``), and no block stores a
-        token row into a peer before that peer's credit of call n is seen (``await_credits``,
-        bounded by timeout_ns; on a timeout the blocks send nothing more, so no signal goes out).
-        The token blocks send the routing rows (``send_routing_spread``; a route-first call's
-        routing block does, ``send_routing_first``, unless the call is split: then the token
-        blocks do and take the route ticket), then their token rows (``send_fp8_rows`` /
-        ``send_bf16_rows``). The routing blocks of the ``wait`` and ``land`` receivers rank
-        their chunk of the tokens (``rank_chunk``). The last block (ticket: every block fenced
-        first, or quieted where it put) signals every rank, with its counts row on the puts
-        path, and advances the call counter. A landing build flags each bf16 row part on arrival
-        and sends none to this rank (dispatch_land reads this rank's rows from ``tokens``), and
-        each block takes the route ticket once its share of the routing is out, the last setting
-        ``d_route``. This kernel triggers its dependents after its own dependency wait, so a
-        receive kernel started early finds everything before this one complete.
+        Block 0 first grants every peer this call (``grant_token_credits``), and no block stores a token row
+        into a peer before that peer's credit of call n is seen (``await_credits``, bounded by timeout_ns; on
+        a timeout the blocks send nothing more, so no signal goes out). The token blocks send the routing rows
+        (``send_routing_spread``; a route-first call's routing block does, ``send_routing_first``, unless the
+        call is split: then the token blocks do and take the route ticket), then their token rows
+        (``send_fp8_rows`` / ``send_bf16_rows``). The routing blocks of the ``wait`` and ``land`` receivers
+        rank their chunk of the tokens (``rank_chunk``). The last block (ticket: every block fenced first, or
+        quieted where it put) signals every rank, with its counts row on the puts path, and advances the call
+        counter. A landing build flags each bf16 row part on arrival and sends none to this rank
+        (dispatch_land reads this rank's rows from ``tokens``), and each block takes the route ticket once its
+        share of the routing is out, the last setting ``dispatch_route_signal``. This kernel triggers its
+        dependents after its own dependency wait, so a receive kernel started early finds everything before
+        this one complete.
 
         reuse_routing (int64) nonzero: a dispatch with a kept routing (ep_runtime/kernels/routing_keep.py
-        restored every source's tables and route signal on every rank just before): the token
-        rows and the signal only, no routing rows, ranks, counts or route tickets; topk_ids is
-        then this rank's kept ids, and on the puts path the signal goes alone (the counts rows
-        are the receivers' own).
+        restored every source's tables and route signal on every rank just before): the token rows and the
+        signal only, no routing rows, ranks, counts or route tickets; topk_ids is then this rank's kept ids,
+        and on the puts path the signal goes alone (the counts rows are the receivers' own).
         """
         flag = cuda.shared.array(1, int32)
         cmask = cuda.shared.array(CHUNK_MASKS, uint32)  # hierarchical: a chunk's tokens bound for each node
@@ -412,7 +408,7 @@ def make_dispatch_async(v: DispatchVariant):
         # memory latency for all, not one each; ``n < 0`` never holds: it keeps the compiler
         # from sinking the counter's load past the early return)
         code = status[STATUS_CODE]
-        n = sync[SYNC_CALLS]
+        n = dispatch_async_sync[SYNC_CALLS]
         T = tokens.shape[0]
         if use_valid != 0:
             T = max(0, min(T, valid_tokens[0]))
@@ -421,10 +417,10 @@ def make_dispatch_async(v: DispatchVariant):
         stamp_first(status, 0)
         stamp_last(status, 30)
         if cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
-            grant_token_credits(d_credit, n, NODE)
+            grant_token_credits(dispatch_token_credit, n, NODE)
         me = shmem.my_pe()
-        R = d_counts.shape[1]
-        L = d_counts.shape[2] - 1
+        R = dispatch_counts.shape[1]
+        L = dispatch_counts.shape[2] - 1
         K = topk_ids.shape[1]
         W = tokens.shape[1]
         tid = cuda.threadIdx.x
@@ -449,13 +445,14 @@ def make_dispatch_async(v: DispatchVariant):
         # routing rows (ids, weights) to every rank, spread over the token blocks (route first: the
         # routing block sends them, below, unless the call is split)
         if route and cuda.blockIdx.x < token_blocks and (split or not FIRST):
-            send_routing_spread(topk_ids, topk_weights, d_ids, d_weights, peer_bases, g, me, n, T, R, L, K,
-                                token_blocks, status)
+            send_routing_spread(topk_ids, topk_weights, dispatch_topk_ids, dispatch_topk_weights, peer_bases, g, me, n,
+                                T, R, L, K, token_blocks, status)
         if split and cuda.blockIdx.x == 0:  # T into every rank's counts row (combine reads it there)
-            store_token_count(d_counts, peer_bases, g, me, R, L, T)
+            store_token_count(dispatch_counts, peer_bases, g, me, R, L, T)
         stamp_last(status, 4)
         if route and (LAND or (split and not share_route)) and cuda.blockIdx.x < token_blocks and not routing_block:
-            publish_route(sync, flag, d_route, g, me, n, T, R, status)  # this block's share of the routing is out
+            # this block's share of the routing is out
+            publish_route(dispatch_async_sync, flag, dispatch_route_signal, g, me, n, T, R, status)
         if share_route:
             cuda.syncthreads()  # every thread's routing rows stored before one thread publishes them (below)
 
@@ -463,7 +460,7 @@ def make_dispatch_async(v: DispatchVariant):
         # rows, or with only its own, need not)
         if cuda.blockIdx.x < token_blocks and T > 0 and R > 1:
             if cuda.threadIdx.x == 0:
-                flag[0] = int32(await_credits(d_credit, n, status, timeout_ns))
+                flag[0] = int32(await_credits(dispatch_token_credit, n, status, timeout_ns))
                 stamp_first(status, 5)
             cuda.syncthreads()
             if flag[0] == 0:
@@ -473,7 +470,7 @@ def make_dispatch_async(v: DispatchVariant):
         # an encoding split call's routing share: published by the last warp's first thread (the
         # fence waits for its stores to land) while the other warps go on to the token rows
         if share_route and cuda.blockIdx.x < token_blocks and tid == threads - warp:
-            publish_route_share(sync, d_route, g, me, n, T, R, token_blocks, status)
+            publish_route_share(dispatch_async_sync, dispatch_route_signal, g, me, n, T, R, token_blocks, status)
 
         # token rows, deduplicated per destination rank, a warp per row part, in the token blocks
         if cuda.blockIdx.x < token_blocks:
@@ -483,37 +480,38 @@ def make_dispatch_async(v: DispatchVariant):
         stores_only = STORES and NODE == 0
         T_parts = T
         if QUANT:
-            stores_only = send_fp8_rows(tokens, token_scales, prequantized, ids_base, d_tokens, d_tokens8, stage64,
-                                        stage8, peer_bases, T, K, L, R, me, token_blocks, mbuf, held, ids_l, lo,
-                                        hi) and NODE == 0
+            stores_only = send_fp8_rows(tokens, token_scales, prequantized, ids_base, dispatch_tokens,
+                                        dispatch_tokens_u8, dispatch_send_stage, dispatch_send_stage_u8, peer_bases, T,
+                                        K, L, R, me, token_blocks, mbuf, held, ids_l, lo, hi) and NODE == 0
             T_parts = 0  # no bf16 row parts
-        send_bf16_rows(tokens, ids_base, d_tokens, d_row_flag, peer_bases, T_parts, K, L, R, W, me, n, token_blocks,
-                       own_skip, ids_l, lo, hi)
+        send_bf16_rows(tokens, ids_base, dispatch_tokens, dispatch_row_flag, peer_bases, T_parts, K, L, R, W, me, n,
+                       token_blocks, own_skip, ids_l, lo, hi)
         if NODE > 0:  # the rows bound for other nodes, a packed chunk a put
             send_node_chunks(tokens, token_scales, prequantized, ids_base, relay_stage, relay_rows, relay_chunk_flag,
                              relay_slot, peer_bases, T, K, L, R, me, n, token_blocks, cmask, mbuf, held, ids_l, lo, hi)
         stamp_last(status, 1)
 
         if route and routing_block and FIRST:  # the routing rows and T, then the route signal
-            send_routing_first(topk_ids, topk_weights, d_ids, d_weights, d_counts, d_route, peer_bases, g, me, n, T,
-                               R, L, K, status)
+            send_routing_first(topk_ids, topk_weights, dispatch_topk_ids, dispatch_topk_weights, dispatch_counts,
+                               dispatch_route_signal, peer_bases, g, me, n, T, R, L, K, status)
         if route and routing_block and not FIRST:  # each (token, k)'s rank and each expert's count, on its rank
-            rank_chunk(ids_base, d_ranks, d_counts, send_ranks, send_counts, peer_bases, g, me, n, T, R, L, K, rb,
-                       n_route, sync, flag, d_route, status, masks, warp_rows, next_rank, run_l)
+            rank_chunk(ids_base, dispatch_ranks, dispatch_counts, dispatch_send_ranks, dispatch_send_counts, peer_bases,
+                       g, me, n, T, R, L, K, rb, n_route, dispatch_async_sync, flag, dispatch_route_signal, status,
+                       masks, warp_rows, next_rank, run_l)
         stamp_last(status, 2)
 
         # the last block signals every rank (with its counts row, on the puts path), then advances
         # the call counter
-        if last_block_ticket(sync[SYNC_TICKET:SYNC_TICKET + 1], flag, stores_only):
+        if last_block_ticket(dispatch_async_sync[SYNC_TICKET:SYNC_TICKET + 1], flag, stores_only):
             stamp_last(status, 3)
             if NODE > 0 and route and T > 0:  # each proxy: the routing in a put each, complete before its signal
                 for node in range(R // NODE):
                     if node != me // NODE:
                         d = node * NODE + me % NODE
-                        shmem.put_nbi_block(d_ids[g, me, 0:T], d_ids[g, me, 0:T], d)
-                        shmem.put_nbi_block(d_weights[g, me, 0:T], d_weights[g, me, 0:T], d)
+                        shmem.put_nbi_block(dispatch_topk_ids[g, me, 0:T], dispatch_topk_ids[g, me, 0:T], d)
+                        shmem.put_nbi_block(dispatch_topk_weights[g, me, 0:T], dispatch_topk_weights[g, me, 0:T], d)
                         if not FIRST:
-                            shmem.put_nbi_block(d_ranks[g, me, 0:T], d_ranks[g, me, 0:T], d)
+                            shmem.put_nbi_block(dispatch_ranks[g, me, 0:T], dispatch_ranks[g, me, 0:T], d)
                 cuda.syncthreads()
                 if tid == 0:
                     publish_fence(False)  # quiet: they are delivered before the signal below
@@ -523,18 +521,18 @@ def make_dispatch_async(v: DispatchVariant):
                 if NODE > 0 and d // NODE != me // NODE:  # a proxy: its node's counts rows, its relay signal
                     if reaches(me, d, NODE) and route:
                         n0 = (d // NODE) * NODE
-                        shmem.put_signal(relay_counts[g, me, 0:NODE], send_counts[n0:n0 + NODE],
+                        shmem.put_signal(relay_counts[g, me, 0:NODE], dispatch_send_counts[n0:n0 + NODE],
                                          relay_signal[g, me:me + 1], signal, shmem.SIGNAL_SET, d)
                     elif reaches(me, d, NODE):  # a kept routing's call: the counts rows are the receivers' own
                         shmem.signal_op(relay_signal[g, me:me + 1], signal, shmem.SIGNAL_SET, d)
                 elif STORES or not route:
-                    shmem.signal_op(d_signal[g, me:me + 1], signal, shmem.SIGNAL_SET, d)
+                    shmem.signal_op(dispatch_signal[g, me:me + 1], signal, shmem.SIGNAL_SET, d)
                 else:
-                    shmem.put_signal(d_counts[g, me], send_counts[d], d_signal[g, me:me + 1], signal,
-                                     shmem.SIGNAL_SET, d)
+                    shmem.put_signal(dispatch_counts[g, me], dispatch_send_counts[d], dispatch_signal[g, me:me + 1],
+                                     signal, shmem.SIGNAL_SET, d)
             if tid == 0:
-                sync[SYNC_TICKET] = 0
-                sync[SYNC_CALLS] = n + 1
+                dispatch_async_sync[SYNC_TICKET] = 0
+                dispatch_async_sync[SYNC_CALLS] = n + 1
             stamp_last(status, 6)
 
     return programmatic(dispatch_async, v.pdl)

@@ -56,40 +56,39 @@ def make_dispatch_wait(v: DispatchVariant):
     gather_rows = make_dispatch_copy(threads, False, False, v.pdl).gather_rows
 
     @kernel_jit(threads, one_block_per_sm=True)  # its blocks start as dispatch_async's leave their SMs
-    def dispatch_wait(d_ids, d_weights, d_counts, d_ranks, d_signal, sync,
-                      row_offsets, expert_counts, row_src_rank, row_src_token, row_src_k,
+    def dispatch_wait(dispatch_topk_ids, dispatch_topk_weights, dispatch_counts, dispatch_ranks, dispatch_signal,
+                      dispatch_async_sync, row_offsets, expert_counts, row_src_rank, row_src_token, row_src_k,
                       row_weight, row_gather, recv_tokens, token_rows, status, pad_multiple, timeout_ns,
-                      d_tokens, expert_x, copy_rows, combine_claims, receive_sync, d_route, d_placed):
+                      dispatch_tokens, expert_x, copy_rows, combine_wait_claims, receive_sync, dispatch_route_signal,
+                      dispatch_placed):
         """Wait for every source rank, then place every received (token, local expert) pair.
 
-        Symmetric inputs (group g of the last call): d_ids / d_weights [G, R, Tmax, K] (every
-        source's routing rows), d_counts [G, R, L + 1] int32 (source s's tokens per local
-        expert, and its T), d_ranks [G, R, Tmax, K] int32 (rank of token t among source s's
-        tokens with expert ``d_ids[g, s, t, k]``), d_signal / d_route [G, R] uint64 (the
-        dispatch and route signals, ``(n + 1) << 32 | T``). Outputs (local): row_offsets [L + 1]
-        int32, expert_counts [L] int32, row_src_rank / row_src_token / row_src_k [C] int32,
-        row_weight [C] float32, row_gather [C] int32 (the row's slot in the receive buffer,
-        ``src * Tmax + t``; padding rows: -1, -1, -1, 0, -1), recv_tokens [R] int32 (tokens each
-        source dispatched), token_rows [R, Tmax, K] int32 (row of the j-th local expert of
-        token (src, t)). pad_multiple, timeout_ns, copy_rows: int64. combine_claims (int32 [2])
-        and receive_sync (int64 [RECV_LEN]): the receive bookkeeping (ep_runtime/kernels/receive.py).
+        Symmetric inputs (group g of the last call): dispatch_topk_ids / dispatch_topk_weights [G, R, Tmax, K]
+        (every source's routing rows), dispatch_counts [G, R, L + 1] int32 (source s's tokens per local
+        expert, and its T), dispatch_ranks [G, R, Tmax, K] int32 (rank of token t among source s's tokens with
+        expert ``dispatch_topk_ids[g, s, t, k]``), dispatch_signal / dispatch_route_signal [G, R] uint64 (the
+        dispatch and route signals, ``(n + 1) << 32 | T``). Outputs (local): row_offsets [L + 1] int32,
+        expert_counts [L] int32, row_src_rank / row_src_token / row_src_k [C] int32, row_weight [C] float32,
+        row_gather [C] int32 (the row's slot in the receive buffer, ``src * Tmax + t``; padding rows: -1, -1,
+        -1, 0, -1), recv_tokens [R] int32 (tokens each source dispatched), token_rows [R, Tmax, K] int32 (row
+        of the j-th local expert of token (src, t)). pad_multiple, timeout_ns, copy_rows: int64.
+        combine_wait_claims (int32 [2]) and receive_sync (int64 [RECV_LEN]): the receive bookkeeping
+        (ep_runtime/kernels/receive.py).
 
-        ``wait`` builds: every block reads its call number and waits for every signal before
-        its dependency wait, so blocks started early by PDL see the signals as they land. Every
-        block scans the placement table itself (no block depends on another) and checks the
-        capacity; a warp per local expert (from the last block down) writes its offset, count
-        and padding rows, and a thread per received (source, token, k) whose expert is local
-        (from block 0 up) writes its row's description. A wait past timeout_ns or more rows
-        than C records an error and writes nothing.
+        ``wait`` builds: every block reads its call number and waits for every signal before its dependency
+        wait, so blocks started early by PDL see the signals as they land. Every block scans the placement
+        table itself (no block depends on another) and checks the capacity; a warp per local expert (from the
+        last block down) writes its offset, count and padding rows, and a thread per received (source, token,
+        k) whose expert is local (from block 0 up) writes its row's description. A wait past timeout_ns or
+        more rows than C records an error and writes nothing.
 
-        Route-first builds (launched with the plan's placing blocks): each block waits for the
-        routing, places (``place_from_routing``, sharing the descriptions), then waits for the
-        dispatch signals. With copy_rows nonzero (bf16; launched on the whole grid) the blocks
-        taking the first ``copy_rows`` tickets (at most ``MAX_COPY_PLACERS``, and one block fewer
-        than the grid) place, sharing the descriptions, and each publishes its word of
-        ``d_placed`` (uint64 [MAX_COPY_PLACERS]); every other block waits for all of them and
-        copies each received row to its expert rows, d_tokens [R, Tmax, W] words into expert_x
-        [C, W] words (``gather_rows``).
+        Route-first builds (launched with the plan's placing blocks): each block waits for the routing, places
+        (``place_from_routing``, sharing the descriptions), then waits for the dispatch signals. With
+        copy_rows nonzero (bf16; launched on the whole grid) the blocks taking the first ``copy_rows`` tickets
+        (at most ``MAX_COPY_PLACERS``, and one block fewer than the grid) place, sharing the descriptions, and
+        each publishes its word of ``dispatch_placed`` (uint64 [MAX_COPY_PLACERS]); every other block waits
+        for all of them and copies each received row to its expert rows, dispatch_tokens [R, Tmax, W] words
+        into expert_x [C, W] words (``gather_rows``).
         """
         flag = cuda.shared.array(1, int32)
         sum_buf = cuda.shared.array(threads, int64)
@@ -105,22 +104,22 @@ def make_dispatch_wait(v: DispatchVariant):
         # before the dependency wait (blocks start early, on the SMs dispatch_async's blocks leave):
         # the call number from the receive count, then every source's signal
         code = status[STATUS_CODE]  # an earlier call's error (this call's dispatch_async records after)
-        n = begin_receive(receive_sync, combine_claims, ticket)
+        n = begin_receive(receive_sync, combine_wait_claims, ticket)
         # a copying launch's placing blocks: the first tickets, leaving at least one block to copy
         placers = max(1, min(copy_rows, MAX_COPY_PLACERS, cuda.gridDim.x - 1))
         if FIRST_COPY and code != 0 and ticket[0] == 0:  # the copying blocks are not left waiting
             for p in range(placers):
-                publish_placed(d_placed, p, n, False)
+                publish_placed(dispatch_placed, p, n, False)
         if code != 0:
             pdl_wait()
             return
         stamp_first(status, 8)
         stamp_last(status, 23)
         me = shmem.my_pe()
-        R = d_counts.shape[1]
-        L = d_counts.shape[2] - 1
-        K = d_ids.shape[3]
-        Tmax = d_ids.shape[2]
+        R = dispatch_counts.shape[1]
+        L = dispatch_counts.shape[2] - 1
+        K = dispatch_topk_ids.shape[3]
+        Tmax = dispatch_topk_ids.shape[2]
         C = row_src_rank.shape[0]
         tid = cuda.threadIdx.x
         g = n % 2
@@ -141,24 +140,25 @@ def make_dispatch_wait(v: DispatchVariant):
                 shares = placers
             ok = True
             if placer:
-                ok = place_from_routing(d_ids, d_weights, d_route, d_signal, g, n, me, R, L, K, Tmax, C, timeout_ns,
-                                        status, pad_multiple, row_offsets, expert_counts, row_src_rank,
-                                        row_src_token, row_src_k, row_weight, row_gather, recv_tokens, token_rows,
-                                        src_items, flag, place, sum_buf, masks, warp_rows, next_rank, share, shares)
+                ok = place_from_routing(dispatch_topk_ids, dispatch_topk_weights, dispatch_route_signal,
+                                        dispatch_signal, g, n, me, R, L, K, Tmax, C, timeout_ns, status, pad_multiple,
+                                        row_offsets, expert_counts, row_src_rank, row_src_token, row_src_k, row_weight,
+                                        row_gather, recv_tokens, token_rows, src_items, flag, place, sum_buf, masks,
+                                        warp_rows, next_rank, share, shares)
             if FIRST_COPY:
                 if fused:  # the expanded layout in one launch: the copying blocks copy once it is placed
                     if placer:
-                        publish_placed(d_placed, share, n, ok)
+                        publish_placed(dispatch_placed, share, n, ok)
                     else:  # idle until dispatch_async completes, not polling beside its blocks
                         pdl_wait()
-                    if copier and await_placed_rows(d_placed, placers, n, timeout_ns, status, flag):
-                        gather_rows(d_tokens, row_gather, row_offsets, L, expert_x, status, copy_lo, copy_hi,
+                    if copier and await_placed_rows(dispatch_placed, placers, n, timeout_ns, status, flag):
+                        gather_rows(dispatch_tokens, row_gather, row_offsets, L, expert_x, status, copy_lo, copy_hi,
                                     max(0, ticket[0] - placers), max(1, cuda.gridDim.x - placers))
             pdl_wait()  # completes after dispatch_async: stream order for what follows
             return
 
         # wait for every source rank's signal (thread s waits for rank s; each carries its T)
-        ok = await_sources(d_signal, g, n, timeout_ns, status, KERNEL_DISPATCH_WAIT, COUNTER_DISPATCH_SIGNAL,
+        ok = await_sources(dispatch_signal, g, n, timeout_ns, status, KERNEL_DISPATCH_WAIT, COUNTER_DISPATCH_SIGNAL,
                            src_items, flag)
         pdl_wait()  # dispatch_async complete: stream order for the rest and what follows
         if not ok:
@@ -172,7 +172,7 @@ def make_dispatch_wait(v: DispatchVariant):
         cuda.syncthreads()
 
         # every (source, expert)'s first row and the total (padded): every block scans them itself
-        total = scan_placement(d_counts, g, pad_multiple, place, sum_buf)
+        total = scan_placement(dispatch_counts, g, pad_multiple, place, sum_buf)
         stamp_last(status, 14)
         if total > C:
             if cuda.blockIdx.x == 0 and tid == 0:
@@ -208,8 +208,8 @@ def make_dispatch_wait(v: DispatchVariant):
             t = p // K
             k = p - t * K
             if p < src_items[s]:
-                weight = d_weights[g, s, t, k]  # loaded beside row_of's id and rank
-                r, j = row_of(d_ids, d_ranks, place, L, g, s, t, k, first_mine)
+                weight = dispatch_topk_weights[g, s, t, k]  # loaded beside row_of's id and rank
+                r, j = row_of(dispatch_topk_ids, dispatch_ranks, place, L, g, s, t, k, first_mine)
                 if r >= 0:
                     describe_row(r, s, t, k, j, Tmax, weight, row_src_rank, row_src_token, row_src_k, row_weight,
                                  row_gather, token_rows)

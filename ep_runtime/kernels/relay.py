@@ -28,8 +28,8 @@ from numba import float32, int32, int64, uint32, uint64
 
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.bits import f32_bits_at, f32_word_at, word_f32
-from ep_runtime.kernels.block import (await_flag, last_block_ticket, part_bounds, popc32, publish_fence,
-                                      record_error, warp_geometry, warp_sync)
+from ep_runtime.kernels.block import (await_flag, last_block_ticket, part_bounds, popc32, publish_fence, record_error,
+                                      warp_geometry, warp_sync)
 from ep_runtime.kernels.cuda_api import cuda, kernel_jit
 from ep_runtime.kernels.dispatch_copy import COPY_UNROLL
 from ep_runtime.kernels.nodes import MAX_NODES, chunk_tokens, holders, node_bits, nth_set_bit, other_index
@@ -108,37 +108,35 @@ def make_dispatch_relay(v: DispatchVariant):
                     shmem.put_nbi_warp(d_tokens[s, t], row, q)
 
     @kernel_jit(threads)
-    def dispatch_relay(d_tokens, d_ids, d_weights, d_ranks, d_counts, d_signal, relay_counts, relay_signal, d_credit,
-                       sync, relay_sync, status, timeout_ns, relay_rows, relay_chunk_flag, peer_bases, reuse_routing):
+    def dispatch_relay(dispatch_tokens, dispatch_topk_ids, dispatch_topk_weights, dispatch_ranks, dispatch_counts,
+                       dispatch_signal, relay_counts, relay_signal, dispatch_token_credit, dispatch_async_sync,
+                       relay_sync, status, timeout_ns, relay_rows, relay_chunk_flag, peer_bases, reuse_routing):
         """Forward each source's call to this node's PEs, then signal them on its behalf.
 
-        Symmetric, as dispatch_async writes them: d_tokens [R, Tmax, W] token words (or FP8
-        messages), d_ids / d_weights / d_ranks [G, R, Tmax, K], d_counts [G, R, L + 1] int32,
-        d_signal [G, R] uint64, relay_counts [G, R, R, L + 1] int32 ([g, s, j]: source s's
-        counts row for PE j of this node), relay_signal [G, R] uint64, d_credit [R] uint64,
-        relay_rows [X, Tmax, W] (``[other_index(node(s)), c CH + j]``: the j-th packed
-        row of chunk c of source s) and relay_chunk_flag [R, C] uint64 (``[s, c]``: n + 1 once it
-        arrived). peer_bases [P, R] uint64: the node's PEs' regions as mapped here (a
-        ``node_stores`` build forwards with stores through them). Local: sync (dispatch_async's
-        call counter: this is call ``sync[1] - 1``), relay_sync [1] int64 (the launch's ticket),
-        status int64. timeout_ns bounds each wait. reuse_routing (int64) nonzero: the call
-        dispatched a kept routing (every rank restored every source's tables): the rows and the
-        signals only, no routing rows, ranks or counts rows.
+        Symmetric, as dispatch_async writes them: dispatch_tokens [R, Tmax, W] token words (or FP8 messages),
+        dispatch_topk_ids / dispatch_topk_weights / dispatch_ranks [G, R, Tmax, K], dispatch_counts [G, R, L +
+        1] int32, dispatch_signal [G, R] uint64, relay_counts [G, R, R, L + 1] int32 ([g, s, j]: source s's
+        counts row for PE j of this node), relay_signal [G, R] uint64, dispatch_token_credit [R] uint64,
+        relay_rows [X, Tmax, W] (``[other_index(node(s)), c CH + j]``: the j-th packed row of chunk c of
+        source s) and relay_chunk_flag [R, C] uint64 (``[s, c]``: n + 1 once it arrived). peer_bases [P, R]
+        uint64: the node's PEs' regions as mapped here (a ``node_stores`` build forwards with stores through
+        them). Local: dispatch_async_sync (dispatch_async's call counter: this is call ``sync[1] - 1``),
+        relay_sync [1] int64 (the launch's ticket), status int64. timeout_ns bounds each wait. reuse_routing
+        (int64) nonzero: the call dispatched a kept routing (every rank restored every source's tables): the
+        rows and the signals only, no routing rows, ranks or counts rows.
 
-        Every block: thread 0 waits for the credit of call n of each other PE of this node (it
-        has read its rows of earlier calls) and for each source's relay signal (its routing
-        rows, ranks and counts rows are here). A timeout records this kernel, the peer and the
-        counter, and the block returns: no signal goes out, so the node's receivers time out
-        naming the source. Then, each source's tokens in a range a block, the block copies its
-        range of the routing rows and ranks to each other PE of the node (``forward_run``; not
-        on a kept routing's call); and a chunk of ``CH = chunk_tokens(T_s)`` tokens a block in
-        turn, it ranks the chunk's tokens with an expert on this node (``chunk_mask``, as the
-        source packed them), waits for the chunk's flag, and a warp per packed row copies the
-        row into ``d_tokens[s, t]`` of each PE of the node holding one of its experts, this one
-        included (``forward_row``). The last block
-        (ticket after a quiet, which also publishes stores) puts each source's counts row with
-        its dispatch signal, ``(n + 1) << 32 | T_s``, to every PE of the node (the signal alone
-        on a kept routing's call).
+        Every block: thread 0 waits for the credit of call n of each other PE of this node (it has read its
+        rows of earlier calls) and for each source's relay signal (its routing rows, ranks and counts rows are
+        here). A timeout records this kernel, the peer and the counter, and the block returns: no signal goes
+        out, so the node's receivers time out naming the source. Then, each source's tokens in a range a
+        block, the block copies its range of the routing rows and ranks to each other PE of the node
+        (``forward_run``; not on a kept routing's call); and a chunk of ``CH = chunk_tokens(T_s)`` tokens a
+        block in turn, it ranks the chunk's tokens with an expert on this node (``chunk_mask``, as the source
+        packed them), waits for the chunk's flag, and a warp per packed row copies the row into
+        ``dispatch_tokens[s, t]`` of each PE of the node holding one of its experts, this one included
+        (``forward_row``). The last block (ticket after a quiet, which also publishes stores) puts each
+        source's counts row with its dispatch signal, ``(n + 1) << 32 | T_s``, to every PE of the node (the
+        signal alone on a kept routing's call).
         """
         flag = cuda.shared.array(1, int32)
         cmask = cuda.shared.array(1, uint32)
@@ -147,11 +145,11 @@ def make_dispatch_relay(v: DispatchVariant):
         hi = cuda.local.array(UP, uint64)
         if status[STATUS_CODE] != 0:
             return  # an earlier error: forward nothing, so the node's receivers time out naming the sources
-        n = sync[SYNC_CALLS] - 1
+        n = dispatch_async_sync[SYNC_CALLS] - 1
         g = n % 2
         me = shmem.my_pe()
-        R = d_counts.shape[1]
-        L = d_counts.shape[2] - 1
+        R = dispatch_counts.shape[1]
+        L = dispatch_counts.shape[2] - 1
         mine = me // NODE
         first = mine * NODE  # this node's first PE
         here = node_bits(mine, NODE)
@@ -161,7 +159,7 @@ def make_dispatch_relay(v: DispatchVariant):
             ok = 1
             for q in range(first, first + NODE):
                 if q != me and ok == 1:
-                    seen = shmem.wait_signal_ge(d_credit[q:q + 1], uint64(n + 1), timeout_ns)
+                    seen = shmem.wait_signal_ge(dispatch_token_credit[q:q + 1], uint64(n + 1), timeout_ns)
                     if seen < uint64(n + 1):
                         record_error(status, ERR_TIMEOUT, KERNEL_DISPATCH_RELAY, me, q, COUNTER_TOKEN_CREDIT, n + 1,
                                      int64(seen), n + 1)
@@ -188,14 +186,14 @@ def make_dispatch_relay(v: DispatchVariant):
                 t0 = min(cuda.blockIdx.x * per, T)
                 t1 = min(t0 + per, T)
                 if t0 < t1 and reuse_routing == 0:
-                    forward_run(d_ids, g, s, t0, t1, peer_bases, PEER_IDS, first, me)
-                    forward_run(d_weights, g, s, t0, t1, peer_bases, PEER_WEIGHTS, first, me)
-                    forward_run(d_ranks, g, s, t0, t1, peer_bases, PEER_RANKS, first, me)
+                    forward_run(dispatch_topk_ids, g, s, t0, t1, peer_bases, PEER_IDS, first, me)
+                    forward_run(dispatch_topk_weights, g, s, t0, t1, peer_bases, PEER_WEIGHTS, first, me)
+                    forward_run(dispatch_ranks, g, s, t0, t1, peer_bases, PEER_RANKS, first, me)
                 x = other_index(node, mine)
                 CH = chunk_tokens(T)
                 c = cuda.blockIdx.x
                 while c * CH < T:  # block-uniform
-                    mask = chunk_mask(cmask, d_ids, g, s, c, CH, T, here, L, R)
+                    mask = chunk_mask(cmask, dispatch_topk_ids, g, s, c, CH, T, here, L, R)
                     if mask != uint32(0):
                         if tid == 0 and not await_flag(relay_chunk_flag[s, c:c + 1], s, c * CH, n, timeout_ns,
                                                        status, KERNEL_DISPATCH_RELAY, COUNTER_RELAY_CHUNK):
@@ -205,8 +203,8 @@ def make_dispatch_relay(v: DispatchVariant):
                             return  # no ticket: the node's receivers time out naming the source
                         for j in range(wid, popc32(mask), warps):  # a warp a packed row
                             t = c * CH + nth_set_bit(mask, j)
-                            to = holders(d_ids[g, s, t], L, R) & here
-                            forward_row(d_tokens, relay_rows[x, c * CH + j], s, t, to, peer_bases, first,
+                            to = holders(dispatch_topk_ids[g, s, t], L, R) & here
+                            forward_row(dispatch_tokens, relay_rows[x, c * CH + j], s, t, to, peer_bases, first,
                                         tid % warp, lo, hi)
                     c += cuda.gridDim.x
         if last_block_ticket(relay_sync[0:1], flag, False):  # every block's puts complete (quiet)
@@ -217,10 +215,10 @@ def make_dispatch_relay(v: DispatchVariant):
                     s = node * NODE + me % NODE
                     signal = (uint64(n + 1) << uint64(SIGNAL_TOKEN_BITS)) | uint64(t_of[node])
                     if reuse_routing == 0:
-                        shmem.put_signal(d_counts[g, s], relay_counts[g, s, q - first], d_signal[g, s:s + 1], signal,
-                                         shmem.SIGNAL_SET, q)
+                        shmem.put_signal(dispatch_counts[g, s], relay_counts[g, s, q - first],
+                                         dispatch_signal[g, s:s + 1], signal, shmem.SIGNAL_SET, q)
                     else:
-                        shmem.signal_op(d_signal[g, s:s + 1], signal, shmem.SIGNAL_SET, q)
+                        shmem.signal_op(dispatch_signal[g, s:s + 1], signal, shmem.SIGNAL_SET, q)
             if tid == 0:
                 relay_sync[0] = 0
 
@@ -238,29 +236,27 @@ def make_combine_relay(v: CombineVariant):
     NODE = v.node_size
 
     @kernel_jit(threads)
-    def combine_relay(c_partials, relay_partials, relay_flag, relay_sums, c_chunk_flag, d_ids, d_counts, sync, status,
-                      timeout_ns):
+    def combine_relay(combine_partials, relay_partials, relay_flag, relay_sums, combine_chunk_flag, dispatch_topk_ids,
+                      dispatch_counts, dispatch_async_sync, status, timeout_ns):
         """Sum this node's partials of each source's tokens and send them home, a chunk a put.
 
-        Symmetric: c_partials [G, R, Tmax, PW] partial words (a chunk's sums go to
-        ``[g, me, c CH:]`` of the source, packed), relay_partials [R, Tmax, PW]
-        (``[node(s) node_size + j, t]``: the partial of PE j of this node for token t of source
-        s), relay_flag [R, Tmax, FLAG_PARTS] uint64, relay_sums [X, Tmax, PW] (the sums, packed
-        and staged for their put), c_chunk_flag [R, C] uint64 (``combine_chunk_flag``); d_ids
-        [G, R, Tmax, K] and d_counts [G, R, L + 1] of the call (group g). Local: sync (the call
-        counter), status int64.
+        Symmetric: combine_partials [G, R, Tmax, PW] partial words (a chunk's sums go to ``[g, me, c CH:]`` of
+        the source, packed), relay_partials [R, Tmax, PW] (``[node(s) node_size + j, t]``: the partial of PE j
+        of this node for token t of source s), relay_flag [R, Tmax, FLAG_PARTS] uint64, relay_sums [X, Tmax,
+        PW] (the sums, packed and staged for their put), combine_chunk_flag [R, C] uint64
+        (``combine_chunk_flag``); dispatch_topk_ids [G, R, Tmax, K] and dispatch_counts [G, R, L + 1] of the
+        call (group g). Local: dispatch_async_sync (the call counter), status int64.
 
-        A chunk of ``CH = chunk_tokens(T_s)`` tokens of a source a block in turn: the block ranks the
-        chunk's tokens with an expert on this node (``chunk_mask``: the packing of dispatch),
-        and a warp per part (``flagged_parts``, as combine_async cuts them) of each packed token
-        has lane 0 wait for each holder's relay flag of the part, then sums the holders' partial
-        words in ascending PE order (float32 from 0) and rounds the sum to the partial format
-        into ``relay_sums[x, c CH + j]`` (x: ``other_index`` of the source's node, j the
-        token's packed row). Then the block puts the chunk's packed sums to the source in one
-        ``put_signal_nbi_block`` setting its ``combine_chunk_flag[me, c]`` to n + 1; each block
-        quiets its puts at the end (their source is reused by the next call). A flag's timeout
-        records this kernel, the holder and the token, and the block stops before its put (the
-        source's combine_wait then times out naming this PE).
+        A chunk of ``CH = chunk_tokens(T_s)`` tokens of a source a block in turn: the block ranks the chunk's
+        tokens with an expert on this node (``chunk_mask``: the packing of dispatch), and a warp per part
+        (``flagged_parts``, as combine_async cuts them) of each packed token has lane 0 wait for each holder's
+        relay flag of the part, then sums the holders' partial words in ascending PE order (float32 from 0)
+        and rounds the sum to the partial format into ``relay_sums[x, c CH + j]`` (x: ``other_index`` of the
+        source's node, j the token's packed row). Then the block puts the chunk's packed sums to the source in
+        one ``put_signal_nbi_block`` setting its ``combine_chunk_flag[me, c]`` to n + 1; each block quiets its
+        puts at the end (their source is reused by the next call). A flag's timeout records this kernel, the
+        holder and the token, and the block stops before its put (the source's combine_wait then times out
+        naming this PE).
         """
         acc = cuda.local.array(E, float32)
         cmask = cuda.shared.array(1, uint32)
@@ -268,29 +264,29 @@ def make_combine_relay(v: CombineVariant):
         verdict = cuda.shared.array(warps, int32)  # each warp's flags
         if status[STATUS_CODE] != 0:
             return
-        n = sync[SYNC_CALLS] - 1
+        n = dispatch_async_sync[SYNC_CALLS] - 1
         g = n % 2
         me = shmem.my_pe()
-        R = d_counts.shape[1]
-        L = d_counts.shape[2] - 1
-        PW = c_partials.shape[3]
+        R = dispatch_counts.shape[1]
+        L = dispatch_counts.shape[2] - 1
+        PW = combine_partials.shape[3]
         mine = me // NODE
         first = mine * NODE
         here = node_bits(mine, NODE)
         lane = cuda.threadIdx.x % warp
         wid = cuda.threadIdx.x // warp
-        parts, span = flagged_parts(d_counts[g], PW, warp)  # the parts every rank cuts alike
+        parts, span = flagged_parts(dispatch_counts[g], PW, warp)  # the parts every rank cuts alike
         for node in range(R // NODE):
             if node != mine:
                 s = node * NODE + me % NODE
-                T = d_counts[g, s, L]
+                T = dispatch_counts[g, s, L]
                 x = other_index(node, mine)
                 CH = chunk_tokens(T)
                 c = cuda.blockIdx.x
                 while c * CH < T:  # block-uniform
                     if cuda.threadIdx.x == 0:
                         ok[0] = 1
-                    mask = chunk_mask(cmask, d_ids, g, s, c, CH, T, here, L, R)
+                    mask = chunk_mask(cmask, dispatch_topk_ids, g, s, c, CH, T, here, L, R)
                     packed = popc32(mask)
                     i = wid
                     while i < packed * parts and ok[0] == 1:  # (token j, part p) of the chunk, a warp each
@@ -298,7 +294,7 @@ def make_combine_relay(v: CombineVariant):
                         p = i - j * parts
                         t = c * CH + nth_set_bit(mask, j)
                         _, w0, w1 = part_bounds(t * parts + p, parts, span, PW)
-                        held = holders(d_ids[g, s, t], L, R) & here
+                        held = holders(dispatch_topk_ids[g, s, t], L, R) & here
                         if lane == 0:
                             seen_all = 1
                             for q in range(first, first + NODE):
@@ -335,8 +331,9 @@ def make_combine_relay(v: CombineVariant):
                         return  # no put: the source's combine_wait times out naming this PE
                     if packed > 0:
                         c0 = c * CH
-                        shmem.put_signal_nbi_block(c_partials[g, me, c0:c0 + packed], relay_sums[x, c0:c0 + packed],
-                                                   c_chunk_flag[me, c:c + 1], uint64(n + 1), shmem.SIGNAL_SET, s)
+                        shmem.put_signal_nbi_block(combine_partials[g, me, c0:c0 + packed],
+                                                   relay_sums[x, c0:c0 + packed], combine_chunk_flag[me, c:c + 1],
+                                                   uint64(n + 1), shmem.SIGNAL_SET, s)
                     c += cuda.gridDim.x
         cuda.syncthreads()
         if cuda.threadIdx.x == 0:

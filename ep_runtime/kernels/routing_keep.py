@@ -40,54 +40,55 @@ def make_routing_copy(threads: int, pdl: bool):
     pdl_wait, pdl_trigger = make_pdl(pdl)
 
     @kernel_jit(threads)
-    def routing_copy(d_ids, d_weights, d_counts, d_ranks, d_route, sync, kept_ids, kept_weights, kept_counts,
-                     kept_ranks, restore):
+    def routing_copy(dispatch_topk_ids, dispatch_topk_weights, dispatch_counts, dispatch_ranks, dispatch_route_signal,
+                     dispatch_async_sync, kept_ids, kept_weights, kept_counts, kept_ranks, restore):
         """Copy call n's routing tables into the kept arrays (``restore`` = 0) or back (1).
 
-        d_ids / d_weights / d_ranks [G, R, Tmax, K] (int32 / float32 / int32; ranks [0, 0, 0, 0]
-        where the plan has none), d_counts [G, R, L + 1] int32, d_route [G, R] uint64 (empty where
-        the plan has none): the runtime's routing regions. sync: dispatch_async_sync (the call
-        count). kept_ids / kept_weights / kept_ranks [R, Tmax, K] (ranks [0, 0, 0] where none),
-        kept_counts [R, L + 1]: the kept routing. Source s's rows ``t < T_s`` are copied (``T_s``
-        = its counts row's last word: ``d_counts`` when keeping, ``kept_counts`` when restoring),
-        every word of the counts rows, and on restore the route signals."""
+        dispatch_topk_ids / dispatch_topk_weights / dispatch_ranks [G, R, Tmax, K] (int32 / float32 / int32;
+        ranks [0, 0, 0, 0] where the plan has none), dispatch_counts [G, R, L + 1] int32,
+        dispatch_route_signal [G, R] uint64 (empty where the plan has none): the runtime's routing regions.
+        dispatch_async_sync: dispatch_async_sync (the call count). kept_ids / kept_weights / kept_ranks [R,
+        Tmax, K] (ranks [0, 0, 0] where none), kept_counts [R, L + 1]: the kept routing. Source s's rows ``t <
+        T_s`` are copied (``T_s`` = its counts row's last word: ``dispatch_counts`` when keeping,
+        ``kept_counts`` when restoring), every word of the counts rows, and on restore the route signals.
+        """
         pdl_wait()  # the kept call's placement (keep) or the earlier calls' readers (restore) are done
         pdl_trigger()
-        n = sync[SYNC_CALLS]
+        n = dispatch_async_sync[SYNC_CALLS]
         if restore == 0:
             n -= 1
         g = n % N_GROUPS
-        R = d_counts.shape[1]
-        L = d_counts.shape[2] - 1
-        Tm = d_ids.shape[2]
-        K = d_ids.shape[3]
-        ranks = d_ranks.shape[0] > 0
+        R = dispatch_counts.shape[1]
+        L = dispatch_counts.shape[2] - 1
+        Tm = dispatch_topk_ids.shape[2]
+        K = dispatch_topk_ids.shape[3]
+        ranks = dispatch_ranks.shape[0] > 0
         start = cuda.blockIdx.x * threads + cuda.threadIdx.x
         stride = cuda.gridDim.x * threads
         for j in range(start, R * (L + 1), stride):
             s = j // (L + 1)
             c = j - s * (L + 1)
             if restore == 0:
-                kept_counts[s, c] = d_counts[g, s, c]
+                kept_counts[s, c] = dispatch_counts[g, s, c]
             else:
-                d_counts[g, s, c] = kept_counts[s, c]
+                dispatch_counts[g, s, c] = kept_counts[s, c]
         for j in range(start, R * Tm * K, stride):
             s = j // (Tm * K)
             t = (j - s * Tm * K) // K
             k = j - (s * Tm + t) * K
             if restore == 0:
-                if t < d_counts[g, s, L]:
-                    kept_ids[s, t, k] = d_ids[g, s, t, k]
-                    kept_weights[s, t, k] = d_weights[g, s, t, k]
+                if t < dispatch_counts[g, s, L]:
+                    kept_ids[s, t, k] = dispatch_topk_ids[g, s, t, k]
+                    kept_weights[s, t, k] = dispatch_topk_weights[g, s, t, k]
                     if ranks:
-                        kept_ranks[s, t, k] = d_ranks[g, s, t, k]
+                        kept_ranks[s, t, k] = dispatch_ranks[g, s, t, k]
             elif t < kept_counts[s, L]:
-                d_ids[g, s, t, k] = kept_ids[s, t, k]
-                d_weights[g, s, t, k] = kept_weights[s, t, k]
+                dispatch_topk_ids[g, s, t, k] = kept_ids[s, t, k]
+                dispatch_topk_weights[g, s, t, k] = kept_weights[s, t, k]
                 if ranks:
-                    d_ranks[g, s, t, k] = kept_ranks[s, t, k]
-        if restore != 0 and d_route.shape[0] > 0 and cuda.blockIdx.x == 0:
+                    dispatch_ranks[g, s, t, k] = kept_ranks[s, t, k]
+        if restore != 0 and dispatch_route_signal.shape[0] > 0 and cuda.blockIdx.x == 0:
             for s in range(cuda.threadIdx.x, R, threads):
-                d_route[g, s] = (uint64(n + 1) << uint64(SIGNAL_TOKEN_BITS)) | uint64(kept_counts[s, L])
+                dispatch_route_signal[g, s] = (uint64(n + 1) << uint64(SIGNAL_TOKEN_BITS)) | uint64(kept_counts[s, L])
 
     return programmatic(routing_copy, pdl)

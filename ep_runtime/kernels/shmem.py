@@ -13,7 +13,7 @@ operation                              arguments                                
 =====================================  ==============================================  ==========================
 put, put_nbi                           (dst, src, pe)                                  one thread
 put_warp, put_nbi_warp                 (dst, src, pe)                                  every lane of the warp, same args
-put_block, put_nbi_block               (dst, src, pe)                                  every thread of the block, same args
+put_block, put_nbi_block               (dst, src, pe)                                  every thread of the block
 put_signal, put_signal_nbi             (dst, src, sig, value, sig_op, pe)              one thread
 put_signal{,_nbi}_warp / _block        (dst, src, sig, value, sig_op, pe)              warp / block, same args
 signal_op                              (sig, value, sig_op, pe)                        one thread

@@ -65,33 +65,33 @@ def make_slot_values_kernels(threads: int, stores: bool, pdl: bool, node_size: i
     pdl_wait, pdl_trigger = make_pdl(pdl)
 
     @kernel_jit(threads)
-    def slot_values_async(values, row_offsets, row_src_rank, row_src_token, row_src_k, slot_values, slot_signal,
-                          sync, status, peer_bases, slot_across, slot_stage, d_counts):
+    def slot_values_async(row_values, row_offsets, row_src_rank, row_src_token, row_src_k, slot_values, slot_signal,
+                          dispatch_async_sync, status, peer_bases, slot_across, slot_stage, dispatch_counts):
         """Write each expert-batch row's value home; the last block signals every rank.
 
         values [V] float32: one value per expert-batch row (row-aligned with the batch, ``V >=
-        row_offsets[L]``; a shorter array is refused with ``ERR_SHORT_ROWS`` and nothing is sent,
-        so the ranks waiting for this one time out naming it). row_offsets [L + 1], row_src_rank /
-        row_src_token / row_src_k [C] int32: the batch dispatch_wait of call n placed.
-        slot_values [G, T, K] float32, slot_signal [G, R] uint64: symmetric. sync: this rank's
-        dispatch_async_sync (the call number, the launch's ticket). status: the error record.
-        peer_bases [P, R] uint64: row PEER_SLOTS, ``slot_values`` on every rank (stores). The
-        hierarchical transport: slot_across [G, R, Tmax, K] float32 (``[g, r]``: rank r's values
-        when r is on another node) and slot_stage [R, Tmax, K] float32, symmetric; d_counts
-        [G, R, L + 1] int32 (each source's T); empty stand-ins otherwise."""
+        row_offsets[L]``; a shorter array is refused with ``ERR_SHORT_ROWS`` and nothing is sent, so the ranks
+        waiting for this one time out naming it). row_offsets [L + 1], row_src_rank / row_src_token /
+        row_src_k [C] int32: the batch dispatch_wait of call n placed. slot_values [G, T, K] float32,
+        slot_signal [G, R] uint64: symmetric. dispatch_async_sync: this rank's dispatch_async_sync (the call
+        number, the launch's ticket). status: the error record. peer_bases [P, R] uint64: row PEER_SLOTS,
+        ``slot_values`` on every rank (stores). The hierarchical transport: slot_across [G, R, Tmax, K]
+        float32 (``[g, r]``: rank r's values when r is on another node) and slot_stage [R, Tmax, K] float32,
+        symmetric; dispatch_counts [G, R, L + 1] int32 (each source's T); empty stand-ins otherwise.
+        """
         flag = cuda.shared.array(1, int32)
         pdl_wait()  # the caller's values and the batch are complete
         pdl_trigger()
-        n = sync[SYNC_CALLS] - 1
+        n = dispatch_async_sync[SYNC_CALLS] - 1
         g = n % N_GROUPS
         if status[STATUS_CODE] != 0:
             return
         me = shmem.my_pe()
         L = row_offsets.shape[0] - 1
         rows = row_offsets[L]
-        if rows > values.shape[0]:  # every block sees it: none takes the ticket, nothing is signalled
+        if rows > row_values.shape[0]:  # every block sees it: none takes the ticket, nothing is signalled
             if cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
-                record_error(status, ERR_SHORT_ROWS, KERNEL_SLOT_VALUES_ASYNC, me, -1, 0, values.shape[0], rows,
+                record_error(status, ERR_SHORT_ROWS, KERNEL_SLOT_VALUES_ASYNC, me, -1, 0, row_values.shape[0], rows,
                              n + 1)
             return
         Tm = slot_values.shape[1]
@@ -102,39 +102,41 @@ def make_slot_values_kernels(threads: int, stores: bool, pdl: bool, node_size: i
                 s = row_src_rank[i]
                 t = row_src_token[i]
                 if not on_node(me, s, NODE):  # staged: the last block puts it with the rest for s
-                    slot_stage[s, t, k] = values[i]
+                    slot_stage[s, t, k] = row_values[i]
                 elif STORES:
-                    store_u32_at(peer_bases[PEER_SLOTS, s], (g * Tm + t) * K + k, f32_bits(values[i]))
+                    store_u32_at(peer_bases[PEER_SLOTS, s], (g * Tm + t) * K + k, f32_bits(row_values[i]))
                 else:
-                    shmem.put(slot_values[g, t, k:k + 1], values[i:i + 1], s)
+                    shmem.put(slot_values[g, t, k:k + 1], row_values[i:i + 1], s)
         # (hierarchical: the fence of the staged values before the last block's puts read them is
         # the ticket's; quiet, as the puts within a node may need)
-        if last_block_ticket(sync[SYNC_SLOT_TICKET:SYNC_SLOT_TICKET + 1], flag, STORES and NODE == 0):
+        if last_block_ticket(dispatch_async_sync[SYNC_SLOT_TICKET:SYNC_SLOT_TICKET + 1], flag, STORES and NODE == 0):
             R = slot_signal.shape[1]
-            L = d_counts.shape[2] - 1
+            L = dispatch_counts.shape[2] - 1
             for d in range(cuda.threadIdx.x, R, cuda.blockDim.x):  # values before signal: the ticket
                 if on_node(me, d, NODE):
                     shmem.signal_op(slot_signal[g, me:me + 1], uint64(n + 1), shmem.SIGNAL_SET, d)
             for d in range(R if NODE > 0 else 0):  # this rank's values for d's tokens: a put (the block's) each
                 if not on_node(me, d, NODE):
-                    Ts = d_counts[g, d, L]
+                    Ts = dispatch_counts[g, d, L]
                     shmem.put_signal_block(slot_across[g, me, 0:Ts], slot_stage[d, 0:Ts], slot_signal[g, me:me + 1],
                                            uint64(n + 1), shmem.SIGNAL_SET, d)
             if cuda.threadIdx.x == 0:
-                sync[SYNC_SLOT_TICKET] = 0
+                dispatch_async_sync[SYNC_SLOT_TICKET] = 0
 
     @kernel_jit(threads)
-    def slot_values_wait(out, slot_values, slot_signal, d_ids, d_counts, sync, status, timeout_ns, slot_across):
+    def slot_values_wait(slot_out, slot_values, slot_signal, dispatch_topk_ids, dispatch_counts, dispatch_async_sync,
+                         status, timeout_ns, slot_across):
         """Wait for every rank's slot values of call n, then ``out[t, k]`` (float32 [T_out, K]) =
-        ``slot_values[g, t, k]`` where slot k of token t was routed (``d_ids[g, me, t, k]`` in
-        ``[0, E)`` and no earlier slot's) and ``t < T`` (``d_counts[g, me, L]``), else 0.0; the
-        hierarchical transport reads a slot held on another node from ``slot_across[g, holder,
-        t, k]``. After a timeout (recorded) or an earlier error, ``out`` is not (or not wholly)
-        written: ``synchronize`` raises it."""
+        ``slot_values[g, t, k]`` where slot k of token t was routed (``dispatch_topk_ids[g, me, t, k]`` in
+        ``[0, E)`` and no earlier slot's) and ``t < T`` (``dispatch_counts[g, me, L]``), else 0.0; the
+        hierarchical transport reads a slot held on another node from ``slot_across[g, holder, t, k]``. After
+        a timeout (recorded) or an earlier error, ``out`` is not (or not wholly) written: ``synchronize``
+        raises it.
+        """
         stop = cuda.shared.array(1, int32)
         pdl_wait()
         pdl_trigger()
-        n = sync[SYNC_CALLS] - 1
+        n = dispatch_async_sync[SYNC_CALLS] - 1
         g = n % N_GROUPS
         tid = cuda.threadIdx.x
         me = shmem.my_pe()
@@ -153,27 +155,27 @@ def make_slot_values_kernels(threads: int, stores: bool, pdl: bool, node_size: i
         cuda.syncthreads()  # with the acquire polls: what the signals published is visible to the block
         if stop[0] != 0:
             return
-        R = d_counts.shape[1]
-        L = d_counts.shape[2] - 1
+        R = dispatch_counts.shape[1]
+        L = dispatch_counts.shape[2] - 1
         E = R * L
-        K = out.shape[1]
-        T = d_counts[g, me, L]
-        for j in range(cuda.blockIdx.x * threads + tid, out.shape[0] * K, cuda.gridDim.x * threads):
+        K = slot_out.shape[1]
+        T = dispatch_counts[g, me, L]
+        for j in range(cuda.blockIdx.x * threads + tid, slot_out.shape[0] * K, cuda.gridDim.x * threads):
             t = j // K
             k = j - t * K
             v = float32(0.0)
-            x = d_ids[g, me, t, k]
+            x = dispatch_topk_ids[g, me, t, k]
             if t < T and uint32(x) < uint32(E):  # a masked (-1) or dropped slot has none
                 routed = True  # ... nor a repeat (a plain route-first sender sends them; receivers mask their own)
                 for k2 in range(k):
-                    if d_ids[g, me, t, k2] == x:
+                    if dispatch_topk_ids[g, me, t, k2] == x:
                         routed = False
                 if routed:
                     if on_node(me, x // L, NODE):
                         v = slot_values[g, t, k]
                     else:
                         v = slot_across[g, x // L, t, k]
-            out[t, k] = v
+            slot_out[t, k] = v
 
     return {"slot_values_async": programmatic(slot_values_async, pdl),
             "slot_values_wait": programmatic(slot_values_wait, pdl)}

@@ -2,10 +2,10 @@
 message in dispatch_async, and lay a message's scales out in dispatch_copy.
 
 The dispatch protocol moves messages of ``MW`` uint64 words and never looks inside them; these
-two functions (and the device helpers they call) are the only code that does. A message is ``P`` payload words (the E4M3 codes,
-``PB = 8 P = H`` bytes), then ``SB`` bytes of scale per 128-element block (4: float32, 1: UE8M0
-code), then padding to ``MW`` words (``TokenFormat.message_words``; never written or sent). Built per scale kind
-(a compile-time constant) by :func:`make_token_codec`; the rule is the reference's
+two functions (and the device helpers they call) are the only code that does. A message is ``P``
+payload words (the E4M3 codes, ``PB = 8 P = H`` bytes), then ``SB`` bytes of scale per
+128-element block (4: float32, 1: UE8M0 code), then padding to ``MW`` words
+(``TokenFormat.message_words``; never written or sent). Built per scale kind (a compile-time constant) by :func:`make_token_codec`; the rule is the reference's
 (``ep_runtime/core/formats.py``), bit for bit.
 """
 

@@ -25,11 +25,12 @@ from ep_runtime.kernels.protocol import (ERR_BAD_EXPERT_ID, ERR_BAD_WEIGHT, ERR_
 
 @cuda.jit
 def validate_routing(topk_ids, topk_weights, valid_tokens, use_valid, n_experts, allow_negative, status):
-    """topk_ids [Tc, K] int32, topk_weights [Tc, K] float32, n_experts and allow_negative int64,
-    status [8] int64. Checks the first T rows: T = Tc, or ``min(Tc, valid_tokens[0])`` when
-    use_valid (int64) is nonzero (valid_tokens [1] int32, as dispatch_async reads it). Error fields: peer = token, counter = k slot, expected = the rule's
-    bound (n_experts, or the other k slot of a duplicate), observed = the offending id (or
-    the weight's float32 bit pattern)."""
+    """topk_ids [Tc, K] int32, topk_weights [Tc, K] float32, n_experts and allow_negative int64, status [8]
+    int64. Checks the first T rows: T = Tc, or ``min(Tc, valid_tokens[0])`` when use_valid (int64) is nonzero
+    (valid_tokens [1] int32, as dispatch_async reads it). Error fields: peer = token, counter = k slot,
+    expected = the rule's bound (n_experts, or the other k slot of a duplicate), observed = the offending id
+    (or the weight's float32 bit pattern).
+    """
     me = shmem.my_pe()
     K = topk_ids.shape[1]
     T = topk_ids.shape[0]

@@ -120,12 +120,13 @@ def main() -> int:
     values = dict(tokens=tv, topk_ids=tid, topk_weights=tw, valid_tokens=rt._no_valid, use_valid=np.int64(0),
                   token_scales=rt._no_scales, prequantized=np.int64(0), timeout_ns=rt._timeout_ns,
                   pad_multiple=rt._pad_multiple)
-    rows.append(("build_args(dispatch_async)", _median_ns(lambda: build_args(c, rt._arg, values), args.repeat)))
+    rows.append(("build_args(dispatch_async)",
+                 _median_ns(lambda: build_args(rt._kernels[c], rt._arg, values), args.repeat)))
 
     # The fast launcher of the debug-mode routing check (not collective: safe to launch alone).
     kernel = rt._kernels["validate_routing"]
     launcher = session._fast[id(kernel)][0][1]
-    vargs = build_args("validate_routing", rt._arg, dict(topk_ids=tid, topk_weights=tw, valid_tokens=rt._no_valid,
+    vargs = build_args(kernel, rt._arg, dict(topk_ids=tid, topk_weights=tw, valid_tokens=rt._no_valid,
                                                          use_valid=np.int64(0), n_experts=np.int64(cfg.n_experts),
                                                          allow_negative=np.int64(0)))
     grid, block = rt._grid, rt._threads

@@ -17,7 +17,8 @@ from ep_runtime.core.config import EPConfig
 from ep_runtime.core.layout import partial_dtype
 from ep_runtime.testing import make_inputs
 from ep_runtime.tools.bench.measure import (GRAPH_ROUND_TRIPS, ceilings, deepep_v1, nccl_all_to_all, nvshmem_alltoall,
-                      takes_device_token_count, time_backward, time_graph_round_trips, time_round_trips)
+                                            takes_device_token_count, time_backward, time_graph_round_trips,
+                                            time_round_trips)
 from ep_runtime.tools.bench.stats import gbps, summarize
 from ep_runtime.tools.bench.traffic import nccl_permutation, node_traffic, rank_traffic
 
