@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 from ep_runtime.tools import compile_gate
+from ep_runtime.shmem import cache_key as ck
 from ep_runtime.shmem import kernel_cache as kc
 from ep_runtime.shmem import fast_launch as fl
 
@@ -102,7 +103,7 @@ ENV = {"numba-cuda": "0.30.4", "nvshmem4py-cu13": "0.4.1", "nvshmem_headers": {"
 def _key(kernel, argtypes=None, cc=CC, env=ENV):
     t = _types()
     argtypes = argtypes or (_c(t.int32), _c(t.int32), t.int64)
-    return kc.kernel_key(kernel, argtypes, cc, env)
+    return ck.kernel_key(kernel, argtypes, cc, env)
 
 
 def test_key_is_stable_and_a_sha256(kernel_mod):
@@ -133,7 +134,7 @@ def test_key_follows_the_pdl_build():
 
     def key(on):
         wait = make_combine_kernels(CombineVariant(512, "uint64", False, Transport.STORES, on))["combine_wait"]
-        return kc.kernel_key(wait, (), CC, ENV)
+        return ck.kernel_key(wait, (), CC, ENV)
 
     assert key(False) != key(True)
     assert key(True) == key(True)
@@ -142,7 +143,7 @@ def test_key_follows_the_pdl_build():
 def test_key_changes_with_closure_constant(kernel_mod):
     mod = kernel_mod(KERNEL_V1)
     assert _key(mod.make(128)) != _key(mod.make(256))
-    material = kc.key_material(mod.make(256), (_c(_types().int32),) * 2 + (_types().int64,), CC, ENV)
+    material = ck.key_material(mod.make(256), (_c(_types().int32),) * 2 + (_types().int64,), CC, ENV)
     assert material["code"]["closure"]["threads"] == ["int", 256]
 
 
@@ -152,7 +153,7 @@ def test_key_changes_with_kernel_package_source(kernel_mod, tmp_path, monkeypatc
     (pkg / "__init__.py").write_text("")
     (pkg / "bits.py").write_text("A = 1\n")
     sys.path.insert(0, str(tmp_path))
-    monkeypatch.setattr(kc, "KERNEL_PACKAGE", "kc_fake_kernels")
+    monkeypatch.setattr(ck, "KERNEL_PACKAGE", "kc_fake_kernels")
     try:
         kern = kernel_mod(KERNEL_V1).make(128)
         before = _key(kern)
@@ -177,7 +178,7 @@ def test_key_changes_with_argtypes_cc_and_versions(kernel_mod):
 
 
 def test_environment_fingerprint_names_the_versions():
-    env = kc.environment_fingerprint()
+    env = ck.environment_fingerprint()
     assert env["numba-cuda"] == compile_gate.PINNED_NUMBA_CUDA
     assert env["nvshmem4py-cu13"] and env["nvshmem_headers"]["version"].startswith("3.")
     assert len(env["nvshmem_headers"]["sha256"]) == 64
@@ -185,14 +186,14 @@ def test_environment_fingerprint_names_the_versions():
 
 def test_key_refuses_closures_it_cannot_describe(kernel_mod):
     mod = kernel_mod(KERNEL_V1.replace("if i < n and i < threads:", "if i < n and threads is not None:"))
-    with pytest.raises(kc.NotCacheable, match="threads"):
-        kc.key_material(mod.make(object()), (_c(_types().int32),) * 2 + (_types().int64,), CC, ENV)
+    with pytest.raises(ck.NotCacheable, match="threads"):
+        ck.key_material(mod.make(object()), (_c(_types().int32),) * 2 + (_types().int64,), CC, ENV)
 
 
 def test_project_kernels_have_keys():
     from ep_runtime.tools import gate_entries as signatures
 
-    keys = {name: kc.kernel_key(k, at, CC) for name, k, at in signatures.ep_kernel_entries()}
+    keys = {name: ck.kernel_key(k, at, CC) for name, k, at in signatures.ep_kernel_entries()}
     assert len(set(keys.values())) == len(keys)  # one entry per kernel
 
 
@@ -228,7 +229,7 @@ def test_entry_round_trip_of_a_real_cubin(linked, tmp_path):
 
     dispatcher, argtypes, kernel = linked
     cache = kc.KernelCache(tmp_path)
-    key = kc.kernel_key(dispatcher, argtypes, CC)
+    key = ck.kernel_key(dispatcher, argtypes, CC)
     entry = kc.entry_from_kernel(kernel, key, CC)
     cubin = bytes(kernel.library.get_cubin(cc=CC).code)
     assert entry.cubin == cubin and len(cubin) > 1000
@@ -295,7 +296,7 @@ def test_bad_entry_is_deleted_logged_and_rebuilt(linked, tmp_path, caplog, damag
     first = _StubDispatcher(dispatcher, kernel)
     assert cache.load_or_compile(first, argtypes, cc=CC, bind=False) is kernel
     assert first.compiled == 1 and cache.stats["stored"] == 1
-    key = kc.kernel_key(dispatcher, argtypes, CC)
+    key = ck.kernel_key(dispatcher, argtypes, CC)
     path = cache.path_for(key)
     path.write_bytes(BAD_ENTRIES[damage](path.read_bytes()))
 
@@ -338,9 +339,9 @@ def test_missing_entry_is_a_plain_miss(tmp_path):
 def test_uncacheable_kernels_are_compiled_not_stored(linked, tmp_path):
     dispatcher, argtypes, kernel = linked
     debug_kernel = SimpleNamespace(**{k: getattr(kernel, k) for k in ("extensions", "library")}, debug=True)
-    with pytest.raises(kc.NotCacheable, match="debug"):
+    with pytest.raises(ck.NotCacheable, match="debug"):
         kc.entry_from_kernel(debug_kernel, "e" * 64, CC)
-    with pytest.raises(kc.NotCacheable, match="no linked cubin"):
+    with pytest.raises(ck.NotCacheable, match="no linked cubin"):
         kc.entry_from_kernel(kernel, "e" * 64, (8, 0, ""))
 
 

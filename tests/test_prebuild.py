@@ -50,7 +50,7 @@ def expected_key(cache) -> str:
     code = ("from ep_runtime.core.builds import kernel_builds\n"
             "from ep_runtime.core.config import EPConfig\n"
             "from ep_runtime.core.plan import Topology, choose_plan\n"
-            "from ep_runtime.shmem.kernel_cache import kernel_key\n"
+            "from ep_runtime.shmem.cache_key import kernel_key\n"
             "cfg = EPConfig(n_ranks=4, n_experts=64, top_k=6, hidden=7168, max_tokens_per_rank=300)\n"
             "plan = choose_plan(cfg, Topology.nvlink_gpus(4))\n"
             "(_, k, types), = kernel_builds(cfg, plan, ('routing_copy',))\n"

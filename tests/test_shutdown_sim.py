@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from ep_runtime.shmem.sim_heap import job_path
+from ep_runtime.shmem.sim_job_files import job_path
 
 JOB_SCRIPT = Path(__file__).with_name("shutdown_job.py")
 # Seconds a stopped job may take to end; its PEs' own timeouts are 120 s (shutdown_job.py).

@@ -44,7 +44,8 @@ import numpy as np
 
 from ep_runtime.core.errors import EPInputError, MissingDependencyError, PEFailure
 from ep_runtime.shmem.mpi import local_rank, mpi_module, mpi_rank_size  # noqa: F401 (public here too)
-from ep_runtime.shmem.sim_heap import DEFAULT_HEAP_BYTES, WAIT_TIMEOUT_ENV, remove_job_files
+from ep_runtime.shmem.sim_heap import DEFAULT_HEAP_BYTES, WAIT_TIMEOUT_ENV
+from ep_runtime.shmem.sim_job_files import remove_job_files
 
 log = logging.getLogger("ep_runtime.shmem")
 
@@ -203,7 +204,7 @@ def open_sim_session(group=None, heap_bytes: int = DEFAULT_HEAP_BYTES, timeout_s
     it over the group. All members must run on one node (the heaps are /dev/shm files). The
     files exist only during bring-up; a rank whose bring-up fails removes them, and only a job
     whose every rank is killed during bring-up leaves them (empty, sparse): remove them with
-    :func:`ep_runtime.shmem.sim_heap.remove_job_files`. A rank whose peer process dies gets
+    :func:`ep_runtime.shmem.sim_job_files.remove_job_files`. A rank whose peer process dies gets
     :class:`~ep_runtime.core.errors.PEFailure` naming it at its next wait. The simulated kernels of a
     process use its one current heap: one open session per process.
     """

@@ -28,12 +28,14 @@ every PE has mapped every heap file and opened the lock file, each PE unlinks it
 file and PE 0 the lock file: the memory stays shared through the mappings and is freed by the
 kernel when the last PE process exits, however it exits (SIGKILL included), so a finished,
 failed or killed job leaves nothing in /dev/shm. Files left by a job that dies during
-bring-up are removed by :func:`remove_job_files` (the launcher calls it, and a PE whose
-bring-up fails calls it for its job).
+bring-up are removed by :func:`~ep_runtime.shmem.sim_job_files.remove_job_files` (the launcher
+calls it, and a PE whose bring-up fails calls it for its job). :mod:`ep_runtime.shmem.sim_job_files`
+names, publishes, maps and removes the files.
 
-Each PE also watches its peers' processes (a pidfd per peer, opened at bring-up): a wait of
-this process (a barrier, a simulated signal wait) whose peer process has exited fails at once
-with :class:`~ep_runtime.core.errors.PEFailure` naming that PE, instead of at its timeout.
+Each PE also watches its peers' processes (a pidfd per peer, opened at bring-up:
+:mod:`ep_runtime.shmem.sim_peers`): a wait of this process (a barrier, a simulated signal wait)
+whose peer process has exited fails at once with :class:`~ep_runtime.core.errors.PEFailure`
+naming that PE, instead of at its timeout.
 
 Limits of the simulator (what a passing simulated test does not prove)
 -----------------------------------------------------------------------
@@ -65,13 +67,9 @@ Limits of the simulator (what a passing simulated test does not prove)
 from __future__ import annotations
 
 import bisect
-import fcntl
-import glob
-import mmap
 import os
 import pickle
 import re
-import select
 import threading
 import time
 from dataclasses import dataclass
@@ -81,8 +79,10 @@ import numpy as np
 
 from ep_runtime.core.errors import (EPInputError, EPStateError, PEFailure, ShmemError, ShmemTimeoutError,
                       SymmetricAddressError)
+from ep_runtime.shmem.sim_job_files import (SHM_DIR, JobLock, job_path, map_file, publish_heap_file, remove_job_file,
+                                            remove_job_files)
+from ep_runtime.shmem.sim_peers import PeerWatch, start_time
 
-SHM_DIR = "/dev/shm"
 # Control area before the allocatable range; one page keeps the first allocation page-aligned.
 CONTROL_BYTES = 4096
 # Allocation alignment (bytes): what nvshmem_malloc guarantees, and enough for any dtype.
@@ -128,18 +128,6 @@ def current_heap() -> SimHeap:
     return _current
 
 
-def job_path(job: str, suffix: str) -> str:
-    """Path of the job's file ``/dev/shm/ep_sim_<job>_<suffix>``."""
-    return os.path.join(SHM_DIR, f"ep_sim_{job}_{suffix}")
-
-
-def remove_job_files(job: str) -> None:
-    """Remove every /dev/shm file of ``job`` (heap files and lock of a bring-up, and their
-    temporary names); tolerates missing ones. A job past bring-up has no files left."""
-    for path in glob.glob(job_path(job, "*")):
-        _unlink(path)
-
-
 def gather_offset(heap_bytes: int) -> int:
     """Byte offset of the allgather mailbox in a heap file with ``heap_bytes`` allocatable."""
     return _align(CONTROL_BYTES + heap_bytes)
@@ -164,13 +152,6 @@ def poll(check: Callable[[], bool], timeout_s: float, heap: SimHeap | None = Non
         time.sleep(pause)
         pause = min(2 * pause, _POLL_MAX_S)
     return True
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 def _align(n: int) -> int:
@@ -200,28 +181,6 @@ class Region:
         return f"'{self.name}'[{', '.join(str(int(i)) for i in index)}]"
 
 
-class _JobLock:
-    """The job's one cross-process lock: ``flock`` on a /dev/shm file plus a thread lock
-    (``flock`` is per open file, and the simulator's threads share this process's file)."""
-
-    def __init__(self, path: str):
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        self._threads = threading.Lock()
-
-    def __enter__(self):
-        self._threads.acquire()
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
-        return self
-
-    def __exit__(self, *exc):
-        fcntl.flock(self._fd, fcntl.LOCK_UN)
-        self._threads.release()
-        return False
-
-    def close(self) -> None:
-        os.close(self._fd)
-
-
 class SimHeap:
     """This PE's view of the job's simulated symmetric heaps.
 
@@ -241,7 +200,7 @@ class SimHeap:
     """
 
     def __init__(self, rank: int, n_ranks: int, job: str, heap_bytes: int, timeout_s: float,
-                 lock: _JobLock, maps: list[np.ndarray]):
+                 lock: JobLock, maps: list[np.ndarray]):
         """Use :meth:`open`."""
         self.rank = rank
         self.n_ranks = n_ranks
@@ -261,8 +220,8 @@ class SimHeap:
         #: [pe] = (operations, bytes) this process put or signalled to PE pe (:meth:`count`)
         self.traffic = np.zeros((n_ranks, 2), np.int64)
         self._closed = False
-        self._peers = _PeerWatch.open(rank, [int(w[_PID_WORD]) for w in self._words],
-                                      [int(w[_START_WORD]) for w in self._words])
+        self._peers = PeerWatch.open(rank, [int(w[_PID_WORD]) for w in self._words],
+                                     [int(w[_START_WORD]) for w in self._words])
 
     # -- bring-up and teardown --------------------------------------------------------------
     @classmethod
@@ -282,14 +241,14 @@ class SimHeap:
         file_bytes = gather_offset(heap_bytes) + 2 * GATHER_SLOT_BYTES
         # The lock is opened before this PE's heap file appears, so by the time every heap
         # file exists every PE holds the same lock file open.
-        lock = _JobLock(job_path(job, "lock"))
+        lock = JobLock(job_path(job, "lock"))
         heap = None
         try:
-            _publish_heap_file(job_path(job, str(rank)), file_bytes)
+            publish_heap_file(job_path(job, str(rank)), file_bytes, _control_words())
             paths = [job_path(job, str(pe)) for pe in range(n_ranks)]
             _wait_for_files(paths, file_bytes, rank, job, timeout_s)
             heap = cls(rank, n_ranks, job, heap_bytes, timeout_s, lock,
-                       [_map_file(path, file_bytes) for path in paths])
+                       [map_file(path, file_bytes) for path in paths])
             heap.barrier("open")
         except BaseException:
             lock.close()
@@ -300,9 +259,9 @@ class SimHeap:
         # Every PE passed the barrier, so every PE has mapped every heap file and opened the
         # lock file: the names are no longer needed, and without them the memory goes back to
         # the system when the job's last process exits, however it exits.
-        _unlink(job_path(job, str(rank)))
+        remove_job_file(job, str(rank))
         if rank == 0:
-            _unlink(job_path(job, "lock"))
+            remove_job_file(job, "lock")
         return heap
 
     def close(self) -> None:
@@ -519,64 +478,6 @@ class SimHeap:
             raise EPInputError(f"PE {self.rank}: {op}: pe={pe} is not in [0, {self.n_ranks})")
 
 
-class _PeerWatch:
-    """Which peer PEs' processes have exited: a pidfd per peer, readable once it exits.
-
-    A peer is watched only if its pidfd opens and the process behind it started when the
-    peer's heap file says (a pid reused by another process, or one from another pid
-    namespace, is not watched; its waits still end at their timeout).
-    """
-
-    def __init__(self, fds: dict[int, tuple[int, int]]):
-        self._fds = fds  # PE -> (pidfd, pid)
-
-    @classmethod
-    def open(cls, rank: int, pids: list[int], starts: list[int]) -> _PeerWatch:
-        fds = {}
-        for pe, (pid, start) in enumerate(zip(pids, starts)):
-            if pe == rank or pid <= 0 or not hasattr(os, "pidfd_open"):
-                continue
-            try:
-                fd = os.pidfd_open(pid)
-            except OSError:
-                continue
-            if _start_time(pid) == start:
-                fds[pe] = (fd, pid)
-            else:
-                os.close(fd)
-        return cls(fds)
-
-    def exited(self) -> list[int]:
-        """The watched PEs whose process has exited, in rank order."""
-        if not self._fds:
-            return []
-        # poll, not select: a pidfd may be numbered past select's limit of 1024.
-        poller = select.poll()
-        for fd, _ in self._fds.values():
-            poller.register(fd, select.POLLIN)
-        ready = {fd for fd, _ in poller.poll(0)}
-        return sorted(pe for pe, (fd, _) in self._fds.items() if fd in ready)
-
-    def pid(self, pe: int) -> int:
-        return self._fds[pe][1]
-
-    def close(self) -> None:
-        for fd, _ in self._fds.values():
-            os.close(fd)
-        self._fds = {}
-
-
-def _start_time(pid: int) -> int:
-    """Start time of process ``pid`` in clock ticks after boot (/proc/<pid>/stat field 22),
-    0 if unknown."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            # Fields after the command name, which is in parentheses and may hold spaces.
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return 0
-
-
 def _check_open_args(rank: int, n_ranks: int, job: str, heap_bytes: int, timeout_s: float) -> None:
     if not 0 <= rank < n_ranks:
         raise EPInputError(f"SimHeap.open: rank={rank} is not in [0, n_ranks={n_ranks})")
@@ -588,19 +489,13 @@ def _check_open_args(rank: int, n_ranks: int, job: str, heap_bytes: int, timeout
         raise EPInputError(f"SimHeap.open: timeout_s={timeout_s} must be positive")
 
 
-def _publish_heap_file(path: str, file_bytes: int) -> None:
-    """Create the file at full size with this process's id and start time in its control
-    area, under a temporary name, then rename: peers never see it partly written."""
-    fd = os.open(path + ".tmp", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.ftruncate(fd, file_bytes)
-        words = np.zeros(_START_WORD + 1, np.uint64)
-        words[_PID_WORD] = os.getpid()
-        words[_START_WORD] = _start_time(os.getpid())
-        os.pwrite(fd, words.tobytes(), 0)
-    finally:
-        os.close(fd)
-    os.replace(path + ".tmp", path)
+def _control_words() -> np.ndarray:
+    """This process's words of its heap file's control area, written once at bring-up: its
+    process id and start time (its peers watch it by them)."""
+    words = np.zeros(_START_WORD + 1, np.uint64)
+    words[_PID_WORD] = os.getpid()
+    words[_START_WORD] = start_time(os.getpid())
+    return words
 
 
 def _wait_for_files(paths: list[str], file_bytes: int, rank: int, job: str, timeout_s: float) -> None:
@@ -624,11 +519,3 @@ def _wait_for_files(paths: list[str], file_bytes: int, rank: int, job: str, time
         raise ShmemError(
             f"PE {rank}: heap files of PE(s) {sorted(wrong)} have {sorted(set(wrong.values()))} "
             f"bytes, this PE's has {file_bytes}: every PE must open with the same heap_bytes")
-
-
-def _map_file(path: str, file_bytes: int) -> np.ndarray:
-    fd = os.open(path, os.O_RDWR)
-    try:
-        return np.frombuffer(mmap.mmap(fd, file_bytes), dtype=np.uint8)
-    finally:
-        os.close(fd)

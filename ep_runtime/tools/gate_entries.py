@@ -120,7 +120,7 @@ def ep_kernel_entries(every_build: bool = False):
     and what a GPU machine compiles when tests/gpu/plan_checks.sh runs every variant."""
     from ep_runtime.core.builds import kernel_builds
     from ep_runtime.tools.compile_gate import TARGET_CC
-    from ep_runtime.shmem.kernel_cache import kernel_key
+    from ep_runtime.shmem.cache_key import kernel_key
 
     seen, entries = set(), []
     for label, cfg, plan in plan_entries():

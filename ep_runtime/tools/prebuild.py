@@ -98,7 +98,7 @@ def plan(hidden: int, token_dtypes, combine_dtypes, capacities=CAPACITIES, layou
     the plans that launch it (receiver/transport); plans that differ in what a kernel does not
     read share its build."""
     from ep_runtime.core.builds import kernel_builds
-    from ep_runtime.shmem.kernel_cache import kernel_key
+    from ep_runtime.shmem.cache_key import kernel_key
 
     seen, out = {}, []
     for spec in _specs(hidden, token_dtypes, combine_dtypes, capacities, layout_sets, all_variants):
@@ -122,7 +122,8 @@ def build_one(spec: tuple, name: str, cc=None) -> tuple:
     (``KernelCache.prepare``); ``(outcome, seconds)``, outcome ``"hit"`` or ``"compiled"``.
     Runs in a worker process."""
     from ep_runtime.core.builds import kernel_builds
-    from ep_runtime.shmem.kernel_cache import KernelCache, target_cc
+    from ep_runtime.shmem.cache_key import target_cc
+    from ep_runtime.shmem.kernel_cache import KernelCache
 
     cache = KernelCache.from_env()
     cfg = _config(*spec[:5])
