@@ -102,12 +102,13 @@ def replay_steps(rt, session, check, counts_per_step, steps, keep: bool, args) -
         ref, what = step.batch, f"replay {i} (counts {counts})"
         got = harness.batch_to_host(session, batch, rows=ref.n_rows)
         got["x"] = cupy.asnumpy(y[:ref.n_rows])
-        ok = check.none(harness.batch_failure(got, ref, "expanded", None, cfg, what))
+        ok = check.no_failure(harness.batch_failure(got, ref, "expanded", None, cfg, what))
         if args.layout == "compact":
             ok &= check(np.array_equal(cupy.asnumpy(batch.gather[:ref.n_rows]), step.gather), f"{what}: gather")
             ok &= check(np.array_equal(cupy.asnumpy(batch.recv_tokens), np.array(counts, np.int32)),
                         f"{what}: recv_tokens")
-        ok &= check.none(harness.combine_failure(cupy.asnumpy(out[:n]), step.want.astype(np.float32), step.tol, what))
+        ok &= check.no_failure(harness.combine_failure(cupy.asnumpy(out[:n]), step.want.astype(np.float32), step.tol,
+                                                       what))
         good += int(ok)
     rt.synchronize()
     calls = rt.device_calls()

@@ -117,6 +117,21 @@ def expert_rows(cfg, layout: str) -> int:
     return cfg.recv_rows_capacity if layout == "expanded" else cfg.n_ranks * cfg.max_tokens_per_rank
 
 
+def round_trip_cases(session, cfg, tokens, layouts, fill: int = 0):
+    """A probe's cases, each token count T of ``tokens`` (T tokens on every rank, seed T) in each
+    layout of ``layouts``: ``(T, layout, (tok, tid, tw), y, out)``, this rank's inputs on the
+    device (:func:`device_inputs`), expert outputs ``y`` [expert_rows, H] uint16 holding ``fill``
+    and the combine's output ``out`` [T, H] uint16 (CuPy arrays; the inputs and ``out`` shared by
+    a T's layouts)."""
+    import cupy
+
+    for T in tokens:
+        inputs = device_inputs(session, *job_inputs(cfg, T, T))
+        out = cupy.empty((T, cfg.hidden), cupy.uint16)
+        for layout in layouts:
+            yield T, layout, inputs, cupy.full((expert_rows(cfg, layout), cfg.hidden), fill, cupy.uint16), out
+
+
 def round_trip(rt, tok, tid, tw, y, out, times: dict | None = None):
     """One dispatch and combine of this rank's device inputs (expert outputs ``y``, the combine
     written into ``out``); the batch. ``times``: each of :data:`CALLS` appends its host seconds
@@ -151,7 +166,7 @@ class Checks:
             self.failures.append(self.prefix + what)
         return bool(ok)
 
-    def none(self, failure: str | None) -> bool:
+    def no_failure(self, failure: str | None) -> bool:
         """Record the message of a ``*_failure`` function (None: it held); whether it held."""
         return self(failure is None, failure or "")
 
@@ -281,15 +296,15 @@ def plan_list(items) -> list[str]:
     return out
 
 
-def runtime_for(cfg, session, text: str, **runtime_kw):
+def runtime_for(cfg, session, text: str):
     """The runtime of plan ``text`` (a :func:`plan_list` item; collective): ``(rt, seconds to
     build it)``, or ``(None, the error)`` where that plan cannot run here (EPConfigError: raised
-    alike on every rank, so every rank skips the plan). ``runtime_kw``: more EPRuntime arguments."""
+    alike on every rank, so every rank skips the plan)."""
     from ep_runtime import EPConfigError, EPRuntime
 
     t0 = time.perf_counter()
     try:
-        rt = EPRuntime(cfg, session, plan=None if text == "default" else text, **runtime_kw)
+        rt = EPRuntime(cfg, session, plan=None if text == "default" else text)
     except EPConfigError as exc:
         return None, f"EPRuntime(plan={text!r}) raised EPConfigError: {exc}"
     return rt, time.perf_counter() - t0

@@ -44,17 +44,17 @@ def check(session, cfg, plan: dict, device_count: bool, node_size: int = 0) -> l
         toks = xs if call == 0 else reused_tokens(cfg, call, xs)
         refs = reference.dispatch(toks, ids, ws, cfg)
         what = f"call {call} ({layout})"
-        check.none(harness.batch_failure(got[call], refs[me], layout, toks, cfg, what))
-        check.none(harness.reference_combine_failure(cfg, refs, ids, ws, me, got[call]["out"][:len(toks[me])], what,
-                                                     node_size))
+        check.no_failure(harness.batch_failure(got[call], refs[me], layout, toks, cfg, what))
+        out = got[call]["out"][:len(toks[me])]
+        check.no_failure(harness.reference_combine_failure(cfg, refs, ids, ws, me, out, what, node_size))
     routed = reference.routed_ids(ids[me], cfg.n_experts)
     t = np.arange(len(xs[me]), dtype=np.float32)[:, None]
     k = np.arange(cfg.top_k, dtype=np.float32)[None, :]
     want = np.where(routed >= 0, me * 1e4 + t * 1e2 + k, 0.0).astype(np.float32)
     check(np.array_equal(got[3]["slots"][:len(xs[me])], want), "call 3: the slot values differ")
     xs4, ids4, ws4 = call_inputs(cfg, 2, SEED + 4)
-    check.none(harness.batch_failure(got[4], reference.dispatch(xs4, ids4, ws4, cfg)[me], "expanded", xs4, cfg,
-                                     "call 4"))
+    check.no_failure(harness.batch_failure(got[4], reference.dispatch(xs4, ids4, ws4, cfg)[me], "expanded", xs4,
+                                           cfg, "call 4"))
     return check.failures
 
 

@@ -113,31 +113,27 @@ def main() -> int:
         empty["numba + nvshmem my_pe"] = graph_time(lambda: my_pe_numba[grid, block, nstream](probe))
 
     table = {}
-    for T in args.tokens:
-        tok, tid, tw = harness.device_inputs(session, *harness.job_inputs(cfg, T, T))
-        out = cupy.empty((T, cfg.hidden), cupy.uint16)
-        for layout in args.layout:
-            y = cupy.zeros((harness.expert_rows(cfg, layout), cfg.hidden), cupy.uint16)
-            times = {}
-            for i in range(args.samples + 5):
-                launches.clear()
-                session.barrier()
-                spin()
-                b = rt.dispatch_wait(rt.dispatch_async(tok, tid, tw), layout=layout)
-                session.barrier()
-                spin()
-                rt.combine_wait(rt.combine_async(y, b.handle, layout=layout), out=out)
-                stream.synchronize()
-                if i >= 5:
-                    for name, a, e, _ in launches:
-                        times.setdefault(name, []).append(cupy.cuda.get_elapsed_time(a, e) * 1e3)
-            table[T, layout] = {name: float(np.median(v)) for name, v in times.items()}
-            if args.repeat:
-                session.launch = plain_launch
-                for name, _, _, call in launches:
-                    if name != "dispatch_async":
-                        repeated.setdefault((T, layout), {})[name] = graph_time(lambda: plain_launch(*call))
-                session.launch = timed_launch
+    for T, layout, (tok, tid, tw), y, out in harness.round_trip_cases(session, cfg, args.tokens, args.layout):
+        times = {}
+        for i in range(args.samples + 5):
+            launches.clear()
+            session.barrier()
+            spin()
+            b = rt.dispatch_wait(rt.dispatch_async(tok, tid, tw), layout=layout)
+            session.barrier()
+            spin()
+            rt.combine_wait(rt.combine_async(y, b.handle, layout=layout), out=out)
+            stream.synchronize()
+            if i >= 5:
+                for name, a, e, _ in launches:
+                    times.setdefault(name, []).append(cupy.cuda.get_elapsed_time(a, e) * 1e3)
+        table[T, layout] = {name: float(np.median(v)) for name, v in times.items()}
+        if args.repeat:
+            session.launch = plain_launch
+            for name, _, _, call in launches:
+                if name != "dispatch_async":
+                    repeated.setdefault((T, layout), {})[name] = graph_time(lambda: plain_launch(*call))
+            session.launch = timed_launch
     rt.synchronize()
     resources = {n: kernel_resources(k) for n, k in rt._kernels.items() if n != "validate_routing"}
     session.launch = plain_launch

@@ -40,8 +40,10 @@ def own_failures(session, cfg, run: dict, calls: int, seed: int, node_size: int)
         refs = reference.dispatch(xs, ids, ws, cfg)
         layout = call_layout(cfg, call)
         got, what = run["calls"][call], f"call {call} ({layout})"
-        exact += check.none(harness.batch_failure(got, refs[me], layout, xs, cfg, what)) & check.none(
-            harness.reference_combine_failure(cfg, refs, ids, ws, me, got["out"][:len(xs[me])], what, node_size))
+        batch = check.no_failure(harness.batch_failure(got, refs[me], layout, xs, cfg, what))
+        out = got["out"][:len(xs[me])]
+        combine = check.no_failure(harness.reference_combine_failure(cfg, refs, ids, ws, me, out, what, node_size))
+        exact += batch and combine
     return check.failures, exact
 
 

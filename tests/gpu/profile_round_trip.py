@@ -39,24 +39,20 @@ def main() -> int:
         session.stream.synchronize()
         session.barrier()
 
-    for T in args.tokens:
-        tok, tid, tw = harness.device_inputs(session, *harness.job_inputs(cfg, T, T))
-        out = cupy.empty((T, cfg.hidden), cupy.uint16)
-        for layout in args.layout:
-            y = cupy.ones((harness.expert_rows(cfg, layout), cfg.hidden), cupy.uint16)
-            for profiled in (False, False, True):
-                session.launch = isolated_launch if profiled else plain_launch
-                session.barrier()
-                if profiled:
-                    cupy.cuda.profiler.start()
-                b = rt.dispatch_wait(rt.dispatch_async(tok, tid, tw), layout=layout)
-                rt.combine_wait(rt.combine_async(y, b.handle, layout=layout), out=out)
-                rt.synchronize()
-                if profiled:
-                    cupy.cuda.profiler.stop()
-            session.launch = plain_launch
-            if session.rank == 0:
-                print(f"profiled T={T} layout={layout} rows={int(b.row_offsets[-1])}", flush=True)
+    for T, layout, (tok, tid, tw), y, out in harness.round_trip_cases(session, cfg, args.tokens, args.layout, fill=1):
+        for profiled in (False, False, True):
+            session.launch = isolated_launch if profiled else plain_launch
+            session.barrier()
+            if profiled:
+                cupy.cuda.profiler.start()
+            b = rt.dispatch_wait(rt.dispatch_async(tok, tid, tw), layout=layout)
+            rt.combine_wait(rt.combine_async(y, b.handle, layout=layout), out=out)
+            rt.synchronize()
+            if profiled:
+                cupy.cuda.profiler.stop()
+        session.launch = plain_launch
+        if session.rank == 0:
+            print(f"profiled T={T} layout={layout} rows={int(b.row_offsets[-1])}", flush=True)
     rt.close()
     session.close()
     return 0

@@ -44,8 +44,8 @@ def exactness(session, cfg, me: int) -> list[str]:
             bad = (np.argwhere(home != want).tolist() if home.shape == want.shape
                    else [f"shape {home.shape}, want {want.shape}"])
             check(False, f"call {call}: slot values differ at {bad[:4]}")
-        check.none(harness.reference_combine_failure(cfg, reference.dispatch(xs, ids, ws, cfg), ids, ws, me,
-                                                     got[call]["combined"], f"call {call}: after the slot values"))
+        refs, what = reference.dispatch(xs, ids, ws, cfg), f"call {call}: after the slot values"
+        check.no_failure(harness.reference_combine_failure(cfg, refs, ids, ws, me, got[call]["combined"], what))
     return check.failures
 
 

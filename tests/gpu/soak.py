@@ -58,10 +58,10 @@ def main() -> int:
         s["y"][:n] = cupy.asarray(ys[me].view(np.uint16))
         batch = rt.dispatch(s["tok"], s["ids"], s["w"])
         rt.combine(s["y"], batch.handle, out=s["out"])
-        check.none(harness.batch_failure(harness.batch_to_host(session, batch, rows=n), ref[me], "expanded", xs, cfg,
-                                         f"set {i}: dispatch"))
+        got = harness.batch_to_host(session, batch, rows=n)
+        check.no_failure(harness.batch_failure(got, ref[me], "expanded", xs, cfg, f"set {i}: dispatch"))
         tol = reference.combine_tolerance(ws[me], float(np.abs(ys[me].astype(np.float32)).max(initial=1.0)))
-        check.none(harness.combine_failure(cupy.asnumpy(s["out"]), want.astype(np.float32), tol, f"set {i}"))
+        check.no_failure(harness.combine_failure(cupy.asnumpy(s["out"]), want.astype(np.float32), tol, f"set {i}"))
         s["x_first"], s["out_first"] = batch.x[:n].copy(), s["out"].copy()
         if args.diagnose:
             s.update(x_ref=ref[me].x.view(np.uint16), src_rank=ref[me].src_rank, src_token=ref[me].src_token,

@@ -56,18 +56,14 @@ def main() -> int:
         return result, cupy.asnumpy(trace).astype(np.int64)
 
     table = {}
-    for T in args.tokens:
-        tok, tid, tw = harness.device_inputs(session, *harness.job_inputs(cfg, T, T))
-        out = cupy.empty((T, cfg.hidden), cupy.uint16)
-        for layout in args.layout:
-            y = cupy.zeros((harness.expert_rows(cfg, layout), cfg.hidden), cupy.uint16)
-            stamps = []
-            for i in range(args.samples + 3):
-                b, s1 = half(lambda: rt.dispatch_wait(rt.dispatch_async(tok, tid, tw), layout=layout))
-                _, s2 = half(lambda: rt.combine_wait(rt.combine_async(y, b.handle, layout=layout), out=out))
-                if i >= 3:
-                    stamps.append(np.where(s1 != 0, s1, s2))  # dispatch slots from the first half
-            table[T, layout] = np.stack(stamps)
+    for T, layout, (tok, tid, tw), y, out in harness.round_trip_cases(session, cfg, args.tokens, args.layout):
+        stamps = []
+        for i in range(args.samples + 3):
+            b, s1 = half(lambda: rt.dispatch_wait(rt.dispatch_async(tok, tid, tw), layout=layout))
+            _, s2 = half(lambda: rt.combine_wait(rt.combine_async(y, b.handle, layout=layout), out=out))
+            if i >= 3:
+                stamps.append(np.where(s1 != 0, s1, s2))  # dispatch slots from the first half
+        table[T, layout] = np.stack(stamps)
     rt.close()
     session.close()
     if session.rank != 0:
