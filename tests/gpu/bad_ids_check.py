@@ -14,7 +14,9 @@ last rank (token 2, slot 1) must complete on every rank exactly as the reference
 masked (batch bit for bit, combine within tolerance), and the next ``synchronize()`` of those two
 ranks (only) must raise ``EPInputError`` naming the token, the slot and the id; then ``reset()``
 on every rank, a clean call exact; then a call with repeated ids (counted once, first slot's
-weight) exact with no error. Prints a table (rank 0), then PASS or FAIL.
+weight) exact with no error. ``--backend sim`` runs the same on the simulator
+(``NUMBA_ENABLE_CUDASIM=1 mpiexec -n 2 python3 tests/gpu/bad_ids_check.py --backend sim --tokens 8 --hidden 16
+--experts 8 --top-k 2``). Prints a table (rank 0), then PASS or FAIL.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import argparse
 import pathlib
 import sys
 
+import harness
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # tests/: the simulator test's inputs
@@ -31,53 +34,48 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # tests
 def check(cfg, me, got, inputs, layout, what) -> list[str]:
     """This rank's batch and output against the reference of ``inputs``: failures."""
     from ep_runtime.core import reference
-    from ep_runtime.testing import assert_batch_is_the_reference, combine_over_tolerance
 
     xs, ids, ws = inputs
     refs = reference.dispatch(xs, ids, ws, cfg)
-    try:
-        if cfg.token_format.quantized:  # the rows' places (fp8_check checks the codes and scales bit for bit)
-            ref = refs[me]
+    what = f"rank {me}: {what}"
+    if cfg.token_format.quantized:  # the rows' places (fp8_check checks the codes and scales bit for bit)
+        ref = refs[me]
+        try:
             np.testing.assert_array_equal(got["row_offsets"], ref.row_offsets, err_msg=what)
             for k in ("src_rank", "src_token", "src_k"):
                 np.testing.assert_array_equal(got[k][:ref.n_rows], getattr(ref, k), err_msg=f"{what}: {k}")
-        else:
-            assert_batch_is_the_reference(got, refs[me], layout, xs, cfg, what)
-    except AssertionError as e:
-        return [f"{what}: batch: {str(e).strip()[:300]}"]
-    err = combine_over_tolerance(cfg, refs, ids, ws, me, got["out"])
-    return [] if err is None else [f"{what}: combine: max error {err} over its tolerance"]
+        except AssertionError as e:
+            return [f"{what}: batch: {' '.join(str(e).split())[:300]}"]
+    else:
+        batch = harness.batch_failure(got, refs[me], layout, xs, cfg, f"{what}: batch")
+        if batch is not None:
+            return [batch]
+    combine = harness.reference_combine_failure(cfg, refs, ids, ws, me, got["out"], what)
+    return [] if combine is None else [combine]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--hidden", type=int, default=7168)
-    ap.add_argument("--experts", type=int, default=256)
-    ap.add_argument("--top-k", type=int, default=8)
-    ap.add_argument("--token-dtype", default="bfloat16")
-    ap.add_argument("--seed", type=int, default=5)
-    ap.add_argument("--plans", nargs="+", default=["default"])
+    harness.add_layer_options(ap, tokens=128, seed=5, token_dtype=True)
+    ap.add_argument("--plans", nargs="+", default=["default"], metavar="PLAN", help=harness.PLANS_HELP)
     ap.add_argument("--layouts", nargs="+", default=["expanded", "compact"], choices=["expanded", "compact"])
+    harness.add_backend_option(ap)
     args = ap.parse_args()
-    from mpi4py import MPI
+    plans = harness.plan_list(args.plans)
     from test_masked_ids_sim import PLANTED, REPEATS, planted_inputs
 
-    from ep_runtime import EPConfig, EPRuntime
-    from ep_runtime.core.layout import BufferLayout
-    from ep_runtime.shmem import open_session
-    from ep_runtime.testing import gpu_check_report, make_inputs, round_trip_with_error
+    from ep_runtime import EPRuntime
+    from ep_runtime.testing import make_inputs, round_trip_with_error
 
-    R = MPI.COMM_WORLD.Get_size()
-    cfg = EPConfig(n_ranks=R, n_experts=args.experts, top_k=args.top_k, hidden=args.hidden,
-                   max_tokens_per_rank=args.tokens, token_dtype=args.token_dtype)
-    session = open_session("nvshmem", heap_bytes=BufferLayout(cfg).symmetric_bytes)
+    R = harness.job_comm().Get_size()
+    cfg = harness.layer_config(args, R, args.tokens, token_dtype=args.token_dtype)
+    session = harness.open_job_session(cfg, backend=args.backend)
     me, E = session.rank, cfg.n_experts
     named = {rank % R: (t, k, eval(v.format(E=E))) for rank, t, k, v in PLANTED}  # noqa: S307 - the table's own
     rows, failures = [], []
-    for plan in args.plans:
+    for plan in plans:
         with EPRuntime(cfg, session, debug=False, plan=None if plan == "default" else plan) as rt:
-            label = f"{rt.plan.receiver.value}/{rt.plan.transport.value}"
+            label = harness.plan_label(rt.plan, plan, len(plans))
             for layout in args.layouts:
                 planted = planted_inputs(cfg, args.seed)
                 got = round_trip_with_error(session, rt, cfg, *planted, layout)
@@ -101,15 +99,14 @@ def main() -> int:
                 fails += [f"{label} {layout} repeated ids: {rep['error']}"] if rep["error"] else []
                 rows.append((me, label, layout, (err or "none")[:60], "exact" if not fails else "FAIL"))
                 failures += fails
-    comm = MPI.COMM_WORLD
-    all_rows, all_failures = comm.gather(rows, root=0), comm.gather(failures, root=0)
     session.close()
-    if me != 0:
-        return 0
-    table = [f"{'rank':>4} {'plan':<24} {'layout':<9} {'planted ids: the error raised':<62} checks"]
-    table += [f"{r:>4} {label:<24} {layout:<9} {err:<62} {ok}" for r_rows in all_rows
-              for r, label, layout, err, ok in r_rows]
-    return gpu_check_report(all_failures, table)
+
+    def table(all_rows) -> list[str]:
+        return [f"{'rank':>4} {'plan':<24} {'layout':<9} {'planted ids: the error raised':<62} checks"] + [
+            f"{r:>4} {label:<24} {layout:<9} {err:<62} {ok}"
+            for r_rows in all_rows for r, label, layout, err, ok in r_rows]
+
+    return harness.finish(failures, rows, table)
 
 
 if __name__ == "__main__":

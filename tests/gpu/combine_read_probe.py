@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 
+import harness
 import numpy as np
 
 SOURCE = r"""
@@ -187,10 +188,7 @@ def blocks_per_sm(regs: int, threads: int, shared: int) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", type=int, default=4096)
-    ap.add_argument("--hidden", type=int, default=7168)
-    ap.add_argument("--experts", type=int, default=256)
-    ap.add_argument("--top-k", type=int, default=8)
+    harness.add_layer_options(ap, tokens=4096)
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=20)
     args = ap.parse_args()

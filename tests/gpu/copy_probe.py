@@ -30,6 +30,7 @@ import argparse
 import statistics
 import sys
 
+import harness
 import numpy as np
 
 THREADS = 512
@@ -171,11 +172,8 @@ def layout(R, T, E, K, seed=1):
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", type=int, nargs="+", default=[128, 4096])
+    harness.add_layer_options(ap, tokens=(128, 4096))
     ap.add_argument("--ranks", type=int, default=2)
-    ap.add_argument("--hidden", type=int, default=7168)
-    ap.add_argument("--experts", type=int, default=256)
-    ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--pairs", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--samples", type=int, default=50)
     args = ap.parse_args()

@@ -23,57 +23,8 @@ import sys
 import time
 from types import SimpleNamespace
 
+import harness
 import numpy as np
-
-
-def plan_list(items) -> list[str]:
-    """``--plans`` as the plans to run, in order, each once: ``default`` (``EPRuntime(plan=None)``),
-    ``key=value,...`` override strings, and ``variants`` for ``default`` followed by
-    ``receiver=R,transport=T`` for every (R, T) of ep_runtime.tools.gate_entries.PLAN_VARIANTS. Every
-    override string is parsed here (ep_runtime.core.plan.parse_overrides), so that a typo stops every
-    rank before the session opens (an impossible combination fails later, when its runtime is
-    built)."""
-    from ep_runtime.core.errors import EPConfigError
-    from ep_runtime.core.plan import parse_overrides
-
-    out = []
-    for item in items:
-        if item == "variants":
-            from ep_runtime.tools.gate_entries import PLAN_VARIANTS
-
-            texts = ["default"] + [f"receiver={r},transport={t}" for r, t in PLAN_VARIANTS]
-        else:
-            texts = [item]
-        for text in texts:
-            if text != "default":
-                try:
-                    parse_overrides(text, f"--plans {text!r}")
-                except EPConfigError as exc:
-                    raise SystemExit(str(exc)) from None
-            if text not in out:
-                out.append(text)
-    return out
-
-
-def runtime_for(cfg, session, text):
-    """The runtime of plan ``text`` (a ``plan_list`` item; collective): ``(rt, seconds to build
-    it)``, or ``(None, the error)`` where that plan cannot run here (EPConfigError: raised alike
-    on every rank, so every rank skips the plan)."""
-    from ep_runtime import EPConfigError, EPRuntime
-
-    t0 = time.perf_counter()
-    try:
-        rt = EPRuntime(cfg, session, plan=None if text == "default" else text)
-    except EPConfigError as exc:
-        return None, f"EPRuntime(plan={text!r}) raised EPConfigError: {exc}"
-    return rt, time.perf_counter() - t0
-
-
-def plan_label(plan, text: str, n_plans: int) -> str:
-    """The table's plan column: ``receiver/transport`` of the runtime's plan; ``*`` marks the
-    default plan (``text`` ``default``) when several plans run."""
-    label = f"{plan.receiver.value}/{plan.transport.value}"
-    return label + "*" if text == "default" and n_plans > 1 else label
 
 
 def replay_graph(rt, session, stream, tok, tid, tw, y, out, batch, n, first_x, first_out, replays, check, T):
@@ -114,10 +65,10 @@ def reference_data(cfg, T: int, seed: int, me: int, combine_dtype: str, scenario
     rank's parts are kept (8 processes at EP8, T=4096, hidden 7168 outgrew a 128 GB host with
     every rank's kept)."""
     from ep_runtime.core import reference
-    from ep_runtime.testing import linear_experts, make_inputs
+    from ep_runtime.testing import linear_experts
 
     R, f32 = cfg.n_ranks, combine_dtype == "float32"
-    xs, ids, ws = make_inputs(cfg, scenario, seed + T, n_tokens=[T] * R)
+    xs, ids, ws = harness.job_inputs(cfg, seed + T, T, scenario)
     ref_b = reference.dispatch(xs, ids, ws, cfg)
     ys = [linear_experts(b.x, b.row_offsets, cfg.n_local_experts, r) for r, b in enumerate(ref_b)]
     want = reference.combine(ys, ref_b, ids, cfg, home_ranks=[me])[me].astype(np.float32)  # this rank's only
@@ -159,16 +110,13 @@ def check_tokens(rt, session, ref: SimpleNamespace, args, check, label: str) -> 
 
     # 1. correctness against the reference
     batch = rt.dispatch(tok, tid, tw)
-    got_x = cupy.asnumpy(batch.x[:n])
-    check(np.array_equal(cupy.asnumpy(batch.row_offsets), ref.batch.row_offsets), f"T={T} row_offsets")
-    check(np.array_equal(got_x, ref.batch.x.view(np.uint16)), f"T={T} expert_x rows")
-    for k in ("src_rank", "src_token", "src_k", "weight"):
-        check(np.array_equal(cupy.asnumpy(getattr(batch, k)[:n]), getattr(ref.batch, k)), f"T={T} {k}")
+    on_host = harness.batch_to_host(session, batch, rows=n)
+    check.no_failure(harness.batch_failure(on_host, ref.batch, "expanded", None, cfg, f"T={T} dispatch"))
     rt.combine(y, batch.handle, out=out)
-    got = cupy.asnumpy(out).view(reference.BF16).astype(np.float32)
-    err = np.abs(got - ref.want)
+    got = cupy.asnumpy(out)
+    err = np.abs(got.view(reference.BF16).astype(np.float32) - ref.want)
     err_max = float(err.max()) if err.size else 0.0  # a rank may have no tokens
-    check(bool((err <= ref.tol).all()), f"T={T} combine error {err_max:.3g} above tolerance")
+    check.no_failure(harness.combine_failure(got, ref.want, ref.tol, f"T={T}"))
     exact_frac = float((err == 0).mean()) if err.size else 1.0
     first_x, first_out = batch.x[:n].copy(), out.copy()
 
@@ -253,97 +201,40 @@ def check_tokens(rt, session, ref: SimpleNamespace, args, check, label: str) -> 
     return T, n, exact_frac, err_max, same, good, float(np.median(disp)), float(np.median(comb))
 
 
-def run_plan(cfg, session, text: str, refs, args, n_plans: int):
-    """Build plan ``text``'s runtime, run every check at every T of ``refs``, close it. Returns
-    ``(line, rows, failures)``: the plan's line for the report, ``[(label, table row or None)]``
-    (None: the runtime could not be built; that row on rank 0 only) and this rank's failures,
-    each prefixed with the plan."""
-    me = session.rank
-    rt, built = runtime_for(cfg, session, text)
-    if rt is None:  # every rank: the plan cannot run here; rank 0 reports it
-        return f"plan {text}: not built", ([(text, None)] if me == 0 else []), ([f"{text}: {built}"] if me == 0 else [])
-    label = plan_label(rt.plan, text, n_plans)
-    failures = []
-
-    def check(cond, what):
-        if not cond:
-            failures.append(f"{label}: rank {me}: {what}")
-
-    rows = [(label, check_tokens(rt, session, ref, args, check, label)) for ref in refs]
-    line = f"plan {label} = {text}: runtime init (kernels compiled) {built:.2f} s; {rt.plan.summary()}"
-    rt.close()
-    return line, rows, failures
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 128])
-    ap.add_argument("--hidden", type=int, default=7168)
-    ap.add_argument("--experts", type=int, default=256)
-    ap.add_argument("--top-k", type=int, default=8)
+    harness.add_layer_options(ap, tokens=(4096, 128), seed=1)
     ap.add_argument("--calls", type=int, default=100)
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--samples", type=int, default=50)
-    ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--scenario", default="random", help="routing (ep_runtime.testing.SCENARIOS; masked: -1 slots)")
+    harness.add_scenario_option(ap)
     ap.add_argument("--combine-dtype", default="bfloat16", choices=["bfloat16", "float32"],
                     help="EPConfig.combine_dtype: float32 partials (compact rows are then float32 too)")
-    ap.add_argument("--plans", nargs="+", default=["default"], metavar="PLAN",
-                    help="execution plans to check, one runtime each on one session: 'default' (the rules' plan "
-                         "with EP_RUNTIME_PLAN's overrides), plan overrides such as receiver=land,transport=puts, "
-                         "or 'variants' (default, then every receiver on every transport it can run on)")
+    ap.add_argument("--plans", nargs="+", default=["default"], metavar="PLAN", help=harness.PLANS_HELP)
     args = ap.parse_args()
-    plans = plan_list(args.plans)
+    plans = harness.plan_list(args.plans)
 
-    from mpi4py import MPI
-
-    from ep_runtime import EPConfig
-    from ep_runtime.core.layout import BufferLayout
-    from ep_runtime.shmem import open_session
-
-    comm = MPI.COMM_WORLD
-    R = comm.Get_size()
-    cfg = EPConfig(n_ranks=R, n_experts=args.experts, top_k=args.top_k, hidden=args.hidden,
-                   max_tokens_per_rank=max(args.tokens), combine_dtype=args.combine_dtype)
+    cfg = harness.layer_config(args, harness.job_comm().Get_size(), max(args.tokens),
+                               combine_dtype=args.combine_dtype)
     t0 = time.perf_counter()
-    session = open_session("nvshmem", heap_bytes=BufferLayout(cfg).symmetric_bytes)  # every plan's regions
+    session = harness.open_job_session(cfg)  # every plan's regions
     t_init = time.perf_counter() - t0
-    me = session.rank
-    refs = [reference_data(cfg, T, args.seed, me, args.combine_dtype, args.scenario) for T in args.tokens]
-    lines, rows, failures = [], [], []
-    for i, text in enumerate(plans):
-        try:
-            line, plan_rows, plan_failures = run_plan(cfg, session, text, refs, args, len(plans))
-        except Exception:  # not a plan that cannot run: the job stops, as without --plans
-            print(f"rank {me}: plan {text!r} raised; the plans after it did not run", file=sys.stderr, flush=True)
-            raise
-        lines.append(line)
-        rows += [(i, label, row) for label, row in plan_rows]
-        failures += plan_failures
+    refs = [reference_data(cfg, T, args.seed, session.rank, args.combine_dtype, args.scenario) for T in args.tokens]
+    lines, rows, failures = harness.run_plans(
+        session, plans, {"": cfg}, lambda rt, label, check: [check_tokens(rt, session, ref, args, check, label)
+                                                           for ref in refs], build_time=True)
     session.close()
-    all_rows = comm.gather(rows, root=0)
-    all_fail = comm.gather(failures, root=0)
-    if me == 0:
-        fails = [f for rank_fails in all_fail for f in rank_fails]
-        print(f"session init {t_init:.2f} s")
-        for line in lines:
-            print(line)
-        for f in fails:
-            print("FAIL:", f)
-        w = max([4] + [len(label) for rr in all_rows for _, label, _ in rr])
-        print(f"{'rank':>4} {'plan':<{w}} {'T':>5} {'rows':>6} {'combine exact':>13} {'max err':>8} {'b2b same':>8} "
-              f"{'graph ok':>8} {'dispatch us':>11} {'combine us':>10}")
-        for i in range(len(plans)):
-            for r, rr in enumerate(all_rows):
-                for _, label, row in (x for x in rr if x[0] == i):
-                    if row is None:
-                        print(f"{r:>4} {label:<{w}} runtime not built (FAIL above)")
-                        continue
-                    T, n, ex, me_, same, good, d, c = row
-                    print(f"{r:>4} {label:<{w}} {T:>5} {n:>6} {ex:>13.4f} {me_:>8.3g} {same:>8} {good:>8} "
-                          f"{d:>11.1f} {c:>10.1f}")
-        print("PASS" if not fails else "FAIL")
-    return 1 if comm.allreduce(len(failures)) else 0
+
+    def table(all_rows) -> list[str]:
+        def cells(row) -> str:
+            T, n, ex, err, same, good, d, c = row
+            return f"{T:>5} {n:>6} {ex:>13.4f} {err:>8.3g} {same:>8} {good:>8} {d:>11.1f} {c:>10.1f}"
+
+        columns = (f"{'T':>5} {'rows':>6} {'combine exact':>13} {'max err':>8} {'b2b same':>8} {'graph ok':>8} "
+                   f"{'dispatch us':>11} {'combine us':>10}")
+        return [f"session init {t_init:.2f} s", *lines, *harness.plan_table(all_rows, len(plans), columns, cells)]
+
+    return harness.finish(failures, rows, table)
 
 
 if __name__ == "__main__":

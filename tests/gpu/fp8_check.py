@@ -35,6 +35,7 @@ import argparse
 import sys
 from types import SimpleNamespace
 
+import harness
 import numpy as np
 
 FORMATS = ("fp8_e4m3", "fp8_e4m3_ue8m0")
@@ -119,10 +120,9 @@ def fp8_reference(cfg, T: int, seed: int, me: int, scenario: str = "random") -> 
     """What the checks of ``cfg``'s format at T compare with on rank ``me``, computed once for
     every plan (only this rank's parts kept)."""
     from ep_runtime.core import reference
-    from ep_runtime.testing import linear_experts, make_inputs
+    from ep_runtime.testing import linear_experts
 
-    R = cfg.n_ranks
-    xs, ids, ws = make_inputs(cfg, scenario, seed + T, n_tokens=[T] * R)
+    xs, ids, ws = harness.job_inputs(cfg, seed + T, T, scenario)
     plant_awkward_blocks(xs, reference.BF16)
     codes, scales = cfg.token_format.quantize(xs[me].view(np.uint16))
     x_recv, defined, sc_recv = reference.receive_rows(xs, ids, cfg, with_scales=True)[me]
@@ -182,10 +182,9 @@ def check_format(rt, session, d: SimpleNamespace, args, check, fmt: str) -> tupl
     y = cupy.zeros((cfg.recv_rows_capacity, cfg.hidden), cupy.uint16)
     y[:n] = cupy.asarray(d.y)
     b = rt.dispatch(tok, tid, tw)
-    out = cupy.asnumpy(rt.combine(y, b.handle)).view(reference.BF16).astype(np.float32)
-    diff = np.abs(out - d.want)
-    err = float(diff.max()) if T else 0.0
-    ok["combine"] = check(bool((diff <= d.tol).all()), f"{fmt} T={T} combine error {err:.3g} above tolerance")
+    out = cupy.asnumpy(rt.combine(y, b.handle))
+    err = float(np.abs(out.view(reference.BF16).astype(np.float32) - d.want).max()) if T else 0.0
+    ok["combine"] = check.no_failure(harness.combine_failure(out, d.want, d.tol, f"{fmt} T={T}"))
 
     # CUDA graph of the four calls, replayed: codes and scales as the eager call's
     first_x, first_s = b.x[:n].copy(), b.scales[:n].copy()
@@ -206,62 +205,19 @@ def check_format(rt, session, d: SimpleNamespace, args, check, fmt: str) -> tupl
     return T, n, S, err, same, ok
 
 
-def run_plan(fmt: str, cfg, session, text: str, refs, args, n_plans: int):
-    """Build plan ``text``'s runtime of format ``fmt``, run every check at every T of ``refs``,
-    close it. Returns ``(line, rows, failures)``: the plan's line for the report, ``[(label,
-    table row or None)]`` (None: the runtime could not be built; that row on rank 0 only) and
-    this rank's failures, each prefixed with the plan."""
-    from ep_check import plan_label, runtime_for  # this script's folder is on sys.path
-
-    me = session.rank
-    rt, built = runtime_for(cfg, session, text)
-    if rt is None:  # every rank: the plan cannot run here; rank 0 reports it
-        return (f"plan {text}: not built ({fmt})", [(text, None)] if me == 0 else [],
-                [f"{text}: {fmt}: {built}"] if me == 0 else [])
-    label = plan_label(rt.plan, text, n_plans)
-    failures = []
-
-    def check(cond, what):
-        if not cond:
-            failures.append(f"{label}: rank {me}: {what}")
-        return bool(cond)
-
-    rows = [(label, check_format(rt, session, d, args, check, fmt)) for d in refs]
-    line = f"plan {label} = {text}: {rt.plan.summary()}"
-    rt.close()
-    return line, rows, failures
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 128])
-    ap.add_argument("--hidden", type=int, default=7168)
-    ap.add_argument("--experts", type=int, default=256)
-    ap.add_argument("--top-k", type=int, default=8)
+    harness.add_layer_options(ap, tokens=(4096, 128), seed=3)
     ap.add_argument("--replays", type=int, default=20)
-    ap.add_argument("--seed", type=int, default=3)
-    ap.add_argument("--scenario", default="random", help="routing (ep_runtime.testing.SCENARIOS; masked: -1 slots)")
+    harness.add_scenario_option(ap)
     ap.add_argument("--plans", nargs="+", default=["default"], metavar="PLAN",
-                    help="execution plans to check, one runtime each (per format) on one session: 'default' (the "
-                         "rules' plan with EP_RUNTIME_PLAN's overrides), plan overrides such as "
-                         "receiver=wait,transport=puts, or 'variants' (default, then every receiver on every "
-                         "transport it can run on)")
+                    help=harness.PLANS_HELP + "; one runtime per plan and format")
     args = ap.parse_args()
-    from ep_check import plan_list  # this script's folder is on sys.path
+    plans = harness.plan_list(args.plans)
 
-    plans = plan_list(args.plans)
-
-    from mpi4py import MPI
-
-    from ep_runtime import EPConfig
-    from ep_runtime.core.layout import BufferLayout
-    from ep_runtime.shmem import open_session
-
-    comm = MPI.COMM_WORLD
-    R = comm.Get_size()
-    cfgs = {f: EPConfig(n_ranks=R, n_experts=args.experts, top_k=args.top_k, hidden=args.hidden,
-                        max_tokens_per_rank=max(args.tokens), token_dtype=f) for f in FORMATS}
-    session = open_session("nvshmem", heap_bytes=max(BufferLayout(c).symmetric_bytes for c in cfgs.values()))
+    R = harness.job_comm().Get_size()
+    cfgs = {f: harness.layer_config(args, R, max(args.tokens), token_dtype=f) for f in FORMATS}
+    session = harness.open_job_session(*cfgs.values())
     me = session.rank
     failures = []
 
@@ -273,44 +229,20 @@ def main() -> int:
 
     refs = {fmt: [fp8_reference(cfg, T, args.seed, me, args.scenario) for T in args.tokens]
             for fmt, cfg in cfgs.items()}
-    lines, rows = [], []
-    for i, text in enumerate(plans):
-        for fmt, cfg in cfgs.items():
-            try:
-                line, plan_rows, plan_failures = run_plan(fmt, cfg, session, text, refs[fmt], args, len(plans))
-            except Exception:  # not a plan that cannot run: the job stops, as without --plans
-                print(f"rank {me}: plan {text!r} ({fmt}) raised; the plans after it did not run", file=sys.stderr,
-                      flush=True)
-                raise
-            if line not in lines:  # a plan's line once (the formats' plans are alike)
-                lines.append(line)
-            rows += [(i, label, fmt, row) for label, row in plan_rows]
-            failures += plan_failures
+    lines, rows, plan_failures = harness.run_plans(
+        session, plans, cfgs, lambda rt, label, check: [check_format(rt, session, d, args, check, rt.cfg.token_dtype)
+                                                        for d in refs[rt.cfg.token_dtype]])
     session.close()
-    all_rows = comm.gather(rows, root=0)
-    all_fail = comm.gather(failures, root=0)
-    if me == 0:
-        fails = [f for rank_fails in all_fail for f in rank_fails]
-        for line in lines:
-            print(line)
-        for f in fails:
-            print("FAIL:", f)
-        print(conversion)
-        w = max([4] + [len(label) for rr in all_rows for _, label, _, _ in rr])
-        print(f"{'rank':>4} {'plan':<{w}} {'format':>15} {'T':>5} {'rows':>6} {'scales/row':>10} {'combine err':>11} "
-              f"{'graph same':>10}  checks")
-        for i in range(len(plans)):
-            for r, rr in enumerate(all_rows):
-                for _, label, fmt, row in (x for x in rr if x[0] == i):
-                    if row is None:
-                        print(f"{r:>4} {label:<{w}} {fmt:>15} runtime not built (FAIL above)")
-                        continue
-                    T, n, S, err, same, ok = row
-                    passed = sum(ok.values())
-                    print(f"{r:>4} {label:<{w}} {fmt:>15} {T:>5} {n:>6} {S:>10} {err:>11.3g} {same:>10}  "
-                          f"{passed}/{len(ok)} exact")
-        print("PASS" if not fails else "FAIL")
-    return 1 if comm.allreduce(len(failures)) else 0
+
+    def table(all_rows) -> list[str]:
+        def cells(row) -> str:
+            T, n, S, err, same, ok = row
+            return f"{T:>5} {n:>6} {S:>10} {err:>11.3g} {same:>10}  {sum(ok.values())}/{len(ok)} exact"
+
+        columns = f"{'T':>5} {'rows':>6} {'scales/row':>10} {'combine err':>11} {'graph same':>10}  checks"
+        return [*lines, conversion, *harness.plan_table(all_rows, len(plans), columns, cells, ("format", 15))]
+
+    return harness.finish(failures + plan_failures, rows, table)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import sys
 import time
 from types import SimpleNamespace
 
+import harness
 import numpy as np
 
 
@@ -53,24 +54,14 @@ def step_reference(cfg, seed: int, i: int, counts: list[int], me: int, compact: 
                            gather=reference.gather_index(b, cfg) if compact else None)
 
 
-def run_plan(cfg, session, text: str, counts_per_step, steps, args, n_plans: int):
-    """Build plan ``text``'s runtime, capture the graph, replay it once per step (``steps[i]``:
-    replay i's step_reference, computed here where None and kept there when several plans run),
-    close it. Returns ``(line, rows, failures)``: the plan's line for the report, ``[(label,
-    (replays ok, median replay host us) or None)]`` (None: the runtime could not be built; that
-    row on rank 0 only) and this rank's failures, each prefixed with the plan."""
+def replay_steps(rt, session, check, counts_per_step, steps, keep: bool, args) -> list:
+    """Capture the graph on the runtime ``rt``, replay it once per step (``steps[i]``: replay i's
+    step_reference, computed here where None and kept there with ``keep``, when several plans
+    run), each replay checked against its reference; the table row ``[(replays ok, median replay
+    host us)]``."""
     import cupy
-    from ep_check import plan_label, runtime_for  # this script's folder is on sys.path
 
-    from ep_runtime.core import reference
-
-    me, stream, cap = session.rank, session.stream, cfg.max_tokens_per_rank
-    rt, built = runtime_for(cfg, session, text)
-    if rt is None:  # every rank: the plan cannot run here; rank 0 reports it
-        return f"plan {text}: not built", ([(text, None)] if me == 0 else []), ([f"{text}: {built}"] if me == 0 else [])
-    label = plan_label(rt.plan, text, n_plans)
-    failures = []
-
+    cfg, me, stream, cap = rt.cfg, session.rank, session.stream, rt.cfg.max_tokens_per_rank
     tok = cupy.zeros((cap, cfg.hidden), cupy.uint16)
     tid = cupy.zeros((cap, cfg.top_k), cupy.int32)
     tw = cupy.zeros((cap, cfg.top_k), cupy.float32)
@@ -92,7 +83,7 @@ def run_plan(cfg, session, text: str, counts_per_step, steps, args, n_plans: int
     good, times = 0, []
     for i, counts in enumerate(counts_per_step):
         step = steps[i] or step_reference(cfg, args.seed, i, counts, me, args.layout == "compact", args.scenario)
-        if n_plans > 1:
+        if keep:
             steps[i] = step
         n = counts[me]
         tok[:n] = cupy.asarray(step.tokens)
@@ -106,99 +97,58 @@ def run_plan(cfg, session, text: str, counts_per_step, steps, args, n_plans: int
         stream.synchronize()
         times.append((time.perf_counter() - t0) * 1e6)
 
-        ref = step.batch
-        rows = ref.n_rows
-        ok = bool(np.array_equal(cupy.asnumpy(batch.row_offsets), ref.row_offsets))
-        ok &= bool(np.array_equal(cupy.asnumpy(y[:rows]), ref.x.view(np.uint16)))
+        # the expert's input rows (the batch's, or those the compact batch's gather index picks) in
+        # place of the batch's own: checked as an expanded batch
+        ref, what = step.batch, f"replay {i} (counts {counts})"
+        got = harness.batch_to_host(session, batch, rows=ref.n_rows)
+        got["x"] = cupy.asnumpy(y[:ref.n_rows])
+        ok = check.no_failure(harness.batch_failure(got, ref, "expanded", None, cfg, what))
         if args.layout == "compact":
-            ok &= bool(np.array_equal(cupy.asnumpy(batch.gather[:rows]), step.gather))
-            ok &= bool(np.array_equal(cupy.asnumpy(batch.recv_tokens), np.array(counts, np.int32)))
-        for k in ("src_rank", "src_token", "src_k", "weight"):
-            ok &= bool(np.array_equal(cupy.asnumpy(getattr(batch, k)[:rows]), getattr(ref, k)))
-        got = cupy.asnumpy(out[:n]).view(reference.BF16).astype(np.float32)
-        ok &= bool((np.abs(got - step.want.astype(np.float32)) <= step.tol).all())
-        if not ok:
-            failures.append(f"{label}: rank {me}: replay {i} (counts {counts}) differs from the reference")
+            ok &= check(np.array_equal(cupy.asnumpy(batch.gather[:ref.n_rows]), step.gather), f"{what}: gather")
+            ok &= check(np.array_equal(cupy.asnumpy(batch.recv_tokens), np.array(counts, np.int32)),
+                        f"{what}: recv_tokens")
+        ok &= check.no_failure(harness.combine_failure(cupy.asnumpy(out[:n]), step.want.astype(np.float32), step.tol,
+                                                       what))
         good += int(ok)
     rt.synchronize()
     calls = rt.device_calls()
-    if calls != args.replays:
-        failures.append(f"{label}: rank {me}: device call counter {calls}, expected {args.replays} (one per replay)")
-    line = f"plan {label} = {text}: {rt.plan.summary()}"
-    rt.close()
-    return line, [(label, (good, float(np.median(times))))], failures
+    check(calls == args.replays, f"device call counter {calls}, expected {args.replays} (one per replay)")
+    return [(good, float(np.median(times)))]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--capacity", type=int, default=256)
-    ap.add_argument("--hidden", type=int, default=7168)
-    ap.add_argument("--experts", type=int, default=256)
-    ap.add_argument("--top-k", type=int, default=8)
+    harness.add_layer_options(ap, tokens=None, seed=7)
     ap.add_argument("--replays", type=int, default=100)
-    ap.add_argument("--seed", type=int, default=7)
-    ap.add_argument("--scenario", default="random", help="routing (ep_runtime.testing.SCENARIOS; masked: -1 slots)")
+    harness.add_scenario_option(ap)
     ap.add_argument("--layout", choices=("expanded", "compact"), default="expanded")
-    ap.add_argument("--plans", nargs="+", default=["default"], metavar="PLAN",
-                    help="execution plans to check, one runtime each on one session: 'default' (the rules' plan "
-                         "with EP_RUNTIME_PLAN's overrides), plan overrides such as receiver=land,transport=puts, "
-                         "or 'variants' (default, then every receiver on every transport it can run on)")
+    ap.add_argument("--plans", nargs="+", default=["default"], metavar="PLAN", help=harness.PLANS_HELP)
     args = ap.parse_args()
-    from ep_check import plan_list  # this script's folder is on sys.path
+    plans = harness.plan_list(args.plans)
 
-    plans = plan_list(args.plans)
-
-    from mpi4py import MPI
-
-    from ep_runtime import EPConfig
-    from ep_runtime.core.layout import BufferLayout
-    from ep_runtime.shmem import open_session
-
-    comm = MPI.COMM_WORLD
-    R, cap = comm.Get_size(), args.capacity
-    cfg = EPConfig(n_ranks=R, n_experts=args.experts, top_k=args.top_k, hidden=args.hidden,
-                   max_tokens_per_rank=cap)
-    session = open_session("nvshmem", heap_bytes=BufferLayout(cfg).symmetric_bytes)  # every plan's regions
-    me = session.rank
+    R, cap = harness.job_comm().Get_size(), args.capacity
+    cfg = harness.layer_config(args, R, cap)
+    session = harness.open_job_session(cfg)  # every plan's regions
 
     rng = np.random.default_rng(args.seed)
     counts_per_step = [step_counts(R, cap, i, rng) for i in range(args.replays)]
     counts_seen = sorted({c for counts in counts_per_step for c in counts})
     steps = [None] * args.replays  # each replay's reference, kept for the next plans when several run
-    lines, rows, failures = [], [], []
-    for i, text in enumerate(plans):
-        try:
-            line, plan_rows, plan_failures = run_plan(cfg, session, text, counts_per_step, steps, args, len(plans))
-        except Exception:  # not a plan that cannot run: the job stops, as without --plans
-            print(f"rank {me}: plan {text!r} raised; the plans after it did not run", file=sys.stderr, flush=True)
-            raise
-        lines.append(line)
-        rows += [(i, label, row) for label, row in plan_rows]
-        failures += plan_failures
+    lines, rows, failures = harness.run_plans(
+        session, plans, {"": cfg},
+        lambda rt, label, check: replay_steps(rt, session, check, counts_per_step, steps, len(plans) > 1, args))
     session.close()
 
-    all_rows = comm.gather(rows, root=0)
-    fails = comm.gather(failures, root=0)
-    if me == 0:
-        fails = [f for rank_fails in fails for f in rank_fails]
-        for f in fails[:10]:
-            print("FAIL:", f)
-        print(f"layout {args.layout}")
-        for line in lines:
-            print(line)
-        w = max([4] + [len(label) for rr in all_rows for _, label, _ in rr])
-        print(f"{'rank':>4} {'plan':<{w}} {'replays ok':>10} {'of':>4} {'smallest counts':>16} "
-              f"{'replay host us (median)':>24}")
-        for i in range(len(plans)):
-            for r, rr in enumerate(all_rows):
-                for _, label, row in (x for x in rr if x[0] == i):
-                    if row is None:
-                        print(f"{r:>4} {label:<{w}} runtime not built (FAIL above)")
-                        continue
-                    g, t = row
-                    print(f"{r:>4} {label:<{w}} {g:>10} {args.replays:>4} {counts_seen[:3]!s:>16} {t:>24.1f}")
-        print("PASS" if not fails else "FAIL")
-    return 1 if comm.allreduce(len(failures)) else 0
+    def table(all_rows) -> list[str]:
+        def cells(row) -> str:
+            good, t = row
+            return f"{good:>10} {args.replays:>4} {counts_seen[:3]!s:>16} {t:>24.1f}"
+
+        columns = f"{'replays ok':>10} {'of':>4} {'smallest counts':>16} {'replay host us (median)':>24}"
+        return [f"layout {args.layout}", *lines, *harness.plan_table(all_rows, len(plans), columns, cells)]
+
+    return harness.finish(failures, rows, table, most=10)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import statistics
 import sys
 import time
 
+import harness
 import numpy as np
 
 
@@ -37,45 +38,35 @@ def _median_ns(fn, repeat: int, drain=None, every: int = 50) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--hidden", type=int, default=7168)
-    ap.add_argument("--experts", type=int, default=256)
-    ap.add_argument("--top-k", type=int, default=8)
+    harness.add_layer_options(ap, tokens=128)
     ap.add_argument("--repeat", type=int, default=2000)
     ap.add_argument("--profile", type=int, default=0, help="cProfile this many rounds (0: no profile)")
     args = ap.parse_args()
 
     import cupy
-    from mpi4py import MPI
 
-    from ep_runtime import EPConfig, EPRuntime
+    from ep_runtime import EPRuntime
     from ep_runtime.core import arrays
     from ep_runtime.core.kernel_args import build_args
-    from ep_runtime.core.layout import BufferLayout
-    from ep_runtime.shmem import open_session
-    from ep_runtime.testing import make_inputs
-    from startup_check import CALLS, _round  # this script's folder is on sys.path
 
-    comm = MPI.COMM_WORLD
+    comm = harness.job_comm()
     me, R = comm.Get_rank(), comm.Get_size()
-    cfg = EPConfig(n_ranks=R, n_experts=args.experts, top_k=args.top_k, hidden=args.hidden,
-                   max_tokens_per_rank=args.tokens)
-    session = open_session("nvshmem", heap_bytes=BufferLayout(cfg).symmetric_bytes)
+    cfg = harness.layer_config(args, R, args.tokens)
+    session = harness.open_job_session(cfg)
     rt = EPRuntime(cfg, session)
     T = args.tokens
-    xs, ids, ws = make_inputs(cfg, "random", 7, n_tokens=[T] * R)
-    tok, tid, tw = cupy.asarray(xs[me].view(np.uint16)), cupy.asarray(ids[me]), cupy.asarray(ws[me])
+    tok, tid, tw = harness.device_inputs(session, *harness.job_inputs(cfg, 7))
     y = cupy.zeros((cfg.recv_rows_capacity, cfg.hidden), cupy.uint16)
     out = cupy.empty((T, cfg.hidden), cupy.uint16)
 
     def one_round(times=None):
-        _round(rt, tok, tid, tw, y, out, times)  # startup_check's timed round trip (seconds per call)
+        harness.round_trip(rt, tok, tid, tw, y, out, times)  # host seconds per call into times
 
     for _ in range(20):
         one_round()
     rt.synchronize()
     rows = []
-    times = {k: [] for k in CALLS}
+    times = {k: [] for k in harness.CALLS}
     for i in range(args.repeat // 4):
         one_round(times)
         if i % 10 == 9:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+import harness
 import numpy as np
 
 
@@ -31,33 +32,23 @@ def kernel_resources(kernel) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", type=int, nargs="+", default=[128, 4096])
+    harness.add_layer_options(ap, tokens=(128, 4096), token_dtype=True)
     ap.add_argument("--layout", nargs="+", default=["expanded", "compact"])
-    ap.add_argument("--hidden", type=int, default=7168)
-    ap.add_argument("--experts", type=int, default=256)
-    ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--samples", type=int, default=50)
     ap.add_argument("--repeat", type=int, default=0,
                     help="also time each kernel (dispatch_async excepted) launched N times back to back in a "
                          "CUDA graph, with the last round trip's arguments, next to empty kernels of the same grid: "
                          "separates a kernel's fixed cost from its work")
-    ap.add_argument("--token-dtype", default="bfloat16", help="EPConfig.token_dtype (FP8: quantized in dispatch_async)")
     ap.add_argument("--spin-us", type=float, default=300.0,
                     help="device spin queued before each half (0: time eager launches as they come)")
     args = ap.parse_args()
     import cupy
-    from mpi4py import MPI
 
-    from ep_runtime import EPConfig, EPRuntime
+    from ep_runtime import EPRuntime
     from ep_runtime.tools.bench.measure import DeviceSpin
-    from ep_runtime.core.layout import BufferLayout
-    from ep_runtime.shmem import open_session
-    from ep_runtime.testing import make_inputs
 
-    R = MPI.COMM_WORLD.Get_size()
-    cfg = EPConfig(n_ranks=R, n_experts=args.experts, top_k=args.top_k, hidden=args.hidden,
-                   max_tokens_per_rank=max(args.tokens), token_dtype=args.token_dtype)
-    session = open_session("nvshmem", heap_bytes=BufferLayout(cfg).symmetric_bytes)
+    cfg = harness.layer_config(args, harness.job_comm().Get_size(), max(args.tokens), token_dtype=args.token_dtype)
+    session = harness.open_job_session(cfg)
     rt = EPRuntime(cfg, session)
     names = {id(k): n for n, k in rt._kernels.items()}
     stream = session.stream
@@ -122,33 +113,27 @@ def main() -> int:
         empty["numba + nvshmem my_pe"] = graph_time(lambda: my_pe_numba[grid, block, nstream](probe))
 
     table = {}
-    for T in args.tokens:
-        xs, ids, ws = make_inputs(cfg, "random", T, n_tokens=[T] * R)
-        tok, tid, tw = (cupy.asarray(a) for a in (xs[session.rank].view(np.uint16), ids[session.rank], ws[session.rank]))
-        out = cupy.empty((T, cfg.hidden), cupy.uint16)
-        for layout in args.layout:
-            y = cupy.zeros((cfg.recv_rows_capacity if layout == "expanded" else R * cfg.max_tokens_per_rank,
-                            cfg.hidden), cupy.uint16)
-            times = {}
-            for i in range(args.samples + 5):
-                launches.clear()
-                session.barrier()
-                spin()
-                b = rt.dispatch_wait(rt.dispatch_async(tok, tid, tw), layout=layout)
-                session.barrier()
-                spin()
-                rt.combine_wait(rt.combine_async(y, b.handle, layout=layout), out=out)
-                stream.synchronize()
-                if i >= 5:
-                    for name, a, e, _ in launches:
-                        times.setdefault(name, []).append(cupy.cuda.get_elapsed_time(a, e) * 1e3)
-            table[T, layout] = {name: float(np.median(v)) for name, v in times.items()}
-            if args.repeat:
-                session.launch = plain_launch
-                for name, _, _, call in launches:
-                    if name != "dispatch_async":
-                        repeated.setdefault((T, layout), {})[name] = graph_time(lambda: plain_launch(*call))
-                session.launch = timed_launch
+    for T, layout, (tok, tid, tw), y, out in harness.round_trip_cases(session, cfg, args.tokens, args.layout):
+        times = {}
+        for i in range(args.samples + 5):
+            launches.clear()
+            session.barrier()
+            spin()
+            b = rt.dispatch_wait(rt.dispatch_async(tok, tid, tw), layout=layout)
+            session.barrier()
+            spin()
+            rt.combine_wait(rt.combine_async(y, b.handle, layout=layout), out=out)
+            stream.synchronize()
+            if i >= 5:
+                for name, a, e, _ in launches:
+                    times.setdefault(name, []).append(cupy.cuda.get_elapsed_time(a, e) * 1e3)
+        table[T, layout] = {name: float(np.median(v)) for name, v in times.items()}
+        if args.repeat:
+            session.launch = plain_launch
+            for name, _, _, call in launches:
+                if name != "dispatch_async":
+                    repeated.setdefault((T, layout), {})[name] = graph_time(lambda: plain_launch(*call))
+            session.launch = timed_launch
     rt.synchronize()
     resources = {n: kernel_resources(k) for n, k in rt._kernels.items() if n != "validate_routing"}
     session.launch = plain_launch

@@ -13,6 +13,7 @@ static shared memory (dispatch_async has 26 arguments and 33.8 KB). Run without
 
 from __future__ import annotations
 
+import harness
 import numpy as np
 
 N_ARGS = 24
@@ -60,9 +61,8 @@ def main() -> int:
 
     from ep_runtime.tools.bench.measure import DeviceSpin, EventClock, _capture
     from ep_runtime.kernels import pdl
-    from ep_runtime.shmem import open_session
 
-    session = open_session("nvshmem", heap_bytes=64 << 20)
+    session = harness.open_job_session(extra_bytes=64 << 20)
     stream = session.stream
     grid, block = session.sm_count(), 512
     small, big = _kernels(cuda, int32, pdl)

@@ -24,34 +24,27 @@ import argparse
 import sys
 import time
 
+import harness
 import numpy as np
 
 
-def own_failures(session, cfg, run: dict, calls: int, seed: int, node_size: int) -> list[str]:
-    """This rank's calls of ``run`` (``testing.plan_pe``) against the reference: batches bit for
-    bit, combine within the reference's tolerance."""
+def own_failures(session, cfg, run: dict, calls: int, seed: int, node_size: int) -> tuple[list[str], int]:
+    """This rank's calls of ``run`` (``testing.plan_pe``) against the reference, batches bit for
+    bit, combine within the reference's tolerance: the failures and how many calls passed."""
     from ep_runtime.core import reference
-    from ep_runtime.testing import (
-        assert_batch_is_the_reference,
-        call_inputs,
-        call_layout,
-        combine_over_tolerance,
-    )
+    from ep_runtime.testing import call_inputs, call_layout
 
-    me, fails = session.rank, []
+    me, check, exact = session.rank, harness.Checks(), 0
     for call in range(calls):
         xs, ids, ws = call_inputs(cfg, call, seed)
         refs = reference.dispatch(xs, ids, ws, cfg)
         layout = call_layout(cfg, call)
-        got = run["calls"][call]
-        try:
-            assert_batch_is_the_reference(got, refs[me], layout, xs, cfg, f"call {call} ({layout})")
-        except AssertionError as e:
-            fails.append(f"call {call} ({layout}) batch: {str(e)[:300]}")
-        err = combine_over_tolerance(cfg, refs, ids, ws, me, got["out"][:len(xs[me])], node_size)
-        if err is not None:
-            fails.append(f"call {call} ({layout}): the combine is off by {err}, over its tolerance")
-    return fails
+        got, what = run["calls"][call], f"call {call} ({layout})"
+        batch = check.no_failure(harness.batch_failure(got, refs[me], layout, xs, cfg, what))
+        out = got["out"][:len(xs[me])]
+        combine = check.no_failure(harness.reference_combine_failure(cfg, refs, ids, ws, me, out, what, node_size))
+        exact += batch and combine
+    return check.failures, exact
 
 
 def soak_and_time(session, cfg, n: int, seed: int, plan: str = "") -> tuple[int, float, float]:
@@ -65,7 +58,7 @@ def soak_and_time(session, cfg, n: int, seed: int, plan: str = "") -> tuple[int,
     me = session.rank
     xs, ids, ws = call_inputs(cfg, 0, seed)
     y = session.to_device(expert_outputs(cfg, reference.dispatch(xs, ids, ws, cfg)[me], me))
-    x, i, w = (session.to_device(a) for a in (xs[me].view(np.uint16), ids[me], ws[me]))
+    x, i, w = harness.device_inputs(session, xs, ids, ws)
     first, differ, td, tc = None, 0, [], []
     rt = EPRuntime(cfg, session, plan=plan or None)
     for k in range(n):
@@ -136,7 +129,7 @@ def withheld_call(session, cfg, seed: int, nodes: int) -> str | None:
     size = R // nodes
     xs, ids, ws = call_inputs(cfg, 0, seed)
     y = session.to_device(expert_outputs(cfg, reference.dispatch(xs, ids, ws, cfg)[me], me))
-    x, i, w = (session.to_device(a) for a in (xs[me].view(np.uint16), ids[me], ws[me]))
+    x, i, w = harness.device_inputs(session, xs, ids, ws)
     verdict = None
     with EPRuntime(dataclasses.replace(cfg, wait_timeout_s=2.0), session) as rt:
         rt.combine(y, rt.dispatch(x, i, w).handle)
@@ -168,14 +161,10 @@ def main() -> int:
 def checked_main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--nodes", type=int, default=2)
-    ap.add_argument("--tokens", type=int, nargs="+", default=[128, 4096])
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--experts", type=int, default=64)
-    ap.add_argument("--top-k", type=int, default=8)
+    harness.add_layer_options(ap, tokens=(128, 4096), hidden=2048, experts=64, seed=11)
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--soak", type=int, default=100)
-    ap.add_argument("--seed", type=int, default=11)
-    ap.add_argument("--backend", default="nvshmem", choices=("nvshmem", "sim"))
+    harness.add_backend_option(ap)
     ap.add_argument("--fp8", action="store_true", help="also FP8 (e4m3) round trips: codes and scales exact")
     ap.add_argument("--fault", action="store_true", help="last: the last node withholds a call (named timeouts)")
     ap.add_argument("--watchdog", type=float, default=0, help="print every thread's stack every S seconds (hangs)")
@@ -185,22 +174,16 @@ def checked_main() -> int:
         import faulthandler
 
         faulthandler.dump_traceback_later(args.watchdog, repeat=True)
-    from mpi4py import MPI
-
-    from ep_runtime import EPConfig
     from ep_runtime.core.errors import EPInputError
-    from ep_runtime.core.layout import BufferLayout
     from ep_runtime.core.plan import Topology, choose_plan
-    from ep_runtime.shmem import open_session
     from ep_runtime.testing import plan_pe
 
-    comm = MPI.COMM_WORLD
-    R = comm.Get_size()
-    cfgs = {T: EPConfig(n_ranks=R, n_experts=args.experts, top_k=args.top_k, hidden=args.hidden,
-                        max_tokens_per_rank=T) for T in args.tokens}
-    heap = max(BufferLayout(c).symmetric_bytes for c in cfgs.values()) + (64 << 20)
-    rows, fails, nodes = [], [], args.nodes
-    session = open_session(args.backend, heap, comm=comm, logical_nodes=nodes if nodes > 1 else None)
+    comm = harness.job_comm()
+    R, nodes = comm.Get_size(), args.nodes
+    cfgs = {T: harness.layer_config(args, R, T) for T in args.tokens}
+    rows, fails = [], []
+    session = harness.open_job_session(*cfgs.values(), backend=args.backend, extra_bytes=64 << 20,
+                                       logical_nodes=nodes)
     me = session.rank
     node_of = session.node_of()
     if nodes > 1:
@@ -228,12 +211,10 @@ def checked_main() -> int:
         exact = None
         if nodes > 1:
             run = plan_pe(session, args.plan or {}, cfg, args.calls, args.seed)
-            node_size = run["plan"]["node_size"]
-            own = own_failures(session, cfg, run, args.calls, args.seed, node_size)
+            own, exact = own_failures(session, cfg, run, args.calls, args.seed, run["plan"]["node_size"])
             for f in own:
                 progress(f"T={T}: {f}")
             fails += [f"rank {me}, T={T}: {f}" for f in own]
-            exact = args.calls - len({f.split(" ")[1] for f in own})
         progress(f"T={T}: round trips checked, soak")
         differ, d_us, c_us = soak_and_time(session, cfg, args.soak, args.seed, args.plan)
         if differ:
@@ -249,24 +230,22 @@ def checked_main() -> int:
         if fault is not None:
             fails.append(f"rank {me}: a withheld call: {fault}")
     session.close()
-    every = comm.gather((rows, fails), root=0)
-    if comm.Get_rank() != 0:
-        return 0
-    print(f"{R} ranks as {nodes} node(s) {node_of}, hidden {args.hidden}, top-{args.top_k} of {args.experts}, "
-          f"backend {args.backend}; {args.soak} soak round trips (eager, host clock, median us)")
-    print("rank     T  exact calls  soak differ  dispatch us  combine us  plan")
-    for rs, _ in every:
-        for me, T, summary, exact, differ, d_us, c_us in rs:
-            ex = "-" if exact is None else f"{exact}/{args.calls}"
-            print(f"{me:>4} {T:>5} {ex:>11} {differ:>11} {d_us:>12.1f} {c_us:>11.1f}  {summary}")
-    if args.fault and nodes > 1:
-        print(f"fault: node {nodes - 1} withheld call 1; the other nodes' ranks raised dispatch_relay's timeout naming "
-              f"their source: {'yes' if not any('withheld' in f for _, fs in every for f in fs) else 'NO'}")
-    all_fails = [f for _, fs in every for f in fs]
-    for f in all_fails[:20]:
-        print("FAIL:", f)
-    print("FAIL" if all_fails else "PASS")
-    return 1 if all_fails else 0
+
+    def table(every) -> list[str]:
+        lines = [f"{R} ranks as {nodes} node(s) {node_of}, hidden {args.hidden}, top-{args.top_k} of {args.experts}, "
+                 f"backend {args.backend}; {args.soak} soak round trips (eager, host clock, median us)",
+                 "rank     T  exact calls  soak differ  dispatch us  combine us  plan"]
+        for rank_rows, _ in every:
+            for r, T, summary, exact, differ, d_us, c_us in rank_rows:
+                ex = "-" if exact is None else f"{exact}/{args.calls}"
+                lines.append(f"{r:>4} {T:>5} {ex:>11} {differ:>11} {d_us:>12.1f} {c_us:>11.1f}  {summary}")
+        if args.fault and nodes > 1:
+            named = all(rank_fault is None for _, rank_fault in every)
+            lines.append(f"fault: node {nodes - 1} withheld call 1; the other nodes' ranks raised dispatch_relay's "
+                         f"timeout naming their source: {'yes' if named else 'NO'}")
+        return lines
+
+    return harness.finish(fails, (rows, fault), table, most=20)
 
 
 if __name__ == "__main__":

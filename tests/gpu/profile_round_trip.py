@@ -17,30 +17,20 @@ from __future__ import annotations
 import argparse
 import sys
 
-import numpy as np
+import harness
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", type=int, nargs="+", default=[128])
+    harness.add_layer_options(ap, tokens=(128,), token_dtype=True)
     ap.add_argument("--layout", nargs="+", default=["expanded", "compact"])
-    ap.add_argument("--hidden", type=int, default=7168)
-    ap.add_argument("--experts", type=int, default=256)
-    ap.add_argument("--top-k", type=int, default=8)
-    ap.add_argument("--token-dtype", default="bfloat16")
     args = ap.parse_args()
     import cupy
-    from mpi4py import MPI
 
-    from ep_runtime import EPConfig, EPRuntime
-    from ep_runtime.core.layout import BufferLayout
-    from ep_runtime.shmem import open_session
-    from ep_runtime.testing import make_inputs
+    from ep_runtime import EPRuntime
 
-    R = MPI.COMM_WORLD.Get_size()
-    cfg = EPConfig(n_ranks=R, n_experts=args.experts, top_k=args.top_k, hidden=args.hidden,
-                   max_tokens_per_rank=max(args.tokens), token_dtype=args.token_dtype)
-    session = open_session("nvshmem", heap_bytes=BufferLayout(cfg).symmetric_bytes)
+    cfg = harness.layer_config(args, harness.job_comm().Get_size(), max(args.tokens), token_dtype=args.token_dtype)
+    session = harness.open_job_session(cfg)
     rt = EPRuntime(cfg, session)
     plain_launch = session.launch
 
@@ -49,26 +39,20 @@ def main() -> int:
         session.stream.synchronize()
         session.barrier()
 
-    for T in args.tokens:
-        xs, ids, ws = make_inputs(cfg, "random", T, n_tokens=[T] * R)
-        tok, tid, tw = (cupy.asarray(a) for a in (xs[session.rank].view(np.uint16), ids[session.rank], ws[session.rank]))
-        out = cupy.empty((T, cfg.hidden), cupy.uint16)
-        for layout in args.layout:
-            y = cupy.ones((cfg.recv_rows_capacity if layout == "expanded" else R * cfg.max_tokens_per_rank,
-                           cfg.hidden), cupy.uint16)
-            for profiled in (False, False, True):
-                session.launch = isolated_launch if profiled else plain_launch
-                session.barrier()
-                if profiled:
-                    cupy.cuda.profiler.start()
-                b = rt.dispatch_wait(rt.dispatch_async(tok, tid, tw), layout=layout)
-                rt.combine_wait(rt.combine_async(y, b.handle, layout=layout), out=out)
-                rt.synchronize()
-                if profiled:
-                    cupy.cuda.profiler.stop()
-            session.launch = plain_launch
-            if session.rank == 0:
-                print(f"profiled T={T} layout={layout} rows={int(b.row_offsets[-1])}", flush=True)
+    for T, layout, (tok, tid, tw), y, out in harness.round_trip_cases(session, cfg, args.tokens, args.layout, fill=1):
+        for profiled in (False, False, True):
+            session.launch = isolated_launch if profiled else plain_launch
+            session.barrier()
+            if profiled:
+                cupy.cuda.profiler.start()
+            b = rt.dispatch_wait(rt.dispatch_async(tok, tid, tw), layout=layout)
+            rt.combine_wait(rt.combine_async(y, b.handle, layout=layout), out=out)
+            rt.synchronize()
+            if profiled:
+                cupy.cuda.profiler.stop()
+        session.launch = plain_launch
+        if session.rank == 0:
+            print(f"profiled T={T} layout={layout} rows={int(b.row_offsets[-1])}", flush=True)
     rt.close()
     session.close()
     return 0

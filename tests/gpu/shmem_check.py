@@ -16,6 +16,8 @@ import pathlib
 import sys
 import traceback
 
+import harness
+
 HERE = pathlib.Path(__file__).resolve().parent
 
 
@@ -27,9 +29,7 @@ def load_sim_tests():
 
 
 def main() -> int:
-    from ep_runtime.shmem import open_session
-
-    session = open_session("nvshmem", heap_bytes=64 << 20)
+    session = harness.open_job_session(extra_bytes=64 << 20)
     n = session.n_ranks
     tests = load_sim_tests()
 
@@ -51,22 +51,24 @@ def main() -> int:
         ("put argument order: dst first", lambda: tests.test_put_argument_order_dst_first(n)),
         ("ring by direct stores into peer views", lambda: tests.test_ring_by_direct_stores_into_peer_views(n)),
     ]
-    rows = []
+    rows, failures = [], []
     for name, check in checks:
         try:
             check()
             rows.append((name, "PASS", ""))
         except Exception as e:  # report every check, not just the first failure
-            rows.append((name, "FAIL", f"{type(e).__name__}: {e}".splitlines()[0][:200]))
+            why = f"{type(e).__name__}: {e}".splitlines()[0][:200]
+            rows.append((name, "FAIL", why))
+            failures.append(f"rank {session.rank}: {name}: {why}")
             if session.rank == 0:
                 traceback.print_exc()
     session.close()
-    if session.rank == 0:
-        print(f"SHMEM exchange checks on NVSHMEM, {n} ranks")
-        for name, status, why in rows:
-            print(f"{status:4}  {name}  {why}")
-        print("PASS" if all(s == "PASS" for _, s, _ in rows) else "FAIL")
-    return 0 if all(s == "PASS" for _, s, _ in rows) else 1
+
+    def table(every) -> list[str]:  # rank 0's rows (every rank checks every PE's results)
+        return [f"SHMEM exchange checks on NVSHMEM, {n} ranks"] + [f"{status:4}  {name}  {why}"
+                                                                  for name, status, why in every[0]]
+
+    return harness.finish(failures, rows, table)
 
 
 if __name__ == "__main__":

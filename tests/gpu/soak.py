@@ -16,6 +16,7 @@ import argparse
 import sys
 import time
 
+import harness
 import numpy as np
 
 
@@ -32,22 +33,18 @@ def main() -> int:
     args = ap.parse_args()
 
     import cupy
-    from mpi4py import MPI
 
     from ep_runtime import EPConfig, EPRuntime, reference
-    from ep_runtime.core.layout import BufferLayout
-    from ep_runtime.shmem import open_session
     from ep_runtime.testing import linear_experts, make_inputs
 
-    comm = MPI.COMM_WORLD
-    R = comm.Get_size()
+    R = harness.job_comm().Get_size()
     cfg = EPConfig(n_ranks=R, n_experts=256, top_k=8, hidden=7168, max_tokens_per_rank=args.max_tokens)
-    session = open_session("nvshmem", heap_bytes=BufferLayout(cfg).symmetric_bytes)
+    session = harness.open_job_session(cfg)
     me = session.rank
     rt = EPRuntime(cfg, session)
     current_is_session = cupy.cuda.get_current_stream().ptr == session.stream.ptr
     rng = np.random.default_rng(args.seed)
-    sets, failures = [], []
+    sets, check = [], harness.Checks(f"rank {me}: ")
     for i in range(args.sets):
         counts = [int(c) for c in rng.integers(0, cfg.max_tokens_per_rank + 1, R)]
         xs, ids, ws = make_inputs(cfg, "random", args.seed * 1000 + i, n_tokens=counts)
@@ -61,13 +58,10 @@ def main() -> int:
         s["y"][:n] = cupy.asarray(ys[me].view(np.uint16))
         batch = rt.dispatch(s["tok"], s["ids"], s["w"])
         rt.combine(s["y"], batch.handle, out=s["out"])
-        if not (np.array_equal(cupy.asnumpy(batch.x[:n]), ref[me].x.view(np.uint16))
-                and np.array_equal(cupy.asnumpy(batch.row_offsets), ref[me].row_offsets)):
-            failures.append(f"set {i}: dispatch differs from the reference")
-        got = cupy.asnumpy(s["out"]).view(reference.BF16).astype(np.float32)
+        got = harness.batch_to_host(session, batch, rows=n)
+        check.no_failure(harness.batch_failure(got, ref[me], "expanded", xs, cfg, f"set {i}: dispatch"))
         tol = reference.combine_tolerance(ws[me], float(np.abs(ys[me].astype(np.float32)).max(initial=1.0)))
-        if not (np.abs(got - want.astype(np.float32)) <= tol).all():
-            failures.append(f"set {i}: combine outside tolerance")
+        check.no_failure(harness.combine_failure(cupy.asnumpy(s["out"]), want.astype(np.float32), tol, f"set {i}"))
         s["x_first"], s["out_first"] = batch.x[:n].copy(), s["out"].copy()
         if args.diagnose:
             s.update(x_ref=ref[me].x.view(np.uint16), src_rank=ref[me].src_rank, src_token=ref[me].src_token,
@@ -122,12 +116,10 @@ def main() -> int:
     soak_s = time.perf_counter() - t0
     free_after, used_after = cupy.cuda.runtime.memGetInfo()[0], pool.used_bytes()
     n_differ = int(differ)
-    if not current_is_session:
-        failures.append("CuPy's current stream is not the session stream after building the runtime")
-    if n_differ:
-        failures.append(f"{n_differ} of {args.calls} soak calls differ from their first run")
-    if free_after < free_before or used_after > used_before:
-        failures.append(f"device memory grew: free {free_before} -> {free_after}, pool {used_before} -> {used_after}")
+    check(current_is_session, "CuPy's current stream is not the session stream after building the runtime")
+    check(not n_differ, f"{n_differ} of {args.calls} soak calls differ from their first run")
+    check(free_after >= free_before and used_after <= used_before,
+          f"device memory grew: free {free_before} -> {free_after}, pool {used_before} -> {used_after}")
 
     # cost of the debug-mode routing check at the largest batch of this layer
     s = max(sets, key=lambda s: s["ids"].shape[0])
@@ -145,18 +137,16 @@ def main() -> int:
     check_us = float(np.median(times))
     rt.close()
     session.close()
-    rows = comm.gather((me, args.calls, n_differ, soak_s, free_before - free_after, used_after - used_before,
-                        s["ids"].shape[0], check_us), root=0)
-    all_fail = comm.gather(failures, root=0)
-    if me == 0:
-        for f in sum(all_fail, []):
-            print("FAIL:", f)
-        print(f"{'rank':>4} {'calls':>6} {'differ':>6} {'soak s':>7} {'free drop B':>11} {'pool growth B':>13} "
-              f"{'check T':>7} {'check us':>8}")
-        for r in rows:
-            print(f"{r[0]:>4} {r[1]:>6} {r[2]:>6} {r[3]:>7.1f} {r[4]:>11} {r[5]:>13} {r[6]:>7} {r[7]:>8.1f}")
-        print("PASS" if not sum(all_fail, []) else "FAIL")
-    return 1 if comm.allreduce(len(failures)) else 0
+    row = (args.calls, n_differ, soak_s, free_before - free_after, used_after - used_before, s["ids"].shape[0],
+           check_us)
+
+    def table(every) -> list[str]:
+        return [f"{'rank':>4} {'calls':>6} {'differ':>6} {'soak s':>7} {'free drop B':>11} {'pool growth B':>13} "
+                f"{'check T':>7} {'check us':>8}"] + [
+            f"{r:>4} {c[0]:>6} {c[1]:>6} {c[2]:>7.1f} {c[3]:>11} {c[4]:>13} {c[5]:>7} {c[6]:>8.1f}"
+            for r, c in enumerate(every)]
+
+    return harness.finish(check.failures, row, table)
 
 
 if __name__ == "__main__":

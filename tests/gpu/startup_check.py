@@ -29,29 +29,11 @@ import statistics
 import sys
 import time
 
+import harness
 import numpy as np
 
 BUILD_TARGET_S = 3.0
 LAUNCH_TARGET_US = 10.0
-CALLS = ("dispatch_async", "dispatch_wait", "combine_async", "combine_wait")
-
-
-def _round(rt, tok, tid, tw, y, out, times):
-    """One dispatch + combine; appends each call's host seconds to ``times[name]``."""
-    pc = time.perf_counter
-    t0 = pc()
-    h = rt.dispatch_async(tok, tid, tw)
-    t1 = pc()
-    batch = rt.dispatch_wait(h)
-    t2 = pc()
-    ch = rt.combine_async(y, batch.handle)
-    t3 = pc()
-    rt.combine_wait(ch, out=out)
-    t4 = pc()
-    if times is not None:
-        for name, dt in zip(CALLS, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
-            times[name].append(dt)
-    return batch
 
 
 def _snapshot(batch, out):
@@ -75,13 +57,13 @@ def _measure(rt, session, inputs, calls, fast):
     tok, tid, tw, y, out = inputs
     session.fast_launch = fast
     for _ in range(10):  # warm-up (Numba's first dispatch of each kernel types its arguments)
-        _round(rt, tok, tid, tw, y, out, None)
+        harness.round_trip(rt, tok, tid, tw, y, out)
     rt.synchronize()
     session.barrier()
     before = dict(session.launch_counts)
-    times = {name: [] for name in CALLS}
+    times = {name: [] for name in harness.CALLS}
     for _ in range(calls):
-        _round(rt, tok, tid, tw, y, out, times)
+        harness.round_trip(rt, tok, tid, tw, y, out, times)
         rt.synchronize()  # outside the timed calls: keeps the launch queue short
     used = {k: session.launch_counts[k] - before[k] for k in before}
 
@@ -96,14 +78,14 @@ def _measure(rt, session, inputs, calls, fast):
     session.launch = timed_launch
     try:
         for _ in range(calls):
-            _round(rt, tok, tid, tw, y, out, None)
+            harness.round_trip(rt, tok, tid, tw, y, out)
             rt.synchronize()
     finally:
         del session.launch  # back to the class's method
 
     session.barrier()
     out.fill(0)
-    batch = _round(rt, tok, tid, tw, y, out, None)
+    batch = harness.round_trip(rt, tok, tid, tw, y, out)
     rt.synchronize()
     med = {name: statistics.median(v) * 1e6 for name, v in times.items()}
     med["session.launch"] = statistics.median(launch_times) * 1e6
@@ -116,40 +98,30 @@ def main() -> int:
     ap.add_argument("--cache-dir", default=os.environ.get("EP_RUNTIME_KERNEL_CACHE")
                     or "/tmp/ep_runtime_startup_check/kernels",
                     help="kernel cache directory (default: $EP_RUNTIME_KERNEL_CACHE or a /tmp folder)")
-    ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--hidden", type=int, default=7168)
-    ap.add_argument("--experts", type=int, default=256)
-    ap.add_argument("--top-k", type=int, default=8)
+    harness.add_layer_options(ap, tokens=128, seed=1)
     ap.add_argument("--calls", type=int, default=200)
-    ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args()
 
-    from mpi4py import MPI
-
-    comm = MPI.COMM_WORLD
+    comm = harness.job_comm()
     me, R = comm.Get_rank(), comm.Get_size()
-    failures = []
-    if os.environ.get("EP_RUNTIME_FAST_LAUNCH", "1").strip().lower() in ("0", "off", "false", "no"):
-        failures.append("EP_RUNTIME_FAST_LAUNCH disables the fast path: unset it for this check")
+    check = harness.Checks()
+    check(os.environ.get("EP_RUNTIME_FAST_LAUNCH", "1").strip().lower() not in ("0", "off", "false", "no"),
+          "EP_RUNTIME_FAST_LAUNCH disables the fast path: unset it for this check")
     cache_dir = os.path.abspath(os.path.expanduser(args.cache_dir))
     os.environ["EP_RUNTIME_KERNEL_CACHE"] = cache_dir  # read when the session opens
     if args.phase == "cold" and me == 0:
         shutil.rmtree(cache_dir, ignore_errors=True)
     comm.Barrier()
-    if args.phase == "warm" and not (os.path.isdir(cache_dir) and os.listdir(cache_dir)):
-        failures.append(f"warm phase but {cache_dir} is empty: run --phase cold first (same machine)")
+    check(args.phase != "warm" or (os.path.isdir(cache_dir) and os.listdir(cache_dir)),
+          f"warm phase but {cache_dir} is empty: run --phase cold first (same machine)")
 
     import cupy
 
-    from ep_runtime import EPConfig, EPRuntime
-    from ep_runtime.core.layout import BufferLayout
-    from ep_runtime.shmem import open_session
-    from ep_runtime.testing import make_inputs
+    from ep_runtime import EPRuntime
 
-    cfg = EPConfig(n_ranks=R, n_experts=args.experts, top_k=args.top_k, hidden=args.hidden,
-                   max_tokens_per_rank=args.tokens)
+    cfg = harness.layer_config(args, R, args.tokens)
     t0 = time.perf_counter()
-    session = open_session("nvshmem", heap_bytes=BufferLayout(cfg).symmetric_bytes)
+    session = harness.open_job_session(cfg)
     open_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     for module in ("ep_runtime.kernels.shmem", "ep_runtime.kernels.dispatch", "ep_runtime.kernels.combine"):
@@ -165,20 +137,16 @@ def main() -> int:
           f"cache_stored={stats.get('stored')} cache_rejected={stats.get('rejected')} "
           f"uncacheable={stats.get('uncacheable')}", flush=True)
     if session.kernel_cache is None:
-        failures.append("the kernel cache is disabled")
+        check(False, "the kernel cache is disabled")
     elif args.phase == "warm":
-        if stats["misses"] or stats["rejected"] or stats["uncacheable"] or not stats["hits"]:
-            failures.append(f"rank {me}: warm start compiled kernels ({stats})")
-        if build_s > BUILD_TARGET_S:
-            failures.append(f"rank {me}: warm build {build_s:.2f} s > {BUILD_TARGET_S} s")
-    elif not stats["stored"]:
-        failures.append(f"rank {me}: cold start stored no kernel ({stats})")
+        check(not (stats["misses"] or stats["rejected"] or stats["uncacheable"] or not stats["hits"]),
+              f"rank {me}: warm start compiled kernels ({stats})")
+        check(build_s <= BUILD_TARGET_S, f"rank {me}: warm build {build_s:.2f} s > {BUILD_TARGET_S} s")
+    else:
+        check(stats["stored"], f"rank {me}: cold start stored no kernel ({stats})")
 
     T = args.tokens
-    xs, ids, ws = make_inputs(cfg, "random", args.seed + T, n_tokens=[T] * R)
-    tok = cupy.asarray(xs[me].view(np.uint16))
-    tid = cupy.asarray(ids[me])
-    tw = cupy.asarray(ws[me])
+    tok, tid, tw = harness.device_inputs(session, *harness.job_inputs(cfg, args.seed + T, T))
     y = cupy.asarray(np.random.default_rng(args.seed + me).integers(
         0, 1 << 14, size=(cfg.recv_rows_capacity, cfg.hidden), dtype=np.uint16))  # finite bf16 values
     out = cupy.empty((T, cfg.hidden), cupy.uint16)
@@ -187,33 +155,31 @@ def main() -> int:
     fast_med, fast_used, fast_res = _measure(rt, session, inputs, args.calls, fast=True)
     numba_med, numba_used, numba_res = _measure(rt, session, inputs, args.calls, fast=False)
     session.fast_launch = True
-    if fast_used["numba"] or not fast_used["fast"]:
-        failures.append(f"rank {me}: fast rounds launched {fast_used} (some launches fell back to Numba)")
-    if numba_used["fast"]:
-        failures.append(f"rank {me}: Numba rounds launched {numba_used}")
+    check(not fast_used["numba"] and fast_used["fast"],
+          f"rank {me}: fast rounds launched {fast_used} (some launches fell back to Numba)")
+    check(not numba_used["fast"], f"rank {me}: Numba rounds launched {numba_used}")
     for name in sorted(set(fast_res) | set(numba_res)):
         a, b = fast_res.get(name), numba_res.get(name)
-        if a is None or b is None or a.shape != b.shape or not np.array_equal(a.view(np.uint8), b.view(np.uint8)):
-            failures.append(f"rank {me}: {name} differs between the fast and the Numba path")
-    if fast_med["session.launch"] > LAUNCH_TARGET_US:
-        failures.append(f"rank {me}: fast session.launch {fast_med['session.launch']:.1f} us > {LAUNCH_TARGET_US} us")
+        same = a is not None and b is not None and a.shape == b.shape and np.array_equal(a.view(np.uint8),
+                                                                                       b.view(np.uint8))
+        check(same, f"rank {me}: {name} differs between the fast and the Numba path")
+    check(fast_med["session.launch"] <= LAUNCH_TARGET_US,
+          f"rank {me}: fast session.launch {fast_med['session.launch']:.1f} us > {LAUNCH_TARGET_US} us")
 
     rt.close()
     session.close()
-    rows = comm.gather((me, build_s, import_s, fast_med, numba_med), root=0)
-    all_fail = comm.gather(failures, root=0)
-    if me == 0:
-        print(f"startup_check phase={args.phase} ranks={R} T={T} hidden={cfg.hidden} experts={cfg.n_experts} "
-              f"top_k={cfg.top_k} calls={args.calls} cache={cache_dir}")
-        for f in sum(all_fail, []):
-            print("FAIL:", f)
-        print(f"{'rank':>4} {'build s':>8} {'import s':>8} {'what (host us, median)':<24} {'fast':>8} {'numba':>8}")
-        for r, b, imp, fm, nm in rows:
-            for i, name in enumerate(CALLS + ("session.launch",)):
+
+    def table(every) -> list[str]:
+        lines = [f"startup_check phase={args.phase} ranks={R} T={T} hidden={cfg.hidden} experts={cfg.n_experts} "
+                 f"top_k={cfg.top_k} calls={args.calls} cache={cache_dir}",
+                 f"{'rank':>4} {'build s':>8} {'import s':>8} {'what (host us, median)':<24} {'fast':>8} {'numba':>8}"]
+        for r, (b, imp, fm, nm) in enumerate(every):
+            for i, name in enumerate(harness.CALLS + ("session.launch",)):
                 lead = f"{r:>4} {b:>8.2f} {imp:>8.2f}" if i == 0 else " " * 22
-                print(f"{lead} {name:<24} {fm[name]:>8.1f} {nm[name]:>8.1f}")
-        print("PASS" if not sum(all_fail, []) else "FAIL")
-    return 1 if comm.allreduce(len(failures)) else 0
+                lines.append(f"{lead} {name:<24} {fm[name]:>8.1f} {nm[name]:>8.1f}")
+        return lines
+
+    return harness.finish(check.failures, (build_s, import_s, fast_med, numba_med), table)
 
 
 if __name__ == "__main__":

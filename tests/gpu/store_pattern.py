@@ -28,6 +28,7 @@ import argparse
 import statistics
 import sys
 
+import harness
 import numpy as np
 
 
@@ -67,10 +68,7 @@ def make_rows_to_destinations(up: int, warp: int = 32):
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", type=int, default=4096)
-    ap.add_argument("--hidden", type=int, default=7168)
-    ap.add_argument("--experts", type=int, default=256)
-    ap.add_argument("--top-k", type=int, default=8)
+    harness.add_layer_options(ap, tokens=4096)
     ap.add_argument("--unroll", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--threads", type=int, nargs="+", default=[256, 512, 1024])
     ap.add_argument("--blocks", type=int, nargs="+", default=[16, 32, 64, 0, 264],
@@ -80,15 +78,14 @@ def main() -> int:
     args = ap.parse_args()
 
     import cupy
-    from mpi4py import MPI
 
     from ep_runtime.tools.bench.measure import DeviceSpin, EventClock
-    from ep_runtime.shmem import open_session
 
-    R, me = MPI.COMM_WORLD.Get_size(), MPI.COMM_WORLD.Get_rank()
+    comm = harness.job_comm()
+    R, me = comm.Get_size(), comm.Get_rank()
     T, W = args.tokens, args.hidden // 4  # bf16 rows as uint64 words
     row_bytes = W * 8
-    session = open_session("nvshmem", heap_bytes=R * T * row_bytes + (64 << 20))
+    session = harness.open_job_session(extra_bytes=R * T * row_bytes + (64 << 20))
     dst = session.alloc_symmetric("store_pattern.dst", (R * T * row_bytes,), np.uint8)
     bases_host = session.peer_addresses(dst)
     if bases_host is None or R < 2:
@@ -147,7 +144,7 @@ def main() -> int:
     session.barrier()
     session.free_symmetric(dst)
     session.close()
-    all_rows = MPI.COMM_WORLD.gather(rows, root=0)
+    all_rows = harness.gather(rows)
     if me == 0:
         print(f"store_pattern ranks={R} T={T} hidden={args.hidden} row_bytes={row_bytes} samples={args.samples}")
         print(f"{'pattern':<20} {'pairs':>5} {'threads':>7} {'blocks':>6} "

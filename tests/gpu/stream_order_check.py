@@ -3,12 +3,13 @@ it (run on the GPU machine: ``mpirun -np 2 -x PYTHONPATH python3 tests/gpu/strea
 
 Regression check for the WAR in ``NvshmemSession._on_stream``: with CuPy's own ``with stream:``
 blocks inside the session, the null stream was left current, and a CuPy fill enqueued right
-after ``dispatch_wait`` ran concurrently with it (some fills overwritten). Prints
-PASS when no fill is overwritten and CuPy's current stream is the session's.
+after ``dispatch_wait`` ran concurrently with it (some fills overwritten). Prints a line per
+rank, then PASS when no fill is overwritten and CuPy's current stream is the session's on every
+rank.
 """
 import sys
 
-import numpy as np
+import harness
 
 CALLS = 40
 
@@ -17,15 +18,12 @@ def main():
     import cupy
 
     from ep_runtime import EPConfig, EPRuntime
-    from ep_runtime.core.layout import BufferLayout
-    from ep_runtime.shmem import open_session
-    from ep_runtime.testing import make_inputs
 
-    cfg = EPConfig(n_ranks=2, n_experts=256, top_k=8, hidden=7168, max_tokens_per_rank=256)
-    s = open_session("nvshmem", heap_bytes=BufferLayout(cfg).symmetric_bytes)
+    cfg = EPConfig(n_ranks=harness.job_comm().Get_size(), n_experts=256, top_k=8, hidden=7168,
+                   max_tokens_per_rank=256)
+    s = harness.open_job_session(cfg)
     rt = EPRuntime(cfg, s)
-    xs, ids, ws = make_inputs(cfg, "random", 3, n_tokens=[256] * cfg.n_ranks)
-    tok, ti, tw = (cupy.asarray(a) for a in (xs[s.rank].view(np.uint16), ids[s.rank], ws[s.rank]))
+    tok, ti, tw = harness.device_inputs(s, *harness.job_inputs(cfg, 3))
     overwritten = 0
     current_ok = cupy.cuda.get_current_stream().ptr == s.stream.ptr
     for _ in range(CALLS):
@@ -37,10 +35,11 @@ def main():
     rt.synchronize()
     rt.close()
     s.close()
-    ok = overwritten == 0 and current_ok
-    print(f"rank {s.rank}: {overwritten} of {CALLS} fills overwritten; CuPy current stream is the session's: "
-          f"{current_ok}; {'PASS' if ok else 'FAIL'}", flush=True)
-    return 0 if ok else 1
+    check = harness.Checks(f"rank {s.rank}: ")
+    check(overwritten == 0, f"{overwritten} of {CALLS} fills overwritten")
+    check(current_ok, "CuPy's current stream is not the session's")
+    row = f"{overwritten} of {CALLS} fills overwritten; CuPy current stream is the session's: {current_ok}"
+    return harness.finish(check.failures, row, lambda every: [f"rank {r}: {line}" for r, line in enumerate(every)])
 
 
 if __name__ == "__main__":

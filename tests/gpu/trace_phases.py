@@ -19,36 +19,29 @@ import argparse
 import os
 import sys
 
+import harness
 import numpy as np
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 128])
+    harness.add_layer_options(ap, tokens=(1, 128), token_dtype=True)
     ap.add_argument("--layout", nargs="+", default=["compact", "expanded"])
-    ap.add_argument("--hidden", type=int, default=7168)
-    ap.add_argument("--experts", type=int, default=256)
-    ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--samples", type=int, default=30)
     ap.add_argument("--spin-us", type=float, default=200.0)
-    ap.add_argument("--token-dtype", default="bfloat16")
     args = ap.parse_args()
     os.environ["EP_RUNTIME_TRACE"] = "1"  # before any kernel module is imported
     import cupy
-    from mpi4py import MPI
 
-    from ep_runtime import EPConfig, EPRuntime
+    from ep_runtime import EPRuntime
     from ep_runtime.tools.bench.measure import DeviceSpin
     from ep_runtime.kernels.trace import SLOTS, TRACE
-    from ep_runtime.core.layout import TRACE_BASE, BufferLayout
-    from ep_runtime.shmem import open_session
-    from ep_runtime.testing import make_inputs
+    from ep_runtime.core.layout import TRACE_BASE
 
     assert TRACE, "EP_RUNTIME_TRACE was not seen by ep_runtime.kernels.trace"
-    R = MPI.COMM_WORLD.Get_size()
-    cfg = EPConfig(n_ranks=R, n_experts=args.experts, top_k=args.top_k, hidden=args.hidden,
-                   max_tokens_per_rank=max(args.tokens), token_dtype=args.token_dtype)
-    session = open_session("nvshmem", heap_bytes=BufferLayout(cfg).symmetric_bytes)
+    R = harness.job_comm().Get_size()
+    cfg = harness.layer_config(args, R, max(args.tokens), token_dtype=args.token_dtype)
+    session = harness.open_job_session(cfg)
     rt = EPRuntime(cfg, session)
     stream = session.stream
     spin = DeviceSpin(stream, args.spin_us)
@@ -63,21 +56,14 @@ def main() -> int:
         return result, cupy.asnumpy(trace).astype(np.int64)
 
     table = {}
-    for T in args.tokens:
-        xs, ids, ws = make_inputs(cfg, "random", T, n_tokens=[T] * R)
-        tok, tid, tw = (cupy.asarray(a) for a in (xs[session.rank].view(np.uint16), ids[session.rank],
-                                                  ws[session.rank]))
-        out = cupy.empty((T, cfg.hidden), cupy.uint16)
-        for layout in args.layout:
-            y = cupy.zeros((cfg.recv_rows_capacity if layout == "expanded" else R * cfg.max_tokens_per_rank,
-                            cfg.hidden), cupy.uint16)
-            stamps = []
-            for i in range(args.samples + 3):
-                b, s1 = half(lambda: rt.dispatch_wait(rt.dispatch_async(tok, tid, tw), layout=layout))
-                _, s2 = half(lambda: rt.combine_wait(rt.combine_async(y, b.handle, layout=layout), out=out))
-                if i >= 3:
-                    stamps.append(np.where(s1 != 0, s1, s2))  # dispatch slots from the first half
-            table[T, layout] = np.stack(stamps)
+    for T, layout, (tok, tid, tw), y, out in harness.round_trip_cases(session, cfg, args.tokens, args.layout):
+        stamps = []
+        for i in range(args.samples + 3):
+            b, s1 = half(lambda: rt.dispatch_wait(rt.dispatch_async(tok, tid, tw), layout=layout))
+            _, s2 = half(lambda: rt.combine_wait(rt.combine_async(y, b.handle, layout=layout), out=out))
+            if i >= 3:
+                stamps.append(np.where(s1 != 0, s1, s2))  # dispatch slots from the first half
+        table[T, layout] = np.stack(stamps)
     rt.close()
     session.close()
     if session.rank != 0:

@@ -36,7 +36,8 @@ either). Each rank checks:
   the producer CuPy's current stream, the session's, and torch's ``__dlpack__`` makes that stream
   wait for torch's current one; not a documented promise of the runtime).
 
-Prints one line per check and rank (rank 0 prints them all), then PASS or FAIL.
+Prints one line per check and rank (rank 0 prints them all, after a ``FAIL:`` line for each that
+failed), then PASS or FAIL.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ import argparse
 import contextlib
 import sys
 
+import harness
 import numpy as np
 
 #: Spin cycles of ``torch.cuda._sleep`` that make the caller's producers slow (about 25 ms at
@@ -96,11 +98,11 @@ class RankData:
         import torch
 
         from ep_runtime.core import reference
-        from ep_runtime.testing import linear_experts, make_inputs
+        from ep_runtime.testing import linear_experts
 
         self.gpu = gpu
         T = cfg.max_tokens_per_rank
-        xs, ids, ws = make_inputs(cfg, "random", seed, n_tokens=[T] * cfg.n_ranks)
+        xs, ids, ws = harness.job_inputs(cfg, seed)
         ref = reference.dispatch(xs, ids, ws, cfg)
         ys = [linear_experts(b.x, b.row_offsets, cfg.n_local_experts, r) for r, b in enumerate(ref)]
         self.n = ref[rank].n_rows
@@ -332,6 +334,7 @@ def main(argv=None) -> int:
 
     from ep_runtime import BufferLayout, EPConfig
     from ep_runtime.shmem.launch import job_backend, job_ranks, run_job
+    from ep_runtime.testing import gpu_check_report
 
     backend, n_ranks = job_backend(args.backend), job_ranks(args.ranks)
     sizes = SIZES["sim" if backend == "sim" else "gpu"]
@@ -343,15 +346,13 @@ def main(argv=None) -> int:
                        heap_bytes=BufferLayout(cfg).symmetric_bytes, timeout_s=args.timeout)
     if per_rank is None:  # a rank other than 0 under mpirun: rank 0 reports
         return 0
-    print(f"backend {backend}, {n_ranks} ranks, hidden {opts['hidden']}, {opts['experts']} experts, "
-          f"top-{opts['top_k']}, {opts['tokens']} tokens per rank")
-    failed = False
-    for rank, results in enumerate(per_rank):
-        for what, ok, detail in results:
-            print(f"rank {rank} {'info' if ok is None else 'ok  ' if ok else 'FAIL'} {what}: {detail}")
-            failed |= ok is False
-    print("FAIL" if failed else "PASS")
-    return 1 if failed else 0
+    failures = [[f"rank {rank}: {what}: {detail}" for what, ok, detail in results if ok is False]
+                for rank, results in enumerate(per_rank)]
+    lines = [f"backend {backend}, {n_ranks} ranks, hidden {opts['hidden']}, {opts['experts']} experts, "
+             f"top-{opts['top_k']}, {opts['tokens']} tokens per rank"]
+    lines += [f"rank {rank} {'info' if ok is None else 'ok  ' if ok else 'FAIL'} {what}: {detail}"
+              for rank, results in enumerate(per_rank) for what, ok, detail in results]
+    return gpu_check_report(failures, lines)
 
 
 if __name__ == "__main__":
