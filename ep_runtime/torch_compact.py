@@ -1,6 +1,5 @@
 """The public path of :mod:`ep_runtime.integrations.torch_compact`: importing it gives that module."""
+import importlib
 import sys
 
-from ep_runtime.integrations import torch_compact as _module
-
-sys.modules[__name__] = _module
+sys.modules[__name__] = importlib.import_module("ep_runtime.integrations.torch_compact")
