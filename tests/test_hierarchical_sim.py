@@ -328,8 +328,8 @@ def test_the_plan_takes_the_hierarchical_transport_across_regular_nodes_only_and
     mapped = Topology(4, False, 132, True, False, (0, 0, 1, 1), node_peers_mapped=True)
     stores = choose_plan(cfg, mapped)
     assert stores.node_stores is True and "(2 PEs a node, stores within)" in stores.describe(), stores.describe()
-    assert stores.dispatch_variant(cfg).stores and stores.combine_variant(cfg).stores
-    assert not choose_plan(cfg, mapped, {"node_stores": 0}).dispatch_variant(cfg).stores
+    assert stores.dispatch_variant(cfg).node_stores and stores.combine_variant(cfg).node_stores
+    assert not choose_plan(cfg, mapped, {"node_stores": 0}).dispatch_variant(cfg).node_stores
     assert choose_plan(cfg, mapped, {"transport": "puts"}).node_stores is False
     with pytest.raises(EPConfigError, match="node_stores=1 needs the hierarchical transport .* mapping its node's "
                                             "heaps .*: no"):

@@ -68,8 +68,8 @@ def plan_kernels(cfg: EPConfig, plan: Plan, only=None) -> dict:
     if wanted("slot_values_async", "slot_values_wait"):
         from ep_runtime.kernels.slot_values import make_slot_values_kernels
 
-        kernels.update(make_slot_values_kernels(plan.threads, plan.dispatch_variant(cfg).stores, plan.pdl,
-                                                plan.node_size))
+        v = plan.dispatch_variant(cfg)
+        kernels.update(make_slot_values_kernels(v.threads, v.transport, v.pdl, v.node_size, v.node_stores))
     if wanted("routing_copy"):
         from ep_runtime.kernels.routing_keep import make_routing_copy
 

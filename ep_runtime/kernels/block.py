@@ -22,16 +22,13 @@ with ``blockDim.x`` threads in a 1-D block.
 - ``flag_rule`` / ``flag_part`` / ``await_part``: rows flagged part by part as they land
   (combine and dispatch): how many parts a row is cut into, by a rule every
   rank computes alike, the sending warp's fence and flag, and the receiver's bounded wait;
-- ``local_expert_count``: how many of a token's experts live on a rank;
-- ``grant_token_credits``: one thread tells every peer that its token rows of a call may be
-  written into this rank (docs/protocol.md, "Token rows: one buffer, credits").
+- ``local_expert_count``: how many of a token's experts live on a rank.
 """
 
 from numba import int32, int64, uint32, uint64
 
 from ep_runtime.kernels import cuda_api, shmem
 from ep_runtime.kernels.cuda_api import cuda
-from ep_runtime.kernels.nodes import reaches
 from ep_runtime.kernels.protocol import (STATUS_CALL, STATUS_CODE, STATUS_COUNTER, STATUS_EXPECTED, STATUS_KERNEL,
                                          STATUS_OBSERVED, STATUS_PEER, STATUS_RANK, ERR_TIMEOUT)
 
@@ -431,20 +428,3 @@ def local_expert_count(ids, L, me):
         if x >= lo and x < hi:
             n += 1
     return n
-
-
-@cuda.jit(device=True)
-def grant_token_credits(d_credit, call, node_size):
-    """One thread: this rank has finished reading the token rows of every call before
-    ``call`` (stream order), so each peer d may write its rows of ``call`` into this rank: set
-    ``d_credit[me]`` on d to ``call + 1`` (uint64 symmetric [R]; SIGNAL_SET of a value that
-    never decreases between resets, so two grants of one call, or grants out of order, are
-    harmless). Called by dispatch_async (``call`` = its own) and combine_async (the next call),
-    so in the dispatch -> combine cycle every grant is already there when a peer's next
-    dispatch_async looks. The hierarchical transport (``node_size`` > 0) grants only the PEs
-    that write here: its node's peers (senders and relays) and the PEs it is proxy for
-    (``nodes.reaches``)."""
-    me = shmem.my_pe()
-    for d in range(d_credit.shape[0]):
-        if d != me and reaches(me, d, node_size):
-            shmem.signal_op(d_credit[me:me + 1], uint64(call + 1), shmem.SIGNAL_SET, d)

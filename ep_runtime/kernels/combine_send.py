@@ -15,16 +15,15 @@ from numba import float32, uint64
 
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.bits import bf16_bits_at, f32_bits_at, word_f32
-from ep_runtime.kernels.block import flag_part, flag_stored, grant_token_credits, interleaved_item, \
-    local_expert_count, most_tokens, part_bounds, warp_sync
+from ep_runtime.kernels.block import interleaved_item, local_expert_count, most_tokens, part_bounds
 from ep_runtime.kernels.cuda_api import cuda, kernel_jit
 from ep_runtime.kernels.partials import flagged_parts, partial_geometry
 from ep_runtime.kernels.pdl import make_pdl, programmatic
-from ep_runtime.kernels.protocol import PEER_PARTIALS, PEER_RELAY_PARTIALS, STATUS_CODE, SYNC_CALLS
+from ep_runtime.kernels.protocol import STATUS_CODE, SYNC_CALLS
 from ep_runtime.kernels.trace import stamp_first, stamp_last
+from ep_runtime.kernels.transport import make_transport
 from ep_runtime.kernels.variant import CombineVariant
-from ep_runtime.kernels.vec import (address_of, make_pair_loops, pack_f32x2, pairs_aligned, store_pair, store_pair_at,
-                                    store_word_at)
+from ep_runtime.kernels.vec import make_pair_loops, pack_f32x2, pairs_aligned, store_pair, store_pair_at, store_word_at
 
 
 @functools.lru_cache(maxsize=None)
@@ -37,15 +36,17 @@ def make_combine_send(v: CombineVariant) -> dict:
     geo = partial_geometry(threads, v.word, v.f32_partials)
     warp, warps, word_t, pack, P, F32 = geo.warp, geo.warps, geo.word_t, geo.pack, geo.P, geo.F32
     rounded_word = geo.rounded_word
-    STORES = v.stores  # peer stores (else NVSHMEM puts)
-    NODE = v.node_size  # PEs per node of the hierarchical transport (0: every home sent to alike)
+    tp = make_transport(v.transport, threads, v.node_size, v.node_stores)
+    grant_credits, stores_to, stages, home_at = tp.grant_credits, tp.stores_to, tp.stages, tp.home_at
+    stage_aligned, home_aligned, finish_part, send_home_part = (tp.stage_aligned, tp.home_aligned, tp.finish_part,
+                                                                tp.send_home_part)
     U = geo.U
     ACC = U * pack  # float32 accumulators per lane (a compile-time constant for local.array)
     UP = geo.UP  # word pairs per lane in flight (pair loops)
     # stores through peers' NVLink mappings move uint64 words (16-byte pairs): 4 bf16 values or
     # 2 float32 partials a word
     PEER_WORDS = pack == 4
-    load_pairs, _, store_pairs_at = make_pair_loops(UP, warp)
+    load_pairs, _, _ = make_pair_loops(UP, warp)
     pdl_wait, pdl_trigger = make_pdl(v.pdl)
 
     @cuda.jit(device=True)
@@ -69,30 +70,6 @@ def make_combine_send(v: CombineVariant) -> dict:
         else:
             store_pair_at(row, wu, uint64(rounded_word(acc, b)), uint64(rounded_word(acc, b + pack)))
 
-    @cuda.jit(device=True)
-    def home_row(c_partials, relay_partials, peer_bases, g, me, s, t):
-        """The address, through its mapping, where this rank's partial of token t of rank s goes
-        in a stores build: slot [g, me, t] of s's ``combine_partials``, or, hierarchical with s
-        on another node, row ``node(s) node_size + local(me)`` of token t in the
-        ``relay_partials`` of s's proxy on this node (the same offsets on every PE)."""
-        if NODE > 0 and s // NODE != me // NODE:
-            row = (s // NODE) * NODE + me % NODE
-            return peer_bases[PEER_RELAY_PARTIALS, (me // NODE) * NODE + s % NODE] + (
-                address_of(relay_partials[row, t]) - address_of(relay_partials))
-        return peer_bases[PEER_PARTIALS, s] + (address_of(c_partials[g, me, t]) - address_of(c_partials))
-
-    @cuda.jit(device=True)
-    def flag_home(c_row_flag, relay_flag, me, s, t, p, n, lane):
-        """Every lane of the warp that stored part p of its partial of token t of rank s
-        (``home_row``): flag it where it went (``flag_stored``): ``c_row_flag[me, t, p]`` on s,
-        or ``relay_flag[row, t, p]`` on s's proxy on this node."""
-        if NODE > 0 and s // NODE != me // NODE:
-            row = (s // NODE) * NODE + me % NODE
-            flag_stored(relay_flag[row, t, p:p + 1], n, uint64(1) << uint64((me // NODE) * NODE + s % NODE),
-                        c_row_flag.shape[0], lane)
-        else:
-            flag_part(c_row_flag, me, t, p, n, uint64(1) << uint64(s), lane)
-
     @kernel_jit(threads)
     def combine_async(expert_out, dispatch_topk_ids, dispatch_counts, combine_partials, dispatch_async_sync, token_rows,
                       row_weight, combine_stage, status, peer_bases, dispatch_token_credit, combine_row_flag,
@@ -106,7 +83,7 @@ def make_combine_send(v: CombineVariant) -> dict:
         path's staging), status int64. peer_bases [P, R] uint64: row PEER_PARTIALS the address of
         combine_partials on each PE as mapped here, used by a ``stores`` build. dispatch_token_credit [R]
         uint64 symmetric (``dispatch_token_credit``): block 0 first grants every peer the next call's token
-        rows (``grant_token_credits``): this rank's reads of the received rows (dispatch_copy, the caller's
+        rows (``grant_credits``): this rank's reads of the received rows (dispatch_copy, the caller's
         expert compute on a compact batch) come before combine_async in stream order.
 
         A warp per item, part p of token (src, t)'s row (``flagged_parts``: the same parts on every rank; the
@@ -147,7 +124,7 @@ def make_combine_send(v: CombineVariant) -> dict:
         stamp_first(status, 16)
         if cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
             # the next call (n + 1, n = calls - 1)
-            grant_token_credits(dispatch_token_credit, dispatch_async_sync[SYNC_CALLS], NODE)
+            grant_credits(dispatch_token_credit, dispatch_async_sync[SYNC_CALLS])
         me = shmem.my_pe()
         R = dispatch_counts.shape[1]
         L = dispatch_counts.shape[2] - 1
@@ -158,8 +135,8 @@ def make_combine_send(v: CombineVariant) -> dict:
         g = n % 2
         all_warps = cuda.gridDim.x * warps
         pairs = (W % 2 == 0 and pairs_aligned(expert_out) and pairs_aligned(combine_partials)
-                 and (STORES or pairs_aligned(combine_stage)) and (NODE == 0 or pairs_aligned(relay_partials)))
-        direct = PEER_WORDS and pairs and STORES
+                 and stage_aligned(combine_stage) and home_aligned(relay_partials))
+        direct = PEER_WORDS and pairs  # partials stored into a peer go as word pairs
 
         # items of every source interleaved (``interleaved_item``): each warp alternates between
         # rows for this rank (device memory only) and rows for peers (NVLink), so the two overlap
@@ -173,14 +150,14 @@ def make_combine_send(v: CombineVariant) -> dict:
             if t < dispatch_counts[g, s, L]:
                 n_local = local_expert_count(dispatch_topk_ids[g, s, t], L, me)
                 if n_local > 0 and w0 < w1:
-                    # (a peer's: stored below)
-                    dst = combine_stage[s, t] if s != me and not STORES else combine_partials[g, me, t]
-                    stored = STORES and s != me  # stored into rank s through its mapping (else staged, put)
-                    to_peer = direct and s != me  # ... as word pairs
+                    # a peer's partial staged here and put, or stored into it below (home_at)
+                    dst = combine_stage[s, t] if stages(me, s) else combine_partials[g, me, t]
+                    stored = stores_to(me, s)  # stored into rank s through its mapping (else written here)
+                    to_peer = direct and stored  # ... as word pairs
                     in_pairs = pairs and (to_peer or not stored)  # else a word per lane per step
                     peer_row = uint64(0)
                     if stored:
-                        peer_row = home_row(combine_partials, relay_partials, peer_bases, g, me, s, t)
+                        peer_row = home_at(combine_partials, relay_partials, peer_bases, g, me, s, t)
                     w = w0 + 2 * lane
                     while in_pairs and w < w1:  # UP word pairs per lane: every row's loads issued before use
                         for x in range(U * pack):
@@ -235,22 +212,11 @@ def make_combine_send(v: CombineVariant) -> dict:
                                     else:
                                         dst[w + u * warp] = word_t(packed)
                         w += U * warp
-                    if s != me and not stored:
-                        warp_sync()  # the whole staged part is written before the warp's put
-                        pw0 = 2 * w0 if F32 else w0
-                        pw1 = 2 * w1 if F32 else w1
-                        p = item - t * parts
-                        if NODE > 0 and s // NODE != me // NODE:  # to the home's proxy on this node
-                            row = (s // NODE) * NODE + me % NODE
-                            shmem.put_signal_nbi_warp(relay_partials[row, t, pw0:pw1], combine_stage[s, t, pw0:pw1],
-                                                      relay_flag[row, t, p:p + 1], uint64(n + 1), shmem.SIGNAL_SET,
-                                                      (me // NODE) * NODE + s % NODE)
-                        else:
-                            shmem.put_signal_nbi_warp(combine_partials[g, me, t, pw0:pw1], combine_stage[s, t, pw0:pw1],
-                                                      combine_row_flag[me, t, p:p + 1], uint64(n + 1), shmem.SIGNAL_SET,
-                                                      s)
-                    else:
-                        flag_home(combine_row_flag, relay_flag, me, s, t, item - t * parts, n, lane)
+                    pw0 = 2 * w0 if F32 else w0
+                    pw1 = 2 * w1 if F32 else w1
+                    # flagged where it went, or put from its stage with the flag
+                    finish_part(combine_partials, combine_stage, relay_partials, relay_flag, combine_row_flag, g, me,
+                                s, t, item - t * parts, pw0, pw1, n, lane)
             q += all_warps
 
         stamp_last(status, 17)
@@ -287,15 +253,14 @@ def make_combine_send(v: CombineVariant) -> dict:
         stamp_first(status, 16)
         if cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
             # the next call (n + 1, n = calls - 1)
-            grant_token_credits(dispatch_token_credit, dispatch_async_sync[SYNC_CALLS], NODE)
+            grant_credits(dispatch_token_credit, dispatch_async_sync[SYNC_CALLS])
         me = shmem.my_pe()
         R = dispatch_counts.shape[1]
         L = dispatch_counts.shape[2] - 1
         Tmax = dispatch_topk_ids.shape[2]
         W = combine_partials.shape[3]
-        pairs = (W % 2 == 0 and pairs_aligned(expert_out) and pairs_aligned(combine_partials)
-                 and (NODE == 0 or pairs_aligned(relay_partials)))
-        direct = PEER_WORDS and pairs and STORES
+        direct = PEER_WORDS and W % 2 == 0 and pairs_aligned(expert_out) and pairs_aligned(combine_partials) and \
+            home_aligned(relay_partials)  # stored into a peer as word pairs
         tid = cuda.threadIdx.x
         lane = tid % warp
         n = dispatch_async_sync[SYNC_CALLS] - 1
@@ -314,29 +279,9 @@ def make_combine_send(v: CombineVariant) -> dict:
             t, w0, w1 = part_bounds(item, parts, span, W)
             if t < dispatch_counts[g, s, L]:
                 if w0 < w1 and local_expert_count(dispatch_topk_ids[g, s, t], L, me) > 0:
-                    src = expert_out[s * Tmax + t]
-                    if STORES:  # through the mapping (``home_row``)
-                        peer_row = home_row(combine_partials, relay_partials, peer_bases, g, me, s, t)
-                        if direct:  # UP pairs per lane in flight
-                            w = w0 + 2 * lane
-                            while w < w1:
-                                load_pairs(src, w, w1, lo, hi)
-                                store_pairs_at(peer_row, w, w1, lo, hi)
-                                w += 2 * UP * warp
-                        else:  # rows without 16-byte word pairs: a word per lane per step
-                            for w in range(w0 + lane, w1, warp):
-                                store_word_at(peer_row, w, src[w])
-                        flag_home(combine_row_flag, relay_flag, me, s, t, item - t * parts, n, lane)
-                    elif NODE > 0 and s // NODE != me // NODE:  # to the home's proxy on this node
-                        p = item - t * parts
-                        row = (s // NODE) * NODE + me % NODE
-                        shmem.put_signal_nbi_warp(relay_partials[row, t, w0:w1], src[w0:w1],
-                                                  relay_flag[row, t, p:p + 1], uint64(n + 1), shmem.SIGNAL_SET,
-                                                  (me // NODE) * NODE + s % NODE)
-                    else:
-                        p = item - t * parts
-                        shmem.put_signal_nbi_warp(combine_partials[g, me, t, w0:w1], src[w0:w1],
-                                                  combine_row_flag[me, t, p:p + 1], uint64(n + 1), shmem.SIGNAL_SET, s)
+                    send_home_part(expert_out[s * Tmax + t], w0, w1, combine_partials, relay_partials, relay_flag,
+                                   combine_row_flag, peer_bases, g, me, s, t, item - t * parts, n, direct, lane, lo,
+                                   hi)
             q += all_warps
 
         stamp_last(status, 17)

@@ -15,13 +15,12 @@ from numba import float32, int32, uint32, uint64
 
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.bits import bf16_bits_at, f32_word_at, word_f32
-from ep_runtime.kernels.block import await_flag, await_part, part_bounds, warp_sync
+from ep_runtime.kernels.block import part_bounds, warp_sync
 from ep_runtime.kernels.cuda_api import cuda, kernel_jit
-from ep_runtime.kernels.nodes import chunk_tokens, other_index, via_proxies
+from ep_runtime.kernels.nodes import make_partial_sources
 from ep_runtime.kernels.partials import flagged_parts, partial_geometry
 from ep_runtime.kernels.pdl import make_pdl, programmatic
-from ep_runtime.kernels.protocol import (COUNTER_COMBINE_CHUNK, COUNTER_COMBINE_ROW_FLAG, KERNEL_COMBINE_WAIT,
-                                         STATUS_CODE, SYNC_CALLS)
+from ep_runtime.kernels.protocol import STATUS_CODE, SYNC_CALLS
 from ep_runtime.kernels.trace import stamp_first, stamp_last
 from ep_runtime.kernels.vec import load_pair, pairs_aligned, store_pair
 
@@ -43,9 +42,9 @@ def make_combine_wait(threads: int, word: str, f32_partials: bool, pdl: bool, ep
     dtype name), the partial format, PDL, and ``epilogue(value: float32, token: int, col: int,
     aux: [T, H] float32) -> float32``, a Numba device function applied to each reduced element
     before the bf16 store (e.g. a residual add reading ``aux[token, col]``). Of the transport it
-    sees only the hierarchical one's ``node_size`` (PEs per node; 0 otherwise): a token's
-    partials from another node then come summed, from this rank's proxy there
-    (``nodes.via_proxies``), in its chunk's packed row (``relay_slot``)."""
+    sees only where partials arrive (``nodes.make_partial_sources`` of the hierarchical one's
+    ``node_size``; 0 otherwise): a token's partials from another node come summed, from this
+    rank's proxy there, in its chunk's packed row (``relay_slot``)."""
     geo = partial_geometry(threads, word, f32_partials)
     warp, warps, word_t, pack, P, F32 = geo.warp, geo.warps, geo.word_t, geo.pack, geo.P, geo.F32
     rounded_word = geo.rounded_word
@@ -58,14 +57,7 @@ def make_combine_wait(threads: int, word: str, f32_partials: bool, pdl: bool, ep
     UPW = UP // P  # token-word pairs per pass: UP partial-word pairs in flight
     pdl_wait, pdl_trigger = make_pdl(pdl)
 
-    @cuda.jit(device=True)
-    def partial_row(relay_slot, g, t, r, me):
-        """The row of ``c_partials[g, r]`` holding rank r's partial of token t: t, or under the
-        hierarchical transport, for a proxy r on another node, the packed row of t's chunk to
-        r's node (``relay_slot[g, t, other_index(node(r), node(me))]``)."""
-        if node_size > 0 and r // node_size != me // node_size:
-            return relay_slot[g, t, other_index(r // node_size, me // node_size)]
-        return t
+    senders, partial_row, await_partial = make_partial_sources(node_size)
 
     @kernel_jit(threads)
     def combine_wait(out, out_partials, dispatch_topk_ids, dispatch_counts, combine_partials, dispatch_async_sync,
@@ -151,20 +143,14 @@ def make_combine_wait(threads: int, word: str, f32_partials: bool, pdl: bool, ep
                 x = dispatch_topk_ids[g, me, t, k]
                 if uint32(x) < uint32(R * L):  # a masked (-1) or dropped id went nowhere
                     went |= uint64(1) << uint64(x // L)
-            went = via_proxies(went, me, node_size, R)  # hierarchical: one partial per other node
+            went = senders(went, me, R)  # hierarchical: one partial per other node
             if lane == 0:  # lane 0 waits for the part's partials (its own in expert_out are there)
                 ok = 1
                 p = i - t * parts
                 for r in range(R):
                     if w0 < w1 and (went >> uint64(r)) & uint64(1) and not (own and r == me):
-                        if node_size > 0 and r // node_size != me // node_size:  # a proxy's chunk of sums
-                            c = t // chunk_tokens(T)
-                            seen = await_flag(combine_chunk_flag[r, c:c + 1], r, t, n, timeout_ns, status,
-                                              KERNEL_COMBINE_WAIT, COUNTER_COMBINE_CHUNK)
-                        else:
-                            seen = await_part(combine_row_flag, r, t, p, n, timeout_ns, status, KERNEL_COMBINE_WAIT,
-                                              COUNTER_COMBINE_ROW_FLAG)
-                        if not seen:
+                        if not await_partial(combine_row_flag, combine_chunk_flag, me, r, t, p, n, T, timeout_ns,
+                                             status):
                             ok = 0
                             break
                 claim[wid] = ok

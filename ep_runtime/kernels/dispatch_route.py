@@ -22,15 +22,13 @@ from types import SimpleNamespace
 from numba import int32, int64, uint32, uint64
 
 from ep_runtime.kernels import shmem
-from ep_runtime.kernels.bits import f32_bits
 from ep_runtime.kernels.block import last_block_ticket, popc32, publish_fence, record_error, udiv32, warp_geometry
 from ep_runtime.kernels.cuda_api import SIMULATED, cuda, inlined
-from ep_runtime.kernels.nodes import on_node
 from ep_runtime.kernels.protocol import (DROPPED_SLOT, ERR_BAD_EXPERT_ID, KERNEL_DISPATCH_ASYNC, MASKED_SLOT,
-                                         PEER_COUNTS, PEER_IDS, PEER_RANKS, PEER_WEIGHTS, SIGNAL_TOKEN_BITS, STATUS_LEN,
-                                         SYNC_ROUTE_TICKET)
+                                         SIGNAL_TOKEN_BITS, STATUS_LEN, SYNC_ROUTE_TICKET)
 from ep_runtime.kernels.ranking import ID_BATCH, make_ranking
 from ep_runtime.kernels.trace import stamp_last
+from ep_runtime.kernels.transport import make_transport
 from ep_runtime.kernels.variant import DispatchVariant, Receiver
 from ep_runtime.kernels.vec import address_of, load_u32_at, store_u32_at
 
@@ -46,10 +44,6 @@ RANK_WINDOW = 4 if SIMULATED else 256
 ROUTE_BLOCKS = 2 if SIMULATED else 8
 ROUTE_BLOCKS_QUANT = 2 if SIMULATED else 4
 ROUTE_GRID_SHARE = 1 if SIMULATED else 12
-#: Staged ranks each thread of a routing block loads before it stores any to the ranks'
-#: destinations (independent loads; the stores through raw addresses would otherwise wait for
-#: each load in turn).
-RUN_BATCH = 8
 
 
 @cuda.jit(device=True)
@@ -91,8 +85,11 @@ def make_dispatch_route(v: DispatchVariant) -> SimpleNamespace:
     ``store_token_count``."""
     threads = v.threads
     warp, warps = warp_geometry(threads)
-    STORES = v.stores
-    NODE = v.node_size  # PEs per node of the hierarchical transport (0: every peer sent to alike)
+    tp = make_transport(v.transport, threads, v.node_size, v.node_stores)
+    NEAR_FENCED = tp.NEAR_FENCED
+    spread_range, row_at, spread_slot = tp.spread_range, tp.row_at, tp.spread_slot
+    spread_flush, count_u32 = tp.spread_flush, tp.count_u32
+    deliver_ranks, counts_before_route = tp.send_ranks, tp.counts_before_route
     QUANT = v.quantized
     LAND = v.receiver is Receiver.LAND
     FIRST = v.receiver.routes_first
@@ -121,19 +118,18 @@ def make_dispatch_route(v: DispatchVariant) -> SimpleNamespace:
             shmem.signal_op(d_route[g, me:me + 1], signal, shmem.SIGNAL_SET, d)
 
     @cuda.jit(device=True)
-    def store_token_count(d_counts, peer_bases, g, me, R, L, T):
-        """Every thread of a block: this call's T into ``d_counts[g, me, L]`` on every rank, through
-        the NVLink mappings (a route-first call's routing carries it; combine reads it there)."""
-        counts_at = address_of(d_counts[g, me]) - address_of(d_counts)
+    def store_token_count(d_counts, send_counts, peer_bases, g, me, R, L, T):
+        """Every thread of a block: this call's T into ``d_counts[g, me, L]`` on every rank (a
+        route-first call's routing carries it; combine reads it there)."""
         for d in range(cuda.threadIdx.x, R, threads):
-            store_u32_at(peer_bases[PEER_COUNTS, d] + counts_at, L, uint32(T))
+            count_u32(d_counts, send_counts, peer_bases, g, me, d, L, T)
 
     @cuda.jit(device=True)
     def publish_route(sync, flag, d_route, g, me, n, T, R, status):
         """Every thread of a block, once, when the block's share of the routing is out: the route
         ticket (``last_block_ticket``: barrier, fence or quiet, ticket); the block that takes
         the last sets ``d_route[g, me]`` on every rank and resets the ticket."""
-        if last_block_ticket(sync[SYNC_ROUTE_TICKET:SYNC_ROUTE_TICKET + 1], flag, STORES):
+        if last_block_ticket(sync[SYNC_ROUTE_TICKET:SYNC_ROUTE_TICKET + 1], flag, NEAR_FENCED):
             signal_routing(d_route, g, me, n, T, R, cuda.threadIdx.x, threads)
             if cuda.threadIdx.x == 0:
                 sync[SYNC_ROUTE_TICKET] = 0
@@ -148,7 +144,7 @@ def make_dispatch_route(v: DispatchVariant) -> SimpleNamespace:
         ticket; the block that takes the last sets ``d_route[g, me]`` on every rank and resets
         it), so the fence's wait for the routing stores to land holds up one warp, not the
         block's token rows."""
-        publish_fence(True)  # a route-first build stores: the fence, cumulative over the barrier
+        publish_fence(NEAR_FENCED)  # (a route-first build stores: the fence, cumulative over the barrier)
         done = cuda.atomic.add(sync, SYNC_ROUTE_TICKET, int64(1))
         if done == token_blocks - 1:
             cuda.threadfence()
@@ -161,52 +157,29 @@ def make_dispatch_route(v: DispatchVariant) -> SimpleNamespace:
                             status):
         """Every thread of a token block: its share of this rank's routing rows (the ids as
         ``routed_id`` reads them, the weights) into ``d_ids[g, me]`` / ``d_weights[g, me]`` of
-        every rank: 4-byte stores through the peer mappings (rows 0..T are contiguous on both
-        sides: element j of the run), or, on the puts path, the block's run of tokens written
-        here first and put from here to every other rank. Hierarchical: to the ranks of this
-        node only (this rank's own rows included, which its proxies get in one put each)."""
-        tid = cuda.threadIdx.x
+        every near rank (``spread_u32``: stored there, or written here and put at the block's
+        ``spread_flush``). Hierarchical: to the ranks of this node (this rank's own rows
+        included), which its proxies get in one put each."""
         E = R * L
         ids_l = cuda.local.array(ID_BATCH, int32)
         drop = int32(-1)  # the first slot (t K + k) this thread dropped
-        if STORES:
-            ids_at = address_of(d_ids[g, me]) - address_of(d_ids)
-            weights_at = address_of(d_weights[g, me]) - address_of(d_weights)
-            for j in range(cuda.blockIdx.x * threads + tid, T * K, token_blocks * threads):
-                t = j // K
-                k = j - t * K
-                x = routed_id(topk_ids, t, k, K, E, ids_l)
-                if x == MASKED_SLOT and drop < 0 and uint32(topk_ids[t, k]) >= uint32(E) and topk_ids[t, k] != x:
-                    drop = int32(j)
-                wbits = f32_bits(topk_weights[t, k])
-                for d in range(R):
-                    if on_node(me, d, NODE):  # hierarchical: a proxy gets them with its signal
-                        store_u32_at(peer_bases[PEER_IDS, d] + ids_at, j, uint32(x))
-                        store_u32_at(peer_bases[PEER_WEIGHTS, d] + weights_at, j, wbits)
-        else:
-            per = (T + token_blocks - 1) // token_blocks
-            t0 = min(cuda.blockIdx.x * per, T)
-            t1 = min(t0 + per, T)
-            for j in range(t0 * K + tid, t1 * K, threads):
-                t = j // K
-                k = j - t * K
-                x = routed_id(topk_ids, t, k, K, E, ids_l)
-                if x == MASKED_SLOT and drop < 0 and uint32(topk_ids[t, k]) >= uint32(E) and topk_ids[t, k] != x:
-                    drop = int32(j)
-                d_ids[g, me, t, k] = x
-                d_weights[g, me, t, k] = topk_weights[t, k]
-            cuda.syncthreads()  # the block's rows are here before its puts read them
-            if t0 < t1:
-                for d in range(R):
-                    if d != me and on_node(me, d, NODE):  # hierarchical: a proxy gets them with its signal
-                        shmem.put_nbi_block(d_ids[g, me, t0:t1], d_ids[g, me, t0:t1], d)
-                        shmem.put_nbi_block(d_weights[g, me, t0:t1], d_weights[g, me, t0:t1], d)
+        j0, j1, step, t0, t1 = spread_range(T, K, token_blocks)
+        ids_at = row_at(d_ids, g, me)
+        weights_at = row_at(d_weights, g, me)
+        for j in range(j0, j1, step):
+            t = j // K
+            k = j - t * K
+            x = routed_id(topk_ids, t, k, K, E, ids_l)
+            if x == MASKED_SLOT and drop < 0 and uint32(topk_ids[t, k]) >= uint32(E) and topk_ids[t, k] != x:
+                drop = int32(j)
+            spread_slot(d_ids, d_weights, peer_bases, ids_at, weights_at, g, me, t, k, j, x, topk_weights[t, k])
+        spread_flush(d_ids, d_weights, g, me, t0, t1)
         if drop >= 0:
             record_dropped(status, topk_ids, drop // K, drop - (drop // K) * K, E, me, n)
 
     @inlined
-    def send_routing_first(topk_ids, topk_weights, d_ids, d_weights, d_counts, d_route, peer_bases, g, me, n, T, R,
-                           L, K, status):
+    def send_routing_first(topk_ids, topk_weights, d_ids, d_weights, d_counts, send_counts, d_route, peer_bases, g,
+                           me, n, T, R, L, K, status):
         """Every thread of a route-first call's routing block: the routing rows (the ids, the
         weights) and T (``d_counts[g, me, L]``, read by combine) into every rank, then, after a
         system fence, the route signal. Nothing is ranked here: each receiver ranks from the
@@ -217,8 +190,8 @@ def make_dispatch_route(v: DispatchVariant) -> SimpleNamespace:
         are); a plain route-first build's repeats go as they are: its receivers mask them from
         the marks they rank with (``ranking.rank_round``), where comparing each slot with its
         token's earlier slots here would be on the routing's critical path."""
-        ids_at = address_of(d_ids[g, me]) - address_of(d_ids)
-        weights_at = address_of(d_weights[g, me]) - address_of(d_weights)
+        ids_at = row_at(d_ids, g, me)
+        weights_at = row_at(d_weights, g, me)
         E = R * L
         ids_l = cuda.local.array(ID_BATCH, int32)
         for j in range(cuda.threadIdx.x, T * K, threads):
@@ -230,14 +203,11 @@ def make_dispatch_route(v: DispatchVariant) -> SimpleNamespace:
                 x = topk_ids[t, k]
                 if uint32(x) >= uint32(E):
                     x = int32(MASKED_SLOT)
-            wbits = f32_bits(topk_weights[t, k])
-            for d in range(R):
-                store_u32_at(peer_bases[PEER_IDS, d] + ids_at, j, uint32(x))
-                store_u32_at(peer_bases[PEER_WEIGHTS, d] + weights_at, j, wbits)
-        store_token_count(d_counts, peer_bases, g, me, R, L, T)
+            spread_slot(d_ids, d_weights, peer_bases, ids_at, weights_at, g, me, t, k, j, x, topk_weights[t, k])
+        store_token_count(d_counts, send_counts, peer_bases, g, me, R, L, T)
         cuda.syncthreads()
         if cuda.threadIdx.x == 0:  # data before signal: the system fence is cumulative over the barrier
-            publish_fence(True)
+            publish_fence(NEAR_FENCED)
             signal_routing(d_route, g, me, n, T, R, 0, 1)
         for j in range(cuda.threadIdx.x, T * K, threads):  # the dropped slots, after the signal
             t = int32(udiv32(j, K))
@@ -247,25 +217,6 @@ def make_dispatch_route(v: DispatchVariant) -> SimpleNamespace:
                 record_dropped(status, topk_ids, t, k, E, me, n)
                 break
         stamp_last(status, 29)
-
-    @cuda.jit(device=True)
-    def send_rank_run(src, n, R, me, peer_bases, ranks_at, tid, run_l):
-        """Every thread of the routing block: the first ``n`` int32 of the staged ranks (the
-        flat run at address ``src``: element ``t K + k``) into every rank's run at byte
-        ``ranks_at`` past its ``dispatch_ranks`` (hierarchical: the ranks of rank ``me``'s
-        node): contiguous 4-byte stores across the block, RUN_BATCH loads in flight per thread
-        (``run_l``) before its stores."""
-        j = tid
-        while j < n:
-            for b in range(RUN_BATCH):  # a constant trip count: unrolled, run_l in registers
-                if j + b * threads < n:
-                    run_l[b] = load_u32_at(src, j + b * threads)
-            for b in range(RUN_BATCH):
-                if j + b * threads < n:
-                    for d in range(R):
-                        if on_node(me, d, NODE):
-                            store_u32_at(peer_bases[PEER_RANKS, d] + ranks_at, j + b * threads, run_l[b])
-            j += RUN_BATCH * threads
 
     @cuda.jit(device=True)
     def mark_expert(masks, el, wid, lane):
@@ -337,8 +288,6 @@ def make_dispatch_route(v: DispatchVariant) -> SimpleNamespace:
         lane = tid % warp
         wid = tid // warp
         lanes_below = (uint32(1) << uint32(lane)) - uint32(1)
-        ranks_at = address_of(d_ranks[g, me]) - address_of(d_ranks)  # element t * K + k of the run
-        counts_at = address_of(d_counts[g, me]) - address_of(d_counts)
         ranks_src = address_of(send_ranks)  # likewise [Tmax, K]
         ids_l = cuda.local.array(ID_BATCH, int32)
         for w0 in range(0, E, SW):
@@ -374,30 +323,18 @@ def make_dispatch_route(v: DispatchVariant) -> SimpleNamespace:
             for el in range(tid, SW if counts_here else 0, threads):
                 x = w0 + el
                 if x < E:
-                    d = x // L
-                    if STORES and on_node(me, d, NODE):  # (hierarchical: another node's go with its relay signal)
-                        store_u32_at(peer_bases[PEER_COUNTS, d] + counts_at, x - d * L, uint32(next_rank[el]))
-                    else:
-                        send_counts[d, x - d * L] = next_rank[el]
+                    d = x // L  # (hierarchical: another node's go with its relay signal)
+                    count_u32(d_counts, send_counts, peer_bases, g, me, d, x - d * L, next_rank[el])
             cuda.syncthreads()  # next_rank read before the next window resets it
         for d in range(tid, R if counts_here else 0, threads):  # T, even when 0
-            if STORES and on_node(me, d, NODE):
-                store_u32_at(peer_bases[PEER_COUNTS, d] + counts_at, L, uint32(T))
-            else:
-                send_counts[d, L] = T
+            count_u32(d_counts, send_counts, peer_bases, g, me, d, L, T)
         cuda.syncthreads()  # the ranks are staged before the block sends them
         stamp_last(status, 19)
-        if STORES:  # the staged run of the chunk to every rank, 128 bytes per warp store
-            send_rank_run(ranks_src + uint64(4 * c0 * K), (c1 - c0) * K, R, me, peer_bases,
-                          ranks_at + uint64(4 * c0 * K), tid, run_l)
-        elif c1 > c0:
-            for d in range(R):
-                if on_node(me, d, NODE):  # hierarchical: a proxy gets them with its signal
-                    shmem.put_nbi_block(d_ranks[g, me, c0:c1], send_ranks[c0:c1], d)
+        # the staged ranks of the chunk to every near rank (hierarchical: a proxy gets them with its signal)
+        deliver_ranks(d_ranks, send_ranks, peer_bases, g, me, c0, c1, run_l)
         if LAND:
-            if not STORES and counts_here:  # the counts rows before the route signal (its quiet)
-                for d in range(R):
-                    shmem.put_nbi_block(d_counts[g, me], send_counts[d], d)
+            if counts_here:  # the counts rows before the route signal (its ticket's quiet, where put)
+                counts_before_route(d_counts, send_counts, g, me)
             publish_route(sync, flag, d_route, g, me, n, T, R, status)
 
     return SimpleNamespace(route_blocks=route_blocks, rank_words=RANK_WORDS, rank_window=SW,

@@ -16,22 +16,22 @@ import functools
 from numba import int32, int64, uint32, uint64
 
 from ep_runtime.kernels import shmem
-from ep_runtime.kernels.block import (flag_part, flag_rule, grant_token_credits, last_block_ticket, part_bounds,
-                                      part_words, popc32, publish_fence, record_error, row_parts, udiv32, warp_geometry,
-                                      warp_sync)
+from ep_runtime.kernels.block import (flag_rule, last_block_ticket, part_bounds, part_words, row_parts, udiv32,
+                                      warp_geometry, warp_sync)
 from ep_runtime.kernels.cuda_api import cuda, inlined, kernel_jit
 from ep_runtime.kernels.dispatch_copy import COPY_UNROLL
-from ep_runtime.kernels.dispatch_route import RUN_BATCH, make_dispatch_route
-from ep_runtime.kernels.nodes import MAX_NODES, chunk_tokens, node_bits, other_index, reaches
+from ep_runtime.kernels.dispatch_route import make_dispatch_route
+from ep_runtime.kernels.nodes import MAX_NODES
 from ep_runtime.kernels.pdl import make_pdl, programmatic
-from ep_runtime.kernels.protocol import (COUNTER_TOKEN_CREDIT, DISPATCH_FLAG_PARTS, ERR_TIMEOUT, KERNEL_DISPATCH_ASYNC,
-                                         PEER_TOKENS, SIGNAL_TOKEN_BITS, STATUS_CODE, SYNC_CALLS, SYNC_TICKET)
+from ep_runtime.kernels.protocol import (DISPATCH_FLAG_PARTS, PEER_TOKENS, SIGNAL_TOKEN_BITS, STATUS_CODE, SYNC_CALLS,
+                                         SYNC_TICKET)
 from ep_runtime.kernels.ranking import ID_BATCH
 from ep_runtime.kernels.token_codec import BLOCK_WORDS, CODE_WORDS, HELD_SCALES, make_token_codec
 from ep_runtime.kernels.trace import stamp_first, stamp_last
+from ep_runtime.kernels.transport import make_transport
+from ep_runtime.kernels.transport.common import RUN_BATCH
 from ep_runtime.kernels.variant import DispatchVariant, Receiver
-from ep_runtime.kernels.vec import (address_of, load_u32_at, make_pair_loops, make_peer_copy, pairs_aligned,
-                                    store_u8_at, store_u32_at)
+from ep_runtime.kernels.vec import address_of, load_u32_at, make_pair_loops, pairs_aligned, store_u8_at, store_u32_at
 
 #: Items per warp the bf16 token loop aims at when a batch has a row for every warp
 #: (``send_warps``): rows are cut into parts so the transfer's last round, in which the warps
@@ -46,8 +46,10 @@ def make_dispatch_async(v: DispatchVariant):
     threads = v.threads
     warp, warps = warp_geometry(threads)
     QUANT = v.quantized
-    STORES = v.stores
-    NODE = v.node_size  # PEs per node of the hierarchical transport (0: every peer sent to alike)
+    tp = make_transport(v.transport, threads, v.node_size, v.node_stores)
+    FENCED, DIRECT = tp.FENCED, tp.DIRECT
+    row_dests, grant_credits, await_credits, signal_call = tp.row_dests, tp.grant_credits, tp.await_credits, tp.signal_call
+    send_part, send_part_flagged = tp.send_part, tp.send_part_flagged
     LAND = v.receiver is Receiver.LAND  # the routing signalled on its own, bf16 row parts flagged
     FIRST = v.receiver.routes_first  # the routing rows first; nothing ranked here
     CHUNKS = v.receiver is Receiver.ROUTE_FIRST_CHUNKED
@@ -55,11 +57,10 @@ def make_dispatch_async(v: DispatchVariant):
     SB = 1 if v.ue8m0 else 4  # scale bytes per 128-element block (FP8 formats)
     UP = COPY_UNROLL // 2  # word pairs per lane in flight
     load_pairs, _, store_pairs_at = make_pair_loops(UP, warp)
-    copy_to_peers = make_peer_copy(UP, warp)
     encode_blocks, _ = make_token_codec(warp, bool(v.ue8m0))
     MBUF_WORDS = threads if QUANT else 1  # the encoder's (simulated) warp-max scratch
     HELD_WORDS = warps * HELD_SCALES if QUANT else 1  # each warp's part's scales (the FP8 encoder)
-    CHUNK_MASKS = MAX_NODES if NODE > 0 else 1
+    CHUNK_MASKS = MAX_NODES if v.node_size > 0 else 1  # the node chunks' masks (send_across)
     pdl_wait, pdl_trigger = make_pdl(v.pdl)
     route = make_dispatch_route(v)
     RANK_WORDS = route.rank_words if not FIRST else 1  # a routing block's masks and rows (none route first)
@@ -94,10 +95,7 @@ def make_dispatch_async(v: DispatchVariant):
         (``token_holders``) but not the ranks set in ``skip``. The hierarchical transport sends
         only to the holders on this rank's node here: a row bound for another node crosses in
         its chunk (``send_node_chunks``)."""
-        sent = token_holders(ids_at, K, L, R, ids_l) & ~skip
-        if NODE > 0:
-            sent &= node_bits(me // NODE, NODE)
-        return sent
+        return row_dests(token_holders(ids_at, K, L, R, ids_l) & ~skip, me)
 
     @cuda.jit(device=True)
     def send_prequantized(codes, scales8, b0, b1, PB, peer_bases, sent, slot, lane, lo, hi):
@@ -137,24 +135,6 @@ def make_dispatch_async(v: DispatchVariant):
             return all_warps * SEND_ROUNDS
         return all_warps
 
-    @cuda.jit(device=True)
-    def await_credits(d_credit, n, status, timeout_ns):
-        """One thread: wait until every peer granted call ``n`` its token rows (``d_credit[d]
-        >= n + 1``; ``grant_token_credits``), bounded by ``timeout_ns``; a timeout is recorded
-        naming ``dispatch_async``, the peer and ``dispatch_token_credit``. Returns whether every
-        credit was seen. This rank's own rows need none (its stream orders its reads first); the
-        hierarchical transport waits only for the peers it sends to (``nodes.reaches``)."""
-        me = shmem.my_pe()
-        ok = True
-        for d in range(d_credit.shape[0]):
-            if d != me and reaches(me, d, NODE):
-                seen = shmem.wait_signal_ge(d_credit[d:d + 1], uint64(n + 1), timeout_ns)
-                if seen < uint64(n + 1):
-                    record_error(status, ERR_TIMEOUT, KERNEL_DISPATCH_ASYNC, me, d, COUNTER_TOKEN_CREDIT, n + 1,
-                                 int64(seen), n + 1)
-                    ok = False
-        return ok
-
     @inlined
     def send_fp8_rows(tokens, token_scales, prequantized, ids_base, d_tokens, d_tokens8, stage64, stage8, peer_bases,
                       T, K, L, R, me, token_blocks, mbuf, held, ids_l, lo, hi):
@@ -176,7 +156,7 @@ def make_dispatch_async(v: DispatchVariant):
         span = part_words(S, parts, 1)  # blocks per part
         # straight into peers' slots (16-byte stores): encoded, or the caller's codes (word pairs)
         src_pairs = pairs_aligned(tokens)  # rows of whole word pairs (messages and bf16 blocks)
-        direct = STORES and (prequantized == 0 or src_pairs)
+        direct = DIRECT and (prequantized == 0 or src_pairs)
         i = cuda.blockIdx.x * warps + tid // warp
         while cuda.blockIdx.x < token_blocks and i < T * parts:
             t, b0, b1 = part_bounds(i, parts, span, S)
@@ -225,45 +205,36 @@ def make_dispatch_async(v: DispatchVariant):
         span = part_words(W, parts, warp)
         if LAND and not QUANT:  # the receivers cut rows alike from T (dispatch_land)
             parts, span = flag_rule(T_parts, W, DISPATCH_FLAG_PARTS, warp)
-        direct = (STORES and tokens.itemsize == 8 and W % 2 == 0 and pairs_aligned(tokens)
-                  and pairs_aligned(d_tokens))
+        pairs = tokens.itemsize == 8 and W % 2 == 0 and pairs_aligned(tokens) and pairs_aligned(d_tokens)
         lane = tid % warp
         i = cuda.blockIdx.x * warps + tid // warp
         while cuda.blockIdx.x < token_blocks and i < T_parts * parts:
             t, w0, w1 = part_bounds(i, parts, span, W)
             if w0 < w1:
                 sent = token_destinations(ids_base + uint64(4 * t * K), K, L, R, me, own_skip, ids_l)  # bit d: to d
-                p = i - t * parts
-                src = tokens[t]
                 if sent == 0:
                     pass  # a landing build's row for this rank only (dispatch_land copies it)
-                elif not STORES:  # an NVSHMEM put per destination (landing: the part's flag travels with it)
-                    for d in range(R):
-                        if (sent >> uint64(d)) & uint64(1):
-                            if LAND and not QUANT:
-                                shmem.put_signal_nbi_warp(d_tokens[me, t, w0:w1], src[w0:w1],
-                                                          d_row_flag[me, t, p:p + 1], uint64(n + 1),
-                                                          shmem.SIGNAL_SET, d)
-                            else:
-                                shmem.put_nbi_warp(d_tokens[me, t, w0:w1], src[w0:w1], d)
-                else:  # each word (pair) loaded once, stored to every destination
-                    slot = address_of(d_tokens[me, t]) - address_of(d_tokens)  # the same on every PE
-                    copy_to_peers(src, w0, w1, sent, 0, R, peer_bases, PEER_TOKENS, slot, direct, lane, lo, hi)
-                    if LAND and not QUANT:  # the part is in every destination: flag it there
-                        flag_part(d_row_flag, me, t, p, n, sent, lane)
+                elif LAND and not QUANT:  # each part flagged on arrival
+                    send_part_flagged(d_tokens, d_row_flag, me, t, i - t * parts, n, tokens[t], w0, w1, sent, R,
+                                      peer_bases, pairs, lane, lo, hi)
+                else:
+                    send_part(d_tokens, me, t, tokens[t], w0, w1, sent, R, peer_bases, pairs, lane, lo, hi)
             i += all_warps
 
     @inlined
-    def pack_row(tokens, token_scales, prequantized, t, row, PB, lane, mbuf, peer_bases, held, h0, lo, hi):
+    def pack_row(tokens, token_scales, prequantized, t, row, lane, mbuf, peer_bases, held, lo, hi):
         """Every lane of one warp: token ``t``'s row as it travels (bf16 words; FP8: its message,
         encoded here or the caller's codes and scales) into the local row ``row`` (a row of
         ``relay_stage``, 16-byte aligned)."""
         if QUANT:
+            h0 = (cuda.threadIdx.x // warp) * HELD_SCALES
             if prequantized == 0:
                 S = tokens.shape[1] // BLOCK_WORDS
+                PB = S * CODE_WORDS * 8
                 encode_blocks(tokens, t, 0, S, pairs_aligned(tokens), address_of(row), PB, lane, mbuf, peer_bases,
                               uint64(0), uint64(0), held, h0)
             else:
+                PB = tokens.shape[1] * 8
                 for w in range(lane, tokens.shape[1], warp):  # the codes, then the scales' bytes
                     row[w] = tokens[t, w]
                 for j in range(lane, token_scales.shape[1], warp):
@@ -280,65 +251,8 @@ def make_dispatch_async(v: DispatchVariant):
                 for w in range(lane, W, warp):
                     row[w] = tokens[t, w]
 
-    @inlined
-    def send_node_chunks(tokens, token_scales, prequantized, ids_base, relay_stage, relay_rows, relay_chunk_flag,
-                         relay_slot, peer_bases, T, K, L, R, me, n, token_blocks, cmask, mbuf, held, ids_l, lo, hi):
-        """Every thread of a token block, hierarchical transport: the rows bound for other nodes,
-        a chunk of ``CH = chunk_tokens(T)`` consecutive tokens a block in turn. The block ranks
-        the chunk's tokens with an expert on each other node (``cmask[node]``, bit j: token
-        ``c CH + j``); for each such node x (``other_index``) it packs those tokens' rows in
-        token order into ``relay_stage[x, c CH:]`` (a warp a row; FP8: messages),
-        notes each token's packed row in ``relay_slot[g, t, x]`` (combine_wait finds the node's
-        sum there), and puts the packed rows to its proxy there in one ``put_signal_nbi_block``
-        that sets the proxy's ``relay_chunk_flag[me, c]`` to n + 1. A chunk with no token bound
-        to a node sends it nothing (the proxy ranks the chunk alike and waits for no flag)."""
-        tid = cuda.threadIdx.x
-        lane = tid % warp
-        wid = tid // warp
-        h0 = wid * HELD_SCALES
-        mine = me // NODE
-        nodes = R // NODE
-        g = n % 2
-        PB = 0
-        if QUANT:
-            if prequantized != 0:
-                PB = tokens.shape[1] * 8
-            else:
-                PB = (tokens.shape[1] // BLOCK_WORDS) * CODE_WORDS * 8
-        CH = chunk_tokens(T)
-        c = cuda.blockIdx.x
-        while cuda.blockIdx.x < token_blocks and c * CH < T:  # block-uniform
-            for node in range(tid, nodes, threads):
-                cmask[node] = uint32(0)
-            cuda.syncthreads()
-            for j in range(tid, CH, threads):
-                t = c * CH + j
-                if t < T:
-                    held_by = token_holders(ids_base + uint64(4 * t * K), K, L, R, ids_l)
-                    for node in range(nodes):
-                        if node != mine and held_by & node_bits(node, NODE) != uint64(0):
-                            cuda.atomic.or_(cmask, node, uint32(1) << uint32(j))
-            cuda.syncthreads()
-            for node in range(nodes):
-                mask = cmask[node]
-                if node != mine and mask != uint32(0):
-                    x = other_index(node, mine)
-                    c0 = c * CH
-                    for b in range(CH):
-                        if (mask >> uint32(b)) & uint32(1):
-                            j = popc32(mask & ((uint32(1) << uint32(b)) - uint32(1)))
-                            if j % warps == wid:
-                                if lane == 0:
-                                    relay_slot[g, c0 + b, x] = c0 + j
-                                pack_row(tokens, token_scales, prequantized, c0 + b, relay_stage[x, c0 + j], PB, lane,
-                                         mbuf, peer_bases, held, h0, lo, hi)
-                    cuda.syncthreads()  # the packed rows are written before the block's put reads them
-                    cnt = popc32(mask)
-                    shmem.put_signal_nbi_block(relay_rows[other_index(mine, node), c0:c0 + cnt],
-                                               relay_stage[x, c0:c0 + cnt], relay_chunk_flag[me, c:c + 1],
-                                               uint64(n + 1), shmem.SIGNAL_SET, node * NODE + me % NODE)
-            cuda.syncthreads()  # cmask read by every thread before the next chunk clears it
-            c += token_blocks
+    # the rows bound for other nodes, a packed chunk a put (the hierarchical transport; nothing otherwise)
+    send_across = tp.make_row_chunks(pack_row, token_holders)
 
     @kernel_jit(threads)
     def dispatch_async(tokens, topk_ids, topk_weights, valid_tokens, use_valid, dispatch_tokens, dispatch_topk_ids,
@@ -372,7 +286,7 @@ def make_dispatch_async(v: DispatchVariant):
         messages, symmetric), relay_chunk_flag [R, C] uint64 (symmetric), relay_slot [G, Tmax, X] int32
         (local); empty stand-ins otherwise.
 
-        Block 0 first grants every peer this call (``grant_token_credits``), and no block stores a token row
+        Block 0 first grants every peer this call (``grant_credits``), and no block stores a token row
         into a peer before that peer's credit of call n is seen (``await_credits``, bounded by timeout_ns; on
         a timeout the blocks send nothing more, so no signal goes out). The token blocks send the routing rows
         (``send_routing_spread``; a route-first call's routing block does, ``send_routing_first``, unless the
@@ -417,7 +331,7 @@ def make_dispatch_async(v: DispatchVariant):
         stamp_first(status, 0)
         stamp_last(status, 30)
         if cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
-            grant_token_credits(dispatch_token_credit, n, NODE)
+            grant_credits(dispatch_token_credit, n)
         me = shmem.my_pe()
         R = dispatch_counts.shape[1]
         L = dispatch_counts.shape[2] - 1
@@ -448,7 +362,7 @@ def make_dispatch_async(v: DispatchVariant):
             send_routing_spread(topk_ids, topk_weights, dispatch_topk_ids, dispatch_topk_weights, peer_bases, g, me, n,
                                 T, R, L, K, token_blocks, status)
         if split and cuda.blockIdx.x == 0:  # T into every rank's counts row (combine reads it there)
-            store_token_count(dispatch_counts, peer_bases, g, me, R, L, T)
+            store_token_count(dispatch_counts, dispatch_send_counts, peer_bases, g, me, R, L, T)
         stamp_last(status, 4)
         if route and (LAND or (split and not share_route)) and cuda.blockIdx.x < token_blocks and not routing_block:
             # this block's share of the routing is out
@@ -475,25 +389,24 @@ def make_dispatch_async(v: DispatchVariant):
         # token rows, deduplicated per destination rank, a warp per row part, in the token blocks
         if cuda.blockIdx.x < token_blocks:
             stamp_last(status, 31)
-        # the token rows go as plain stores (the ticket's fence: publish_fence); the hierarchical
-        # transport's chunks are puts (the ticket's quiet completes them before relay_stage is reused)
-        stores_only = STORES and NODE == 0
+        # the token rows go as plain stores (the ticket's fence: publish_fence) where the transport
+        # and the rows allow (else the ticket's quiet completes the puts, before relay_stage is reused)
+        stores_only = FENCED
         T_parts = T
         if QUANT:
             stores_only = send_fp8_rows(tokens, token_scales, prequantized, ids_base, dispatch_tokens,
                                         dispatch_tokens_u8, dispatch_send_stage, dispatch_send_stage_u8, peer_bases, T,
-                                        K, L, R, me, token_blocks, mbuf, held, ids_l, lo, hi) and NODE == 0
+                                        K, L, R, me, token_blocks, mbuf, held, ids_l, lo, hi) and FENCED
             T_parts = 0  # no bf16 row parts
         send_bf16_rows(tokens, ids_base, dispatch_tokens, dispatch_row_flag, peer_bases, T_parts, K, L, R, W, me, n,
                        token_blocks, own_skip, ids_l, lo, hi)
-        if NODE > 0:  # the rows bound for other nodes, a packed chunk a put
-            send_node_chunks(tokens, token_scales, prequantized, ids_base, relay_stage, relay_rows, relay_chunk_flag,
-                             relay_slot, peer_bases, T, K, L, R, me, n, token_blocks, cmask, mbuf, held, ids_l, lo, hi)
+        send_across(tokens, token_scales, prequantized, ids_base, relay_stage, relay_rows, relay_chunk_flag, relay_slot,
+                    peer_bases, T, K, L, R, me, n, token_blocks, cmask, mbuf, held, ids_l, lo, hi)
         stamp_last(status, 1)
 
         if route and routing_block and FIRST:  # the routing rows and T, then the route signal
             send_routing_first(topk_ids, topk_weights, dispatch_topk_ids, dispatch_topk_weights, dispatch_counts,
-                               dispatch_route_signal, peer_bases, g, me, n, T, R, L, K, status)
+                               dispatch_send_counts, dispatch_route_signal, peer_bases, g, me, n, T, R, L, K, status)
         if route and routing_block and not FIRST:  # each (token, k)'s rank and each expert's count, on its rank
             rank_chunk(ids_base, dispatch_ranks, dispatch_counts, dispatch_send_ranks, dispatch_send_counts, peer_bases,
                        g, me, n, T, R, L, K, rb, n_route, dispatch_async_sync, flag, dispatch_route_signal, status,
@@ -504,32 +417,9 @@ def make_dispatch_async(v: DispatchVariant):
         # the call counter
         if last_block_ticket(dispatch_async_sync[SYNC_TICKET:SYNC_TICKET + 1], flag, stores_only):
             stamp_last(status, 3)
-            if NODE > 0 and route and T > 0:  # each proxy: the routing in a put each, complete before its signal
-                for node in range(R // NODE):
-                    if node != me // NODE:
-                        d = node * NODE + me % NODE
-                        shmem.put_nbi_block(dispatch_topk_ids[g, me, 0:T], dispatch_topk_ids[g, me, 0:T], d)
-                        shmem.put_nbi_block(dispatch_topk_weights[g, me, 0:T], dispatch_topk_weights[g, me, 0:T], d)
-                        if not FIRST:
-                            shmem.put_nbi_block(dispatch_ranks[g, me, 0:T], dispatch_ranks[g, me, 0:T], d)
-                cuda.syncthreads()
-                if tid == 0:
-                    publish_fence(False)  # quiet: they are delivered before the signal below
-                cuda.syncthreads()
             signal = (uint64(n + 1) << uint64(SIGNAL_TOKEN_BITS)) | uint64(T)
-            for d in range(tid, R, threads):
-                if NODE > 0 and d // NODE != me // NODE:  # a proxy: its node's counts rows, its relay signal
-                    if reaches(me, d, NODE) and route:
-                        n0 = (d // NODE) * NODE
-                        shmem.put_signal(relay_counts[g, me, 0:NODE], dispatch_send_counts[n0:n0 + NODE],
-                                         relay_signal[g, me:me + 1], signal, shmem.SIGNAL_SET, d)
-                    elif reaches(me, d, NODE):  # a kept routing's call: the counts rows are the receivers' own
-                        shmem.signal_op(relay_signal[g, me:me + 1], signal, shmem.SIGNAL_SET, d)
-                elif STORES or not route:
-                    shmem.signal_op(dispatch_signal[g, me:me + 1], signal, shmem.SIGNAL_SET, d)
-                else:
-                    shmem.put_signal(dispatch_counts[g, me], dispatch_send_counts[d], dispatch_signal[g, me:me + 1],
-                                     signal, shmem.SIGNAL_SET, d)
+            signal_call(dispatch_signal, dispatch_counts, dispatch_send_counts, relay_counts, relay_signal,
+                        dispatch_topk_ids, dispatch_topk_weights, dispatch_ranks, g, me, T, signal, route, not FIRST)
             if tid == 0:
                 dispatch_async_sync[SYNC_TICKET] = 0
                 dispatch_async_sync[SYNC_CALLS] = n + 1

@@ -13,10 +13,14 @@ source's batch of T: a chunk's tokens bound for a node (an expert there) are pac
 order (``chunk_mask`` ranks them) and cross in one put.
 """
 
+import functools
+
 from numba import uint32, uint64
 
+from ep_runtime.kernels.block import await_flag, await_part
 from ep_runtime.kernels.cuda_api import cuda
-from ep_runtime.kernels.protocol import relay_chunk_tokens
+from ep_runtime.kernels.protocol import (COUNTER_COMBINE_CHUNK, COUNTER_COMBINE_ROW_FLAG, KERNEL_COMBINE_WAIT,
+                                         relay_chunk_tokens)
 
 #: The most nodes a runtime may span (a block keeps a mask per node in shared memory).
 MAX_NODES = 64
@@ -35,6 +39,18 @@ def on_node(me, d, node_size):
     spreads its routing rows and ranks as its blocks make them (a proxy gets them in one put each
     with the relay signal)."""
     return node_size == 0 or d // node_size == me // node_size
+
+
+@functools.lru_cache(maxsize=None)
+def make_near(node_size: int):
+    """``near(me, d)``: :func:`on_node` for nodes of ``node_size`` PEs (a closure constant), one
+    function per node size, so every kernel that asks it of the same topology is the same build."""
+
+    @cuda.jit(device=True)
+    def near(me, d):
+        return on_node(me, d, node_size)
+
+    return near
 
 
 @cuda.jit(device=True)
@@ -94,3 +110,41 @@ def nth_set_bit(mask, j):
                 return b
             seen += 1
     return 32
+
+
+@functools.lru_cache(maxsize=None)
+def make_partial_sources(node_size: int):
+    """Where combine_wait finds each rank's partial of a token, for nodes of ``node_size`` PEs
+    (0: every rank sends its own): ``(senders, partial_row, await_partial)``.
+
+    - ``senders(went, me, R)``: the ranks whose partials a token that went to the ranks set in
+      ``went`` (uint64) gets (``via_proxies``: one per other node, its proxy's sum);
+    - ``partial_row(relay_slot, g, t, r, me)``: the row of ``combine_partials[g, r]`` holding rank
+      r's partial of token t: t, or for a proxy r on another node the packed row of t's chunk
+      (``relay_slot[g, t, other_index(node(r), node(me))]``);
+    - ``await_partial(row_flag, chunk_flag, me, r, t, p, n, T, timeout_ns, status)`` (one thread): wait
+      for part p of that partial (``row_flag[r, t, p]``, or the proxy's whole chunk,
+      ``chunk_flag[r, t // chunk_tokens(T)]``), recording a timeout naming combine_wait."""
+    @cuda.jit(device=True)
+    def across(me, r):
+        return node_size > 0 and r // node_size != me // node_size
+
+    @cuda.jit(device=True)
+    def senders(went, me, R):
+        return via_proxies(went, me, node_size, R)
+
+    @cuda.jit(device=True)
+    def partial_row(relay_slot, g, t, r, me):
+        if across(me, r):
+            return relay_slot[g, t, other_index(r // node_size, me // node_size)]
+        return t
+
+    @cuda.jit(device=True)
+    def await_partial(row_flag, chunk_flag, me, r, t, p, n, T, timeout_ns, status):
+        if across(me, r):
+            c = t // chunk_tokens(T)
+            return await_flag(chunk_flag[r, c:c + 1], r, t, n, timeout_ns, status, KERNEL_COMBINE_WAIT,
+                              COUNTER_COMBINE_CHUNK)
+        return await_part(row_flag, r, t, p, n, timeout_ns, status, KERNEL_COMBINE_WAIT, COUNTER_COMBINE_ROW_FLAG)
+
+    return senders, partial_row, await_partial

@@ -31,15 +31,15 @@ from ep_runtime.kernels.bits import f32_bits_at, f32_word_at, word_f32
 from ep_runtime.kernels.block import (await_flag, last_block_ticket, part_bounds, popc32, publish_fence, record_error,
                                       warp_geometry, warp_sync)
 from ep_runtime.kernels.cuda_api import cuda, kernel_jit
-from ep_runtime.kernels.dispatch_copy import COPY_UNROLL
 from ep_runtime.kernels.nodes import MAX_NODES, chunk_tokens, holders, node_bits, nth_set_bit, other_index
 from ep_runtime.kernels.partials import flagged_parts, partial_geometry
 from ep_runtime.kernels.protocol import (COUNTER_RELAY_CHUNK, COUNTER_RELAY_FLAG, COUNTER_RELAY_SIGNAL,
                                          COUNTER_TOKEN_CREDIT, ERR_TIMEOUT, KERNEL_COMBINE_RELAY, KERNEL_DISPATCH_RELAY,
                                          PEER_IDS, PEER_RANKS, PEER_TOKENS, PEER_WEIGHTS, SIGNAL_TOKEN_BITS,
                                          STATUS_CODE, SYNC_CALLS)
+from ep_runtime.kernels.transport import make_transport
+from ep_runtime.kernels.transport.common import PAIRS_IN_FLIGHT
 from ep_runtime.kernels.variant import CombineVariant, DispatchVariant
-from ep_runtime.kernels.vec import address_of, load_u32_at, make_peer_copy, pairs_aligned, store_u32_at
 
 
 @cuda.jit(device=True)
@@ -68,44 +68,8 @@ def make_dispatch_relay(v: DispatchVariant):
     threads = v.threads
     warp, warps = warp_geometry(threads)
     NODE = v.node_size
-    STORES = v.stores  # within the node: stores through the mappings (``node_stores``), else puts
-    UP = COPY_UNROLL // 2  # word pairs per lane in flight
-    copy_to_peers = make_peer_copy(UP, warp)
-
-    @cuda.jit(device=True)
-    def forward_run(array, g, s, t0, t1, peer_bases, region, first, me):
-        """Every thread of a block: ``array[g, s, t0:t1]`` (int32 or float32 [G, R, Tmax, K],
-        4-byte elements) into the same elements of every other PE of this node: a put each, or
-        4-byte stores through their mappings (``region``: the array's ``peer_bases`` row)."""
-        if STORES:
-            K = array.shape[3]
-            src = address_of(array[g, s, t0])
-            at = src - address_of(array)  # the same offset on every PE
-            for j in range(cuda.threadIdx.x, (t1 - t0) * K, threads):
-                word = load_u32_at(src, j)
-                for q in range(first, first + NODE):
-                    if q != me:
-                        store_u32_at(peer_bases[region, q] + at, j, word)
-        else:
-            for q in range(first, first + NODE):
-                if q != me:
-                    shmem.put_nbi_block(array[g, s, t0:t1], array[g, s, t0:t1], q)
-
-    @cuda.jit(device=True)
-    def forward_row(d_tokens, row, s, t, to, peer_bases, first, lane, lo, hi):
-        """Every lane of a warp: the packed ``row`` (token words or an FP8 message) into
-        ``d_tokens[s, t]`` of each PE of this node whose bit is set in ``to`` (uint64), this one
-        included: a warp put each, or stores through their mappings, each word (pair) loaded
-        once for every PE."""
-        if STORES:
-            W = row.shape[0]
-            slot = address_of(d_tokens[s, t]) - address_of(d_tokens)  # the same on every PE
-            pairs = row.itemsize == 8 and W % 2 == 0 and pairs_aligned(row) and pairs_aligned(d_tokens)
-            copy_to_peers(row, 0, W, to, first, first + NODE, peer_bases, PEER_TOKENS, slot, pairs, lane, lo, hi)
-        else:
-            for q in range(first, first + NODE):
-                if (to >> uint64(q)) & uint64(1):
-                    shmem.put_nbi_warp(d_tokens[s, t], row, q)
+    tp = make_transport(v.transport, threads, NODE, v.node_stores)
+    forward_run, forward_row = tp.forward_run, tp.forward_row  # stores or puts within the node
 
     @kernel_jit(threads)
     def dispatch_relay(dispatch_tokens, dispatch_topk_ids, dispatch_topk_weights, dispatch_ranks, dispatch_counts,
@@ -141,8 +105,8 @@ def make_dispatch_relay(v: DispatchVariant):
         flag = cuda.shared.array(1, int32)
         cmask = cuda.shared.array(1, uint32)
         t_of = cuda.shared.array(MAX_NODES, int32)  # each source node's token count (T_s)
-        lo = cuda.local.array(UP, uint64)
-        hi = cuda.local.array(UP, uint64)
+        lo = cuda.local.array(PAIRS_IN_FLIGHT, uint64)  # forward_row's word pairs
+        hi = cuda.local.array(PAIRS_IN_FLIGHT, uint64)
         if status[STATUS_CODE] != 0:
             return  # an earlier error: forward nothing, so the node's receivers time out naming the sources
         n = dispatch_async_sync[SYNC_CALLS] - 1
@@ -204,8 +168,8 @@ def make_dispatch_relay(v: DispatchVariant):
                         for j in range(wid, popc32(mask), warps):  # a warp a packed row
                             t = c * CH + nth_set_bit(mask, j)
                             to = holders(dispatch_topk_ids[g, s, t], L, R) & here
-                            forward_row(dispatch_tokens, relay_rows[x, c * CH + j], s, t, to, peer_bases, first,
-                                        tid % warp, lo, hi)
+                            forward_row(dispatch_tokens, relay_rows[x, c * CH + j], s, t, to, peer_bases,
+                                        PEER_TOKENS, first, tid % warp, lo, hi)
                     c += cuda.gridDim.x
         if last_block_ticket(relay_sync[0:1], flag, False):  # every block's puts complete (quiet)
             for j in range(tid, (R // NODE) * NODE, threads):  # (source node, PE of this node)

@@ -43,25 +43,28 @@ import functools
 from numba import float32, int32, int64, uint32, uint64
 
 from ep_runtime.kernels import shmem
-from ep_runtime.kernels.bits import f32_bits
 from ep_runtime.kernels.block import last_block_ticket, record_error
 from ep_runtime.kernels.cuda_api import cuda, kernel_jit
-from ep_runtime.kernels.nodes import on_node
+from ep_runtime.kernels.nodes import make_near
 from ep_runtime.kernels.pdl import make_pdl, programmatic
 from ep_runtime.kernels.protocol import (COUNTER_SLOT_SIGNAL, ERR_SHORT_ROWS, ERR_TIMEOUT, KERNEL_SLOT_VALUES_ASYNC,
-                                         KERNEL_SLOT_VALUES_WAIT, N_GROUPS, PEER_SLOTS, STATUS_CODE, SYNC_CALLS,
+                                         KERNEL_SLOT_VALUES_WAIT, N_GROUPS, STATUS_CODE, SYNC_CALLS,
                                          SYNC_SLOT_TICKET)
-from ep_runtime.kernels.vec import store_u32_at
+from ep_runtime.kernels.transport import make_transport
+from ep_runtime.kernels.variant import Transport
 
 
 @functools.lru_cache(maxsize=None)
-def make_slot_values_kernels(threads: int, stores: bool, pdl: bool, node_size: int = 0) -> dict:
+def make_slot_values_kernels(threads: int, transport: Transport, pdl: bool, node_size: int = 0,
+                             node_stores: bool = False) -> dict:
     """``{"slot_values_async": ..., "slot_values_wait": ...}`` for blocks of ``threads`` threads,
-    the plan's transport (``stores``: into the peers' NVLink mappings, within this rank's node
-    under the hierarchical transport, else NVSHMEM puts), PDL, and ``node_size`` (PEs a node
-    of the hierarchical transport, 0 otherwise). They do not depend on the formats or layouts."""
-    STORES = stores
-    NODE = node_size
+    the plan's transport (:func:`~ep_runtime.kernels.transport.make_transport`: ``transport``,
+    and for the hierarchical one ``node_size`` and ``node_stores``) and PDL. They do not depend
+    on the formats or layouts."""
+    tp = make_transport(transport, threads, node_size, node_stores)
+    send_slot_value, signal_slot_values = tp.send_slot_value, tp.signal_slot_values
+    near = make_near(node_size)  # (slot_values_wait reads by the topology alone: one build for every transport)
+    FENCED = tp.FENCED
     pdl_wait, pdl_trigger = make_pdl(pdl)
 
     @kernel_jit(threads)
@@ -94,32 +97,15 @@ def make_slot_values_kernels(threads: int, stores: bool, pdl: bool, node_size: i
                 record_error(status, ERR_SHORT_ROWS, KERNEL_SLOT_VALUES_ASYNC, me, -1, 0, row_values.shape[0], rows,
                              n + 1)
             return
-        Tm = slot_values.shape[1]
-        K = slot_values.shape[2]
         for i in range(cuda.blockIdx.x * threads + cuda.threadIdx.x, rows, cuda.gridDim.x * threads):
             k = row_src_k[i]
             if k >= 0:
-                s = row_src_rank[i]
-                t = row_src_token[i]
-                if not on_node(me, s, NODE):  # staged: the last block puts it with the rest for s
-                    slot_stage[s, t, k] = row_values[i]
-                elif STORES:
-                    store_u32_at(peer_bases[PEER_SLOTS, s], (g * Tm + t) * K + k, f32_bits(row_values[i]))
-                else:
-                    shmem.put(slot_values[g, t, k:k + 1], row_values[i:i + 1], s)
-        # (hierarchical: the fence of the staged values before the last block's puts read them is
-        # the ticket's; quiet, as the puts within a node may need)
-        if last_block_ticket(dispatch_async_sync[SYNC_SLOT_TICKET:SYNC_SLOT_TICKET + 1], flag, STORES and NODE == 0):
-            R = slot_signal.shape[1]
-            L = dispatch_counts.shape[2] - 1
-            for d in range(cuda.threadIdx.x, R, cuda.blockDim.x):  # values before signal: the ticket
-                if on_node(me, d, NODE):
-                    shmem.signal_op(slot_signal[g, me:me + 1], uint64(n + 1), shmem.SIGNAL_SET, d)
-            for d in range(R if NODE > 0 else 0):  # this rank's values for d's tokens: a put (the block's) each
-                if not on_node(me, d, NODE):
-                    Ts = dispatch_counts[g, d, L]
-                    shmem.put_signal_block(slot_across[g, me, 0:Ts], slot_stage[d, 0:Ts], slot_signal[g, me:me + 1],
-                                           uint64(n + 1), shmem.SIGNAL_SET, d)
+                send_slot_value(slot_values, slot_stage, row_values, i, peer_bases, g, me, row_src_rank[i],
+                                row_src_token[i], k)
+        # values before signal: the ticket's fence or quiet (the hierarchical transport's staged
+        # values too, which the last block's puts read)
+        if last_block_ticket(dispatch_async_sync[SYNC_SLOT_TICKET:SYNC_SLOT_TICKET + 1], flag, FENCED):
+            signal_slot_values(slot_signal, slot_across, slot_stage, dispatch_counts, g, me, n)
             if cuda.threadIdx.x == 0:
                 dispatch_async_sync[SYNC_SLOT_TICKET] = 0
 
@@ -171,7 +157,7 @@ def make_slot_values_kernels(threads: int, stores: bool, pdl: bool, node_size: i
                     if dispatch_topk_ids[g, me, t, k2] == x:
                         routed = False
                 if routed:
-                    if on_node(me, x // L, NODE):
+                    if near(me, x // L):
                         v = slot_values[g, t, k]
                     else:
                         v = slot_across[g, x // L, t, k]

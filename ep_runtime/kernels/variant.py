@@ -72,13 +72,6 @@ class DispatchVariant:
     node_size: int = 0
     node_stores: bool = False
 
-    @property
-    def stores(self) -> bool:
-        """The peers this PE writes itself are written with stores through their mappings:
-        every peer (``stores``), or, hierarchical with ``node_stores``, the peers of its node
-        (the only ones it writes: across nodes its chunks and sums go as puts)."""
-        return self.transport is Transport.STORES or (self.transport is Transport.HIERARCHICAL and self.node_stores)
-
 
 @dataclass(frozen=True)
 class CombineVariant:
@@ -95,8 +88,3 @@ class CombineVariant:
     pdl: bool
     node_size: int = 0
     node_stores: bool = False
-
-    @property
-    def stores(self) -> bool:
-        """As :attr:`DispatchVariant.stores`."""
-        return self.transport is Transport.STORES or (self.transport is Transport.HIERARCHICAL and self.node_stores)

@@ -1,0 +1,260 @@
+"""The ``hierarchical`` transport: nodes of ``node_size`` consecutive PEs (:mod:`..nodes`).
+
+Within its node a PE writes as the ``stores`` transport does (``node_stores``) or as ``puts``
+does: this module is that transport, built for the node's PEs, plus what crosses nodes. Across
+nodes a PE writes only to its proxies (the PE with its local index on each other node), in few
+large puts: a token's row once per node in a packed chunk, its routing in one put per proxy and
+call, the node's partials summed by the proxy (``dispatch_relay`` and ``combine_relay``,
+kernels/relay.py, forward within the proxy's node). docs/cluster.md has the protocol and its
+traffic.
+"""
+
+import functools
+from types import SimpleNamespace
+
+from numba import uint32, uint64
+
+from ep_runtime.kernels import shmem
+from ep_runtime.kernels.cuda_api import cuda, inlined
+from ep_runtime.kernels.block import flag_part, flag_stored, popc32, publish_fence, warp_geometry, warp_sync
+from ep_runtime.kernels.nodes import chunk_tokens, node_bits, other_index, reaches
+from ep_runtime.kernels.protocol import PEER_RELAY_PARTIALS
+from ep_runtime.kernels.transport import puts, stores
+from ep_runtime.kernels.vec import address_of, pairs_aligned
+
+
+@functools.lru_cache(maxsize=None)
+def make(threads: int, node_size: int, node_stores: bool) -> SimpleNamespace:
+    """The hierarchical transport for blocks of ``threads`` threads and nodes of ``node_size``
+    PEs, storing within a node when ``node_stores`` (else putting)."""
+    NODE = node_size
+    make_row_chunks_here = functools.partial(make_row_chunks, threads, node_size)
+    within = (stores if node_stores else puts).make(threads, node_size)
+    near = within.near
+    slot_value_near, signal_slot_values_near = within.send_slot_value, within.signal_slot_values
+
+    @inlined
+    def send_slot_value(slot_values, slot_stage, values, i, peer_bases, g, me, s, t, k):
+        """One thread: slot ``k`` of token ``t`` of PE ``s`` written as the node's transport
+        writes it, or, for ``s`` on another node, staged in ``slot_stage[s, t, k]`` (the last
+        block puts ``s`` its block of them: ``signal_slot_values``)."""
+        if not near(me, s):
+            slot_stage[s, t, k] = values[i]
+        else:
+            slot_value_near(slot_values, slot_stage, values, i, peer_bases, g, me, s, t, k)
+
+    @inlined
+    def signal_slot_values(slot_signal, slot_across, slot_stage, counts, g, me, n):
+        """Every thread of the last block, after its quiet: the node's PEs signalled, then each PE
+        ``d`` of another node gets this PE's staged values for its tokens, ``slot_stage[d,
+        :T_d]`` into ``slot_across[g, me]`` there, in one block put with the signal."""
+        signal_slot_values_near(slot_signal, slot_across, slot_stage, counts, g, me, n)
+        L = counts.shape[2] - 1
+        for d in range(slot_signal.shape[1]):
+            if not near(me, d):
+                Ts = counts[g, d, L]
+                shmem.put_signal_block(slot_across[g, me, 0:Ts], slot_stage[d, 0:Ts], slot_signal[g, me:me + 1],
+                                       uint64(n + 1), shmem.SIGNAL_SET, d)
+
+    @cuda.jit(device=True)
+    def reaches_pe(me, d):
+        return reaches(me, d, NODE)
+
+    # -- dispatch: within the node as the node's transport; across nodes a token's row once per node
+    # in a packed chunk, the routing in one put per proxy and call, the counts rows with the relay
+    # signal (the proxies forward them: dispatch_relay)
+
+    signal_near = within.signal_pe
+
+    @cuda.jit(device=True)
+    def signal_call(signal_, counts, staged, relay_counts, relay_signal, ids, weights, ranks, g, me, T, value, route,
+                    ranked):
+        """Every thread of dispatch_async's last block, after its quiet: when the call sent its
+        routing, each proxy first gets this PE's routing rows (ids, weights and, ``ranked``, the
+        ranks) in a put each, quieted; then each proxy gets this PE's counts rows for its node's
+        PEs in ``relay_counts[g, me]`` with the relay signal ``value`` (the signal alone on a kept
+        routing's call), and each PE of this node the dispatch signal as the node's transport
+        gives it."""
+        tid = cuda.threadIdx.x
+        R = counts.shape[1]
+        if route and T > 0:
+            for node in range(R // NODE):
+                if node != me // NODE:
+                    d = node * NODE + me % NODE
+                    shmem.put_nbi_block(ids[g, me, 0:T], ids[g, me, 0:T], d)
+                    shmem.put_nbi_block(weights[g, me, 0:T], weights[g, me, 0:T], d)
+                    if ranked:
+                        shmem.put_nbi_block(ranks[g, me, 0:T], ranks[g, me, 0:T], d)
+            cuda.syncthreads()
+            if tid == 0:
+                publish_fence(False)  # quiet: they are delivered before the signals below
+            cuda.syncthreads()
+        for d in range(tid, R, threads):
+            if d // NODE != me // NODE:  # a proxy: its node's counts rows, its relay signal
+                if reaches(me, d, NODE) and route:
+                    n0 = (d // NODE) * NODE
+                    shmem.put_signal(relay_counts[g, me, 0:NODE], staged[n0:n0 + NODE], relay_signal[g, me:me + 1],
+                                     value, shmem.SIGNAL_SET, d)
+                elif reaches(me, d, NODE):  # a kept routing's call: the counts rows are the receivers' own
+                    shmem.signal_op(relay_signal[g, me:me + 1], value, shmem.SIGNAL_SET, d)
+            else:
+                signal_near(signal_, counts, staged, g, me, d, value, route)
+
+    # -- combine partials: a partial for a home on another node goes to the home's proxy on this
+    # node (the PE with the home's local index), into its relay_partials row ``node(s) node_size
+    # + local(me)``, flagged in relay_flag; the proxy sums its node's partials (combine_relay)
+
+    @cuda.jit(device=True)
+    def far(me, s):
+        return s // NODE != me // NODE
+
+    @cuda.jit(device=True)
+    def proxy_row(me, s):
+        """``(row, proxy)``: where this PE's partial for PE ``s`` of another node goes: its row of
+        the proxy's ``relay_partials`` and the proxy."""
+        return (s // NODE) * NODE + me % NODE, (me // NODE) * NODE + s % NODE
+
+    near_finish_part = within.finish_part
+
+    @cuda.jit(device=True)
+    def home_aligned(relay_partials):
+        """Whether the proxies' ``relay_partials`` rows are 16-byte aligned."""
+        return pairs_aligned(relay_partials)
+
+    if node_stores:
+        near_home_at = within.home_at
+
+        @cuda.jit(device=True)
+        def home_at(partials, relay_partials, peer_bases, g, me, s, t):
+            """The address, through its mapping, where this PE's partial of token t of PE ``s``
+            goes: slot ``[g, me, t]`` of s's ``combine_partials`` on this node, or its row of the
+            proxy's ``relay_partials`` for s on another node (the same offsets on every PE)."""
+            if far(me, s):
+                row, proxy = proxy_row(me, s)
+                return peer_bases[PEER_RELAY_PARTIALS, proxy] + (address_of(relay_partials[row, t])
+                                                                 - address_of(relay_partials))
+            return near_home_at(partials, relay_partials, peer_bases, g, me, s, t)
+
+        @inlined
+        def finish_part(partials, stage, relay_partials, relay_flag, row_flag, g, me, s, t, p, pw0, pw1, n, lane):
+            """Every lane of the warp that stored part ``p``: flag it where it went
+            (``relay_flag[row, t, p]`` on the proxy for ``s`` on another node)."""
+            if far(me, s):
+                row, proxy = proxy_row(me, s)
+                flag_stored(relay_flag[row, t, p:p + 1], n, uint64(1) << uint64(proxy), row_flag.shape[0], lane)
+            else:
+                near_finish_part(partials, stage, relay_partials, relay_flag, row_flag, g, me, s, t, p, pw0, pw1, n,
+                                 lane)
+
+        send_home_part = stores.make_home_sender(within.warp, home_at, finish_part)
+    else:
+        home_at = within.home_at
+        near_send_home_part = within.send_home_part
+
+        @inlined
+        def finish_part(partials, stage, relay_partials, relay_flag, row_flag, g, me, s, t, p, pw0, pw1, n, lane):
+            """Every lane of the warp that staged part ``p`` of its partial for PE ``s``: put it with
+            its flag to ``s`` on this node, or to the proxy's ``relay_partials`` row with its
+            ``relay_flag`` for ``s`` on another node; this PE's own part flagged here."""
+            if s != me:
+                warp_sync()  # the whole staged part is written before the warp's put
+                if far(me, s):
+                    row, proxy = proxy_row(me, s)
+                    shmem.put_signal_nbi_warp(relay_partials[row, t, pw0:pw1], stage[s, t, pw0:pw1],
+                                              relay_flag[row, t, p:p + 1], uint64(n + 1), shmem.SIGNAL_SET, proxy)
+                else:
+                    shmem.put_signal_nbi_warp(partials[g, me, t, pw0:pw1], stage[s, t, pw0:pw1],
+                                              row_flag[me, t, p:p + 1], uint64(n + 1), shmem.SIGNAL_SET, s)
+            else:
+                flag_part(row_flag, me, t, p, n, uint64(1) << uint64(s), lane)
+
+        @inlined
+        def send_home_part(src, w0, w1, partials, relay_partials, relay_flag, row_flag, peer_bases, g, me, s, t, p,
+                           n, direct, lane, lo, hi):
+            """Every lane of a warp: the caller's partial row part put to the proxy for ``s`` on
+            another node (else as within the node)."""
+            if far(me, s):
+                row, proxy = proxy_row(me, s)
+                shmem.put_signal_nbi_warp(relay_partials[row, t, w0:w1], src[w0:w1], relay_flag[row, t, p:p + 1],
+                                          uint64(n + 1), shmem.SIGNAL_SET, proxy)
+            else:
+                near_send_home_part(src, w0, w1, partials, relay_partials, relay_flag, row_flag, peer_bases, g, me,
+                                    s, t, p, n, direct, lane, lo, hi)
+
+    return SimpleNamespace(warp=within.warp, FENCED=False, NEAR_FENCED=within.NEAR_FENCED, DIRECT=within.DIRECT,
+                           row_dests=within.row_dests, send_part=within.send_part,
+                           send_part_flagged=within.send_part_flagged, spread_range=within.spread_range,
+                           row_at=within.row_at, spread_slot=within.spread_slot, spread_flush=within.spread_flush,
+                           count_u32=within.count_u32, send_ranks=within.send_ranks,
+                           counts_before_route=within.counts_before_route, signal_call=signal_call,
+                           make_row_chunks=make_row_chunks_here, near=near, reaches=reaches_pe, forward_run=within.forward_run,
+                           forward_row=within.forward_row, send_slot_value=send_slot_value,
+                           signal_slot_values=signal_slot_values, grant_credits=within.grant_credits,
+                           await_credits=within.await_credits, stores_to=within.stores_to,
+                           stages=within.stages, stage_aligned=within.stage_aligned, home_aligned=home_aligned, home_at=home_at,
+                           finish_part=finish_part, send_home_part=send_home_part)
+
+
+def make_row_chunks(threads: int, node_size: int, pack_row, holders):
+    """``send_across``: the token blocks' rows bound for other nodes under the hierarchical
+    transport of ``node_size`` PEs a node, built with the format's ``pack_row(tokens,
+    token_scales, prequantized, t, row, lane, mbuf, peer_bases, held, lo, hi)`` (token ``t``'s
+    row as it travels, into a local row) and ``holders(ids_at, K, L, R, ids_l)`` (the PEs holding
+    a token's experts, uint64 bits)."""
+    warp, warps = warp_geometry(threads)
+    NODE = node_size
+
+    @inlined
+    def send_across(tokens, token_scales, prequantized, ids_base, relay_stage, relay_rows, relay_chunk_flag,
+                    relay_slot, peer_bases, T, K, L, R, me, n, token_blocks, cmask, mbuf, held, ids_l, lo, hi):
+        """Every thread of a token block: the rows bound for other nodes, a chunk of ``CH =
+        chunk_tokens(T)`` consecutive tokens a block in turn. The block ranks the chunk's tokens
+        with an expert on each other node (``cmask[node]``, bit j: token ``c CH + j``); for each
+        such node x (``other_index``) it packs those tokens' rows in token order into
+        ``relay_stage[x, c CH:]`` (a warp a row; FP8: messages), notes each token's packed row in
+        ``relay_slot[g, t, x]`` (combine_wait finds the node's sum there), and puts the packed
+        rows to its proxy there in one ``put_signal_nbi_block`` that sets the proxy's
+        ``relay_chunk_flag[me, c]`` to n + 1. A chunk with no token bound to a node sends it
+        nothing (the proxy ranks the chunk alike and waits for no flag)."""
+        tid = cuda.threadIdx.x
+        lane = tid % warp
+        wid = tid // warp
+        mine = me // NODE
+        nodes = R // NODE
+        g = n % 2
+        CH = chunk_tokens(T)
+        c = cuda.blockIdx.x
+        while cuda.blockIdx.x < token_blocks and c * CH < T:  # block-uniform
+            for node in range(tid, nodes, threads):
+                cmask[node] = uint32(0)
+            cuda.syncthreads()
+            for j in range(tid, CH, threads):
+                t = c * CH + j
+                if t < T:
+                    held_by = holders(ids_base + uint64(4 * t * K), K, L, R, ids_l)
+                    for node in range(nodes):
+                        if node != mine and held_by & node_bits(node, NODE) != uint64(0):
+                            cuda.atomic.or_(cmask, node, uint32(1) << uint32(j))
+            cuda.syncthreads()
+            for node in range(nodes):
+                mask = cmask[node]
+                if node != mine and mask != uint32(0):
+                    x = other_index(node, mine)
+                    c0 = c * CH
+                    for b in range(CH):
+                        if (mask >> uint32(b)) & uint32(1):
+                            j = popc32(mask & ((uint32(1) << uint32(b)) - uint32(1)))
+                            if j % warps == wid:
+                                if lane == 0:
+                                    relay_slot[g, c0 + b, x] = c0 + j
+                                pack_row(tokens, token_scales, prequantized, c0 + b, relay_stage[x, c0 + j], lane,
+                                         mbuf, peer_bases, held, lo, hi)
+                    cuda.syncthreads()  # the packed rows are written before the block's put reads them
+                    cnt = popc32(mask)
+                    shmem.put_signal_nbi_block(relay_rows[other_index(mine, node), c0:c0 + cnt],
+                                               relay_stage[x, c0:c0 + cnt], relay_chunk_flag[me, c:c + 1],
+                                               uint64(n + 1), shmem.SIGNAL_SET, node * NODE + me % NODE)
+            cuda.syncthreads()  # cmask read by every thread before the next chunk clears it
+            c += token_blocks
+
+    return send_across
