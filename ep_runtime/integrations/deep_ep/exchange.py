@@ -1,0 +1,162 @@
+"""The runtime calls behind ``Buffer.dispatch`` and ``Buffer.combine`` (arguments checked by
+:mod:`~ep_runtime.integrations.deep_ep.buffer`).
+
+A dispatch runs the runtime's compact dispatch with the caller's routing (padded with masked
+slots to the runtime's ``top_k``) and makes DeepEP's dense rows from it
+(:mod:`~ep_runtime.integrations.deep_ep.dense`). A cached dispatch runs the handle's routing
+again, and gathers through the handle's map. A combine writes the dense rows back in compact
+positions and runs the runtime's compact combine (unweighted, as DeepEP's: the rows are the
+caller's sums), on the dispatch it belongs to when that is still the runtime's current call,
+else after dispatching zeros with the handle's routing (the same rows land in the same places).
+
+``topk_weights`` of a combine go home on a second, float32 runtime of ``T x top_k`` floats a
+rank: a dispatch of empty rows with the routing and a combine that returns each rank's float32
+partials (``combine_wait(reduce=False)``), summed here in rank order, so each slot's value is
+DeepEP's float32 sum over the ranks the token went to. ``bias`` is added to the combine's float32
+sum before its one rounding to bf16 (a ``combine_wait`` epilogue), as DeepEP adds it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ep_runtime.integrations.deep_ep.dense import DenseRows, _compact_from_dense, _dense_from_compact, _gather_dense
+from ep_runtime.integrations.deep_ep.handle import HandleState, Routing
+from ep_runtime.integrations.deep_ep.runtimes import RuntimeCache, RuntimeEntry, RuntimeKey
+
+_BF16 = torch.bfloat16
+
+
+def dispatch(cache: RuntimeCache, key: RuntimeKey, tokens, scales, routing: Routing, top_k: int | None,
+             rows: int | None, alignment: int) -> tuple[DenseRows, RuntimeEntry]:
+    """One non-cached dispatch of ``tokens`` (``[T, hidden]`` bf16, or uint8 E4M3 codes with
+    ``scales``) with ``routing`` on the runtime of ``key``. Collective. ``top_k``: the caller's
+    slots (None: no top-k outputs); ``rows``: ``num_worst_tokens`` (None: read on the host)."""
+    entry = cache.entry(key, routing.ids.shape[1], tokens.shape[0])
+    batch = _run_dispatch(entry, tokens, scales, routing)
+    cfg = entry.cfg
+    dense = _dense_from_compact(batch, cfg.n_ranks, cfg.max_tokens_per_rank, top_k, rows, alignment,
+                                cache.host_values)
+    return dense, entry
+
+
+def cached_dispatch(cache: RuntimeCache, key: RuntimeKey, tokens, scales, state: HandleState):
+    """A cached dispatch: ``tokens`` with the routing of ``state``'s dispatch, gathered through its
+    map: ``(x, scales)`` ``[N, ...]``. Collective; no host read."""
+    entry = cache.entry(key, state.routing.ids.shape[1], tokens.shape[0])
+    batch = _run_dispatch(entry, tokens, scales, state.routing)
+    return _gather_dense(batch.x, batch.scales, recoord(state.source, state.capacity, entry.cfg.max_tokens_per_rank))
+
+
+def combine(cache: RuntimeCache, state: HandleState, x: torch.Tensor,
+            bias: torch.Tensor | None) -> tuple[torch.Tensor, RuntimeEntry]:
+    """``out`` ``[T, hidden]`` bf16: each token's sum of the rows ``x`` ``[N, hidden]`` bf16 of the
+    ranks it went to (+ ``bias``, ``[T, hidden]`` float32), and the runtime entry that combined.
+    Collective; no host read."""
+    entry, rt_handle = _open_dispatch(cache, state, x.shape[1])
+    cfg = entry.cfg
+    slots = cfg.n_ranks * cfg.max_tokens_per_rank
+    if entry.combine_rows is None or entry.combine_rows.shape != (slots + 1, cfg.hidden):
+        entry.combine_rows = torch.empty(slots + 1, cfg.hidden, dtype=_BF16, device=entry.bridge.device)
+    rows = _compact_from_dense(x, entry.combine_rows, recoord(state.source, state.capacity, cfg.max_tokens_per_rank))
+    out = torch.empty(state.n_tokens, cfg.hidden, dtype=_BF16, device=entry.bridge.device)
+    rt, to_rt = entry.runtime, entry.bridge.to_rt
+    entry.open = None
+    pending = rt.combine_async(to_rt(rows), rt_handle, layout="compact")
+    if bias is None:
+        rt.combine_wait(pending, out=to_rt(out))
+    else:
+        rt.combine_wait(pending, out=to_rt(out), epilogue=bias_epilogue(), aux=to_rt(bias))
+    return out, entry
+
+
+def combine_weights(cache: RuntimeCache, main: RuntimeEntry, state: HandleState, weights: torch.Tensor) -> torch.Tensor:
+    """``[T, K]`` float32: for each token and slot, the sum over the ranks the token went to of
+    their ``weights`` ``[N, K]`` rows (DeepEP's combined ``topk_weights``), after the combine on
+    ``main``. Collective: a dispatch and a combine on the float32 weights runtime (see the module
+    docstring)."""
+    entry = cache.weights_entry(main)
+    cfg, device = entry.cfg, entry.bridge.device
+    empty = torch.zeros(state.n_tokens, cfg.hidden, dtype=_BF16, device=device)
+    batch = _run_dispatch(entry, empty, None, state.routing)
+    slots = cfg.n_ranks * cfg.max_tokens_per_rank
+    n, k = weights.shape
+    padded = torch.zeros(n, cfg.hidden, dtype=torch.float32, device=device)
+    padded[:, :k] = weights
+    rows = torch.empty(slots + 1, cfg.hidden, dtype=torch.float32, device=device)
+    rows = _compact_from_dense(padded, rows, recoord(state.source, state.capacity, cfg.max_tokens_per_rank))
+    partials = torch.empty(cfg.n_ranks, state.n_tokens, cfg.hidden, dtype=torch.float32, device=device)
+    rt, to_rt = entry.runtime, entry.bridge.to_rt
+    entry.open = None
+    rt.combine_wait(rt.combine_async(to_rt(rows), batch.rt_handle, layout="compact"), out=to_rt(partials),
+                    reduce=False)
+    return partials.sum(0)[:, :k].contiguous()
+
+
+def recoord(source: torch.Tensor, capacity: int, new_capacity: int) -> torch.Tensor:
+    """A dense-row map ``s * capacity + t`` (-1 kept) in the compact rows of a runtime of
+    ``new_capacity`` tokens per rank: ``s * new_capacity + t``."""
+    if capacity == new_capacity:
+        return source
+    moved = source // capacity * new_capacity + source % capacity
+    return torch.where(source >= 0, moved, source)
+
+
+def _open_dispatch(cache: RuntimeCache, state: HandleState, hidden: int) -> tuple[RuntimeEntry, object]:
+    """The runtime entry of rows of ``hidden`` whose current dispatch is ``state``'s routing, and
+    that dispatch's runtime handle; when none is (another call came in between, or the combine's
+    rows are wider or narrower than the dispatch's), a dispatch of zero rows with the routing on
+    the bf16 runtime of that shape, which opens one. Collective."""
+    for key, entry in cache.entries.items():
+        if (entry.open is not None and entry.open[0] is state.routing and key.hidden == hidden
+                and key.layout == "compact" and key.combine_dtype == "bfloat16"):
+            return entry, entry.open[1]
+    key = RuntimeKey(hidden, state.routing.n_experts)
+    entry = cache.entry(key, state.routing.ids.shape[1], state.n_tokens)
+    zeros = torch.zeros(state.n_tokens, hidden, dtype=_BF16, device=entry.bridge.device)
+    batch = _run_dispatch(entry, zeros, None, state.routing)
+    return entry, batch.rt_handle
+
+
+def _run_dispatch(entry: RuntimeEntry, tokens, scales, routing: Routing):
+    """The runtime's compact dispatch of ``tokens`` (and FP8 ``scales``) with ``routing``, padded
+    to its ``top_k``; the batch as torch views, and the entry's open dispatch set to it."""
+    from ep_runtime.integrations.torch_async import Batch
+
+    rt, bridge = entry.runtime, entry.bridge
+    ids, weights = pad_routing(routing, rt.cfg.top_k)
+    to_rt = bridge.to_rt
+    handle = rt.dispatch_async(to_rt(tokens), to_rt(ids), to_rt(weights),
+                               token_scales=None if scales is None else to_rt(scales))
+    b = rt.dispatch_wait(handle, layout="compact")
+    entry.open = (routing, b.handle)
+    t = bridge.from_rt
+    return Batch(rt, b.handle, handle.n_tokens, "compact", t(b.x), None if b.scales is None else t(b.scales),
+                 t(b.row_offsets), t(b.expert_counts), t(b.src_rank), t(b.src_token), t(b.src_k), t(b.weight),
+                 t(b.gather), t(b.recv_tokens))
+
+
+def pad_routing(routing: Routing, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``routing``'s ids and weights ``[T, width]`` (masked slots appended; contiguous)."""
+    ids, weights = routing.ids, routing.weights
+    extra = width - ids.shape[1]
+    if extra:
+        ids = torch.nn.functional.pad(ids, (0, extra), value=-1)
+        weights = torch.nn.functional.pad(weights, (0, extra), value=0.0)
+    return ids.contiguous(), weights.contiguous()
+
+
+_EPILOGUE = []
+
+
+def bias_epilogue():
+    """The ``combine_wait`` epilogue adding ``aux[token, col]`` (the bias, float32) to a token's
+    float32 sum before its rounding (a Numba device function, made once: one build per runtime)."""
+    if not _EPILOGUE:
+        from ep_runtime.kernels.cuda_api import cuda
+
+        def add_bias(value, token, col, aux):
+            return value + aux[token, col]
+
+        _EPILOGUE.append(cuda.jit(device=True)(add_bias))
+    return _EPILOGUE[0]
