@@ -129,8 +129,11 @@ class RuntimeCache:
                        max_tokens_per_rank=tokens, token_dtype=key.token_dtype, combine_dtype=key.combine_dtype,
                        pad_multiple=key.pad_multiple, layouts=(key.layout,))
         session = self._session(cfg)
+        plan = None
+        if key == weights_key(key.hidden, key.n_experts) and session.spans_nodes():
+            plan = {"transport": "puts"}  # its combine returns each rank's partials, which the hierarchical transport sums
         try:
-            runtime = EPRuntime(cfg, session)
+            runtime = EPRuntime(cfg, session, plan=plan)
         except EPError as exc:
             raise type(exc)(f"{self.owner}: building the runtime for {tokens} tokens per rank of hidden {key.hidden} "
                             f"failed in this process's session (symmetric heap {session.heap_bytes} bytes, opened by "
@@ -157,9 +160,10 @@ class RuntimeCache:
     def weights_entry(self, entry: RuntimeEntry) -> RuntimeEntry:
         """The float32 runtime that takes a combine's ``topk_weights`` home for ``entry``'s routings
         (:mod:`~ep_runtime.integrations.deep_ep.exchange`): ``entry``'s top-k and capacity, built at
-        the first weighted combine (collective; the values are equal on every rank)."""
+        the first weighted combine (collective; the values are equal on every rank) with
+        :func:`weights_key`."""
         cfg = entry.cfg
-        key = RuntimeKey(weights_width(cfg.top_k), cfg.n_experts, combine_dtype="float32")
+        key = weights_key(weights_width(cfg.top_k), cfg.n_experts)
         return self.entry(key, cfg.top_k, cfg.max_tokens_per_rank, tokens_agreed=True)
 
     def close_entry(self, key: RuntimeKey) -> None:
@@ -196,6 +200,12 @@ class RuntimeCache:
         mine = self.host_values(values)
         gather = self.session.allgather_object if self.session is not None else self.boot.allgather_object
         return torch.tensor(gather(mine), dtype=torch.int64, device="cpu").view(self.n_ranks, -1)
+
+
+def weights_key(width: int, n_experts: int) -> RuntimeKey:
+    """The key of a weights runtime: rows of ``width`` float32 values, partials in float32 (on
+    PEs of several nodes its plan puts, so its combine can return each rank's partials)."""
+    return RuntimeKey(width, n_experts, combine_dtype="float32")
 
 
 def weights_width(top_k: int) -> int:
