@@ -58,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def deep_ep_command(args) -> int:
-    """``python -m ep_runtime deep-ep ACTION``: the alias's install step (see :mod:`ep_runtime.integrations.deep_ep.alias`)."""
+    """``python -m ep_runtime deep-ep ACTION``: the install step (:mod:`ep_runtime.integrations.deep_ep.alias`)."""
     from ep_runtime.integrations.deep_ep import alias
 
     if args.action == "install":

@@ -91,9 +91,10 @@ def _vllm(buffer, ins, setup: Setup, fmt: str, async_finish: bool, micro_batches
         tokens = _bf16(ins.x[lo:hi]) if fmt == "bf16" else (
             torch.from_numpy(ins.codes[lo:hi].copy()).view(torch.float8_e4m3fn), torch.from_numpy(ins.scales[lo:hi]))
         data, idx, w, counts, handle, event = buffer.dispatch(
-            x=tokens, handle=None, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=rdma, is_token_in_rank=in_rank,
-            num_tokens_per_expert=per_expert, topk_idx=topk, topk_weights=weights, expert_alignment=1, config=config,
-            previous_event=None, async_finish=async_finish, allocate_on_comm_stream=False)
+            x=tokens, handle=None, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=rdma,
+            is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=topk, topk_weights=weights,
+            expert_alignment=1, config=config, previous_event=None, async_finish=async_finish,
+            allocate_on_comm_stream=False)
         handles.append(handle)
         received.append((data, idx, w, counts, event))
     for u, (data, idx, w, counts, event) in enumerate(received):
@@ -256,7 +257,8 @@ def test_engine_call_sequence_gives_deep_ep_s_results(job, run):
             ys.append(got["y"])
             if engine.startswith("vllm"):
                 offset = r * setup.L
-                remapped = np.where(want["topk_idx"] == -1, setup.E - 1 if offset == 0 else 0, want["topk_idx"] + offset)
+                remapped = np.where(want["topk_idx"] == -1, setup.E - 1 if offset == 0 else 0,
+                                    want["topk_idx"] + offset)
                 np.testing.assert_array_equal(got["global_ids"], remapped, err_msg=what)
                 assert got["none"] is None
             want_dtypes = ("torch.bfloat16" if fmt == "bf16" else ("torch.float8_e4m3fn", "torch.float32"))

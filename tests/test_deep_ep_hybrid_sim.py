@@ -168,10 +168,9 @@ def torch_rank_main(rank: int, n: int, store: str, out_dir: str) -> None:
         got["widening"] = _widening(deep_ep.HybridEPBuffer(group, H, T, L), rank)
         quiet = deep_ep.HybridEPBuffer(group, H, T, L, debug=False)
         strict = deep_ep.HybridEPBuffer(group, H, T, L, debug=True)
-        quiet.dispatch_with_permute(hidden=_bf16(routing(7, rank, 3)[0]), routing_map=_dense_map(*routing(7, rank, 3)[1:])[0],
-                                    num_of_experts_per_rank=L)  # a blocking first call sets the width: 3
-        strict.dispatch_with_permute(hidden=_bf16(routing(7, rank, 3)[0]),
-                                     routing_map=_dense_map(*routing(7, rank, 3)[1:])[0], num_of_experts_per_rank=L)
+        x, ids, w = routing(7, rank, 3)
+        for b in (quiet, strict):  # a blocking first call sets the width: 3
+            b.dispatch_with_permute(hidden=_bf16(x), routing_map=_dense_map(ids, w)[0], num_of_experts_per_rank=L)
         got["non_blocking"] = _non_blocking(quiet, strict, rank)
     finally:
         dist.destroy_process_group()

@@ -23,8 +23,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 #: What a child prints about ``deep_ep`` once imported.
-PROBE = ("import deep_ep, deep_ep.utils, ep_runtime.deep_ep as layer; from deep_ep import Buffer, Config, EventOverlap; "
-         "from deep_ep.utils import EventHandle; "
+PROBE = ("import deep_ep, deep_ep.utils, ep_runtime.deep_ep as layer; "
+         "from deep_ep import Buffer, Config, EventOverlap; from deep_ep.utils import EventHandle; "
          "print(deep_ep.__name__, deep_ep is layer, Buffer is layer.Buffer, deep_ep.utils.__name__)")
 
 

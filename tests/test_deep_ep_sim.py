@@ -84,9 +84,9 @@ def _round(buffer, ins, setup: Setup, fmt: str, with_topk: bool, async_mode: boo
     recv, idx, w, counts, handle, event = buffer.dispatch(**args)
     if async_mode:
         event.current_stream_wait()
-    out = dict(recv=_record(recv, fmt), counts=counts, prefix=handle[0].numpy().copy(), src_idx=handle[3].numpy().copy(),
-               handle_len=len(handle), event=event.event is not None, idx=None if idx is None else idx.numpy().copy(),
-               w=None if w is None else w.numpy().copy())
+    out = dict(recv=_record(recv, fmt), counts=counts, prefix=handle[0].numpy().copy(),
+               src_idx=handle[3].numpy().copy(), handle_len=len(handle), event=event.event is not None,
+               idx=None if idx is None else idx.numpy().copy(), w=None if w is None else w.numpy().copy())
     if with_topk:
         worst = max(setup.tokens) * setup.R
         wrecv, widx, ww, wlist, _, _ = buffer.dispatch(**args, num_worst_tokens=worst)

@@ -53,8 +53,8 @@ class _DeepEPAlias:
             from ep_runtime.integrations.deep_ep.alias import AliasFinder
         except ImportError as exc:
             raise ImportError(f"import {{fullname}}: ep_runtime's DeepEP alias is installed ({{__file__}}) but "
-                              f"ep_runtime cannot be imported ({{exc}}); install ep_runtime again, or remove the alias: "
-                              f"python -m ep_runtime deep-ep uninstall") from exc
+                              f"ep_runtime cannot be imported ({{exc}}); install ep_runtime again, or remove the "
+                              f"alias: python -m ep_runtime deep-ep uninstall") from exc
         return AliasFinder().find_spec(fullname, path, target)
 
 

@@ -203,7 +203,8 @@ class HybridEPBuffer:
             raise EPInputError(f"{c}: hidden has {hidden.shape[0]} tokens but the handle's dispatch had "
                                f"{state.routing.ids.shape[0]}.")
         if rows is not None and rows != state.n_rows:
-            raise EPInputError(f"{c}: num_permuted_tokens={rows} but the handle's dispatch returned {state.n_rows} rows.")
+            raise EPInputError(f"{c}: num_permuted_tokens={rows} but the handle's dispatch returned {state.n_rows} "
+                               f"rows.")
         entry = self._cache.entry(state.key, state.routing.ids.shape[1], hidden.shape[0])
         with CommCall(self._cache.session, hidden.device, None, False) as call:
             batch = _run_dispatch(entry, hidden, state.routing)

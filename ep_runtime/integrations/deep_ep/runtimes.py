@@ -131,7 +131,7 @@ class RuntimeCache:
         session = self._session(cfg)
         plan = None
         if key == weights_key(key.hidden, key.n_experts) and session.spans_nodes():
-            plan = {"transport": "puts"}  # its combine returns each rank's partials, which the hierarchical transport sums
+            plan = {"transport": "puts"}  # its combine returns each rank's partials (the hierarchical transport sums)
         try:
             runtime = EPRuntime(cfg, session, plan=plan)
         except EPError as exc:
