@@ -49,7 +49,9 @@ class Buffer:
       largest batch of the first dispatch; a larger batch later raises, docs/deep_ep.md);
     - ``debug``: the runtime's debug mode (None: on for the simulator, off on GPUs), in which the
       layer also checks ``is_token_in_rank`` against ``topk_idx`` and ``num_worst_tokens``
-      against the rows received.
+      against the rows received;
+    - ``session``: an ep_runtime session this process already opened over the group's ranks (one
+      process holds one: e.g. a benchmark's), used instead of opening one at the first dispatch.
 
     ``num_nvl_bytes`` is the least symmetric heap the layer's session opens with (it opens at
     the first dispatch, collectively, with room for its runtimes). ``num_rdma_bytes > 0`` and
@@ -67,7 +69,7 @@ class Buffer:
     def __init__(self, group, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, low_latency_mode: bool = False,
                  num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
                  explicitly_destroy: bool = False, comm=None, *, max_tokens_per_rank: int | None = None,
-                 debug: bool | None = None) -> None:
+                 debug: bool | None = None, session=None) -> None:
         if low_latency_mode:
             raise DeepEPUnsupportedError(f"Buffer(low_latency_mode=True): {LOW_LATENCY}.")
         for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes),
@@ -79,11 +81,12 @@ class Buffer:
                               "The layer runs DeepEP's intranode normal mode (one node, NVLink), which needs none: "
                               "pass num_rdma_bytes=0 (what Config.get_rdma_buffer_size_hint gives for a group of at "
                               "most 8 ranks)")
-        if group is None and comm is None:
+        if group is None and comm is None and session is None:
             raise EPInputError("Buffer: pass group= (a torch.distributed ProcessGroup) or comm= (an mpi4py "
                                "communicator); either must be provided.")
         self.group = group if group is not None else comm
-        self._cache = RuntimeCache(self.group, num_nvl_bytes, max_tokens_per_rank or 0, "Buffer", "max_tokens_per_rank")
+        self._cache = RuntimeCache(self.group, num_nvl_bytes, max_tokens_per_rank or 0, "Buffer", "max_tokens_per_rank",
+                                   session)
         self.rank, self.group_size = self._cache.rank, self._cache.n_ranks
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
         self.low_latency_mode, self.explicitly_destroy = False, bool(explicitly_destroy)

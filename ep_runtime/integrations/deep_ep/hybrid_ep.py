@@ -87,7 +87,7 @@ class HybridEPBuffer:
     num_sms_preprocessing_api=None, num_blocks_permute=None, num_blocks_unpermute=None,
     load_cached_kernels=False, use_shared_buffer=True, enable_custom_allgather=False,
     num_of_hybrid_ep_ranks_per_nvlink_domain=None, use_mnnvl=None)`` as HybridEP's, plus the
-    layer's ``debug`` keyword (the runtime's debug mode; None: on for the simulator).
+    layer's ``debug`` and ``session`` keywords (as ``deep_ep.Buffer``'s).
     ``max_num_of_tokens_per_rank`` is the fewest tokens per rank the buffers hold (blocking calls
     grow them as HybridEP reallocates). The SM and block counts, kernel caching and custom
     all-gather are HybridEP's tuning and are accepted; the execution plan sizes the grids.
@@ -101,15 +101,16 @@ class HybridEPBuffer:
                  num_blocks_unpermute: int | None = None, load_cached_kernels: bool = False,
                  use_shared_buffer: bool = True, enable_custom_allgather: bool = False,
                  num_of_hybrid_ep_ranks_per_nvlink_domain: int | None = None, use_mnnvl: bool | None = None, *,
-                 debug: bool | None = None):
+                 debug: bool | None = None, session=None):
         if use_fp8:
             raise unsupported("HybridEPBuffer", "use_fp8=True (FP8 HybridEP dispatch)",
                               "Dispatch bf16 (Megatron-core's HybridEP path does), or FP8 through deep_ep.Buffer")
         for name, value in (("hidden_dim", hidden_dim), ("max_num_of_tokens_per_rank", max_num_of_tokens_per_rank),
                             ("num_local_experts", num_local_experts)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if "tokens" in name else 1):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise EPInputError(f"HybridEPBuffer: {name}={value!r} must be a positive int.")
-        self._cache = RuntimeCache(group, 0, max_num_of_tokens_per_rank, "HybridEPBuffer", "max_num_of_tokens_per_rank")
+        self._cache = RuntimeCache(group, 0, max_num_of_tokens_per_rank, "HybridEPBuffer", "max_num_of_tokens_per_rank",
+                                   session)
         self.group, self.rank, self.group_size = group, self._cache.rank, self._cache.n_ranks
         domain = num_of_hybrid_ep_ranks_per_nvlink_domain
         if domain is not None and domain != self.group_size:

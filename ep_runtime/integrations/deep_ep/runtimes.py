@@ -75,24 +75,28 @@ class RuntimeCache:
     min_tokens : the fewest tokens per rank a runtime holds (``C`` is at least this).
     owner : the caller's name, for messages (``"Buffer"``, ``"HybridEPBuffer"``).
     capacity_arg : the caller's argument that sets ``min_tokens``, for messages.
+    session : an ep_runtime session already open in this process (e.g. a benchmark's), used
+        instead of opening one; ``group`` may then be None (the session's ranks are the group).
     """
 
-    def __init__(self, group, heap_floor: int, min_tokens: int, owner: str, capacity_arg: str):
+    def __init__(self, group, heap_floor: int, min_tokens: int, owner: str, capacity_arg: str, session=None):
         from ep_runtime.shmem.bootstrap import bootstrap_group
 
-        self.group = group
-        self.boot = bootstrap_group(group)
+        self.group, self.session = group, session
+        self.boot = bootstrap_group(group) if group is not None or session is None else session.bootstrap
         self.heap_floor, self.min_tokens, self.owner, self.capacity_arg = heap_floor, min_tokens, owner, capacity_arg
-        self.session = None
+        if session is not None:
+            self.rank, self.n_ranks = session.rank, session.n_ranks
+            if self.boot is not None and (self.boot.rank, self.boot.size) != (self.rank, self.n_ranks):
+                raise EPInputError(f"{owner}: session= is rank {self.rank} of {self.n_ranks}, but the group gives "
+                                   f"rank {self.boot.rank} of {self.boot.size}; pass a session over the group's ranks.")
+        else:
+            self.rank, self.n_ranks = self.boot.rank, self.boot.size
         self.entries: dict[RuntimeKey, RuntimeEntry] = {}
 
-    @property
-    def n_ranks(self) -> int:
-        return self.boot.size
-
-    @property
-    def rank(self) -> int:
-        return self.boot.rank
+    def _allgather(self, obj) -> list:
+        """Every rank's ``obj`` (host): over the session once there is one, else the group."""
+        return self.session.allgather_object(obj) if self.session is not None else self.boot.allgather_object(obj)
 
     def entry(self, key: RuntimeKey, top_k: int, tokens: int, tokens_agreed: bool = False) -> RuntimeEntry:
         """The runtime of ``key`` holding ``top_k`` slots and this rank's ``tokens``, built or
@@ -120,8 +124,7 @@ class RuntimeCache:
         """Collective: every rank's ``tokens`` gathered, the largest (at least ``min_tokens``) the capacity."""
         from ep_runtime.core.runtime import EPRuntime
 
-        gather = self.session.allgather_object if self.session is not None else self.boot.allgather_object
-        tokens = max([self.min_tokens, 1] + list(gather(int(tokens))))
+        tokens = max([self.min_tokens, 1] + list(self._allgather(int(tokens))))
         if top_k > key.n_experts:
             raise EPInputError(f"{self.owner}: a routing of {top_k} slots per token for {key.n_experts} experts; "
                                f"pass at most num_experts slots (ids distinct per token, -1 for a masked slot).")
@@ -197,9 +200,8 @@ class RuntimeCache:
             out = torch.empty(self.n_ranks * values.numel(), dtype=values.dtype, device=values.device)
             dist.all_gather_into_tensor(out, values.contiguous(), group=boot_group)
             return torch.tensor(self.host_values(out), dtype=torch.int64, device="cpu").view(self.n_ranks, -1)
-        mine = self.host_values(values)
-        gather = self.session.allgather_object if self.session is not None else self.boot.allgather_object
-        return torch.tensor(gather(mine), dtype=torch.int64, device="cpu").view(self.n_ranks, -1)
+        return torch.tensor(self._allgather(self.host_values(values)), dtype=torch.int64,
+                            device="cpu").view(self.n_ranks, -1)
 
 
 def weights_key(width: int, n_experts: int) -> RuntimeKey:
