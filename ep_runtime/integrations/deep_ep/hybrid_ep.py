@@ -47,7 +47,7 @@ class HybridState:
     routing : the dispatch's routing (``[T, width]`` ids and probabilities).
     key : the runtime it ran on.
     n_rows : rows of ``dispatched_token`` (``num_permuted_tokens`` or the batch's).
-    exact : whether ``n_rows`` is the batch's (a blocking call without ``num_permuted_tokens``).
+    exact : whether ``n_rows`` is the batch's rows (known after a blocking call).
     tokens_per_expert : what the dispatch returned as such (host in blocking calls, else device).
     """
 
@@ -179,21 +179,23 @@ class HybridEPBuffer:
         routing = routing_from_map(routing_map, probs, width)
         with CommCall(self._cache.session, hidden.device, None, False) as call:
             batch = _run_dispatch(entry, hidden, routing)
-            n_batch = batch.row_offsets[-1]
+            n_batch = batch.row_offsets[-1]  # the batch's rows: on the device; on the host after a blocking call
             overflow = torch.zeros(1, dtype=torch.int32, device=hidden.device)
             if counts is not None:
-                n_rows = int(counts.sum()) if rows is None else rows
+                n_real = int(counts.sum())
+                n_rows = n_real if rows is None else rows
                 tokens_per_expert = counts
-                overflow.fill_(int(counts.sum()) > n_rows)
+                overflow.fill_(n_real > n_rows)
             else:
-                n_rows = rows
+                n_real, n_rows = n_batch, rows
                 tokens_per_expert = batch.row_offsets.diff().long()
                 overflow |= (n_batch > n_rows).int() | (routing_map.sum(1) > width).any().int()
             self._debug_checks(c, entry, routing_map, width, n_batch, n_rows, counts)
-            dispatched = _rows(batch.x, n_rows, n_batch)
-            dispatched_probs = None if probs is None else _rows(batch.weight, n_rows, n_batch)
+            exact = counts is not None and n_rows == n_real
+            dispatched = _rows(batch.x, n_rows, None if exact else n_real)
+            dispatched_probs = None if probs is None else _rows(batch.weight, n_rows, None if exact else n_real)
             items = (None, None, None, None, None, None, None, batch.expert_counts.clone(), T, None, overflow)
-            state = HybridState(self, routing, key, n_rows, counts is not None and rows is None, tokens_per_expert)
+            state = HybridState(self, routing, key, n_rows, exact, tokens_per_expert)
             call.finish((dispatched, dispatched_probs, overflow))
         return dispatched, dispatched_probs, None, tokens_per_expert, HybridEPHandle(items, state)
 
@@ -355,7 +357,7 @@ def _run_dispatch(entry: RuntimeEntry, tokens: torch.Tensor, routing: Routing):
 
 def _rows(view: torch.Tensor, n_rows: int, n_batch) -> torch.Tensor:
     """A copy of the first ``n_rows`` rows of a batch view (the next dispatch overwrites it), zero
-    past ``n_batch`` (a device scalar; None: ``n_rows`` is the batch's)."""
+    past ``n_batch`` (the batch's rows: an int or a device scalar; None: ``n_rows`` is the batch's)."""
     if n_batch is None:
         return view[:n_rows].clone()
     n = min(n_rows, view.shape[0])

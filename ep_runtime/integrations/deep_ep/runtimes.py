@@ -26,8 +26,8 @@ from ep_runtime.core.layout import BufferLayout
 from ep_runtime.integrations.torch import _Bridge
 
 #: The layer opens its process's session with a symmetric heap of at least this many times the
-#: first runtime's symmetric bytes (room for a second format, the combine's weights and a rebuild).
-HEAP_HEADROOM = 3
+#: first runtime's symmetric bytes (room for a second token format and the combine's weights).
+HEAP_HEADROOM = 2
 
 
 @dataclass(frozen=True)
@@ -147,11 +147,15 @@ class RuntimeCache:
 
     def _session(self, cfg: EPConfig):
         """This process's session over the group, opened (collective) at the first build with a
-        heap of at least ``heap_floor`` and :data:`HEAP_HEADROOM` times ``cfg``'s symmetric bytes."""
+        heap of at least ``heap_floor`` and :data:`HEAP_HEADROOM` times ``cfg``'s symmetric bytes
+        (under the plan of GPUs of one NVLink domain: the session, which gives the topology, is
+        not open yet)."""
         if self.session is None:
+            from ep_runtime.core.plan import Topology, choose_plan
             from ep_runtime.shmem import DEFAULT_SESSION_HEAP_BYTES, session_for
 
-            heap = max(self.heap_floor, DEFAULT_SESSION_HEAP_BYTES, HEAP_HEADROOM * BufferLayout(cfg).symmetric_bytes)
+            layout = BufferLayout(cfg, choose_plan(cfg, Topology.nvlink_gpus(cfg.n_ranks), {}))
+            heap = max(self.heap_floor, DEFAULT_SESSION_HEAP_BYTES, HEAP_HEADROOM * layout.symmetric_bytes)
             try:
                 self.session = session_for(self.group, heap)
             except EPInputError as exc:
