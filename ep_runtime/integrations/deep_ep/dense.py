@@ -13,9 +13,10 @@ DeepEP's order. This module turns one into the other and back:
   each dense row to its compact row (the only place a dispatch reads the device from the host:
   through the ``read_host`` it is given, once, unless the caller fixed the row count);
 - :func:`_gather_dense`: a cached dispatch's rows through a map made earlier;
-- :func:`_compact_from_dense`: a combine's rows back in compact positions.
+- :func:`_compact_from_dense`: a combine's rows back in compact positions;
+- :func:`_recoord`: a dense-row map moved to a runtime of another capacity.
 
-These three are the layer's whole dependence on the compact layout. A receiver layout of the
+These four are the layer's whole dependence on the compact layout. A receiver layout of the
 execution plan that writes the dense rows in the kernels (issue #63, deliverable 2) replaces
 them: shapes, dtypes, order and the map's meaning stay, the gathers go.
 """
@@ -135,3 +136,13 @@ def _compact_from_dense(rows: torch.Tensor, out: torch.Tensor, source: torch.Ten
     slots = out.shape[0] - 1
     out.index_copy_(0, torch.where(source >= 0, source, slots), rows)
     return out[:slots]
+
+
+def _recoord(source: torch.Tensor, capacity: int, new_capacity: int) -> torch.Tensor:
+    """A dense-row map ``s * capacity + t`` (-1 kept) in the compact rows of a runtime of
+    ``new_capacity`` tokens per rank: ``s * new_capacity + t`` (a handle's dispatch, cached or
+    combined on another runtime). Goes with the compact layout (see the module docstring)."""
+    if capacity == new_capacity:
+        return source
+    moved = source // capacity * new_capacity + source % capacity
+    return torch.where(source >= 0, moved, source)

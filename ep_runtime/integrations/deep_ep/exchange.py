@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from ep_runtime.integrations.deep_ep.dense import DenseRows, _compact_from_dense, _dense_from_compact, _gather_dense
+from ep_runtime.integrations.deep_ep.dense import (DenseRows, _compact_from_dense, _dense_from_compact, _gather_dense,
+                                                   _recoord)
 from ep_runtime.integrations.deep_ep.handle import HandleState, Routing
 from ep_runtime.integrations.deep_ep.runtimes import RuntimeCache, RuntimeEntry, RuntimeKey
 
@@ -45,7 +46,7 @@ def cached_dispatch(cache: RuntimeCache, key: RuntimeKey, tokens, scales, state:
     map: ``(x, scales)`` ``[N, ...]``. Collective; no host read."""
     entry = cache.entry(key, state.routing.ids.shape[1], tokens.shape[0])
     batch = _run_dispatch(entry, tokens, scales, state.routing)
-    return _gather_dense(batch.x, batch.scales, recoord(state.source, state.capacity, entry.cfg.max_tokens_per_rank))
+    return _gather_dense(batch.x, batch.scales, _recoord(state.source, state.capacity, entry.cfg.max_tokens_per_rank))
 
 
 def combine(cache: RuntimeCache, state: HandleState, x: torch.Tensor,
@@ -58,7 +59,7 @@ def combine(cache: RuntimeCache, state: HandleState, x: torch.Tensor,
     slots = cfg.n_ranks * cfg.max_tokens_per_rank
     if entry.combine_rows is None or entry.combine_rows.shape != (slots + 1, cfg.hidden):
         entry.combine_rows = torch.empty(slots + 1, cfg.hidden, dtype=_BF16, device=entry.bridge.device)
-    rows = _compact_from_dense(x, entry.combine_rows, recoord(state.source, state.capacity, cfg.max_tokens_per_rank))
+    rows = _compact_from_dense(x, entry.combine_rows, _recoord(state.source, state.capacity, cfg.max_tokens_per_rank))
     out = torch.empty(state.n_tokens, cfg.hidden, dtype=_BF16, device=entry.bridge.device)
     rt, to_rt = entry.runtime, entry.bridge.to_rt
     entry.open = None
@@ -84,22 +85,13 @@ def combine_weights(cache: RuntimeCache, main: RuntimeEntry, state: HandleState,
     padded = torch.zeros(n, cfg.hidden, dtype=torch.float32, device=device)
     padded[:, :k] = weights
     rows = torch.empty(slots + 1, cfg.hidden, dtype=torch.float32, device=device)
-    rows = _compact_from_dense(padded, rows, recoord(state.source, state.capacity, cfg.max_tokens_per_rank))
+    rows = _compact_from_dense(padded, rows, _recoord(state.source, state.capacity, cfg.max_tokens_per_rank))
     partials = torch.empty(cfg.n_ranks, state.n_tokens, cfg.hidden, dtype=torch.float32, device=device)
     rt, to_rt = entry.runtime, entry.bridge.to_rt
     entry.open = None
     rt.combine_wait(rt.combine_async(to_rt(rows), batch.rt_handle, layout="compact"), out=to_rt(partials),
                     reduce=False)
     return partials.sum(0)[:, :k].contiguous()
-
-
-def recoord(source: torch.Tensor, capacity: int, new_capacity: int) -> torch.Tensor:
-    """A dense-row map ``s * capacity + t`` (-1 kept) in the compact rows of a runtime of
-    ``new_capacity`` tokens per rank: ``s * new_capacity + t``."""
-    if capacity == new_capacity:
-        return source
-    moved = source // capacity * new_capacity + source % capacity
-    return torch.where(source >= 0, moved, source)
 
 
 def _open_dispatch(cache: RuntimeCache, state: HandleState, hidden: int) -> tuple[RuntimeEntry, object]:
