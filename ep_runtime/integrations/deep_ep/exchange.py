@@ -1,5 +1,6 @@
 """The runtime calls behind ``Buffer.dispatch`` and ``Buffer.combine`` (arguments checked by
-:mod:`~ep_runtime.integrations.deep_ep.buffer`).
+:mod:`~ep_runtime.integrations.deep_ep.buffer`); :func:`run_dispatch` and :func:`open_dispatch`
+serve ``HybridEPBuffer`` too.
 
 A dispatch runs the runtime's compact dispatch with the caller's routing (padded with masked
 slots to the runtime's ``top_k``) and makes DeepEP's dense rows from it
@@ -34,7 +35,7 @@ def dispatch(cache: RuntimeCache, key: RuntimeKey, tokens, scales, routing: Rout
     ``scales``) with ``routing`` on the runtime of ``key``. Collective. ``top_k``: the caller's
     slots (None: no top-k outputs); ``rows``: ``num_worst_tokens`` (None: read on the host)."""
     entry = cache.entry(key, routing.ids.shape[1], tokens.shape[0])
-    batch = _run_dispatch(entry, tokens, scales, routing)
+    batch = run_dispatch(entry, tokens, scales, routing)
     cfg = entry.cfg
     dense = _dense_from_compact(batch, cfg.n_ranks, cfg.max_tokens_per_rank, top_k, rows, alignment,
                                 cache.host_values)
@@ -45,7 +46,7 @@ def cached_dispatch(cache: RuntimeCache, key: RuntimeKey, tokens, scales, state:
     """A cached dispatch: ``tokens`` with the routing of ``state``'s dispatch, gathered through its
     map: ``(x, scales)`` ``[N, ...]``. Collective; no host read."""
     entry = cache.entry(key, state.routing.ids.shape[1], tokens.shape[0])
-    batch = _run_dispatch(entry, tokens, scales, state.routing)
+    batch = run_dispatch(entry, tokens, scales, state.routing)
     return _gather_dense(batch.x, batch.scales, _recoord(state.source, state.capacity, entry.cfg.max_tokens_per_rank))
 
 
@@ -54,7 +55,8 @@ def combine(cache: RuntimeCache, state: HandleState, x: torch.Tensor,
     """``out`` ``[T, hidden]`` bf16: each token's sum of the rows ``x`` ``[N, hidden]`` bf16 of the
     ranks it went to (+ ``bias``, ``[T, hidden]`` float32), and the runtime entry that combined.
     Collective; no host read."""
-    entry, rt_handle = _open_dispatch(cache, state, x.shape[1])
+    entry, rt_handle = open_dispatch(cache, state.routing, RuntimeKey(x.shape[1], state.routing.n_experts),
+                                     state.n_tokens)
     cfg = entry.cfg
     slots = cfg.n_ranks * cfg.max_tokens_per_rank
     if entry.combine_rows is None or entry.combine_rows.shape != (slots + 1, cfg.hidden):
@@ -79,7 +81,7 @@ def combine_weights(cache: RuntimeCache, main: RuntimeEntry, state: HandleState,
     entry = cache.weights_entry(main)
     cfg, device = entry.cfg, entry.bridge.device
     empty = torch.zeros(state.n_tokens, cfg.hidden, dtype=_BF16, device=device)
-    batch = _run_dispatch(entry, empty, None, state.routing)
+    batch = run_dispatch(entry, empty, None, state.routing)
     slots = cfg.n_ranks * cfg.max_tokens_per_rank
     n, k = weights.shape
     padded = torch.zeros(n, cfg.hidden, dtype=torch.float32, device=device)
@@ -94,38 +96,40 @@ def combine_weights(cache: RuntimeCache, main: RuntimeEntry, state: HandleState,
     return partials.sum(0)[:, :k].contiguous()
 
 
-def _open_dispatch(cache: RuntimeCache, state: HandleState, hidden: int) -> tuple[RuntimeEntry, object]:
-    """The runtime entry of rows of ``hidden`` whose current dispatch is ``state``'s routing, and
-    that dispatch's runtime handle; when none is (another call came in between, or the combine's
-    rows are wider or narrower than the dispatch's), a dispatch of zero rows with the routing on
-    the bf16 runtime of that shape, which opens one. Collective."""
-    for key, entry in cache.entries.items():
-        if (entry.open is not None and entry.open[0] is state.routing and key.hidden == hidden
-                and key.layout == "compact" and key.combine_dtype == "bfloat16"):
+def open_dispatch(cache: RuntimeCache, routing: Routing, key: RuntimeKey, n_tokens: int) -> tuple[RuntimeEntry, object]:
+    """The runtime entry whose current dispatch is ``routing``'s, among those of ``key``'s rows
+    (its hidden, layout, padding and partials; any token format), and that dispatch's runtime
+    handle; when none is (another call came in between, or the combine's rows are wider or
+    narrower than the dispatch's), a dispatch of zero rows with ``routing`` on the runtime of
+    ``key``, which opens one. Collective."""
+    for k, entry in cache.entries.items():
+        if (entry.open is not None and entry.open[0] is routing and k.hidden == key.hidden
+                and (k.layout, k.pad_multiple, k.combine_dtype) == (key.layout, key.pad_multiple, key.combine_dtype)):
             return entry, entry.open[1]
-    key = RuntimeKey(hidden, state.routing.n_experts)
-    entry = cache.entry(key, state.routing.ids.shape[1], state.n_tokens)
-    zeros = torch.zeros(state.n_tokens, hidden, dtype=_BF16, device=entry.bridge.device)
-    batch = _run_dispatch(entry, zeros, None, state.routing)
-    return entry, batch.rt_handle
+    entry = cache.entry(key, routing.ids.shape[1], n_tokens)
+    zeros = torch.zeros(n_tokens, key.hidden, dtype=_BF16, device=entry.bridge.device)
+    return entry, run_dispatch(entry, zeros, None, routing).rt_handle
 
 
-def _run_dispatch(entry: RuntimeEntry, tokens, scales, routing: Routing):
-    """The runtime's compact dispatch of ``tokens`` (and FP8 ``scales``) with ``routing``, padded
-    to its ``top_k``; the batch as torch views, and the entry's open dispatch set to it."""
+def run_dispatch(entry: RuntimeEntry, tokens, scales, routing: Routing):
+    """The runtime's dispatch of ``tokens`` (and FP8 ``scales``) with ``routing``, padded to its
+    ``top_k``, in the entry's layout; the batch as torch views
+    (:class:`ep_runtime.integrations.torch_async.Batch`), and the entry's open dispatch set to it."""
     from ep_runtime.integrations.torch_async import Batch
 
     rt, bridge = entry.runtime, entry.bridge
+    layout = rt.cfg.layouts[0]
     ids, weights = pad_routing(routing, rt.cfg.top_k)
     to_rt = bridge.to_rt
     handle = rt.dispatch_async(to_rt(tokens), to_rt(ids), to_rt(weights),
                                token_scales=None if scales is None else to_rt(scales))
-    b = rt.dispatch_wait(handle, layout="compact")
+    b = rt.dispatch_wait(handle, layout=layout)
     entry.open = (routing, b.handle)
     t = bridge.from_rt
-    return Batch(rt, b.handle, handle.n_tokens, "compact", t(b.x), None if b.scales is None else t(b.scales),
+    compact = layout == "compact"
+    return Batch(rt, b.handle, handle.n_tokens, layout, t(b.x), None if b.scales is None else t(b.scales),
                  t(b.row_offsets), t(b.expert_counts), t(b.src_rank), t(b.src_token), t(b.src_k), t(b.weight),
-                 t(b.gather), t(b.recv_tokens))
+                 t(b.gather) if compact else None, t(b.recv_tokens) if compact else None)
 
 
 def pad_routing(routing: Routing, width: int) -> tuple[torch.Tensor, torch.Tensor]:

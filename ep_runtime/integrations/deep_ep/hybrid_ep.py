@@ -28,7 +28,9 @@ from dataclasses import dataclass
 import torch
 
 from ep_runtime.core.errors import EPInputError
+from ep_runtime.integrations.deep_ep.buffer import _check_tensor
 from ep_runtime.integrations.deep_ep.errors import unsupported
+from ep_runtime.integrations.deep_ep.exchange import open_dispatch, run_dispatch
 from ep_runtime.integrations.deep_ep.handle import Routing
 from ep_runtime.integrations.deep_ep.layout import routing_from_map
 from ep_runtime.integrations.deep_ep.runtimes import RuntimeCache, RuntimeEntry, RuntimeKey
@@ -151,7 +153,7 @@ class HybridEPBuffer:
             non_blocking = not use_host_meta
         if use_fp8 or scaling_factor is not None:
             raise unsupported(c, "FP8 tokens (use_fp8 / scaling_factor)", "Dispatch bf16 hidden states")
-        _check(c, "hidden", hidden, (_BF16,), (None, self.hidden_dim))
+        _check_tensor(c, "hidden", hidden, (_BF16,), (None, self.hidden_dim))
         pad = _pad_multiple(c, pad_multiple)
         rows = None if num_permuted_tokens is None else int(num_permuted_tokens)
         if non_blocking and (rows is None or rows < 0 or rows % pad):
@@ -178,7 +180,7 @@ class HybridEPBuffer:
         width = entry.cfg.top_k
         routing = routing_from_map(routing_map, probs, width)
         with CommCall(self._cache.session, hidden.device, None, False) as call:
-            batch = _run_dispatch(entry, hidden, routing)
+            batch = run_dispatch(entry, hidden, None, routing)
             n_batch = batch.row_offsets[-1]  # the batch's rows: on the device; on the host after a blocking call
             overflow = torch.zeros(1, dtype=torch.int32, device=hidden.device)
             if counts is not None:
@@ -210,7 +212,7 @@ class HybridEPBuffer:
                                f"rows.")
         entry = self._cache.entry(state.key, state.routing.ids.shape[1], hidden.shape[0])
         with CommCall(self._cache.session, hidden.device, None, False) as call:
-            batch = _run_dispatch(entry, hidden, state.routing)
+            batch = run_dispatch(entry, hidden, None, state.routing)
             dispatched = _rows(batch.x, state.n_rows, None if state.exact else batch.row_offsets[-1])
             call.finish((dispatched,))
         return dispatched, None, None, state.tokens_per_expert, handle
@@ -231,12 +233,12 @@ class HybridEPBuffer:
         if _pad_multiple(c, pad_multiple) != state.key.pad_multiple:
             raise EPInputError(f"{c}: pad_multiple={pad_multiple} but the handle's dispatch used "
                                f"{state.key.pad_multiple}.")
-        _check(c, "hidden", hidden, (_BF16,), (state.n_rows, state.key.hidden))
+        _check_tensor(c, "hidden", hidden, (_BF16,), (state.n_rows, state.key.hidden))
         if probs is not None:
-            _check(c, "probs", probs, (torch.float32,), (state.n_rows,))
+            _check_tensor(c, "probs", probs, (torch.float32,), (state.n_rows,))
         T = state.routing.ids.shape[0]
         with CommCall(self._cache.session, hidden.device, None, False) as call:
-            entry, rt_handle = self._open_dispatch(state, hidden.device)
+            entry, rt_handle = open_dispatch(self._cache, state.routing, state.key, T)
             rt, to_rt = entry.runtime, entry.bridge.to_rt
             combined_probs = None
             if probs is not None:
@@ -293,15 +295,6 @@ class HybridEPBuffer:
         counts = table[:, 2 + self.rank * L:2 + (self.rank + 1) * L].sum(0)
         return max(1, int(table[:, 1].max())), (counts + pad - 1) // pad * pad, int(table[:, 0].max())
 
-    def _open_dispatch(self, state: HybridState, device) -> tuple[RuntimeEntry, object]:
-        """The entry whose current dispatch is ``state``'s routing and its runtime handle; else a
-        dispatch of zeros with the routing, which opens one (collective)."""
-        entry = self._cache.entry(state.key, state.routing.ids.shape[1], state.routing.ids.shape[0])
-        if entry.open is not None and entry.open[0] is state.routing:
-            return entry, entry.open[1]
-        zeros = torch.zeros(state.routing.ids.shape[0], state.key.hidden, dtype=_BF16, device=device)
-        return entry, _run_dispatch(entry, zeros, state.routing).rt_handle
-
     def _full_rows(self, entry: RuntimeEntry, name: str, rows: torch.Tensor, state: HybridState) -> torch.Tensor:
         """``rows`` as the runtime reads them: as they are when they are exactly the batch's, else
         in a buffer of the batch's capacity, zero past them (rows dropped at the dispatch add nothing)."""
@@ -339,22 +332,6 @@ class HybridEPBuffer:
                                f"it would not be sent (overflow_flag).")
 
 
-def _run_dispatch(entry: RuntimeEntry, tokens: torch.Tensor, routing: Routing):
-    """The runtime's expanded dispatch of ``tokens`` with ``routing`` (padded to its top-k); the
-    batch as torch views; the entry's open dispatch set."""
-    from ep_runtime.integrations.deep_ep.exchange import pad_routing
-    from ep_runtime.integrations.torch_async import Batch
-
-    rt, bridge = entry.runtime, entry.bridge
-    ids, weights = pad_routing(routing, rt.cfg.top_k)
-    to_rt, t = bridge.to_rt, bridge.from_rt
-    pending = rt.dispatch_async(to_rt(tokens), to_rt(ids), to_rt(weights))
-    b = rt.dispatch_wait(pending, layout="expanded")
-    entry.open = (routing, b.handle)
-    return Batch(rt, b.handle, pending.n_tokens, "expanded", t(b.x), None, t(b.row_offsets), t(b.expert_counts),
-                 t(b.src_rank), t(b.src_token), t(b.src_k), t(b.weight))
-
-
 def _rows(view: torch.Tensor, n_rows: int, n_batch) -> torch.Tensor:
     """A copy of the first ``n_rows`` rows of a batch view (the next dispatch overwrites it), zero
     past ``n_batch`` (the batch's rows: an int or a device scalar; None: ``n_rows`` is the batch's)."""
@@ -374,19 +351,19 @@ def _routing_map(c: str, T: int, routing_map, probs, topk_idx, topk_weights, num
         if topk_idx is None or num_of_experts is None:
             raise EPInputError(f"{c}: pass routing_map (with probs), or topk_idx (with topk_weights) and "
                                f"num_of_experts, or a handle.")
-        _check(c, "topk_idx", topk_idx, (torch.int32, torch.int64), (T, None))
+        _check_tensor(c, "topk_idx", topk_idx, (torch.int32, torch.int64), (T, None))
         live = topk_idx >= 0
         routing_map = torch.zeros(T, num_of_experts + 1, dtype=torch.bool, device=topk_idx.device)
         routing_map.scatter_(1, torch.where(live, topk_idx, num_of_experts).long(), True)
         routing_map = routing_map[:, :num_of_experts]
         if topk_weights is not None:
-            _check(c, "topk_weights", topk_weights, (torch.float32,), tuple(topk_idx.shape))
+            _check_tensor(c, "topk_weights", topk_weights, (torch.float32,), tuple(topk_idx.shape))
             probs = torch.zeros(T, num_of_experts + 1, dtype=torch.float32, device=topk_idx.device)
             probs.scatter_(1, torch.where(live, topk_idx, num_of_experts).long(), topk_weights)
             probs = probs[:, :num_of_experts]
-    _check(c, "routing_map", routing_map, (torch.bool,), (T, None))
+    _check_tensor(c, "routing_map", routing_map, (torch.bool,), (T, None))
     if probs is not None:
-        _check(c, "probs", probs, (torch.float32,), tuple(routing_map.shape))
+        _check_tensor(c, "probs", probs, (torch.float32,), tuple(routing_map.shape))
         probs = probs.detach()
     return routing_map, probs
 
@@ -397,9 +374,3 @@ def _pad_multiple(c: str, pad_multiple) -> int:
     if isinstance(pad_multiple, bool) or not isinstance(pad_multiple, int) or pad_multiple < 0:
         raise EPInputError(f"{c}: pad_multiple={pad_multiple!r} must be a positive int or None.")
     return pad_multiple
-
-
-def _check(call: str, name: str, t, dtypes: tuple, shape: tuple) -> None:
-    from ep_runtime.integrations.deep_ep.buffer import _check_tensor
-
-    _check_tensor(call, name, t, dtypes, shape)
