@@ -31,7 +31,6 @@ weight times that, rounded to bf16; the combine sums the rows of the ranks a tok
 
 from __future__ import annotations
 
-import sys
 
 import ml_dtypes
 import numpy as np
@@ -197,17 +196,9 @@ def torch_rank_main(rank: int, n: int, store: str, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    import test_sessions_sim
+    from test_sessions_sim import run_torch_job
 
-    tmp = tmp_path_factory.mktemp("deep_ep_engines")
-    store, out = str(tmp / "store"), str(tmp / "out")
-    launch = f"import test_sessions_sim as t; t.torch_job_main(2, {store!r}, {out!r}, 'test_deep_ep_engines_sim')"
-    old = test_sessions_sim.JOB_TIMEOUT_S
-    test_sessions_sim.JOB_TIMEOUT_S = JOB_TIMEOUT_S
-    try:
-        return test_sessions_sim.run_job([sys.executable, "-c", launch], tmp, 2)
-    finally:
-        test_sessions_sim.JOB_TIMEOUT_S = old
+    return run_torch_job("test_deep_ep_engines_sim", SETUP.R, tmp_path_factory.mktemp("deep_ep_engines"), JOB_TIMEOUT_S)
 
 
 def _expected_experts(want: dict, rows: np.ndarray) -> np.ndarray:

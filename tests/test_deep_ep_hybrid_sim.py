@@ -20,7 +20,6 @@
 from __future__ import annotations
 
 import inspect
-import sys
 
 import numpy as np
 import pytest
@@ -180,17 +179,9 @@ def torch_rank_main(rank: int, n: int, store: str, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    import test_sessions_sim
+    from test_sessions_sim import run_torch_job
 
-    tmp = tmp_path_factory.mktemp("deep_ep_hybrid")
-    store, out = str(tmp / "store"), str(tmp / "out")
-    launch = f"import test_sessions_sim as t; t.torch_job_main({R}, {store!r}, {out!r}, 'test_deep_ep_hybrid_sim')"
-    old = test_sessions_sim.JOB_TIMEOUT_S
-    test_sessions_sim.JOB_TIMEOUT_S = JOB_TIMEOUT_S
-    try:
-        return test_sessions_sim.run_job([sys.executable, "-c", launch], tmp, R)
-    finally:
-        test_sessions_sim.JOB_TIMEOUT_S = old
+    return run_torch_job("test_deep_ep_hybrid_sim", R, tmp_path_factory.mktemp("deep_ep_hybrid"), JOB_TIMEOUT_S)
 
 
 def _reference(seed: int, most: int, pad: int = 1):

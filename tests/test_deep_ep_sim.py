@@ -25,7 +25,6 @@ without top-k, synchronous and with ``async_finish`` and ``previous_event``:
 
 from __future__ import annotations
 
-import sys
 
 import numpy as np
 import pytest
@@ -270,18 +269,10 @@ def _refused_after_destroy(buffer, topk, setup) -> str | None:
 
 @pytest.fixture(scope="module", params=sorted(SETUPS), ids=lambda n: f"{n}_ranks")
 def job(request, tmp_path_factory):
-    import test_sessions_sim
+    from test_sessions_sim import run_torch_job
 
     n = request.param
-    tmp = tmp_path_factory.mktemp(f"deep_ep_{n}")
-    store, out = str(tmp / "store"), str(tmp / "out")
-    launch = (f"import test_sessions_sim as t; t.torch_job_main({n}, {store!r}, {out!r}, 'test_deep_ep_sim')")
-    old = test_sessions_sim.JOB_TIMEOUT_S
-    test_sessions_sim.JOB_TIMEOUT_S = JOB_TIMEOUT_S
-    try:
-        results = test_sessions_sim.run_job([sys.executable, "-c", launch], tmp, n)
-    finally:
-        test_sessions_sim.JOB_TIMEOUT_S = old
+    results = run_torch_job("test_deep_ep_sim", n, tmp_path_factory.mktemp(f"deep_ep_{n}"), JOB_TIMEOUT_S)
     setup = SETUPS[n]
     return setup, [rank_inputs(setup, r) for r in range(n)], results
 

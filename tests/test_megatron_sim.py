@@ -187,19 +187,13 @@ def torch_rank_main(rank: int, n: int, store: str, out_dir: str) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _job(kind: str, nodes: int, tmp: str) -> list:
-    import test_sessions_sim
     from pathlib import Path
+
+    from test_sessions_sim import run_torch_job
 
     root = Path(tmp) / f"job-{kind}-{nodes}"
     root.mkdir()
-    store, out = str(root / "store"), str(root / "out")
-    launch = f"import test_sessions_sim as t; t.torch_job_main(2, {store!r}, {out!r}, 'test_megatron_sim')"
-    old = test_sessions_sim.JOB_TIMEOUT_S
-    test_sessions_sim.JOB_TIMEOUT_S = JOB_TIMEOUT_S
-    try:
-        return test_sessions_sim.run_job([sys.executable, "-c", launch], root, 2)
-    finally:
-        test_sessions_sim.JOB_TIMEOUT_S = old
+    return run_torch_job("test_megatron_sim", 2, root, JOB_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

@@ -63,7 +63,22 @@ class HandleState:
         return self.source.shape[0]
 
 
-class DispatchHandle(tuple):
+class StatefulTuple(tuple):
+    """A tuple (what DeepEP's and HybridEP's callers unpack and index) that carries the layer's
+    state of the call that made it in :attr:`state`."""
+
+    state: object
+
+    def __new__(cls, items: tuple, state):
+        handle = super().__new__(cls, items)
+        handle.state = state
+        return handle
+
+    def __getnewargs__(self):
+        return tuple(self), self.state
+
+
+class DispatchHandle(StatefulTuple):
     """DeepEP's intranode handle, ``(rank_prefix_matrix, channel_prefix_matrix,
     recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank, send_head)``, plus
     :attr:`state`.
@@ -79,11 +94,3 @@ class DispatchHandle(tuple):
     """
 
     state: HandleState
-
-    def __new__(cls, items: tuple, state: HandleState):
-        handle = super().__new__(cls, items)
-        handle.state = state
-        return handle
-
-    def __getnewargs__(self):
-        return tuple(self), self.state

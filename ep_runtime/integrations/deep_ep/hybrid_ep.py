@@ -31,7 +31,7 @@ from ep_runtime.core.errors import EPInputError
 from ep_runtime.integrations.deep_ep.buffer import _check_tensor
 from ep_runtime.integrations.deep_ep.errors import unsupported
 from ep_runtime.integrations.deep_ep.exchange import open_dispatch, run_dispatch
-from ep_runtime.integrations.deep_ep.handle import Routing
+from ep_runtime.integrations.deep_ep.handle import Routing, StatefulTuple
 from ep_runtime.integrations.deep_ep.layout import routing_from_map
 from ep_runtime.integrations.deep_ep.runtimes import RuntimeCache, RuntimeEntry, RuntimeKey
 from ep_runtime.integrations.deep_ep.streams import CommCall
@@ -61,7 +61,7 @@ class HybridState:
     tokens_per_expert: torch.Tensor
 
 
-class HybridEPHandle(tuple):
+class HybridEPHandle(StatefulTuple):
     """HybridEP's handle: ``(sparse_to_dense_map, rdma_to_attn_map, attn_to_rdma_map,
     num_dispatched_tokens_tensor, local_expert_routing_map, dense_chunk_layout,
     dense_to_expert_map, tokens_per_expert, num_of_tokens_per_rank, config, overflow_flag)``.
@@ -71,14 +71,6 @@ class HybridEPHandle(tuple):
     or a token's experts past the routing's width, were not sent). :attr:`state` is the layer's."""
 
     state: HybridState
-
-    def __new__(cls, items: tuple, state: HybridState):
-        handle = super().__new__(cls, items)
-        handle.state = state
-        return handle
-
-    def __getnewargs__(self):
-        return tuple(self), self.state
 
 
 class HybridEPBuffer:
