@@ -1,7 +1,10 @@
-"""Command line: ``python -m ep_runtime demo [options]``.
+"""Command line: ``python -m ep_runtime demo [options]`` and ``python -m ep_runtime deep-ep
+{install,uninstall,status}``.
 
 On a CPU the demo runs the real kernels on the built-in simulator, one process per rank.
 Under ``mpirun`` on GPUs, ``--backend nvshmem`` runs them on NVSHMEM, one rank per GPU.
+``deep-ep install`` makes ``import deep_ep`` give ep_runtime's DeepEP layer in every process of
+this Python (:mod:`ep_runtime.integrations.deep_ep.alias`).
 """
 
 from __future__ import annotations
@@ -40,7 +43,36 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0, help="seed of the tokens and the routing")
     d.add_argument("--timeout", type=float, default=300.0,
                    help="simulator: seconds before the run fails; sizes estimated to take longer are refused")
+    a = sub.add_parser("deep-ep", help="make `import deep_ep` give ep_runtime's DeepEP layer (or undo it, or report)",
+                       formatter_class=HelpFormatter,
+                       description="install: write ep_runtime_deep_ep.pth and the module it loads into a site\n"
+                                   "directory, so that every process of this Python (torchrun, mpirun and\n"
+                                   "multiprocessing workers included) gets ep_runtime.deep_ep for `import deep_ep`.\n"
+                                   "Refused while a real DeepEP is installed, unless --shadow. uninstall: remove\n"
+                                   "them. status: what is installed where. Exit status 0, or 2 when refused.")
+    a.add_argument("action", choices=("install", "uninstall", "status"))
+    a.add_argument("--site", default=None, help="the site directory (default: this Python's site-packages)")
+    a.add_argument("--shadow", action="store_true", help="install even though a real DeepEP is installed (it is "
+                                                         "hidden; every import warns)")
     return p
+
+
+def deep_ep_command(args) -> int:
+    """``python -m ep_runtime deep-ep ACTION``: the install step (:mod:`ep_runtime.integrations.deep_ep.alias`)."""
+    from ep_runtime.integrations.deep_ep import alias
+
+    if args.action == "install":
+        for path in alias.install(args.site, shadow=args.shadow):
+            print(f"wrote {path}")
+        print("`import deep_ep` now gives ep_runtime.deep_ep in new processes of this Python "
+              "(`python -m ep_runtime deep-ep uninstall` undoes it)")
+    elif args.action == "uninstall":
+        removed = alias.uninstall(args.site)
+        print("\n".join(f"removed {p}" for p in removed) if removed else "nothing to remove")
+    else:
+        for key, value in alias.status(args.site).items():
+            print(f"{key}: {value}")
+    return 0
 
 
 def simulator_estimate(cfg: EPConfig, scenario: str):
@@ -117,9 +149,9 @@ def main(argv=None) -> int:
 
     args = _parser().parse_args(argv)
     try:
-        return demo(args)
+        return deep_ep_command(args) if args.command == "deep-ep" else demo(args)
     except EPError as e:  # a clear message, not a traceback, for setup problems
-        print(f"ep_runtime demo: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"ep_runtime {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
 
 

@@ -15,9 +15,13 @@ parallel 1, ``expert_model_parallel_size`` = world size) builds Megatron-core ``
 TransformerEngine nor grouped_gemm) with the same weights: the reference with
 ``moe_token_dispatcher_type="alltoall"`` (Megatron's permute + torch.distributed all-to-all), and
 one per backend with ``moe_token_dispatcher_type="flex"``, ``moe_flex_dispatcher_backend``
-``"deepep"`` (ep_runtime's compact layout) or ``"hybridep"`` (the expanded layout), after
-:func:`ep_runtime.megatron.install`. The flex layer's dispatcher opens the group's ep_runtime
-session itself (:func:`ep_runtime.shmem.session_for` over Megatron's expert group).
+``"deepep"`` or ``"hybridep"``: Megatron-core's own ``fused_a2a``, unmodified, on
+ep_runtime's DeepEP layer (``deep_ep.Buffer``: the compact layout; ``deep_ep.HybridEPBuffer``:
+the expanded one). ``import deep_ep`` gives the layer after the install step (``python -m
+ep_runtime deep-ep install``); the script makes sure of it in its own process with
+:func:`ep_runtime.megatron.fused_a2a` before Megatron-core's MoE modules are imported. The
+layer opens the group's ep_runtime session itself (:func:`ep_runtime.shmem.session_for` over
+the group Megatron-core passes to ``deep_ep.Buffer``).
 
 The config: hidden 256, ffn 512 (SwiGLU), 8 experts, top-2, 96 tokens per rank, bf16 parameters
 and activations, router in float32 (``moe_router_dtype="fp32"``: DeepEP and HybridEP take float32
@@ -329,20 +333,26 @@ def compare(ref_layer, layer, x, target, world, group, steps: int) -> dict:
     return {"rows": rows, "losses": losses}
 
 
+#: The layer's calls counted per backend (Megatron-core calls them from its fused_a2a).
+COUNTED = {"deepep": ("Buffer", ("dispatch", "combine")),
+           "hybridep": ("HybridEPBuffer", ("dispatch_with_permute", "combine_with_unpermute"))}
+
+
 def count_calls(calls: dict) -> None:
-    """Count the calls of Megatron's flex dispatcher into ep_runtime (the names install() set)."""
-    from megatron.core.transformer.moe import token_dispatcher
+    """Count the calls Megatron-core's fused_a2a makes into ep_runtime's DeepEP layer (its
+    ``deep_ep.Buffer`` and ``deep_ep.HybridEPBuffer`` methods, wrapped here)."""
+    import ep_runtime.deep_ep as layer
 
-    for name in ("fused_dispatch", "fused_combine", "hybrid_ep_dispatch", "hybrid_ep_combine"):
-        fn = getattr(token_dispatcher, name)
-        if not getattr(fn, "__module__", "").startswith("ep_runtime"):
-            raise RuntimeError(f"token_dispatcher.{name} is {fn!r}, not ep_runtime's: install() did not take")
+    for cls_name, methods in COUNTED.values():
+        cls = getattr(layer, cls_name)
+        for name in methods:
+            method = getattr(cls, name)
 
-        def counted(*a, _fn=fn, _name=name, **kw):
-            calls[_name] = calls.get(_name, 0) + 1
-            return _fn(*a, **kw)
+            def counted(*a, _method=method, _name=f"{cls_name}.{name}", **kw):
+                calls[_name] = calls.get(_name, 0) + 1
+                return _method(*a, **kw)
 
-        setattr(token_dispatcher, name, counted)
+            setattr(cls, name, counted)
 
 
 def table(backend: str, per_rank: list[dict]) -> tuple[bool, str]:
@@ -368,25 +378,27 @@ def table(backend: str, per_rank: list[dict]) -> tuple[bool, str]:
 def run(args, rank: int, world: int, local: int) -> dict:
     """Every backend's comparison on this rank (torch.distributed initialized): ``{"ok": bool,
     "backends": {backend: {"rows", "losses", "calls", "seconds"}}}``; rank 0 prints the tables."""
+    from ep_runtime import megatron as ep_megatron
+
+    fused_a2a = ep_megatron.fused_a2a()  # `import deep_ep` gives the layer, before Megatron-core's MoE modules read it
     import megatron.core
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
 
     import ep_runtime
-    from ep_runtime import megatron as ep_megatron
     from ep_runtime.shmem import session_for
 
     t0 = time.perf_counter()
     shims = no_te_shims() + (cpu_shims() if args.device == "cpu" else []) + ([] if args.compile else compile_off())
-    ep_megatron.install()
     calls: dict = {}
     count_calls(calls)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                                              expert_model_parallel_size=world)
     group = parallel_state.get_expert_model_parallel_group()
     if rank == 0:
-        print(f"megatron-core {megatron.core.__version__} (pinned {MEGATRON_VERSION}), ep_runtime "
+        print(f"megatron-core {megatron.core.__version__} (pinned {MEGATRON_VERSION}), its fused_a2a on "
+              f"{fused_a2a.Buffer.__module__}, ep_runtime "
               f"{ep_runtime.__version__} ({os.path.dirname(ep_runtime.__file__)}), torch {torch.__version__}; "
               f"{world} ranks on {args.device}; hidden {args.hidden}, ffn {args.ffn}, {args.experts} experts, "
               f"top-{args.top_k}, {args.tokens} tokens per rank, bf16, router fp32, {args.steps} SGD steps "
@@ -410,7 +422,6 @@ def run(args, rank: int, world: int, local: int) -> dict:
             tb = time.perf_counter()
             got = compare(ref, flex, x, target, world, group, args.steps)
             got.update(calls=dict(calls), seconds=time.perf_counter() - tb)
-            ep_megatron.close_buffers()
             result["backends"][backend] = got
             per_rank = [None] * world
             dist.all_gather_object(per_rank, got)
@@ -418,7 +429,8 @@ def run(args, rank: int, world: int, local: int) -> dict:
             result["ok"] &= ok
             if rank == 0:
                 print(f"{text}\n  ({backend}: {max(r['seconds'] for r in per_rank):.1f} s)", flush=True)
-        # the session the flex dispatcher opened over its group (Megatron's expert tensor x model group)
+        # the session the layer opened over the group Megatron's flex dispatcher passes (its expert tensor x
+        # model group); Megatron-core keeps its buffers (fused_a2a's) until the process ends
         session_for(parallel_state.get_expert_tensor_and_model_parallel_group()).close()
     finally:
         parallel_state.destroy_model_parallel()

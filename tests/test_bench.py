@@ -453,7 +453,9 @@ def test_report_renders_the_readme_table_and_the_plot_with_the_baselines_of_the_
         tr = rank_traffic(ids, 0, cfg.n_local_experts, cfg.hidden)
         base = {"all_to_all": [T + 1.0] * 3, "all_to_all+permute": [T + 2.0] * 3,
                 "deepep_32sms_dispatch": [T + 3.0] * 3, "deepep_32sms_dispatch_cached": [T + 4.0] * 3,
-                "deepep_32sms_combine": [T + 5.0] * 3}
+                "deepep_32sms_combine": [T + 5.0] * 3, "layer_dispatch": [T + 6.0] * 3,
+                "layer_dispatch_cached": [T + 7.0] * 3, "layer_combine_unweighted": [T + 8.0] * 3,
+                "layer_combine": [T + 9.0] * 3}
         for layout, scale in (("expanded", 2.0), ("compact", 1.0)):
             spans = {k: [scale * T + 0.25] * 3 for k in SPANS}
             results.append(_result(cfg, tr, spans, base, {"nvlink_gbps": 100.0, "hbm_gbps": 1000.0}, "graph",
@@ -467,6 +469,7 @@ def test_report_renders_the_readme_table_and_the_plot_with_the_baselines_of_the_
         assert row[2] == f"{t['dispatch']['median']:.1f} / {t['combine']['median']:.1f}"  # compact first
         assert row[6] == f"{T + 1.0:.1f} / {T + 2.0:.1f}"
         assert row[7] == f"{T + 3.0:.1f} / {T + 4.0:.1f} / {T + 5.0:.1f}"
+        assert row[8] == f"{T + 6.0:.1f} / {T + 7.0:.1f} / {T + 8.0:.1f} / {T + 9.0:.1f}"
     series = {(s["phase"], s["label"]): s for s in baseline_series(results)}
     assert sorted(series) == [("combine", "DeepEP V1 32 SMs, combine (bf16)"),
                               ("dispatch", "DeepEP V1 32 SMs, cached dispatch (bf16)"),
@@ -479,3 +482,27 @@ def test_report_renders_the_readme_table_and_the_plot_with_the_baselines_of_the_
                                 "results": [results, results]}))
     assert main([str(path), "--plot", str(tmp_path / "run.png")]) == 0
     assert (tmp_path / "run.png").stat().st_size > 0
+
+
+def _layer_times_pe(session, cfg: EPConfig) -> dict:
+    """The bench's timing of ep_runtime's DeepEP layer on this PE (tiny sizes: the calls, not the times)."""
+    from ep_runtime.tools.bench.deep_ep_api import deep_ep_layer
+
+    xs, ids, ws = make_inputs(cfg, "random", 3, n_tokens=[cfg.max_tokens_per_rank] * cfg.n_ranks)
+    r = session.rank
+    fp8 = cfg.token_format.quantize(xs[r].view(np.uint16)) if cfg.token_format.quantized else None
+    times = deep_ep_layer(session, xs[r], ids[r], ws[r], cfg.n_experts, samples=2, warmup=1, fp8=fp8)
+    return {k: (len(v), all(t > 0 for t in v)) for k, v in times.items()}
+
+
+@pytest.mark.parametrize("token_dtype", ["bfloat16", "fp8_e4m3"])
+def test_the_layer_of_deep_ep_s_api_is_timed_on_the_bench_s_session(token_dtype):
+    """bench's ``layer_*`` figures (what ep_runtime.deep_ep adds to the runtime's calls): the layer
+    runs on the session the bench opened (one per process), every call timed ``samples`` times."""
+    pytest.importorskip("torch")
+    from ep_runtime.shmem.launch import run_pes
+
+    cfg = EPConfig(n_ranks=2, n_experts=4, top_k=2, hidden=128, max_tokens_per_rank=4, token_dtype=token_dtype)
+    for got in run_pes(_layer_times_pe, 2, args=(cfg,), timeout_s=240):
+        assert got == {f"layer_{k}": (2, True) for k in ("dispatch", "dispatch_cached", "combine", "dispatch_worst",
+                                                          "combine_unweighted")}

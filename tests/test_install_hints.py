@@ -93,7 +93,11 @@ def _nvshmem_without_cupy(monkeypatch):
 
 def _torch_module_without_torch(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)
-    monkeypatch.delitem(sys.modules, "ep_runtime.torch", raising=False)
+    import ep_runtime.integrations
+
+    for name in ("ep_runtime.torch", "ep_runtime.integrations.torch"):  # (imported by an earlier test, maybe)
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.delattr(ep_runtime.integrations, "torch", raising=False)
     importlib.import_module("ep_runtime.torch")
 
 

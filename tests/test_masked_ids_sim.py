@@ -197,3 +197,56 @@ def test_the_masked_routing_has_what_it_promises():
     for s in range(3):
         fully = (ids[s] == -1).all(axis=1)
         assert not outs[s].view(np.uint16)[fully].any(), "a fully masked token combines to a zero row"
+
+
+#: Weights planted on masked (-1) slots, which debug mode must ignore as dispatch does.
+MASKED_SLOT_WEIGHTS = (np.nan, np.inf, -np.inf, -1.0)
+
+
+def masked_weights_pe(session, cfg: EPConfig, seed: int) -> dict:
+    """Debug mode (the routing check on), negative weights refused: a round trip whose masked
+    slots carry NaN, infinities and a negative weight, then a call with a NaN on a live slot."""
+    from ep_runtime.core.errors import EPInputError
+    from ep_runtime.core.runtime import EPRuntime
+
+    xs, ids, ws = masked_slot_inputs(cfg, seed)
+    res = {}
+    with EPRuntime(cfg, session, debug=True) as rt:
+        res["masked", "compact"] = round_trip_with_error(session, rt, cfg, xs, ids, ws, "compact")
+        live = [w.copy() for w in ws]
+        t, k = np.argwhere(ids[0] >= 0)[0]
+        live[0][t, k] = np.nan
+        try:
+            round_trip_with_error(session, rt, cfg, xs, ids, live, "compact")
+            res["live_nan"] = None
+        except EPInputError as e:  # rank 0 raises in dispatch_async; its peer's wait times out
+            res["live_nan"] = str(e)
+        except Exception as e:  # noqa: BLE001 - the peer's timeout, whatever its class
+            res["live_nan"] = f"{type(e).__name__}: {e}"
+    return res
+
+
+def masked_slot_inputs(cfg: EPConfig, seed: int):
+    """The ``masked`` routing of ``seed`` with :data:`MASKED_SLOT_WEIGHTS` written into its masked
+    slots, in turn."""
+    xs, ids, ws = make_inputs(cfg, "masked", seed, n_tokens=[cfg.max_tokens_per_rank] * cfg.n_ranks)
+    ws = [w.copy() for w in ws]
+    for w, i in zip(ws, ids):
+        masked = np.argwhere(i < 0)
+        for n, (t, k) in enumerate(masked):
+            w[t, k] = MASKED_SLOT_WEIGHTS[n % len(MASKED_SLOT_WEIGHTS)]
+    return xs, ids, ws
+
+
+def test_debug_mode_ignores_the_weights_of_masked_slots():
+    """The routing check accepts NaN, infinite and (with allow_negative_weights=False) negative
+    weights on ``-1`` slots, as dispatch ignores them (README, docs/protocol.md): the round trip
+    is exact; a NaN on a live slot is still refused, naming the rank and the weight."""
+    cfg = case_cfg(2, allow_negative_weights=False, wait_timeout_s=5.0)
+    xs, ids, ws = masked_slot_inputs(cfg, SEED)
+    planted = sum(int((i < 0).sum()) for i in ids)
+    assert planted >= len(MASKED_SLOT_WEIGHTS) and any(np.isnan(w).any() for w in ws)
+    per_rank = run_pes(masked_weights_pe, 2, args=(cfg, SEED), timeout_s=RUN_TIMEOUT_S)
+    check_round_trip(cfg, per_rank, ("masked", "compact"), (xs, ids, ws), "NaN/inf/negative weights on masked slots")
+    assert all(res["masked", "compact"]["error"] is None for res in per_rank)
+    assert "rank 0" in per_rank[0]["live_nan"] and "weight" in per_rank[0]["live_nan"], per_rank[0]["live_nan"]

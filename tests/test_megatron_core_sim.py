@@ -2,8 +2,9 @@
 in a torch.distributed gloo job of 2 ranks (forked by :func:`test_sessions_sim.torch_job_main`).
 
 Each rank builds Megatron-core ``MoELayer``s with the same weights, Megatron's all-to-all token
-dispatcher against the flex dispatcher on ep_runtime (``deepep``: the compact layout;
-``hybridep``: the expanded one, through :func:`ep_runtime.megatron.install`), and checks the
+dispatcher against the flex dispatcher, whose ``fused_a2a`` (Megatron-core's own, unmodified)
+runs on ep_runtime's DeepEP layer (``deepep``: ``deep_ep.Buffer``, the compact layout;
+``hybridep``: ``deep_ep.HybridEPBuffer``, the expanded one), and checks the
 forward output, the input gradient and every parameter gradient within bf16 tolerances, then the
 losses of 5 SGD steps (the example's docstring gives the tolerances and the CPU shims). Small
 sizes (hidden 32, 4 experts, 16 tokens per rank) keep the simulator's part to seconds.
@@ -49,7 +50,11 @@ def example():
 
 
 def preload() -> None:
-    """Import Megatron-core's MoE modules and the example once, before the ranks are forked."""
+    """Import Megatron-core's MoE modules (after making ``import deep_ep`` give ep_runtime's layer:
+    their fused_a2a reads it once) and the example once, before the ranks are forked."""
+    from ep_runtime import megatron
+
+    megatron.fused_a2a()
     import megatron.core.models.gpt.moe_module_specs
     import megatron.core.parallel_state
     import megatron.core.transformer.moe.moe_layer  # noqa: F401
@@ -96,7 +101,9 @@ def test_megatron_core_moe_layer_on_ep_runtime_matches_megatron_s_alltoall_dispa
             for step, (l_ref, l_flex) in enumerate(res["losses"]):
                 assert abs(l_flex - l_ref) <= ex.LOSS_TOL * abs(l_ref), f"{backend}: step {step + 1} loss"
             assert res["losses"][-1][0] < res["losses"][0][0], f"{backend}: the loss did not go down"
-            # every step (1 checked + 5 trained) went through ep_runtime: 1 dispatch + 1 combine each
-            prefix = "fused" if backend == "deepep" else "hybrid_ep"
-            assert res["calls"] == {f"{prefix}_dispatch": 6, f"{prefix}_combine": 6}, res["calls"]
+            # every step (1 checked + 5 trained) went through ep_runtime's DeepEP layer from Megatron-core's own
+            # fused_a2a: forward 1 dispatch + 1 combine, backward a cached dispatch + a combine (with the
+            # probabilities' gradient: DeepEP's topk_weights, HybridEP's probs)
+            cls, (dispatch, combine) = ex.COUNTED[backend]
+            assert res["calls"] == {f"{cls}.{dispatch}": 12, f"{cls}.{combine}": 12}, res["calls"]
         assert got["ok"]

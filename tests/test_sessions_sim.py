@@ -188,17 +188,17 @@ def _job_env() -> dict:
                 PYTHONPATH=os.pathsep.join([str(Path(__file__).parent)] + sys.path))
 
 
-def run_job(command: list[str], tmp_path: Path, n_results: int) -> list:
+def run_job(command: list[str], tmp_path: Path, n_results: int, timeout_s: float = JOB_TIMEOUT_S) -> list:
     """Run ``command`` (a job launcher: :func:`torch_job_main` or mpiexec) and return the ``n_results``
-    pickled results in rank order. Past :data:`JOB_TIMEOUT_S` its whole process group is killed; a
-    failure message carries the job's output."""
+    pickled results in rank order. Past ``timeout_s`` its whole process group is killed; a failure
+    message carries the job's output."""
     out = tmp_path / "out"
     out.mkdir()
     with open(tmp_path / "job.log", "w+") as log:
         # A session of its own, so that its process group (forked ranks, mpiexec's ranks) can be stopped.
         proc = subprocess.Popen(command, env=_job_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            proc.wait(JOB_TIMEOUT_S)
+            proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
@@ -210,6 +210,14 @@ def run_job(command: list[str], tmp_path: Path, n_results: int) -> list:
         assert (out / f"{rank}.pkl").exists(), f"rank {rank} wrote no result\n{report}"
         results.append(pickle.loads((out / f"{rank}.pkl").read_bytes()))
     return results
+
+
+def run_torch_job(module: str, n: int, tmp_path: Path, timeout_s: float = JOB_TIMEOUT_S) -> list:
+    """``module``'s ``torch_rank_main`` on the ``n`` ranks of a gloo job (:func:`torch_job_main`,
+    its store and results in ``tmp_path``): every rank's pickled result, in rank order."""
+    store, out = str(tmp_path / "store"), str(tmp_path / "out")
+    launch = f"import test_sessions_sim as t; t.torch_job_main({n}, {store!r}, {out!r}, {module!r})"
+    return run_job([sys.executable, "-c", launch], tmp_path, n, timeout_s)
 
 
 def _check_group(got: list, what: str) -> None:

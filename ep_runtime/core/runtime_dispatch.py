@@ -160,8 +160,9 @@ class DispatchCalls:
         """Enqueue the device-side routing check (debug mode runs it before every dispatch).
 
         Checks expert ids in ``[-1, n_experts)`` (-1: a masked slot) and distinct per token
-        (masked slots aside), and weights finite (and
-        non-negative unless ``EPConfig.allow_negative_weights``). Not collective; enqueued on the
+        (masked slots aside), and the weights of unmasked slots finite (and non-negative unless
+        ``EPConfig.allow_negative_weights``; a masked slot's weight is ignored, NaN included). Not
+        collective; enqueued on the
         stream; a violation is raised as :class:`~ep_runtime.core.errors.EPInputError` by the next
         :meth:`synchronize` and blocks this rank's next dispatch (see docs/failure_modes.md).
         ``topk_ids`` [T, top_k] int32, ``topk_weights`` [T, top_k] float32.

@@ -4,7 +4,7 @@
 :class:`~ep_runtime.core.runtime.EPRuntime` has them, taking and returning torch tensors, in every
 token format (bf16; FP8 E4M3 codes with float32 or UE8M0 block scales, quantized in the kernel
 or given pre-quantized) and both layouts. Not differentiable (the autograd functions are
-:mod:`ep_runtime.integrations.torch`, :mod:`ep_runtime.integrations.torch_compact` and :mod:`ep_runtime.integrations.megatron`).
+:mod:`ep_runtime.integrations.torch` and :mod:`ep_runtime.integrations.torch_compact`).
 
 Stream order (``nvshmem``; on ``sim`` every call completes before it returns): each ``*_async``
 makes the runtime's stream wait for the caller's current torch stream and returns without the

@@ -1,7 +1,7 @@
 """Device-side routing check (debug mode): expert ids in ``[-1, n_experts)`` (-1: a masked slot)
-and distinct per token (masked slots aside), router weights finite (and non-negative unless
-allowed). Stricter than dispatch_async itself, which drops an out-of-range id (recorded) and
-counts a repeated id once.
+and distinct per token (masked slots aside), the router weights of unmasked slots finite (and
+non-negative unless allowed; a masked slot's weight is ignored, whatever it holds). Stricter than
+dispatch_async itself, which drops an out-of-range id (recorded) and counts a repeated id once.
 
 Launched by the runtime just before ``dispatch_async`` when checks are on. It reads the
 ``[T, K]`` ids and weights once (one thread per token, ``K * (K - 1) / 2`` id comparisons) and
@@ -47,7 +47,7 @@ def validate_routing(topk_ids, topk_weights, valid_tokens, use_valid, n_experts,
                 if e != MASKED_SLOT and topk_ids[t, k2] == e:
                     record_error(status, ERR_DUPLICATE_EXPERT, KERNEL_VALIDATE_ROUTING, me, t, k, k2, e, -1)
             w = topk_weights[t, k]
-            if not (abs(w) <= FLOAT32_MAX) or (allow_negative == 0 and w < 0):
+            if e != MASKED_SLOT and (not (abs(w) <= FLOAT32_MAX) or (allow_negative == 0 and w < 0)):
                 record_error(status, ERR_BAD_WEIGHT, KERNEL_VALIDATE_ROUTING, me, t, k, allow_negative,
                              int64(f32_bits(w)), -1)
         t += stride

@@ -2,8 +2,9 @@
 
 ``python -m ep_runtime.tools.bench.report RUN.json [--plot RUN.png]`` prints one Markdown table of rank
 0's results: a row per (tokens per rank, token format), ep_runtime's compact and expanded medians
-beside the floors and the baselines (NCCL, DeepEP V1) measured in the same run. The plot is the
-bench's own (:func:`ep_runtime.tools.bench.run.plot`) with the baselines drawn beside ours.
+beside the floors, the baselines (NCCL, DeepEP V1) and ep_runtime's DeepEP layer
+(:mod:`ep_runtime.deep_ep`, DeepEP's API on the compact layout) measured in the same run. The plot
+is the bench's own (:func:`ep_runtime.tools.bench.run.plot`) with the baselines drawn beside ours.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ DISPATCH_BASELINES = (
     ("deepep_32sms_dispatch_cached", "DeepEP V1 32 SMs, cached dispatch"),
 )
 COMBINE_BASELINES = (("deepep_32sms_combine", "DeepEP V1 32 SMs, combine"),)
+#: The layer's figures the table carries (:mod:`ep_runtime.tools.bench.deep_ep_api`): DeepEP's calls
+#: on ep_runtime, to read beside the compact layout's (the layer's cost) and DeepEP V1's.
+LAYER_COLUMNS = ("layer_dispatch", "layer_dispatch_cached", "layer_combine_unweighted", "layer_combine")
 
 FORMAT_NAMES = {"bfloat16": "bf16", "fp8_e4m3": "e4m3", "fp8_e4m3_ue8m0": "e4m3 ue8m0"}
 
@@ -54,9 +58,11 @@ def _baselines(by_layout: dict) -> dict:
 def markdown_table(results: list[dict]) -> str:
     """The README table of one rank's ``results`` (the bench JSON's ``results[rank]``): per row,
     median us of dispatch / combine in each layout, their floors, and the baselines of the same
-    run ("-" where the run has none: DeepEP is measured for bf16 and E4M3 tokens only)."""
+    run, and the layer's ("-" where the run has none: DeepEP is measured for bf16 and E4M3 tokens
+    only)."""
     head = ("| T | tokens | compact dispatch / combine | floor | expanded dispatch / combine | floor | "
-            "NCCL all_to_all / + permute | DeepEP V1 32 SMs: layout + dispatch / cached dispatch / combine |")
+            "NCCL all_to_all / + permute | DeepEP V1 32 SMs: layout + dispatch / cached dispatch / combine | "
+            "ep_runtime.deep_ep: layout + dispatch / cached dispatch / combine / with topk_weights |")
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
     for (T, fmt), by_layout in _by_setting(results).items():
         cells = [str(T), FORMAT_NAMES.get(fmt, fmt)]
@@ -72,6 +78,7 @@ def markdown_table(results: list[dict]) -> str:
         nccl, deepep = DISPATCH_BASELINES[:2], DISPATCH_BASELINES[2:] + COMBINE_BASELINES
         for group in (nccl, deepep):
             cells.append(" / ".join(_us(base.get(key)) for key, _ in group))
+        cells.append(" / ".join(_us(base.get(key)) for key in LAYER_COLUMNS))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

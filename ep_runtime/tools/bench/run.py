@@ -16,7 +16,8 @@ import numpy as np
 from ep_runtime.core.config import EPConfig
 from ep_runtime.core.layout import partial_dtype
 from ep_runtime.testing import make_inputs
-from ep_runtime.tools.bench.measure import (GRAPH_ROUND_TRIPS, ceilings, deepep_v1, nccl_all_to_all, nvshmem_alltoall,
+from ep_runtime.tools.bench.deep_ep_api import deep_ep_layer, deepep_v1
+from ep_runtime.tools.bench.measure import (GRAPH_ROUND_TRIPS, ceilings, nccl_all_to_all, nvshmem_alltoall,
                                             takes_device_token_count, time_backward, time_graph_round_trips,
                                             time_round_trips)
 from ep_runtime.tools.bench.stats import gbps, summarize
@@ -148,10 +149,13 @@ def bench_rank(session, args_dict) -> list[dict]:
                                                      args.samples, args.warmup), "nccl"))
             base.update(_try(lambda: nvshmem_alltoall(session, tr.sent, cfg.hidden, args.samples, args.warmup),
                              "nvshmem_alltoall"))
-            if importlib.util.find_spec("deep_ep") is not None and cfg.token_dtype in ("bfloat16", "fp8_e4m3"):
+            if cfg.token_dtype in ("bfloat16", "fp8_e4m3"):  # DeepEP's API: ep_runtime's layer, and DeepEP V1
                 fp8 = cfg.token_format.quantize(xs[r].view(np.uint16)) if cfg.token_format.quantized else None
-                base.update(_try(lambda: deepep_v1(session, xs[r], ids[r], ws[r], cfg.n_experts, args.samples,
-                                                   args.warmup, fp8=fp8), "deepep"))
+                base.update(_try(lambda: deep_ep_layer(session, xs[r], ids[r], ws[r], cfg.n_experts, args.samples,
+                                                       args.warmup, fp8=fp8), "layer"))
+                if importlib.util.find_spec("deep_ep") is not None:
+                    base.update(_try(lambda: deepep_v1(session, xs[r], ids[r], ws[r], cfg.n_experts, args.samples,
+                                                       args.warmup, fp8=fp8), "deepep"))
         for mode, layout, token_input, spans, graph, plan in runs:
             results.append(_result(cfg, trs[token_input], spans, base, ceil, mode, graph, layout, plan, token_input))
             if plan.get("node_size"):  # the hierarchical transport: this rank's bytes by direction and place

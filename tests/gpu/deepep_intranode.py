@@ -1,0 +1,121 @@
+"""DeepEP's own intranode test, unmodified, against ep_runtime's DeepEP layer (issue #63).
+
+DeepEP's ``tests/test_intranode.py`` at tag v1.2.1 (commit 9af0e0d0e74f3577af1979c9b9e1ac2cad0104ee)
+is fetched, never copied into this repository: check out that tag's ``tests/`` directory
+(``test_intranode.py``, ``utils.py``, ``test_low_latency.py``, which it imports) and point this
+script at it. It checks that the three files are v1.2.1's (their git blob ids), installs the
+``deep_ep`` import alias into a temporary site directory that every process of the run reads at
+start-up (a ``sitecustomize`` on ``PYTHONPATH``: the test's ``torch.multiprocessing.spawn``
+workers are fresh interpreters), runs ``python test_intranode.py ARGS`` in that directory, and
+prints PASS or FAIL with the test's exit status::
+
+    git clone https://github.com/deepseek-ai/DeepEP && git -C DeepEP checkout v1.2.1
+    python tests/gpu/deepep_intranode.py --deepep-tests DeepEP/tests -- --num-processes 2
+
+The test's defaults are 4096 tokens, hidden 7168, top-8 of 256 experts, 8 processes: pass
+``--num-processes`` for the GPUs at hand. Its harness (``utils.init_dist``) joins an NCCL group,
+one GPU per process. With fewer GPUs than processes, ``--share-gpu`` maps process ``i`` to GPU
+``i % count`` and ``--backend gloo`` replaces NCCL (which refuses two ranks on one GPU); run it
+under CUDA MPS so the ranks' kernels are co-resident::
+
+    bash tests/gpu/mps_run.sh 2 python tests/gpu/deepep_intranode.py --deepep-tests DeepEP/tests \\
+        --share-gpu --backend gloo -- --num-processes 2
+
+Both harness changes are made in the workers' ``sitecustomize``; the test file is not touched.
+The test's tuning section prints timings (DeepEP's chunk sizes mean nothing to the layer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+#: The git blob ids of DeepEP v1.2.1's test files (``git rev-parse v1.2.1:tests/<file>``).
+V1_2_1_BLOBS = {"test_intranode.py": "cd26f68f737f9c931b0e9a07135c3c8f9ec4f442",
+                "utils.py": "478033802562228602f9bce150f8eaa6a842e254",
+                "test_low_latency.py": "aa928aab114b0fe15dadeb01184e0fa691ac2a2f"}
+#: The workers' start-up: the alias's site directory, then the harness options.
+SITECUSTOMIZE = '''import os
+import site
+
+site.addsitedir({site!r})
+if os.environ.get("EP_DEEPEP_TEST_BACKEND") or os.environ.get("EP_DEEPEP_TEST_SHARE_GPU"):
+    import torch
+    import torch.distributed as dist
+
+    backend = os.environ.get("EP_DEEPEP_TEST_BACKEND")
+    if backend:
+        _init = dist.init_process_group
+
+        def init_process_group(*args, **kwargs):
+            kwargs["backend"] = backend
+            if backend == "gloo":
+                kwargs.pop("device_id", None)
+            return _init(*args, **kwargs)
+
+        dist.init_process_group = init_process_group
+    if os.environ.get("EP_DEEPEP_TEST_SHARE_GPU"):
+        _set_device = torch.cuda.set_device
+        torch.cuda.set_device = lambda device: _set_device(torch.device(device).index % torch.cuda.device_count()
+                                                           if not isinstance(device, int)
+                                                           else device % torch.cuda.device_count())
+'''
+
+
+def blob_id(path: Path) -> str:
+    """The git blob id of a file's bytes."""
+    data = path.read_bytes()
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def check_files(tests: Path) -> None:
+    """Exit unless ``tests`` holds DeepEP v1.2.1's test files, unmodified."""
+    for name, want in V1_2_1_BLOBS.items():
+        path = tests / name
+        if not path.exists():
+            sys.exit(f"deepep_intranode: {path} is missing; check out DeepEP's tag v1.2.1 and pass its tests/")
+        if blob_id(path) != want:
+            sys.exit(f"deepep_intranode: {path} is not DeepEP v1.2.1's (git blob {blob_id(path)}, expected {want}); "
+                     f"check out tag v1.2.1, unmodified")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--deepep-tests", required=True, type=Path, help="DeepEP v1.2.1's tests/ directory")
+    p.add_argument("--backend", choices=("nccl", "gloo"), default=None,
+                   help="the test harness's torch.distributed backend (default: its own, NCCL)")
+    p.add_argument("--share-gpu", action="store_true", help="process i on GPU i %% count (with CUDA MPS)")
+    p.add_argument("test_args", nargs=argparse.REMAINDER, help="after --: test_intranode.py's arguments")
+    args = p.parse_args(argv)
+    tests = args.deepep_tests.resolve()
+    check_files(tests)
+    sys.path.insert(0, str(ROOT))
+    from ep_runtime.integrations.deep_ep import alias
+
+    with tempfile.TemporaryDirectory(prefix="deepep_intranode_") as tmp:
+        site, boot = Path(tmp) / "site", Path(tmp) / "boot"
+        boot.mkdir()
+        alias.install(site)
+        (boot / "sitecustomize.py").write_text(SITECUSTOMIZE.format(site=str(site)))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(boot), str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+        if args.backend:
+            env["EP_DEEPEP_TEST_BACKEND"] = args.backend
+        if args.share_gpu:
+            env["EP_DEEPEP_TEST_SHARE_GPU"] = "1"
+        test_args = [a for a in args.test_args if a != "--"]
+        print(f"deepep_intranode: DeepEP v1.2.1 tests/test_intranode.py (unmodified) on ep_runtime.deep_ep, "
+              f"args {test_args}", flush=True)
+        rc = subprocess.call([sys.executable, "test_intranode.py", *test_args], cwd=tests, env=env)
+    print("PASS" if rc == 0 else f"FAIL (exit status {rc})", flush=True)
+    return 0 if rc == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
