@@ -149,7 +149,8 @@ def test_top_k_out_of_range(top_k):
     assert_fragments(msg, f"EPConfig.top_k={top_k}", "must be in [1, n_experts=256]", "use the router's k")
 
 
-DTYPE_FIELDS = {"token_dtype": "('bfloat16', 'fp8_e4m3', 'fp8_e4m3_ue8m0')", "combine_dtype": "('bfloat16', 'float32')"}
+# the built-in token formats (a test that registers one of its own adds it at the end of the list)
+DTYPE_FIELDS = {"token_dtype": "('bfloat16', 'fp8_e4m3', 'fp8_e4m3_ue8m0'", "combine_dtype": "('bfloat16', 'float32')"}
 DTYPE_VALUES = ["float16", "float32", "bf16", "BFloat16", None, np.dtype(ml_dtypes.bfloat16), ml_dtypes.bfloat16,
                 np.dtype(np.float32)]
 

@@ -19,7 +19,7 @@ import pytest
 
 from ep_runtime.core import reference
 from ep_runtime.core.config import EPConfig
-from ep_runtime.kernels.token_codec import HELD_SCALES
+from ep_runtime.kernels.codecs.fp8 import HELD_SCALES
 from ep_runtime.core.reference import BF16
 from ep_runtime.shmem.launch import run_pes
 from ep_runtime.testing import input_error_of, make_inputs, off_boundary, off_by_8
@@ -54,7 +54,7 @@ def cases(R: int) -> list:
                 (f"{f}_prequantized_misaligned_row", {**base, "token_dtype": fmt}, "random", 8, "misaligned", "row"),
             ]
         if R == 2 and fmt == "fp8_e4m3":
-            # a token part longer than the encoder's held scales (token_codec.HELD_SCALES blocks):
+            # a token part longer than the encoder's held scales (codecs.fp8.HELD_SCALES blocks):
             # its scales go out a step at a time instead of together after the codes
             out.append((f"{f}_scales_past_held_h{128 * (HELD_SCALES + 1)}",
                         {**base, "token_dtype": fmt, "hidden": 128 * (HELD_SCALES + 1), "max_tokens_per_rank": 2},

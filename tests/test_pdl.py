@@ -55,9 +55,10 @@ def test_the_senders_wait_before_their_first_read(name):
     """A kernel that reads what its predecessor wrote waits first (``pdl_wait`` before the first
     ``status`` read); dispatch_async and combine_async trigger their dependents after the wait,
     so a receiver started early finds everything before them complete."""
+    from ep_runtime.kernels.codecs import WORDS
     from ep_runtime.kernels.dispatch_copy import make_dispatch_copy
 
-    kernel = _kernels()[name] or make_dispatch_copy(512, False, False, True).dispatch_copy
+    kernel = _kernels()[name] or make_dispatch_copy(512, WORDS, True).dispatch_copy
     body = _body(kernel)
     first_read = next(i for i, ln in enumerate(body) if "status[STATUS_CODE]" in ln)
     waits = [i for i, ln in enumerate(body) if ln == "pdl_wait()"]

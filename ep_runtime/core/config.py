@@ -130,8 +130,11 @@ class EPConfig:
         _check(self.hidden >= 1, "hidden", self.hidden, "must be >= 1", "use the model's hidden size")
         _check(self.max_tokens_per_rank >= 1, "max_tokens_per_rank", self.max_tokens_per_rank,
                "must be >= 1", "use the largest batch one rank passes to dispatch")
-        _check(isinstance(self.token_dtype, str) and self.token_dtype in TOKEN_DTYPES, "token_dtype",
-               self.token_dtype, f"must be one of the strings {TOKEN_DTYPES}", "use 'bfloat16'")
+        from ep_runtime.core.formats import token_dtype_names
+
+        names = token_dtype_names()
+        _check(isinstance(self.token_dtype, str) and self.token_dtype in names, "token_dtype", self.token_dtype,
+               f"must be one of the strings {names} (formats.register_format adds one)", "use 'bfloat16'")
         try:
             self.token_format.validate_hidden(self.hidden)
         except EPConfigError as e:

@@ -77,6 +77,7 @@ import ml_dtypes
 import numpy as np
 
 from ep_runtime.core.errors import EPConfigError, EPInputError
+from ep_runtime.kernels.codecs import WORDS, CodecSpec
 # E4M3_NAN: NaN's code with a + sign (0xFF is the - one), every code of a block with a non-finite
 # element; UE8M0_NAN: a NaN scale's code (E8M0 has no infinity; finite blocks' codes stay below 248)
 from ep_runtime.kernels.protocol import E4M3_MAX, E4M3_NAN, UE8M0_NAN
@@ -85,7 +86,7 @@ from ep_runtime.kernels.protocol import E4M3_MAX, E4M3_NAN, UE8M0_NAN
 MESSAGE_ALIGN = 8
 #: A quantized format's message is a whole number of 128-byte lines, so every receive slot and
 #: stage row starts line-aligned: the encoder's 512-byte warp stores of codes (16-byte pairs,
-#: ep_runtime/kernels/token_codec.py) then fill whole lines, and a peer receives 4 full-line writes per
+#: ep_runtime/kernels/codecs/fp8.py) then fill whole lines, and a peer receives 4 full-line writes per
 #: warp step instead of 5 partial ones (a 16-byte multiple left three rows in four off the
 #: line at hidden 7168). The padding is never written or sent.
 QUANTIZED_MESSAGE_ALIGN = 128
@@ -190,12 +191,14 @@ class TokenFormat:
     element_dtype : payload element: uint16 (bf16 bits) or uint8 (E4M3 codes).
     block : elements per scale block (None: no scales).
     scale : the scale encoding (None for BF16).
+    codec : the device codec the kernels are built with (:mod:`ep_runtime.kernels.codecs`).
     """
 
     name: str
     element_dtype: np.dtype
     block: int | None
     scale: ScaleEncoding | None
+    codec: CodecSpec = WORDS
 
     def __post_init__(self):
         if (self.block is None) != (self.scale is None):
@@ -365,12 +368,34 @@ class TokenFormat:
         return scales
 
 
-BF16 = TokenFormat("bf16", np.dtype(np.uint16), None, None)
-FP8_E4M3 = TokenFormat("fp8_e4m3", np.dtype(np.uint8), FP8_BLOCK, FLOAT32_SCALE)
-FP8_E4M3_UE8M0 = TokenFormat("fp8_e4m3_ue8m0", np.dtype(np.uint8), FP8_BLOCK, UE8M0_SCALE)
+BF16 = TokenFormat("bf16", np.dtype(np.uint16), None, None, WORDS)
+FP8_E4M3 = TokenFormat("fp8_e4m3", np.dtype(np.uint8), FP8_BLOCK, FLOAT32_SCALE,
+                       CodecSpec("ep_runtime.kernels.codecs.fp8", (("scale_bytes", 4),)))
+FP8_E4M3_UE8M0 = TokenFormat("fp8_e4m3_ue8m0", np.dtype(np.uint8), FP8_BLOCK, UE8M0_SCALE,
+                             CodecSpec("ep_runtime.kernels.codecs.fp8", (("scale_bytes", 1),)))
 
-#: Every format by name.
+#: Every format by name: the built-in ones and those added by :func:`register_format`.
 FORMATS = {f.name: f for f in (BF16, FP8_E4M3, FP8_E4M3_UE8M0)}
+
+
+def register_format(fmt: TokenFormat) -> TokenFormat:
+    """Make ``fmt`` a token format of this process: ``EPConfig(token_dtype=fmt.name)`` then takes
+    it, and the kernels are built with its codec (``fmt.codec``: docs/formats.md, "Adding a
+    format"). Every process of a job registers it before it builds a runtime. Registering a
+    name again with an equal format is a no-op; with another format it raises
+    :class:`EPConfigError`. Returns ``fmt``."""
+    known = FORMATS.get(fmt.name)
+    if known is not None and known != fmt:
+        raise EPConfigError(f"register_format: a token format named {fmt.name!r} is already registered "
+                            f"({known!r}); give the new one another name")
+    FORMATS[fmt.name] = fmt
+    return fmt
+
+
+def token_dtype_names() -> tuple:
+    """The ``EPConfig.token_dtype`` names this process knows: ``"bfloat16"`` (the format
+    ``"bf16"``) and every other registered format's name."""
+    return ("bfloat16",) + tuple(name for name in FORMATS if name != BF16.name)
 
 
 def get_format(name: str | TokenFormat) -> TokenFormat:
@@ -387,5 +412,6 @@ def get_format(name: str | TokenFormat) -> TokenFormat:
 
 
 __all__ = ["TokenFormat", "ScaleEncoding", "BF16", "FP8_E4M3", "FP8_E4M3_UE8M0", "FORMATS", "get_format",
+           "register_format", "token_dtype_names",
            "FLOAT32_SCALE", "UE8M0_SCALE", "ue8m0_value", "MESSAGE_ALIGN", "QUANTIZED_MESSAGE_ALIGN", "FP8_BLOCK",
            "E4M3_MAX", "E4M3_NAN", "UE8M0_NAN", "UE8M0_ONE"]

@@ -315,7 +315,8 @@ USED_BY = {
     # (a route-first bf16 dispatch_wait publishes it on an early error, whatever its launch)
     "dispatch_placed": lambda plan, cfg: plan.receiver.routes_first and not cfg.token_format.quantized,
     "dispatch_send_counts": _puts,
-    "dispatch_send_stage": _rows_put,
+    # (a codec that stages every message, ``stages``, sends it from there on any transport)
+    "dispatch_send_stage": lambda plan, cfg: _rows_put(plan, cfg) or bool(cfg.token_format.codec.param("stages")),
     "combine_stage": _rows_put,
     "relay_counts": _hierarchical,
     "relay_signal": _hierarchical,

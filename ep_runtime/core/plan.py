@@ -208,10 +208,9 @@ class Plan:
     # -- what the kernels are built for -----------------------------------------------------------
     def dispatch_variant(self, cfg: EPConfig) -> DispatchVariant:
         """The dispatch kernels' compile-time constants for a runtime of ``cfg``."""
-        fmt = cfg.token_format
-        return DispatchVariant(self.threads, fmt.quantized, fmt.scale is not None and fmt.scale.dtype.itemsize == 1,
-                               self.transport, self.receiver, self.pdl, self.share_from_tokens,
-                               self.chunk_from_tokens, self.split_from_tokens, self.node_size, self.node_stores)
+        return DispatchVariant(self.threads, cfg.token_format.codec, self.transport, self.receiver, self.pdl,
+                               self.share_from_tokens, self.chunk_from_tokens, self.split_from_tokens, self.node_size,
+                               self.node_stores)
 
     def combine_variant(self, cfg: EPConfig) -> CombineVariant:
         """The combine kernels' compile-time constants for a runtime of ``cfg``."""

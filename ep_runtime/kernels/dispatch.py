@@ -37,7 +37,7 @@ def make_dispatch_kernels(v: DispatchVariant) -> dict:
         kernels["dispatch_land"] = make_dispatch_land(v)
     else:
         kernels["dispatch_wait"] = make_dispatch_wait(v)
-    kernels["dispatch_copy"] = make_dispatch_copy(v.threads, v.quantized, v.ue8m0, v.pdl).dispatch_copy
+    kernels["dispatch_copy"] = make_dispatch_copy(v.threads, v.codec, v.pdl).dispatch_copy
     if v.node_size:
         kernels["dispatch_relay"] = make_dispatch_relay(v)
     return kernels

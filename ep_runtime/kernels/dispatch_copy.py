@@ -21,7 +21,7 @@ from ep_runtime.kernels.block import local_expert_count, part_bounds, part_words
 from ep_runtime.kernels.cuda_api import cuda, kernel_jit
 from ep_runtime.kernels.pdl import make_pdl, programmatic
 from ep_runtime.kernels.protocol import STATUS_CODE, SYNC_CALLS
-from ep_runtime.kernels.token_codec import make_token_codec
+from ep_runtime.kernels.codecs import CodecSpec, make_receiver
 from ep_runtime.kernels.trace import stamp_first, stamp_last
 from ep_runtime.kernels.vec import make_pair_loops, pairs_aligned
 
@@ -36,16 +36,16 @@ WAIT_COPY_PAIRS = 4
 
 
 @functools.lru_cache(maxsize=None)
-def make_dispatch_copy(threads: int, quantized: bool, ue8m0: bool, pdl: bool) -> SimpleNamespace:
+def make_dispatch_copy(threads: int, codec: CodecSpec, pdl: bool) -> SimpleNamespace:
     """``copy_in_pairs``, ``copy_to_rows`` (``COPY_PAIRS`` deep), ``expand_rows``,
     ``gather_rows`` (``WAIT_COPY_PAIRS`` deep) and the ``dispatch_copy`` kernel, for
-    blocks of ``threads`` threads and a token format (``quantized``: FP8 messages, whose
-    scales are laid out too; ``ue8m0``: one scale byte a block)."""
+    blocks of ``threads`` threads and a token format's ``codec``, whose receiver lays out what a
+    message carries besides its payload words (FP8: the scales)."""
     warp, warps = warp_geometry(threads)
-    QUANT = bool(quantized)
     U = COPY_UNROLL
     CP = COPY_PAIRS
-    _, store_scales = make_token_codec(warp, bool(ue8m0))
+    receiver = make_receiver(codec, threads)
+    lay_out, zero_extras = receiver.lay_out, receiver.zero
     pdl_wait, pdl_trigger = make_pdl(pdl)
 
     @cuda.jit(device=True)
@@ -84,7 +84,7 @@ def make_dispatch_copy(threads: int, quantized: bool, ue8m0: bool, pdl: bool) ->
 
     @cuda.jit(device=True)
     def expand_rows(d_tokens, d_ids, d_counts, g, token_rows, row_offsets, expert_counts, expert_x, status,
-                    d_tokens8, expert_scales8, SBYTES, scales_col_major, lo, hi, vals):
+                    d_tokens8, expert_scales8, XB, scales_col_major, lo, hi, vals):
         """Every thread of the grid, once every row of call group g is described and every
         token row is in: copy each received row once to all its expert rows, then zero the
         padding rows.
@@ -92,10 +92,10 @@ def make_dispatch_copy(threads: int, quantized: bool, ue8m0: bool, pdl: bool) ->
         Token-major: a warp per received row part (``row_parts``: whole rows for large
         batches; source s's T from ``d_counts[g, s, L]``) reads each word once and stores it
         to the token's n_local expert rows (``copy_to_rows``). Then a warp per local expert
-        zeroes its padding rows. FP8 token formats (``d_tokens8``, ``expert_scales8``,
-        ``SBYTES`` scale bytes per row, ``scales_col_major``): the warp holding a row's first
-        part lays its scale bytes out; padding rows get zero scales. Scratch: lo, hi local
-        [pairs in flight], vals local [U]."""
+        zeroes its padding rows. The codec's extras (``d_tokens8``, ``expert_scales8``, ``XB``
+        bytes per row, ``scales_col_major``: FP8 scales) are laid out by the warp holding a
+        row's first part (``lay_out``); padding rows get zeros. Scratch: lo, hi local [pairs in
+        flight], vals local [U]."""
         stamp_first(status, 12)
         me = shmem.my_pe()
         R = d_counts.shape[1]
@@ -117,11 +117,10 @@ def make_dispatch_copy(threads: int, quantized: bool, ue8m0: bool, pdl: bool) ->
                 n_local = local_expert_count(d_ids[g, s, t], L, me)
                 copy_to_rows(d_tokens[s, t], token_rows[s, t], n_local, expert_x, w0, w1, pairs, lane, lo, hi,
                              vals)
-                if QUANT:
-                    if w0 == 0:
-                        for j in range(n_local):
-                            store_scales(d_tokens8[s, t], W * 8, SBYTES, expert_scales8, token_rows[s, t, j], C,
-                                         scales_col_major, lane, 0)
+                if w0 == 0:
+                    for j in range(n_local):
+                        lay_out(d_tokens8[s, t], W * 8, XB, expert_scales8, token_rows[s, t, j], C, scales_col_major,
+                                lane)
                 i += all_warps
 
         e = first_warp
@@ -129,8 +128,7 @@ def make_dispatch_copy(threads: int, quantized: bool, ue8m0: bool, pdl: bool) ->
             for r in range(row_offsets[e] + expert_counts[e], row_offsets[e + 1]):
                 for w in range(lane, W, warp):
                     expert_x[r, w] = 0
-                if QUANT:
-                    store_scales(d_tokens8[0, 0], W * 8, SBYTES, expert_scales8, r, C, scales_col_major, lane, 1)
+                zero_extras(XB, expert_scales8, r, C, scales_col_major, lane)
             e += all_warps
         stamp_last(status, 13)
 
@@ -207,9 +205,9 @@ def make_dispatch_copy(threads: int, quantized: bool, ue8m0: bool, pdl: bool) ->
             return
         n = dispatch_async_sync[SYNC_CALLS] - 1
         C = expert_x.shape[0]
-        SBYTES = expert_scales_u8.shape[0] // C if C > 0 else 0  # scale bytes per row (FP8 formats)
+        XB = expert_scales_u8.shape[0] // C if C > 0 else 0  # the codec's extra bytes per row (FP8 scales)
         expand_rows(dispatch_tokens, dispatch_topk_ids, dispatch_counts, n % 2, token_rows, row_offsets, expert_counts,
-                    expert_x, status, dispatch_tokens_u8, expert_scales_u8, SBYTES, scales_col_major, lo, hi, vals)
+                    expert_x, status, dispatch_tokens_u8, expert_scales_u8, XB, scales_col_major, lo, hi, vals)
 
     return SimpleNamespace(copy_in_pairs=copy_in_pairs, copy_to_rows=copy_to_rows, expand_rows=expand_rows,
                            gather_rows=gather_rows,

@@ -18,6 +18,7 @@ from numba import float32, int32, int64, uint64
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.block import (await_part, flag_rule, local_expert_count, part_bounds, record_error,
                                       warp_geometry, warp_sync)
+from ep_runtime.kernels.codecs import traits
 from ep_runtime.kernels.cuda_api import cuda, kernel_jit
 from ep_runtime.kernels.dispatch_copy import COPY_PAIRS, COPY_UNROLL, make_dispatch_copy
 from ep_runtime.kernels.pdl import make_pdl, programmatic
@@ -37,7 +38,7 @@ def make_dispatch_land(v: DispatchVariant):
     ``v.pdl``."""
     threads = v.threads
     warp, warps = warp_geometry(threads)
-    QUANT = v.quantized
+    RAW = traits(v.codec).RAW  # messages are the caller's words: copied as they land
     CP = COPY_PAIRS
     U = COPY_UNROLL
     pdl_wait, pdl_trigger = make_pdl(v.pdl)
@@ -46,7 +47,7 @@ def make_dispatch_land(v: DispatchVariant):
                                                          place_fns.zero_padding_rows)
     expert_warps, row_of, describe_row = place_fns.expert_warps, place_fns.row_of, place_fns.describe_row
     begin_receive, await_sources, store_recv_tokens = recv.begin_receive, recv.await_sources, recv.store_recv_tokens
-    copy = make_dispatch_copy(threads, v.quantized, v.ue8m0, v.pdl)
+    copy = make_dispatch_copy(threads, v.codec, v.pdl)
     copy_in_pairs, copy_to_rows = copy.copy_in_pairs, copy.copy_to_rows
 
     @cuda.jit(device=True)
@@ -87,7 +88,7 @@ def make_dispatch_land(v: DispatchVariant):
             return
         if cuda.blockIdx.x == 0 and tid == 0:
             row_offsets[L] = total
-        copy = copy_rows != 0 and not QUANT
+        copy = copy_rows != 0 and RAW
         # the words of a row part: the expert batch's rows when copying into them, else the
         # received rows' (the compact layout: no expert batch may be allocated)
         W = expert_x.shape[1] if copy else d_tokens.shape[2]
@@ -134,7 +135,7 @@ def make_dispatch_land(v: DispatchVariant):
             n_local = local_expert_count(d_ids[g, s, t], L, me)
             if n_local == 0 or w0 >= w1:
                 continue  # nothing of this token here (never flagged), or an empty part
-            own = not QUANT and s == me  # bf16: this rank's own row is the caller's (never sent)
+            own = RAW and s == me  # this rank's own row is the caller's (never sent: codecs.words)
             if copy and not own:  # lane 0 waits for the part
                 if lane == 0:
                     claim[wid] = int32(await_part(d_row_flag, s, t, p, n, timeout_ns, status, KERNEL_DISPATCH_LAND,

@@ -23,6 +23,7 @@ from numba import int32, int64, uint32, uint64
 
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.block import last_block_ticket, popc32, publish_fence, record_error, udiv32, warp_geometry
+from ep_runtime.kernels.codecs import traits
 from ep_runtime.kernels.cuda_api import SIMULATED, cuda, inlined
 from ep_runtime.kernels.protocol import (DROPPED_SLOT, ERR_BAD_EXPERT_ID, KERNEL_DISPATCH_ASYNC, MASKED_SLOT,
                                          SIGNAL_TOKEN_BITS, STATUS_LEN, SYNC_ROUTE_TICKET)
@@ -39,10 +40,10 @@ from ep_runtime.kernels.vec import address_of, load_u32_at, store_u32_at
 RANK_WINDOW = 4 if SIMULATED else 256
 #: Routing blocks (the grid's last): at most this many, one per ``ROUTE_GRID_SHARE`` blocks of
 #: the grid beyond the first, each ranking a chunk of the tokens so the routing is out sooner.
-#: bf16 rows want 8; the FP8 encoder, bound by its SMs, wants 4 (its 128 token blocks then deal
-#: 4,096 rows evenly): docs/plans.md, "Routing blocks".
+#: Rows that are only copied want 8; an encoding codec (FP8), bound by its SMs, wants 4 (its 128
+#: token blocks then deal 4,096 rows evenly): docs/plans.md, "Routing blocks".
 ROUTE_BLOCKS = 2 if SIMULATED else 8
-ROUTE_BLOCKS_QUANT = 2 if SIMULATED else 4
+ROUTE_BLOCKS_ENCODING = 2 if SIMULATED else 4
 ROUTE_GRID_SHARE = 1 if SIMULATED else 12
 
 
@@ -90,7 +91,7 @@ def make_dispatch_route(v: DispatchVariant) -> SimpleNamespace:
     spread_range, row_at, spread_slot = tp.spread_range, tp.row_at, tp.spread_slot
     spread_flush, count_u32 = tp.spread_flush, tp.count_u32
     deliver_ranks, counts_before_route = tp.send_ranks, tp.counts_before_route
-    QUANT = v.quantized
+    ENCODES = traits(v.codec).ENCODES  # the token blocks compute the messages
     LAND = v.receiver is Receiver.LAND
     FIRST = v.receiver.routes_first
     CHUNKS = v.receiver is Receiver.ROUTE_FIRST_CHUNKED
@@ -101,12 +102,13 @@ def make_dispatch_route(v: DispatchVariant) -> SimpleNamespace:
     @cuda.jit(device=True)
     def route_blocks(grid, split):
         """Routing blocks of dispatch_async's grid of ``grid`` blocks: one per ROUTE_GRID_SHARE
-        blocks beyond the first, at least 1, at most ROUTE_BLOCKS (ROUTE_BLOCKS_QUANT for FP8).
+        blocks beyond the first, at least 1, at most ROUTE_BLOCKS (ROUTE_BLOCKS_ENCODING for a codec
+        that encodes).
         A route-first call has one, which only sends the routing rows, or none when the token
         blocks send them (``split``)."""
         if FIRST:
             return 0 if split else 1
-        return max(1, min(ROUTE_BLOCKS_QUANT if QUANT else ROUTE_BLOCKS, (grid - 1) // ROUTE_GRID_SHARE))
+        return max(1, min(ROUTE_BLOCKS_ENCODING if ENCODES else ROUTE_BLOCKS, (grid - 1) // ROUTE_GRID_SHARE))
 
     @cuda.jit(device=True)
     def signal_routing(d_route, g, me, n, T, R, first, step):

@@ -1,11 +1,12 @@
 """Send: ``dispatch_async``, each token row once to every rank that holds one of its experts.
 
-The grid's first blocks (token blocks) send the token rows, a warp per row part, deduplicated
-per destination rank: stores through the peers' NVLink mappings (16-byte word pairs, each word
-loaded once for every destination) or NVSHMEM warp puts. FP8 token formats encode each part
-once (ep_runtime/kernels/token_codec.py) straight into every destination's slot. The routing half (the
-routing rows, and for the ``wait`` and ``land`` receivers the ranks and counts of the grid's
-last blocks) is ep_runtime/kernels/dispatch_route.py. The last block to finish signals every rank.
+The grid's first blocks (token blocks) send the token rows, each once to every rank that holds
+one of its experts: the token format's codec cuts and moves them (ep_runtime/kernels/codecs: rows
+of words copied, FP8 messages encoded once straight into every destination's slot), through the
+plan's transport (ep_runtime/kernels/transport: stores through the peers' mappings or NVSHMEM
+puts; packed chunks across nodes). The routing half (the routing rows, and for the ``wait`` and
+``land`` receivers the ranks and counts of the grid's last blocks) is
+ep_runtime/kernels/dispatch_route.py. The last block to finish signals every rank.
 
 :func:`make_dispatch_async` builds the kernel for a
 :class:`~ep_runtime.kernels.variant.DispatchVariant`.
@@ -16,28 +17,19 @@ import functools
 from numba import int32, int64, uint32, uint64
 
 from ep_runtime.kernels import shmem
-from ep_runtime.kernels.block import (flag_rule, last_block_ticket, part_bounds, part_words, row_parts, udiv32,
-                                      warp_geometry, warp_sync)
-from ep_runtime.kernels.cuda_api import cuda, inlined, kernel_jit
-from ep_runtime.kernels.dispatch_copy import COPY_UNROLL
+from ep_runtime.kernels.block import last_block_ticket, udiv32, warp_geometry
+from ep_runtime.kernels.codecs import make_sender, traits
+from ep_runtime.kernels.cuda_api import cuda, kernel_jit
 from ep_runtime.kernels.dispatch_route import make_dispatch_route
 from ep_runtime.kernels.nodes import MAX_NODES
 from ep_runtime.kernels.pdl import make_pdl, programmatic
-from ep_runtime.kernels.protocol import (DISPATCH_FLAG_PARTS, PEER_TOKENS, SIGNAL_TOKEN_BITS, STATUS_CODE, SYNC_CALLS,
-                                         SYNC_TICKET)
+from ep_runtime.kernels.protocol import SIGNAL_TOKEN_BITS, STATUS_CODE, SYNC_CALLS, SYNC_TICKET
 from ep_runtime.kernels.ranking import ID_BATCH
-from ep_runtime.kernels.token_codec import BLOCK_WORDS, CODE_WORDS, HELD_SCALES, make_token_codec
 from ep_runtime.kernels.trace import stamp_first, stamp_last
 from ep_runtime.kernels.transport import make_transport
-from ep_runtime.kernels.transport.common import RUN_BATCH
+from ep_runtime.kernels.transport.common import PAIRS_IN_FLIGHT, RUN_BATCH
 from ep_runtime.kernels.variant import DispatchVariant, Receiver
-from ep_runtime.kernels.vec import address_of, load_u32_at, make_pair_loops, pairs_aligned, store_u8_at, store_u32_at
-
-#: Items per warp the bf16 token loop aims at when a batch has a row for every warp
-#: (``send_warps``): rows are cut into parts so the transfer's last round, in which the warps
-#: with one item more than the others still send, is short. The FP8 encoder keeps a part per
-#: warp (docs/plans.md, "Send rounds").
-SEND_ROUNDS = 8
+from ep_runtime.kernels.vec import address_of, load_u32_at
 
 
 @functools.lru_cache(maxsize=None)
@@ -45,21 +37,15 @@ def make_dispatch_async(v: DispatchVariant):
     """The ``dispatch_async`` kernel of ``v``, marked for PDL when ``v.pdl``."""
     threads = v.threads
     warp, warps = warp_geometry(threads)
-    QUANT = v.quantized
     tp = make_transport(v.transport, threads, v.node_size, v.node_stores)
-    FENCED, DIRECT = tp.FENCED, tp.DIRECT
-    row_dests, grant_credits, await_credits, signal_call = tp.row_dests, tp.grant_credits, tp.await_credits, tp.signal_call
-    send_part, send_part_flagged = tp.send_part, tp.send_part_flagged
-    LAND = v.receiver is Receiver.LAND  # the routing signalled on its own, bf16 row parts flagged
+    FENCED = tp.FENCED
+    row_dests, signal_call = tp.row_dests, tp.signal_call
+    grant_credits, await_credits = tp.grant_credits, tp.await_credits
+    LAND = v.receiver is Receiver.LAND  # the routing signalled on its own, row parts flagged (codec words)
     FIRST = v.receiver.routes_first  # the routing rows first; nothing ranked here
     CHUNKS = v.receiver is Receiver.ROUTE_FIRST_CHUNKED
     SPLIT_FROM = int(v.split_from_tokens)
-    SB = 1 if v.ue8m0 else 4  # scale bytes per 128-element block (FP8 formats)
-    UP = COPY_UNROLL // 2  # word pairs per lane in flight
-    load_pairs, _, store_pairs_at = make_pair_loops(UP, warp)
-    encode_blocks, _ = make_token_codec(warp, bool(v.ue8m0))
-    MBUF_WORDS = threads if QUANT else 1  # the encoder's (simulated) warp-max scratch
-    HELD_WORDS = warps * HELD_SCALES if QUANT else 1  # each warp's part's scales (the FP8 encoder)
+    ENCODES = traits(v.codec).ENCODES  # the token blocks compute the messages (FP8)
     CHUNK_MASKS = MAX_NODES if v.node_size > 0 else 1  # the node chunks' masks (send_across)
     pdl_wait, pdl_trigger = make_pdl(v.pdl)
     route = make_dispatch_route(v)
@@ -94,162 +80,14 @@ def make_dispatch_async(v: DispatchVariant):
         """The ranks a token's row goes to from here, one at a time (uint64 bits): its holders
         (``token_holders``) but not the ranks set in ``skip``. The hierarchical transport sends
         only to the holders on this rank's node here: a row bound for another node crosses in
-        its chunk (``send_node_chunks``)."""
+        its chunk (the transport's ``send_across``)."""
         return row_dests(token_holders(ids_at, K, L, R, ids_l) & ~skip, me)
 
-    @cuda.jit(device=True)
-    def send_prequantized(codes, scales8, b0, b1, PB, peer_bases, sent, slot, lane, lo, hi):
-        """Every lane of one warp: the caller's E4M3 code words of blocks ``[b0, b1)`` (``codes``:
-        the token's row of uint64 words, 16-byte aligned) and their scale bytes (``scales8``)
-        stored into the receive slot of every rank whose bit is set in ``sent``, at byte ``slot``
-        past ``peer_bases[PEER_TOKENS, d]``; each word pair loaded once. Float32 scales go a word
-        per block when the caller's row is 4-byte aligned (the message's scales are: ``slot``
-        and ``PB`` are multiples of 128), else a byte per store."""
-        w1 = b1 * CODE_WORDS
-        w = b0 * CODE_WORDS + 2 * lane
-        while w < w1:
-            load_pairs(codes, w, w1, lo, hi)
-            for d in range(peer_bases.shape[1]):
-                if (sent >> uint64(d)) & uint64(1):
-                    store_pairs_at(peer_bases[PEER_TOKENS, d] + slot, w, w1, lo, hi)
-            w += 2 * UP * warp
-        scales_at = slot + uint64(PB)  # uint64 + uint64 (an int64 term would make it float64)
-        src_at = address_of(scales8)
-        if SB == 4 and src_at % uint64(4) == uint64(0):  # a float32 scale per block, as one word
-            for b in range(b0 + lane, b1, warp):
-                val = load_u32_at(src_at, b)
-                for d in range(peer_bases.shape[1]):
-                    if (sent >> uint64(d)) & uint64(1):
-                        store_u32_at(peer_bases[PEER_TOKENS, d] + scales_at, b, val)
-        else:
-            for j in range(b0 * SB + lane, b1 * SB, warp):
-                for d in range(peer_bases.shape[1]):
-                    if (sent >> uint64(d)) & uint64(1):
-                        store_u8_at(peer_bases[PEER_TOKENS, d] + scales_at, j, scales8[j])
-
-    @cuda.jit(device=True)
-    def send_warps(rows, all_warps):
-        """The warp count the bf16 token loop cuts ``rows`` rows for (``row_parts``):
-        ``all_warps``, or ``SEND_ROUNDS`` times it for a batch with a row for every warp."""
-        if rows >= all_warps:
-            return all_warps * SEND_ROUNDS
-        return all_warps
-
-    @inlined
-    def send_fp8_rows(tokens, token_scales, prequantized, ids_base, d_tokens, d_tokens8, stage64, stage8, peer_bases,
-                      T, K, L, R, me, token_blocks, mbuf, held, ids_l, lo, hi):
-        """Every thread of a token block, FP8 formats: a warp per part of a token (a run of
-        128-element blocks), encoded once (or the caller's codes and scales, pre-quantized) and
-        stored into the slot of every rank with one of its experts (16-byte stores of codes,
-        then the scales); on the puts path encoded into stage row t and put. Returns whether
-        the rows went as plain stores (the ticket then fences, else quiets)."""
-        tid = cuda.threadIdx.x
-        all_warps = token_blocks * warps
-        h0 = (tid // warp) * HELD_SCALES
-        lane = tid % warp
-        if prequantized != 0:
-            S = tokens.shape[1] // CODE_WORDS
-        else:
-            S = tokens.shape[1] // BLOCK_WORDS
-        PB = S * CODE_WORDS * 8  # code bytes of a message (= H)
-        parts = row_parts(T, S, all_warps, 1)  # a part per warp (finer cuts measured slower here)
-        span = part_words(S, parts, 1)  # blocks per part
-        # straight into peers' slots (16-byte stores): encoded, or the caller's codes (word pairs)
-        src_pairs = pairs_aligned(tokens)  # rows of whole word pairs (messages and bf16 blocks)
-        direct = DIRECT and (prequantized == 0 or src_pairs)
-        i = cuda.blockIdx.x * warps + tid // warp
-        while cuda.blockIdx.x < token_blocks and i < T * parts:
-            t, b0, b1 = part_bounds(i, parts, span, S)
-            sent = uint64(0)
-            if b0 < b1:
-                sent = token_destinations(ids_base + uint64(4 * t * K), K, L, R, me, uint64(0), ids_l)  # bit d: to d
-            if sent != 0:  # (a token whose slots are all masked goes nowhere: zero would mean the stage row)
-                if direct:
-                    slot = address_of(d_tokens[me, t]) - address_of(d_tokens)  # the same on every PE
-                    if prequantized == 0:
-                        encode_blocks(tokens, t, b0, b1, src_pairs, uint64(0), PB, lane, mbuf, peer_bases, sent,
-                                      slot, held, h0)
-                    else:
-                        send_prequantized(tokens[t], token_scales[t], b0, b1, PB, peer_bases, sent, slot, lane,
-                                          lo, hi)
-                else:
-                    if prequantized == 0:
-                        encode_blocks(tokens, t, b0, b1, src_pairs, address_of(stage64[t]), PB, lane, mbuf,
-                                      peer_bases, uint64(0), uint64(0), held, h0)
-                        warp_sync()  # the part is staged before the warp's puts read it
-                    for d in range(R):
-                        if (sent >> uint64(d)) & uint64(1):
-                            dst_codes = d_tokens[me, t, b0 * CODE_WORDS:b1 * CODE_WORDS]
-                            dst_scales = d_tokens8[me, t, PB + b0 * SB:PB + b1 * SB]
-                            if prequantized == 0:
-                                shmem.put_nbi_warp(dst_codes, stage64[t, b0 * CODE_WORDS:b1 * CODE_WORDS], d)
-                                shmem.put_nbi_warp(dst_scales, stage8[t, PB + b0 * SB:PB + b1 * SB], d)
-                            else:  # straight from the caller's arrays
-                                shmem.put_nbi_warp(dst_codes, tokens[t, b0 * CODE_WORDS:b1 * CODE_WORDS], d)
-                                shmem.put_nbi_warp(dst_scales, token_scales[t, b0 * SB:b1 * SB], d)
-            i += all_warps
-        return direct
-
-    @inlined
-    def send_bf16_rows(tokens, ids_base, d_tokens, d_row_flag, peer_bases, T_parts, K, L, R, W, me, n, token_blocks,
-                       own_skip, ids_l, lo, hi):
-        """Every thread of a token block, bf16 rows (``T_parts`` of them; 0 in FP8 builds): a warp
-        per row part (``row_parts`` for about SEND_ROUNDS parts a warp; a landing build cuts as
-        its receivers do, ``flag_rule``, and flags each part once it is in every destination),
-        each word pair loaded once and stored to every destination; rows not in word pairs a word
-        per lane per step; the puts path a warp put per destination (a landing build's with the
-        part's flag). ``own_skip``: ranks the row never goes to (a landing build's own rank)."""
-        tid = cuda.threadIdx.x
-        all_warps = token_blocks * warps
-        parts = row_parts(T_parts, W, send_warps(T_parts, all_warps), warp)
-        span = part_words(W, parts, warp)
-        if LAND and not QUANT:  # the receivers cut rows alike from T (dispatch_land)
-            parts, span = flag_rule(T_parts, W, DISPATCH_FLAG_PARTS, warp)
-        pairs = tokens.itemsize == 8 and W % 2 == 0 and pairs_aligned(tokens) and pairs_aligned(d_tokens)
-        lane = tid % warp
-        i = cuda.blockIdx.x * warps + tid // warp
-        while cuda.blockIdx.x < token_blocks and i < T_parts * parts:
-            t, w0, w1 = part_bounds(i, parts, span, W)
-            if w0 < w1:
-                sent = token_destinations(ids_base + uint64(4 * t * K), K, L, R, me, own_skip, ids_l)  # bit d: to d
-                if sent == 0:
-                    pass  # a landing build's row for this rank only (dispatch_land copies it)
-                elif LAND and not QUANT:  # each part flagged on arrival
-                    send_part_flagged(d_tokens, d_row_flag, me, t, i - t * parts, n, tokens[t], w0, w1, sent, R,
-                                      peer_bases, pairs, lane, lo, hi)
-                else:
-                    send_part(d_tokens, me, t, tokens[t], w0, w1, sent, R, peer_bases, pairs, lane, lo, hi)
-            i += all_warps
-
-    @inlined
-    def pack_row(tokens, token_scales, prequantized, t, row, lane, mbuf, peer_bases, held, lo, hi):
-        """Every lane of one warp: token ``t``'s row as it travels (bf16 words; FP8: its message,
-        encoded here or the caller's codes and scales) into the local row ``row`` (a row of
-        ``relay_stage``, 16-byte aligned)."""
-        if QUANT:
-            h0 = (cuda.threadIdx.x // warp) * HELD_SCALES
-            if prequantized == 0:
-                S = tokens.shape[1] // BLOCK_WORDS
-                PB = S * CODE_WORDS * 8
-                encode_blocks(tokens, t, 0, S, pairs_aligned(tokens), address_of(row), PB, lane, mbuf, peer_bases,
-                              uint64(0), uint64(0), held, h0)
-            else:
-                PB = tokens.shape[1] * 8
-                for w in range(lane, tokens.shape[1], warp):  # the codes, then the scales' bytes
-                    row[w] = tokens[t, w]
-                for j in range(lane, token_scales.shape[1], warp):
-                    store_u8_at(address_of(row) + uint64(PB), j, token_scales[t, j])
-        else:
-            W = tokens.shape[1]
-            if tokens.itemsize == 8 and W % 2 == 0 and pairs_aligned(tokens):
-                w = 2 * lane
-                while w < W:
-                    load_pairs(tokens[t], w, W, lo, hi)
-                    store_pairs_at(address_of(row), w, W, lo, hi)
-                    w += 2 * UP * warp
-            else:
-                for w in range(lane, W, warp):
-                    row[w] = tokens[t, w]
+    # the token rows (the format's codec: rows of words copied, FP8 messages encoded) and their
+    # packing into the hierarchical transport's chunks
+    sender = make_sender(v.codec, threads, tp, token_destinations, LAND)
+    send_rows, pack_row = sender.send_rows, sender.pack_row
+    MBUF_WORDS, HELD_WORDS = sender.MBUF_WORDS, sender.HELD_WORDS  # the encoder's shared scratch
 
     # the rows bound for other nodes, a packed chunk a put (the hierarchical transport; nothing otherwise)
     send_across = tp.make_row_chunks(pack_row, token_holders)
@@ -282,7 +120,7 @@ def make_dispatch_async(v: DispatchVariant):
         [G, R, R, L + 1] int32 and relay_signal [G, R] uint64 symmetric: a proxy gets this rank's counts rows
         for its node's PEs in ``relay_counts[g, me, :node_size]`` with ``relay_signal[g, me]`` (the dispatch
         signal's value) instead of any signal of this rank; its rows bound there in chunks
-        (``send_node_chunks``): relay_stage and relay_rows [X, Tmax, W] (X other nodes; token words or
+        (the transport's ``send_across``): relay_stage and relay_rows [X, Tmax, W] (X other nodes; token words or
         messages, symmetric), relay_chunk_flag [R, C] uint64 (symmetric), relay_slot [G, Tmax, X] int32
         (local); empty stand-ins otherwise.
 
@@ -291,7 +129,7 @@ def make_dispatch_async(v: DispatchVariant):
         a timeout the blocks send nothing more, so no signal goes out). The token blocks send the routing rows
         (``send_routing_spread``; a route-first call's routing block does, ``send_routing_first``, unless the
         call is split: then the token blocks do and take the route ticket), then their token rows
-        (``send_fp8_rows`` / ``send_bf16_rows``). The routing blocks of the ``wait`` and ``land`` receivers
+        (the codec's ``send_rows``). The routing blocks of the ``wait`` and ``land`` receivers
         rank their chunk of the tokens (``rank_chunk``). The last block (ticket: every block fenced first, or
         quieted where it put) signals every rank, with its counts row on the puts path, and advances the call
         counter. A landing build flags each bf16 row part on arrival and sends none to this rank
@@ -312,8 +150,8 @@ def make_dispatch_async(v: DispatchVariant):
         next_rank = cuda.shared.array(RANK_NEXT, int32)  # ... [expert] the next round's first rank
         mbuf = cuda.shared.array(MBUF_WORDS, int64)
         held = cuda.shared.array(HELD_WORDS, uint32)
-        lo = cuda.local.array(UP, uint64)
-        hi = cuda.local.array(UP, uint64)
+        lo = cuda.local.array(PAIRS_IN_FLIGHT, uint64)  # a warp's word pairs in flight (the codec's copies)
+        hi = cuda.local.array(PAIRS_IN_FLIGHT, uint64)
         run_l = cuda.local.array(RUN_BATCH, uint32)  # a routing block's ranks loaded before they are stored
         ids_l = cuda.local.array(ID_BATCH, int32)  # a token's expert ids
         pdl_wait()  # nothing stream-ordered is read before this (ep_runtime/kernels/pdl.py)
@@ -336,12 +174,9 @@ def make_dispatch_async(v: DispatchVariant):
         R = dispatch_counts.shape[1]
         L = dispatch_counts.shape[2] - 1
         K = topk_ids.shape[1]
-        W = tokens.shape[1]
         tid = cuda.threadIdx.x
         g = n % 2
         ids_base = address_of(topk_ids)  # [Tc, K] C-contiguous: (t, k) is flat element t K + k
-        # a landing build sends no bf16 row to this rank: dispatch_land reads them from the caller's tokens
-        own_skip = uint64(1) << uint64(me) if LAND and not QUANT else uint64(0)
         # a chunked route-first call of split_from_tokens or more: no routing block, the token
         # blocks send the routing rows and take the route ticket
         split = CHUNKS and T >= SPLIT_FROM and reuse_routing == 0
@@ -350,7 +185,7 @@ def make_dispatch_async(v: DispatchVariant):
         # up one warp, not the block's token rows; rows that are only copied (bf16, pre-quantized
         # FP8) flood the SM's stores at once and a fence behind them held the routing back: the
         # block's ticket
-        share_route = split and QUANT and prequantized == 0
+        share_route = split and ENCODES and prequantized == 0
         n_route = route_blocks(cuda.gridDim.x, split)  # routing blocks: the grid's last
         token_blocks = max(cuda.gridDim.x - n_route, 1)
         rb = cuda.blockIdx.x - (cuda.gridDim.x - n_route)  # this block's routing chunk (< 0: none)
@@ -391,15 +226,9 @@ def make_dispatch_async(v: DispatchVariant):
             stamp_last(status, 31)
         # the token rows go as plain stores (the ticket's fence: publish_fence) where the transport
         # and the rows allow (else the ticket's quiet completes the puts, before relay_stage is reused)
-        stores_only = FENCED
-        T_parts = T
-        if QUANT:
-            stores_only = send_fp8_rows(tokens, token_scales, prequantized, ids_base, dispatch_tokens,
-                                        dispatch_tokens_u8, dispatch_send_stage, dispatch_send_stage_u8, peer_bases, T,
-                                        K, L, R, me, token_blocks, mbuf, held, ids_l, lo, hi) and FENCED
-            T_parts = 0  # no bf16 row parts
-        send_bf16_rows(tokens, ids_base, dispatch_tokens, dispatch_row_flag, peer_bases, T_parts, K, L, R, W, me, n,
-                       token_blocks, own_skip, ids_l, lo, hi)
+        stores_only = send_rows(tokens, token_scales, prequantized, ids_base, dispatch_tokens, dispatch_tokens_u8,
+                                dispatch_send_stage, dispatch_send_stage_u8, dispatch_row_flag, peer_bases, T, K, L, R,
+                                me, n, token_blocks, mbuf, held, ids_l, lo, hi) and FENCED
         send_across(tokens, token_scales, prequantized, ids_base, relay_stage, relay_rows, relay_chunk_flag, relay_slot,
                     peer_bases, T, K, L, R, me, n, token_blocks, cmask, mbuf, held, ids_l, lo, hi)
         stamp_last(status, 1)

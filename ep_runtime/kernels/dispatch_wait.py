@@ -17,6 +17,7 @@ from numba import int32, int64, uint32, uint64
 
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.block import record_error, warp_geometry
+from ep_runtime.kernels.codecs import WORDS, traits
 from ep_runtime.kernels.cuda_api import cuda, kernel_jit
 from ep_runtime.kernels.dispatch_copy import WAIT_COPY_PAIRS, make_dispatch_copy
 from ep_runtime.kernels.pdl import make_pdl, programmatic
@@ -37,7 +38,8 @@ def make_dispatch_wait(v: DispatchVariant):
     threads = v.threads
     warp, warps = warp_geometry(threads)
     FIRST = v.receiver.routes_first
-    FIRST_COPY = FIRST and not v.quantized  # a route-first wait may copy bf16 rows in its own launch
+    # a route-first wait may copy the rows in its own launch where they are the caller's words
+    FIRST_COPY = FIRST and traits(v.codec).RAW
     RECV_WORDS = make_ranking(threads).recv_words if FIRST else 1  # a route-first wait's masks and warp rows
     RECV_NEXT = RECV_WINDOW if FIRST else 1
     WCP = WAIT_COPY_PAIRS
@@ -51,9 +53,9 @@ def make_dispatch_wait(v: DispatchVariant):
                              v.chunk_from_tokens)
     place_from_routing, publish_placed, await_placed_rows = (route.place_from_routing, route.publish_placed,
                                                              route.await_placed_rows)
-    # only bf16 rows are copied here (FIRST_COPY): the bf16 helper, so that the FP8 builds, which
-    # never copy, are one kernel for every FP8 format
-    gather_rows = make_dispatch_copy(threads, False, False, v.pdl).gather_rows
+    # only rows of words are copied here (FIRST_COPY): the words codec's copy, so that the builds
+    # of other codecs, which never copy here, are one kernel for each receiver
+    gather_rows = make_dispatch_copy(threads, WORDS, v.pdl).gather_rows
 
     @kernel_jit(threads, one_block_per_sm=True)  # its blocks start as dispatch_async's leave their SMs
     def dispatch_wait(dispatch_topk_ids, dispatch_topk_weights, dispatch_counts, dispatch_ranks, dispatch_signal,

@@ -48,7 +48,7 @@ def chunk_mask(cmask, d_ids, g, s, c, CH, T, here, L, R):
     source ``s``'s ``T`` tokens (``CH`` a chunk: ``chunk_tokens(T)``) with an expert on a PE of
     ``here`` (uint64 PE bits), bit j for token ``c CH + j``, from the routing rows
     ``d_ids[g, s]``: the packing its sender made of the chunk (``dispatch_async``'s
-    ``send_node_chunks``). Returns the mask (a barrier before and after)."""
+    ``send_across``, ep_runtime/kernels/transport/hierarchical.py). Returns the mask (a barrier before and after)."""
     if cuda.threadIdx.x == 0:
         cmask[0] = uint32(0)
     cuda.syncthreads()

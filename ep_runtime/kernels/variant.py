@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from ep_runtime.kernels.codecs import CodecSpec
+
 
 class Transport(str, Enum):
     """How rows, routing and partials reach the peers."""
@@ -51,7 +53,7 @@ class DispatchVariant:
     """The compile-time constants of the dispatch kernels.
 
     ``threads``: threads per block (a power of 2; a warp's width on the simulator at most).
-    ``quantized`` / ``ue8m0``: an FP8 token format, with power-of-two scales. ``transport``,
+    ``codec``: the token format's :class:`~ep_runtime.kernels.codecs.CodecSpec`. ``transport``,
     ``receiver``, ``pdl``: the plan's. ``share_from_tokens``: received tokens from which a
     route-first dispatch_wait's placing blocks share the rows' descriptions;
     ``chunk_from_tokens``: ... from which a chunked build's blocks each rank a chunk;
@@ -61,8 +63,7 @@ class DispatchVariant:
     """
 
     threads: int
-    quantized: bool
-    ue8m0: bool
+    codec: CodecSpec
     transport: Transport
     receiver: Receiver
     pdl: bool

@@ -187,12 +187,13 @@ def make(threads: int, node_size: int, node_stores: bool) -> SimpleNamespace:
                            row_at=within.row_at, spread_slot=within.spread_slot, spread_flush=within.spread_flush,
                            count_u32=within.count_u32, send_ranks=within.send_ranks,
                            counts_before_route=within.counts_before_route, signal_call=signal_call,
-                           make_row_chunks=make_row_chunks_here, near=near, reaches=reaches_pe, forward_run=within.forward_run,
-                           forward_row=within.forward_row, send_slot_value=send_slot_value,
-                           signal_slot_values=signal_slot_values, grant_credits=within.grant_credits,
-                           await_credits=within.await_credits, stores_to=within.stores_to,
-                           stages=within.stages, stage_aligned=within.stage_aligned, home_aligned=home_aligned, home_at=home_at,
-                           finish_part=finish_part, send_home_part=send_home_part)
+                           make_row_chunks=make_row_chunks_here, near=near, reaches=reaches_pe,
+                           forward_run=within.forward_run, forward_row=within.forward_row,
+                           send_slot_value=send_slot_value, signal_slot_values=signal_slot_values,
+                           grant_credits=within.grant_credits, await_credits=within.await_credits,
+                           stores_to=within.stores_to, stages=within.stages, stage_aligned=within.stage_aligned,
+                           home_aligned=home_aligned, home_at=home_at, finish_part=finish_part,
+                           send_home_part=send_home_part)
 
 
 def make_row_chunks(threads: int, node_size: int, pack_row, holders):

@@ -223,11 +223,12 @@ def make(threads: int, node_size: int = 0) -> SimpleNamespace:
                            send_part=send_part, send_part_flagged=send_part_flagged, spread_range=spread_range,
                            row_at=row_at, spread_slot=spread_slot, spread_flush=spread_flush, count_u32=count_u32,
                            send_ranks=send_ranks, counts_before_route=counts_before_route, signal_pe=signal_pe,
-                           signal_call=signal_call, make_row_chunks=common.no_row_chunks, forward_run=forward_run, forward_row=forward_row,
-                           send_slot_value=send_slot_value, signal_slot_values=signal_slot_values,
-                           grant_credits=credits.grant_credits, await_credits=credits.await_credits,
-                           stores_to=stores_to, stages=stages, stage_aligned=stage_aligned, home_aligned=home_aligned,
-                           home_at=home_at, finish_part=finish_part, send_home_part=send_home_part)
+                           signal_call=signal_call, make_row_chunks=common.no_row_chunks, forward_run=forward_run,
+                           forward_row=forward_row, send_slot_value=send_slot_value,
+                           signal_slot_values=signal_slot_values, grant_credits=credits.grant_credits,
+                           await_credits=credits.await_credits, stores_to=stores_to, stages=stages,
+                           stage_aligned=stage_aligned, home_aligned=home_aligned, home_at=home_at,
+                           finish_part=finish_part, send_home_part=send_home_part)
 
 
 def make_home_sender(warp: int, home_at, finish_part):
