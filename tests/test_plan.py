@@ -4,6 +4,7 @@ a plan allocates, and the one environment variable left to choose an algorithm."
 
 from __future__ import annotations
 
+import itertools
 import pathlib
 import re
 from types import SimpleNamespace
@@ -245,3 +246,30 @@ def test_the_default_plans_table_in_the_docs_is_the_rules_output():
 
     doc = (Path(__file__).resolve().parent.parent / "docs" / "plans.md").read_text()
     assert plans_table() in doc, "docs/plans.md's default plans table is stale: python -m ep_runtime.core.plan --table"
+
+
+@pytest.mark.parametrize("sm_count", [2, 3, 8, 16, 32, 48, 66, 100, 132])
+def test_every_default_plan_builds_on_any_sm_count(sm_count):
+    """The early receivers' SM figures (measured on 132 SMs) take the same share of a smaller
+    grid (4 ranks sharing one H100 under MPS see 32 SMs; MIG slices), never all of it: every
+    default plan passes check_plan, its senders keep at least half the grid, and on 132 SMs the
+    figures are the measured ones."""
+    from ep_runtime.core.plan import COMBINE_WAIT_SMS, COMBINE_WAIT_SMS_EXPANDED, fitted_sms
+
+    for R, dtype, T, layouts in itertools.product((2, 4), ("bfloat16", "fp8_e4m3"), (1, 128, 1024, 4096),
+                                                 ("expanded", "compact", "both")):
+        cfg = EPConfig(n_ranks=R, n_experts=8 * R, top_k=4, hidden=7168, max_tokens_per_rank=T, token_dtype=dtype,
+                       layouts=layouts)
+        plan = choose_plan(cfg, Topology(R, True, sm_count, True, True))
+        label = f"{sm_count} SMs, {R} ranks, {dtype}, T={T}, {layouts}: {plan.summary()}"
+        assert 0 < plan.receiver_sms < plan.grid or plan.receiver_sms == 0, label
+        assert plan.dispatch_async_grid >= (plan.grid + 1) // 2, label
+        for layout in ("expanded", "compact"):
+            assert plan.combine_async_grid(layout) >= (plan.grid + 1) // 2, label
+        if plan.receiver is Receiver.LAND:
+            assert plan.receiver_sms == fitted_sms(LAND_SMS, sm_count), label
+        if sm_count == 132 and plan.grid == 132:  # (a tiny batch takes fewer blocks, none left free)
+            assert plan.combine_wait_sms == COMBINE_WAIT_SMS, label
+            assert plan.combine_wait_sms_expanded == COMBINE_WAIT_SMS_EXPANDED, label
+            assert plan.receiver is not Receiver.LAND or plan.receiver_sms == LAND_SMS, label
+    assert [fitted_sms(LAND_SMS, g) for g in (2, 32, 66, 132)] == [1, 12, 24, 48]

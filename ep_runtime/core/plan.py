@@ -78,6 +78,10 @@ ROUTE_FIRST_CHUNK_BLOCKS = 4
 #: SMs combine_async leaves to combine_wait's early blocks (compact / expanded combine input).
 COMBINE_WAIT_SMS = 24
 COMBINE_WAIT_SMS_EXPANDED = 8
+#: The SMs of the GPUs the early receivers' SM figures above were measured on (H100, H200): on
+#: a grid of another size (MPS shares, MIG slices) they take the same share of it
+#: (:func:`fitted_sms`).
+TUNED_SMS = 132
 #: Received tokens from which a route-first dispatch_wait's placing blocks share the rows'
 #: descriptions (below, the first block describes them all).
 SHARE_FROM_TOKENS = 128
@@ -390,18 +394,19 @@ def choose_plan(cfg: EPConfig, topology: Topology, overrides: dict | None = None
 
     receiver = pick("receiver", *_receiver_rule(cfg, layouts, transport, pdl, whole))
     expanded_copy = pick("expanded_copy", *_copy_rule(layouts, receiver, fp8))
-    early = pdl and whole  # a receiver started early needs SMs left free and PDL
+    early = pdl and whole and grid >= 2  # a receiver started early needs SMs left free and PDL
     placing = {Receiver.ROUTE_FIRST: ROUTE_FIRST_BLOCKS, Receiver.ROUTE_FIRST_CHUNKED: ROUTE_FIRST_CHUNK_BLOCKS}
     placing_blocks = pick("placing_blocks", placing.get(receiver, 0),
                           "route first: each placing block on an SM dispatch_async leaves" if receiver.routes_first
                           else "not route first")
-    receiver_sms = pick("receiver_sms", (LAND_SMS if receiver is Receiver.LAND else placing_blocks) if early else 0,
+    receiver_sms = pick("receiver_sms", (fitted_sms(LAND_SMS, grid) if receiver is Receiver.LAND
+                                         else min(placing_blocks, grid // 2)) if early else 0,
                         "dispatch_land's early blocks" if early and receiver is Receiver.LAND else
                         "the placing blocks" if early and receiver.routes_first else
                         "no early receiver" if early else "no SMs left free (EPConfig.n_sms, the simulator or no PDL)")
-    combine_sms = pick("combine_wait_sms", COMBINE_WAIT_SMS if early else 0,
+    combine_sms = pick("combine_wait_sms", fitted_sms(COMBINE_WAIT_SMS, grid) if early else 0,
                        "combine_wait's early blocks" if early else "no SMs left free")
-    combine_sms_x = pick("combine_wait_sms_expanded", COMBINE_WAIT_SMS_EXPANDED if early else 0,
+    combine_sms_x = pick("combine_wait_sms_expanded", fitted_sms(COMBINE_WAIT_SMS_EXPANDED, grid) if early else 0,
                          "combine_wait's early blocks (the sender reads every expert row)" if early
                          else "no SMs left free")
     thresholds = {k: o[k] for k in ("share_from_tokens", "chunk_from_tokens", "split_from_tokens") if k in o}
@@ -414,6 +419,13 @@ def choose_plan(cfg: EPConfig, topology: Topology, overrides: dict | None = None
                 **thresholds)
     check_plan(plan, cfg, topology)
     return plan
+
+
+def fitted_sms(sms: int, grid: int) -> int:
+    """``sms``, a figure measured on ``TUNED_SMS`` SMs, as the same share of a grid of ``grid``
+    blocks (``grid`` >= 2): at least 1, at most half the grid (the sending kernel keeps the
+    rest), and ``sms`` itself on a grid of ``TUNED_SMS``."""
+    return max(1, min(sms, round(sms * grid / TUNED_SMS), grid // 2))
 
 
 def _receiver_rule(cfg, layouts, transport, pdl, whole):
