@@ -56,9 +56,9 @@ def test_the_senders_wait_before_their_first_read(name):
     ``status`` read); dispatch_async and combine_async trigger their dependents after the wait,
     so a receiver started early finds everything before them complete."""
     from ep_runtime.kernels.codecs import WORDS
-    from ep_runtime.kernels.dispatch_copy import make_dispatch_copy
+    from ep_runtime.kernels.layouts.expanded import make_dispatch_copy
 
-    kernel = _kernels()[name] or make_dispatch_copy(512, WORDS, True).dispatch_copy
+    kernel = _kernels()[name] or make_dispatch_copy(512, WORDS, True)
     body = _body(kernel)
     first_read = next(i for i, ln in enumerate(body) if "status[STATUS_CODE]" in ln)
     waits = [i for i, ln in enumerate(body) if ln == "pdl_wait()"]

@@ -214,7 +214,7 @@ class Plan:
         """The dispatch kernels' compile-time constants for a runtime of ``cfg``."""
         return DispatchVariant(self.threads, cfg.token_format.codec, self.transport, self.receiver, self.pdl,
                                self.share_from_tokens, self.chunk_from_tokens, self.split_from_tokens, self.node_size,
-                               self.node_stores)
+                               self.node_stores, "expanded" if self.serves("expanded") else "compact")
 
     def combine_variant(self, cfg: EPConfig) -> CombineVariant:
         """The combine kernels' compile-time constants for a runtime of ``cfg``."""

@@ -6,10 +6,10 @@ role               kernel                                  module
 send               ``dispatch_async``                      ep_runtime/kernels/dispatch_send.py (token rows),
                                                            ep_runtime/kernels/dispatch_route.py (routing)
 place              ``dispatch_wait`` (receivers ``wait``,  ep_runtime/kernels/dispatch_wait.py,
-                   ``route_first``, ``..._chunked``)       ep_runtime/kernels/placement.py, ranking.py,
+                   ``route_first``, ``..._chunked``)       ep_runtime/kernels/layouts/, ranking.py,
                                                            route_first.py, route_chunks.py
 land               ``dispatch_land`` (receiver ``land``)   ep_runtime/kernels/dispatch_land.py
-copy               ``dispatch_copy`` (expanded layout)     ep_runtime/kernels/dispatch_copy.py
+copy               ``dispatch_copy`` (expanded layout)     ep_runtime/kernels/layouts/expanded.py
 relay              ``dispatch_relay`` (hierarchical)       ep_runtime/kernels/relay.py
 =================  ======================================  =============================
 
@@ -19,7 +19,7 @@ rank; token rows move as words of ``pack`` bf16 values (``W = H / pack`` words a
 :func:`ep_runtime.core.layout.token_word`). docs/protocol.md has the timeline of a call.
 """
 
-from ep_runtime.kernels.dispatch_copy import make_dispatch_copy
+from ep_runtime.kernels.layouts.expanded import make_dispatch_copy
 from ep_runtime.kernels.dispatch_land import make_dispatch_land
 from ep_runtime.kernels.dispatch_send import make_dispatch_async
 from ep_runtime.kernels.dispatch_wait import make_dispatch_wait
@@ -37,7 +37,7 @@ def make_dispatch_kernels(v: DispatchVariant) -> dict:
         kernels["dispatch_land"] = make_dispatch_land(v)
     else:
         kernels["dispatch_wait"] = make_dispatch_wait(v)
-    kernels["dispatch_copy"] = make_dispatch_copy(v.threads, v.codec, v.pdl).dispatch_copy
+    kernels["dispatch_copy"] = make_dispatch_copy(v.threads, v.codec, v.pdl)
     if v.node_size:
         kernels["dispatch_relay"] = make_dispatch_relay(v)
     return kernels

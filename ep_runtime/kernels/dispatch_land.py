@@ -20,9 +20,9 @@ from ep_runtime.kernels.block import (await_part, flag_rule, local_expert_count,
                                       warp_geometry, warp_sync)
 from ep_runtime.kernels.codecs import traits
 from ep_runtime.kernels.cuda_api import cuda, kernel_jit
-from ep_runtime.kernels.dispatch_copy import COPY_PAIRS, COPY_UNROLL, make_dispatch_copy
+from ep_runtime.kernels.layouts import make_layout
+from ep_runtime.kernels.layouts.expanded import COPY_PAIRS, COPY_UNROLL
 from ep_runtime.kernels.pdl import make_pdl, programmatic
-from ep_runtime.kernels.placement import make_placement
 from ep_runtime.kernels.protocol import (COUNTER_DISPATCH_ROW_FLAG, COUNTER_DISPATCH_SIGNAL, COUNTER_RECV_ROWS,
                                          COUNTER_ROUTE_SIGNAL, DISPATCH_FLAG_PARTS, ERR_CAPACITY, KERNEL_DISPATCH_LAND,
                                          MAX_RANKS, PLACEMENT_WORDS, RECV_CLAIMS, STATUS_CODE)
@@ -42,13 +42,12 @@ def make_dispatch_land(v: DispatchVariant):
     CP = COPY_PAIRS
     U = COPY_UNROLL
     pdl_wait, pdl_trigger = make_pdl(v.pdl)
-    place_fns, recv = make_placement(threads), make_receive(threads)
+    place_fns, recv = make_layout(v.layout, threads), make_receive(threads)  # the placement and the copies
     scan_placement, write_segments, zero_padding_rows = (place_fns.scan_placement, place_fns.write_segments,
                                                          place_fns.zero_padding_rows)
     expert_warps, row_of, describe_row = place_fns.expert_warps, place_fns.row_of, place_fns.describe_row
     begin_receive, await_sources, store_recv_tokens = recv.begin_receive, recv.await_sources, recv.store_recv_tokens
-    copy = make_dispatch_copy(threads, v.codec, v.pdl)
-    copy_in_pairs, copy_to_rows = copy.copy_in_pairs, copy.copy_to_rows
+    copy_in_pairs, copy_to_rows, COPIES = place_fns.copy_in_pairs, place_fns.copy_to_rows, place_fns.COPIES
 
     @cuda.jit(device=True)
     def land_rows(d_ids, d_weights, d_counts, d_ranks, d_route, d_signal, receive_sync, row_offsets, expert_counts,
@@ -88,7 +87,7 @@ def make_dispatch_land(v: DispatchVariant):
             return
         if cuda.blockIdx.x == 0 and tid == 0:
             row_offsets[L] = total
-        copy = copy_rows != 0 and RAW
+        copy = COPIES and RAW and copy_rows != 0  # into the expert rows as the parts land
         # the words of a row part: the expert batch's rows when copying into them, else the
         # received rows' (the compact layout: no expert batch may be allocated)
         W = expert_x.shape[1] if copy else d_tokens.shape[2]

@@ -5,7 +5,7 @@ in), builds the placement table from the senders' counts and describes every rec
 the ranks the senders computed. ``Receiver.ROUTE_FIRST`` / ``ROUTE_FIRST_CHUNKED``: a few
 placing blocks, started early by PDL, place every row from the routing rows while the token
 rows fly (ep_runtime/kernels/route_first.py); launched on the whole grid with ``copy_rows`` (bf16, the
-expanded layout) the first block places and every block then copies (ep_runtime/kernels/dispatch_copy.py),
+expanded layout) the first block places and every block then copies (ep_runtime/kernels/layouts/expanded.py),
 so the expanded batch takes one launch. docs/protocol.md has the timeline.
 
 :func:`make_dispatch_wait` builds the kernel for a :class:`~ep_runtime.kernels.variant.DispatchVariant`.
@@ -17,11 +17,11 @@ from numba import int32, int64, uint32, uint64
 
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.block import record_error, warp_geometry
-from ep_runtime.kernels.codecs import WORDS, traits
+from ep_runtime.kernels.codecs import traits
 from ep_runtime.kernels.cuda_api import cuda, kernel_jit
-from ep_runtime.kernels.dispatch_copy import WAIT_COPY_PAIRS, make_dispatch_copy
+from ep_runtime.kernels.layouts import make_layout
+from ep_runtime.kernels.layouts.expanded import WAIT_COPY_PAIRS
 from ep_runtime.kernels.pdl import make_pdl, programmatic
-from ep_runtime.kernels.placement import make_placement
 from ep_runtime.kernels.protocol import (COUNTER_DISPATCH_SIGNAL, COUNTER_RECV_ROWS, ERR_CAPACITY, KERNEL_DISPATCH_WAIT,
                                          MAX_COPY_PLACERS, MAX_RANKS, PLACEMENT_WORDS, STATUS_CODE)
 from ep_runtime.kernels.ranking import RECV_WINDOW, make_ranking
@@ -38,13 +38,14 @@ def make_dispatch_wait(v: DispatchVariant):
     threads = v.threads
     warp, warps = warp_geometry(threads)
     FIRST = v.receiver.routes_first
-    # a route-first wait may copy the rows in its own launch where they are the caller's words
-    FIRST_COPY = FIRST and traits(v.codec).RAW
+    place_fns, recv = make_layout(v.layout, threads), make_receive(threads)  # the placement and the copies
+    # a route-first wait may copy the rows into the expert batch in its own launch where they are
+    # the caller's words
+    FIRST_COPY = FIRST and traits(v.codec).RAW and place_fns.COPIES
     RECV_WORDS = make_ranking(threads).recv_words if FIRST else 1  # a route-first wait's masks and warp rows
     RECV_NEXT = RECV_WINDOW if FIRST else 1
     WCP = WAIT_COPY_PAIRS
     pdl_wait, pdl_trigger = make_pdl(v.pdl)
-    place_fns, recv = make_placement(threads), make_receive(threads)
     scan_placement, write_segments, expert_warps = (place_fns.scan_placement, place_fns.write_segments,
                                                     place_fns.expert_warps)
     row_of, describe_row = place_fns.row_of, place_fns.describe_row
@@ -53,9 +54,7 @@ def make_dispatch_wait(v: DispatchVariant):
                              v.chunk_from_tokens)
     place_from_routing, publish_placed, await_placed_rows = (route.place_from_routing, route.publish_placed,
                                                              route.await_placed_rows)
-    # only rows of words are copied here (FIRST_COPY): the words codec's copy, so that the builds
-    # of other codecs, which never copy here, are one kernel for each receiver
-    gather_rows = make_dispatch_copy(threads, WORDS, v.pdl).gather_rows
+    gather_rows = place_fns.gather_rows  # the expanded layout's row-major copy (FIRST_COPY)
 
     @kernel_jit(threads, one_block_per_sm=True)  # its blocks start as dispatch_async's leave their SMs
     def dispatch_wait(dispatch_topk_ids, dispatch_topk_weights, dispatch_counts, dispatch_ranks, dispatch_signal,

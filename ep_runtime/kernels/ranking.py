@@ -18,7 +18,7 @@ from numba import int32, uint32
 
 from ep_runtime.kernels.block import popc32, warp_geometry
 from ep_runtime.kernels.cuda_api import SIMULATED, cuda
-from ep_runtime.kernels.placement import make_placement
+from ep_runtime.kernels.layouts.expert_major import make_placement
 from ep_runtime.kernels.protocol import MASKED_SLOT
 
 #: Local experts a receiver ranks per pass over the received tokens (shared lane masks and row

@@ -60,6 +60,8 @@ class DispatchVariant:
     ``split_from_tokens``: tokens of a call from which a chunked build's token blocks send the
     routing rows (no routing block). ``node_size``: PEs per node of the hierarchical transport
     (0 otherwise); ``node_stores``: its writes within a node are stores (else puts).
+    ``layout``: the receive kernels' layout (:mod:`ep_runtime.kernels.layouts`): ``"expanded"``
+    when the plan serves it (its copies skipped on a compact call), else ``"compact"``.
     """
 
     threads: int
@@ -72,6 +74,7 @@ class DispatchVariant:
     split_from_tokens: int
     node_size: int = 0
     node_stores: bool = False
+    layout: str = "expanded"
 
 
 @dataclass(frozen=True)

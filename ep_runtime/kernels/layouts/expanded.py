@@ -1,14 +1,16 @@
-"""Copy: lay the received rows out expert-major, one row per (token, local expert).
+"""The expanded layout: one row per (token, local expert), expert-major, copied into the batch.
 
-The expanded layout's copy, once every row is described (``token_rows``, ``row_offsets``,
-``expert_counts``) and every token row is in. ``expand_rows`` (the ``dispatch_copy`` kernel's,
-for every batch size): token-major, a warp per received row part reads each word once and
-stores it to the token's local expert rows; then a warp per local expert zeroes its padding
-rows. ``gather_rows`` (a route-first dispatch_wait that copies in the same launch, at decode
-sizes): row-major, a warp per expert row part reads its source slot, then the words.
-dispatch_land reuses ``copy_to_rows``.
+Its rows are placed by the expert-major rule (:mod:`.expert_major`) and copied from the receive
+buffer into ``expert_x`` once every row is described and every token row is in: ``expand_rows``
+(the ``dispatch_copy`` kernel's, for every batch size): token-major, a warp per received row part
+reads each word once and stores it to the token's local expert rows, then a warp per local expert
+zeroes its padding rows; the codec's receiver lays out what a message carries besides its payload
+words (FP8: the scales). ``gather_rows`` (a route-first dispatch_wait that copies in the same
+launch, at decode sizes): row-major, a warp per expert row part reads its source slot, then the
+words. dispatch_land copies each landed part with ``copy_to_rows``.
 
-:func:`make_dispatch_copy` builds them for a :class:`~ep_runtime.kernels.variant.DispatchVariant`.
+:func:`make_dispatch_copy` builds the kernel; :func:`make_row_copy`, :func:`make_expand_rows` and
+:func:`make_gather_rows` the copies the receivers share.
 """
 
 import functools
@@ -19,6 +21,7 @@ from numba import uint64
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.block import local_expert_count, part_bounds, part_words, row_parts, warp_geometry
 from ep_runtime.kernels.cuda_api import cuda, kernel_jit
+from ep_runtime.kernels.layouts.expert_major import make_placement
 from ep_runtime.kernels.pdl import make_pdl, programmatic
 from ep_runtime.kernels.protocol import STATUS_CODE, SYNC_CALLS
 from ep_runtime.kernels.codecs import CodecSpec, make_receiver
@@ -36,17 +39,13 @@ WAIT_COPY_PAIRS = 4
 
 
 @functools.lru_cache(maxsize=None)
-def make_dispatch_copy(threads: int, codec: CodecSpec, pdl: bool) -> SimpleNamespace:
-    """``copy_in_pairs``, ``copy_to_rows`` (``COPY_PAIRS`` deep), ``expand_rows``,
-    ``gather_rows`` (``WAIT_COPY_PAIRS`` deep) and the ``dispatch_copy`` kernel, for
-    blocks of ``threads`` threads and a token format's ``codec``, whose receiver lays out what a
-    message carries besides its payload words (FP8: the scales)."""
-    warp, warps = warp_geometry(threads)
+def make_row_copy(threads: int) -> SimpleNamespace:
+    """``copy_in_pairs`` and ``copy_to_rows`` (``COPY_PAIRS`` deep) for blocks of ``threads``
+    threads."""
+    warp, _ = warp_geometry(threads)
     U = COPY_UNROLL
     CP = COPY_PAIRS
-    receiver = make_receiver(codec, threads)
-    lay_out, zero_extras = receiver.lay_out, receiver.zero
-    pdl_wait, pdl_trigger = make_pdl(pdl)
+    load_cp, store_cp, _ = make_pair_loops(CP, warp)
 
     @cuda.jit(device=True)
     def copy_in_pairs(d_tokens, expert_x):
@@ -55,8 +54,6 @@ def make_dispatch_copy(threads: int, codec: CodecSpec, pdl: bool) -> SimpleNames
         aligned to two words."""
         return (expert_x.shape[1] % 2 == 0 and d_tokens.shape[2] % 2 == 0 and pairs_aligned(d_tokens)
                 and pairs_aligned(expert_x))
-
-    load_cp, store_cp, _ = make_pair_loops(CP, warp)
 
     @cuda.jit(device=True)
     def copy_to_rows(src, rows, n_local, expert_x, w0, w1, pairs, lane, lo, hi, vals):
@@ -81,6 +78,19 @@ def make_dispatch_copy(threads: int, codec: CodecSpec, pdl: bool) -> SimpleNames
                     if w + u * warp < w1:
                         dst[w + u * warp] = vals[u]
             w += U * warp
+
+    return SimpleNamespace(copy_in_pairs=copy_in_pairs, copy_to_rows=copy_to_rows)
+
+
+@functools.lru_cache(maxsize=None)
+def make_expand_rows(threads: int, codec: CodecSpec) -> SimpleNamespace:
+    """``expand_rows`` for blocks of ``threads`` threads and a token format's ``codec``, whose
+    receiver lays out what a message carries besides its payload words (FP8: the scales)."""
+    warp, warps = warp_geometry(threads)
+    copy = make_row_copy(threads)
+    copy_in_pairs, copy_to_rows = copy.copy_in_pairs, copy.copy_to_rows
+    receiver = make_receiver(codec, threads)
+    lay_out, zero_extras = receiver.lay_out, receiver.zero
 
     @cuda.jit(device=True)
     def expand_rows(d_tokens, d_ids, d_counts, g, token_rows, row_offsets, expert_counts, expert_x, status,
@@ -132,6 +142,14 @@ def make_dispatch_copy(threads: int, codec: CodecSpec, pdl: bool) -> SimpleNames
             e += all_warps
         stamp_last(status, 13)
 
+    return SimpleNamespace(expand_rows=expand_rows)
+
+
+@functools.lru_cache(maxsize=None)
+def make_gather_rows(threads: int) -> SimpleNamespace:
+    """``gather_rows`` (``WAIT_COPY_PAIRS`` deep) for blocks of ``threads`` threads."""
+    warp, warps = warp_geometry(threads)
+    copy_in_pairs = make_row_copy(threads).copy_in_pairs
     load_wcp, store_wcp, _ = make_pair_loops(WAIT_COPY_PAIRS, warp)
 
     @cuda.jit(device=True)
@@ -181,6 +199,18 @@ def make_dispatch_copy(threads: int, codec: CodecSpec, pdl: bool) -> SimpleNames
             i += all_warps
         stamp_last(status, 13)
 
+    return SimpleNamespace(gather_rows=gather_rows)
+
+
+@functools.lru_cache(maxsize=None)
+def make_dispatch_copy(threads: int, codec: CodecSpec, pdl: bool):
+    """The ``dispatch_copy`` kernel for blocks of ``threads`` threads, a token format's ``codec``
+    and PDL."""
+    U = COPY_UNROLL
+    CP = COPY_PAIRS
+    expand_rows = make_expand_rows(threads, codec).expand_rows
+    pdl_wait, pdl_trigger = make_pdl(pdl)
+
     @kernel_jit(threads)
     def dispatch_copy(dispatch_tokens, dispatch_topk_ids, dispatch_counts, dispatch_async_sync, token_rows, row_offsets,
                       expert_counts, expert_x, status, dispatch_tokens_u8, expert_scales_u8, scales_col_major):
@@ -209,6 +239,12 @@ def make_dispatch_copy(threads: int, codec: CodecSpec, pdl: bool) -> SimpleNames
         expand_rows(dispatch_tokens, dispatch_topk_ids, dispatch_counts, n % 2, token_rows, row_offsets, expert_counts,
                     expert_x, status, dispatch_tokens_u8, expert_scales_u8, XB, scales_col_major, lo, hi, vals)
 
-    return SimpleNamespace(copy_in_pairs=copy_in_pairs, copy_to_rows=copy_to_rows, expand_rows=expand_rows,
-                           gather_rows=gather_rows,
-                           dispatch_copy=programmatic(dispatch_copy, pdl))
+    return programmatic(dispatch_copy, pdl)
+
+
+@functools.lru_cache(maxsize=None)
+def make_layout(threads: int) -> SimpleNamespace:
+    """The expanded layout for blocks of ``threads`` threads (:mod:`ep_runtime.kernels.layouts`)."""
+    copy = make_row_copy(threads)
+    return SimpleNamespace(**vars(make_placement(threads)), COPIES=True, copy_in_pairs=copy.copy_in_pairs,
+                           copy_to_rows=copy.copy_to_rows, gather_rows=make_gather_rows(threads).gather_rows)

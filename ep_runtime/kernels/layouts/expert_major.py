@@ -1,4 +1,5 @@
-"""Where each received row goes in the expert batch: the placement table and row descriptions.
+"""The expert-major placement (the expanded and compact layouts'): where each received row goes
+in the expert batch, its placement table and row descriptions.
 
 Every receiver (dispatch_wait, dispatch_land, a route-first dispatch_wait's placing blocks)
 places rows by the same rule (docs/protocol.md, "Placement"): expert-major, then source rank,
@@ -8,7 +9,8 @@ the token's rank among ``s``'s tokens with ``e``. The table lives in shared memo
 ``place[s L + e]`` is the first row of source ``s``'s rows of expert ``e`` and
 ``place[R L + e]`` the end of ``e``'s received rows (its padding to ``pad_multiple`` follows).
 
-:func:`make_placement` builds the device functions for a block size.
+:func:`make_placement` builds the device functions for a block size: the table's
+(:func:`make_table`) and the rows' (:func:`make_rows`).
 """
 
 import functools
@@ -21,11 +23,10 @@ from ep_runtime.kernels.cuda_api import cuda
 
 
 @functools.lru_cache(maxsize=None)
-def make_placement(threads: int) -> SimpleNamespace:
-    """The placement device functions for blocks of ``threads`` threads (every one a closure
-    over the block geometry): ``padded``, ``scan_placement``, ``first_rows``,
-    ``write_segments``, ``zero_padding_rows``, ``expert_warps``, ``describe_row``, ``row_of``,
-    ``token_of``."""
+def make_table(threads: int) -> SimpleNamespace:
+    """The placement table's device functions for blocks of ``threads`` threads: ``padded``,
+    ``scan_placement``, ``first_rows``, ``write_segments``, ``zero_padding_rows``,
+    ``expert_warps``."""
     warp, warps = warp_geometry(threads)
 
     @cuda.jit(device=True)
@@ -150,6 +151,15 @@ def make_placement(threads: int) -> SimpleNamespace:
         first blocks place the rows)."""
         return (cuda.gridDim.x - 1 - cuda.blockIdx.x) * warps + tid // warp, cuda.gridDim.x * warps
 
+    return SimpleNamespace(padded=padded, scan_placement=scan_placement, first_rows=first_rows,
+                           write_segments=write_segments, zero_padding_rows=zero_padding_rows,
+                           expert_warps=expert_warps)
+
+
+@functools.lru_cache(maxsize=None)
+def make_rows(threads: int) -> SimpleNamespace:
+    """The rows' device functions: ``describe_row``, ``row_of``, ``token_of``."""
+
     @cuda.jit(device=True)
     def describe_row(r, s, t, k, j, Tmax, w, row_src_rank, row_src_token, row_src_k, row_weight, row_gather,
                      token_rows):
@@ -191,6 +201,11 @@ def make_placement(threads: int) -> SimpleNamespace:
             s += 1
         return s, q
 
-    return SimpleNamespace(padded=padded, scan_placement=scan_placement, first_rows=first_rows,
-                           write_segments=write_segments, zero_padding_rows=zero_padding_rows,
-                           expert_warps=expert_warps, describe_row=describe_row, row_of=row_of, token_of=token_of)
+    return SimpleNamespace(describe_row=describe_row, row_of=row_of, token_of=token_of)
+
+
+@functools.lru_cache(maxsize=None)
+def make_placement(threads: int) -> SimpleNamespace:
+    """The placement device functions for blocks of ``threads`` threads (every one a closure
+    over the block geometry): :func:`make_table`'s and :func:`make_rows`'."""
+    return SimpleNamespace(**vars(make_table(threads)), **vars(make_rows(threads)))
