@@ -95,12 +95,21 @@ def paths_pe(session, R: int, plan: dict, misaligned: bool) -> dict:
 
 
 def transport_modules(kernel) -> set:
-    """The transport modules whose device functions a kernel was built with (its function's
-    closure cells: ``ep_runtime.kernels.transport.stores``, ``.puts`` or ``.hierarchical``)."""
-    func = kernel.py_func
-    cells = [c.cell_contents for c in func.__closure__ or ()]
-    names = {getattr(getattr(c, "py_func", c), "__module__", "") for c in cells if callable(c)}
-    return {n.rsplit(".", 1)[1] for n in names if n.rsplit(".", 1)[0] == "ep_runtime.kernels.transport"} - {"common"}
+    """The transport modules whose device functions a kernel was built with, through every
+    device function it calls (their closure cells): ``stores``, ``puts`` or ``hierarchical`` of
+    ``ep_runtime.kernels.transport``."""
+    seen, found, todo = set(), set(), [kernel]
+    while todo:
+        item = todo.pop()
+        func = getattr(item, "py_func", item)  # a dispatcher's function, or the simulator's plain one
+        if id(func) in seen or not hasattr(func, "__code__"):
+            continue
+        seen.add(id(func))
+        package, _, name = func.__module__.rpartition(".")
+        if package == "ep_runtime.kernels.transport" and name != "common":
+            found.add(name)
+        todo += [c.cell_contents for c in func.__closure__ or () if callable(c.cell_contents)]
+    return found
 
 
 @pytest.fixture(scope="module", params=sorted(MODES))

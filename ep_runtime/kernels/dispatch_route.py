@@ -78,26 +78,14 @@ def record_dropped(status, topk_ids, t, k, E, me, n):
 
 
 @functools.lru_cache(maxsize=None)
-def make_dispatch_route(v: DispatchVariant) -> SimpleNamespace:
-    """The routing half of dispatch_async for ``v``: ``route_blocks``, ``rank_words`` and
-    ``rank_window`` (the shared words a routing block's masks and rows take, and its experts per
-    pass), ``send_routing_spread``,
-    ``send_routing_first``, ``rank_chunk``, ``publish_route``, ``publish_route_share`` and
-    ``store_token_count``."""
+def make_route_signals(v: DispatchVariant) -> SimpleNamespace:
+    """The routing's publication for ``v``: ``route_blocks``, ``signal_routing``,
+    ``store_token_count``, ``publish_route`` and ``publish_route_share``."""
     threads = v.threads
-    warp, warps = warp_geometry(threads)
     tp = make_transport(v.transport, threads, v.node_size, v.node_stores)
-    NEAR_FENCED = tp.NEAR_FENCED
-    spread_range, row_at, spread_slot = tp.spread_range, tp.row_at, tp.spread_slot
-    spread_flush, count_u32 = tp.spread_flush, tp.count_u32
-    deliver_ranks, counts_before_route = tp.send_ranks, tp.counts_before_route
+    NEAR_FENCED, count_u32 = tp.NEAR_FENCED, tp.count_u32
     ENCODES = traits(v.codec).ENCODES  # the token blocks compute the messages
-    LAND = v.receiver is Receiver.LAND
     FIRST = v.receiver.routes_first
-    CHUNKS = v.receiver is Receiver.ROUTE_FIRST_CHUNKED
-    SW = RANK_WINDOW
-    RANK_WORDS = warps * SW
-    warp_first_ranks = make_ranking(threads).warp_first_ranks
 
     @cuda.jit(device=True)
     def route_blocks(grid, split):
@@ -153,6 +141,23 @@ def make_dispatch_route(v: DispatchVariant) -> SimpleNamespace:
             signal_routing(d_route, g, me, n, T, R, 0, 1)
             sync[SYNC_ROUTE_TICKET] = 0
             stamp_last(status, 29)
+
+    return SimpleNamespace(route_blocks=route_blocks, signal_routing=signal_routing,
+                           store_token_count=store_token_count, publish_route=publish_route,
+                           publish_route_share=publish_route_share)
+
+
+@functools.lru_cache(maxsize=None)
+def make_routing_rows(v: DispatchVariant) -> SimpleNamespace:
+    """The routing rows of ``v``'s dispatch_async: ``send_routing_spread`` (the token blocks'
+    shares) and ``send_routing_first`` (a route-first call's routing block)."""
+    threads = v.threads
+    tp = make_transport(v.transport, threads, v.node_size, v.node_stores)
+    NEAR_FENCED = tp.NEAR_FENCED
+    spread_range, row_at, spread_slot, spread_flush = tp.spread_range, tp.row_at, tp.spread_slot, tp.spread_flush
+    signals = make_route_signals(v)
+    signal_routing, store_token_count = signals.signal_routing, signals.store_token_count
+    CHUNKS = v.receiver is Receiver.ROUTE_FIRST_CHUNKED
 
     @inlined
     def send_routing_spread(topk_ids, topk_weights, d_ids, d_weights, peer_bases, g, me, n, T, R, L, K, token_blocks,
@@ -219,6 +224,23 @@ def make_dispatch_route(v: DispatchVariant) -> SimpleNamespace:
                 record_dropped(status, topk_ids, t, k, E, me, n)
                 break
         stamp_last(status, 29)
+
+    return SimpleNamespace(send_routing_spread=send_routing_spread, send_routing_first=send_routing_first)
+
+
+@functools.lru_cache(maxsize=None)
+def make_rank_chunk(v: DispatchVariant) -> SimpleNamespace:
+    """The ``wait`` and ``land`` receivers' ranking in ``v``'s routing blocks: ``rank_chunk``
+    and the shared words it takes (``rank_words``, ``rank_window``)."""
+    threads = v.threads
+    warp, warps = warp_geometry(threads)
+    tp = make_transport(v.transport, threads, v.node_size, v.node_stores)
+    count_u32, deliver_ranks, counts_before_route = tp.count_u32, tp.send_ranks, tp.counts_before_route
+    publish_route = make_route_signals(v).publish_route
+    LAND = v.receiver is Receiver.LAND
+    SW = RANK_WINDOW
+    RANK_WORDS = warps * SW
+    warp_first_ranks = make_ranking(threads).warp_first_ranks
 
     @cuda.jit(device=True)
     def mark_expert(masks, el, wid, lane):
@@ -339,7 +361,18 @@ def make_dispatch_route(v: DispatchVariant) -> SimpleNamespace:
                 counts_before_route(d_counts, send_counts, g, me)
             publish_route(sync, flag, d_route, g, me, n, T, R, status)
 
-    return SimpleNamespace(route_blocks=route_blocks, rank_words=RANK_WORDS, rank_window=SW,
-                           send_routing_spread=send_routing_spread, send_routing_first=send_routing_first,
-                           rank_chunk=rank_chunk, publish_route=publish_route, publish_route_share=publish_route_share,
-                           store_token_count=store_token_count)
+    return SimpleNamespace(rank_chunk=rank_chunk, rank_words=RANK_WORDS, rank_window=SW)
+
+
+@functools.lru_cache(maxsize=None)
+def make_dispatch_route(v: DispatchVariant) -> SimpleNamespace:
+    """The routing half of dispatch_async for ``v``: ``route_blocks``, ``rank_words`` and
+    ``rank_window`` (the shared words a routing block's masks and rows take, and its experts per
+    pass), ``send_routing_spread``, ``send_routing_first``, ``rank_chunk``, ``publish_route``,
+    ``publish_route_share`` and ``store_token_count``."""
+    signals, rows, ranks = make_route_signals(v), make_routing_rows(v), make_rank_chunk(v)
+    return SimpleNamespace(route_blocks=signals.route_blocks, rank_words=ranks.rank_words,
+                           rank_window=ranks.rank_window, send_routing_spread=rows.send_routing_spread,
+                           send_routing_first=rows.send_routing_first, rank_chunk=ranks.rank_chunk,
+                           publish_route=signals.publish_route, publish_route_share=signals.publish_route_share,
+                           store_token_count=signals.store_token_count)

@@ -13,13 +13,14 @@ ep_runtime/kernels/dispatch_route.py. The last block to finish signals every ran
 """
 
 import functools
+from types import SimpleNamespace
 
 from numba import int32, int64, uint32, uint64
 
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.block import last_block_ticket, udiv32, warp_geometry
 from ep_runtime.kernels.codecs import make_sender, traits
-from ep_runtime.kernels.cuda_api import cuda, kernel_jit
+from ep_runtime.kernels.cuda_api import cuda, inlined, kernel_jit
 from ep_runtime.kernels.dispatch_route import make_dispatch_route
 from ep_runtime.kernels.nodes import MAX_NODES
 from ep_runtime.kernels.pdl import make_pdl, programmatic
@@ -32,48 +33,34 @@ from ep_runtime.kernels.variant import DispatchVariant, Receiver
 from ep_runtime.kernels.vec import address_of, load_u32_at
 
 
-@functools.lru_cache(maxsize=None)
-def make_dispatch_async(v: DispatchVariant):
-    """The ``dispatch_async`` kernel of ``v``, marked for PDL when ``v.pdl``."""
-    threads = v.threads
-    warp, warps = warp_geometry(threads)
-    tp = make_transport(v.transport, threads, v.node_size, v.node_stores)
-    FENCED = tp.FENCED
-    row_dests, signal_call = tp.row_dests, tp.signal_call
-    grant_credits, await_credits = tp.grant_credits, tp.await_credits
-    LAND = v.receiver is Receiver.LAND  # the routing signalled on its own, row parts flagged (codec words)
-    FIRST = v.receiver.routes_first  # the routing rows first; nothing ranked here
-    CHUNKS = v.receiver is Receiver.ROUTE_FIRST_CHUNKED
-    SPLIT_FROM = int(v.split_from_tokens)
-    ENCODES = traits(v.codec).ENCODES  # the token blocks compute the messages (FP8)
-    CHUNK_MASKS = MAX_NODES if v.node_size > 0 else 1  # the node chunks' masks (send_across)
-    pdl_wait, pdl_trigger = make_pdl(v.pdl)
-    route = make_dispatch_route(v)
-    RANK_WORDS = route.rank_words if not FIRST else 1  # a routing block's masks and rows (none route first)
-    RANK_NEXT = route.rank_window if not FIRST else 1
-    route_blocks, send_routing_spread, send_routing_first = (route.route_blocks, route.send_routing_spread,
-                                                             route.send_routing_first)
-    rank_chunk, publish_route, publish_route_share = route.rank_chunk, route.publish_route, route.publish_route_share
-    store_token_count = route.store_token_count
+@cuda.jit(device=True)
+def token_holders(ids_at, K, L, R, ids_l):
+    """Bit d set (uint64) for every rank d holding one of a token's ``K`` experts: the token's ids
+    are the int32 at address ``ids_at`` (its row of ``topk_ids``), rank d holds experts ``[d L,
+    (d + 1) L)``; an id outside ``[0, R L)`` (-1, a masked slot, or one the routing rows drop:
+    ``routed_id``) sets none. The ids are loaded ``ID_BATCH`` at a time into ``ids_l`` (local int32
+    [ID_BATCH]), all before any is used (one memory latency, not one per id, on the token rows'
+    path)."""
+    E = R * L
+    sent = uint64(0)
+    for k0 in range(0, K, ID_BATCH):
+        for u in range(ID_BATCH):  # a constant trip count: unrolled, ids_l in registers
+            if k0 + u < K:
+                ids_l[u] = int32(load_u32_at(ids_at, k0 + u))
+        for u in range(ID_BATCH):
+            if k0 + u < K and uint32(ids_l[u]) < uint32(E):  # (a negative id is a large uint32)
+                sent |= uint64(1) << uint64(udiv32(ids_l[u], L))
+    return sent
 
-    @cuda.jit(device=True)
-    def token_holders(ids_at, K, L, R, ids_l):
-        """Bit d set (uint64) for every rank d holding one of a token's ``K`` experts: the token's
-        ids are the int32 at address ``ids_at`` (its row of ``topk_ids``), rank d holds experts
-        ``[d L, (d + 1) L)``; an id outside ``[0, R L)`` (-1, a masked slot, or one the routing
-        rows drop: ``routed_id``) sets none. The ids are loaded ``ID_BATCH`` at a time into
-        ``ids_l`` (local int32 [ID_BATCH]), all before any is used (one memory latency, not one
-        per id, on the token rows' path)."""
-        E = R * L
-        sent = uint64(0)
-        for k0 in range(0, K, ID_BATCH):
-            for u in range(ID_BATCH):  # a constant trip count: unrolled, ids_l in registers
-                if k0 + u < K:
-                    ids_l[u] = int32(load_u32_at(ids_at, k0 + u))
-            for u in range(ID_BATCH):
-                if k0 + u < K and uint32(ids_l[u]) < uint32(E):  # (a negative id is a large uint32)
-                    sent |= uint64(1) << uint64(udiv32(ids_l[u], L))
-        return sent
+
+@functools.lru_cache(maxsize=None)
+def make_token_senders(v: DispatchVariant) -> SimpleNamespace:
+    """The token rows of ``v``'s dispatch_async: the codec's ``send_rows`` (every token once to
+    each rank with one of its experts, ``token_destinations``) and the transport's
+    ``send_across`` (the rows bound for other nodes, a packed chunk a put; nothing without
+    nodes), and the encoder's shared scratch (``MBUF_WORDS``, ``HELD_WORDS``)."""
+    tp = make_transport(v.transport, v.threads, v.node_size, v.node_stores)
+    row_dests = tp.row_dests
 
     @cuda.jit(device=True)
     def token_destinations(ids_at, K, L, R, me, skip, ids_l):
@@ -83,14 +70,124 @@ def make_dispatch_async(v: DispatchVariant):
         its chunk (the transport's ``send_across``)."""
         return row_dests(token_holders(ids_at, K, L, R, ids_l) & ~skip, me)
 
-    # the token rows (the format's codec: rows of words copied, FP8 messages encoded) and their
-    # packing into the hierarchical transport's chunks
-    sender = make_sender(v.codec, threads, tp, token_destinations, LAND)
-    send_rows, pack_row = sender.send_rows, sender.pack_row
-    MBUF_WORDS, HELD_WORDS = sender.MBUF_WORDS, sender.HELD_WORDS  # the encoder's shared scratch
+    sender = make_sender(v.codec, v.threads, tp, token_destinations, v.receiver is Receiver.LAND)
+    return SimpleNamespace(send_rows=sender.send_rows, send_across=tp.make_row_chunks(sender.pack_row, token_holders),
+                           MBUF_WORDS=sender.MBUF_WORDS, HELD_WORDS=sender.HELD_WORDS)
 
-    # the rows bound for other nodes, a packed chunk a put (the hierarchical transport; nothing otherwise)
-    send_across = tp.make_row_chunks(pack_row, token_holders)
+
+@functools.lru_cache(maxsize=None)
+def make_call_stages(v: DispatchVariant) -> SimpleNamespace:
+    """The stages of ``v``'s dispatch_async around its token rows: ``send_routing`` (the token
+    blocks' share of the routing), ``await_peers`` (the credits), ``rank_or_route`` (the routing
+    blocks) and ``signal_call`` (the last block)."""
+    threads = v.threads
+    warp, _ = warp_geometry(threads)
+    tp = make_transport(v.transport, threads, v.node_size, v.node_stores)
+    await_credits, signal_call_here = tp.await_credits, tp.signal_call
+    LAND = v.receiver is Receiver.LAND  # the routing signalled on its own, row parts flagged (codec words)
+    FIRST = v.receiver.routes_first  # the routing rows first; nothing ranked here
+    route_fns = make_dispatch_route(v)
+    send_routing_spread, send_routing_first = route_fns.send_routing_spread, route_fns.send_routing_first
+    rank_chunk, publish_route, publish_route_share = (route_fns.rank_chunk, route_fns.publish_route,
+                                                      route_fns.publish_route_share)
+    store_token_count = route_fns.store_token_count
+
+    @inlined
+    def send_routing(topk_ids, topk_weights, d_ids, d_weights, d_counts, send_counts, d_route, sync, flag, peer_bases,
+                     g, me, n, T, R, L, K, route, split, share_route, token_blocks, routing_block, status):
+        """Every thread of a block: the token blocks' share of this call's routing rows (ids,
+        weights) to every rank, unless a route-first call's routing block sends them (below:
+        ``rank_or_route``) and the call is not split; a split call's T into every rank's counts
+        row (block 0; combine reads it there); then, landing or split, each token block's route
+        ticket once its share is out (an encoding split call's share is published by one thread
+        later: ``publish_route_share``, after the barrier here)."""
+        if route and cuda.blockIdx.x < token_blocks and (split or not FIRST):
+            send_routing_spread(topk_ids, topk_weights, d_ids, d_weights, peer_bases, g, me, n, T, R, L, K,
+                                token_blocks, status)
+        if split and cuda.blockIdx.x == 0:
+            store_token_count(d_counts, send_counts, peer_bases, g, me, R, L, T)
+        stamp_last(status, 4)
+        if route and (LAND or (split and not share_route)) and cuda.blockIdx.x < token_blocks and not routing_block:
+            publish_route(sync, flag, d_route, g, me, n, T, R, status)  # this block's share of the routing is out
+        if share_route:
+            cuda.syncthreads()  # every thread's routing rows stored before one thread publishes them
+
+    @inlined
+    def await_peers(credit, sync, d_route, flag, g, me, n, T, R, token_blocks, share_route, status, timeout_ns):
+        """Every thread of a block: every peer's credit of call n before any token row goes to it
+        (a block without token rows, or with only its own, need not); returns False when a credit
+        timed out (recorded: no token row, ticket or signal follows). Then an encoding split
+        call's routing share, published by the last warp's first thread (the fence waits for its
+        stores to land) while the other warps go on to the token rows."""
+        if cuda.blockIdx.x < token_blocks and T > 0 and R > 1:
+            if cuda.threadIdx.x == 0:
+                flag[0] = int32(await_credits(credit, n, status, timeout_ns))
+                stamp_first(status, 5)
+            cuda.syncthreads()
+            if flag[0] == 0:
+                return False
+            cuda.syncthreads()  # flag read by every thread before the ticket reuses it
+        if share_route and cuda.blockIdx.x < token_blocks and cuda.threadIdx.x == threads - warp:
+            publish_route_share(sync, d_route, g, me, n, T, R, token_blocks, status)
+        return True
+
+    @inlined
+    def rank_or_route(topk_ids, topk_weights, ids_base, d_ids, d_weights, d_ranks, d_counts, send_ranks, send_counts,
+                      d_route, sync, flag, peer_bases, g, me, n, T, R, L, K, rb, n_route, status, masks, warp_rows,
+                      next_rank, run_l):
+        """Every thread of routing block ``rb`` of ``n_route``: a route-first call's routing rows
+        and T, then the route signal; else each (token, k)'s rank and each expert's count, on its
+        rank (``rank_chunk``)."""
+        if FIRST:
+            send_routing_first(topk_ids, topk_weights, d_ids, d_weights, d_counts, send_counts, d_route, peer_bases,
+                               g, me, n, T, R, L, K, status)
+        else:
+            rank_chunk(ids_base, d_ranks, d_counts, send_ranks, send_counts, peer_bases, g, me, n, T, R, L, K, rb,
+                       n_route, sync, flag, d_route, status, masks, warp_rows, next_rank, run_l)
+
+    @inlined
+    def signal_call(d_signal, d_counts, send_counts, relay_counts, relay_signal, d_ids, d_weights, d_ranks, sync,
+                    flag, g, me, n, T, route, stores_only, status):
+        """Every thread of a block, after its rows: the last block to finish (ticket: every block
+        fenced first, or quieted where it put) signals every rank (with its counts row where it
+        was staged; the proxies across nodes: ``tp.signal_call``), then advances the call
+        counter."""
+        if last_block_ticket(sync[SYNC_TICKET:SYNC_TICKET + 1], flag, stores_only):
+            stamp_last(status, 3)
+            signal = (uint64(n + 1) << uint64(SIGNAL_TOKEN_BITS)) | uint64(T)
+            signal_call_here(d_signal, d_counts, send_counts, relay_counts, relay_signal, d_ids, d_weights, d_ranks, g,
+                             me, T, signal, route, not FIRST)
+            if cuda.threadIdx.x == 0:
+                sync[SYNC_TICKET] = 0
+                sync[SYNC_CALLS] = n + 1
+            stamp_last(status, 6)
+
+    return SimpleNamespace(send_routing=send_routing, await_peers=await_peers, rank_or_route=rank_or_route,
+                           signal_call=signal_call)
+
+
+@functools.lru_cache(maxsize=None)
+def make_dispatch_async(v: DispatchVariant):
+    """The ``dispatch_async`` kernel of ``v``, marked for PDL when ``v.pdl``."""
+    threads = v.threads
+    tp = make_transport(v.transport, threads, v.node_size, v.node_stores)
+    FENCED, grant_credits = tp.FENCED, tp.grant_credits
+    FIRST = v.receiver.routes_first  # the routing rows first; nothing ranked here
+    CHUNKS = v.receiver is Receiver.ROUTE_FIRST_CHUNKED
+    SPLIT_FROM = int(v.split_from_tokens)
+    ENCODES = traits(v.codec).ENCODES  # the token blocks compute the messages (FP8)
+    CHUNK_MASKS = MAX_NODES if v.node_size > 0 else 1  # the node chunks' masks (send_across)
+    pdl_wait, pdl_trigger = make_pdl(v.pdl)
+    route = make_dispatch_route(v)
+    RANK_WORDS = route.rank_words if not FIRST else 1  # a routing block's masks and rows (none route first)
+    RANK_NEXT = route.rank_window if not FIRST else 1
+    route_blocks = route.route_blocks
+    senders = make_token_senders(v)
+    send_rows, send_across = senders.send_rows, senders.send_across
+    MBUF_WORDS, HELD_WORDS = senders.MBUF_WORDS, senders.HELD_WORDS  # the encoder's shared scratch
+    stages = make_call_stages(v)
+    send_routing, await_peers, rank_or_route, signal_call = (stages.send_routing, stages.await_peers,
+                                                             stages.rank_or_route, stages.signal_call)
 
     @kernel_jit(threads)
     def dispatch_async(tokens, topk_ids, topk_weights, valid_tokens, use_valid, dispatch_tokens, dispatch_topk_ids,
@@ -174,7 +271,6 @@ def make_dispatch_async(v: DispatchVariant):
         R = dispatch_counts.shape[1]
         L = dispatch_counts.shape[2] - 1
         K = topk_ids.shape[1]
-        tid = cuda.threadIdx.x
         g = n % 2
         ids_base = address_of(topk_ids)  # [Tc, K] C-contiguous: (t, k) is flat element t K + k
         # a chunked route-first call of split_from_tokens or more: no routing block, the token
@@ -191,67 +287,32 @@ def make_dispatch_async(v: DispatchVariant):
         rb = cuda.blockIdx.x - (cuda.gridDim.x - n_route)  # this block's routing chunk (< 0: none)
         routing_block = rb >= 0
 
-        # routing rows (ids, weights) to every rank, spread over the token blocks (route first: the
-        # routing block sends them, below, unless the call is split)
-        if route and cuda.blockIdx.x < token_blocks and (split or not FIRST):
-            send_routing_spread(topk_ids, topk_weights, dispatch_topk_ids, dispatch_topk_weights, peer_bases, g, me, n,
-                                T, R, L, K, token_blocks, status)
-        if split and cuda.blockIdx.x == 0:  # T into every rank's counts row (combine reads it there)
-            store_token_count(dispatch_counts, dispatch_send_counts, peer_bases, g, me, R, L, T)
-        stamp_last(status, 4)
-        if route and (LAND or (split and not share_route)) and cuda.blockIdx.x < token_blocks and not routing_block:
-            # this block's share of the routing is out
-            publish_route(dispatch_async_sync, flag, dispatch_route_signal, g, me, n, T, R, status)
-        if share_route:
-            cuda.syncthreads()  # every thread's routing rows stored before one thread publishes them (below)
+        send_routing(topk_ids, topk_weights, dispatch_topk_ids, dispatch_topk_weights, dispatch_counts,
+                     dispatch_send_counts, dispatch_route_signal, dispatch_async_sync, flag, peer_bases, g, me, n, T,
+                     R, L, K, route, split, share_route, token_blocks, routing_block, status)
+        if not await_peers(dispatch_token_credit, dispatch_async_sync, dispatch_route_signal, flag, g, me, n, T, R,
+                           token_blocks, share_route, status, timeout_ns):
+            return  # a peer's credit timed out (recorded): no token row, no ticket, no signal
 
-        # every peer's credit of call n before any token row goes to it (a block without token
-        # rows, or with only its own, need not)
-        if cuda.blockIdx.x < token_blocks and T > 0 and R > 1:
-            if cuda.threadIdx.x == 0:
-                flag[0] = int32(await_credits(dispatch_token_credit, n, status, timeout_ns))
-                stamp_first(status, 5)
-            cuda.syncthreads()
-            if flag[0] == 0:
-                return  # a peer's credit timed out (recorded): no token row, no ticket, no signal
-            cuda.syncthreads()  # flag read by every thread before the ticket reuses it
-
-        # an encoding split call's routing share: published by the last warp's first thread (the
-        # fence waits for its stores to land) while the other warps go on to the token rows
-        if share_route and cuda.blockIdx.x < token_blocks and tid == threads - warp:
-            publish_route_share(dispatch_async_sync, dispatch_route_signal, g, me, n, T, R, token_blocks, status)
-
-        # token rows, deduplicated per destination rank, a warp per row part, in the token blocks
+        # token rows, each once to every rank with one of its experts, in the token blocks: as plain
+        # stores (the ticket's fence) where the transport and the rows allow, else the ticket's quiet
+        # completes the puts (before relay_stage is reused)
         if cuda.blockIdx.x < token_blocks:
             stamp_last(status, 31)
-        # the token rows go as plain stores (the ticket's fence: publish_fence) where the transport
-        # and the rows allow (else the ticket's quiet completes the puts, before relay_stage is reused)
         stores_only = send_rows(tokens, token_scales, prequantized, ids_base, dispatch_tokens, dispatch_tokens_u8,
                                 dispatch_send_stage, dispatch_send_stage_u8, dispatch_row_flag, peer_bases, T, K, L, R,
                                 me, n, token_blocks, mbuf, held, ids_l, lo, hi) and FENCED
         send_across(tokens, token_scales, prequantized, ids_base, relay_stage, relay_rows, relay_chunk_flag, relay_slot,
                     peer_bases, T, K, L, R, me, n, token_blocks, cmask, mbuf, held, ids_l, lo, hi)
         stamp_last(status, 1)
-
-        if route and routing_block and FIRST:  # the routing rows and T, then the route signal
-            send_routing_first(topk_ids, topk_weights, dispatch_topk_ids, dispatch_topk_weights, dispatch_counts,
-                               dispatch_send_counts, dispatch_route_signal, peer_bases, g, me, n, T, R, L, K, status)
-        if route and routing_block and not FIRST:  # each (token, k)'s rank and each expert's count, on its rank
-            rank_chunk(ids_base, dispatch_ranks, dispatch_counts, dispatch_send_ranks, dispatch_send_counts, peer_bases,
-                       g, me, n, T, R, L, K, rb, n_route, dispatch_async_sync, flag, dispatch_route_signal, status,
-                       masks, warp_rows, next_rank, run_l)
+        if route and routing_block:  # the routing rows first, or each (token, k)'s rank and expert's count
+            rank_or_route(topk_ids, topk_weights, ids_base, dispatch_topk_ids, dispatch_topk_weights, dispatch_ranks,
+                          dispatch_counts, dispatch_send_ranks, dispatch_send_counts, dispatch_route_signal,
+                          dispatch_async_sync, flag, peer_bases, g, me, n, T, R, L, K, rb, n_route, status, masks,
+                          warp_rows, next_rank, run_l)
         stamp_last(status, 2)
-
-        # the last block signals every rank (with its counts row, on the puts path), then advances
-        # the call counter
-        if last_block_ticket(dispatch_async_sync[SYNC_TICKET:SYNC_TICKET + 1], flag, stores_only):
-            stamp_last(status, 3)
-            signal = (uint64(n + 1) << uint64(SIGNAL_TOKEN_BITS)) | uint64(T)
-            signal_call(dispatch_signal, dispatch_counts, dispatch_send_counts, relay_counts, relay_signal,
-                        dispatch_topk_ids, dispatch_topk_weights, dispatch_ranks, g, me, T, signal, route, not FIRST)
-            if tid == 0:
-                dispatch_async_sync[SYNC_TICKET] = 0
-                dispatch_async_sync[SYNC_CALLS] = n + 1
-            stamp_last(status, 6)
+        signal_call(dispatch_signal, dispatch_counts, dispatch_send_counts, relay_counts, relay_signal,
+                    dispatch_topk_ids, dispatch_topk_weights, dispatch_ranks, dispatch_async_sync, flag, g, me, n, T,
+                    route, stores_only, status)
 
     return programmatic(dispatch_async, v.pdl)
