@@ -33,20 +33,17 @@ from ep_runtime.kernels.vec import pairs_aligned
 
 
 @functools.lru_cache(maxsize=None)
-def make_dispatch_land(v: DispatchVariant):
-    """The ``dispatch_land`` kernel of ``v`` (its receiver ``land``), marked for PDL when
-    ``v.pdl``."""
+def make_land_rows(v: DispatchVariant):
+    """``land_rows``, dispatch_land's work, for ``v``: the placement as the routing lands, then
+    the items (a part of a token of a source) described and copied as the parts land."""
     threads = v.threads
     warp, warps = warp_geometry(threads)
     RAW = traits(v.codec).RAW  # messages are the caller's words: copied as they land
-    CP = COPY_PAIRS
-    U = COPY_UNROLL
-    pdl_wait, pdl_trigger = make_pdl(v.pdl)
     place_fns, recv = make_layout(v.layout, threads), make_receive(threads)  # the placement and the copies
     scan_placement, write_segments, zero_padding_rows = (place_fns.scan_placement, place_fns.write_segments,
                                                          place_fns.zero_padding_rows)
     expert_warps, row_of, describe_row = place_fns.expert_warps, place_fns.row_of, place_fns.describe_row
-    begin_receive, await_sources, store_recv_tokens = recv.begin_receive, recv.await_sources, recv.store_recv_tokens
+    await_sources, store_recv_tokens = recv.await_sources, recv.store_recv_tokens
     copy_in_pairs, copy_to_rows, COPIES = place_fns.copy_in_pairs, place_fns.copy_to_rows, place_fns.COPIES
 
     @cuda.jit(device=True)
@@ -185,6 +182,21 @@ def make_dispatch_land(v: DispatchVariant):
                 await_sources(d_signal, g, n, timeout_ns, status, KERNEL_DISPATCH_LAND, COUNTER_DISPATCH_SIGNAL,
                               src_T, flag)
         stamp_last(status, 28)
+
+    return land_rows
+
+
+@functools.lru_cache(maxsize=None)
+def make_dispatch_land(v: DispatchVariant):
+    """The ``dispatch_land`` kernel of ``v`` (its receiver ``land``), marked for PDL when
+    ``v.pdl``."""
+    threads = v.threads
+    warp, warps = warp_geometry(threads)
+    CP = COPY_PAIRS
+    U = COPY_UNROLL
+    pdl_wait, pdl_trigger = make_pdl(v.pdl)
+    begin_receive = make_receive(threads).begin_receive
+    land_rows = make_land_rows(v)
 
     @kernel_jit(threads)
     def dispatch_land(dispatch_topk_ids, dispatch_topk_weights, dispatch_counts, dispatch_ranks, dispatch_route_signal,

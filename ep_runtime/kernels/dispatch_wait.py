@@ -18,7 +18,7 @@ from numba import int32, int64, uint32, uint64
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.block import record_error, warp_geometry
 from ep_runtime.kernels.codecs import traits
-from ep_runtime.kernels.cuda_api import cuda, kernel_jit
+from ep_runtime.kernels.cuda_api import cuda, inlined, kernel_jit
 from ep_runtime.kernels.layouts import make_layout
 from ep_runtime.kernels.layouts.expanded import WAIT_COPY_PAIRS
 from ep_runtime.kernels.pdl import make_pdl, programmatic
@@ -29,6 +29,75 @@ from ep_runtime.kernels.receive import make_receive
 from ep_runtime.kernels.route_first import make_route_first
 from ep_runtime.kernels.trace import stamp_first, stamp_last
 from ep_runtime.kernels.variant import DispatchVariant, Receiver
+
+
+@functools.lru_cache(maxsize=None)
+def make_wait_placement(threads: int, layout: str):
+    """``place_waited``: the ``wait`` receiver's placement once every source's signal is in,
+    for blocks of ``threads`` threads and the plan's ``layout``."""
+    warp, warps = warp_geometry(threads)
+    place_fns = make_layout(layout, threads)
+    scan_placement, write_segments, expert_warps = (place_fns.scan_placement, place_fns.write_segments,
+                                                    place_fns.expert_warps)
+    row_of, describe_row = place_fns.row_of, place_fns.describe_row
+
+    @inlined
+    def place_waited(dispatch_topk_ids, dispatch_topk_weights, dispatch_counts, dispatch_ranks, row_offsets,
+                     expert_counts, row_src_rank, row_src_token, row_src_k, row_weight, row_gather, token_rows, status,
+                     pad_multiple, src_items, place, sum_buf, g, n, me, R, L, K, Tmax, C):
+        """Every thread of a block, once every source's signal is in (``src_items[s]``: the
+        (token, k) pairs source s sent): every block scans the placement table itself (no block
+        depends on another) and checks the capacity (more rows than C records an error and
+        writes nothing); a warp per local expert (from the last block down) writes its offset,
+        count and padding rows, and a thread per received (source, token, k) whose expert is
+        local (from block 0 up) writes its row's description."""
+        tid = cuda.threadIdx.x
+        # every (source, expert)'s first row and the total (padded): every block scans them itself
+        total = scan_placement(dispatch_counts, g, pad_multiple, place, sum_buf)
+        stamp_last(status, 14)
+        if total > C:
+            if cuda.blockIdx.x == 0 and tid == 0:
+                record_error(status, ERR_CAPACITY, KERNEL_DISPATCH_WAIT, me, -1, COUNTER_RECV_ROWS,
+                             C, total, n + 1)
+            return
+        if cuda.blockIdx.x == 0 and tid == 0:
+            row_offsets[L] = total
+
+        lane = tid % warp
+        all_warps = cuda.gridDim.x * warps
+
+        # (a) a warp per local expert: offset, count, padding rows
+        e0, stride = expert_warps(tid)
+        write_segments(place, R, L, pad_multiple, row_offsets, expert_counts, row_src_rank, row_src_token, row_src_k,
+                       row_weight, row_gather, e0, stride, lane)
+        stamp_last(status, 10)
+
+        # (b) a thread per received (source, token, k), a warp per 32 consecutive pairs of one
+        # source (warp steps over the sources in turn, from block 0 up)
+        first_mine = me * L  # global id of local expert 0
+        steps = 0
+        for s in range(R):
+            steps += (src_items[s] + warp - 1) // warp
+        i = cuda.blockIdx.x * warps + tid // warp
+        while i < steps:
+            s = 0  # the step's source, and its first pair
+            step = i
+            while step >= (src_items[s] + warp - 1) // warp:
+                step -= (src_items[s] + warp - 1) // warp
+                s += 1
+            p = step * warp + lane
+            t = p // K
+            k = p - t * K
+            if p < src_items[s]:
+                weight = dispatch_topk_weights[g, s, t, k]  # loaded beside row_of's id and rank
+                r, j = row_of(dispatch_topk_ids, dispatch_ranks, place, L, g, s, t, k, first_mine)
+                if r >= 0:
+                    describe_row(r, s, t, k, j, Tmax, weight, row_src_rank, row_src_token, row_src_k, row_weight,
+                                 row_gather, token_rows)
+            i += all_warps
+        stamp_last(status, 11)
+
+    return place_waited
 
 
 @functools.lru_cache(maxsize=None)
@@ -46,9 +115,7 @@ def make_dispatch_wait(v: DispatchVariant):
     RECV_NEXT = RECV_WINDOW if FIRST else 1
     WCP = WAIT_COPY_PAIRS
     pdl_wait, pdl_trigger = make_pdl(v.pdl)
-    scan_placement, write_segments, expert_warps = (place_fns.scan_placement, place_fns.write_segments,
-                                                    place_fns.expert_warps)
-    row_of, describe_row = place_fns.row_of, place_fns.describe_row
+    place_waited = make_wait_placement(threads, v.layout)
     begin_receive, await_sources, store_recv_tokens = recv.begin_receive, recv.await_sources, recv.store_recv_tokens
     route = make_route_first(threads, v.receiver is Receiver.ROUTE_FIRST_CHUNKED, v.share_from_tokens,
                              v.chunk_from_tokens)
@@ -172,49 +239,8 @@ def make_dispatch_wait(v: DispatchVariant):
             src_items[s] *= K  # (token, k) pairs of source s
         cuda.syncthreads()
 
-        # every (source, expert)'s first row and the total (padded): every block scans them itself
-        total = scan_placement(dispatch_counts, g, pad_multiple, place, sum_buf)
-        stamp_last(status, 14)
-        if total > C:
-            if cuda.blockIdx.x == 0 and tid == 0:
-                record_error(status, ERR_CAPACITY, KERNEL_DISPATCH_WAIT, me, -1, COUNTER_RECV_ROWS,
-                             C, total, n + 1)
-            return
-        if cuda.blockIdx.x == 0 and tid == 0:
-            row_offsets[L] = total
-
-        lane = tid % warp
-        all_warps = cuda.gridDim.x * warps
-
-        # (a) a warp per local expert: offset, count, padding rows
-        e0, stride = expert_warps(tid)
-        write_segments(place, R, L, pad_multiple, row_offsets, expert_counts, row_src_rank, row_src_token, row_src_k,
-                       row_weight, row_gather, e0, stride, lane)
-        stamp_last(status, 10)
-
-        # (b) a thread per received (source, token, k), a warp per 32 consecutive pairs of one
-        # source (warp steps over the sources in turn, from block 0 up)
-        first_mine = me * L  # global id of local expert 0
-        steps = 0
-        for s in range(R):
-            steps += (src_items[s] + warp - 1) // warp
-        i = cuda.blockIdx.x * warps + tid // warp
-        while i < steps:
-            s = 0  # the step's source, and its first pair
-            step = i
-            while step >= (src_items[s] + warp - 1) // warp:
-                step -= (src_items[s] + warp - 1) // warp
-                s += 1
-            p = step * warp + lane
-            t = p // K
-            k = p - t * K
-            if p < src_items[s]:
-                weight = dispatch_topk_weights[g, s, t, k]  # loaded beside row_of's id and rank
-                r, j = row_of(dispatch_topk_ids, dispatch_ranks, place, L, g, s, t, k, first_mine)
-                if r >= 0:
-                    describe_row(r, s, t, k, j, Tmax, weight, row_src_rank, row_src_token, row_src_k, row_weight,
-                                 row_gather, token_rows)
-            i += all_warps
-        stamp_last(status, 11)
+        place_waited(dispatch_topk_ids, dispatch_topk_weights, dispatch_counts, dispatch_ranks, row_offsets,
+                     expert_counts, row_src_rank, row_src_token, row_src_k, row_weight, row_gather, token_rows, status,
+                     pad_multiple, src_items, place, sum_buf, g, n, me, R, L, K, Tmax, C)
 
     return programmatic(dispatch_wait, v.pdl)

@@ -155,46 +155,48 @@ def make_route_first(threads: int, chunked: bool, share_from_tokens: int, chunk_
         stamp_last(status, 36)
         return await_token_rows(d_signal, g, n, timeout_ns, status, recv_tokens, src_T, flag)
 
-    @cuda.jit(device=True)
-    def publish_placed(d_placed, share, n, ok):
-        """Every thread of placing block ``share`` of a copying route-first dispatch_wait, once
-        it has described its rows and seen every token row (``ok``), or failed: the block meets,
-        thread 0 fences at GPU scope (what the block wrote, and what its acquire loads saw of
-        the peers' stores, before the flag: the readers are blocks of this GPU) and sets
-        ``d_placed[share]`` to ``(n + 1) << 1``, plus 1 if it failed (the copying blocks then
-        copy nothing; the error is recorded), by an atomic exchange (no NVSHMEM call: the flag is
-        this rank's own)."""
-        cuda.syncthreads()
-        if cuda.threadIdx.x == 0:
-            cuda.threadfence()
-            cuda.atomic.exch(d_placed, share, (uint64(n + 1) << uint64(1)) | uint64(0 if ok else 1))
-
-    @cuda.jit(device=True)
-    def await_placed_rows(d_placed, placers, n, timeout_ns, status, flag):
-        """Every thread of a copying block of a route-first dispatch_wait: thread 0 waits until
-        each of the ``placers`` placing blocks published call n (``d_placed[p] >= (n + 1) <<
-        1``, acquire polls; the block then meets, so every thread sees what the placing blocks
-        wrote and saw). Each wait is bounded by three times ``timeout_ns`` (a placing block's
-        two waits are bounded by one each); a timeout is recorded naming dispatch_wait, this
-        rank and ``dispatch_placed``. Returns whether every row is placed and in (False also
-        when a placing block failed: it recorded why)."""
-        if cuda.threadIdx.x == 0:
-            want = uint64(n + 1) << uint64(1)
-            ok = 1
-            for p in range(placers):
-                seen = shmem.wait_signal_ge(d_placed[p:p + 1], want, 3 * timeout_ns)
-                if seen < want or (seen & uint64(1)) != uint64(0):
-                    ok = 0
-                if seen < want:
-                    me = shmem.my_pe()
-                    record_error(status, ERR_TIMEOUT, KERNEL_DISPATCH_WAIT, me, me, COUNTER_DISPATCH_PLACED, n + 1,
-                                 int64(seen >> uint64(1)), n + 1)
-                    break
-            flag[0] = ok
-        cuda.syncthreads()
-        ok = flag[0] != 0
-        cuda.syncthreads()  # flag read by every thread before it is used again
-        return ok
-
     return SimpleNamespace(place_from_routing=place_from_routing, publish_placed=publish_placed,
                            await_placed_rows=await_placed_rows)
+
+
+# -- how a copying route-first dispatch_wait's placing blocks hand the placed rows to its copying blocks
+@cuda.jit(device=True)
+def publish_placed(d_placed, share, n, ok):
+    """Every thread of placing block ``share`` of a copying route-first dispatch_wait, once
+    it has described its rows and seen every token row (``ok``), or failed: the block meets,
+    thread 0 fences at GPU scope (what the block wrote, and what its acquire loads saw of
+    the peers' stores, before the flag: the readers are blocks of this GPU) and sets
+    ``d_placed[share]`` to ``(n + 1) << 1``, plus 1 if it failed (the copying blocks then
+    copy nothing; the error is recorded), by an atomic exchange (no NVSHMEM call: the flag is
+    this rank's own)."""
+    cuda.syncthreads()
+    if cuda.threadIdx.x == 0:
+        cuda.threadfence()
+        cuda.atomic.exch(d_placed, share, (uint64(n + 1) << uint64(1)) | uint64(0 if ok else 1))
+
+@cuda.jit(device=True)
+def await_placed_rows(d_placed, placers, n, timeout_ns, status, flag):
+    """Every thread of a copying block of a route-first dispatch_wait: thread 0 waits until
+    each of the ``placers`` placing blocks published call n (``d_placed[p] >= (n + 1) <<
+    1``, acquire polls; the block then meets, so every thread sees what the placing blocks
+    wrote and saw). Each wait is bounded by three times ``timeout_ns`` (a placing block's
+    two waits are bounded by one each); a timeout is recorded naming dispatch_wait, this
+    rank and ``dispatch_placed``. Returns whether every row is placed and in (False also
+    when a placing block failed: it recorded why)."""
+    if cuda.threadIdx.x == 0:
+        want = uint64(n + 1) << uint64(1)
+        ok = 1
+        for p in range(placers):
+            seen = shmem.wait_signal_ge(d_placed[p:p + 1], want, 3 * timeout_ns)
+            if seen < want or (seen & uint64(1)) != uint64(0):
+                ok = 0
+            if seen < want:
+                me = shmem.my_pe()
+                record_error(status, ERR_TIMEOUT, KERNEL_DISPATCH_WAIT, me, me, COUNTER_DISPATCH_PLACED, n + 1,
+                             int64(seen >> uint64(1)), n + 1)
+                break
+        flag[0] = ok
+    cuda.syncthreads()
+    ok = flag[0] != 0
+    cuda.syncthreads()  # flag read by every thread before it is used again
+    return ok
