@@ -239,13 +239,13 @@ def test_at_most_four_environment_variables_and_one_chooses_algorithms():
 
 def test_the_default_plans_table_in_the_docs_is_the_rules_output():
     """docs/plans.md lists the default plans of an H100/H200 host; it must be what choose_plan
-    gives now (regenerate with ``python -m ep_runtime.core.plan --table``)."""
+    gives now (regenerate with ``python -m ep_runtime.tools.plans --table``)."""
     from pathlib import Path
 
-    from ep_runtime.core.plan import plans_table
+    from ep_runtime.tools.plans import plans_table
 
     doc = (Path(__file__).resolve().parent.parent / "docs" / "plans.md").read_text()
-    assert plans_table() in doc, "docs/plans.md's default plans table is stale: python -m ep_runtime.core.plan --table"
+    assert plans_table() in doc, "docs/plans.md's default plans table is stale: python -m ep_runtime.tools.plans --table"
 
 
 @pytest.mark.parametrize("sm_count", [2, 3, 8, 16, 32, 48, 66, 100, 132])
