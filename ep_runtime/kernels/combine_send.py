@@ -6,7 +6,9 @@ per-(source, token) rows as they are. Each part of each partial row is flagged o
 (``combine_row_flag``), so combine_wait reduces it as soon as it lands. docs/protocol.md has
 the timeline and the summation order.
 
-:func:`make_combine_send` builds both for a :class:`~ep_runtime.kernels.variant.CombineVariant`.
+:func:`make_combine_send` builds both for a :class:`~ep_runtime.kernels.variant.CombineVariant`
+(:func:`make_combine_async`, :func:`make_combine_async_rows`); combine_async's weighted sums are
+ep_runtime/kernels/combine_sum.py, the writes to the peers the plan's transport's.
 """
 
 import functools
@@ -14,8 +16,8 @@ import functools
 from numba import float32, uint64
 
 from ep_runtime.kernels import shmem
-from ep_runtime.kernels.bits import bf16_bits_at, f32_bits_at, word_f32
 from ep_runtime.kernels.block import interleaved_item, local_expert_count, most_tokens, part_bounds
+from ep_runtime.kernels.combine_sum import make_partial_sums
 from ep_runtime.kernels.cuda_api import cuda, kernel_jit
 from ep_runtime.kernels.partials import flagged_parts, partial_geometry
 from ep_runtime.kernels.pdl import make_pdl, programmatic
@@ -23,7 +25,7 @@ from ep_runtime.kernels.protocol import STATUS_CODE, SYNC_CALLS
 from ep_runtime.kernels.trace import stamp_first, stamp_last
 from ep_runtime.kernels.transport import make_transport
 from ep_runtime.kernels.variant import CombineVariant
-from ep_runtime.kernels.vec import make_pair_loops, pack_f32x2, pairs_aligned, store_pair, store_pair_at, store_word_at
+from ep_runtime.kernels.vec import pairs_aligned
 
 
 @functools.lru_cache(maxsize=None)
@@ -32,43 +34,30 @@ def make_combine_send(v: CombineVariant) -> dict:
     threads, token words of ``v.word``, the partial format (``v.f32_partials``: float32, ``P =
     2`` partial words a token word, folded at compile time) and ``v.transport`` (stores into
     the peers' heaps through their NVLink mappings, ``peer_bases``, or NVSHMEM puts)."""
+    return {"combine_async": make_combine_async(v), "combine_async_rows": make_combine_async_rows(v)}
+
+
+def peer_words(pack: int) -> bool:
+    """Whether partials stored through peers' NVLink mappings move as uint64 words (16-byte
+    pairs): token words of ``pack`` = 4 bf16 values, or 2 float32 partials a word."""
+    return pack == 4
+
+
+@functools.lru_cache(maxsize=None)
+def make_combine_async(v: CombineVariant):
+    """The ``combine_async`` kernel of ``v`` (:func:`make_combine_send`), marked for PDL when ``v.pdl``."""
     threads = v.threads
     geo = partial_geometry(threads, v.word, v.f32_partials)
     warp, warps, word_t, pack, P, F32 = geo.warp, geo.warps, geo.word_t, geo.pack, geo.P, geo.F32
-    rounded_word = geo.rounded_word
     tp = make_transport(v.transport, threads, v.node_size, v.node_stores)
     grant_credits, stores_to, stages, home_at = tp.grant_credits, tp.stores_to, tp.stages, tp.home_at
-    stage_aligned, home_aligned, finish_part, send_home_part = (tp.stage_aligned, tp.home_aligned, tp.finish_part,
-                                                                tp.send_home_part)
+    stage_aligned, home_aligned, finish_part = tp.stage_aligned, tp.home_aligned, tp.finish_part
+    sum_part = make_partial_sums(threads, v.word, v.f32_partials).sum_part
     U = geo.U
     ACC = U * pack  # float32 accumulators per lane (a compile-time constant for local.array)
     UP = geo.UP  # word pairs per lane in flight (pair loops)
-    # stores through peers' NVLink mappings move uint64 words (16-byte pairs): 4 bf16 values or
-    # 2 float32 partials a word
-    PEER_WORDS = pack == 4
-    load_pairs, _, _ = make_pair_loops(UP, warp)
+    PEER_WORDS = peer_words(pack)
     pdl_wait, pdl_trigger = make_pdl(v.pdl)
-
-    @cuda.jit(device=True)
-    def store_partial_pair(dst, wu, acc, b):
-        """Store the partials of token words wu, wu + 1 (acc[b .. b + 2 pack - 1]) into the
-        partial row ``dst``: rounded to bf16 (one word pair), or float32 unrounded (``F32``:
-        partial words 2 wu .. 2 wu + 3, two pairs)."""
-        if F32:
-            store_pair(dst, 2 * wu, pack_f32x2(acc[b], acc[b + 1]), pack_f32x2(acc[b + 2], acc[b + 3]))
-            store_pair(dst, 2 * wu + 2, pack_f32x2(acc[b + 4], acc[b + 5]), pack_f32x2(acc[b + 6], acc[b + 7]))
-        else:
-            store_pair(dst, wu, rounded_word(acc, b), rounded_word(acc, b + pack))
-
-    @cuda.jit(device=True)
-    def store_partial_pair_at(row, wu, acc, b):
-        """As ``store_partial_pair``, into the partial row at address ``row`` (a peer's, through
-        its NVLink mapping; uint64 words)."""
-        if F32:
-            store_pair_at(row, 2 * wu, pack_f32x2(acc[b], acc[b + 1]), pack_f32x2(acc[b + 2], acc[b + 3]))
-            store_pair_at(row, 2 * wu + 2, pack_f32x2(acc[b + 4], acc[b + 5]), pack_f32x2(acc[b + 6], acc[b + 7]))
-        else:
-            store_pair_at(row, wu, uint64(rounded_word(acc, b)), uint64(rounded_word(acc, b + pack)))
 
     @kernel_jit(threads)
     def combine_async(expert_out, dispatch_topk_ids, dispatch_counts, combine_partials, dispatch_async_sync, token_rows,
@@ -158,60 +147,8 @@ def make_combine_send(v: CombineVariant) -> dict:
                     peer_row = uint64(0)
                     if stored:
                         peer_row = home_at(combine_partials, relay_partials, peer_bases, g, me, s, t)
-                    w = w0 + 2 * lane
-                    while in_pairs and w < w1:  # UP word pairs per lane: every row's loads issued before use
-                        for x in range(U * pack):
-                            acc[x] = float32(0.0)
-                        for j in range(n_local):
-                            r = token_rows[s, t, j]
-                            weight = row_weight[r]
-                            load_pairs(expert_out[r], w, w1, lo, hi)
-                            for u in range(UP):
-                                for x in range(pack):
-                                    acc[2 * u * pack + x] += weight * word_f32(lo[u], x)
-                                    acc[(2 * u + 1) * pack + x] += weight * word_f32(hi[u], x)
-                        for u in range(UP):
-                            if w + 2 * u * warp < w1:
-                                if to_peer:
-                                    store_partial_pair_at(peer_row, w + 2 * u * warp, acc, 2 * u * pack)
-                                else:
-                                    store_partial_pair(dst, w + 2 * u * warp, acc, 2 * u * pack)
-                        w += 2 * UP * warp
-                    w = w0 + lane
-                    while not in_pairs and w < w1:  # U words per lane: every row's loads issued before use
-                        for x in range(U * pack):
-                            acc[x] = float32(0.0)
-                        for j in range(n_local):
-                            r = token_rows[s, t, j]
-                            weight = row_weight[r]
-                            src = expert_out[r]
-                            for u in range(U):
-                                if w + u * warp < w1:
-                                    vals[u] = src[w + u * warp]
-                            for u in range(U):
-                                for x in range(pack):
-                                    acc[u * pack + x] += weight * word_f32(vals[u], x)
-                        for u in range(U):
-                            if w + u * warp < w1:
-                                if F32:  # unrounded: partial words 2 wu, 2 wu + 1
-                                    wu = w + u * warp
-                                    p0 = f32_bits_at(acc[u * 4], 0) | f32_bits_at(acc[u * 4 + 1], 1)
-                                    p1 = f32_bits_at(acc[u * 4 + 2], 0) | f32_bits_at(acc[u * 4 + 3], 1)
-                                    if stored:
-                                        store_word_at(peer_row, 2 * wu, uint64(p0))
-                                        store_word_at(peer_row, 2 * wu + 1, uint64(p1))
-                                    else:
-                                        dst[2 * wu] = p0
-                                        dst[2 * wu + 1] = p1
-                                else:
-                                    packed = uint64(0)
-                                    for x in range(pack):
-                                        packed |= bf16_bits_at(acc[u * pack + x], x)
-                                    if stored:
-                                        store_word_at(peer_row, w + u * warp, word_t(packed))
-                                    else:
-                                        dst[w + u * warp] = word_t(packed)
-                        w += U * warp
+                    sum_part(expert_out, token_rows, row_weight, s, t, n_local, w0, w1, in_pairs, to_peer, stored,
+                             dst, peer_row, lane, acc, vals, lo, hi)
                     pw0 = 2 * w0 if F32 else w0
                     pw1 = 2 * w1 if F32 else w1
                     # flagged where it went, or put from its stage with the flag
@@ -221,6 +158,22 @@ def make_combine_send(v: CombineVariant) -> dict:
 
         stamp_last(status, 17)
         stamp_last(status, 18)
+
+    return programmatic(combine_async, v.pdl)
+
+
+@functools.lru_cache(maxsize=None)
+def make_combine_async_rows(v: CombineVariant):
+    """The ``combine_async_rows`` kernel of ``v`` (:func:`make_combine_send`), marked for PDL when
+    ``v.pdl``."""
+    threads = v.threads
+    geo = partial_geometry(threads, v.word, v.f32_partials)
+    warp, warps, word_t = geo.warp, geo.warps, geo.word_t
+    tp = make_transport(v.transport, threads, v.node_size, v.node_stores)
+    grant_credits, home_aligned, send_home_part = tp.grant_credits, tp.home_aligned, tp.send_home_part
+    UP = geo.UP  # word pairs per lane in flight
+    PEER_WORDS = peer_words(geo.pack)
+    pdl_wait, pdl_trigger = make_pdl(v.pdl)
 
     @kernel_jit(threads)
     def combine_async_rows(expert_out, dispatch_topk_ids, dispatch_counts, combine_partials, dispatch_async_sync,
@@ -287,5 +240,4 @@ def make_combine_send(v: CombineVariant) -> dict:
         stamp_last(status, 17)
         stamp_last(status, 18)
 
-    return {"combine_async": programmatic(combine_async, v.pdl),
-            "combine_async_rows": programmatic(combine_async_rows, v.pdl)}
+    return programmatic(combine_async_rows, v.pdl)

@@ -6,7 +6,8 @@ epilogue and round to bf16 (or hand back the per-rank partials). docs/protocol.m
 summation order.
 
 :func:`make_combine_wait` builds it for a block size, token word, partial format, PDL and an
-epilogue.
+epilogue; its loops over a part's partials (the sum, or the copy) are
+ep_runtime/kernels/combine_reduce.py.
 """
 
 import functools
@@ -14,15 +15,15 @@ import functools
 from numba import float32, int32, uint32, uint64
 
 from ep_runtime.kernels import shmem
-from ep_runtime.kernels.bits import bf16_bits_at, f32_word_at, word_f32
 from ep_runtime.kernels.block import part_bounds, warp_sync
+from ep_runtime.kernels.combine_reduce import make_partial_reduce
 from ep_runtime.kernels.cuda_api import cuda, kernel_jit
 from ep_runtime.kernels.nodes import make_partial_sources
 from ep_runtime.kernels.partials import flagged_parts, partial_geometry
 from ep_runtime.kernels.pdl import make_pdl, programmatic
 from ep_runtime.kernels.protocol import STATUS_CODE, SYNC_CALLS
 from ep_runtime.kernels.trace import stamp_first, stamp_last
-from ep_runtime.kernels.vec import load_pair, pairs_aligned, store_pair
+from ep_runtime.kernels.vec import pairs_aligned
 
 #: combine_wait modes
 MODE_REDUCE = 0      # out [T, H]: sum of the partials, epilogue, bf16
@@ -47,17 +48,17 @@ def make_combine_wait(threads: int, word: str, f32_partials: bool, pdl: bool, ep
     rank's proxy there, in its chunk's packed row (``relay_slot``)."""
     geo = partial_geometry(threads, word, f32_partials)
     warp, warps, word_t, pack, P, F32 = geo.warp, geo.warps, geo.word_t, geo.pack, geo.P, geo.F32
-    rounded_word = geo.rounded_word
     U = geo.U
     UP = geo.UP
     # token words per lane per pass, so that U partial words are in flight (the same bytes and
-    # registers as bf16's U words), and their accumulators
+    # registers as bf16's U words), and their accumulators (combine_reduce.py)
     UW = U // P
     ACCW = UW * pack
-    UPW = UP // P  # token-word pairs per pass: UP partial-word pairs in flight
     pdl_wait, pdl_trigger = make_pdl(pdl)
 
-    senders, partial_row, await_partial = make_partial_sources(node_size)
+    senders, _, await_partial = make_partial_sources(node_size)
+    reduce = make_partial_reduce(threads, word, f32_partials, epilogue, node_size)
+    reduce_part, copy_part = reduce.reduce_part, reduce.copy_part
 
     @kernel_jit(threads)
     def combine_wait(out, out_partials, dispatch_topk_ids, dispatch_counts, combine_partials, dispatch_async_sync,
@@ -160,84 +161,11 @@ def make_combine_wait(threads: int, word: str, f32_partials: bool, pdl: bool, ep
             if ok == 0:
                 break
             if mode == MODE_REDUCE:
-                orow = out[t]
-                w = w0 + 2 * lane
-                while pairs and w < w1:  # UP partial-word pairs per lane: each rank's loads issued before use
-                    for x in range(2 * UPW * pack):
-                        acc[x] = float32(0.0)
-                    for r in range(R):
-                        if (went >> uint64(r)) & uint64(1):
-                            src = (own_rows[me * Tmax + t] if own and r == me
-                                   else combine_partials[g, r, partial_row(relay_slot, g, t, r, me)])
-                            for u in range(UPW):
-                                wu = w + 2 * u * warp
-                                if wu < w1:
-                                    if F32:  # token words wu, wu + 1: partial words 2 wu .. 2 wu + 3
-                                        pair = load_pair(src, 2 * wu)
-                                        lo[2 * u] = pair[0]
-                                        hi[2 * u] = pair[1]
-                                        pair = load_pair(src, 2 * wu + 2)
-                                        lo[2 * u + 1] = pair[0]
-                                        hi[2 * u + 1] = pair[1]
-                                    else:
-                                        pair = load_pair(src, wu)
-                                        lo[u] = pair[0]
-                                        hi[u] = pair[1]
-                            for u in range(UPW):
-                                for x in range(pack):
-                                    if F32:
-                                        acc[2 * u * pack + x] += f32_word_at(lo[2 * u] if x < 2 else hi[2 * u], x % 2)
-                                        acc[(2 * u + 1) * pack + x] += f32_word_at(
-                                            lo[2 * u + 1] if x < 2 else hi[2 * u + 1], x % 2)
-                                    else:
-                                        acc[2 * u * pack + x] += word_f32(lo[u], x)
-                                        acc[(2 * u + 1) * pack + x] += word_f32(hi[u], x)
-                    for u in range(UPW):
-                        wu = w + 2 * u * warp
-                        if wu < w1:
-                            for x in range(2 * pack):
-                                acc[2 * u * pack + x] = epilogue(acc[2 * u * pack + x], t, wu * pack + x, aux)
-                            store_pair(orow, wu, rounded_word(acc, 2 * u * pack), rounded_word(acc, (2 * u + 1) * pack))
-                    w += 2 * UPW * warp
-                w = w0 + lane
-                while not pairs and w < w1:  # U partial words per lane: each rank's loads issued before use
-                    for x in range(UW * pack):
-                        acc[x] = float32(0.0)
-                    for r in range(R):
-                        if (went >> uint64(r)) & uint64(1):
-                            src = (own_rows[me * Tmax + t] if own and r == me
-                                   else combine_partials[g, r, partial_row(relay_slot, g, t, r, me)])
-                            for u in range(UW):
-                                if w + u * warp < w1:
-                                    if F32:  # token word w + u warp: partial words 2 (w + u warp) + 0, 1
-                                        vals[2 * u] = src[2 * (w + u * warp)]
-                                        vals[2 * u + 1] = src[2 * (w + u * warp) + 1]
-                                    else:
-                                        vals[u] = src[w + u * warp]
-                            for u in range(UW):
-                                for x in range(pack):
-                                    if F32:
-                                        acc[u * pack + x] += f32_word_at(vals[2 * u + x // 2], x % 2)
-                                    else:
-                                        acc[u * pack + x] += word_f32(vals[u], x)
-                    for u in range(UW):
-                        wu = w + u * warp
-                        if wu < w1:
-                            packed = uint64(0)
-                            for x in range(pack):
-                                packed |= bf16_bits_at(epilogue(acc[u * pack + x], t, wu * pack + x, aux), x)
-                            out[t, wu] = word_t(packed)
-                    w += UW * warp
+                reduce_part(out, own_rows, combine_partials, relay_slot, aux, g, me, t, Tmax, R, went, own, pairs, w0,
+                            w1, lane, acc, vals, lo, hi)
             else:
-                for w in range(P * w0 + lane, P * w1, warp):  # partial words
-                    for r in range(R):
-                        if (went >> uint64(r)) & uint64(1):
-                            if own and r == me:
-                                out_partials[r, t, w] = own_rows[me * Tmax + t, w]
-                            else:
-                                out_partials[r, t, w] = combine_partials[g, r, partial_row(relay_slot, g, t, r, me), w]
-                        else:
-                            out_partials[r, t, w] = 0
+                copy_part(out_partials, own_rows, combine_partials, relay_slot, g, me, t, Tmax, R, went, own, w0, w1,
+                          lane)
         stamp_last(status, 22)
         pdl_wait()  # completes after combine_async (stream order for what follows)
 
