@@ -101,11 +101,12 @@ POISON_BF16 = 0x7FC0
 def expert_outputs(cfg: EPConfig, batch, rank: int) -> np.ndarray:
     """The expert outputs a test passes to combine: [capacity, H] bf16 bits, ``linear_experts``
     of the rows of ``batch`` (a :class:`~ep_runtime.core.reference.ExpertBatchRef` of ``rank``: their
-    bf16 values, or the E4M3 codes as numbers in an FP8 format), :data:`POISON_BF16` on padding
-    rows and on every row past the batch."""
+    bf16 values, or the codes as numbers in a quantized format, one per element:
+    ``TokenFormat.codes``), :data:`POISON_BF16` on padding rows and on every row past the batch."""
     y = np.full((cfg.recv_rows_capacity, cfg.hidden), POISON_BF16, np.uint16)
     n = batch.n_rows
-    y[:n] = linear_experts(batch.x, batch.row_offsets, cfg.n_local_experts, rank).view(np.uint16)
+    x = cfg.token_format.codes(batch.x)
+    y[:n] = linear_experts(x, batch.row_offsets, cfg.n_local_experts, rank).view(np.uint16)
     y[:n][batch.src_rank < 0] = POISON_BF16
     return y
 
