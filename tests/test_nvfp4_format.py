@@ -169,6 +169,25 @@ def awkward_tokens(H: int = 128, seed: int = 0) -> np.ndarray:
     return x.astype(BF16).view(np.uint16)
 
 
+def tie_tokens() -> tuple[np.ndarray, np.float32]:
+    """Blocks whose quotients are exactly E2M1's rounding ties (and the values around them) under
+    global scale 2**-8: amax 6 * 2**-8 gives scale 1 and ``m = 2**8``, so ``x * m`` is exact."""
+    ties = np.float32([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0,
+                       0.5])
+    tie16 = (ties * np.float32(2.0 ** -8)).astype(BF16).view(np.uint16)
+    near16 = tie16 - np.uint16(1)  # the bf16 values just below each tie in magnitude
+    return np.concatenate([tie16, near16, near16 ^ np.uint16(0x8000), tie16[::-1]])[None, :], np.float32(2.0 ** -8)
+
+
+def test_exact_ties_round_to_even():
+    tokens, g = tie_tokens()
+    packed, scales = F.NVFP4.quantize(tokens, g)
+    codes, want_scales = quantize_independent(tokens, g)
+    assert (scales == 0x38).all()  # scale 1.0: each quotient is x * 2**8, exact
+    np.testing.assert_array_equal(F.NVFP4.codes(packed), codes)
+    assert codes[0, :16].tolist() == [0, 2, 2, 4, 4, 6, 6, 7, 8, 10, 10, 12, 12, 14, 14, 1]
+
+
 @pytest.mark.parametrize("scale", ["rule", "tiny", "half", "nan", "zero"])
 def test_quantize_matches_the_independent_rule(scale):
     """Codes and scales of the awkward tokens under the rule's global scale and under given ones
