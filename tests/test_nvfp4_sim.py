@@ -9,7 +9,9 @@ and codes included; a rank with no tokens, top-k 1, padding rows, token parts cu
 scale. The codec's device conversions, run on the simulator as plain functions, equal the
 reference's for every bf16 pattern and on exact rounding ties. Combine (bf16 expert outputs) is
 exact against the reference. Both transports at 2 ranks (stores: encoded straight into the
-peers' slots; puts: staged and put), stores at 4. Bad NVFP4 arguments are refused before launch.
+peers' slots; puts: staged and put), stores at 4, and the hierarchical transport (2 x 2 logical
+nodes: messages packed into its chunks, encoded or pre-quantized). Bad NVFP4 arguments are
+refused before launch.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from ep_runtime.core import reference
 from ep_runtime.core.config import EPConfig
 from ep_runtime.core.reference import BF16
 from ep_runtime.shmem.launch import run_pes
-from ep_runtime.testing import input_error_of, make_inputs
+from ep_runtime.testing import assert_fp8_calls_are_the_reference, fp8_plan_pe, input_error_of, make_inputs
 from test_nvfp4_format import awkward_tokens, boundary_values, tie_tokens
 
 RUN_TIMEOUT_S = 300
@@ -320,3 +322,26 @@ def test_device_blocks_equal_the_reference_ties_included(device):
         np.testing.assert_array_equal(codes, want_codes, err_msg=f"{name} g={g}")
     got = NVFP4.codes(device["blocks"]["ties", 2.0 ** -8][0])[0, :16]
     assert got.tolist() == [0, 2, 2, 4, 4, 6, 6, 7, 8, 10, 10, 12, 12, 14, 14, 1]  # ties to even
+
+
+#: The hierarchical run: 2 nodes of 2 PEs, messages packed into chunks (``pack_row``); seed.
+HIER_SEED = 11
+
+
+def hierarchical_pe(session, cfg: EPConfig) -> dict:
+    """As 2 x 2 logical nodes: the calls of ``testing.FP8_CALLS`` with bf16 tokens (stores within
+    a node) and with pre-quantized ones (puts within a node)."""
+    session.use_logical_nodes(2)
+    return {pre: fp8_plan_pe(session, {"node_stores": not pre}, cfg, HIER_SEED, prequantized=pre)
+            for pre in (False, True)}
+
+
+def test_hierarchical_transport_packs_exact_messages():
+    cfg = EPConfig(n_ranks=4, n_experts=16, top_k=6, hidden=128, max_tokens_per_rank=16, token_dtype="nvfp4",
+                   wait_timeout_s=60.0)
+    pes = run_pes(hierarchical_pe, 4, args=(cfg,), timeout_s=RUN_TIMEOUT_S)
+    for pre in (False, True):
+        runs = [pe[pre] for pe in pes]
+        assert (runs[0]["plan"]["transport"], runs[0]["plan"]["node_stores"]) == ("hierarchical", not pre)
+        assert_fp8_calls_are_the_reference(cfg, runs, HIER_SEED, pre, f"nvfp4, 2 x 2 nodes, prequantized={pre}",
+                                           node_size=2)
