@@ -113,9 +113,12 @@ def encode_block(w0, w1, w2, w3, six_g, g):
     if a >= uint32(0x7F80):  # inf or NaN (magnitude patterns order NaN above inf)
         return uint64(0), uint32(E4M3_NAN)
     code = e4m3_saturated_bits(bf16_to_f32(a) / float32(six_g))
-    m = float32(1.0) / (e4m3_value(code) * float32(g))
-    if (f32_bits(m) & uint32(0x7FFFFFFF)) >= uint32(0x7F800000):
-        m = float32(0.0)
+    p = e4m3_value(code) * float32(g)
+    m = float32(0.0)
+    if p != float32(0.0):  # (1 / 0 is inf: m 0 all the same)
+        m = float32(1.0) / p
+        if (f32_bits(m) & uint32(0x7FFFFFFF)) >= uint32(0x7F800000):
+            m = float32(0.0)
     codes = e2m1_word(w0, m) | (e2m1_word(w1, m) << uint64(16)) | (e2m1_word(w2, m) << uint64(32)) \
         | (e2m1_word(w3, m) << uint64(48))
     return codes, code
