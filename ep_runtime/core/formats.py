@@ -19,7 +19,8 @@ words and never looks inside, so adding a format touches only this module and it
 
 Message layout (one token, every format)
     ``payload_bytes`` bytes of payload (the elements, little-endian), then ``scale_bytes``
-    bytes of scales (block order), then zero padding to a whole number of 8-byte words
+    bytes of scales (block order; NVFP4: then its 4-byte global scale, ``extras_bytes`` in
+    all), then zero padding to a whole number of 8-byte words
     (``MESSAGE_ALIGN``; for the quantized formats ``QUANTIZED_MESSAGE_ALIGN``, 128 bytes,
     so every slot starts on a cache line):
     ``message_bytes = message_words * 8``. Scales start at ``scale_offset_bytes =
@@ -112,9 +113,9 @@ from ep_runtime.kernels.codecs import WORDS, CodecSpec
 # E4M3_NAN: NaN's code with a + sign (0xFF is the - one), every code of a block with a non-finite
 # element; UE8M0_NAN: a NaN scale's code (E8M0 has no infinity; finite blocks' codes stay below 248)
 from ep_runtime.kernels.protocol import E4M3_MAX, E4M3_NAN, UE8M0_NAN
-from ep_runtime.core.nvfp4_rule import (E2M1_MAX, E2M1_VALUES, NVFP4_BLOCK, NVFP4_GLOBAL_RANGE,  # noqa: F401
-                                        NVFP4_HIDDEN_MULTIPLE, e2m1_codes, e2m1_value, e4m3_saturated,
-                                        nvfp4_global_scale)
+from ep_runtime.core.nvfp4_rule import (E2M1_MAX, E2M1_VALUES, NVFP4_BLOCK, NVFP4_GLOBAL_BYTES,  # noqa: F401
+                                        NVFP4_GLOBAL_RANGE, NVFP4_HIDDEN_MULTIPLE, e2m1_codes, e2m1_value,
+                                        e4m3_saturated, nvfp4_global_scale)
 
 #: Every message is a whole number of these bytes (uint64 words: what the kernels move).
 MESSAGE_ALIGN = 8
@@ -445,8 +446,8 @@ FP8_E4M3_UE8M0 = TokenFormat("fp8_e4m3_ue8m0", np.dtype(np.uint8), FP8_BLOCK, UE
 @dataclass(frozen=True)
 class Nvfp4Format(TokenFormat):
     """NVFP4: E2M1 codes, two a byte, an E4M3 scale per 16 elements and a float32 global scale per
-    tensor (the module docstring states the rule). ``quantize`` / ``dequantize`` /
-    ``pack_messages`` take the global scale: a float32 scalar, or one per row (``[T]``, a batch
+    tensor (the module docstring states the rule). ``quantize`` takes the tensor's global scale
+    (a float32); ``dequantize`` and ``pack_messages`` a float32 or one per row (``[T]``: a batch
     of rows from several tensors)."""
 
     has_global_scale = True
@@ -462,7 +463,7 @@ class Nvfp4Format(TokenFormat):
         return NVFP4_HIDDEN_MULTIPLE
 
     def extras_bytes(self, hidden: int) -> int:
-        return self.scale_bytes(hidden) + 4
+        return self.scale_bytes(hidden) + NVFP4_GLOBAL_BYTES
 
     def global_scale_offset_bytes(self, hidden: int) -> int:
         """Byte offset of the global scale in a message (after the block scales; 4-byte aligned)."""
@@ -520,14 +521,15 @@ class Nvfp4Format(TokenFormat):
         out = super().pack_messages(payload, scales).view(np.uint8)
         G = self.global_scale_offset_bytes(self._hidden_of(np.asarray(payload)))
         g = np.broadcast_to(np.asarray(global_scales, np.float32).reshape(-1), (out.shape[0],))
-        out[:, G:G + 4] = np.ascontiguousarray(g).view(np.uint8).reshape(-1, 4)
+        out[:, G:G + NVFP4_GLOBAL_BYTES] = np.ascontiguousarray(g).view(np.uint8).reshape(-1, NVFP4_GLOBAL_BYTES)
         return out.view(np.uint64)
 
     def unpack_global_scales(self, messages: np.ndarray, hidden: int) -> np.ndarray:
         """``[T]`` float32: the global scale each of ``[T, message_words]`` messages carries."""
         self.unpack_messages(messages, hidden)  # (checks them)
         G = self.global_scale_offset_bytes(hidden)
-        return np.ascontiguousarray(messages).view(np.uint8)[:, G:G + 4].copy().view(np.float32).reshape(-1)
+        raw = np.ascontiguousarray(messages).view(np.uint8)
+        return raw[:, G:G + NVFP4_GLOBAL_BYTES].copy().view(np.float32).reshape(-1)
 
 
 NVFP4 = Nvfp4Format("nvfp4", np.dtype(np.uint8), NVFP4_BLOCK, None, CodecSpec("ep_runtime.kernels.codecs.nvfp4"))
@@ -571,7 +573,8 @@ def get_format(name: str | TokenFormat) -> TokenFormat:
 
 __all__ = ["TokenFormat", "ScaleEncoding", "BF16", "FP8_E4M3", "FP8_E4M3_UE8M0", "NVFP4", "Nvfp4Format",
            "FORMATS", "get_format", "e2m1_codes", "e2m1_value", "e4m3_saturated", "nvfp4_global_scale",
-           "NVFP4_BLOCK", "NVFP4_HIDDEN_MULTIPLE", "NVFP4_GLOBAL_RANGE", "E2M1_MAX", "E2M1_VALUES",
+           "NVFP4_BLOCK", "NVFP4_HIDDEN_MULTIPLE", "NVFP4_GLOBAL_BYTES", "NVFP4_GLOBAL_RANGE", "E2M1_MAX",
+           "E2M1_VALUES",
            "register_format", "token_dtype_names", "FLOAT32_SCALE", "UE8M0_SCALE", "ue8m0_value", "MESSAGE_ALIGN",
            "QUANTIZED_MESSAGE_ALIGN", "FP8_BLOCK",
            "E4M3_MAX", "E4M3_NAN", "UE8M0_NAN", "UE8M0_ONE"]

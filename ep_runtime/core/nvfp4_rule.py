@@ -14,6 +14,8 @@ NVFP4_BLOCK = 16
 #: NVFP4's hidden: a multiple of 64, so its block scales fill whole 4-byte words and the global
 #: scale after them is aligned (NVFP4 GEMMs' scale layouts tile 4 scales along K too).
 NVFP4_HIDDEN_MULTIPLE = 64
+#: Bytes of the float32 global scale a message carries after its block scales.
+NVFP4_GLOBAL_BYTES = 4
 #: Largest E2M1 magnitude.
 E2M1_MAX = 6.0
 #: E2M1 magnitudes of codes 0..7 (code | 8: the negative ones).
@@ -67,5 +69,5 @@ def nvfp4_global_scale(tokens: np.ndarray) -> np.float32:
 
 
 
-__all__ = ["NVFP4_BLOCK", "NVFP4_HIDDEN_MULTIPLE", "E2M1_MAX", "E2M1_VALUES", "E2M1_THRESHOLDS", "NVFP4_GLOBAL_RANGE",
-           "e2m1_codes", "e2m1_value", "e4m3_saturated", "nvfp4_global_scale"]
+__all__ = ["NVFP4_BLOCK", "NVFP4_HIDDEN_MULTIPLE", "NVFP4_GLOBAL_BYTES", "E2M1_MAX", "E2M1_VALUES", "E2M1_THRESHOLDS",
+           "NVFP4_GLOBAL_RANGE", "e2m1_codes", "e2m1_value", "e4m3_saturated", "nvfp4_global_scale"]

@@ -29,7 +29,7 @@ from types import SimpleNamespace
 
 from numba import float32, int64, uint32, uint64
 
-from ep_runtime.core.nvfp4_rule import E2M1_THRESHOLDS, NVFP4_GLOBAL_RANGE
+from ep_runtime.core.nvfp4_rule import E2M1_THRESHOLDS, NVFP4_GLOBAL_BYTES, NVFP4_GLOBAL_RANGE
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.bits import bf16_to_f32, f32_bits, f32_word_at, word_f32
 from ep_runtime.kernels.block import group_max_u32, part_bounds, part_words, row_parts, warp_geometry, warp_sync
@@ -41,7 +41,7 @@ from ep_runtime.kernels.vec import address_of, load_pair, pairs_aligned, store_u
 #: bf16 words (4 values each) of a 16-element block; a block's codes are one uint64 word.
 BLOCK_WORDS = 4
 #: Bytes of the global scale after the block scales.
-GLOBAL_BYTES = 4
+GLOBAL_BYTES = NVFP4_GLOBAL_BYTES
 #: A message is computed (encoded) from the caller's bf16 token, or taken pre-quantized.
 RAW = False
 ENCODES = True
