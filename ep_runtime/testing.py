@@ -101,11 +101,12 @@ POISON_BF16 = 0x7FC0
 def expert_outputs(cfg: EPConfig, batch, rank: int) -> np.ndarray:
     """The expert outputs a test passes to combine: [capacity, H] bf16 bits, ``linear_experts``
     of the rows of ``batch`` (a :class:`~ep_runtime.core.reference.ExpertBatchRef` of ``rank``: their
-    bf16 values, or the E4M3 codes as numbers in an FP8 format), :data:`POISON_BF16` on padding
-    rows and on every row past the batch."""
+    bf16 values, or the codes as numbers in a quantized format, one per element:
+    ``TokenFormat.codes``), :data:`POISON_BF16` on padding rows and on every row past the batch."""
     y = np.full((cfg.recv_rows_capacity, cfg.hidden), POISON_BF16, np.uint16)
     n = batch.n_rows
-    y[:n] = linear_experts(batch.x, batch.row_offsets, cfg.n_local_experts, rank).view(np.uint16)
+    x = cfg.token_format.codes(batch.x)
+    y[:n] = linear_experts(x, batch.row_offsets, cfg.n_local_experts, rank).view(np.uint16)
     y[:n][batch.src_rank < 0] = POISON_BF16
     return y
 
@@ -402,24 +403,29 @@ def assert_calls_are_the_reference(cfg: EPConfig, runs: list, calls: int, seed: 
 
 
 def fp8_plan_pe(session, plan: dict, cfg: EPConfig, seed: int, prequantized: bool = False) -> dict:
-    """Under plan overrides ``plan``, FP8 tokens quantized in dispatch_async (``prequantized``:
-    quantized by the format's NumPy encoder and passed with their scales), the calls of
-    :data:`FP8_CALLS` (the layouts ``cfg`` serves; inputs of :func:`call_inputs`), each batch's
-    :data:`BATCH_FIELDS`, scales and compact gather as host copies, and the combine output."""
+    """Under plan overrides ``plan``, quantized tokens quantized in dispatch_async (``prequantized``:
+    quantized by the format's NumPy encoder and passed with their scales, and in NVFP4 their
+    global scale, the rule's), the calls of :data:`FP8_CALLS` (the layouts ``cfg`` serves; inputs
+    of :func:`call_inputs`), each batch's :data:`BATCH_FIELDS`, scales (NVFP4: global scales) and
+    compact gather as host copies, and the combine output."""
     from ep_runtime.core import reference
     from ep_runtime.core.runtime import EPRuntime
 
-    r, out = session.rank, []
+    r, out, fmt = session.rank, [], cfg.token_format
+    fields = BATCH_FIELDS + ("scales",) + (("global_scales",) if fmt.has_global_scale else ())
     with EPRuntime(cfg, session, plan=plan) as rt:
         for call, (layout, scales) in enumerate(c for c in FP8_CALLS if c[0] in cfg.layouts):
             xs, ids, ws = call_inputs(cfg, call, seed)
             tokens, kw = xs[r].view(np.uint16), {}
             if prequantized:
-                tokens, token_scales = cfg.token_format.quantize(tokens)
+                g = reference.global_scales(xs, cfg)
+                tokens, token_scales = fmt.quantize(tokens, g[r]) if g else fmt.quantize(tokens)
                 kw = {"token_scales": session.to_device(token_scales)}
+                if g:
+                    kw["token_global_scale"] = session.to_device(np.array([g[r]], np.float32))
             dev = [session.to_device(np.ascontiguousarray(a)) for a in (tokens, ids[r], ws[r])]
             batch = rt.dispatch_wait(rt.dispatch_async(*dev, **kw), layout=layout, scales=scales)
-            got = {k: session.to_host(getattr(batch, k)).copy() for k in BATCH_FIELDS + ("scales",)}
+            got = {k: session.to_host(getattr(batch, k)).copy() for k in fields}
             if layout == "compact":
                 got["gather"] = session.to_host(batch.gather).copy()
             refs = reference.dispatch(xs, ids, ws, cfg)
@@ -434,16 +440,19 @@ def assert_fp8_calls_are_the_reference(cfg: EPConfig, runs: list, seed: int, pre
                                        node_size: int = 0, exact_combine: bool = True) -> None:
     """:func:`fp8_plan_pe`'s runs against the reference: offsets, descriptions, the codes (the
     expanded rows, or the compact rows each gather index picks) and their scales (in the scale
-    layout asked for) bit for bit; the combine output too (in the hierarchical order for
-    ``node_size``, as :func:`assert_calls_are_the_reference`), or with ``exact_combine`` False
-    within the reference's tolerance (:func:`combine_over_tolerance`: a GPU's FMA contraction)."""
+    layout asked for; NVFP4: and global scales) bit for bit; the combine output too (in the
+    hierarchical order for ``node_size``, as :func:`assert_calls_are_the_reference`), or with
+    ``exact_combine`` False within the reference's tolerance (:func:`combine_over_tolerance`: a
+    GPU's FMA contraction)."""
     from ep_runtime.core import reference
 
     for call in range(len(runs[0]["calls"])):
         xs, ids, ws = call_inputs(cfg, call, seed)
-        scales_in = [cfg.token_format.quantize(x.view(np.uint16))[1] for x in xs] if prequantized else None
-        codes_in = [cfg.token_format.quantize(x.view(np.uint16))[0] for x in xs] if prequantized else xs
-        refs = reference.dispatch(codes_in, ids, ws, cfg, scales_in)
+        codes_in, scales_in = xs, None
+        if prequantized:
+            enc = reference.encoded_tokens(xs, cfg)
+            codes_in, scales_in = [c for c, _ in enc], [sc for _, sc in enc]
+        refs = reference.dispatch(codes_in, ids, ws, cfg, scales_in, reference.global_scales(xs, cfg))
         outs = reference.combine([expert_outputs(cfg, reference.dispatch(xs, ids, ws, cfg)[s], s)
                                   for s in range(cfg.n_ranks)], reference.dispatch(xs, ids, ws, cfg), ids, cfg,
                                  node_size=node_size)
@@ -459,12 +468,18 @@ def assert_fp8_calls_are_the_reference(cfg: EPConfig, runs: list, seed: int, pre
                 sc = got["scales"].T if got["scale_layout"] == "column" else got["scales"]
                 np.testing.assert_array_equal(np.ascontiguousarray(sc[:n]).view(np.uint8), ref.scales.view(np.uint8),
                                               err_msg=f"{at}: scales")
+                if ref.global_scales is not None:
+                    np.testing.assert_array_equal(got["global_scales"][:n], ref.global_scales,
+                                                  err_msg=f"{at}: global scales")
             else:
                 rows = got["gather"][:n]
                 real = rows >= 0
                 np.testing.assert_array_equal(got["x"][rows[real]], ref.x.view(np.uint8)[real], err_msg=f"{at}: codes")
                 np.testing.assert_array_equal(got["scales"][rows[real]].view(np.uint8),
                                               ref.scales[real].view(np.uint8), err_msg=f"{at}: scales")
+                if ref.global_scales is not None:
+                    np.testing.assert_array_equal(got["global_scales"][rows[real]], ref.global_scales[real],
+                                                  err_msg=f"{at}: global scales")
             if exact_combine:
                 np.testing.assert_array_equal(got["out"][:len(xs[r])], outs[r].view(np.uint16),
                                               err_msg=f"{at}: combine")

@@ -15,8 +15,9 @@ from ep_runtime.core.errors import EPConfigError
 
 #: Token formats dispatch moves (:mod:`ep_runtime.core.formats`): bf16 travels as its 16-bit pattern;
 #: the FP8 formats as E4M3 codes with a float32 ("fp8_e4m3") or power-of-two ("fp8_e4m3_ue8m0")
-#: scale per 128 elements, quantized inside dispatch_async or given pre-quantized.
-TOKEN_DTYPES = ("bfloat16", "fp8_e4m3", "fp8_e4m3_ue8m0")
+#: scale per 128 elements, NVFP4 ("nvfp4") as E2M1 codes with an E4M3 scale per 16 elements and
+#: the tensor's float32 global scale; quantized inside dispatch_async or given pre-quantized.
+TOKEN_DTYPES = ("bfloat16", "fp8_e4m3", "fp8_e4m3_ue8m0", "nvfp4")
 #: Formats of combine partials (each rank's weighted sum for a token, on the wire and summed at
 #: home): "bfloat16" rounds each partial to bf16; "float32" keeps the float32 sum (twice the
 #: bytes), so only the output is rounded (docs/formats.md, "Combine precision").
@@ -57,8 +58,10 @@ class EPConfig:
     token_dtype : str
         Format of token rows on the wire and in the expert batch: ``"bfloat16"`` (the bf16 bit
         patterns), ``"fp8_e4m3"`` (E4M3 codes with a float32 scale per 128 elements) or
-        ``"fp8_e4m3_ue8m0"`` (E4M3 codes with a power-of-two scale byte per 128 elements), FP8
-        quantized inside dispatch_async or given pre-quantized (:mod:`ep_runtime.core.formats`).
+        ``"fp8_e4m3_ue8m0"`` (E4M3 codes with a power-of-two scale byte per 128 elements) or
+        ``"nvfp4"`` (E2M1 codes, an E4M3 scale per 16 elements and the tensor's float32 global
+        scale; ``hidden`` a multiple of 64), quantized inside dispatch_async or given
+        pre-quantized (:mod:`ep_runtime.core.formats`).
     combine_dtype : str
         Format of the per-rank partial sums sent back by combine: ``"bfloat16"`` (each partial
         rounded to bf16) or ``"float32"`` (unrounded, twice the bytes; ``hidden`` a multiple
@@ -183,11 +186,11 @@ class EPConfig:
 
     @property
     def token_bytes(self) -> int:
-        """Bytes of one token on the wire: ``hidden`` bf16 values, or an FP8 message's codes and
-        scales (its padding to whole words, :meth:`~ep_runtime.core.formats.TokenFormat.message_bytes`,
-        is never written or sent)."""
+        """Bytes of one token on the wire: ``hidden`` bf16 values, or a quantized message's codes
+        and scales (NVFP4: and its global scale; its padding to whole words,
+        :meth:`~ep_runtime.core.formats.TokenFormat.message_bytes`, is never written or sent)."""
         fmt = self.token_format
-        return fmt.payload_bytes(self.hidden) + fmt.scale_bytes(self.hidden)
+        return fmt.payload_bytes(self.hidden) + fmt.extras_bytes(self.hidden)
 
     @property
     def slot_bytes(self) -> int:

@@ -99,9 +99,15 @@ class ExpertBatch:
     src_rank, src_token, src_k : [capacity] int32, where each row came from (-1: padding).
     weight : [capacity] float32, the router weight of each row (0: padding).
     handle : the :class:`DispatchHandle` of the call, for ``combine_async``.
-    scales : FP8 token formats only (else None): the rows' block scales, float32 or UE8M0 uint8
-        codes, ``[capacity, hidden / 128]`` or, with ``dispatch_wait(scales="column")``,
+    scales : quantized token formats only (else None): the rows' block scales, float32 or UE8M0
+        uint8 codes, ``[capacity, hidden / 128]`` or, with ``dispatch_wait(scales="column")``,
         ``[hidden / 128, capacity]`` (0 on padding rows); ``x`` then holds uint8 E4M3 codes.
+        NVFP4: uint8 E4M3 codes ``[capacity, hidden / 16]`` (or ``[hidden / 16, capacity]``),
+        and ``x`` ``[capacity, hidden / 2]`` uint8, two E2M1 codes a byte (element 2i in the low
+        nibble).
+    global_scales : NVFP4 only (else None): ``[capacity]`` float32, the global scale of each
+        row's source tensor (its rank's ``token_global_scale``; 0 on padding rows): row r decodes
+        to ``e2m1(code) * e4m3(scale) * global_scales[r]``.
     """
 
     x: Any
@@ -113,6 +119,7 @@ class ExpertBatch:
     weight: Any
     handle: DispatchHandle
     scales: Any = None
+    global_scales: Any = None
 
 
 @dataclass(frozen=True)
@@ -142,9 +149,14 @@ class CompactBatch:
     gather : [capacity] int32, the ``x`` row of each batch row (``src_rank * T + src_token``;
         -1 on padding rows).
     handle : the :class:`DispatchHandle` of the call, for ``combine_async``.
-    scales : FP8 token formats only (else None): ``[n_ranks * T, hidden / 128]`` block scales of
-        the rows of ``x`` (float32 or UE8M0 uint8 codes), a strided view of the messages; ``x``
-        is then ``[n_ranks * T, hidden]`` uint8 E4M3 codes, also strided.
+    scales : quantized token formats only (else None): ``[n_ranks * T, hidden / 128]`` block
+        scales of the rows of ``x`` (float32 or UE8M0 uint8 codes), a strided view of the
+        messages; ``x`` is then ``[n_ranks * T, hidden]`` uint8 E4M3 codes, also strided.
+        NVFP4: ``[n_ranks * T, hidden / 16]`` uint8 E4M3 codes, ``x`` ``[n_ranks * T, hidden /
+        2]`` uint8 packed E2M1 codes.
+    global_scales : NVFP4 only (else None): ``[n_ranks * T]`` float32, each received row's
+        source tensor's global scale (row ``s * T + t``: rank s's), a strided view of the
+        messages.
     """
 
     x: Any
@@ -158,3 +170,4 @@ class CompactBatch:
     weight: Any
     handle: DispatchHandle
     scales: Any = None
+    global_scales: Any = None

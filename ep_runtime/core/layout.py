@@ -55,8 +55,8 @@ def partial_format_name(cfg: EPConfig) -> str:
     return "float32" if cfg.combine_dtype == "float32" else "bf16 bits"
 
 
-#: Regions of the FP8 token formats only (:func:`ep_runtime.core.layout.quantized_regions`), as
-#: (dtype, ndim) of their empty stand-ins in a bf16 layout.
+#: Regions of the quantized token formats only (:func:`send_stage_regions`,
+#: :func:`expert_scales_regions`), as (dtype, ndim) of their empty stand-ins in a bf16 layout.
 FORMAT_REGIONS = {"dispatch_send_stage": (np.uint64, 2), "expert_scales": (np.float32, 1)}
 
 @dataclass(frozen=True)
@@ -254,9 +254,9 @@ def _regions(cfg: EPConfig, plan=None) -> list[Region]:
         # -- local: the batch ----------------------------------------------------------------------------
         Region("token_rows", (R, T, K), i32, -1, Lc, f"{DW}, {DL}", (DC, CA),
                "[src, t, j]: expert-batch row of the j-th local expert (ascending) of token (src, t)"),
-        Region("expert_x", (C, H), cfg.token_format.element_dtype, 0, Lc, DC, ("user",),
-               "rows grouped by local expert, then source rank, then source token (bf16 bits, or "
-               "E4M3 codes in an FP8 token format; the expanded layout)"),
+        Region("expert_x", (C, cfg.token_format.payload_width(H)), cfg.token_format.element_dtype, 0, Lc, DC,
+               ("user",), "rows grouped by local expert, then source rank, then source token (bf16 bits, or "
+               "E4M3 codes in an FP8 token format, packed E2M1 codes in NVFP4; the expanded layout)"),
         *expert_scales_regions(cfg),
         Region("row_offsets", (L + 1,), i32, 0, Lc, f"{DW}, {DL}", ("user", DC),
                "segment e of the batch is rows [row_offsets[e], row_offsets[e + 1])"),
@@ -278,6 +278,7 @@ def _regions(cfg: EPConfig, plan=None) -> list[Region]:
         Region("relay_sync", (1,), i64, 0, Lc, "dispatch_relay", ("dispatch_relay",),
                "[0] ticket: finished blocks of the dispatch_relay launch, reset by the last (hierarchical)"),
         *relay_regions(cfg, plan, symmetric=False),
+        *global_scale_regions(cfg),
     ]
 
 
@@ -406,11 +407,38 @@ def send_stage_regions(cfg: EPConfig) -> list[Region]:
 
 
 def expert_scales_regions(cfg: EPConfig) -> list[Region]:
-    """An FP8 token format's expert-batch scales (``[C * S]`` of the scale dtype, S = H / 128
-    blocks per row, laid out per call row-major ``[C, S]`` or column-major ``[S, C]``)."""
+    """A quantized token format's expert-batch scales (``[C * S]`` of the scale dtype, S = H /
+    block scales per row, laid out per call row-major ``[C, S]`` or column-major ``[S, C]``).
+    NVFP4: ``C * (S + 4)`` bytes, the ``[C * S]`` E4M3 scales, then each row's float32 global
+    scale (``[C]``, 4-byte aligned: S is a multiple of 4), what its codec's receiver lays out."""
     fmt = cfg.token_format
     if not fmt.quantized:
         return []
-    return [Region("expert_scales", (cfg.recv_rows_capacity * fmt.scale_count(cfg.hidden),), fmt.scale_dtype, 0,
+    C, H = cfg.recv_rows_capacity, cfg.hidden
+    if fmt.has_global_scale:
+        return [Region("expert_scales", (C * fmt.extras_bytes(H),), np.dtype(np.uint8), 0, False, "dispatch_copy",
+                       ("user",), "the expert batch's rows' E4M3 scales, [C, S] row-major or [S, C] column-major "
+                       "(per call), then their float32 global scales [C]")]
+    return [Region("expert_scales", (C * fmt.scale_count(H),), fmt.scale_dtype, 0,
                    False, "dispatch_copy", ("user",),
                    "scales of the expert batch's rows: [C, S] row-major or [S, C] column-major (per call)")]
+
+
+def global_scale_regions(cfg: EPConfig) -> list[Region]:
+    """A token format with a global scale (NVFP4): what dispatch_async reads it from, and the
+    pre-quantized scales staged with it (the codec's ``token_scales``: its last row's first 4
+    bytes are the global scale; ep_runtime/kernels/codecs/nvfp4.py)."""
+    fmt = cfg.token_format
+    if not fmt.has_global_scale:
+        return []
+    T, S = cfg.max_tokens_per_rank, fmt.scale_count(cfg.hidden)
+    return [
+        Region("token_amax", (1,), np.dtype(np.uint32), 0, False, "tensor_amax (reset by global_scale_of_amax)",
+               ("global_scale_of_amax",), "the largest finite bf16 magnitude pattern of the call's tokens, when "
+               "the caller passes no global scale (0 between calls)"),
+        Region("token_global_scale", (1,), np.dtype(np.float32), 0, False, "global_scale_of_amax",
+               ("dispatch_async",), "the rule's global scale of the call's tokens (no caller scale)"),
+        Region("token_scales_stage", (T + 1, S), np.dtype(np.uint8), 0, False, "the runtime (stream copies)",
+               ("dispatch_async",), "pre-quantized input: [t] the caller's E4M3 scales of token t, [T][:4] "
+               "the caller's global scale (T the call's rows)"),
+    ]

@@ -49,7 +49,10 @@ class ExpertBatchRef:
     src_rank, src_token, src_k : [rows] int32 (-1 on padding rows)
     weight : [rows] float32 (0 on padding rows)
     scales : FP8 token formats only: [rows, hidden / 128] float32 or uint8 UE8M0 codes (0 on
-        padding rows); ``x`` is then [rows, hidden] uint8 E4M3 codes
+        padding rows); ``x`` is then [rows, hidden] uint8 E4M3 codes. NVFP4: [rows, hidden / 16]
+        uint8 E4M3 codes, ``x`` [rows, hidden / 2] uint8 packed E2M1 codes
+    global_scales : NVFP4 only: [rows] float32, each row's source rank's global scale (0 on
+        padding rows)
     """
 
     x: np.ndarray
@@ -60,6 +63,7 @@ class ExpertBatchRef:
     src_k: np.ndarray
     weight: np.ndarray
     scales: np.ndarray | None = None
+    global_scales: np.ndarray | None = None
 
     @property
     def n_rows(self) -> int:
@@ -86,22 +90,39 @@ def as_bf16(x: np.ndarray) -> np.ndarray:
     return x.astype(BF16)
 
 
-def encoded_tokens(inputs_per_rank, cfg: EPConfig, token_scales_per_rank=None):
+def global_scales(inputs_per_rank, cfg: EPConfig, global_scales_per_rank=None) -> list | None:
+    """Each rank's global scale (float32) in a format with one (NVFP4; else None): the given
+    ``global_scales_per_rank`` (a float32 or a [1] array per rank), or the rule's of each rank's
+    bf16 tokens, as the runtime computes it when the caller passes none."""
+    fmt = cfg.token_format
+    if not fmt.has_global_scale:
+        return None
+    if global_scales_per_rank is not None:
+        return [np.float32(np.asarray(g, np.float32).reshape(-1)[0]) for g in global_scales_per_rank]
+    return [fmt.global_scale(as_bf16(x).view(np.uint16)) for x in inputs_per_rank]
+
+
+def encoded_tokens(inputs_per_rank, cfg: EPConfig, token_scales_per_rank=None, global_scales_per_rank=None):
     """What each rank sends, per its token format: ``(rows, scales)`` per rank, bf16 rows and
     None, or in an FP8 format the E4M3 codes ``[T_r, hidden]`` uint8 and block scales
     ``[T_r, hidden / 128]`` (:meth:`ep_runtime.core.formats.TokenFormat.quantize` of bf16 inputs, or
-    the given codes and ``token_scales_per_rank`` when pre-quantized)."""
+    the given codes and ``token_scales_per_rank`` when pre-quantized). NVFP4: the packed codes
+    ``[T_r, hidden / 2]`` and scales ``[T_r, hidden / 16]``, quantized under each rank's
+    :func:`global_scales`."""
     fmt = cfg.token_format
     if not fmt.quantized:
         return [(as_bf16(x), None) for x in inputs_per_rank]
     if token_scales_per_rank is not None:
         return [(np.asarray(x).view(np.uint8), np.asarray(sc, fmt.scale_dtype))
                 for x, sc in zip(inputs_per_rank, token_scales_per_rank)]
+    if fmt.has_global_scale:
+        gs = global_scales(inputs_per_rank, cfg, global_scales_per_rank)
+        return [fmt.quantize(as_bf16(x).view(np.uint16), g) for x, g in zip(inputs_per_rank, gs)]
     return [fmt.quantize(as_bf16(x).view(np.uint16)) for x in inputs_per_rank]
 
 
 def dispatch(inputs_per_rank, topk_ids_per_rank, topk_weights_per_rank, cfg: EPConfig,
-             token_scales_per_rank=None) -> list[ExpertBatchRef]:
+             token_scales_per_rank=None, global_scales_per_rank=None) -> list[ExpertBatchRef]:
     """Expert batches of every rank.
 
     Parameters
@@ -111,16 +132,20 @@ def dispatch(inputs_per_rank, topk_ids_per_rank, topk_weights_per_rank, cfg: EPC
         ``token_scales_per_rank`` (pre-quantized input)
     topk_ids_per_rank : list of [T_r, top_k] int
     topk_weights_per_rank : list of [T_r, top_k] float32
+    global_scales_per_rank : NVFP4: each rank's global scale (:func:`global_scales`; required
+        with pre-quantized input)
     """
     R, L, H, pad = cfg.n_ranks, cfg.n_local_experts, cfg.hidden, cfg.pad_multiple
-    encoded = encoded_tokens(inputs_per_rank, cfg, token_scales_per_rank)
+    W = cfg.token_format.payload_width(H)
+    encoded = encoded_tokens(inputs_per_rank, cfg, token_scales_per_rank, global_scales_per_rank)
+    gs = global_scales(inputs_per_rank, cfg, global_scales_per_rank)
     xs = [x for x, _ in encoded]
     routed = [routed_ids(ids, cfg.n_experts) for ids in topk_ids_per_rank]
     quantized = cfg.token_format.quantized
     row_dtype = xs[0].dtype if xs else BF16
     batches = []
     for r in range(R):
-        rows_x, ranks, tokens, ks, ws, rows_s = [], [], [], [], [], []
+        rows_x, ranks, tokens, ks, ws, rows_s, rows_g = [], [], [], [], [], [], []
         offsets = np.zeros(L + 1, np.int32)
         counts = np.zeros(L, np.int32)
         n = 0
@@ -135,6 +160,8 @@ def dispatch(inputs_per_rank, topk_ids_per_rank, topk_weights_per_rank, cfg: EPC
                 rows_x.append(xs[s][t_hit])
                 if quantized:
                     rows_s.append(encoded[s][1][t_hit])
+                if gs is not None:
+                    rows_g.append(np.full(len(t_hit), gs[s], np.float32))
                 ranks.append(np.full(len(t_hit), s, np.int32))
                 tokens.append(t_hit.astype(np.int32))
                 ks.append(k_hit.astype(np.int32))
@@ -142,9 +169,10 @@ def dispatch(inputs_per_rank, topk_ids_per_rank, topk_weights_per_rank, cfg: EPC
                 counts[e_local] += len(t_hit)
                 n += len(t_hit)
             n_pad = -n % pad
-            rows_x.append(np.zeros((n_pad, H), row_dtype))
+            rows_x.append(np.zeros((n_pad, W), row_dtype))
             if quantized:
                 rows_s.append(np.zeros((n_pad, cfg.token_format.scale_count(H)), cfg.token_format.scale_dtype))
+            rows_g.append(np.zeros(n_pad, np.float32))
             ranks.append(np.full(n_pad, -1, np.int32))
             tokens.append(np.full(n_pad, -1, np.int32))
             ks.append(np.full(n_pad, -1, np.int32))
@@ -152,10 +180,11 @@ def dispatch(inputs_per_rank, topk_ids_per_rank, topk_weights_per_rank, cfg: EPC
             n += n_pad
         offsets[L] = n
         batches.append(ExpertBatchRef(
-            x=np.concatenate(rows_x) if rows_x else np.zeros((0, H), row_dtype), row_offsets=offsets,
+            x=np.concatenate(rows_x) if rows_x else np.zeros((0, W), row_dtype), row_offsets=offsets,
             expert_counts=counts, src_rank=np.concatenate(ranks), src_token=np.concatenate(tokens),
             src_k=np.concatenate(ks), weight=np.concatenate(ws),
-            scales=np.concatenate(rows_s) if quantized and rows_s else None))
+            scales=np.concatenate(rows_s) if quantized and rows_s else None,
+            global_scales=np.concatenate(rows_g) if gs is not None and rows_g else None))
     return batches
 
 
@@ -274,7 +303,7 @@ def sum_home(terms, went, home: int, wire, node_size: int = 0) -> np.ndarray:
 
 
 def receive_rows(inputs_per_rank, topk_ids_per_rank, cfg: EPConfig, token_scales_per_rank=None,
-                 with_scales: bool = False):
+                 with_scales: bool = False, global_scales_per_rank=None):
     """The compact layout: what each rank's receive buffer holds after dispatch.
 
     Returns per rank ``r`` a pair ``(x, defined)``: ``x`` [R * T, hidden] bfloat16 (T =
@@ -282,13 +311,15 @@ def receive_rows(inputs_per_rank, topk_ids_per_rank, cfg: EPConfig, token_scales
     token t of rank s when that token has an expert on ``r`` (``defined`` [R * T] bool marks
     those rows; the others are zero here and unspecified on a device). With ``with_scales``,
     a triple ``(x, defined, scales)``: the rows' block scales ``[R * T, hidden / 128]`` (FP8).
+    NVFP4: ``x`` [R * T, hidden / 2] packed codes and scales [R * T, hidden / 16], quantized
+    under ``global_scales_per_rank`` (:func:`global_scales`; :func:`receive_global_scales`).
     """
     R, L, T, H = cfg.n_ranks, cfg.n_local_experts, cfg.max_tokens_per_rank, cfg.hidden
-    encoded = encoded_tokens(inputs_per_rank, cfg, token_scales_per_rank)
+    encoded = encoded_tokens(inputs_per_rank, cfg, token_scales_per_rank, global_scales_per_rank)
     fmt = cfg.token_format
     out = []
     for r in range(R):
-        x = np.zeros((R * T, H), encoded[0][0].dtype if encoded else BF16)
+        x = np.zeros((R * T, fmt.payload_width(H)), encoded[0][0].dtype if encoded else BF16)
         scales = np.zeros((R * T, fmt.scale_count(H)), fmt.scale_dtype) if fmt.quantized else None
         defined = np.zeros(R * T, bool)
         for s in range(R):
@@ -298,6 +329,22 @@ def receive_rows(inputs_per_rank, topk_ids_per_rank, cfg: EPConfig, token_scales
                 scales[s * T + hit] = encoded[s][1][hit]
             defined[s * T + hit] = True
         out.append((x, defined, scales) if with_scales else (x, defined))
+    return out
+
+
+def receive_global_scales(inputs_per_rank, topk_ids_per_rank, cfg: EPConfig, global_scales_per_rank=None):
+    """NVFP4's compact layout: per rank ``r`` ``(global_scales, defined)``, ``[R * T]`` float32 (row
+    ``s * T + t``: rank s's global scale where its token t has an expert on ``r``, else 0) and
+    :func:`receive_rows`' ``defined``."""
+    R, L, T = cfg.n_ranks, cfg.n_local_experts, cfg.max_tokens_per_rank
+    gs = global_scales(inputs_per_rank, cfg, global_scales_per_rank)
+    out = []
+    for r in range(R):
+        g, defined = np.zeros(R * T, np.float32), np.zeros(R * T, bool)
+        for s in range(R):
+            hit = np.flatnonzero(np.any(routed_ids(topk_ids_per_rank[s], cfg.n_experts) // L == r, axis=1))
+            g[s * T + hit], defined[s * T + hit] = gs[s], True
+        out.append((g, defined))
     return out
 
 

@@ -12,13 +12,19 @@ from __future__ import annotations
 
 import numpy as np
 
+import contextlib
+import functools
+from dataclasses import dataclass
+
 from ep_runtime.core import arrays
 from ep_runtime.core.call_memo import PreparedCall
 from ep_runtime.core.config import LAYOUTS, EPConfig
 from ep_runtime.core.errors import EPInputError, EPStateError
 from ep_runtime.core.handles import CompactBatch, DispatchHandle, ExpertBatch, KeptRouting, from_fields
+from ep_runtime.core.kernel_args import argtypes, build_args
 from ep_runtime.core.plan import ExpandedCopy, Receiver, Transport
 from ep_runtime.core.runtime_state import INT64, State
+from ep_runtime.kernels.codecs import traits
 
 #: The layouts of dispatch_wait's result and of combine_async's input.
 DISPATCH_LAYOUTS = LAYOUTS
@@ -26,12 +32,21 @@ DISPATCH_LAYOUTS = LAYOUTS
 SCALE_LAYOUTS = ("row", "column")
 
 
+@dataclass(frozen=True)
+class DispatchLaunch(PreparedCall):
+    """dispatch_async's prepared launch, and ``before``: what each call enqueues ahead of it
+    (callables; NVFP4: the global scale computed on the stream, or pre-quantized scales staged
+    with the caller's global scale)."""
+
+    before: tuple = ()
+
+
 class DispatchCalls:
     """The dispatch calls of :class:`~ep_runtime.core.runtime.EPRuntime` (a mixin: see the module)."""
 
     # -- dispatch -----------------------------------------------------------------------------
     def dispatch_async(self, tokens, topk_ids=None, topk_weights=None, n_tokens=None, token_scales=None,
-                       routing: KeptRouting | None = None) -> DispatchHandle:
+                       routing: KeptRouting | None = None, token_global_scale=None) -> DispatchHandle:
         """Start sending this rank's tokens to the ranks of their experts. Collective.
 
         Parameters
@@ -39,7 +54,10 @@ class DispatchCalls:
         tokens : [T, hidden] bfloat16 (or uint16 bits), T <= max_tokens_per_rank (T may be 0).
             In an FP8 token format (``EPConfig.token_dtype``) bf16 tokens are quantized inside
             the kernel (per 128-element block, :mod:`ep_runtime.core.formats`); or pass the codes,
-            [T, hidden] uint8 (E4M3 bits), with ``token_scales``.
+            [T, hidden] uint8 (E4M3 bits), with ``token_scales``. NVFP4 (``"nvfp4"``): quantized
+            inside the kernel under ``token_global_scale`` (per 16-element block), or the packed
+            codes, [T, hidden / 2] uint8 (two E2M1 codes a byte, element 2i in the low nibble),
+            with ``token_scales`` and ``token_global_scale``.
         topk_ids : [T, top_k] int32, global expert ids in ``[0, n_experts)``, distinct per
             token; -1 masks a slot (nothing is sent for it and its weight is ignored; a token
             whose slots are all -1 combines to a zero row). An id outside ``[-1, n_experts)``
@@ -54,19 +72,26 @@ class DispatchCalls:
             ``n_tokens`` rows of its ``[T, hidden]`` output.
         token_scales : FP8 token formats, pre-quantized input only: [T, hidden / 128] float32
             (``fp8_e4m3``) or uint8 UE8M0 codes (``fp8_e4m3_ue8m0``), block j of token t
-            scaling elements 128 j .. 128 j + 127 (MAX's input scales).
+            scaling elements 128 j .. 128 j + 127 (MAX's input scales). NVFP4: [T, hidden / 16]
+            uint8 E4M3 codes (16-element blocks).
         routing : a :class:`KeptRouting` of this runtime (:meth:`keep_routing`), instead of
             ``topk_ids``, ``topk_weights`` and ``n_tokens``: dispatch ``tokens`` (as many rows
             as that dispatch had, e.g. a backward's gradients) with that dispatch's routing,
             weights and token count, sending no routing (every rank restores its own copies of
             the tables first). The batch is placed exactly as that dispatch's was. Every rank
             passes a routing kept from the same call.
+        token_global_scale : NVFP4 only: [1] float32 device array, the tensor's decode global
+            scale (``x ~= e2m1 * e4m3 * global``: FlashInfer's and TensorRT-LLM's ``global_sf``
+            is its reciprocal), read on the device and carried in every message. Required with
+            pre-quantized input; None with bf16 tokens: the runtime computes the rule's (the
+            largest finite magnitude of the call's ``T`` rows over 2688) on the stream first,
+            two small kernels, no host read (graph-safe).
 
         The inputs must stay unmodified until :meth:`dispatch_wait` of this call has run on
         the stream. Returns the handle for :meth:`dispatch_wait`.
         """
         self._require(State.IDLE, State.DISPATCHED, call="dispatch_async")
-        inputs = (tokens, topk_ids, topk_weights, n_tokens, token_scales)
+        inputs = (tokens, topk_ids, topk_weights, n_tokens, token_scales, token_global_scale)
         if routing is not None:
             self._check_kept(routing, topk_ids, topk_weights, n_tokens)
         elif topk_ids is None or topk_weights is None:
@@ -80,14 +105,16 @@ class DispatchCalls:
         self._kept_call = int(routing is not None)  # the relay of a kept routing's call forwards no routing
         if routing is not None:
             self._run(routing.restore)
+        for step in call.before:
+            step()
         self._run(call)
         handle = from_fields(DispatchHandle, {"owner": self._owner, "call": self._calls, "n_tokens": call.n_tokens})
         self._calls += 1
         self._state = State.DISPATCH_SENT
         return handle
 
-    def _prepare_dispatch_async(self, tokens, topk_ids, topk_weights, n_tokens, token_scales,
-                                routing: KeptRouting | None = None) -> PreparedCall:
+    def _prepare_dispatch_async(self, tokens, topk_ids, topk_weights, n_tokens, token_scales, token_global_scale,
+                                routing: KeptRouting | None = None) -> DispatchLaunch:
         """Check and convert dispatch_async's arguments (raising EPInputError before any
         launch); the launch, with T and the routing check's arguments (and, for a landing plan,
         the receive launches that read this call's tokens). With a kept ``routing`` the routing
@@ -108,16 +135,24 @@ class DispatchCalls:
         fp8_in = token_scales is not None
         if fp8_in and not fmt.quantized:
             raise EPInputError(f"{c}: token_scales given but EPConfig.token_dtype is {cfg.token_dtype!r}, which has "
-                               f"no scales; pass bf16 tokens alone, or build the runtime with token_dtype='fp8_e4m3' "
-                               f"or 'fp8_e4m3_ue8m0'.")
+                               f"no scales; pass bf16 tokens alone, or build the runtime with token_dtype='fp8_e4m3', "
+                               f"'fp8_e4m3_ue8m0' or 'nvfp4'.")
+        if token_global_scale is not None and not fmt.has_global_scale:
+            raise EPInputError(f"{c}: token_global_scale given but EPConfig.token_dtype is {cfg.token_dtype!r}, whose "
+                               f"messages carry no global scale; leave it out, or build the runtime with "
+                               f"token_dtype='nvfp4'.")
         if fp8_in:
-            arrays.check_array(tokens, c, "tokens", np.uint8, (None, cfg.hidden),
+            width = fmt.payload_width(cfg.hidden)
+            arrays.check_array(tokens, c, "tokens", np.uint8, (None, width),
+                               f"Pre-quantized tokens are [T, hidden / 2 = {width}] uint8, two E2M1 codes a byte "
+                               f"(element 2i in the low nibble), with T <= {cfg.max_tokens_per_rank}."
+                               if fmt.has_global_scale else
                                f"Pre-quantized tokens are [T, hidden={cfg.hidden}] uint8 E4M3 codes (view a "
                                f"float8_e4m3fn array as uint8), with T <= {cfg.max_tokens_per_rank}.")
         else:
             arrays.check_array(tokens, c, "tokens", np.uint16, (None, cfg.hidden),
                                f"Expected [T, hidden={cfg.hidden}] bfloat16 with T <= {cfg.max_tokens_per_rank}"
-                               + (" (or uint8 E4M3 codes with token_scales)." if fmt.quantized else "."))
+                               + (" (or pre-quantized uint8 codes with token_scales)." if fmt.quantized else "."))
         T = tokens.shape[0]
         if T > cfg.max_tokens_per_rank:
             raise EPInputError(
@@ -132,10 +167,13 @@ class DispatchCalls:
             token_scales = arrays.to_backend(token_scales, be, c, "token_scales")
             S = fmt.scale_count(cfg.hidden)
             arrays.check_array(token_scales, c, "token_scales", fmt.scale_dtype, (T, S),
-                               f"Expected [T={T}, hidden / 128 = {S}] {fmt.scale_dtype.name} ({cfg.token_dtype}: "
-                               f"one scale per 128-element block).")
+                               f"Expected [T={T}, hidden / {fmt.block} = {S}] {fmt.scale_dtype.name} "
+                               f"({cfg.token_dtype}: one scale per {fmt.block}-element block).")
             scales = token_scales.view(np.uint8)
         valid = self._valid_tokens(n_tokens, c)
+        before = ()
+        if fmt.has_global_scale:
+            scales, before = self._global_scale_inputs(tokens, scales, token_global_scale, valid, T, fp8_in)
         call = self._prepare("dispatch_async", tokens=tokens, topk_ids=topk_ids, topk_weights=topk_weights, **valid,
                              token_scales=scales, prequantized=INT64[fp8_in], timeout_ns=self._timeout_ns,
                              reuse_routing=INT64[routing is not None])
@@ -144,8 +182,53 @@ class DispatchCalls:
             own = tokens if not fmt.quantized else self._no_tokens  # bf16: this rank's own rows, never sent
             land = tuple(self._prepare("dispatch_land", tokens=own, copy_rows=INT64[copy], **self._wait_scalars)
                          for copy in (0, 1))
-        return PreparedCall(call.kernel, call.args, n_tokens=T, checked=(topk_ids, topk_weights, valid),
-                            grid=self.plan.dispatch_async_grid, land=land)
+        return DispatchLaunch(call.kernel, call.args, n_tokens=T, checked=(topk_ids, topk_weights, valid),
+                              grid=self.plan.dispatch_async_grid, land=land, before=before)
+
+    def _global_scale_inputs(self, tokens, token_scales, token_global_scale, valid: dict, T: int,
+                             prequantized: bool) -> tuple:
+        """A format with a global scale (NVFP4): ``(the kernel's token_scales, the steps each call
+        enqueues first)``. The codec reads the global scale from the first 4 bytes of its
+        ``token_scales``' last row (ep_runtime/kernels/codecs/nvfp4.py): the caller's ``[1]``
+        float32 as bytes, the one computed on the stream (no caller scale), or, pre-quantized,
+        the caller's scales staged in ``token_scales_stage`` with it after them."""
+        c = "dispatch_async"
+        if token_global_scale is None:
+            if prequantized:
+                raise EPInputError(f"{c}: pre-quantized {self.cfg.token_dtype} input needs token_global_scale, the "
+                                   f"[1] float32 global scale its codes and scales were made with; pass it.")
+            return self._computed_global_scale(tokens, valid)
+        g = arrays.to_backend(token_global_scale, self.session.backend, c, "token_global_scale")
+        arrays.check_array(g, c, "token_global_scale", np.float32, (1,),
+                           "Pass the tensor's decode global scale as a one-element float32 device array (the NVFP4 "
+                           "rule's: amax / (6 * 448)).")
+        g8 = g.view(np.uint8).reshape(1, 4)
+        if not prequantized:
+            return g8, ()
+        stage = self.buffers["token_scales_stage"][:T + 1]
+
+        def stage_scales():
+            with self._stream_context():
+                stage[:T] = token_scales
+                stage[T, :4] = g8[0]
+
+        return stage, (stage_scales,)
+
+    def _computed_global_scale(self, tokens, valid: dict) -> tuple:
+        """``(token_global_scale as [1, 4] bytes, its steps)``: the rule's global scale of the call's
+        bf16 tokens, computed on the stream by the codec's two kernels (``make_global_scale``)."""
+        kernels = traits(self._fmt.codec).make_global_scale(self.plan.threads)
+        rows = {"tokens": arrays.word_view(tokens, self._word, "dispatch_async", "tokens"), **valid}
+        steps = []
+        for kernel, grid, values in ((kernels.tensor_amax, 0, rows), (kernels.global_scale_of_amax, 1, {})):
+            self.session.precompile(kernel, argtypes(kernel, self.layout))
+            steps.append(functools.partial(self._run, PreparedCall(kernel, build_args(kernel, self._arg, values),
+                                                                   grid=grid)))
+        return self.buffers["token_global_scale"].view(np.uint8).reshape(1, 4), tuple(steps)
+
+    def _stream_context(self):
+        """A context in which CuPy work runs on the session stream (nothing on ``sim``: NumPy)."""
+        return contextlib.nullcontext() if self.session.backend == "sim" else self.session.stream
 
     def _valid_tokens(self, n_tokens, call) -> dict:
         """The ``valid_tokens`` / ``use_valid`` kernel arguments for ``n_tokens`` (see dispatch_async)."""
@@ -200,7 +283,10 @@ class DispatchCalls:
 
         FP8 token formats: ``x`` holds E4M3 codes (uint8) and ``scales`` their block scales;
         in the expanded layout ``scales="row"`` gives ``[C, S]`` and ``scales="column"``
-        ``[S, C]`` (column-major, what TMA-based FP8 GEMMs read), S = hidden / 128.
+        ``[S, C]`` (column-major, what TMA-based FP8 GEMMs read), S = hidden / 128. NVFP4:
+        ``x`` holds packed E2M1 codes ``[rows, hidden / 2]``, ``scales`` E4M3 codes (S = hidden
+        / 16, row- or column-major alike) and ``global_scales`` each row's source tensor's
+        float32 global scale.
         """
         self._require(State.DISPATCH_SENT, call="dispatch_wait", handle=handle, handle_type=DispatchHandle)
         if layout not in self.plan.layouts:
@@ -230,9 +316,10 @@ class DispatchCalls:
         return from_fields(ExpertBatch, {**self._batch_views["expanded", scales], "handle": handle})
 
     def dispatch(self, tokens, topk_ids, topk_weights, layout: str = "expanded", token_scales=None,
-                 scales: str = "row"):
+                 scales: str = "row", token_global_scale=None):
         """``dispatch_async`` then ``dispatch_wait``, then :meth:`synchronize`. Collective."""
-        batch = self.dispatch_wait(self.dispatch_async(tokens, topk_ids, topk_weights, token_scales=token_scales),
+        batch = self.dispatch_wait(self.dispatch_async(tokens, topk_ids, topk_weights, token_scales=token_scales,
+                                                       token_global_scale=token_global_scale),
                                    layout=layout, scales=scales)
         self.synchronize()
         return batch
@@ -302,24 +389,32 @@ class DispatchCalls:
 def batch_views(cfg: EPConfig, b: dict) -> dict:
     """The views dispatch_wait returns (less the handle), made once: ``("expanded", scales)``
     for each scale layout, and ``"compact"`` (the receive buffer has one group, so the compact
-    batch is the same memory every call). In an FP8 token format the compact ``x`` and
-    ``scales`` are strided views of the messages (codes, then scale bytes)."""
+    batch is the same memory every call). In a quantized token format the compact ``x`` and
+    ``scales`` (NVFP4: and ``global_scales``) are strided views of the messages."""
     fmt, R, T, H = cfg.token_format, cfg.n_ranks, cfg.max_tokens_per_rank, cfg.hidden
     rows = {k: b[f"row_{k}"] for k in ("src_rank", "src_token", "src_k", "weight")}
     meta = dict(row_offsets=b["row_offsets"], expert_counts=b["expert_counts"], **rows)
     views = {}
     for scales in SCALE_LAYOUTS if "expert_x" in b else ():  # (the expanded layout served)
-        batch_scales = None
+        batch_scales = global_scales = None
         if fmt.quantized:
             C, S = cfg.recv_rows_capacity, fmt.scale_count(H)
-            batch_scales = b["expert_scales"].reshape((S, C) if scales == "column" else (C, S))
-        views["expanded", scales] = dict(x=b["expert_x"], scales=batch_scales, **meta)
+            region = b["expert_scales"]  # NVFP4: the [C S] scales' bytes, then [C] float32 global scales
+            batch_scales = region[:C * S].reshape((S, C) if scales == "column" else (C, S))
+            if fmt.has_global_scale:
+                global_scales = region[C * S:].view(np.float32)
+        views["expanded", scales] = dict(x=b["expert_x"], scales=batch_scales, global_scales=global_scales, **meta)
     recv = b["dispatch_tokens"]
+    recv_global = None
     if fmt.quantized:
         msg8 = recv.reshape(R * T, -1).view(np.uint8)
         pb, sb = fmt.payload_bytes(H), fmt.scale_bytes(H)
         x, recv_scales = msg8[:, :pb], msg8[:, pb:pb + sb].view(fmt.scale_dtype)
+        if fmt.has_global_scale:
+            G = fmt.global_scale_offset_bytes(H)
+            recv_global = msg8[:, G:G + 4].view(np.float32)[:, 0]
     else:
         x, recv_scales = recv.reshape(R * T, H), None
-    views["compact"] = dict(x=x, scales=recv_scales, recv_tokens=b["recv_tokens"], gather=b["row_gather"], **meta)
+    views["compact"] = dict(x=x, scales=recv_scales, global_scales=recv_global, recv_tokens=b["recv_tokens"],
+                            gather=b["row_gather"], **meta)
     return views

@@ -49,7 +49,7 @@ GATE_ENTRIES = [
 HIERARCHICAL_CROSS_SECTION = ("dispatch_relay", "combine_relay")
 #: The formats it builds them in: (token_dtype, combine_dtype).
 FORMATS = (("bfloat16", "bfloat16"), ("bfloat16", "float32"), ("fp8_e4m3", "bfloat16"),
-           ("fp8_e4m3_ue8m0", "bfloat16"))
+           ("fp8_e4m3_ue8m0", "bfloat16"), ("nvfp4", "bfloat16"))
 
 
 def plan_entries(formats=FORMATS, variants=PLAN_VARIANTS + NODE_VARIANTS, pdl: bool = True) -> list:
@@ -85,7 +85,10 @@ def _in_cross_section(name: str, token_dtype: str, receiver: str, transport: str
     transports, UE8M0 on stores): the FP8 quantizing code is one device function every sender
     calls, and what a sender of another receiver adds (routes, parts) is the bfloat16 build's,
     which the gate builds; UE8M0's puts sender is FP8_E4M3's with UE8M0's scale code, built in
-    its stores sender. The receive kernels of UE8M0 equal FP8_E4M3's except for the scale words
+    its stores sender. NVFP4's codec is its own: its ``dispatch_async`` on both transports (its
+    senders differ: peer stores, or a stage and puts) and its ``dispatch_copy`` (its receiver);
+    its receive kernels read of the codec only its ``RAW`` trait, FP8_E4M3's too. The receive
+    kernels of UE8M0 equal FP8_E4M3's except for the scale words
     they copy, so they are built in FP8_E4M3 only, and of the route-first receivers only the
     chunked one (the plain one's code is its bfloat16 build's less the copy, and the chunked
     FP8 build's less the chunks); ``dispatch_copy`` (which writes the scales'
@@ -101,7 +104,7 @@ def _in_cross_section(name: str, token_dtype: str, receiver: str, transport: str
     if token_dtype == "bfloat16":
         return True
     if name == "dispatch_async":
-        return receiver == "wait" and (token_dtype == "fp8_e4m3" or transport == "stores")
+        return receiver == "wait" and (token_dtype in ("fp8_e4m3", "nvfp4") or transport == "stores")
     if name == "dispatch_copy":
         return True
     if name == "dispatch_wait" and receiver == "route_first":  # its FP8 code is route_first_chunked's build's
@@ -132,7 +135,25 @@ def ep_kernel_entries(every_build: bool = False):
             if key not in seen:
                 seen.add(key)
                 entries.append((f"{name} [{label}]", kernel, argtypes))
-    return entries
+    return entries + global_scale_entries()
+
+
+def global_scale_entries() -> list:
+    """The kernels a format with a global scale (NVFP4) runs before dispatch_async when the caller
+    passes none (its codec's ``make_global_scale``), with the signatures the runtime launches,
+    once per such format of :data:`FORMATS`."""
+    from ep_runtime.core.kernel_args import argtypes
+    from ep_runtime.core.layout import BufferLayout
+    from ep_runtime.kernels.codecs import traits
+
+    out = []
+    for label, cfg, plan in plan_entries(variants=(("wait", "stores"),)):
+        if cfg.token_format.has_global_scale:
+            kernels = traits(cfg.token_format.codec).make_global_scale(plan.threads)
+            for name in ("tensor_amax", "global_scale_of_amax"):
+                kernel = getattr(kernels, name)
+                out.append((f"{name} [{cfg.token_dtype}]", kernel, argtypes(kernel, BufferLayout(cfg, plan))))
+    return out
 
 
 #: The probes of nvshmem4py's device calls the EP kernels make (the rest of GATE_ENTRIES are the
