@@ -7,6 +7,11 @@ large puts: a token's row once per node in a packed chunk, its routing in one pu
 call, the node's partials summed by the proxy (``dispatch_relay`` and ``combine_relay``,
 kernels/relay.py, forward within the proxy's node). docs/cluster.md has the protocol and its
 traffic.
+
+:func:`make` takes the node's transport (``WITHIN``) and replaces what crosses nodes, a factory
+per job: :func:`make_slots` (slot values), :func:`make_signal` (the call's signal and routing),
+:func:`make_partials` (the combine partials to the proxies) and :func:`make_row_chunks` (the
+token rows in packed chunks).
 """
 
 import functools
@@ -23,13 +28,38 @@ from ep_runtime.kernels.transport import puts, stores
 from ep_runtime.kernels.vec import address_of, pairs_aligned
 
 
+#: The names of the interface the hierarchical transport takes unchanged from its node's transport
+#: (``stores`` or ``puts`` built for the node's PEs): the constants, the credits and what is written
+#: only within the node.
+WITHIN = ("warp", "NEAR_FENCED", "DIRECT", "near", "row_dests", "send_part", "send_part_flagged", "spread_range",
+          "row_at", "spread_slot", "spread_flush", "count_u32", "send_ranks", "counts_before_route", "forward_run",
+          "forward_row", "grant_credits", "await_credits", "stores_to", "stages", "stage_aligned")
+
+
 @functools.lru_cache(maxsize=None)
 def make(threads: int, node_size: int, node_stores: bool) -> SimpleNamespace:
     """The hierarchical transport for blocks of ``threads`` threads and nodes of ``node_size``
-    PEs, storing within a node when ``node_stores`` (else putting)."""
+    PEs, storing within a node when ``node_stores`` (else putting): the package's device
+    interface, one namespace, the node's transport (``WITHIN``) with what crosses nodes."""
     NODE = node_size
-    make_row_chunks_here = functools.partial(make_row_chunks, threads, node_size)
     within = (stores if node_stores else puts).make(threads, node_size)
+
+    @cuda.jit(device=True)
+    def reaches_pe(me, d):
+        """Whether PE ``me`` writes into PE ``d`` (its node's PEs and its proxies)."""
+        return reaches(me, d, NODE)
+
+    return SimpleNamespace(FENCED=False, reaches=reaches_pe,
+                           make_row_chunks=functools.partial(make_row_chunks, threads, node_size),
+                           **{name: getattr(within, name) for name in WITHIN}, **vars(make_slots(within)),
+                           **vars(make_signal(threads, node_size, within.signal_pe)),
+                           **vars(make_partials(node_size, node_stores, within)))
+
+
+def make_slots(within) -> SimpleNamespace:
+    """The combine slot values: to the PEs of this node as the node's transport (``within``)
+    writes them, staged for the PEs of other nodes and put with the signal:
+    ``send_slot_value``, ``signal_slot_values``."""
     near = within.near
     slot_value_near, signal_slot_values_near = within.send_slot_value, within.signal_slot_values
 
@@ -56,15 +86,16 @@ def make(threads: int, node_size: int, node_stores: bool) -> SimpleNamespace:
                 shmem.put_signal_block(slot_across[g, me, 0:Ts], slot_stage[d, 0:Ts], slot_signal[g, me:me + 1],
                                        uint64(n + 1), shmem.SIGNAL_SET, d)
 
-    @cuda.jit(device=True)
-    def reaches_pe(me, d):
-        return reaches(me, d, NODE)
+    return SimpleNamespace(send_slot_value=send_slot_value, signal_slot_values=signal_slot_values)
 
-    # -- dispatch: within the node as the node's transport; across nodes a token's row once per node
-    # in a packed chunk, the routing in one put per proxy and call, the counts rows with the relay
-    # signal (the proxies forward them: dispatch_relay)
 
-    signal_near = within.signal_pe
+def make_signal(threads: int, node_size: int, signal_near) -> SimpleNamespace:
+    """dispatch_async's signal of a call (blocks of ``threads`` threads, nodes of ``node_size``
+    PEs): within the node as the node's transport gives it (``signal_near``: its ``signal_pe``);
+    across nodes the routing in one put per proxy and call, the counts rows with the relay
+    signal (the proxies forward them: dispatch_relay): ``signal_call``. (A token's row crosses
+    once per node in a packed chunk: :func:`make_row_chunks`.)"""
+    NODE = node_size
 
     @cuda.jit(device=True)
     def signal_call(signal_, counts, staged, relay_counts, relay_signal, ids, weights, ranks, g, me, T, value, route,
@@ -100,9 +131,17 @@ def make(threads: int, node_size: int, node_stores: bool) -> SimpleNamespace:
             else:
                 signal_near(signal_, counts, staged, g, me, d, value, route)
 
-    # -- combine partials: a partial for a home on another node goes to the home's proxy on this
-    # node (the PE with the home's local index), into its relay_partials row ``node(s) node_size
-    # + local(me)``, flagged in relay_flag; the proxy sums its node's partials (combine_relay)
+    return SimpleNamespace(signal_call=signal_call)
+
+
+def make_partials(node_size: int, node_stores: bool, within) -> SimpleNamespace:
+    """The combine partials: a partial for a home on another node goes to the home's proxy on this
+    node (the PE with the home's local index), into its relay_partials row ``node(s) node_size
+    + local(me)``, flagged in relay_flag; the proxy sums its node's partials (combine_relay).
+    Stored (``node_stores``: :func:`make_stored_partials`) or put
+    (:func:`make_put_partials`) as the node's transport (``within``) writes: ``home_aligned``,
+    ``home_at``, ``finish_part``, ``send_home_part``."""
+    NODE = node_size
 
     @cuda.jit(device=True)
     def far(me, s):
@@ -114,86 +153,85 @@ def make(threads: int, node_size: int, node_stores: bool) -> SimpleNamespace:
         the proxy's ``relay_partials`` and the proxy."""
         return (s // NODE) * NODE + me % NODE, (me // NODE) * NODE + s % NODE
 
-    near_finish_part = within.finish_part
-
     @cuda.jit(device=True)
     def home_aligned(relay_partials):
         """Whether the proxies' ``relay_partials`` rows are 16-byte aligned."""
         return pairs_aligned(relay_partials)
 
-    if node_stores:
-        near_home_at = within.home_at
+    across = (make_stored_partials if node_stores else make_put_partials)(within, far, proxy_row)
+    return SimpleNamespace(home_aligned=home_aligned, **vars(across))
 
-        @cuda.jit(device=True)
-        def home_at(partials, relay_partials, peer_bases, g, me, s, t):
-            """The address, through its mapping, where this PE's partial of token t of PE ``s``
-            goes: slot ``[g, me, t]`` of s's ``combine_partials`` on this node, or its row of the
-            proxy's ``relay_partials`` for s on another node (the same offsets on every PE)."""
+
+def make_stored_partials(within, far, proxy_row) -> SimpleNamespace:
+    """``home_at``, ``finish_part``, ``send_home_part`` of partials stored through the mappings
+    (``within``: the stores transport of the node's PEs; ``far(me, s)``: whether ``s`` is on
+    another node; ``proxy_row(me, s)``: its ``(row, proxy)``)."""
+    near_home_at = within.home_at
+    near_finish_part = within.finish_part
+
+    @cuda.jit(device=True)
+    def home_at(partials, relay_partials, peer_bases, g, me, s, t):
+        """The address, through its mapping, where this PE's partial of token t of PE ``s``
+        goes: slot ``[g, me, t]`` of s's ``combine_partials`` on this node, or its row of the
+        proxy's ``relay_partials`` for s on another node (the same offsets on every PE)."""
+        if far(me, s):
+            row, proxy = proxy_row(me, s)
+            return peer_bases[PEER_RELAY_PARTIALS, proxy] + (address_of(relay_partials[row, t])
+                                                             - address_of(relay_partials))
+        return near_home_at(partials, relay_partials, peer_bases, g, me, s, t)
+
+    @inlined
+    def finish_part(partials, stage, relay_partials, relay_flag, row_flag, g, me, s, t, p, pw0, pw1, n, lane):
+        """Every lane of the warp that stored part ``p``: flag it where it went
+        (``relay_flag[row, t, p]`` on the proxy for ``s`` on another node)."""
+        if far(me, s):
+            row, proxy = proxy_row(me, s)
+            flag_stored(relay_flag[row, t, p:p + 1], n, uint64(1) << uint64(proxy), row_flag.shape[0], lane)
+        else:
+            near_finish_part(partials, stage, relay_partials, relay_flag, row_flag, g, me, s, t, p, pw0, pw1, n,
+                             lane)
+
+    return SimpleNamespace(home_at=home_at, finish_part=finish_part,
+                           send_home_part=stores.make_home_sender(within.warp, home_at, finish_part))
+
+
+def make_put_partials(within, far, proxy_row) -> SimpleNamespace:
+    """``home_at``, ``finish_part``, ``send_home_part`` of partials staged and put (``within``:
+    the puts transport of the node's PEs; ``far(me, s)``: whether ``s`` is on another node;
+    ``proxy_row(me, s)``: its ``(row, proxy)``)."""
+    near_send_home_part = within.send_home_part
+
+    @inlined
+    def finish_part(partials, stage, relay_partials, relay_flag, row_flag, g, me, s, t, p, pw0, pw1, n, lane):
+        """Every lane of the warp that staged part ``p`` of its partial for PE ``s``: put it with
+        its flag to ``s`` on this node, or to the proxy's ``relay_partials`` row with its
+        ``relay_flag`` for ``s`` on another node; this PE's own part flagged here."""
+        if s != me:
+            warp_sync()  # the whole staged part is written before the warp's put
             if far(me, s):
                 row, proxy = proxy_row(me, s)
-                return peer_bases[PEER_RELAY_PARTIALS, proxy] + (address_of(relay_partials[row, t])
-                                                                 - address_of(relay_partials))
-            return near_home_at(partials, relay_partials, peer_bases, g, me, s, t)
-
-        @inlined
-        def finish_part(partials, stage, relay_partials, relay_flag, row_flag, g, me, s, t, p, pw0, pw1, n, lane):
-            """Every lane of the warp that stored part ``p``: flag it where it went
-            (``relay_flag[row, t, p]`` on the proxy for ``s`` on another node)."""
-            if far(me, s):
-                row, proxy = proxy_row(me, s)
-                flag_stored(relay_flag[row, t, p:p + 1], n, uint64(1) << uint64(proxy), row_flag.shape[0], lane)
+                shmem.put_signal_nbi_warp(relay_partials[row, t, pw0:pw1], stage[s, t, pw0:pw1],
+                                          relay_flag[row, t, p:p + 1], uint64(n + 1), shmem.SIGNAL_SET, proxy)
             else:
-                near_finish_part(partials, stage, relay_partials, relay_flag, row_flag, g, me, s, t, p, pw0, pw1, n,
-                                 lane)
+                shmem.put_signal_nbi_warp(partials[g, me, t, pw0:pw1], stage[s, t, pw0:pw1],
+                                          row_flag[me, t, p:p + 1], uint64(n + 1), shmem.SIGNAL_SET, s)
+        else:
+            flag_part(row_flag, me, t, p, n, uint64(1) << uint64(s), lane)
 
-        send_home_part = stores.make_home_sender(within.warp, home_at, finish_part)
-    else:
-        home_at = within.home_at
-        near_send_home_part = within.send_home_part
+    @inlined
+    def send_home_part(src, w0, w1, partials, relay_partials, relay_flag, row_flag, peer_bases, g, me, s, t, p, n,
+                       direct, lane, lo, hi):
+        """Every lane of a warp: the caller's partial row part put to the proxy for ``s`` on
+        another node (else as within the node)."""
+        if far(me, s):
+            row, proxy = proxy_row(me, s)
+            shmem.put_signal_nbi_warp(relay_partials[row, t, w0:w1], src[w0:w1], relay_flag[row, t, p:p + 1],
+                                      uint64(n + 1), shmem.SIGNAL_SET, proxy)
+        else:
+            near_send_home_part(src, w0, w1, partials, relay_partials, relay_flag, row_flag, peer_bases, g, me,
+                                s, t, p, n, direct, lane, lo, hi)
 
-        @inlined
-        def finish_part(partials, stage, relay_partials, relay_flag, row_flag, g, me, s, t, p, pw0, pw1, n, lane):
-            """Every lane of the warp that staged part ``p`` of its partial for PE ``s``: put it with
-            its flag to ``s`` on this node, or to the proxy's ``relay_partials`` row with its
-            ``relay_flag`` for ``s`` on another node; this PE's own part flagged here."""
-            if s != me:
-                warp_sync()  # the whole staged part is written before the warp's put
-                if far(me, s):
-                    row, proxy = proxy_row(me, s)
-                    shmem.put_signal_nbi_warp(relay_partials[row, t, pw0:pw1], stage[s, t, pw0:pw1],
-                                              relay_flag[row, t, p:p + 1], uint64(n + 1), shmem.SIGNAL_SET, proxy)
-                else:
-                    shmem.put_signal_nbi_warp(partials[g, me, t, pw0:pw1], stage[s, t, pw0:pw1],
-                                              row_flag[me, t, p:p + 1], uint64(n + 1), shmem.SIGNAL_SET, s)
-            else:
-                flag_part(row_flag, me, t, p, n, uint64(1) << uint64(s), lane)
-
-        @inlined
-        def send_home_part(src, w0, w1, partials, relay_partials, relay_flag, row_flag, peer_bases, g, me, s, t, p,
-                           n, direct, lane, lo, hi):
-            """Every lane of a warp: the caller's partial row part put to the proxy for ``s`` on
-            another node (else as within the node)."""
-            if far(me, s):
-                row, proxy = proxy_row(me, s)
-                shmem.put_signal_nbi_warp(relay_partials[row, t, w0:w1], src[w0:w1], relay_flag[row, t, p:p + 1],
-                                          uint64(n + 1), shmem.SIGNAL_SET, proxy)
-            else:
-                near_send_home_part(src, w0, w1, partials, relay_partials, relay_flag, row_flag, peer_bases, g, me,
-                                    s, t, p, n, direct, lane, lo, hi)
-
-    return SimpleNamespace(warp=within.warp, FENCED=False, NEAR_FENCED=within.NEAR_FENCED, DIRECT=within.DIRECT,
-                           row_dests=within.row_dests, send_part=within.send_part,
-                           send_part_flagged=within.send_part_flagged, spread_range=within.spread_range,
-                           row_at=within.row_at, spread_slot=within.spread_slot, spread_flush=within.spread_flush,
-                           count_u32=within.count_u32, send_ranks=within.send_ranks,
-                           counts_before_route=within.counts_before_route, signal_call=signal_call,
-                           make_row_chunks=make_row_chunks_here, near=near, reaches=reaches_pe,
-                           forward_run=within.forward_run, forward_row=within.forward_row,
-                           send_slot_value=send_slot_value, signal_slot_values=signal_slot_values,
-                           grant_credits=within.grant_credits, await_credits=within.await_credits,
-                           stores_to=within.stores_to, stages=within.stages, stage_aligned=within.stage_aligned,
-                           home_aligned=home_aligned, home_at=home_at, finish_part=finish_part,
-                           send_home_part=send_home_part)
+    return SimpleNamespace(home_at=within.home_at, finish_part=finish_part, send_home_part=send_home_part)
 
 
 def make_row_chunks(threads: int, node_size: int, pack_row, holders):

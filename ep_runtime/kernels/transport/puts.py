@@ -4,6 +4,11 @@ threads copy; across nodes a CPU proxy or the NIC moves the bytes).
 A put is complete (delivered) after ``quiet``; ``put_signal`` delivers its data before its
 signal. Built for every PE (``node_size`` 0) or for the PEs of this PE's node (``node_size`` >
 0: the hierarchical transport's writes within a node, :mod:`.hierarchical`).
+
+:func:`make` merges the interface from a factory per job: :func:`make_rows` (token rows),
+:func:`make_routing` (routing rows, ranks, counts, the call's signal), :func:`make_partials`
+(the combine partials' stage, put and flag), :func:`make_slots` (slot values) and
+:func:`make_forwarding` (the proxies' forwarding within their node).
 """
 
 import functools
@@ -22,42 +27,20 @@ from ep_runtime.kernels.transport import common
 @functools.lru_cache(maxsize=None)
 def make(threads: int, node_size: int = 0) -> SimpleNamespace:
     """The puts transport for blocks of ``threads`` threads, to every PE (``node_size`` 0) or to
-    the PEs of this PE's node."""
-    NODE = node_size
+    the PEs of this PE's node: the package's device interface, one namespace."""
     warp, _ = warp_geometry(threads)
+    near = make_near(node_size)
+    return SimpleNamespace(warp=warp, FENCED=False, NEAR_FENCED=False, DIRECT=False, near=near,
+                           make_row_chunks=common.no_row_chunks, **vars(make_rows(node_size)),
+                           **vars(make_routing(threads, near)), **vars(make_partials()),
+                           **vars(make_slots(threads, near)), **vars(make_forwarding(node_size)),
+                           **vars(common.make_credits(node_size)))
 
-    near = make_near(NODE)
 
-    @cuda.jit(device=True)
-    def forward_run(array, g, s, t0, t1, peer_bases, region, first, me):
-        """Every thread of a block: ``array[g, s, t0:t1]`` into the same elements of the PEs
-        ``[first, first + node_size)`` but this one, a block put each."""
-        for q in range(first, first + NODE):
-            if q != me:
-                shmem.put_nbi_block(array[g, s, t0:t1], array[g, s, t0:t1], q)
-
-    @cuda.jit(device=True)
-    def forward_row(rows, row, s, t, to, peer_bases, region, first, lane, lo, hi):
-        """Every lane of a warp: the local ``row`` into ``rows[s, t]`` of each PE of ``[first,
-        first + node_size)`` set in ``to`` (uint64), this one included, a warp put each."""
-        for q in range(first, first + NODE):
-            if (to >> uint64(q)) & uint64(1):
-                shmem.put_nbi_warp(rows[s, t], row, q)
-
-    @inlined
-    def send_slot_value(slot_values, slot_stage, values, i, peer_bases, g, me, s, t, k):
-        """One thread: ``values[i]`` (float32) into ``slot_values[g, t, k]`` of PE ``s``, a put."""
-        shmem.put(slot_values[g, t, k:k + 1], values[i:i + 1], s)
-
-    @inlined
-    def signal_slot_values(slot_signal, slot_across, slot_stage, counts, g, me, n):
-        """Every thread of the last block, after its quiet: ``slot_signal[g, me]`` set to ``n + 1``
-        on every near PE."""
-        for d in range(cuda.threadIdx.x, slot_signal.shape[1], threads):
-            if near(me, d):
-                shmem.signal_op(slot_signal[g, me:me + 1], uint64(n + 1), shmem.SIGNAL_SET, d)
-
-    # -- dispatch: token rows, routing rows, ranks, counts and the signal
+def make_rows(node_size: int) -> SimpleNamespace:
+    """The token rows put to the PEs (every PE, ``node_size`` 0, or this PE's node), a warp put
+    each: ``row_dests``, ``send_part``, ``send_part_flagged``."""
+    NODE = node_size
 
     @cuda.jit(device=True)
     def row_dests(holders, me):
@@ -83,6 +66,15 @@ def make(threads: int, node_size: int = 0) -> SimpleNamespace:
             if (dests >> uint64(d)) & uint64(1):
                 shmem.put_signal_nbi_warp(rows[me, t, w0:w1], src[w0:w1], flags[me, t, p:p + 1], uint64(n + 1),
                                           shmem.SIGNAL_SET, d)
+
+    return SimpleNamespace(row_dests=row_dests, send_part=send_part, send_part_flagged=send_part_flagged)
+
+
+def make_routing(threads: int, near) -> SimpleNamespace:
+    """A call's routing rows, ranks, counts and signal, written here and put to the ``near`` PEs
+    (blocks of ``threads`` threads): ``spread_range``, ``row_at``, ``spread_slot``,
+    ``spread_flush``, ``count_u32``, ``send_ranks``, ``counts_before_route``, ``signal_pe``,
+    ``signal_call``."""
 
     @cuda.jit(device=True)
     def spread_range(T, K, blocks):
@@ -157,7 +149,15 @@ def make(threads: int, node_size: int = 0) -> SimpleNamespace:
         for d in range(cuda.threadIdx.x, counts.shape[1], threads):
             signal_pe(signal_, counts, staged, g, me, d, value, route)
 
-    # -- combine partials: staged here and put home with their flag, part by part
+    return SimpleNamespace(spread_range=spread_range, row_at=row_at, spread_slot=spread_slot,
+                           spread_flush=spread_flush, count_u32=count_u32, send_ranks=send_ranks,
+                           counts_before_route=counts_before_route, signal_pe=signal_pe, signal_call=signal_call)
+
+
+def make_partials() -> SimpleNamespace:
+    """The combine partials, staged here and put home with their flag, part by part:
+    ``stores_to``, ``stages``, ``stage_aligned``, ``home_aligned``, ``home_at``,
+    ``finish_part``, ``send_home_part``."""
 
     @cuda.jit(device=True)
     def stores_to(me, s):
@@ -205,14 +205,49 @@ def make(threads: int, node_size: int = 0) -> SimpleNamespace:
         shmem.put_signal_nbi_warp(partials[g, me, t, w0:w1], src[w0:w1], row_flag[me, t, p:p + 1], uint64(n + 1),
                                   shmem.SIGNAL_SET, s)
 
-    credits = common.make_credits(NODE)
-    return SimpleNamespace(warp=warp, FENCED=False, NEAR_FENCED=False, DIRECT=False, near=near, row_dests=row_dests,
-                           send_part=send_part, send_part_flagged=send_part_flagged, spread_range=spread_range,
-                           row_at=row_at, spread_slot=spread_slot, spread_flush=spread_flush, count_u32=count_u32,
-                           send_ranks=send_ranks, counts_before_route=counts_before_route, signal_pe=signal_pe,
-                           signal_call=signal_call, make_row_chunks=common.no_row_chunks, forward_run=forward_run,
-                           forward_row=forward_row, send_slot_value=send_slot_value,
-                           signal_slot_values=signal_slot_values, grant_credits=credits.grant_credits,
-                           await_credits=credits.await_credits, stores_to=stores_to, stages=stages,
-                           stage_aligned=stage_aligned, home_aligned=home_aligned, home_at=home_at,
-                           finish_part=finish_part, send_home_part=send_home_part)
+    return SimpleNamespace(stores_to=stores_to, stages=stages, stage_aligned=stage_aligned, home_aligned=home_aligned,
+                           home_at=home_at, finish_part=finish_part, send_home_part=send_home_part)
+
+
+def make_slots(threads: int, near) -> SimpleNamespace:
+    """The combine slot values, put to their PE, and their signal to the ``near`` PEs (blocks of
+    ``threads`` threads): ``send_slot_value``, ``signal_slot_values``."""
+
+    @inlined
+    def send_slot_value(slot_values, slot_stage, values, i, peer_bases, g, me, s, t, k):
+        """One thread: ``values[i]`` (float32) into ``slot_values[g, t, k]`` of PE ``s``, a put."""
+        shmem.put(slot_values[g, t, k:k + 1], values[i:i + 1], s)
+
+    @inlined
+    def signal_slot_values(slot_signal, slot_across, slot_stage, counts, g, me, n):
+        """Every thread of the last block, after its quiet: ``slot_signal[g, me]`` set to ``n + 1``
+        on every near PE."""
+        for d in range(cuda.threadIdx.x, slot_signal.shape[1], threads):
+            if near(me, d):
+                shmem.signal_op(slot_signal[g, me:me + 1], uint64(n + 1), shmem.SIGNAL_SET, d)
+
+    return SimpleNamespace(send_slot_value=send_slot_value, signal_slot_values=signal_slot_values)
+
+
+def make_forwarding(node_size: int) -> SimpleNamespace:
+    """The hierarchical proxies' forwarding within their node of ``node_size`` PEs, puts:
+    ``forward_run``, ``forward_row``."""
+    NODE = node_size
+
+    @cuda.jit(device=True)
+    def forward_run(array, g, s, t0, t1, peer_bases, region, first, me):
+        """Every thread of a block: ``array[g, s, t0:t1]`` into the same elements of the PEs
+        ``[first, first + node_size)`` but this one, a block put each."""
+        for q in range(first, first + NODE):
+            if q != me:
+                shmem.put_nbi_block(array[g, s, t0:t1], array[g, s, t0:t1], q)
+
+    @cuda.jit(device=True)
+    def forward_row(rows, row, s, t, to, peer_bases, region, first, lane, lo, hi):
+        """Every lane of a warp: the local ``row`` into ``rows[s, t]`` of each PE of ``[first,
+        first + node_size)`` set in ``to`` (uint64), this one included, a warp put each."""
+        for q in range(first, first + NODE):
+            if (to >> uint64(q)) & uint64(1):
+                shmem.put_nbi_warp(rows[s, t], row, q)
+
+    return SimpleNamespace(forward_run=forward_run, forward_row=forward_row)

@@ -7,6 +7,11 @@ Stores are published by a barrier of the writing threads, one thread's system fe
 (``block.publish_fence``, ``block.flag_part``). Built for every PE (``node_size`` 0) or for
 the PEs of this PE's node (``node_size`` > 0: the hierarchical transport's writes within a
 node, :mod:`.hierarchical`, which adds what crosses nodes).
+
+:func:`make` merges the interface from a factory per job: :func:`make_rows` (token rows),
+:func:`make_routing` (routing rows, ranks, counts, the call's signal), :func:`make_partials`
+(the combine partials' home and flag), :func:`make_slots` (slot values) and
+:func:`make_forwarding` (the proxies' forwarding within their node).
 """
 
 import functools
@@ -30,54 +35,24 @@ from ep_runtime.kernels.vec import (address_of, load_u32_at, make_pair_loops, ma
 @functools.lru_cache(maxsize=None)
 def make(threads: int, node_size: int = 0) -> SimpleNamespace:
     """The stores transport for blocks of ``threads`` threads, into every PE (``node_size`` 0)
-    or into the PEs of this PE's node."""
-    NODE = node_size
+    or into the PEs of this PE's node: the package's device interface, one namespace."""
     warp, _ = warp_geometry(threads)
-    copy_to_peers = make_peer_copy(PAIRS_IN_FLIGHT, warp)
+    near = make_near(node_size)
+    copy_to_peers = make_peer_copy(PAIRS_IN_FLIGHT, warp)  # token rows and forwarded rows alike
+    return SimpleNamespace(warp=warp, FENCED=node_size == 0, NEAR_FENCED=True, DIRECT=True, near=near,
+                           make_row_chunks=common.no_row_chunks, **vars(make_rows(node_size, copy_to_peers)),
+                           **vars(make_routing(threads, near)), **vars(make_partials(warp)),
+                           **vars(make_slots(threads, near)),
+                           **vars(make_forwarding(threads, node_size, copy_to_peers)),
+                           **vars(common.make_credits(node_size)))
 
-    near = make_near(NODE)
 
-    @cuda.jit(device=True)
-    def forward_run(array, g, s, t0, t1, peer_bases, region, first, me):
-        """Every thread of a block: ``array[g, s, t0:t1]`` (int32 or float32 [G, R, Tmax, K],
-        4-byte elements) into the same elements of the PEs ``[first, first + node_size)`` but
-        this one: 4-byte stores through their mappings (``region``: the array's ``peer_bases``
-        row), each element loaded once."""
-        K = array.shape[3]
-        src = address_of(array[g, s, t0])
-        at = src - address_of(array)  # the same offset on every PE
-        for j in range(cuda.threadIdx.x, (t1 - t0) * K, threads):
-            word = load_u32_at(src, j)
-            for q in range(first, first + NODE):
-                if q != me:
-                    store_u32_at(peer_bases[region, q] + at, j, word)
-
-    @cuda.jit(device=True)
-    def forward_row(rows, row, s, t, to, peer_bases, region, first, lane, lo, hi):
-        """Every lane of a warp: the local ``row`` (uint64 words) into ``rows[s, t]`` of each PE
-        of ``[first, first + node_size)`` set in ``to`` (uint64), this one included, each word
-        (pair) loaded once for every PE."""
-        W = row.shape[0]
-        slot = address_of(rows[s, t]) - address_of(rows)  # the same on every PE
-        pairs = row.itemsize == 8 and W % 2 == 0 and pairs_aligned(row) and pairs_aligned(rows)
-        copy_to_peers(row, 0, W, to, first, first + NODE, peer_bases, region, slot, pairs, lane, lo, hi)
-
-    @inlined
-    def send_slot_value(slot_values, slot_stage, values, i, peer_bases, g, me, s, t, k):
-        """One thread: ``values[i]`` (float32) into ``slot_values[g, t, k]`` of PE ``s``."""
-        Tm = slot_values.shape[1]
-        K = slot_values.shape[2]
-        store_u32_at(peer_bases[PEER_SLOTS, s], (g * Tm + t) * K + k, f32_bits(values[i]))
-
-    @inlined
-    def signal_slot_values(slot_signal, slot_across, slot_stage, counts, g, me, n):
-        """Every thread of the last block, after its publish: ``slot_signal[g, me]`` set to
-        ``n + 1`` on every near PE."""
-        for d in range(cuda.threadIdx.x, slot_signal.shape[1], threads):
-            if near(me, d):
-                shmem.signal_op(slot_signal[g, me:me + 1], uint64(n + 1), shmem.SIGNAL_SET, d)
-
-    # -- dispatch: token rows, routing rows, ranks, counts and the signal
+def make_rows(node_size: int, copy_to_peers) -> SimpleNamespace:
+    """The token rows into the PEs (every PE, ``node_size`` 0, or this PE's node) through their
+    mappings, each word (pair) loaded once for every PE (``copy_to_peers``:
+    :func:`~ep_runtime.kernels.vec.make_peer_copy`): ``row_dests``, ``send_part``,
+    ``send_part_flagged``."""
+    NODE = node_size
 
     @cuda.jit(device=True)
     def row_dests(holders, me):
@@ -101,6 +76,15 @@ def make(threads: int, node_size: int = 0) -> SimpleNamespace:
         1`` after a fence: ``flag_part``)."""
         send_part(rows, me, t, src, w0, w1, dests, R, peer_bases, pairs, lane, lo, hi)
         flag_part(flags, me, t, p, n, dests, lane)
+
+    return SimpleNamespace(row_dests=row_dests, send_part=send_part, send_part_flagged=send_part_flagged)
+
+
+def make_routing(threads: int, near) -> SimpleNamespace:
+    """A call's routing rows, ranks, counts and signal, stored into the ``near`` PEs through their
+    mappings (blocks of ``threads`` threads): ``spread_range``, ``row_at``, ``spread_slot``,
+    ``spread_flush``, ``count_u32``, ``send_ranks``, ``counts_before_route``, ``signal_pe``,
+    ``signal_call``."""
 
     @cuda.jit(device=True)
     def spread_range(T, K, blocks):
@@ -181,7 +165,15 @@ def make(threads: int, node_size: int = 0) -> SimpleNamespace:
         for d in range(cuda.threadIdx.x, counts.shape[1], threads):
             signal_pe(signal_, counts, staged, g, me, d, value, route)
 
-    # -- combine partials: stored into their home through its mapping, flagged part by part
+    return SimpleNamespace(spread_range=spread_range, row_at=row_at, spread_slot=spread_slot,
+                           spread_flush=spread_flush, count_u32=count_u32, send_ranks=send_ranks,
+                           counts_before_route=counts_before_route, signal_pe=signal_pe, signal_call=signal_call)
+
+
+def make_partials(warp: int) -> SimpleNamespace:
+    """The combine partials, stored into their home through its mapping and flagged part by part
+    (warps of ``warp`` lanes): ``stores_to``, ``stages``, ``stage_aligned``, ``home_aligned``,
+    ``home_at``, ``finish_part``, ``send_home_part``."""
 
     @cuda.jit(device=True)
     def stores_to(me, s):
@@ -216,19 +208,9 @@ def make(threads: int, node_size: int = 0) -> SimpleNamespace:
         flag it there (``row_flag[me, t, p] = n + 1`` after a fence: ``flag_part``)."""
         flag_part(row_flag, me, t, p, n, uint64(1) << uint64(s), lane)
 
-    send_home_part = make_home_sender(warp, home_at, finish_part)
-
-    credits = common.make_credits(NODE)
-    return SimpleNamespace(warp=warp, FENCED=NODE == 0, NEAR_FENCED=True, DIRECT=True, near=near, row_dests=row_dests,
-                           send_part=send_part, send_part_flagged=send_part_flagged, spread_range=spread_range,
-                           row_at=row_at, spread_slot=spread_slot, spread_flush=spread_flush, count_u32=count_u32,
-                           send_ranks=send_ranks, counts_before_route=counts_before_route, signal_pe=signal_pe,
-                           signal_call=signal_call, make_row_chunks=common.no_row_chunks, forward_run=forward_run,
-                           forward_row=forward_row, send_slot_value=send_slot_value,
-                           signal_slot_values=signal_slot_values, grant_credits=credits.grant_credits,
-                           await_credits=credits.await_credits, stores_to=stores_to, stages=stages,
-                           stage_aligned=stage_aligned, home_aligned=home_aligned, home_at=home_at,
-                           finish_part=finish_part, send_home_part=send_home_part)
+    return SimpleNamespace(stores_to=stores_to, stages=stages, stage_aligned=stage_aligned, home_aligned=home_aligned,
+                           home_at=home_at, finish_part=finish_part,
+                           send_home_part=make_home_sender(warp, home_at, finish_part))
 
 
 def make_home_sender(warp: int, home_at, finish_part):
@@ -256,3 +238,59 @@ def make_home_sender(warp: int, home_at, finish_part):
         finish_part(partials, src, relay_partials, relay_flag, row_flag, g, me, s, t, p, w0, w1, n, lane)
 
     return send_home_part
+
+
+def make_slots(threads: int, near) -> SimpleNamespace:
+    """The combine slot values, stored into their PE through its mapping, and their signal to the
+    ``near`` PEs (blocks of ``threads`` threads): ``send_slot_value``, ``signal_slot_values``."""
+
+    @inlined
+    def send_slot_value(slot_values, slot_stage, values, i, peer_bases, g, me, s, t, k):
+        """One thread: ``values[i]`` (float32) into ``slot_values[g, t, k]`` of PE ``s``."""
+        Tm = slot_values.shape[1]
+        K = slot_values.shape[2]
+        store_u32_at(peer_bases[PEER_SLOTS, s], (g * Tm + t) * K + k, f32_bits(values[i]))
+
+    @inlined
+    def signal_slot_values(slot_signal, slot_across, slot_stage, counts, g, me, n):
+        """Every thread of the last block, after its publish: ``slot_signal[g, me]`` set to
+        ``n + 1`` on every near PE."""
+        for d in range(cuda.threadIdx.x, slot_signal.shape[1], threads):
+            if near(me, d):
+                shmem.signal_op(slot_signal[g, me:me + 1], uint64(n + 1), shmem.SIGNAL_SET, d)
+
+    return SimpleNamespace(send_slot_value=send_slot_value, signal_slot_values=signal_slot_values)
+
+
+def make_forwarding(threads: int, node_size: int, copy_to_peers) -> SimpleNamespace:
+    """The hierarchical proxies' forwarding within their node of ``node_size`` PEs, stores through
+    the mappings (blocks of ``threads`` threads; ``copy_to_peers``:
+    :func:`~ep_runtime.kernels.vec.make_peer_copy`): ``forward_run``, ``forward_row``."""
+    NODE = node_size
+
+    @cuda.jit(device=True)
+    def forward_run(array, g, s, t0, t1, peer_bases, region, first, me):
+        """Every thread of a block: ``array[g, s, t0:t1]`` (int32 or float32 [G, R, Tmax, K],
+        4-byte elements) into the same elements of the PEs ``[first, first + node_size)`` but
+        this one: 4-byte stores through their mappings (``region``: the array's ``peer_bases``
+        row), each element loaded once."""
+        K = array.shape[3]
+        src = address_of(array[g, s, t0])
+        at = src - address_of(array)  # the same offset on every PE
+        for j in range(cuda.threadIdx.x, (t1 - t0) * K, threads):
+            word = load_u32_at(src, j)
+            for q in range(first, first + NODE):
+                if q != me:
+                    store_u32_at(peer_bases[region, q] + at, j, word)
+
+    @cuda.jit(device=True)
+    def forward_row(rows, row, s, t, to, peer_bases, region, first, lane, lo, hi):
+        """Every lane of a warp: the local ``row`` (uint64 words) into ``rows[s, t]`` of each PE
+        of ``[first, first + node_size)`` set in ``to`` (uint64), this one included, each word
+        (pair) loaded once for every PE."""
+        W = row.shape[0]
+        slot = address_of(rows[s, t]) - address_of(rows)  # the same on every PE
+        pairs = row.itemsize == 8 and W % 2 == 0 and pairs_aligned(row) and pairs_aligned(rows)
+        copy_to_peers(row, 0, W, to, first, first + NODE, peer_bases, region, slot, pairs, lane, lo, hi)
+
+    return SimpleNamespace(forward_run=forward_run, forward_row=forward_row)
