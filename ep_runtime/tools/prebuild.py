@@ -91,6 +91,11 @@ def _parse_cc(text: str | None):
         raise SystemExit(f"prebuild: --cc {text!r}: expected a compute capability such as 9.0a or 90a") from None
 
 
+#: The kernels built with the plan's receiver layout (``DispatchVariant.layout``: their labels
+#: name it, since plans of one receiver and transport may differ in it).
+LAYOUT_KERNELS = ("dispatch_wait", "dispatch_land")
+
+
 def plan(hidden: int, token_dtypes, combine_dtypes, capacities=CAPACITIES, layout_sets=LAYOUT_SETS,
          only=None, all_variants: bool = False) -> list[tuple]:
     """``[(label, spec, name)]``: one per distinct (kernel, signature) of the plans of the
@@ -107,6 +112,8 @@ def plan(hidden: int, token_dtypes, combine_dtypes, capacities=CAPACITIES, layou
         for name, kernel, types in kernel_builds(cfg, p, only or None):
             ident = kernel_key(kernel, types, (9, 0, "a"))  # a build's identity (any one target)
             tag = f"{p.receiver.value}/{p.transport.value}"
+            if name in LAYOUT_KERNELS:  # built with the plan's receiver layout
+                tag += f" {p.dispatch_variant(cfg).layout}"
             if ident in seen:
                 seen[ident][3].add(tag)
                 continue
