@@ -40,10 +40,19 @@ ROOT = Path(__file__).resolve().parents[2]
 V1_2_1_BLOBS = {"test_intranode.py": "cd26f68f737f9c931b0e9a07135c3c8f9ec4f442",
                 "utils.py": "478033802562228602f9bce150f8eaa6a842e254",
                 "test_low_latency.py": "aa928aab114b0fe15dadeb01184e0fa691ac2a2f"}
-#: The workers' start-up: the alias's site directory, then the harness options.
-SITECUSTOMIZE = '''import os
+#: The workers' start-up: the next ``sitecustomize`` on the path (this one shadows it: e.g. a GPU
+#: image's own), the alias's site directory, then the harness options.
+SITECUSTOMIZE = '''import importlib.machinery
+import importlib.util
+import os
 import site
+import sys
 
+_here = os.path.dirname(os.path.abspath(__file__))
+_next = importlib.machinery.PathFinder.find_spec(
+    "sitecustomize", [p for p in sys.path if os.path.abspath(p or os.curdir) != _here])
+if _next is not None and _next.loader is not None:
+    _next.loader.exec_module(importlib.util.module_from_spec(_next))
 site.addsitedir({site!r})
 if os.environ.get("EP_DEEPEP_TEST_BACKEND") or os.environ.get("EP_DEEPEP_TEST_SHARE_GPU"):
     import torch
