@@ -80,7 +80,7 @@ def make_sender(spec, threads: int, tp, destinations, lands: bool) -> SimpleName
         return bf16_to_f32(uint32((uint64(w) >> uint64(16 * (i % per))) & uint64(0xFFFF)))
 
     @cuda.jit(device=True)
-    def encode(tokens, token_scales, prequantized, t, row, lane):
+    def encode(tokens, token_scales, token_global_scale_u8, prequantized, t, row, lane):
         """Every lane of a warp: token ``t``'s message into the local row ``row`` (uint64 words)."""
         at = address_of(row)
         if prequantized != 0:  # the caller's codes (uint64 words) and scales' bytes
@@ -106,8 +106,8 @@ def make_sender(spec, threads: int, tp, destinations, lands: bool) -> SimpleName
                 store_u32_at(at + uint64(H), b, f32_bits(scale))
 
     @cuda.jit(device=True)
-    def send_rows(tokens, token_scales, prequantized, ids_base, rows, rows_u8, stage, stage_u8, row_flag,
-                  peer_bases, T, K, L, R, me, n, token_blocks, mbuf, held, ids_l, lo, hi):
+    def send_rows(tokens, token_scales, token_global_scale_u8, prequantized, ids_base, rows, rows_u8, stage, stage_u8,
+                  row_flag, peer_bases, T, K, L, R, me, n, token_blocks, mbuf, held, ids_l, lo, hi):
         lane = cuda.threadIdx.x % warp
         MW = rows.shape[2]
         pairs = MW % 2 == 0 and pairs_aligned(stage) and pairs_aligned(rows)
@@ -115,15 +115,16 @@ def make_sender(spec, threads: int, tp, destinations, lands: bool) -> SimpleName
         while cuda.blockIdx.x < token_blocks and t < T:  # a warp a token
             sent = destinations(ids_base + uint64(4 * t * K), K, L, R, me, uint64(0), ids_l)
             if sent != 0:
-                encode(tokens, token_scales, prequantized, t, stage[t], lane)
+                encode(tokens, token_scales, token_global_scale_u8, prequantized, t, stage[t], lane)
                 warp_sync()  # the message is staged before the warp sends it
                 send_part(rows, me, t, stage[t], 0, MW, sent, R, peer_bases, pairs, lane, lo, hi)
             t += token_blocks * warps
         return True
 
     @cuda.jit(device=True)
-    def pack_row(tokens, token_scales, prequantized, t, row, lane, mbuf, peer_bases, held, lo, hi):
-        encode(tokens, token_scales, prequantized, t, row, lane)
+    def pack_row(tokens, token_scales, token_global_scale_u8, prequantized, t, row, lane, mbuf, peer_bases, held, lo,
+                 hi):
+        encode(tokens, token_scales, token_global_scale_u8, prequantized, t, row, lane)
 
     return SimpleNamespace(MBUF_WORDS=1, HELD_WORDS=1, send_rows=send_rows, pack_row=pack_row)
 

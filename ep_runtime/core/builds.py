@@ -28,6 +28,9 @@ NODE_VARIANTS = (("wait", "hierarchical"),)
 #: only when one of its kernels is asked for: the dispatch and combine kernels import NVSHMEM).
 DISPATCH_KERNELS = ("dispatch_async", "dispatch_wait", "dispatch_land", "dispatch_copy", "dispatch_relay")
 COMBINE_KERNELS = ("combine_async", "combine_async_rows", "combine_wait", "combine_relay")
+#: A format with a global scale (NVFP4): the kernels that compute it on the stream before
+#: dispatch_async when the caller passes none (its codec's ``make_global_scale``), in order.
+GLOBAL_SCALE_KERNELS = ("tensor_amax", "global_scale_of_amax")
 
 
 def plan_kernels(cfg: EPConfig, plan: Plan, only=None) -> dict:
@@ -37,7 +40,7 @@ def plan_kernels(cfg: EPConfig, plan: Plan, only=None) -> dict:
     only where the expanded layout is served and copied after the placement; ``dispatch_relay``
     and ``combine_relay`` with the hierarchical transport. The slot-value kernels depend on the
     block size, transport and PDL only, ``routing_copy`` (a kept routing aside and back) on the
-    block size and PDL."""
+    block size and PDL; :data:`GLOBAL_SCALE_KERNELS` in a format with a global scale."""
     def wanted(*names) -> bool:
         return only is None or any(n in only for n in names)
 
@@ -70,6 +73,11 @@ def plan_kernels(cfg: EPConfig, plan: Plan, only=None) -> dict:
 
         v = plan.dispatch_variant(cfg)
         kernels.update(make_slot_values_kernels(v.threads, v.transport, v.pdl, v.node_size, v.node_stores))
+    if cfg.token_format.has_global_scale and wanted(*GLOBAL_SCALE_KERNELS):
+        from ep_runtime.kernels.codecs import traits
+
+        scale = traits(cfg.token_format.codec).make_global_scale(plan.threads)
+        kernels.update({name: getattr(scale, name) for name in GLOBAL_SCALE_KERNELS})
     if wanted("routing_copy"):
         from ep_runtime.kernels.routing_keep import make_routing_copy
 

@@ -56,8 +56,10 @@ def partial_format_name(cfg: EPConfig) -> str:
 
 
 #: Regions of the quantized token formats only (:func:`send_stage_regions`,
-#: :func:`expert_scales_regions`), as (dtype, ndim) of their empty stand-ins in a bf16 layout.
-FORMAT_REGIONS = {"dispatch_send_stage": (np.uint64, 2), "expert_scales": (np.float32, 1)}
+#: :func:`expert_scales_regions`, :func:`global_scale_regions`), as (dtype, ndim) of their empty
+#: stand-ins in a layout of a format without them.
+FORMAT_REGIONS = {"dispatch_send_stage": (np.uint64, 2), "expert_scales": (np.float32, 1),
+                  "token_global_scale": (np.float32, 1)}
 
 @dataclass(frozen=True)
 class Region:
@@ -425,20 +427,14 @@ def expert_scales_regions(cfg: EPConfig) -> list[Region]:
 
 
 def global_scale_regions(cfg: EPConfig) -> list[Region]:
-    """A token format with a global scale (NVFP4): what dispatch_async reads it from, and the
-    pre-quantized scales staged with it (the codec's ``token_scales``: its last row's first 4
-    bytes are the global scale; ep_runtime/kernels/codecs/nvfp4.py)."""
-    fmt = cfg.token_format
-    if not fmt.has_global_scale:
+    """A token format with a global scale (NVFP4): the one dispatch_async encodes with when the
+    caller passes none, and the amax it is computed from (ep_runtime/kernels/codecs/nvfp4.py)."""
+    if not cfg.token_format.has_global_scale:
         return []
-    T, S = cfg.max_tokens_per_rank, fmt.scale_count(cfg.hidden)
     return [
         Region("token_amax", (1,), np.dtype(np.uint32), 0, False, "tensor_amax (reset by global_scale_of_amax)",
                ("global_scale_of_amax",), "the largest finite bf16 magnitude pattern of the call's tokens, when "
                "the caller passes no global scale (0 between calls)"),
         Region("token_global_scale", (1,), np.dtype(np.float32), 0, False, "global_scale_of_amax",
                ("dispatch_async",), "the rule's global scale of the call's tokens (no caller scale)"),
-        Region("token_scales_stage", (T + 1, S), np.dtype(np.uint8), 0, False, "the runtime (stream copies)",
-               ("dispatch_async",), "pre-quantized input: [t] the caller's E4M3 scales of token t, [T][:4] "
-               "the caller's global scale (T the call's rows)"),
     ]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import numpy as np
 
-import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -21,10 +20,8 @@ from ep_runtime.core.call_memo import PreparedCall
 from ep_runtime.core.config import LAYOUTS, EPConfig
 from ep_runtime.core.errors import EPInputError, EPStateError
 from ep_runtime.core.handles import CompactBatch, DispatchHandle, ExpertBatch, KeptRouting, from_fields
-from ep_runtime.core.kernel_args import argtypes, build_args
 from ep_runtime.core.plan import ExpandedCopy, Receiver, Transport
 from ep_runtime.core.runtime_state import INT64, State
-from ep_runtime.kernels.codecs import traits
 
 #: The layouts of dispatch_wait's result and of combine_async's input.
 DISPATCH_LAYOUTS = LAYOUTS
@@ -171,12 +168,12 @@ class DispatchCalls:
                                f"({cfg.token_dtype}: one scale per {fmt.block}-element block).")
             scales = token_scales.view(np.uint8)
         valid = self._valid_tokens(n_tokens, c)
-        before = ()
+        before, global_scale = (), {}
         if fmt.has_global_scale:
-            scales, before = self._global_scale_inputs(tokens, scales, token_global_scale, valid, T, fp8_in)
+            global_scale, before = self._global_scale_inputs(tokens, token_global_scale, valid, fp8_in)
         call = self._prepare("dispatch_async", tokens=tokens, topk_ids=topk_ids, topk_weights=topk_weights, **valid,
                              token_scales=scales, prequantized=INT64[fp8_in], timeout_ns=self._timeout_ns,
-                             reuse_routing=INT64[routing is not None])
+                             reuse_routing=INT64[routing is not None], **global_scale)
         land = ()
         if self.plan.receiver is Receiver.LAND:  # places only, or places and copies (bf16 expanded)
             own = tokens if not fmt.quantized else self._no_tokens  # bf16: this rank's own rows, never sent
@@ -185,50 +182,24 @@ class DispatchCalls:
         return DispatchLaunch(call.kernel, call.args, n_tokens=T, checked=(topk_ids, topk_weights, valid),
                               grid=self.plan.dispatch_async_grid, land=land, before=before)
 
-    def _global_scale_inputs(self, tokens, token_scales, token_global_scale, valid: dict, T: int,
-                             prequantized: bool) -> tuple:
-        """A format with a global scale (NVFP4): ``(the kernel's token_scales, the steps each call
-        enqueues first)``. The codec reads the global scale from the first 4 bytes of its
-        ``token_scales``' last row (ep_runtime/kernels/codecs/nvfp4.py): the caller's ``[1]``
-        float32 as bytes, the one computed on the stream (no caller scale), or, pre-quantized,
-        the caller's scales staged in ``token_scales_stage`` with it after them."""
+    def _global_scale_inputs(self, tokens, token_global_scale, valid: dict, prequantized: bool) -> tuple:
+        """A format with a global scale (NVFP4): ``({"token_global_scale_u8": its 4 bytes}, the
+        steps each call enqueues first)``: the caller's ``[1]`` float32, or, when it passes none,
+        the one :data:`~ep_runtime.core.builds.GLOBAL_SCALE_KERNELS` compute on the stream into
+        ``token_global_scale`` (no host read)."""
         c = "dispatch_async"
-        if token_global_scale is None:
-            if prequantized:
-                raise EPInputError(f"{c}: pre-quantized {self.cfg.token_dtype} input needs token_global_scale, the "
-                                   f"[1] float32 global scale its codes and scales were made with; pass it.")
-            return self._computed_global_scale(tokens, valid)
-        g = arrays.to_backend(token_global_scale, self.session.backend, c, "token_global_scale")
-        arrays.check_array(g, c, "token_global_scale", np.float32, (1,),
-                           "Pass the tensor's decode global scale as a one-element float32 device array (the NVFP4 "
-                           "rule's: amax / (6 * 448)).")
-        g8 = g.view(np.uint8).reshape(1, 4)
-        if not prequantized:
-            return g8, ()
-        stage = self.buffers["token_scales_stage"][:T + 1]
-
-        def stage_scales():
-            with self._stream_context():
-                stage[:T] = token_scales
-                stage[T, :4] = g8[0]
-
-        return stage, (stage_scales,)
-
-    def _computed_global_scale(self, tokens, valid: dict) -> tuple:
-        """``(token_global_scale as [1, 4] bytes, its steps)``: the rule's global scale of the call's
-        bf16 tokens, computed on the stream by the codec's two kernels (``make_global_scale``)."""
-        kernels = traits(self._fmt.codec).make_global_scale(self.plan.threads)
-        rows = {"tokens": arrays.word_view(tokens, self._word, "dispatch_async", "tokens"), **valid}
-        steps = []
-        for kernel, grid, values in ((kernels.tensor_amax, 0, rows), (kernels.global_scale_of_amax, 1, {})):
-            self.session.precompile(kernel, argtypes(kernel, self.layout))
-            steps.append(functools.partial(self._run, PreparedCall(kernel, build_args(kernel, self._arg, values),
-                                                                   grid=grid)))
-        return self.buffers["token_global_scale"].view(np.uint8).reshape(1, 4), tuple(steps)
-
-    def _stream_context(self):
-        """A context in which CuPy work runs on the session stream (nothing on ``sim``: NumPy)."""
-        return contextlib.nullcontext() if self.session.backend == "sim" else self.session.stream
+        if token_global_scale is not None:
+            g = arrays.to_backend(token_global_scale, self.session.backend, c, "token_global_scale")
+            arrays.check_array(g, c, "token_global_scale", np.float32, (1,),
+                               "Pass the tensor's decode global scale as a one-element float32 device array (the "
+                               "NVFP4 rule's: amax / (6 * 448)).")
+            return {"token_global_scale_u8": g.view(np.uint8)}, ()
+        if prequantized:
+            raise EPInputError(f"{c}: pre-quantized {self.cfg.token_dtype} input needs token_global_scale, the [1] "
+                               f"float32 global scale its codes and scales were made with; pass it.")
+        amax = self._prepare("tensor_amax", tokens=tokens, **valid)
+        scale = self._prepare("global_scale_of_amax", grid=1)
+        return {}, (functools.partial(self._run, amax), functools.partial(self._run, scale))
 
     def _valid_tokens(self, n_tokens, call) -> dict:
         """The ``valid_tokens`` / ``use_valid`` kernel arguments for ``n_tokens`` (see dispatch_async)."""

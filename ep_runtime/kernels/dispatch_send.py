@@ -192,8 +192,8 @@ def make_dispatch_async(v: DispatchVariant):
     @kernel_jit(threads)
     def dispatch_async(tokens, topk_ids, topk_weights, valid_tokens, use_valid, dispatch_tokens, dispatch_topk_ids,
                        dispatch_topk_weights, dispatch_counts, dispatch_ranks, dispatch_signal, dispatch_async_sync,
-                       dispatch_send_ranks, dispatch_send_counts, status, token_scales, prequantized,
-                       dispatch_send_stage, dispatch_send_stage_u8, dispatch_tokens_u8, peer_bases,
+                       dispatch_send_ranks, dispatch_send_counts, status, token_scales, token_global_scale_u8,
+                       prequantized, dispatch_send_stage, dispatch_send_stage_u8, dispatch_tokens_u8, peer_bases,
                        dispatch_token_credit, timeout_ns, dispatch_route_signal, dispatch_row_flag, reuse_routing,
                        relay_counts, relay_signal, relay_stage, relay_rows, relay_chunk_flag, relay_slot):
         """Send this rank's tokens, once per destination rank, and signal each destination.
@@ -212,8 +212,9 @@ def make_dispatch_async(v: DispatchVariant):
         otherwise): token_scales [Tc, S * SB] uint8 (the caller's scales' bytes when prequantized, int64, is
         nonzero: then tokens are [Tc, P] code words), the message stage [Tmax, MW] as uint64 and uint8 views
         (dispatch_send_stage / 8); dispatch_tokens then holds [R, Tmax, MW] messages, dispatch_tokens_u8 their
-        uint8 view. peer_bases [P, R] uint64: the address of each of ``protocol.PEER_REGIONS`` on each PE as
-        mapped here (a stores build). The hierarchical transport (ep_runtime/kernels/relay.py): relay_counts
+        uint8 view. A format with a global scale (NVFP4): token_global_scale_u8 [4] uint8, the float32 the
+        codec encodes with and sends in every message (empty otherwise). peer_bases [P, R] uint64: the
+        address of each of ``protocol.PEER_REGIONS`` on each PE as mapped here (a stores build). The hierarchical transport (ep_runtime/kernels/relay.py): relay_counts
         [G, R, R, L + 1] int32 and relay_signal [G, R] uint64 symmetric: a proxy gets this rank's counts rows
         for its node's PEs in ``relay_counts[g, me, :node_size]`` with ``relay_signal[g, me]`` (the dispatch
         signal's value) instead of any signal of this rank; its rows bound there in chunks
@@ -299,11 +300,12 @@ def make_dispatch_async(v: DispatchVariant):
         # completes the puts (before relay_stage is reused)
         if cuda.blockIdx.x < token_blocks:
             stamp_last(status, 31)
-        stores_only = send_rows(tokens, token_scales, prequantized, ids_base, dispatch_tokens, dispatch_tokens_u8,
-                                dispatch_send_stage, dispatch_send_stage_u8, dispatch_row_flag, peer_bases, T, K, L, R,
-                                me, n, token_blocks, mbuf, held, ids_l, lo, hi) and FENCED
-        send_across(tokens, token_scales, prequantized, ids_base, relay_stage, relay_rows, relay_chunk_flag, relay_slot,
-                    peer_bases, T, K, L, R, me, n, token_blocks, cmask, mbuf, held, ids_l, lo, hi)
+        stores_only = send_rows(tokens, token_scales, token_global_scale_u8, prequantized, ids_base, dispatch_tokens,
+                                dispatch_tokens_u8, dispatch_send_stage, dispatch_send_stage_u8, dispatch_row_flag,
+                                peer_bases, T, K, L, R, me, n, token_blocks, mbuf, held, ids_l, lo, hi) and FENCED
+        send_across(tokens, token_scales, token_global_scale_u8, prequantized, ids_base, relay_stage, relay_rows,
+                    relay_chunk_flag, relay_slot, peer_bases, T, K, L, R, me, n, token_blocks, cmask, mbuf, held, ids_l,
+                    lo, hi)
         stamp_last(status, 1)
         if route and routing_block:  # the routing rows first, or each (token, k)'s rank and expert's count
             rank_or_route(topk_ids, topk_weights, ids_base, dispatch_topk_ids, dispatch_topk_weights, dispatch_ranks,

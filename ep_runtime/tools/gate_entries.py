@@ -8,7 +8,7 @@ CPU-only machine.
 
 from numba import types
 
-from ep_runtime.core.builds import NODE_VARIANTS, PLAN_VARIANTS  # noqa: F401 (the gate's and the tools' lists)
+from ep_runtime.core.builds import GLOBAL_SCALE_KERNELS, NODE_VARIANTS, PLAN_VARIANTS  # noqa: F401 (the tools' lists)
 from ep_runtime.kernels import gate_probe, selftest
 
 
@@ -78,29 +78,31 @@ def plan_entries(formats=FORMATS, variants=PLAN_VARIANTS + NODE_VARIANTS, pdl: b
 
 def _in_cross_section(name: str, token_dtype: str, receiver: str, transport: str = "stores",
                       combine_dtype: str = "bfloat16") -> bool:
-    """Whether the default gate builds kernel ``name`` of a plan with ``receiver`` and
-    ``transport`` in ``token_dtype``. Every bfloat16 build is in it (each receiver, transport
-    and partial format). In an FP8 format the receivers' own kernels and ``dispatch_copy`` are
-    built once each, and ``dispatch_async`` only for the ``wait`` receiver (FP8_E4M3 on both
-    transports, UE8M0 on stores): the FP8 quantizing code is one device function every sender
-    calls, and what a sender of another receiver adds (routes, parts) is the bfloat16 build's,
-    which the gate builds; UE8M0's puts sender is FP8_E4M3's with UE8M0's scale code, built in
-    its stores sender. NVFP4's codec is its own: its ``dispatch_async`` on both transports (its
-    senders differ: peer stores, or a stage and puts) and its ``dispatch_copy`` (its receiver);
-    its receive kernels read of the codec only its ``RAW`` trait, FP8_E4M3's too. The receive
-    kernels of UE8M0 equal FP8_E4M3's except for the scale words
-    they copy, so they are built in FP8_E4M3 only, and of the route-first receivers only the
-    chunked one (the plain one's code is its bfloat16 build's less the copy, and the chunked
-    FP8 build's less the chunks); ``dispatch_copy`` (which writes the scales'
-    layout) in both; FP8's ``dispatch_land`` is left out too (no default plan lands FP8 rows:
-    only an override does, and its landing code is the bfloat16 build's). ``routing_copy`` calls
-    no NVSHMEM function (nothing to link) and tests/test_prebuild.py builds it for sm_90a. Of the
-    hierarchical transport's builds, :data:`HIERARCHICAL_CROSS_SECTION` in bfloat16. Only
+    """Whether the default gate builds kernel ``name`` of a plan with ``receiver`` and ``transport`` in
+    ``token_dtype``. Every bfloat16 build is in it (each receiver, transport and partial
+    format). In an FP8 format the receivers' own kernels and ``dispatch_copy`` are built once
+    each, and ``dispatch_async`` only for the ``wait`` receiver (FP8_E4M3 on both transports,
+    UE8M0 on stores): the FP8 quantizing code is one device function every sender calls, and
+    what a sender of another receiver adds (routes, parts) is the bfloat16 build's, which the
+    gate builds; UE8M0's puts sender is FP8_E4M3's with UE8M0's scale code, built in its stores
+    sender. The receive kernels of UE8M0 equal FP8_E4M3's except for the scale words they copy,
+    so they are built in FP8_E4M3 only, and of the route-first receivers only the chunked one
+    (the plain one's code is its bfloat16 build's less the copy, and the chunked FP8 build's
+    less the chunks); ``dispatch_copy`` (which writes the scales' layout) in both. NVFP4's codec
+    is its own: its ``dispatch_async`` on both transports (peer stores, or a stage and puts),
+    its ``dispatch_copy`` (its receiver) and the kernels of its global scale
+    (:data:`GLOBAL_SCALE_KERNELS`); its receive kernels read of the codec only its ``RAW``
+    trait, as FP8_E4M3's do. FP8's ``dispatch_land`` is left out too (no default plan lands FP8
+    rows: only an override does, and its landing code is the bfloat16 build's). ``routing_copy``
+    calls no NVSHMEM function (nothing to link) and tests/test_prebuild.py builds it for sm_90a.
+    Of the hierarchical transport's builds, :data:`HIERARCHICAL_CROSS_SECTION` in bfloat16. Only
     ``every_build`` has the others."""
     if transport == "hierarchical":
         return name in HIERARCHICAL_CROSS_SECTION and token_dtype == combine_dtype == "bfloat16"
     if name == "routing_copy" or (name == "dispatch_land" and token_dtype != "bfloat16"):
         return False
+    if name in GLOBAL_SCALE_KERNELS:  # one build a format (their key has neither receiver nor transport)
+        return True
     if token_dtype == "bfloat16":
         return True
     if name == "dispatch_async":
@@ -135,25 +137,7 @@ def ep_kernel_entries(every_build: bool = False):
             if key not in seen:
                 seen.add(key)
                 entries.append((f"{name} [{label}]", kernel, argtypes))
-    return entries + global_scale_entries()
-
-
-def global_scale_entries() -> list:
-    """The kernels a format with a global scale (NVFP4) runs before dispatch_async when the caller
-    passes none (its codec's ``make_global_scale``), with the signatures the runtime launches,
-    once per such format of :data:`FORMATS`."""
-    from ep_runtime.core.kernel_args import argtypes
-    from ep_runtime.core.layout import BufferLayout
-    from ep_runtime.kernels.codecs import traits
-
-    out = []
-    for label, cfg, plan in plan_entries(variants=(("wait", "stores"),)):
-        if cfg.token_format.has_global_scale:
-            kernels = traits(cfg.token_format.codec).make_global_scale(plan.threads)
-            for name in ("tensor_amax", "global_scale_of_amax"):
-                kernel = getattr(kernels, name)
-                out.append((f"{name} [{cfg.token_dtype}]", kernel, argtypes(kernel, BufferLayout(cfg, plan))))
-    return out
+    return entries
 
 
 #: The probes of nvshmem4py's device calls the EP kernels make (the rest of GATE_ENTRIES are the

@@ -17,7 +17,7 @@ subnormal, a large value setting the global scale):
   reference bit for bit, padding rows zero; the compact layout's defined rows likewise;
 - bf16 combine of the decoded rows within the reference's tolerance (a GPU's FMA);
 - (GPU only) a CUDA graph of dispatch (the global scale computed inside it, and pre-quantized
-  scales staged inside it) and combine, replayed ``--replays`` times, each replay's batch equal
+  input with its global scale) and combine, replayed ``--replays`` times, each replay's batch equal
   to the eager call's;
 - once: the codec's device conversions (``e2m1_code``, ``e4m3_saturated_bits``) against the
   reference for every bf16 pattern (``--backend sim``: every 97th, the simulator being slow).
@@ -159,7 +159,7 @@ def check_t(rt, session, d: SimpleNamespace, args, check) -> tuple:
 
 def graph_replays(rt, session, d: SimpleNamespace, args, check) -> int:
     """Replays of a captured dispatch and combine whose batch equals the eager call's, for the
-    computed global scale (its kernels captured) and for pre-quantized input (its staging)."""
+    computed global scale (its kernels captured) and for pre-quantized input."""
     import cupy
 
     stream, same = session.stream, 0

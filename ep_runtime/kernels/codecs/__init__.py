@@ -5,18 +5,21 @@ module and its compile-time parameters); the kernels are built from it and only 
 device code looks at the format. A codec module has two factories:
 
 ``make_sender(spec, threads, tp, destinations, lands)`` -> namespace (dispatch_async)
-    ``send_rows(tokens, token_scales, prequantized, ids_base, rows, rows_u8, stage, stage_u8,
-    row_flag, peer_bases, T, K, L, R, me, n, token_blocks, mbuf, held, ids_l, lo, hi)``: every
-    thread of a token block sends its share of this PE's ``T`` tokens, each once to every PE of
-    ``destinations(ids_at, K, L, R, me, skip, ids_l)`` (uint64 bits), through the transport
-    ``tp`` (:mod:`ep_runtime.kernels.transport`), into row ``[me, t]`` of ``rows``
-    (``dispatch_tokens``, its uint8 view ``rows_u8``); ``stage`` / ``stage_u8`` are a message
-    stage (``dispatch_send_stage``) where the codec stages and puts. Returns whether every row
-    went as plain stores (the launch's ticket then fences; else it quiets). ``lands``: the
-    receiver lands rows part by part (``row_flag[me, t, p]`` set after each part; a codec that
-    cannot flag parts leaves it to the receiver's signal). ``pack_row(tokens, token_scales,
-    prequantized, t, row, lane, mbuf, peer_bases, held, lo, hi)``: every lane of a warp writes
-    token ``t`` as it travels into the local row ``row`` (the hierarchical transport's chunks).
+    ``send_rows(tokens, token_scales, token_global_scale_u8, prequantized, ids_base, rows,
+    rows_u8, stage, stage_u8, row_flag, peer_bases, T, K, L, R, me, n, token_blocks, mbuf, held,
+    ids_l, lo, hi)``: every thread of a token block sends its share of this PE's ``T`` tokens,
+    each once to every PE of ``destinations(ids_at, K, L, R, me, skip, ids_l)`` (uint64 bits),
+    through the transport ``tp`` (:mod:`ep_runtime.kernels.transport`), into row ``[me, t]`` of
+    ``rows`` (``dispatch_tokens``, its uint8 view ``rows_u8``); ``stage`` / ``stage_u8`` are a
+    message stage (``dispatch_send_stage``) where the codec stages and puts; ``token_scales``
+    (uint8 [Tc, scale bytes]: pre-quantized input's scales, ``prequantized`` nonzero) and
+    ``token_global_scale_u8`` (uint8 [4]: a format with a global scale's float32) are empty
+    where the format has none. Returns whether every row went as plain stores (the launch's
+    ticket then fences; else it quiets). ``lands``: the receiver lands rows part by part
+    (``row_flag[me, t, p]`` set after each part; a codec that cannot flag parts leaves it to the
+    receiver's signal). ``pack_row(tokens, token_scales, token_global_scale_u8, prequantized, t,
+    row, lane, mbuf, peer_bases, held, lo, hi)``: every lane of a warp writes token ``t`` as it
+    travels into the local row ``row`` (the hierarchical transport's chunks).
     Constants: ``MBUF_WORDS`` and ``HELD_WORDS`` (int64 and uint32 shared words a block's encoder
     needs; 1 when none).
 
@@ -31,9 +34,15 @@ Module constants (:func:`traits`): ``RAW`` (a message is the caller's token word
 copy it as it lands, and read this PE's own rows from the caller's tokens) and ``ENCODES`` (the
 sender computes each message: fewer routing blocks leave the encoder more SMs).
 
-Codecs: :mod:`.words` (bf16 rows as they are) and :mod:`.fp8` (E4M3 codes with a float32 or a
-UE8M0 scale per 128 elements, encoded in dispatch_async or taken pre-quantized). docs/formats.md,
-"Adding a format", says what a new one takes.
+A codec of a format with a global scale (``TokenFormat.has_global_scale``) also has
+``make_global_scale(threads)`` -> namespace of the kernels ``tensor_amax`` and
+``global_scale_of_amax`` (:data:`ep_runtime.core.builds.GLOBAL_SCALE_KERNELS`), which compute it on
+the stream when the caller passes none.
+
+Codecs: :mod:`.words` (bf16 rows as they are), :mod:`.fp8` (E4M3 codes with a float32 or a
+UE8M0 scale per 128 elements, encoded in dispatch_async or taken pre-quantized) and :mod:`.nvfp4`
+(E2M1 codes, an E4M3 scale per 16 elements and the tensor's float32 global scale).
+docs/formats.md, "Adding a format", says what a new one takes.
 """
 
 from __future__ import annotations

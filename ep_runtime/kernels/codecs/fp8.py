@@ -234,8 +234,8 @@ def make_sender(spec, threads: int, tp, destinations, lands: bool) -> SimpleName
                         store_u8_at(peer_bases[PEER_TOKENS, d] + scales_at, j, scales8[j])
 
     @inlined
-    def send_rows(tokens, token_scales, prequantized, ids_base, rows, rows_u8, stage, stage_u8, row_flag,
-                  peer_bases, T, K, L, R, me, n, token_blocks, mbuf, held, ids_l, lo, hi):
+    def send_rows(tokens, token_scales, token_global_scale_u8, prequantized, ids_base, rows, rows_u8, stage, stage_u8,
+                  row_flag, peer_bases, T, K, L, R, me, n, token_blocks, mbuf, held, ids_l, lo, hi):
         """Every thread of a token block: a warp per part of a token (a run of 128-element
         blocks), encoded once (or the caller's codes and scales, pre-quantized) and stored into
         the slot of every PE with one of its experts (16-byte stores of codes, then the scales)
@@ -289,7 +289,8 @@ def make_sender(spec, threads: int, tp, destinations, lands: bool) -> SimpleName
         return direct
 
     @inlined
-    def pack_row(tokens, token_scales, prequantized, t, row, lane, mbuf, peer_bases, held, lo, hi):
+    def pack_row(tokens, token_scales, token_global_scale_u8, prequantized, t, row, lane, mbuf, peer_bases, held, lo,
+                 hi):
         """Every lane of one warp: token ``t``'s message (encoded here, or the caller's codes and
         scales) into the local row ``row`` (16-byte aligned)."""
         h0 = (cuda.threadIdx.x // warp) * HELD_SCALES

@@ -12,13 +12,9 @@ stage row it then puts; pre-quantized codes and scales move as they are. The rec
 message's scales out for the expanded layout, row- or column-major, and its global scale after
 them (:func:`make_receiver`). See :mod:`ep_runtime.kernels.codecs` for the interface.
 
-The global scale reaches the sender in ``token_scales``: the first 4 bytes of its last row. The
-runtime passes the caller's float32 ``[1]`` viewed as ``[1, 4]`` bytes, or the ``[1]`` it computed
-on the stream (:func:`make_global_scale`: ``tensor_amax``, then ``global_scale_of_amax``), or, for
-pre-quantized input, the caller's ``[T, S]`` scales staged with it below as ``[T + 1, S]``.
-WAR: dispatch_async's kernel (ep_runtime/kernels/dispatch_send.py) and the hierarchical
-transport's ``pack_row`` pass a codec only ``tokens``, ``token_scales`` and ``prequantized``; an
-argument of its own for the global scale would spare pre-quantized input that staging copy.
+The global scale reaches the sender as ``token_global_scale_u8``, a float32's 4 bytes: the
+caller's, or the one the runtime computed on the stream first (:func:`make_global_scale`:
+``tensor_amax``, then ``global_scale_of_amax``). Pre-quantized input sends it as it is.
 
 No hardware conversion: sm_90 has none to E2M1 (``cvt.rn.satfinite.e2m1x2.f32`` is sm_100's),
 and one E4M3 scale per 16 elements is converted in software (:func:`e4m3_saturated_bits`).
@@ -125,12 +121,10 @@ def encode_block(w0, w1, w2, w3, six_g, g):
 
 
 @cuda.jit(device=True)
-def global_scale_bits(token_scales):
-    """The global scale's float32 bits (uint32): the first 4 bytes of ``token_scales``' last row
-    (little-endian; see the module docstring)."""
-    r = token_scales.shape[0] - 1
-    return (uint32(token_scales[r, 0]) | (uint32(token_scales[r, 1]) << uint32(8))
-            | (uint32(token_scales[r, 2]) << uint32(16)) | (uint32(token_scales[r, 3]) << uint32(24)))
+def global_scale_bits(token_global_scale_u8):
+    """The global scale's float32 bits (uint32) from its 4 bytes (little-endian)."""
+    g = token_global_scale_u8
+    return uint32(g[0]) | (uint32(g[1]) << uint32(8)) | (uint32(g[2]) << uint32(16)) | (uint32(g[3]) << uint32(24))
 
 
 @cuda.jit(device=True)
@@ -167,13 +161,14 @@ def make_sender(spec, threads: int, tp, destinations, lands: bool) -> SimpleName
     DIRECT = tp.DIRECT
 
     @cuda.jit(device=True)
-    def write_part(tokens, token_scales, prequantized, t, b0, b1, S, src_pairs, at0, peer_bases, sent, slot, lane):
+    def write_part(tokens, token_scales, token_global_scale_u8, prequantized, t, b0, b1, S, src_pairs, at0, peer_bases,
+                   sent, slot, lane):
         """Every lane of one warp: blocks ``[b0, b1)`` of token ``t``'s message, a block per lane
         (encoded from the bf16 words of ``tokens[t]``, loaded as word pairs where ``src_pairs``;
         or, ``prequantized`` nonzero, the caller's code words and scale bytes), and with the
         first part the global scale, stored as :func:`store_block` says."""
         PB = S * 8
-        bits = global_scale_bits(token_scales)
+        bits = global_scale_bits(token_global_scale_u8)
         g = f32_word_at(uint64(bits), 0)
         six_g = float32(6.0) * g
         row = tokens[t]
@@ -193,14 +188,14 @@ def make_sender(spec, threads: int, tp, destinations, lands: bool) -> SimpleName
             store_global(at0, PB + S, bits, peer_bases, sent, slot)
 
     @cuda.jit(device=True)
-    def put_part(tokens, token_scales, prequantized, rows, rows_u8, stage, stage_u8, me, t, b0, b1, S, sent, R):
+    def put_part(tokens, token_scales, token_global_scale_u8, prequantized, rows, rows_u8, stage, stage_u8, me, t, b0,
+                 b1, S, sent, R):
         """Every lane of one warp: blocks ``[b0, b1)`` of token ``t``'s message (staged in
         ``stage[t]``, or the caller's codes and scales) put into row ``[me, t]`` of every PE
         whose bit is set in ``sent``: a whole staged message in one put, a part as its codes and
         scales (and the first part the global scale)."""
         PB = S * 8
         G = PB + S
-        last = token_scales.shape[0] - 1
         for d in range(R):
             if (sent >> uint64(d)) & uint64(1):
                 if prequantized == 0 and b0 == 0 and b1 == S:
@@ -210,11 +205,11 @@ def make_sender(spec, threads: int, tp, destinations, lands: bool) -> SimpleName
                     shmem.put_nbi_warp(rows_u8[me, t, PB + b0:PB + b1], stage_u8[t, PB + b0:PB + b1], d)
                     if b0 == 0:
                         shmem.put_nbi_warp(rows_u8[me, t, G:G + GLOBAL_BYTES], stage_u8[t, G:G + GLOBAL_BYTES], d)
-                else:  # straight from the caller's arrays (the global scale: token_scales' last row)
+                else:  # straight from the caller's arrays
                     shmem.put_nbi_warp(rows[me, t, b0:b1], tokens[t, b0:b1], d)
                     shmem.put_nbi_warp(rows_u8[me, t, PB + b0:PB + b1], token_scales[t, b0:b1], d)
                     if b0 == 0:
-                        shmem.put_nbi_warp(rows_u8[me, t, G:G + GLOBAL_BYTES], token_scales[last, 0:GLOBAL_BYTES], d)
+                        shmem.put_nbi_warp(rows_u8[me, t, G:G + GLOBAL_BYTES], token_global_scale_u8[0:GLOBAL_BYTES], d)
 
     @cuda.jit(device=True)
     def blocks_of(tokens, prequantized):
@@ -224,8 +219,8 @@ def make_sender(spec, threads: int, tp, destinations, lands: bool) -> SimpleName
         return tokens.shape[1] // BLOCK_WORDS
 
     @inlined
-    def send_rows(tokens, token_scales, prequantized, ids_base, rows, rows_u8, stage, stage_u8, row_flag,
-                  peer_bases, T, K, L, R, me, n, token_blocks, mbuf, held, ids_l, lo, hi):
+    def send_rows(tokens, token_scales, token_global_scale_u8, prequantized, ids_base, rows, rows_u8, stage, stage_u8,
+                  row_flag, peer_bases, T, K, L, R, me, n, token_blocks, mbuf, held, ids_l, lo, hi):
         """Every thread of a token block: a warp per part of a token (a run of whole blocks, at
         least one per lane: ``row_parts``), encoded once (or the caller's codes and scales,
         pre-quantized) and stored into the slot of every PE with one of its experts where the
@@ -247,25 +242,26 @@ def make_sender(spec, threads: int, tp, destinations, lands: bool) -> SimpleName
             if sent != 0:  # (a token whose slots are all masked goes nowhere: zero would mean the stage row)
                 if DIRECT:
                     slot = address_of(rows[me, t]) - address_of(rows)  # the same on every PE
-                    write_part(tokens, token_scales, prequantized, t, b0, b1, S, src_pairs, uint64(0), peer_bases,
-                               sent, slot, lane)
+                    write_part(tokens, token_scales, token_global_scale_u8, prequantized, t, b0, b1, S, src_pairs,
+                               uint64(0), peer_bases, sent, slot, lane)
                 else:
                     if prequantized == 0:
-                        write_part(tokens, token_scales, prequantized, t, b0, b1, S, src_pairs,
+                        write_part(tokens, token_scales, token_global_scale_u8, prequantized, t, b0, b1, S, src_pairs,
                                    address_of(stage[t]), peer_bases, uint64(0), uint64(0), lane)
                         warp_sync()  # the part is staged before the warp's puts read it
-                    put_part(tokens, token_scales, prequantized, rows, rows_u8, stage, stage_u8, me, t, b0, b1, S,
-                             sent, R)
+                    put_part(tokens, token_scales, token_global_scale_u8, prequantized, rows, rows_u8, stage, stage_u8,
+                             me, t, b0, b1, S, sent, R)
             i += all_warps
         return DIRECT
 
     @inlined
-    def pack_row(tokens, token_scales, prequantized, t, row, lane, mbuf, peer_bases, held, lo, hi):
+    def pack_row(tokens, token_scales, token_global_scale_u8, prequantized, t, row, lane, mbuf, peer_bases, held, lo,
+                 hi):
         """Every lane of one warp: token ``t``'s message (encoded here, or the caller's codes and
         scales) into the local row ``row``."""
         S = blocks_of(tokens, prequantized)
-        write_part(tokens, token_scales, prequantized, t, 0, S, S, pairs_aligned(tokens), address_of(row),
-                   peer_bases, uint64(0), uint64(0), lane)
+        write_part(tokens, token_scales, token_global_scale_u8, prequantized, t, 0, S, S, pairs_aligned(tokens),
+                   address_of(row), peer_bases, uint64(0), uint64(0), lane)
 
     return SimpleNamespace(MBUF_WORDS=1, HELD_WORDS=1, send_rows=send_rows, pack_row=pack_row)
 

@@ -41,8 +41,8 @@ def make_sender(spec, threads: int, tp, destinations, lands: bool) -> SimpleName
         return all_warps
 
     @inlined
-    def send_rows(tokens, token_scales, prequantized, ids_base, rows, rows_u8, stage, stage_u8, row_flag,
-                  peer_bases, T, K, L, R, me, n, token_blocks, mbuf, held, ids_l, lo, hi):
+    def send_rows(tokens, token_scales, token_global_scale_u8, prequantized, ids_base, rows, rows_u8, stage, stage_u8,
+                  row_flag, peer_bases, T, K, L, R, me, n, token_blocks, mbuf, held, ids_l, lo, hi):
         """Every thread of a token block: a warp per row part (``row_parts`` for about
         SEND_ROUNDS parts a warp; a landing receiver's: cut as its receivers cut them,
         ``flag_rule``, each flagged once it is in every destination, and none to this PE, whose
@@ -75,7 +75,8 @@ def make_sender(spec, threads: int, tp, destinations, lands: bool) -> SimpleName
         return True
 
     @inlined
-    def pack_row(tokens, token_scales, prequantized, t, row, lane, mbuf, peer_bases, held, lo, hi):
+    def pack_row(tokens, token_scales, token_global_scale_u8, prequantized, t, row, lane, mbuf, peer_bases, held, lo,
+                 hi):
         """Every lane of one warp: token ``t``'s words into the local row ``row`` (16-byte
         aligned): word pairs where the tokens allow, else a word per lane per step."""
         W = tokens.shape[1]

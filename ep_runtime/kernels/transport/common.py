@@ -1,4 +1,4 @@
-"""What every transport shares: the token-row credits and the copy depth.
+"""What every transport shares: the token-row credits, the copy depth, where rows go.
 
 Credits (docs/protocol.md, "Token rows: one buffer, credits"): a PE's token rows of call ``n``
 may be written into PE ``d`` once ``d`` granted call ``n`` (``dispatch_token_credit[d] >= n +
@@ -14,7 +14,7 @@ from numba import int64, uint64
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.block import record_error
 from ep_runtime.kernels.cuda_api import cuda
-from ep_runtime.kernels.nodes import reaches
+from ep_runtime.kernels.nodes import node_bits, reaches
 from ep_runtime.kernels.protocol import COUNTER_TOKEN_CREDIT, ERR_TIMEOUT, KERNEL_DISPATCH_ASYNC
 
 #: Word pairs per lane in flight when a row (part) is copied into the peers.
@@ -63,9 +63,34 @@ def make_credits(node_size: int) -> SimpleNamespace:
     return SimpleNamespace(grant_credits=grant_credits, await_credits=await_credits)
 
 
+@functools.lru_cache(maxsize=None)
+def make_row_dests(node_size: int):
+    """``row_dests(holders, me)`` of a transport that writes into every PE (``node_size`` 0) or
+    into this PE's node only."""
+    NODE = node_size
+
+    @cuda.jit(device=True)
+    def row_dests(holders, me):
+        """The PEs a token's row goes to from here: its ``holders`` (uint64 bits) on this
+        transport's PEs."""
+        if NODE > 0:
+            return holders & node_bits(me // NODE, NODE)
+        return holders
+
+    return row_dests
+
+
 @cuda.jit(device=True)
-def _no_rows_across(tokens, token_scales, prequantized, ids_base, relay_stage, relay_rows, relay_chunk_flag, relay_slot,
-                    peer_bases, T, K, L, R, me, n, token_blocks, cmask, mbuf, held, ids_l, lo, hi):
+def home_aligned(relay_partials):
+    """Whether the rows partials go to beyond ``combine_partials`` are 16-byte aligned: none (a
+    transport without nodes sends partials into ``combine_partials`` only)."""
+    return True
+
+
+@cuda.jit(device=True)
+def _no_rows_across(tokens, token_scales, token_global_scale_u8, prequantized, ids_base, relay_stage, relay_rows,
+                    relay_chunk_flag, relay_slot, peer_bases, T, K, L, R, me, n, token_blocks, cmask, mbuf, held, ids_l,
+                    lo, hi):
     """Nothing: every PE is reached directly (no node to cross to)."""
 
 

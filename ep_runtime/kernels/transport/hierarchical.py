@@ -237,15 +237,16 @@ def make_put_partials(within, far, proxy_row) -> SimpleNamespace:
 def make_row_chunks(threads: int, node_size: int, pack_row, holders):
     """``send_across``: the token blocks' rows bound for other nodes under the hierarchical
     transport of ``node_size`` PEs a node, built with the format's ``pack_row(tokens,
-    token_scales, prequantized, t, row, lane, mbuf, peer_bases, held, lo, hi)`` (token ``t``'s
+    token_scales, token_global_scale_u8, prequantized, t, row, lane, mbuf, peer_bases, held, lo, hi)`` (token ``t``'s
     row as it travels, into a local row) and ``holders(ids_at, K, L, R, ids_l)`` (the PEs holding
     a token's experts, uint64 bits)."""
     warp, warps = warp_geometry(threads)
     NODE = node_size
 
     @inlined
-    def send_across(tokens, token_scales, prequantized, ids_base, relay_stage, relay_rows, relay_chunk_flag,
-                    relay_slot, peer_bases, T, K, L, R, me, n, token_blocks, cmask, mbuf, held, ids_l, lo, hi):
+    def send_across(tokens, token_scales, token_global_scale_u8, prequantized, ids_base, relay_stage, relay_rows,
+                    relay_chunk_flag, relay_slot, peer_bases, T, K, L, R, me, n, token_blocks, cmask, mbuf, held, ids_l,
+                    lo, hi):
         """Every thread of a token block: the rows bound for other nodes, a chunk of ``CH =
         chunk_tokens(T)`` consecutive tokens a block in turn. The block ranks the chunk's tokens
         with an expert on each other node (``cmask[node]``, bit j: token ``c CH + j``); for each
@@ -286,8 +287,8 @@ def make_row_chunks(threads: int, node_size: int, pack_row, holders):
                             if j % warps == wid:
                                 if lane == 0:
                                     relay_slot[g, c0 + b, x] = c0 + j
-                                pack_row(tokens, token_scales, prequantized, c0 + b, relay_stage[x, c0 + j], lane,
-                                         mbuf, peer_bases, held, lo, hi)
+                                pack_row(tokens, token_scales, token_global_scale_u8, prequantized, c0 + b,
+                                         relay_stage[x, c0 + j], lane, mbuf, peer_bases, held, lo, hi)
                     cuda.syncthreads()  # the packed rows are written before the block's put reads them
                     cnt = popc32(mask)
                     shmem.put_signal_nbi_block(relay_rows[other_index(mine, node), c0:c0 + cnt],

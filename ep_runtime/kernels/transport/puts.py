@@ -19,7 +19,7 @@ from numba import uint64
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.cuda_api import cuda, inlined
 from ep_runtime.kernels.block import flag_part, warp_geometry, warp_sync
-from ep_runtime.kernels.nodes import make_near, node_bits
+from ep_runtime.kernels.nodes import make_near
 from ep_runtime.kernels.vec import pairs_aligned
 from ep_runtime.kernels.transport import common
 
@@ -40,15 +40,6 @@ def make(threads: int, node_size: int = 0) -> SimpleNamespace:
 def make_rows(node_size: int) -> SimpleNamespace:
     """The token rows put to the PEs (every PE, ``node_size`` 0, or this PE's node), a warp put
     each: ``row_dests``, ``send_part``, ``send_part_flagged``."""
-    NODE = node_size
-
-    @cuda.jit(device=True)
-    def row_dests(holders, me):
-        """The PEs a token's row goes to from here: its ``holders`` (uint64 bits) on this
-        transport's PEs."""
-        if NODE > 0:
-            return holders & node_bits(me // NODE, NODE)
-        return holders
 
     @inlined
     def send_part(rows, me, t, src, w0, w1, dests, R, peer_bases, pairs, lane, lo, hi):
@@ -67,7 +58,7 @@ def make_rows(node_size: int) -> SimpleNamespace:
                 shmem.put_signal_nbi_warp(rows[me, t, w0:w1], src[w0:w1], flags[me, t, p:p + 1], uint64(n + 1),
                                           shmem.SIGNAL_SET, d)
 
-    return SimpleNamespace(row_dests=row_dests, send_part=send_part, send_part_flagged=send_part_flagged)
+    return SimpleNamespace(row_dests=common.make_row_dests(node_size), send_part=send_part, send_part_flagged=send_part_flagged)
 
 
 def make_routing(threads: int, near) -> SimpleNamespace:
@@ -176,11 +167,6 @@ def make_partials() -> SimpleNamespace:
         return pairs_aligned(stage)
 
     @cuda.jit(device=True)
-    def home_aligned(relay_partials):
-        """Whether the rows partials go to beyond ``combine_partials`` are 16-byte aligned: none."""
-        return True
-
-    @cuda.jit(device=True)
     def home_at(partials, relay_partials, peer_bases, g, me, s, t):
         """No address: partials are put, never stored into a peer."""
         return uint64(0)
@@ -205,7 +191,7 @@ def make_partials() -> SimpleNamespace:
         shmem.put_signal_nbi_warp(partials[g, me, t, w0:w1], src[w0:w1], row_flag[me, t, p:p + 1], uint64(n + 1),
                                   shmem.SIGNAL_SET, s)
 
-    return SimpleNamespace(stores_to=stores_to, stages=stages, stage_aligned=stage_aligned, home_aligned=home_aligned,
+    return SimpleNamespace(stores_to=stores_to, stages=stages, stage_aligned=stage_aligned, home_aligned=common.home_aligned,
                            home_at=home_at, finish_part=finish_part, send_home_part=send_home_part)
 
 

@@ -22,7 +22,7 @@ from numba import uint32, uint64
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.bits import f32_bits
 from ep_runtime.kernels.cuda_api import cuda, inlined
-from ep_runtime.kernels.nodes import make_near, node_bits
+from ep_runtime.kernels.nodes import make_near
 from ep_runtime.kernels.protocol import (PEER_COUNTS, PEER_IDS, PEER_PARTIALS, PEER_RANKS, PEER_SLOTS, PEER_TOKENS,
                                          PEER_WEIGHTS)
 from ep_runtime.kernels.transport import common
@@ -52,15 +52,6 @@ def make_rows(node_size: int, copy_to_peers) -> SimpleNamespace:
     mappings, each word (pair) loaded once for every PE (``copy_to_peers``:
     :func:`~ep_runtime.kernels.vec.make_peer_copy`): ``row_dests``, ``send_part``,
     ``send_part_flagged``."""
-    NODE = node_size
-
-    @cuda.jit(device=True)
-    def row_dests(holders, me):
-        """The PEs a token's row goes to from here: its ``holders`` (uint64 bits) on this
-        transport's PEs."""
-        if NODE > 0:
-            return holders & node_bits(me // NODE, NODE)
-        return holders
 
     @inlined
     def send_part(rows, me, t, src, w0, w1, dests, R, peer_bases, pairs, lane, lo, hi):
@@ -77,7 +68,7 @@ def make_rows(node_size: int, copy_to_peers) -> SimpleNamespace:
         send_part(rows, me, t, src, w0, w1, dests, R, peer_bases, pairs, lane, lo, hi)
         flag_part(flags, me, t, p, n, dests, lane)
 
-    return SimpleNamespace(row_dests=row_dests, send_part=send_part, send_part_flagged=send_part_flagged)
+    return SimpleNamespace(row_dests=common.make_row_dests(node_size), send_part=send_part, send_part_flagged=send_part_flagged)
 
 
 def make_routing(threads: int, near) -> SimpleNamespace:
@@ -192,11 +183,6 @@ def make_partials(warp: int) -> SimpleNamespace:
         return True
 
     @cuda.jit(device=True)
-    def home_aligned(relay_partials):
-        """Whether the rows partials go to beyond ``combine_partials`` are 16-byte aligned: none."""
-        return True
-
-    @cuda.jit(device=True)
     def home_at(partials, relay_partials, peer_bases, g, me, s, t):
         """The address, through its mapping, of slot ``[g, me, t]`` of PE ``s``'s
         ``combine_partials``: where this PE's partial of token t of s goes."""
@@ -208,7 +194,7 @@ def make_partials(warp: int) -> SimpleNamespace:
         flag it there (``row_flag[me, t, p] = n + 1`` after a fence: ``flag_part``)."""
         flag_part(row_flag, me, t, p, n, uint64(1) << uint64(s), lane)
 
-    return SimpleNamespace(stores_to=stores_to, stages=stages, stage_aligned=stage_aligned, home_aligned=home_aligned,
+    return SimpleNamespace(stores_to=stores_to, stages=stages, stage_aligned=stage_aligned, home_aligned=common.home_aligned,
                            home_at=home_at, finish_part=finish_part,
                            send_home_part=make_home_sender(warp, home_at, finish_part))
 
