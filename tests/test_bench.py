@@ -289,6 +289,30 @@ def test_prequantized_fp8_input_is_timed_and_counted_on_the_simulator(tmp_path):
             assert tq["combine_hbm_bytes"] == tb["combine_hbm_bytes"]
 
 
+def test_nvfp4_is_timed_from_bf16_and_prequantized_input_on_the_simulator(tmp_path):
+    """NVFP4 through the bench, both inputs: bf16 tokens (the rule's global scale and the codes made
+    inside dispatch_async) and pre-quantized codes, E4M3 block scales and the global scale
+    (``token_global_scale=``); the logical bytes count the message sent (128 code bytes, 16 block
+    scales and the 4-byte global scale of a 256-element row) and the pre-quantized input's reads
+    are those bytes instead of the 512-byte bf16 row."""
+    path = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "ep_runtime.tools.bench", "--backend", "sim", "--ranks", "2", "--tokens", "4",
+         "--hidden", "256", "--experts", "4", "--top-k", "2", "--samples", "2", "--warmup", "1",
+         "--token-dtype", "bfloat16", "nvfp4", "--fp8-input", "bf16", "prequantized", "--json", str(path)],
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert " nvfp4+pq eager expanded     wait |" in proc.stdout and "    nvfp4 eager expanded     wait |" in proc.stdout
+    for rank in json.loads(path.read_text())["results"]:
+        runs = {(res["config"]["token_dtype"], res["token_input"]): res for res in rank}
+        assert set(runs) == {("bfloat16", "bf16"), ("nvfp4", "bf16"), ("nvfp4", "prequantized")}
+        bf16 = runs["bfloat16", "bf16"]["traffic"]
+        q, pq = runs["nvfp4", "bf16"]["traffic"], runs["nvfp4", "prequantized"]["traffic"]
+        assert q["logical_bytes"] * 512 == bf16["logical_bytes"] * (128 + 16 + 4)
+        assert q["dispatch_hbm_bytes"] - pq["dispatch_hbm_bytes"] == 4 * (512 - (128 + 16 + 4))
+        assert all(runs[k]["times_us"][span]["median"] > 0 for k in runs for span in ("dispatch", "combine"))
+
+
 def test_compact_layout_and_float32_partials_are_timed_and_counted_on_the_simulator(tmp_path):
     path = tmp_path / "bench.json"
     proc = subprocess.run(

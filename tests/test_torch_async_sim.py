@@ -101,3 +101,84 @@ def test_fp8_codes_and_scales_come_back_as_tensors_equal_to_the_reference(fmt, p
     scale_dtype = "torch.float32" if fmt == "fp8_e4m3" else "torch.uint8"
     for run in runs:
         assert {c["dtypes"] for c in run["calls"]} == {("torch.float8_e4m3fn", "torch.int32", scale_dtype)}
+
+
+def nvfp4_pe(session, cfg_fields: dict) -> dict:
+    """NVFP4 through the torch halves: bf16 tokens (the rule's global scale, computed on the
+    stream) into the expanded layout with row-major scales, then torch's own NVFP4 types
+    pre-quantized (``float4_e2m1fn_x2`` codes, ``float8_e4m3fn`` scale codes and the global
+    scale) into the expanded layout with column-major scales and into the compact layout."""
+    from ep_runtime.core import reference
+    from ep_runtime.core.runtime import EPRuntime
+    from ep_runtime.torch_async import combine_async, combine_wait, dispatch_async, dispatch_wait
+
+    torch.set_num_threads(1)
+    cfg = EPConfig(**cfg_fields)
+    fmt, r, got = cfg.token_format, session.rank, {}
+    xs, ids, ws = call_inputs(cfg, 0, SEED)
+    ids_t, ws_t = torch.from_numpy(ids[r]), torch.from_numpy(ws[r])
+    g = fmt.global_scale(xs[r].view(np.uint16))
+    codes, scales = fmt.quantize(xs[r].view(np.uint16), g)
+    prequantized = dict(token_scales=torch.from_numpy(scales).view(torch.float8_e4m3fn),
+                        token_global_scale=torch.tensor([g], dtype=torch.float32))
+    with EPRuntime(cfg, session) as rt:
+        for name, tokens, kw, layout, scale_layout in (
+                ("bf16", _bf16(xs[r]), {}, "expanded", "row"),
+                ("prequantized", torch.from_numpy(codes).view(torch.float4_e2m1fn_x2), prequantized, "expanded",
+                 "column"),
+                ("prequantized_compact", torch.from_numpy(codes).view(torch.float4_e2m1fn_x2), prequantized,
+                 "compact", "row")):
+            batch = dispatch_wait(dispatch_async(tokens, ids_t, ws_t, rt, **kw), layout=layout, scales=scale_layout)
+            res = {"dtypes": (str(batch.x.dtype), str(batch.scales.dtype), str(batch.global_scales.dtype)),
+                   "x": batch.x.view(torch.uint8).numpy().copy(), "scales": batch.scales.numpy().copy(),
+                   "global_scales": batch.global_scales.numpy().copy(),
+                   "row_offsets": batch.row_offsets.numpy().copy()}
+            if layout == "expanded":
+                ref = reference.dispatch(xs, ids, ws, cfg)[r]
+                dec = fmt.dequantize(ref.x, ref.scales, ref.global_scales)
+                dec[~np.isfinite(dec)] = 0.0
+                y = np.zeros((cfg.recv_rows_capacity, cfg.hidden), np.float32)
+                y[:ref.n_rows] = dec
+                res["out"] = combine_wait(combine_async(_bf16(y.astype(reference.BF16)), batch)).view(
+                    torch.int16).numpy().view(np.uint16).copy()
+            got[name] = res
+    return got
+
+
+def test_nvfp4_codes_scales_and_global_scales_come_back_as_torch_s_nvfp4_types():
+    cfg = EPConfig(n_ranks=2, n_experts=4, top_k=2, hidden=256, max_tokens_per_rank=6, token_dtype="nvfp4",
+                   layouts=("expanded", "compact"))
+    runs = run_pes(nvfp4_pe, 2, args=(cfg.as_dict(),), timeout_s=RUN_TIMEOUT_S)
+    from ep_runtime.core import reference
+
+    xs, ids, ws = call_inputs(cfg, 0, SEED)
+    refs = reference.dispatch(xs, ids, ws, cfg)  # the rule's global scale, as both inputs carry
+    recv = reference.receive_rows(xs, ids, cfg, with_scales=True)
+    recv_g = reference.receive_global_scales(xs, ids, cfg, None)
+    fmt = cfg.token_format
+    ys = []
+    for ref in refs:
+        dec = fmt.dequantize(ref.x, ref.scales, ref.global_scales)
+        dec[~np.isfinite(dec)] = 0.0
+        y = np.zeros((cfg.recv_rows_capacity, cfg.hidden), np.float32)
+        y[:ref.n_rows] = dec
+        ys.append(y.astype(reference.BF16).view(np.uint16))
+    want_out = reference.combine(ys, refs, ids, cfg)
+    for r, got in enumerate(runs):
+        ref, n = refs[r], refs[r].n_rows
+        assert n > 0
+        for name in ("bf16", "prequantized"):
+            res, at = got[name], f"rank {r} {name}"
+            assert res["dtypes"] == ("torch.float4_e2m1fn_x2", "torch.uint8", "torch.float32"), at
+            sc = res["scales"] if name == "bf16" else res["scales"].T
+            np.testing.assert_array_equal(res["row_offsets"], ref.row_offsets, err_msg=at)
+            np.testing.assert_array_equal(res["x"][:n], ref.x, err_msg=at)
+            np.testing.assert_array_equal(sc[:n], ref.scales, err_msg=at)
+            np.testing.assert_array_equal(res["global_scales"][:n], ref.global_scales, err_msg=at)
+            np.testing.assert_array_equal(res["out"][:len(xs[r])], want_out[r].view(np.uint16), err_msg=at)
+        (x, defined, sc), (g, _) = recv[r], recv_g[r]
+        res = got["prequantized_compact"]
+        assert res["dtypes"] == ("torch.float4_e2m1fn_x2", "torch.uint8", "torch.float32")
+        np.testing.assert_array_equal(res["x"][defined], x[defined])
+        np.testing.assert_array_equal(res["scales"][defined], sc[defined])
+        np.testing.assert_array_equal(res["global_scales"][defined], g[defined])

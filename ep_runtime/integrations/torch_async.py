@@ -2,8 +2,9 @@
 
 ``dispatch_async`` / ``dispatch_wait`` / ``combine_async`` / ``combine_wait`` as
 :class:`~ep_runtime.core.runtime.EPRuntime` has them, taking and returning torch tensors, in every
-token format (bf16; FP8 E4M3 codes with float32 or UE8M0 block scales, quantized in the kernel
-or given pre-quantized) and both layouts. Not differentiable (the autograd functions are
+token format (bf16; FP8 E4M3 codes with float32 or UE8M0 block scales; NVFP4's packed E2M1
+codes with E4M3 block scales and a float32 global scale; quantized in the kernel or given
+pre-quantized) and both layouts. Not differentiable (the autograd functions are
 :mod:`ep_runtime.integrations.torch` and :mod:`ep_runtime.integrations.torch_compact`).
 
 Stream order (``nvshmem``; on ``sim`` every call completes before it returns): each ``*_async``
@@ -40,6 +41,17 @@ from ep_runtime.integrations.torch import _Bridge
 
 #: torch dtype of the runtime's FP8 codes (E4M3).
 FP8_CODES = torch.float8_e4m3fn
+#: torch dtype of the runtime's NVFP4 codes: two E2M1 codes a byte, element 2i in the low nibble
+#: (torch's packing of ``float4_e2m1fn_x2``).
+NVFP4_CODES = torch.float4_e2m1fn_x2
+
+
+def _codes_dtype(runtime: EPRuntime) -> torch.dtype | None:
+    """The torch dtype :func:`dispatch_wait` views the batch's codes as (None: bf16 rows)."""
+    fmt = runtime.cfg.token_format
+    if not fmt.quantized:
+        return None
+    return NVFP4_CODES if fmt.elements_per_item == 2 else FP8_CODES
 
 
 @dataclass(frozen=True, eq=False)
@@ -60,10 +72,15 @@ class Batch:
     layout : ``"expanded"`` or ``"compact"``.
     x : expanded: ``[capacity, hidden]``, rows ``[0, row_offsets[L])`` defined, expert-major;
         compact: ``[n_ranks * max_tokens_per_rank, hidden]``, row ``s * T + t`` token t of rank
-        s where it came here. bfloat16, or ``float8_e4m3fn`` codes in an FP8 format.
-    scales : FP8 formats: the block scales, float32 (``fp8_e4m3``) or uint8 UE8M0 codes
-        (``fp8_e4m3_ue8m0``), ``[rows, hidden / 128]`` (``scales="column"``: ``[hidden / 128,
-        capacity]``); None in bf16.
+        s where it came here. bfloat16; ``float8_e4m3fn`` codes in an FP8 format; NVFP4:
+        ``float4_e2m1fn_x2``, ``[rows, hidden / 2]`` (two codes a byte).
+    scales : quantized formats: the block scales, float32 (``fp8_e4m3``) or uint8 UE8M0 codes
+        (``fp8_e4m3_ue8m0``), ``[rows, hidden / 128]``; NVFP4: uint8 E4M3 codes, ``[rows,
+        hidden / 16]`` (``scales="column"``: transposed, ``[hidden / block, capacity]``); None in
+        bf16.
+    global_scales : NVFP4 only (else None): ``[rows]`` float32, each row's source tensor's global
+        scale (its rank's ``token_global_scale``): a row decodes to ``e2m1(code) * e4m3(scale) *
+        global_scales[row]``.
     row_offsets : [L + 1] int32 (device): expert e's rows are ``[row_offsets[e], row_offsets[e + 1])``.
     expert_counts : [L] int32 (device): real rows per local expert (the expert load).
     src_rank, src_token, src_k : [capacity] int32: where each expert-major row came from.
@@ -86,6 +103,7 @@ class Batch:
     weight: torch.Tensor
     gather: torch.Tensor | None = None
     recv_tokens: torch.Tensor | None = None
+    global_scales: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -131,24 +149,30 @@ def _contiguous(t):
 
 
 def dispatch_async(tokens: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, runtime: EPRuntime,
-                   token_scales: torch.Tensor | None = None, n_tokens: torch.Tensor | None = None) -> PendingDispatch:
+                   token_scales: torch.Tensor | None = None, n_tokens: torch.Tensor | None = None,
+                   token_global_scale: torch.Tensor | None = None) -> PendingDispatch:
     """Start a dispatch (collective). Arguments as :meth:`EPRuntime.dispatch_async`, as tensors on
-    this rank's device: ``tokens`` [T, hidden] bfloat16, or in an FP8 format its codes
-    (``float8_e4m3fn`` or uint8) with ``token_scales``; ``topk_ids`` [T, top_k] int32 (int64 is
-    converted, a copy; -1 masks a slot); ``topk_weights`` [T, top_k] float32; ``n_tokens``
-    optional [1] int32 (valid leading rows, read on the device)."""
+    this rank's device: ``tokens`` [T, hidden] bfloat16, or pre-quantized codes with
+    ``token_scales`` (FP8: ``float8_e4m3fn`` or uint8 [T, hidden]; NVFP4: ``float4_e2m1fn_x2``
+    or uint8 [T, hidden / 2], scales uint8 or ``float8_e4m3fn`` E4M3 codes [T, hidden / 16]);
+    ``topk_ids`` [T, top_k] int32 (int64 is converted, a copy; -1 masks a slot);
+    ``topk_weights`` [T, top_k] float32; ``n_tokens`` optional [1] int32 (valid leading rows,
+    read on the device); ``token_global_scale`` NVFP4 only, [1] float32 (required with
+    pre-quantized codes; None with bf16 tokens: the rule's, computed on the stream)."""
     bridge = _Bridge(runtime)
     if not isinstance(tokens, torch.Tensor):
         raise EPInputError(f"dispatch_async: tokens must be a torch.Tensor; got {type(tokens).__name__}.")
-    if tokens.dtype == FP8_CODES:
+    if tokens.dtype in (FP8_CODES, NVFP4_CODES):
         tokens = tokens.view(torch.uint8)
+    if isinstance(token_scales, torch.Tensor) and token_scales.dtype == FP8_CODES:  # NVFP4's E4M3 scale codes
+        token_scales = token_scales.view(torch.uint8)
     if isinstance(topk_ids, torch.Tensor) and topk_ids.dtype == torch.int64:
         topk_ids = topk_ids.to(torch.int32)
-    inputs = [_contiguous(t) for t in (tokens, topk_ids, topk_weights, token_scales, n_tokens)]
+    inputs = [_contiguous(t) for t in (tokens, topk_ids, topk_weights, token_scales, n_tokens, token_global_scale)]
     _runtime_waits_for_torch(bridge, *inputs)
     with _calls(bridge):
-        x, ids, w, scales, count = (None if t is None else bridge.to_rt(t) for t in inputs)
-        handle = runtime.dispatch_async(x, ids, w, n_tokens=count, token_scales=scales)
+        x, ids, w, scales, count, g = (None if t is None else bridge.to_rt(t) for t in inputs)
+        handle = runtime.dispatch_async(x, ids, w, n_tokens=count, token_scales=scales, token_global_scale=g)
     return PendingDispatch(runtime, handle, handle.n_tokens)
 
 
@@ -164,13 +188,14 @@ def dispatch_wait(pending: PendingDispatch, layout: str = "expanded", scales: st
         b = rt.dispatch_wait(pending.rt_handle, layout=layout, scales=scales)
     _torch_waits_for_runtime(bridge)
     t = bridge.from_rt
-    x = t(b.x)
-    if rt.cfg.token_format.quantized:
-        x = x.view(FP8_CODES)
+    x, codes = t(b.x), _codes_dtype(rt)
+    if codes is not None:
+        x = x.view(codes)
     compact = isinstance(b, CompactBatch)
     return Batch(rt, b.handle, pending.n_tokens, layout, x, None if b.scales is None else t(b.scales),
                  t(b.row_offsets), t(b.expert_counts), t(b.src_rank), t(b.src_token), t(b.src_k), t(b.weight),
-                 t(b.gather) if compact else None, t(b.recv_tokens) if compact else None)
+                 t(b.gather) if compact else None, t(b.recv_tokens) if compact else None,
+                 None if b.global_scales is None else t(b.global_scales))
 
 
 def combine_async(expert_out: torch.Tensor, batch: Batch, layout: str = "expanded", weights="dispatch") -> PendingCombine:
@@ -212,5 +237,5 @@ def combine_wait(pending: PendingCombine, out: torch.Tensor | None = None) -> to
     return out
 
 
-__all__ = ["FP8_CODES", "Batch", "PendingCombine", "PendingDispatch", "combine_async", "combine_wait",
+__all__ = ["FP8_CODES", "NVFP4_CODES", "Batch", "PendingCombine", "PendingDispatch", "combine_async", "combine_wait",
            "dispatch_async", "dispatch_wait"]

@@ -33,11 +33,12 @@ combine from expert-major outputs; **compact** times dispatch_wait without the e
 row per received token, the layout DeepEP and NCCL deliver. The floor's device-memory bytes
 follow the layout (``ep_runtime.tools.bench.traffic``).
 
-FP8 input (``--fp8-input``, sweepable; default bf16): in an FP8 token format, **bf16** passes bf16
-tokens that dispatch_async quantizes; **prequantized** passes the same tokens' codes and scales,
-quantized beforehand by the format's NumPy rule (``dispatch_async(codes, ..., token_scales=)``,
-the input of DeepEP's normal kernels and MAX's input scales): no encoding in the kernel and half
-the sender's reads (the floor's device-memory bytes follow). The table marks it ``+pq``.
+Quantized input (``--fp8-input``, sweepable; default bf16): in an FP8 or NVFP4 token format,
+**bf16** passes bf16 tokens that dispatch_async quantizes; **prequantized** passes the same tokens'
+codes and scales, quantized beforehand by the format's NumPy rule (``dispatch_async(codes, ...,
+token_scales=)``, the input of DeepEP's normal kernels and MAX's input scales; NVFP4 also passes
+the rule's global scale, ``token_global_scale=``): no encoding in the kernel and fewer sender reads
+(the floor's device-memory bytes follow). The table marks it ``+pq``.
 
 Combine partials (``--combine-dtype``, sweepable; default bfloat16): **float32** sends each rank's
 partial unrounded (``EPConfig.combine_dtype="float32"``, hidden a multiple of 4): combine's NVLink
@@ -69,6 +70,7 @@ import sys
 
 from ep_runtime.tools.cli import HelpFormatter, Heartbeat
 from ep_runtime.core.config import EPConfig
+from ep_runtime.core.formats import token_dtype_names
 from ep_runtime.core.layout import BufferLayout
 from ep_runtime.tools.bench.run import TOKEN_INPUTS, bench_rank, configs, layouts, metadata, plot, table, token_inputs
 
@@ -106,15 +108,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", nargs="+", choices=("eager", "graph"), default=["eager"],
                    help="eager: the calls as made by a caller; graph: CUDA graph replay, one graph per phase "
                         "(GPUs only); both: --mode eager graph")
-    p.add_argument("--token-dtype", nargs="+", choices=("bfloat16", "fp8_e4m3", "fp8_e4m3_ue8m0"),
-                   default=["bfloat16"], help="token format of dispatch (sweepable): bf16, or FP8 E4M3 with float32 "
-                                              "/ power-of-two scales per 128 elements, quantized inside dispatch; "
-                                              "the bytes in GB/s and the floor are the format's message bytes")
+    p.add_argument("--token-dtype", nargs="+", choices=token_dtype_names(),
+                   default=["bfloat16"], help="token format of dispatch (sweepable): bf16, FP8 E4M3 with float32 "
+                                              "/ power-of-two scales per 128 elements, or NVFP4 (E2M1, an E4M3 "
+                                              "scale per 16 elements, a float32 global scale), quantized inside "
+                                              "dispatch; the bytes in GB/s and the floor are the format's message "
+                                              "bytes")
     p.add_argument("--fp8-input", nargs="+", choices=TOKEN_INPUTS, default=["bf16"],
-                   help="dispatch_async's input in FP8 token formats (sweepable): bf16 tokens quantized inside "
-                        "dispatch_async, or prequantized: FP8 codes and scales quantized beforehand by the caller "
-                        "(token_scales=); the sender's device-memory reads in the floor follow the input; the "
-                        "table marks pre-quantized rows with +pq (bf16 formats take bf16 tokens only)")
+                   help="dispatch_async's input in quantized token formats (sweepable): bf16 tokens quantized "
+                        "inside dispatch_async, or prequantized: codes and scales quantized beforehand by the caller "
+                        "(token_scales=; NVFP4 also token_global_scale=); the sender's device-memory reads in the "
+                        "floor follow the input; the table marks pre-quantized rows with +pq (bf16 formats take bf16 "
+                        "tokens only)")
     p.add_argument("--combine-dtype", nargs="+", choices=("bfloat16", "float32"), default=["bfloat16"],
                    help="format of combine partials (sweepable): bf16, or float32 (unrounded, twice the partial "
                         "bytes; hidden a multiple of 4); the table marks float32 partials with /f32")

@@ -89,8 +89,9 @@ def time_round_trips(rt, session, inputs, expert_out, out, samples: int, warmup:
                      layout: str = "expanded") -> dict:
     """Samples (us) of each span of :data:`SPANS` over ``warmup + samples`` round trips, with
     dispatch_wait and combine_async in ``layout`` (``expert_out`` shaped for it). ``inputs``:
-    dispatch_async's (tokens, topk_ids, topk_weights), or with a fourth item, its
-    ``token_scales`` (pre-quantized FP8 codes as the tokens; None: none)."""
+    dispatch_async's (tokens, topk_ids, topk_weights), or with a fourth item, a dict of its
+    keywords (pre-quantized codes as the tokens: ``token_scales``, NVFP4's
+    ``token_global_scale``)."""
     clock = clock_for(session)
     tokens, ids, weights, kw = _dispatch_inputs(inputs)
     spans = {name: [] for name in SPANS}
@@ -137,10 +138,10 @@ def takes_device_token_count(rt) -> bool:
 
 def _dispatch_inputs(inputs) -> tuple:
     """(tokens, topk_ids, topk_weights, keywords) of dispatch_async from the bench's ``inputs``:
-    three arrays, or four with ``token_scales`` last (pre-quantized FP8 input; None: bf16 tokens)."""
+    three arrays, or four with dispatch_async's keywords last (pre-quantized input:
+    ``token_scales`` and, NVFP4, ``token_global_scale``)."""
     tokens, ids, weights, *rest = inputs
-    scales = rest[0] if rest else None
-    return tokens, ids, weights, ({} if scales is None else {"token_scales": scales})
+    return tokens, ids, weights, dict(rest[0]) if rest else {}
 
 
 def _layout(layout: str) -> dict:
@@ -259,7 +260,7 @@ def _backward_calls(rt, inputs, expert_out, out, values, slot_out, n_tokens, lay
     batch = rt.dispatch_wait(rt.dispatch_async(tokens, ids, weights, **kw), **_layout(layout))
     kept = rt.keep_routing(batch.handle)
     rt.combine_wait(rt.combine_async(expert_out, batch.handle, **combine_kw), out=out)
-    token_kw = {"token_scales": kw["token_scales"]} if "token_scales" in kw else {}
+    token_kw = {k: kw[k] for k in ("token_scales", "token_global_scale") if k in kw}
 
     def dispatch():
         st["b"] = rt.dispatch_wait(rt.dispatch_async(tokens, ids, weights, **kw), **_layout(layout))

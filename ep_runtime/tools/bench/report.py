@@ -25,7 +25,7 @@ COMBINE_BASELINES = (("deepep_32sms_combine", "DeepEP V1 32 SMs, combine"),)
 #: on ep_runtime, to read beside the compact layout's (the layer's cost) and DeepEP V1's.
 LAYER_COLUMNS = ("layer_dispatch", "layer_dispatch_cached", "layer_combine_unweighted", "layer_combine")
 
-FORMAT_NAMES = {"bfloat16": "bf16", "fp8_e4m3": "e4m3", "fp8_e4m3_ue8m0": "e4m3 ue8m0"}
+FORMAT_NAMES = {"bfloat16": "bf16", "fp8_e4m3": "e4m3", "fp8_e4m3_ue8m0": "e4m3 ue8m0", "nvfp4": "nvfp4"}
 
 
 def _median(value):

@@ -34,14 +34,14 @@ def configs(args):
 
 
 #: dispatch_async's inputs the bench can time (``--fp8-input``): bf16 tokens (quantized inside
-#: dispatch_async in an FP8 format), or FP8 codes and scales quantized beforehand by the caller
+#: dispatch_async in a quantized format), or codes and scales quantized beforehand by the caller
 #: (``token_scales=``; MAX's input scales, DeepEP's FP8 ``x`` of its normal kernels).
 TOKEN_INPUTS = ("bf16", "prequantized")
 
 
 def token_inputs(args, token_dtype: str) -> list[str]:
-    """The inputs timed for ``token_dtype`` (``--fp8-input``, in order, each once): FP8 formats
-    take either; bf16 tokens are the only input of the bf16 format."""
+    """The inputs timed for ``token_dtype`` (``--fp8-input``, in order, each once): quantized
+    formats take either; bf16 tokens are the only input of the bf16 format."""
     if token_dtype == "bfloat16":
         return ["bf16"]
     return list(dict.fromkeys(getattr(args, "fp8_input", None) or ["bf16"]))
@@ -49,15 +49,25 @@ def token_inputs(args, token_dtype: str) -> list[str]:
 
 def dispatch_inputs(session, cfg: EPConfig, tokens, ids, weights, token_input: str) -> tuple:
     """dispatch_async's device inputs for one rank, as :func:`~.measure.time_round_trips` takes
-    them: (tokens, topk_ids, topk_weights, token_scales): bf16 ``tokens`` ([T, H] bf16 as
-    uint16) with no scales, or (``"prequantized"``) their FP8 codes ([T, H] uint8) and scales
-    ([T, H / 128]) by the format's NumPy quantizer (:meth:`~ep_runtime.core.formats.TokenFormat.quantize`,
-    the rule dispatch_async applies to bf16 tokens)."""
+    them: ``(tokens, topk_ids, topk_weights, keywords)``: bf16 ``tokens`` ([T, H] bf16 as
+    uint16) with no keywords, or (``"prequantized"``) their codes (FP8: [T, H] uint8; NVFP4:
+    [T, H / 2] uint8) with ``token_scales`` by the format's NumPy quantizer
+    (:meth:`~ep_runtime.core.formats.TokenFormat.quantize`, the rule dispatch_async applies to
+    bf16 tokens) and, in a format with a global scale (NVFP4), the rule's ``token_global_scale``
+    ([1] float32)."""
     bits = np.ascontiguousarray(tokens).view(np.uint16)
+    dev_ids, dev_weights = session.to_device(ids), session.to_device(weights)
     if token_input == "bf16":
-        return tuple(session.to_device(a) for a in (bits, ids, weights)) + (None,)
-    codes, scales = cfg.token_format.quantize(bits)
-    return tuple(session.to_device(a) for a in (codes, ids, weights, scales))
+        return session.to_device(bits), dev_ids, dev_weights, {}
+    fmt = cfg.token_format
+    if fmt.has_global_scale:
+        g = fmt.global_scale(bits)
+        codes, scales = fmt.quantize(bits, g)
+        kw = {"token_global_scale": session.to_device(np.array([g], np.float32))}
+    else:
+        codes, scales = fmt.quantize(bits)
+        kw = {}
+    return session.to_device(codes), dev_ids, dev_weights, {"token_scales": session.to_device(scales), **kw}
 
 
 def modes(args) -> list[str]:
@@ -251,7 +261,8 @@ def _result(cfg, tr, spans, base, ceil, mode="eager", graph=None, layout="expand
 def _fmt_name(cfg: dict, token_input: str = "bf16") -> str:
     """Short format name for the table: the token format, bf16, e4m3 (float32 scales) or ue8m0,
     with ``+pq`` appended for pre-quantized FP8 input and ``/f32`` for float32 combine partials."""
-    name = {"bfloat16": "bf16", "fp8_e4m3": "e4m3", "fp8_e4m3_ue8m0": "ue8m0"}.get(cfg.get("token_dtype"), "bf16")
+    name = {"bfloat16": "bf16", "fp8_e4m3": "e4m3", "fp8_e4m3_ue8m0": "ue8m0", "nvfp4": "nvfp4"}.get(
+        cfg.get("token_dtype"), "bf16")
     return name + ("+pq" if token_input == "prequantized" else "") + (
         "/f32" if cfg.get("combine_dtype") == "float32" else "")
 
@@ -331,8 +342,8 @@ def table(per_rank: list[list[dict]], simulated: bool = False) -> str:
                      f"{n['across_in'] / 1e6:>8.3f} in | within {n['within_out'] / 1e6:>8.3f} out "
                      f"{n['within_in'] / 1e6:>8.3f} in | {n['ops_across']} ops (a chunk of rows or sums: 1 op)")
     if any(res.get("token_input") == "prequantized" for results in per_rank for res in results):
-        lines.append("+pq: pre-quantized input (FP8 codes and scales from the caller, token_scales=); FP8 rows "
-                     "without it quantize bf16 tokens inside dispatch_async")
+        lines.append("+pq: pre-quantized input (codes and scales from the caller, token_scales=); FP8 and NVFP4 "
+                     "rows without it quantize bf16 tokens inside dispatch_async")
     graphs = [(r, res) for r, results in enumerate(per_rank) for res in results if "graph" in res]
     if graphs:
         how = ", ".join(sorted({res["graph"]["n_tokens"] for _, res in graphs}))
