@@ -299,7 +299,8 @@ def test_a_plan_allocates_a_subset_of_every_region_in_the_same_order():
                                       "relay_rows", "relay_chunk_flag", "relay_sums", "combine_chunk_flag",
                                       "relay_slot", "slot_across", "slot_stage", "dense_x", "dense_topk_idx",
                                       "dense_topk_weights", "dense_slot", "slot_dense_row", "dense_source_rows"}
-    # 4038.35 MiB (every region but the dense layout's) less 3584 + 448 + 0.125 + 0.22 + 0.001: the token rows (1 MiB), 5 row arrays and a few KiB
+    # 4038.35 MiB (every region but the dense layout's) less 3584 + 448 + 0.125 + 0.22 + 0.001: the
+    # token rows (1 MiB), 5 row arrays and a few KiB
     assert 6 < layout.local_bytes / MiB < 6.01
     assert layout.region("token_rows").offset == 768  # after the three counters, nothing staged
     assert set(layout.absent()) == set(every) - set(kept) | {"dispatch_send_stage", "expert_scales",

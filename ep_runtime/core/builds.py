@@ -40,9 +40,9 @@ def plan_kernels(cfg: EPConfig, plan: Plan, only=None) -> dict:
     ``combine_async_dense``) copies partial words unchanged, so the bf16-partials build serves
     float32 partials too. ``dispatch_copy`` only where the expanded layout is served and copied
     after the placement; ``dispatch_dense`` and ``combine_async_dense`` where the dense layout is
-    served; ``dispatch_relay`` and ``combine_relay`` with the hierarchical transport. The slot-value kernels depend on the
-    block size, transport and PDL only, ``routing_copy`` (a kept routing aside and back) on the
-    block size and PDL; :data:`GLOBAL_SCALE_KERNELS` in a format with a global scale."""
+    served; ``dispatch_relay`` and ``combine_relay`` with the hierarchical transport. The
+    slot-value kernels depend on the block size, transport and PDL only, ``routing_copy`` (a kept
+    routing aside and back) on the block size and PDL; :data:`GLOBAL_SCALE_KERNELS` in a format with a global scale."""
     def wanted(*names) -> bool:
         return only is None or any(n in only for n in names)
 

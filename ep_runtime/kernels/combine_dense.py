@@ -16,6 +16,7 @@ from numba import int64
 
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.block import interleaved_item, most_tokens, part_bounds, record_error
+from ep_runtime.kernels.combine_send import peer_words
 from ep_runtime.kernels.cuda_api import cuda, kernel_jit
 from ep_runtime.kernels.partials import flagged_parts, partial_geometry
 from ep_runtime.kernels.pdl import make_pdl, programmatic
@@ -24,7 +25,6 @@ from ep_runtime.kernels.trace import stamp_first, stamp_last
 from ep_runtime.kernels.transport import make_transport
 from ep_runtime.kernels.variant import CombineVariant
 from ep_runtime.kernels.vec import pairs_aligned
-from ep_runtime.kernels.combine_send import peer_words
 
 
 @functools.lru_cache(maxsize=None)
