@@ -125,9 +125,22 @@ DSV3_LOCAL = {
     # [G, T, X] i32 (each token's packed row per other node): 2 * 4096 * 7 * 4 = 229,376 B;
     # 4,234,284,288 + 8 -> 4,234,284,544
     "relay_slot": ((2, 4096, 7), i32, 229_376, 4_234_284_544),
+    # the dense layout's rows, N = R T = 32768: [N, H] u16: 32768 * 7168 * 2 = 469,762,048 B;
+    # 4,234,284,544 + 229,376 = 4,234,513,920
+    "dense_x": ((32768, 7168), u16, 469_762_048, 4_234_513_920),
+    # [N, K] i32: 32768 * 8 * 4 = 1,048,576 B; 4,234,513,920 + 469,762,048 = 4,704,275,968
+    "dense_topk_idx": ((32768, 8), i32, 1_048_576, 4_704_275_968),
+    # [N, K] f32; + 1,048,576 = 4,705,324,544
+    "dense_topk_weights": ((32768, 8), f32, 1_048_576, 4_705_324_544),
+    # [N] i32: 131,072 B; + 1,048,576 = 4,706,373,120
+    "dense_slot": ((32768,), i32, 131_072, 4_706_373_120),
+    # [R, T] i32: 131,072 B; + 131,072 = 4,706,504,192
+    "slot_dense_row": ((8, 4096), i32, 131_072, 4_706_504_192),
+    # [R] i32: 32 B; + 131,072 = 4,706,635,264
+    "dense_source_rows": ((8,), i32, 32, 4_706_635_264),
 }
 # 4,234,284,544 + 229,376 = 4,234,513,920 (256-byte aligned)
-DSV3_LOCAL_BYTES = 4_234_513_920
+DSV3_LOCAL_BYTES = 4_706_635_520  # 4,706,635,264 + 32 -> 256-byte aligned
 
 SMALL_SYMMETRIC = {
     # [R, T, H] u16: 2 * 16 * 64 * 2 = 4096 B at 0
@@ -200,8 +213,15 @@ SMALL_LOCAL = {
     "status": ((56,), i64, 448, 14080),
     "relay_sync": ((1,), i64, 8, 14592),  # [1] i64; 14080 + 448 = 14528 -> 14592
     "relay_slot": ((2, 16, 1), i32, 128, 14848),  # [G, T, X] i32: 128 B; 14592 + 8 -> 14848
+    # the dense layout's rows, N = R T = 32: [N, H] u16: 32 * 64 * 2 = 4096 B; 14848 + 128 -> 15104
+    "dense_x": ((32, 64), u16, 4096, 15104),
+    "dense_topk_idx": ((32, 2), i32, 256, 19200),  # [N, K] i32: 256 B; 15104 + 4096 = 19200
+    "dense_topk_weights": ((32, 2), f32, 256, 19456),  # 19200 + 256 = 19456
+    "dense_slot": ((32,), i32, 128, 19712),  # [N] i32: 128 B; 19456 + 256 = 19712
+    "slot_dense_row": ((2, 16), i32, 128, 19968),  # [R, T] i32: 128 B; 19712 + 128 -> 19968
+    "dense_source_rows": ((2,), i32, 8, 20224),  # [R] i32: 8 B; 19968 + 128 -> 20224
 }
-SMALL_LOCAL_BYTES = 15104  # 14848 + 128 -> 15104
+SMALL_LOCAL_BYTES = 20480  # 20224 + 8 -> 20480
 
 CASES = {
     "dsv3": (DSV3, DSV3_SYMMETRIC, DSV3_SYMMETRIC_BYTES, DSV3_LOCAL, DSV3_LOCAL_BYTES),
@@ -255,8 +275,9 @@ def test_dsv3_totals_in_mib():
     layout = BufferLayout(DSV3)
     assert 2989.32 < layout.symmetric_bytes / MiB < 2989.34
     # combine_stage 448 MiB + expert_x 3584 MiB + token_rows 1 MiB + 5 row arrays of 1 MiB
-    # + the sender's 0.125 MiB of staged ranks, 0.22 MiB of packed-row slots and a few KiB.
-    assert 4038.3 < layout.local_bytes / MiB < 4038.4
+    # + the sender's 0.125 MiB of staged ranks, 0.22 MiB of packed-row slots and a few KiB
+    # + the dense layout's rows (448 MiB), their top-k ids and weights (1 MiB each) and maps (0.25 MiB).
+    assert 4488.5 < layout.local_bytes / MiB < 4488.7
 
 
 def test_a_plan_allocates_a_subset_of_every_region_in_the_same_order():
@@ -276,12 +297,14 @@ def test_a_plan_allocates_a_subset_of_every_region_in_the_same_order():
                                       "dispatch_send_counts", "combine_stage", "expert_x", "relay_counts",
                                       "relay_signal", "relay_partials", "relay_flag", "relay_sync", "relay_stage",
                                       "relay_rows", "relay_chunk_flag", "relay_sums", "combine_chunk_flag",
-                                      "relay_slot", "slot_across", "slot_stage"}
-    # 4038.35 MiB less 3584 + 448 + 0.125 + 0.22 + 0.001: the token rows (1 MiB), 5 row arrays and a few KiB
+                                      "relay_slot", "slot_across", "slot_stage", "dense_x", "dense_topk_idx",
+                                      "dense_topk_weights", "dense_slot", "slot_dense_row", "dense_source_rows"}
+    # 4038.35 MiB (every region but the dense layout's) less 3584 + 448 + 0.125 + 0.22 + 0.001: the
+    # token rows (1 MiB), 5 row arrays and a few KiB
     assert 6 < layout.local_bytes / MiB < 6.01
     assert layout.region("token_rows").offset == 768  # after the three counters, nothing staged
     assert set(layout.absent()) == set(every) - set(kept) | {"dispatch_send_stage", "expert_scales",
-                                                              "token_global_scale"}
+                                                              "token_global_scale", "dense_scales"}
 
 
 @pytest.mark.parametrize("heap", ["symmetric", "local"])
@@ -361,7 +384,7 @@ def test_sentinel_inits():
     layout = BufferLayout(SMALL)
     # -1 marks "no expert id" / "no row" / "padding"; everything else starts at 0.
     minus_one = {"dispatch_topk_ids", "token_rows", "row_src_rank", "row_src_token", "row_src_k", "row_gather",
-                 "relay_slot"}
+                 "relay_slot", "dense_topk_idx", "dense_slot", "slot_dense_row"}
     for r in layout.regions:
         assert r.init == (-1 if r.name in minus_one else 0), f"{r.name} init {r.init}"
 
@@ -388,8 +411,8 @@ def test_describe_dsv3_figures():
     assert "896.000" in text          # combine_partials
     assert "3584.000" in text         # expert_x
     assert "392.000" in text          # relay_stage, relay_rows, relay_sums (7 other nodes)
-    # 3,134,542,080 / 2**20 = 2989.3323; 4,234,513,920 / 2**20 = 4038.3472
-    assert "symmetric 2989.332 MiB, local 4038.347 MiB" in text
+    # 3,134,542,080 / 2**20 = 2989.3323; 4,706,635,520 / 2**20 = 4488.5967
+    assert "symmetric 2989.332 MiB, local 4488.597 MiB" in text
 
 
 def test_region_unknown_name_raises_key_error():

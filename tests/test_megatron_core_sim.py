@@ -3,7 +3,7 @@ in a torch.distributed gloo job of 2 ranks (forked by :func:`test_sessions_sim.t
 
 Each rank builds Megatron-core ``MoELayer``s with the same weights, Megatron's all-to-all token
 dispatcher against the flex dispatcher, whose ``fused_a2a`` (Megatron-core's own, unmodified)
-runs on ep_runtime's DeepEP layer (``deepep``: ``deep_ep.Buffer``, the compact layout;
+runs on ep_runtime's DeepEP layer (``deepep``: ``deep_ep.Buffer``, the dense layout;
 ``hybridep``: ``deep_ep.HybridEPBuffer``, the expanded one), and checks the
 forward output, the input gradient and every parameter gradient within bf16 tolerances, then the
 losses of 5 SGD steps (the example's docstring gives the tolerances and the CPU shims). Small

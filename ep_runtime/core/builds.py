@@ -26,8 +26,9 @@ PLAN_VARIANTS = (("wait", "stores"), ("land", "stores"), ("route_first", "stores
 NODE_VARIANTS = (("wait", "hierarchical"),)
 #: The kernels of each family, as :func:`plan_kernels` builds them (a family's module is imported
 #: only when one of its kernels is asked for: the dispatch and combine kernels import NVSHMEM).
-DISPATCH_KERNELS = ("dispatch_async", "dispatch_wait", "dispatch_land", "dispatch_copy", "dispatch_relay")
-COMBINE_KERNELS = ("combine_async", "combine_async_rows", "combine_wait", "combine_relay")
+DISPATCH_KERNELS = ("dispatch_async", "dispatch_wait", "dispatch_land", "dispatch_copy", "dispatch_relay",
+                    "dispatch_dense")
+COMBINE_KERNELS = ("combine_async", "combine_async_rows", "combine_wait", "combine_relay", "combine_async_dense")
 #: A format with a global scale (NVFP4): the kernels that compute it on the stream before
 #: dispatch_async when the caller passes none (its codec's ``make_global_scale``), in order.
 GLOBAL_SCALE_KERNELS = ("tensor_amax", "global_scale_of_amax")
@@ -35,12 +36,13 @@ GLOBAL_SCALE_KERNELS = ("tensor_amax", "global_scale_of_amax")
 
 def plan_kernels(cfg: EPConfig, plan: Plan, only=None) -> dict:
     """``{name: kernel}``: every kernel a runtime of ``cfg`` under ``plan`` launches (or those
-    of them named in ``only``, building nothing else). ``combine_async_rows`` copies partial
-    words unchanged, so the bf16-partials build serves float32 partials too. ``dispatch_copy``
-    only where the expanded layout is served and copied after the placement; ``dispatch_relay``
-    and ``combine_relay`` with the hierarchical transport. The slot-value kernels depend on the
-    block size, transport and PDL only, ``routing_copy`` (a kept routing aside and back) on the
-    block size and PDL; :data:`GLOBAL_SCALE_KERNELS` in a format with a global scale."""
+    of them named in ``only``, building nothing else). ``combine_async_rows`` (and
+    ``combine_async_dense``) copies partial words unchanged, so the bf16-partials build serves
+    float32 partials too. ``dispatch_copy`` only where the expanded layout is served and copied
+    after the placement; ``dispatch_dense`` and ``combine_async_dense`` where the dense layout is
+    served; ``dispatch_relay`` and ``combine_relay`` with the hierarchical transport. The
+    slot-value kernels depend on the block size, transport and PDL only, ``routing_copy`` (a kept
+    routing aside and back) on the block size and PDL; :data:`GLOBAL_SCALE_KERNELS` in a format with a global scale."""
     def wanted(*names) -> bool:
         return only is None or any(n in only for n in names)
 
@@ -52,6 +54,10 @@ def plan_kernels(cfg: EPConfig, plan: Plan, only=None) -> dict:
         if plan.expanded_copy is not ExpandedCopy.DISPATCH_COPY:
             del kernels["dispatch_copy"]
         relay = kernels.pop("dispatch_relay", None)
+        if plan.serves("dense"):
+            from ep_runtime.kernels.layouts.dense import make_dispatch_dense
+
+            kernels["dispatch_dense"] = make_dispatch_dense(plan.threads, cfg.token_format.codec, plan.pdl)
     if wanted(*COMBINE_KERNELS):
         from ep_runtime.kernels.combine import make_combine_kernels
 
@@ -60,6 +66,10 @@ def plan_kernels(cfg: EPConfig, plan: Plan, only=None) -> dict:
         rows = make_combine_kernels(dataclasses.replace(cv, f32_partials=False))["combine_async_rows"]
         kernels.update(combine_async=combine["combine_async"], combine_async_rows=rows,
                        combine_wait=combine["combine_wait"])
+        if plan.serves("dense"):
+            from ep_runtime.kernels.combine_dense import make_combine_async_dense
+
+            kernels["combine_async_dense"] = make_combine_async_dense(dataclasses.replace(cv, f32_partials=False))
     if wanted("validate_routing"):
         from ep_runtime.kernels.validate import validate_routing
 

@@ -29,8 +29,11 @@ from ep_runtime.kernels.protocol import MAX_RANKS, PLACEMENT_WORDS  # noqa: F401
 #: Row indices of the expert batch are int32.
 MAX_ROWS = 2**31 - 1
 #: The layouts dispatch_wait can return (``EPConfig.layouts``): one row per (token, local
-#: expert), or the received rows as they landed with per-expert gather indices.
-LAYOUTS = ("expanded", "compact")
+#: expert), the received rows as they landed with per-expert gather indices, or the received
+#: rows laid out densely in DeepEP's order (one per received (token, source rank)).
+LAYOUTS = ("expanded", "compact", "dense")
+#: The layouts a runtime serves by default, also spelled ``"both"``.
+DEFAULT_LAYOUTS = ("expanded", "compact")
 #: Default bound on a device-side wait: long enough for a slow peer's first-call compile to be
 #: excluded (the runtime compiles before the first call), short enough to surface a hang.
 DEFAULT_WAIT_TIMEOUT_S = 10.0
@@ -81,10 +84,14 @@ class EPConfig:
         Whether the debug-mode routing check accepts negative router weights (NaN and
         infinities are always rejected).
     layouts : str or tuple of str
-        The layouts dispatch_wait serves: ``"expanded"``, ``"compact"`` or both (the default,
-        also spelled ``"both"``). The execution plan gives each layout served its fastest
-        measured path (:mod:`ep_runtime.core.plan`), and a runtime that does not serve the expanded
-        layout allocates no expert batch for it. Stored as a tuple in ``LAYOUTS`` order.
+        The layouts dispatch_wait serves: ``"expanded"``, ``"compact"``, ``"dense"``, or any
+        tuple of them; the default is expanded and compact, also spelled ``"both"``. The
+        execution plan gives the expanded and compact layouts their fastest measured paths
+        (:mod:`ep_runtime.core.plan`); ``"dense"`` (DeepEP's received rows, written by
+        ``dispatch_dense`` after any receiver) adds to whichever the plan picks for the others,
+        and a runtime that serves only it is planned as a compact one. A runtime allocates the
+        expert batch only when it serves the expanded layout, and the dense rows only when it
+        serves the dense one. Stored as a tuple in ``LAYOUTS`` order.
     """
 
     n_ranks: int
@@ -99,7 +106,7 @@ class EPConfig:
     pad_multiple: int = 1
     max_recv_rows: int | None = None
     allow_negative_weights: bool = True
-    layouts: tuple = LAYOUTS
+    layouts: tuple = DEFAULT_LAYOUTS
 
     def __post_init__(self):
         object.__setattr__(self, "layouts", _layouts(self.layouts))
@@ -243,10 +250,11 @@ class EPConfig:
 
 def _layouts(value) -> tuple:
     """``value`` (a layout name, ``"both"`` or an iterable of names) as a tuple in LAYOUTS order."""
-    names = LAYOUTS if value == "both" else (value,) if isinstance(value, str) else tuple(value)
+    names = DEFAULT_LAYOUTS if value == "both" else (value,) if isinstance(value, str) else tuple(value)
     if not names or any(n not in LAYOUTS for n in names):
-        raise EPConfigError(f"EPConfig.layouts={value!r}: expected 'expanded', 'compact', 'both' or a tuple of "
-                            f"{LAYOUTS}; use 'compact' for a runtime that serves only the compact layout.")
+        raise EPConfigError(f"EPConfig.layouts={value!r}: expected 'expanded', 'compact', 'dense', 'both' (expanded "
+                            f"and compact) or a tuple of {LAYOUTS}; use 'compact' for a runtime that serves only the "
+                            f"compact layout, 'dense' for DeepEP's received rows.")
     return tuple(n for n in LAYOUTS if n in names)
 
 

@@ -171,3 +171,52 @@ class CompactBatch:
     handle: DispatchHandle
     scales: Any = None
     global_scales: Any = None
+
+
+@dataclass(frozen=True)
+class DenseBatch:
+    """This rank's received tokens as DeepEP's dense rows (``dispatch_wait(layout="dense")``),
+    written by the kernels (device arrays, views into runtime buffers, the same memory every
+    call; valid until the next ``dispatch_wait``).
+
+    One row per received (token, source rank): source rank ascending, then the source's token
+    order, only the tokens with an expert on this rank (DeepEP's normal-mode ``recv_x``). Row
+    ``i < num_recv`` (``num_recv = source_rows.sum()``) is token ``slot[i] % T`` of rank
+    ``slot[i] // T`` (T = ``max_tokens_per_rank``); rows ``[source_end[s - 1], source_end[s])``
+    came from rank s, with ``source_end`` the cumulative sum of ``source_rows``.
+
+    Attributes
+    ----------
+    x : [n_ranks * T, hidden] uint16 (bf16 bits); a quantized format's codes (uint8 E4M3
+        ``[N, hidden]``, NVFP4 packed E2M1 ``[N, hidden / 2]``). Rows past ``num_recv`` are
+        stale.
+    topk_idx : [n_ranks * T, top_k] int32, per row and slot the slot's local expert (``id -
+        rank * n_local_experts``), or -1 where its expert is on another rank or the slot is
+        masked (and on every slot of a row past ``num_recv``).
+    topk_weights : [n_ranks * T, top_k] float32, the slot's router weight, 0 where ``topk_idx``
+        is -1.
+    slot : [n_ranks * T] int32, the receive-buffer slot ``src * T + t`` of each row (-1 past
+        ``num_recv``).
+    slot_row : [n_ranks, T] int32, the dense row of token t of rank src (-1 where it did not
+        come here): what ``combine_async(layout="dense")`` reads its input through.
+    source_rows : [n_ranks] int32, the rows received from each rank.
+    row_offsets, expert_counts : as :class:`ExpertBatch` (the expert-major placement's:
+        DeepEP's per-expert counts are ``expert_counts``).
+    handle : the :class:`DispatchHandle` of the call, for ``combine_async``.
+    scales : quantized token formats only (else None): ``[n_ranks * T, S]`` the rows' block
+        scales, row-major (float32, UE8M0 uint8 codes, or NVFP4's E4M3 codes).
+    global_scales : NVFP4 only (else None): ``[n_ranks * T]`` float32, each row's source tensor's
+        global scale.
+    """
+
+    x: Any
+    topk_idx: Any
+    topk_weights: Any
+    slot: Any
+    slot_row: Any
+    source_rows: Any
+    row_offsets: Any
+    expert_counts: Any
+    handle: DispatchHandle
+    scales: Any = None
+    global_scales: Any = None

@@ -56,10 +56,10 @@ def partial_format_name(cfg: EPConfig) -> str:
 
 
 #: Regions of the quantized token formats only (:func:`send_stage_regions`,
-#: :func:`expert_scales_regions`, :func:`global_scale_regions`), as (dtype, ndim) of their empty
-#: stand-ins in a layout of a format without them.
+#: :func:`expert_scales_regions`, :func:`global_scale_regions`, :func:`dense_regions`' scales), as
+#: (dtype, ndim) of their empty stand-ins in a layout of a format without them.
 FORMAT_REGIONS = {"dispatch_send_stage": (np.uint64, 2), "expert_scales": (np.float32, 1),
-                  "token_global_scale": (np.float32, 1)}
+                  "token_global_scale": (np.float32, 1), "dense_scales": (np.float32, 1)}
 
 @dataclass(frozen=True)
 class Region:
@@ -281,6 +281,8 @@ def _regions(cfg: EPConfig, plan=None) -> list[Region]:
                "[0] ticket: finished blocks of the dispatch_relay launch, reset by the last (hierarchical)"),
         *relay_regions(cfg, plan, symmetric=False),
         *global_scale_regions(cfg),
+        # -- local: the dense layout's rows (after the rest: the other layouts' offsets stay) ------------
+        *dense_regions(cfg),
     ]
 
 
@@ -306,6 +308,10 @@ def _hierarchical(plan, cfg) -> bool:
 
 def _expanded(plan, cfg) -> bool:
     return plan.serves("expanded")
+
+
+def _dense(plan, cfg) -> bool:
+    return plan.serves("dense")
 
 
 #: ``{region: used(plan, cfg)}``: which plans use a region; a region not listed is used by every
@@ -336,6 +342,13 @@ USED_BY = {
     "slot_stage": _hierarchical,
     "expert_x": _expanded,
     "expert_scales": _expanded,
+    "dense_x": _dense,
+    "dense_scales": _dense,
+    "dense_topk_idx": _dense,
+    "dense_topk_weights": _dense,
+    "dense_slot": _dense,
+    "slot_dense_row": _dense,
+    "dense_source_rows": _dense,
 }
 
 
@@ -424,6 +437,40 @@ def expert_scales_regions(cfg: EPConfig) -> list[Region]:
     return [Region("expert_scales", (C * fmt.scale_count(H),), fmt.scale_dtype, 0,
                    False, "dispatch_copy", ("user",),
                    "scales of the expert batch's rows: [C, S] row-major or [S, C] column-major (per call)")]
+
+
+def dense_regions(cfg: EPConfig) -> list[Region]:
+    """The dense layout's rows (:mod:`ep_runtime.kernels.layouts.dense`), written by
+    ``dispatch_dense`` each call: ``N = R T`` rows, the most a rank can receive (one per
+    received (token, source rank)), in DeepEP's order; a quantized format's codes and scales
+    (row-major ``[N, S]``; NVFP4: then the rows' float32 global scales ``[N]``)."""
+    R, T, K, H = cfg.n_ranks, cfg.max_tokens_per_rank, cfg.top_k, cfg.hidden
+    N, fmt = R * T, cfg.token_format
+    i32, f32, DD = np.dtype(np.int32), np.dtype(np.float32), "dispatch_dense"
+    scales = []
+    if fmt.quantized:
+        width, dtype = (fmt.extras_bytes(H), np.uint8) if fmt.has_global_scale else (fmt.scale_count(H),
+                                                                                   fmt.scale_dtype)
+        scales = [Region("dense_scales", (N * width,), np.dtype(dtype), 0, False, DD, ("user (dense)",),
+                         "the dense rows' block scales, [N, S] row-major (NVFP4: E4M3 codes, then the rows' "
+                         "float32 global scales [N])")]
+    return [
+        Region("dense_x", (N, fmt.payload_width(H)), fmt.element_dtype, 0, False, DD, ("user (dense)",),
+               "one row per received (token, source rank): source-major, then the source's token order (bf16 "
+               "bits, or the format's codes); rows past the received count are stale"),
+        *scales,
+        Region("dense_topk_idx", (N, K), i32, -1, False, DD, ("user (dense)",),
+               "[row, k]: the local expert of the row's slot k, or -1 (the expert is elsewhere, or masked; "
+               "every slot of a row past the received count)"),
+        Region("dense_topk_weights", (N, K), f32, 0, False, DD, ("user (dense)",),
+               "[row, k]: the router weight of the row's slot k, 0 where dense_topk_idx is -1"),
+        Region("dense_slot", (N,), i32, -1, False, DD, ("user (dense)",),
+               "[row]: the receive-buffer slot src * T + t of the dense row, -1 past the received count"),
+        Region("slot_dense_row", (R, T), i32, -1, False, DD, ("combine_async_dense", "user (dense)"),
+               "[src, t]: the dense row of token t of rank src, -1 where it did not come here"),
+        Region("dense_source_rows", (R,), i32, 0, False, DD, ("user (dense)",),
+               "[src]: the dense rows from rank src (its tokens with an expert here)"),
+    ]
 
 
 def global_scale_regions(cfg: EPConfig) -> list[Region]:

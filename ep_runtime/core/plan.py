@@ -91,7 +91,7 @@ CHUNK_FROM_TOKENS = 1024
 #: block, so the routing is not left to one block's share of the busy links).
 SPLIT_FROM_TOKENS = 512
 
-LAYOUTS = ("expanded", "compact")
+LAYOUTS = ("expanded", "compact", "dense")
 
 
 @dataclass(frozen=True)
@@ -209,12 +209,19 @@ class Plan:
     def serves(self, layout: str) -> bool:
         return layout in self.layouts
 
+    @property
+    def receiver_layout(self) -> str:
+        """The layout the receive kernels are built with: ``"expanded"`` when served (its copies
+        skipped on another layout's call), else ``"compact"`` when served, else ``"dense"`` (the
+        compact layout's placement and copies: the dense rows are ``dispatch_dense``'s)."""
+        return next(name for name in LAYOUTS if self.serves(name))
+
     # -- what the kernels are built for -----------------------------------------------------------
     def dispatch_variant(self, cfg: EPConfig) -> DispatchVariant:
         """The dispatch kernels' compile-time constants for a runtime of ``cfg``."""
         return DispatchVariant(self.threads, cfg.token_format.codec, self.transport, self.receiver, self.pdl,
                                self.share_from_tokens, self.chunk_from_tokens, self.split_from_tokens, self.node_size,
-                               self.node_stores, "expanded" if self.serves("expanded") else "compact")
+                               self.node_stores, self.receiver_layout)
 
     def combine_variant(self, cfg: EPConfig) -> CombineVariant:
         """The combine kernels' compile-time constants for a runtime of ``cfg``."""

@@ -398,6 +398,84 @@ def combine_rows(rows_per_rank, topk_ids_per_rank, cfg: EPConfig, node_size: int
     return outs
 
 
+@dataclass
+class DenseRowsRef:
+    """One rank's dense rows (the dense layout: DeepEP's normal-mode received rows).
+
+    Attributes
+    ----------
+    x : [rows, hidden] bfloat16 (a quantized format's codes, as :func:`receive_rows`): one row per
+        received (token, source rank), source rank ascending, then the source's token order
+    topk_idx : [rows, top_k] int32, the local expert of each slot (its routed id - r L), or -1
+        where the routed id is masked or on another rank
+    topk_weights : [rows, top_k] float32, the slot's weight, 0 where ``topk_idx`` is -1
+    slot : [rows] int32, ``s * T + t`` of each row (T = ``max_tokens_per_rank``)
+    slot_row : [R, T] int32, the row of token t of rank s, -1 where it did not come
+    source_rows : [R] int32, the rows from each source rank
+    scales, global_scales : a quantized format's rows' scales ``[rows, S]`` and NVFP4's global
+        scales ``[rows]`` (else None)
+    """
+
+    x: np.ndarray
+    topk_idx: np.ndarray
+    topk_weights: np.ndarray
+    slot: np.ndarray
+    slot_row: np.ndarray
+    source_rows: np.ndarray
+    scales: np.ndarray | None = None
+    global_scales: np.ndarray | None = None
+
+
+def dense(inputs_per_rank, topk_ids_per_rank, topk_weights_per_rank, cfg: EPConfig, token_scales_per_rank=None,
+          global_scales_per_rank=None) -> list[DenseRowsRef]:
+    """The dense rows of every rank (arguments as :func:`dispatch`): rank ``r`` receives token
+    ``t`` of rank ``s`` when a routed id of it is one of ``r``'s experts, as row
+    ``prefix(s) + (the rank of t among s's such tokens)``."""
+    R, L, T = cfg.n_ranks, cfg.n_local_experts, cfg.max_tokens_per_rank
+    fmt = cfg.token_format
+    recv = receive_rows(inputs_per_rank, topk_ids_per_rank, cfg, token_scales_per_rank, True,
+                        global_scales_per_rank)
+    gs = receive_global_scales(inputs_per_rank, topk_ids_per_rank, cfg, global_scales_per_rank) \
+        if fmt.has_global_scale else None
+    out = []
+    for r in range(R):
+        x, defined, scales = recv[r]
+        idx, wts, slots, per_source = [], [], [], []
+        for s in range(R):
+            ids = routed_ids(topk_ids_per_rank[s], cfg.n_experts)
+            local = (ids >= r * L) & (ids < (r + 1) * L)
+            hit = np.flatnonzero(local.any(axis=1))
+            idx.append(np.where(local[hit], ids[hit] - r * L, -1).astype(np.int32))
+            wts.append(np.where(local[hit], np.asarray(topk_weights_per_rank[s], np.float32)[hit], 0).astype(
+                np.float32))
+            slots.append((s * T + hit).astype(np.int32))
+            per_source.append(len(hit))
+        slot = np.concatenate(slots)
+        slot_row = np.full(R * T, -1, np.int32)
+        slot_row[slot] = np.arange(len(slot), dtype=np.int32)
+        K = cfg.top_k
+        out.append(DenseRowsRef(x[slot], np.concatenate(idx).reshape(-1, K), np.concatenate(wts).reshape(-1, K), slot,
+                                slot_row.reshape(R, T), np.array(per_source, np.int32),
+                                scales[slot] if scales is not None else None,
+                                gs[r][0][slot] if gs is not None else None))
+    return out
+
+
+def combine_dense(rows_per_rank, dense_per_rank: list[DenseRowsRef], topk_ids_per_rank, cfg: EPConfig,
+                  node_size: int = 0):
+    """Combine in the dense layout: rank ``r``'s ``rows_per_rank[r]`` ``[>= rows, hidden]`` holds
+    its partial for each of its dense rows (already combined over its experts; bf16 or float32
+    as :func:`combine_rows`); each token sums them home as :func:`combine_rows` does."""
+    R, T = cfg.n_ranks, cfg.max_tokens_per_rank
+    compact = []
+    for r in range(R):
+        rows, slot = np.asarray(rows_per_rank[r]), dense_per_rank[r].slot
+        c = np.zeros((R * T,) + rows.shape[1:], rows.dtype)
+        c[slot] = rows[:len(slot)]
+        compact.append(c)
+    return combine_rows(compact, topk_ids_per_rank, cfg, node_size)
+
+
 def combine_tolerance(topk_weights: np.ndarray, expert_out_abs_max: float,
                       combine_dtype: str = "bfloat16") -> np.ndarray:
     """Per-token absolute tolerance of a kernel's combine against :func:`combine`.

@@ -142,6 +142,7 @@ class EPRuntime(DispatchCalls, CombineCalls, SlotValueCalls):
         self._state = State.IDLE
         self._slots_call = -1  # the dispatch call whose slot values went home last
         self._kept_call = 0  # the last dispatch_async reused a kept routing (1) or sent its own (0)
+        self._dense_call = -1  # the dispatch call whose rows dispatch_dense laid out last
         self._epoch = 0  # reset() count: a kept routing of an earlier epoch is refused
         self._failed: Exception | None = None
         self._closed = False
@@ -151,7 +152,8 @@ class EPRuntime(DispatchCalls, CombineCalls, SlotValueCalls):
         """The launches of dispatch_wait whose arguments are all the runtime's own, prepared once:
         ``"compact"`` (and the placement before ``dispatch_copy``), ``"expanded"`` where the
         receive kernel copies too (a route-first dispatch_wait on the whole grid), and
-        ``("dispatch_copy", scales)``, and with the hierarchical transport ``"dispatch_relay"``
+        ``("dispatch_copy", scales)``, ``"dispatch_dense"`` where the dense layout is served,
+        and with the hierarchical transport ``"dispatch_relay"``
         and ``"combine_relay"``. A landing plan's receive launches read each call's tokens:
         they are prepared with dispatch_async's."""
         plan, fixed = self.plan, {}
@@ -166,6 +168,8 @@ class EPRuntime(DispatchCalls, CombineCalls, SlotValueCalls):
                 fixed["dispatch_relay", reuse] = self._prepare("dispatch_relay", timeout_ns=self._timeout_ns,
                                                                reuse_routing=INT64[reuse])
             fixed["combine_relay"] = self._prepare("combine_relay", timeout_ns=self._timeout_ns)
+        if plan.serves("dense"):
+            fixed["dispatch_dense"] = self._prepare("dispatch_dense")
         if plan.expanded_copy is ExpandedCopy.DISPATCH_COPY:
             for scales in SCALE_LAYOUTS:
                 fixed["dispatch_copy", scales] = self._prepare("dispatch_copy",
@@ -188,6 +192,7 @@ class EPRuntime(DispatchCalls, CombineCalls, SlotValueCalls):
         self.session.synchronize()
         self.session.barrier()
         self._calls, self._state, self._failed, self._slots_call = 0, State.IDLE, None, -1
+        self._dense_call = -1
         self._epoch += 1
 
     def close(self) -> None:

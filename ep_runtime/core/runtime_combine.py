@@ -38,6 +38,14 @@ class CombineCalls:
               token's partial is the sum over its local experts, ascending, of router weight x
               output (float32, from 0), rounded to bf16 unless ``EPConfig.combine_dtype`` is
               ``"float32"``.
+            - ``layout="dense"``: ``[rows, hidden]``, one row per row of the dense batch of
+              this call (``dispatch_wait(handle, layout="dense")``), in its order: this rank's
+              partial for that (source rank, token), already combined over this rank's experts
+              by the caller (DeepEP's combine input; summed unweighted at home, as DeepEP's
+              combine sums). The kernel reads row ``batch.slot_row[s, t]`` for each token that
+              came here, so ``rows`` must be at least the rows received (a shorter array is a
+              device error raised by :meth:`synchronize`; rows past them are not read). Dtype
+              as the compact layout's.
             - ``layout="compact"``: ``[n_ranks * max_tokens_per_rank, hidden]``, row
               ``s * max_tokens_per_rank + t`` holding this rank's partial for token t of rank
               s, already weighted and summed over this rank's experts by the caller (the
@@ -55,23 +63,27 @@ class CombineCalls:
             backward sums gradients); or a float32 ``[rows]`` array row-aligned with the batch
             (explicit weights; ``rows >= row_offsets[L]``, padding rows are not read), which
             must stay unmodified until :meth:`combine_wait` has run. The expanded layout only:
-            compact rows come weighted.
+            compact and dense rows come weighted.
         """
         self._require(State.DISPATCHED, call="combine_async", handle=handle, handle_type=DispatchHandle)
         if layout not in DISPATCH_LAYOUTS:
             raise EPInputError(f"combine_async: layout={layout!r}; expected one of {DISPATCH_LAYOUTS}.")
         mode = "dispatch" if isinstance(weights, str) and weights == "dispatch" else \
             "none" if weights is None else "array"
-        if mode != "dispatch" and layout == "compact":
-            raise EPInputError("combine_async: weights= applies to the expanded layout only; compact rows are the "
-                               "caller's partials, already weighted (leave weights='dispatch').")
+        if mode != "dispatch" and layout != "expanded":
+            raise EPInputError(f"combine_async: weights= applies to the expanded layout only; {layout} rows are the "
+                               f"caller's partials, already weighted (leave weights='dispatch').")
+        if layout == "dense" and (not self.plan.serves("dense") or self._dense_call != handle.call):
+            raise EPInputError("combine_async: layout='dense' reads the dense rows of this call's dispatch: call "
+                               "dispatch_wait(handle, layout='dense') first (on a runtime with 'dense' in "
+                               f"EPConfig.layouts; this one serves {self.plan.layouts}).")
         if isinstance(weights, str) and weights != "dispatch":
             raise EPInputError(f"combine_async: weights={weights!r}; expected 'dispatch', None or a float32 [rows] "
                                f"array.")
         call = self._memo.get_or_prepare("combine_async", (layout, mode), (expert_out, weights if mode == "array"
                                                                             else None),
                                          lambda: self._prepare_combine_async(expert_out, layout, mode, weights))
-        if self.debug and layout != "compact":
+        if self.debug and layout == "expanded":
             needed = int(self.session.to_host(self.buffers["row_offsets"])[-1])
             if call.n_tokens < needed:
                 raise EPInputError(f"combine_async: expert_out has {call.n_tokens} rows but the expert batch has "
@@ -95,6 +107,18 @@ class CombineCalls:
                                f"[n_ranks * max_tokens_per_rank = {rows}, hidden = {cfg.hidden}].")
             call = self._prepare("combine_async_rows", expert_out=expert_out)
             own = expert_out  # combine_wait reads this rank's own rows here
+        elif layout == "dense":
+            self._check_partial_dtype(expert_out, c, "expert_out", "the dense layout's rows")
+            arrays.check_array(expert_out, c, "expert_out", self._partial, (None, cfg.hidden),
+                               f"The dense layout has one row per dense row of the dispatch (at least the rows "
+                               f"received, at most n_ranks * max_tokens_per_rank = "
+                               f"{cfg.n_ranks * cfg.max_tokens_per_rank}): [rows, hidden = {cfg.hidden}].")
+            if expert_out.shape[0] > cfg.n_ranks * cfg.max_tokens_per_rank:
+                raise EPInputError(f"{c}: expert_out has {expert_out.shape[0]} rows, more than the "
+                                   f"{cfg.n_ranks * cfg.max_tokens_per_rank} dense rows a dispatch can receive "
+                                   f"(n_ranks * max_tokens_per_rank); pass one row per dense row.")
+            call = self._prepare("combine_async_dense", expert_out=expert_out)
+            own = self._no_own  # this rank's own partials are copied into combine_partials
         else:
             arrays.check_array(expert_out, c, "expert_out", np.uint16, (None, cfg.hidden),
                                f"Expected [rows, hidden={cfg.hidden}], row-aligned with the expert batch.")

@@ -19,7 +19,7 @@ from ep_runtime.core import arrays
 from ep_runtime.core.call_memo import PreparedCall
 from ep_runtime.core.config import LAYOUTS, EPConfig
 from ep_runtime.core.errors import EPInputError, EPStateError
-from ep_runtime.core.handles import CompactBatch, DispatchHandle, ExpertBatch, KeptRouting, from_fields
+from ep_runtime.core.handles import CompactBatch, DenseBatch, DispatchHandle, ExpertBatch, KeptRouting, from_fields
 from ep_runtime.core.plan import ExpandedCopy, Receiver, Transport
 from ep_runtime.core.runtime_state import INT64, State
 
@@ -245,6 +245,12 @@ class DispatchCalls:
         the copy lays them out: ``plan.expanded_copy`` says which kernel copies). Its views are
         valid until the next ``dispatch_wait``.
 
+        ``layout="dense"`` returns a :class:`DenseBatch`: DeepEP's received rows, one per
+        (token, source rank), source-major then in token order, each with its slots' local
+        expert ids and weights, written by ``dispatch_dense`` after the receive kernel (the
+        batch's views are the same memory every call); ``combine_async(rows, h,
+        layout="dense")`` takes one row per dense row.
+
         ``layout="compact"`` returns a :class:`CompactBatch`: no expansion copy (one kernel).
         The received rows stay where they landed, one per (token, source rank), and the batch
         gives per local expert the rows to gather (``gather``) and their weights, in the same
@@ -271,10 +277,14 @@ class DispatchCalls:
         land = self.plan.receiver is Receiver.LAND
         if self.plan.transport is Transport.HIERARCHICAL:  # this node's share of the other nodes' calls, first
             self._run(self._fixed["dispatch_relay", self._kept_call])
-        if layout == "compact":
+        if layout in ("compact", "dense"):
             self._run(self._land[0] if land else self._fixed["compact"])
             self._state = State.DISPATCHED
-            return from_fields(CompactBatch, {**self._batch_views["compact"], "handle": handle})
+            if layout == "compact":
+                return from_fields(CompactBatch, {**self._batch_views["compact"], "handle": handle})
+            self._run(self._fixed["dispatch_dense"])  # the received rows laid out densely
+            self._dense_call = handle.call
+            return from_fields(DenseBatch, {**self._batch_views["dense"], "handle": handle})
         copy = self.plan.expanded_copy
         if copy is ExpandedCopy.IN_LAND:  # placed and copied as the rows land
             self._run(self._land[1])
@@ -388,4 +398,21 @@ def batch_views(cfg: EPConfig, b: dict) -> dict:
         x, recv_scales = recv.reshape(R * T, H), None
     views["compact"] = dict(x=x, scales=recv_scales, global_scales=recv_global, recv_tokens=b["recv_tokens"],
                             gather=b["row_gather"], **meta)
+    if "dense_x" in b:  # (the dense layout served)
+        views["dense"] = dense_views(cfg, b)
     return views
+
+
+def dense_views(cfg: EPConfig, b: dict) -> dict:
+    """The dense batch's views (less the handle) of the regions ``b``: in a quantized format its
+    scales ``[N, S]`` row-major (NVFP4: and the rows' float32 global scales after them)."""
+    fmt, N, H = cfg.token_format, cfg.n_ranks * cfg.max_tokens_per_rank, cfg.hidden
+    scales = global_scales = None
+    if fmt.quantized:
+        S = fmt.scale_count(H)
+        scales = b["dense_scales"][:N * S].reshape(N, S)
+        if fmt.has_global_scale:
+            global_scales = b["dense_scales"][N * S:].view(np.float32)
+    return dict(x=b["dense_x"], scales=scales, global_scales=global_scales, topk_idx=b["dense_topk_idx"],
+                topk_weights=b["dense_topk_weights"], slot=b["dense_slot"], slot_row=b["slot_dense_row"],
+                source_rows=b["dense_source_rows"], row_offsets=b["row_offsets"], expert_counts=b["expert_counts"])

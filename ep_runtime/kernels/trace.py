@@ -63,6 +63,9 @@ SLOTS = {
     26: ("dispatch_land", "segments written (last block)"),
     27: ("dispatch_land", "rows placed and landed (last block)"),
     28: ("dispatch_land", "end (last block)"),
+    32: ("dispatch_dense", "start"),
+    33: ("dispatch_dense", "rows placed and copied (last block)"),
+    34: ("dispatch_dense", "end (last block)"),
 }
 assert max(SLOTS) < TRACE_LEN
 

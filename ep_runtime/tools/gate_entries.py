@@ -55,8 +55,9 @@ FORMATS = (("bfloat16", "bfloat16"), ("bfloat16", "float32"), ("fp8_e4m3", "bflo
 def plan_entries(formats=FORMATS, variants=PLAN_VARIANTS + NODE_VARIANTS, pdl: bool = True) -> list:
     """``[(label, cfg, plan)]``: a plan of every receiver on every transport, in each format, on
     GPUs of one NVLink domain (``Topology.nvlink_gpus``; the hierarchical transport on 4 GPUs as
-    2 nodes of 2, storing and putting within a node), both layouts served (so every kernel a
-    plan can launch is built)."""
+    2 nodes of 2, storing and putting within a node), every layout served (so every kernel a
+    plan can launch is built: the expanded layout's receivers, dispatch_dense and
+    combine_async_dense)."""
     from ep_runtime.core.config import EPConfig
     from ep_runtime.core.plan import Topology, choose_plan
 
@@ -65,7 +66,8 @@ def plan_entries(formats=FORMATS, variants=PLAN_VARIANTS + NODE_VARIANTS, pdl: b
         for receiver, transport in variants:
             nodes = transport == "hierarchical"  # 4 PEs as 2 nodes of 2 (their heaps not mapped across)
             cfg = EPConfig(n_ranks=4 if nodes else 2, n_experts=8, top_k=2, hidden=256, max_tokens_per_rank=16,
-                           token_dtype=token_dtype, combine_dtype=combine_dtype)
+                           token_dtype=token_dtype, combine_dtype=combine_dtype,
+                           layouts=("expanded", "compact", "dense"))
             topology = Topology(4, False, 132, True, False, (0, 0, 1, 1), True) if nodes else Topology.nvlink_gpus(2)
             within = ((True, ""), (False, " puts within")) if nodes else ((False, ""),)
             for node_stores, note in within:  # the hierarchical transport stores, or puts, within a node

@@ -2,13 +2,14 @@
 :mod:`~ep_runtime.integrations.deep_ep.buffer`); :func:`run_dispatch` and :func:`open_dispatch`
 serve ``HybridEPBuffer`` too.
 
-A dispatch runs the runtime's compact dispatch with the caller's routing (padded with masked
-slots to the runtime's ``top_k``) and makes DeepEP's dense rows from it
-(:mod:`~ep_runtime.integrations.deep_ep.dense`). A cached dispatch runs the handle's routing
-again, and gathers through the handle's map. A combine writes the dense rows back in compact
-positions and runs the runtime's compact combine (unweighted, as DeepEP's: the rows are the
-caller's sums), on the dispatch it belongs to when that is still the runtime's current call,
-else after dispatching zeros with the handle's routing (the same rows land in the same places).
+A dispatch runs the runtime's dense dispatch with the caller's routing (padded with masked
+slots to the runtime's ``top_k``): the kernels write DeepEP's dense rows, and the layer copies
+them out (:mod:`~ep_runtime.integrations.deep_ep.dense`). A cached dispatch runs the handle's
+routing again (the same routing gives the same dense rows). A combine runs the runtime's dense
+combine on the caller's rows as they are (unweighted, as DeepEP's: the rows are the caller's
+sums; the kernel reads each token's row through the dispatch's map), on the dispatch it belongs
+to when that is still the runtime's current call, else after dispatching zeros with the
+handle's routing (the same rows land in the same places).
 
 ``topk_weights`` of a combine go home on a second, float32 runtime of ``T x top_k`` floats a
 rank: a dispatch of empty rows with the routing and a combine that returns each rank's float32
@@ -21,8 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ep_runtime.integrations.deep_ep.dense import (DenseRows, _compact_from_dense, _dense_from_compact, _gather_dense,
-                                                   _recoord)
+from ep_runtime.integrations.deep_ep.dense import DenseRows, DenseViews, dense_rows, dense_x
 from ep_runtime.integrations.deep_ep.handle import HandleState, Routing
 from ep_runtime.integrations.deep_ep.runtimes import RuntimeCache, RuntimeEntry, RuntimeKey
 
@@ -36,18 +36,15 @@ def dispatch(cache: RuntimeCache, key: RuntimeKey, tokens, scales, routing: Rout
     slots (None: no top-k outputs); ``rows``: ``num_worst_tokens`` (None: read on the host)."""
     entry = cache.entry(key, routing.ids.shape[1], tokens.shape[0])
     batch = run_dispatch(entry, tokens, scales, routing)
-    cfg = entry.cfg
-    dense = _dense_from_compact(batch, cfg.n_ranks, cfg.max_tokens_per_rank, top_k, rows, alignment,
-                                cache.host_values)
-    return dense, entry
+    return dense_rows(batch, top_k, rows, alignment, cache.host_values), entry
 
 
 def cached_dispatch(cache: RuntimeCache, key: RuntimeKey, tokens, scales, state: HandleState):
-    """A cached dispatch: ``tokens`` with the routing of ``state``'s dispatch, gathered through its
-    map: ``(x, scales)`` ``[N, ...]``. Collective; no host read."""
+    """A cached dispatch: ``tokens`` with the routing of ``state``'s dispatch, its dense rows
+    ``(x, scales)`` ``[N, ...]`` (zero past the rows received). Collective; no host read."""
     entry = cache.entry(key, state.routing.ids.shape[1], tokens.shape[0])
     batch = run_dispatch(entry, tokens, scales, state.routing)
-    return _gather_dense(batch.x, batch.scales, _recoord(state.source, state.capacity, entry.cfg.max_tokens_per_rank))
+    return dense_x(batch, state.source)
 
 
 def combine(cache: RuntimeCache, state: HandleState, x: torch.Tensor,
@@ -58,14 +55,10 @@ def combine(cache: RuntimeCache, state: HandleState, x: torch.Tensor,
     entry, rt_handle = open_dispatch(cache, state.routing, RuntimeKey(x.shape[1], state.routing.n_experts),
                                      state.n_tokens)
     cfg = entry.cfg
-    slots = cfg.n_ranks * cfg.max_tokens_per_rank
-    if entry.combine_rows is None or entry.combine_rows.shape != (slots + 1, cfg.hidden):
-        entry.combine_rows = torch.empty(slots + 1, cfg.hidden, dtype=_BF16, device=entry.bridge.device)
-    rows = _compact_from_dense(x, entry.combine_rows, _recoord(state.source, state.capacity, cfg.max_tokens_per_rank))
     out = torch.empty(state.n_tokens, cfg.hidden, dtype=_BF16, device=entry.bridge.device)
     rt, to_rt = entry.runtime, entry.bridge.to_rt
     entry.open = None
-    pending = rt.combine_async(to_rt(rows), rt_handle, layout="compact")
+    pending = rt.combine_async(to_rt(_dense_input(x, cfg)), rt_handle, layout="dense")
     if bias is None:
         rt.combine_wait(pending, out=to_rt(out))
     else:
@@ -82,17 +75,14 @@ def combine_weights(cache: RuntimeCache, main: RuntimeEntry, state: HandleState,
     cfg, device = entry.cfg, entry.bridge.device
     empty = torch.zeros(state.n_tokens, cfg.hidden, dtype=_BF16, device=device)
     batch = run_dispatch(entry, empty, None, state.routing)
-    slots = cfg.n_ranks * cfg.max_tokens_per_rank
     n, k = weights.shape
     padded = torch.zeros(n, cfg.hidden, dtype=torch.float32, device=device)
     padded[:, :k] = weights
-    rows = torch.empty(slots + 1, cfg.hidden, dtype=torch.float32, device=device)
-    rows = _compact_from_dense(padded, rows, _recoord(state.source, state.capacity, cfg.max_tokens_per_rank))
     partials = torch.empty(cfg.n_ranks, state.n_tokens, cfg.hidden, dtype=torch.float32, device=device)
     rt, to_rt = entry.runtime, entry.bridge.to_rt
     entry.open = None
-    rt.combine_wait(rt.combine_async(to_rt(rows), batch.rt_handle, layout="compact"), out=to_rt(partials),
-                    reduce=False)
+    rt.combine_wait(rt.combine_async(to_rt(_dense_input(padded, cfg)), batch.rt_handle, layout="dense"),
+                    out=to_rt(partials), reduce=False)
     return partials.sum(0)[:, :k].contiguous()
 
 
@@ -111,10 +101,18 @@ def open_dispatch(cache: RuntimeCache, routing: Routing, key: RuntimeKey, n_toke
     return entry, run_dispatch(entry, zeros, None, routing).rt_handle
 
 
+def _dense_input(rows: torch.Tensor, cfg) -> torch.Tensor:
+    """A combine's dense rows ``[N, W]`` as the runtime's dense combine takes them: at most its
+    ``R C`` dense rows (rows past those, of a ``num_worst_tokens`` past the capacity, are past
+    every row received: never read)."""
+    return rows[:cfg.n_ranks * cfg.max_tokens_per_rank]
+
+
 def run_dispatch(entry: RuntimeEntry, tokens, scales, routing: Routing):
     """The runtime's dispatch of ``tokens`` (and FP8 ``scales``) with ``routing``, padded to its
-    ``top_k``, in the entry's layout; the batch as torch views
-    (:class:`ep_runtime.integrations.torch_async.Batch`), and the entry's open dispatch set to it."""
+    ``top_k``, in the entry's layout; the batch as torch views (dense:
+    :class:`~ep_runtime.integrations.deep_ep.dense.DenseViews`; else
+    :class:`ep_runtime.integrations.torch_async.Batch`), and the entry's open dispatch set to it."""
     from ep_runtime.integrations.torch_async import Batch
 
     rt, bridge = entry.runtime, entry.bridge
@@ -126,6 +124,9 @@ def run_dispatch(entry: RuntimeEntry, tokens, scales, routing: Routing):
     b = rt.dispatch_wait(handle, layout=layout)
     entry.open = (routing, b.handle)
     t = bridge.from_rt
+    if layout == "dense":
+        return DenseViews(b.handle, t(b.x), None if b.scales is None else t(b.scales), t(b.topk_idx),
+                          t(b.topk_weights), t(b.slot), t(b.source_rows), t(b.expert_counts))
     compact = layout == "compact"
     return Batch(rt, b.handle, handle.n_tokens, layout, t(b.x), None if b.scales is None else t(b.scales),
                  t(b.row_offsets), t(b.expert_counts), t(b.src_rank), t(b.src_token), t(b.src_k), t(b.weight),

@@ -44,7 +44,7 @@ class HandleState:
     ----------
     owner : the ``Buffer`` that dispatched (a handle works only there).
     routing : the dispatch's :class:`Routing`.
-    source : ``[N]`` int64, the compact row ``s * capacity + t`` of each dense row (-1 past
+    source : ``[N]`` int64, the receive-buffer slot ``s * capacity + t`` of each dense row (-1 past
         ``num_recv``; :mod:`~ep_runtime.integrations.deep_ep.dense`).
     capacity : the ``max_tokens_per_rank`` of the runtime that dispatched (``source``'s stride).
     n_tokens, hidden : the dispatch's ``T`` and row width.

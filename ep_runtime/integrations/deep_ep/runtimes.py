@@ -37,7 +37,7 @@ class RuntimeKey:
     hidden: int
     n_experts: int
     token_dtype: str = "bfloat16"
-    layout: str = "compact"
+    layout: str = "dense"
     pad_multiple: int = 1
     combine_dtype: str = "bfloat16"
 
@@ -51,13 +51,11 @@ class RuntimeEntry:
     runtime, bridge : the runtime and its torch bridge.
     open : the routing whose dispatch is the runtime's current call, with its runtime handle
         (``(routing, rt_handle)``), until a combine or another dispatch; None when idle.
-    combine_rows : ``[R * C + 1, hidden]`` the compact rows a combine writes (made once).
     """
 
     runtime: object
     bridge: _Bridge
     open: tuple | None = None
-    combine_rows: torch.Tensor | None = None
 
     @property
     def cfg(self) -> EPConfig:

@@ -14,6 +14,12 @@ plan's delivering layout (:func:`make_layout`) and call its names; none branches
 ``compact`` (:mod:`.compact`)
     The same placement; nothing is copied into an expert batch: the batch reads the rows where
     they landed, one per (token, source rank), through ``row_gather``.
+``dense`` (:mod:`.dense`)
+    The same placement (the receive kernels are built as for the compact layout), and DeepEP's
+    dense rows: ``dispatch_dense``, after the receive kernel, lays every received (token, source
+    rank) out source-major, then in the source's token order (``prefix(s)`` + the token's rank
+    among s's tokens with an expert here), with its slots' local expert ids and weights and the
+    maps between dense rows and receive-buffer slots (the combine reads its input through them).
 
 The namespace :func:`make_layout` returns: the placement's functions (:mod:`.expert_major`:
 ``scan_placement``, ``first_rows``, ``write_segments``, ``zero_padding_rows``,
@@ -21,11 +27,13 @@ The namespace :func:`make_layout` returns: the placement's functions (:mod:`.exp
 ``COPIES`` (the layout copies rows into an expert batch: receivers built without it hold no such
 copy), ``copy_in_pairs``, ``copy_to_rows`` (every lane of a warp: a part of a row into rows
 given by index) and ``gather_rows`` (every thread of the copying blocks: every placed row from
-its slot; nothing in the compact layout). A runtime serving both layouts is built with the
-expanded one and skips its copies on a compact call (``copy_rows`` 0).
+its slot; nothing in the compact and dense layouts). A runtime serving several layouts is built
+with the first it serves of :data:`LAYOUTS` (``Plan.receiver_layout``) and skips its copies on
+another layout's call (``copy_rows`` 0); the dense rows are written by their own kernel after any
+receiver.
 
-A new layout (DeepEP's dense rows, the batched ``[experts, slots, hidden]`` one) is a module with
-the same names, its placement and its delivery, and a name in :data:`LAYOUTS`.
+A new layout (the batched ``[experts, slots, hidden]`` one) is a module with the same names, its
+placement and its delivery, and a name in :data:`LAYOUTS`.
 """
 
 from __future__ import annotations
@@ -34,7 +42,8 @@ import functools
 from types import SimpleNamespace
 
 #: The layouts by name: their module.
-LAYOUTS = {"expanded": "ep_runtime.kernels.layouts.expanded", "compact": "ep_runtime.kernels.layouts.compact"}
+LAYOUTS = {"expanded": "ep_runtime.kernels.layouts.expanded", "compact": "ep_runtime.kernels.layouts.compact",
+           "dense": "ep_runtime.kernels.layouts.dense"}
 
 
 @functools.lru_cache(maxsize=None)
