@@ -44,7 +44,7 @@ def _host(t: torch.Tensor) -> np.ndarray:
 def async_pe(session, cfg_fields: dict, prequantized: bool) -> dict:
     from ep_runtime.core import reference
     from ep_runtime.core.runtime import EPRuntime
-    from ep_runtime.torch_async import combine_async, combine_wait, dispatch_async, dispatch_wait
+    from ep_runtime.torch_async import PendingDispatch, combine_async, combine_wait, dispatch_async, dispatch_wait
     from ep_runtime.testing import BATCH_FIELDS
 
     torch.set_num_threads(1)
@@ -76,6 +76,7 @@ def async_pe(session, cfg_fields: dict, prequantized: bool) -> dict:
             got["shared_kept"] = shared is None or bool(torch.isfinite(shared))
             calls.append(got)
         got_errors = {"dispatch_wait": input_error_of(lambda: dispatch_wait("not a handle")),
+                      "dense": input_error_of(lambda: dispatch_wait(PendingDispatch(rt, None, 0), layout="dense")),
                       "combine_wait": input_error_of(lambda: combine_wait(object()))}
     return {"calls": calls, "errors": got_errors}
 
@@ -90,6 +91,7 @@ def test_bf16_halves_on_torch_tensors_equal_the_reference(R):
         assert {c["dtypes"] for c in run["calls"]} == {("torch.bfloat16", "torch.int32", None)}
         assert "expected the PendingDispatch of dispatch_async; got str" in run["errors"]["dispatch_wait"]
         assert "expected the PendingCombine of combine_async; got object" in run["errors"]["combine_wait"]
+        assert "layout='dense'; torch_async serves 'expanded' and 'compact'" in run["errors"]["dense"]
 
 
 @pytest.mark.parametrize("fmt,prequantized", [("fp8_e4m3", False), ("fp8_e4m3_ue8m0", True)],

@@ -182,6 +182,9 @@ def dispatch_wait(pending: PendingDispatch, layout: str = "expanded", scales: st
     if not isinstance(pending, PendingDispatch):
         raise EPInputError(f"dispatch_wait: expected the PendingDispatch of dispatch_async; got "
                            f"{type(pending).__name__}.")
+    if layout not in ("expanded", "compact"):
+        raise EPInputError(f"dispatch_wait: layout={layout!r}; torch_async serves 'expanded' and 'compact'. DeepEP's "
+                           f"dense rows (layout 'dense') come through ep_runtime.deep_ep.Buffer.dispatch.")
     rt = pending.runtime
     bridge = _Bridge(rt)
     with _calls(bridge):  # (reads nothing of the torch stream's: the runtime's stream does not wait for it)
