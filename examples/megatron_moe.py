@@ -3,6 +3,8 @@ all-to-all dispatcher, on the same weights and inputs.
 
     torchrun --nproc-per-node 2 examples/megatron_moe.py --device cuda --backend both
     mpirun -np 2 python examples/megatron_moe.py --device cuda --backend both
+    bash tests/gpu/mps_run.sh 2 sh -c 'mpirun -np 2 $EP_MPIRUN_ARGS python3 examples/megatron_moe.py \
+        --device cuda --dist-backend gloo'                                  # 2 ranks sharing one GPU
     torchrun --nproc-per-node 2 examples/megatron_moe.py --device cpu    # the simulator, gloo
 
 Pinned: megatron-core 0.16.1 (``pip install megatron-core==0.16.1 --no-deps``; it needs torch,
@@ -16,7 +18,7 @@ TransformerEngine nor grouped_gemm) with the same weights: the reference with
 ``moe_token_dispatcher_type="alltoall"`` (Megatron's permute + torch.distributed all-to-all), and
 one per backend with ``moe_token_dispatcher_type="flex"``, ``moe_flex_dispatcher_backend``
 ``"deepep"`` or ``"hybridep"``: Megatron-core's own ``fused_a2a``, unmodified, on
-ep_runtime's DeepEP layer (``deep_ep.Buffer``: the compact layout; ``deep_ep.HybridEPBuffer``:
+ep_runtime's DeepEP layer (``deep_ep.Buffer``: the dense layout; ``deep_ep.HybridEPBuffer``:
 the expanded one). ``import deep_ep`` gives the layer after the install step (``python -m
 ep_runtime deep-ep install``); the script makes sure of it in its own process with
 :func:`ep_runtime.megatron.fused_a2a` before Megatron-core's MoE modules are imported. The
@@ -90,6 +92,9 @@ def parse_args(argv=None):
     p.add_argument("--top-k", type=int, default=TOP_K)
     p.add_argument("--steps", type=int, default=STEPS, help="training steps whose losses are compared")
     p.add_argument("--init-method", default="env://", help="torch.distributed init_method")
+    p.add_argument("--dist-backend", choices=("nccl", "gloo"), default=None,
+                   help="torch.distributed backend (default: nccl on cuda, gloo on cpu; gloo on cuda for several "
+                        "ranks sharing one GPU, which NCCL refuses)")
     p.add_argument("--compile", action="store_true", help="keep Megatron's torch.compile (jit_fuser) on")
     p.add_argument("--port", type=int, default=None, help="MASTER_PORT when the launcher sets none (default 29531)")
     return p.parse_args(argv)
@@ -405,7 +410,7 @@ def run(args, rank: int, world: int, local: int) -> dict:
               f"(lr {LR})", flush=True)
         for s in shims:
             print(f"  shim: {s}", flush=True)
-    device = torch.device("cuda", local) if args.device == "cuda" else torch.device("cpu")
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     x, target = (t.to(device) for t in rank_inputs(rank, args.tokens, args.hidden))
     ref = build_layer(make_config("alltoall", None, args, world))
     set_weights(ref, rank)
@@ -448,11 +453,12 @@ def main(argv=None) -> int:
     import torch.distributed as dist
 
     if args.device == "cuda":
-        torch.cuda.set_device(local)
+        torch.cuda.set_device(local % torch.cuda.device_count())  # (ranks may share a GPU: MPS)
     else:
         torch.set_num_threads(1)
-    dist.init_process_group("nccl" if args.device == "cuda" else "gloo", init_method=args.init_method, rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=600))
+    backend = args.dist_backend or ("nccl" if args.device == "cuda" else "gloo")
+    dist.init_process_group(backend, init_method=args.init_method, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=600))
     try:
         return 0 if run(args, rank, world, local)["ok"] else 1
     finally:
