@@ -314,6 +314,16 @@ class DispatchCalls:
         self._state = State.DISPATCHED
         return from_fields(ExpertBatch, {**self._batch_views["expanded", scales], "handle": handle})
 
+    def batched_views(self, scales: str = "column") -> dict:
+        """The arrays of ``dispatch_wait(h, layout="batched", scales=scales)`` (a
+        :class:`BatchedBatch` less its handle), without a call: the same memory every call, holding
+        a call's rows once its dispatch_wait has run on the stream (for a caller that hands them
+        out before it enqueues the wait, as DeepEP's receive hook does). Not collective."""
+        if not self.plan.serves("batched"):
+            raise EPInputError(f"batched_views: this runtime serves {self.plan.layouts}; build it with 'batched' in "
+                               f"EPConfig.layouts.")
+        return dict(self._batch_views["batched", self._batched_scales(scales)])
+
     def _batched_scales(self, scales: str) -> str:
         """dispatch_wait's ``scales`` in the batched layout as a key of :data:`BATCHED_SCALES`
         (bf16 rows have none: any of them, or the default "row", serves), raising EPInputError
