@@ -144,16 +144,18 @@ class LowLatency:
 
     @staticmethod
     def size_hint(num_max: int, hidden: int, n_ranks: int, n_experts: int) -> int:
-        """Symmetric bytes of the low-latency runtimes of these sizes in bf16: the two buffers'
-        and the weights runtime's, routing :data:`HINT_TOP_K` wide (at most ``n_experts``)."""
+        """Symmetric bytes of the low-latency runtimes of these sizes: the two buffers of each
+        row format ``hidden`` allows (bf16; FP8 at a multiple of 128; packed UE8M0 at 512) and
+        the weights runtime's, routing :data:`HINT_TOP_K` wide (at most ``n_experts``)."""
         top_k = min(HINT_TOP_K, n_experts)
 
-        def symmetric(h: int) -> int:
+        def symmetric(h: int, token_dtype: str = "bfloat16") -> int:
             cfg = EPConfig(n_ranks=n_ranks, n_experts=n_experts, top_k=top_k, hidden=h, max_tokens_per_rank=num_max,
-                           layouts=("batched",))
+                           token_dtype=token_dtype, layouts=("batched",))
             return BufferLayout(cfg).symmetric_bytes
 
-        return LOW_LATENCY_BUFFERS * symmetric(hidden) + symmetric(WEIGHTS_HIDDEN)
+        formats = ["bfloat16"] + (["fp8_e4m3", "fp8_e4m3_ue8m0"] if hidden % 128 == 0 else [])
+        return LOW_LATENCY_BUFFERS * sum(symmetric(hidden, f) for f in formats) + symmetric(WEIGHTS_HIDDEN)
 
     # -- dispatch ---------------------------------------------------------------------------------
     def dispatch(self, x, topk_idx, num_max: int, n_experts: int, stats, use_fp8: bool, round_scale: bool,
