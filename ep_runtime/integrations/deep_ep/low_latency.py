@@ -122,7 +122,7 @@ class LowLatency:
 
         cfg = EPConfig(n_ranks=self.cache.n_ranks, n_experts=n_experts, top_k=top_k, hidden=hidden,
                        max_tokens_per_rank=num_max, token_dtype=token_dtype, layouts=("batched",))
-        runtime = EPRuntime(cfg, self.cache._session(cfg))
+        runtime = EPRuntime(cfg, self.cache.open_session(cfg))
         entry = self.entries[key] = RuntimeEntry(runtime, _Bridge(runtime))
         return entry
 
