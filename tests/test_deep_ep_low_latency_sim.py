@@ -13,6 +13,7 @@ receive hook and with ``async_finish``, once or twice in a row:
   of ``x = rank - 128`` (the last 128 columns the token index) are constant per row, each
   source's range holds its rows, and the last columns equal ``recv_src_info`` (FP8 with
   power-of-two scales: within DeepEP's ``calc_diff`` bound); scales column-major per expert;
+- no call or hook reads a tensor on the host (``item``, ``tolist``, ...): graph-safe;
 - ``low_latency_combine`` of the rows cast back (``per_token_cast_back``), plain and
   ``zero_copy`` through ``get_next_low_latency_combine_buffer``: ``calc_diff(x * sum(weights),
   out)`` under DeepEP's bounds (1e-5 bf16, 9e-4 FP8), no NaN, ``out=`` returned;
@@ -219,6 +220,49 @@ def sglang_low_latency(buffer, rank: int, n: int, T: int, return_recv_hook: bool
     return out.float().numpy(), want_replay(x, idx, w, rank, n), masked_m.tolist()
 
 
+def host_reads(buffer, rank: int, n: int, T: int) -> dict:
+    """Reads of a tensor from the host (``item``, ``tolist``, ``bool``, ``int``, ``float``) inside
+    each low-latency call and hook, once the runtimes are built: what a CUDA graph cannot hold."""
+    E = n_experts(n)
+    x = torch.zeros(T, HIDDEN, dtype=torch.bfloat16)
+    idx, w = rank_routing(rank, n, T, 5)
+    count = {"reads": 0}
+
+    def counting(name):
+        method = getattr(torch.Tensor, name)
+
+        def wrapper(self, *a, **kw):
+            count["reads"] += 1
+            return method(self, *a, **kw)
+
+        return method, wrapper
+
+    patched = {name: counting(name) for name in ("item", "tolist", "__bool__", "__int__", "__float__")}
+    reads = {}
+
+    def measured(name, call):
+        count["reads"] = 0
+        for attr, (_, wrapper) in patched.items():
+            setattr(torch.Tensor, attr, wrapper)
+        try:
+            result = call()
+        finally:
+            for attr, (method, _) in patched.items():
+                setattr(torch.Tensor, attr, method)
+        reads[name] = count["reads"]
+        return result
+
+    for fp8 in (False, True):
+        recv, _, handle, _, hook = measured(f"dispatch fp8={fp8}", lambda: buffer.low_latency_dispatch(
+            x, idx, NUM_MAX, E, use_fp8=fp8, return_recv_hook=True))
+        measured(f"dispatch hook fp8={fp8}", hook)
+        y = torch.zeros(recv[0].shape if fp8 else recv.shape, dtype=torch.bfloat16)
+        _, _, hook = measured(f"combine fp8={fp8}", lambda: buffer.low_latency_combine(y, idx, w, handle,
+                                                                                    return_recv_hook=True))
+        measured(f"combine hook fp8={fp8}", hook)
+    return reads
+
+
 def refusals(buffer, normal, rank: int, n: int, T: int) -> dict:
     """The messages of the calls the layer refuses (each before anything is sent)."""
     E = n_experts(n)
@@ -268,6 +312,7 @@ def torch_rank_main(rank: int, n: int, store: str, out_dir: str) -> None:
         got["sglang"] = [sglang_low_latency(buffer, rank, n, T, hook) for hook in (True, False)]
         buffer.clean_low_latency_buffer(NUM_MAX, HIDDEN, n_experts(n))
         got["after_clean"] = vllm_dbo(buffer, rank, n, T)
+        got["host_reads"] = host_reads(buffer, rank, n, T)
         got["refused"] = refusals(buffer, deep_ep.Buffer(group, 0), rank, n, T)
         buffer.destroy()
     finally:
@@ -326,6 +371,15 @@ def test_sglang_low_latency_replay(job):
             bound = 2.0 ** -3 * np.abs(want).max(initial=0) + 1e-6
             assert np.abs(got - want).max(initial=0) <= bound, f"rank {r}: sglang call {k}"
             assert len(masked_m) == n_experts(n) // n
+
+
+def test_low_latency_calls_read_nothing_from_the_device(job):
+    """No call or hook reads a tensor on the host (no synchronization: one CUDA graph serves every
+    step); each call was measured."""
+    _, results = job
+    for r, res in enumerate(results):
+        assert len(res["host_reads"]) == 8, res["host_reads"]
+        assert not any(res["host_reads"].values()), f"rank {r}: {res['host_reads']}"
 
 
 #: The refused calls: (error class, a NotImplementedError?, words the message must hold).
