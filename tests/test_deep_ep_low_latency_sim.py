@@ -201,6 +201,20 @@ def vllm_dbo(buffer, rank: int, n: int, T: int) -> list:
     return [(out.float().numpy(), want_replay(x, idx, w, rank, n)) for out, (x, idx, w) in zip(outs, ubatches)]
 
 
+def three_in_flight(buffer, rank: int, n: int, T: int) -> list:
+    """Three dispatches before any combine (the third takes the first's buffer back), then the
+    three combines in order, each output against NumPy."""
+    E, calls = n_experts(n), []
+    for c in range(3):
+        g = torch.Generator().manual_seed(70 + c * 10 + rank)
+        x = (torch.randn(T, HIDDEN, generator=g) * 0.5).to(torch.bfloat16)
+        idx, w = rank_routing(rank, n, T, 20 + c)
+        recv, _, handle, _, _ = buffer.low_latency_dispatch(x, idx, NUM_MAX, E, use_fp8=False)
+        calls.append((x, idx, w, experts_out(recv), handle))  # the outputs taken before the buffer is reused
+    return [(buffer.low_latency_combine(y, idx, w, handle)[0].float().numpy(), want_replay(x, idx, w, rank, n))
+            for x, idx, w, y, handle in calls]
+
+
 def sglang_low_latency(buffer, rank: int, n: int, T: int, return_recv_hook: bool) -> tuple:
     """SGLang's low-latency dispatcher: dispatch_a / dispatch_b, combine_a / combine_b (FP8)."""
     E = n_experts(n)
@@ -309,6 +323,7 @@ def torch_rank_main(rank: int, n: int, store: str, out_dir: str) -> None:
                                 allow_nvlink_for_low_latency_mode=True, explicitly_destroy=True, allow_mnnvl=False)
         got = {"hint": hint, "deepep": deepep_checks(buffer, rank, n, T)}
         got["vllm_dbo"] = vllm_dbo(buffer, rank, n, T)
+        got["three_in_flight"] = three_in_flight(buffer, rank, n, T)
         got["sglang"] = [sglang_low_latency(buffer, rank, n, T, hook) for hook in (True, False)]
         buffer.clean_low_latency_buffer(NUM_MAX, HIDDEN, n_experts(n))
         got["after_clean"] = vllm_dbo(buffer, rank, n, T)
@@ -356,9 +371,11 @@ def _check_replay(got: np.ndarray, want: np.ndarray, what: str) -> None:
 
 
 def test_vllm_dual_batch_overlap_replay(job):
+    """Two micro-batches in flight (and again after clean_low_latency_buffer), and three dispatches
+    before any combine (the third takes the first buffer back)."""
     n, results = job
     for r, res in enumerate(results):
-        for what in ("vllm_dbo", "after_clean"):
+        for what in ("vllm_dbo", "after_clean", "three_in_flight"):
             for ub, (got, want) in enumerate(res[what]):
                 _check_replay(got, want, f"rank {r}: {what} micro-batch {ub}")
 

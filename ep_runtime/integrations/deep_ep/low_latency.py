@@ -12,7 +12,8 @@ memory every call. Nothing reads the device from the host, so one CUDA graph ser
 Two buffers alternate, as DeepEP's two low-latency buffers do: each dispatch takes the next of
 two runtimes of its row format (:data:`LOW_LATENCY_BUFFERS`), so two micro-batches (vLLM's
 dual-batch overlap) each hold a dispatch until their combine; a third dispatch reuses the first
-buffer, whose handle then no longer combines (the runtime refuses it).
+buffer (its received rows overwritten, as DeepEP's), and the first handle's combine then sends its
+routing again first (``_open_dispatch``).
 
 The combine applies ``topk_weights`` given at the combine, which DeepEP's dispatch never sees:
 they go to the expert ranks first, on a third runtime of ``WEIGHTS_HIDDEN``-wide empty rows
