@@ -447,7 +447,7 @@ def batch_views(cfg: EPConfig, b: dict) -> dict:
         views["dense"] = dense_views(cfg, b)
     if "batched_x" in b:  # (the batched layout served)
         for scales in BATCHED_SCALES:
-            views["batched", scales] = batched_views(cfg, b, scales)
+            views["batched", scales] = batched_layout_views(cfg, b, scales)
     return views
 
 
@@ -466,7 +466,7 @@ def dense_views(cfg: EPConfig, b: dict) -> dict:
                 source_rows=b["dense_source_rows"], row_offsets=b["row_offsets"], expert_counts=b["expert_counts"])
 
 
-def batched_views(cfg: EPConfig, b: dict, scales: str) -> dict:
+def batched_layout_views(cfg: EPConfig, b: dict, scales: str) -> dict:
     """The batched batch's views (less the handle) of the regions ``b``, its FP8 scales as
     ``scales`` gives them (:data:`BATCHED_SCALES`): strided views, column-major in the last two
     dimensions (None where the format has none, or packed where it has no UE8M0 codes)."""

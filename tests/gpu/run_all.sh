@@ -18,8 +18,8 @@ run="mpirun -np ${EP_RANKS:-2} ${EP_MPIRUN_ARGS:-} -x PYTHONPATH -x NVSHMEM_DISA
 export NVSHMEM_DISABLE_CUDA_VMM=1  # compute-sanitizer cannot follow NVSHMEM's VMM heap mappings
 plan="${EP_RUNTIME_PLAN:-}"  # the caller's overrides for every section but ep_puts
 sections=("$@")
-[ ${#sections[@]} -eq 0 ] && sections=(shmem ep ep_puts graph graph_compact graph_rows graph_batched fp8 soak stream zerocopy
-                                        example bench kernels stores host racecheck memcheck)
+[ ${#sections[@]} -eq 0 ] && sections=(shmem ep ep_puts graph graph_compact graph_rows graph_batched fp8 soak stream
+                                        zerocopy example bench kernels stores host racecheck memcheck)
 for s in "${sections[@]}"; do
   case "$s" in
     shmem)     cmd="timeout 180 $run python3 tests/gpu/shmem_check.py" ;;

@@ -97,9 +97,9 @@ def make_dispatch_batched(threads: int, codec: CodecSpec, pdl: bool):
 
         A warp per part of a placed row (``row_parts`` of ``row_offsets[L]`` rows over the grid's warps) finds
         the row's expert (``expert_of``), copies the words to ``e * M + pos`` (``copy_to_rows``) and, holding
-        the row's first part, its source token, weight, batched token row and scales. A thread per local expert writes its count and, per
-        source, its range (``first_of_source``: the expert's rows are source-major). An earlier error (the
-        status record) makes it return without writing.
+        the row's first part, its source token, weight, batched token row and scales. A thread per local expert
+        writes its count and, per source, its range (``first_of_source``: the expert's rows are source-major).
+        An earlier error (the status record) makes it return without writing.
         """
         dst_row = cuda.local.array(1, int32)
         vals = cuda.local.array(U, uint64)
