@@ -169,9 +169,11 @@ def want_replay(x: torch.Tensor, topk_idx, topk_weights, rank: int, n: int) -> n
     return x.double().numpy() * (topk_weights.double().numpy() * f).sum(1, keepdims=True)
 
 
-def vllm_dbo(buffer, rank: int, n: int, T: int) -> list:
+def vllm_dbo(buffer, rank: int, n: int, T: int, ue8m0: bool = False) -> list:
     """vLLM's deepep_ll prepare/finalize under dual-batch overlap: two micro-batches dispatch
-    (hooks), receive, combine (hooks into ``out``), receive; each output against NumPy."""
+    (hooks), receive, combine (hooks into ``out``), receive; each output against NumPy. ``ue8m0``:
+    FP8 with packed UE8M0 scales (vLLM's ``use_ue8m0_dispatch``: ``round_scale`` and
+    ``use_ue8m0``), the experts reading the rows cast back."""
     E = n_experts(n)
     ubatches = []
     for ub in range(2):
@@ -182,13 +184,15 @@ def vllm_dbo(buffer, rank: int, n: int, T: int) -> list:
     handles, hooks, recvs = [None, None], [], []
     for ub, (x, idx, w) in enumerate(ubatches):  # prepare_async of each micro-batch
         recv, count, handles[ub], _, hook = buffer.low_latency_dispatch(x, idx.to(torch.int64), NUM_MAX, E,
-                                                                        use_fp8=False, round_scale=False,
-                                                                        use_ue8m0=False, async_finish=False,
+                                                                        use_fp8=ue8m0, round_scale=ue8m0,
+                                                                        use_ue8m0=ue8m0, async_finish=False,
                                                                         return_recv_hook=True)
         hooks.append(hook)
         recvs.append(recv)
     for hook in hooks:
         hook()
+    if ue8m0:  # (the experts' input: the rows cast back from their codes and scales)
+        recvs = [cast_back(c.view(-1, HIDDEN), s.reshape(-1, s.shape[-1])).view(c.shape) for c, s in recvs]
     outs, combine_hooks = [], []
     for ub, (x, idx, w) in enumerate(ubatches):  # finalize_async of each micro-batch
         out = torch.empty(T, HIDDEN, dtype=torch.bfloat16)
@@ -326,7 +330,7 @@ def torch_rank_main(rank: int, n: int, store: str, out_dir: str) -> None:
         got["three_in_flight"] = three_in_flight(buffer, rank, n, T)
         got["sglang"] = [sglang_low_latency(buffer, rank, n, T, hook) for hook in (True, False)]
         buffer.clean_low_latency_buffer(NUM_MAX, HIDDEN, n_experts(n))
-        got["after_clean"] = vllm_dbo(buffer, rank, n, T)
+        got["after_clean"] = vllm_dbo(buffer, rank, n, T, ue8m0=True)
         got["host_reads"] = host_reads(buffer, rank, n, T)
         got["refused"] = refusals(buffer, deep_ep.Buffer(group, 0), rank, n, T)
         buffer.destroy()
@@ -361,23 +365,23 @@ def test_deepep_low_latency_checks_pass_on_every_rank(job):
         assert total == want, f"round {k}: {total} rows received, {want} slots routed"
 
 
-def _check_replay(got: np.ndarray, want: np.ndarray, what: str) -> None:
+def _check_replay(got: np.ndarray, want: np.ndarray, what: str, fp8: bool = False) -> None:
     """bf16 output within a bf16 rounding of each partial and of the sum (2 ** -7 relative to the
-    sum of magnitudes, as reference.combine_tolerance)."""
+    sum of magnitudes, as reference.combine_tolerance); FP8 rows: within an E4M3 step (2 ** -3)."""
     assert got.shape == want.shape, what
-    bound = 2 * 2.0 ** -7 * np.abs(want).max(initial=0) + 1e-6
+    bound = (2.0 ** -3 if fp8 else 2 * 2.0 ** -7) * np.abs(want).max(initial=0) + 1e-6
     err = np.abs(got - want).max(initial=0)
     assert err <= bound, f"{what}: max error {err} over {bound}"
 
 
 def test_vllm_dual_batch_overlap_replay(job):
-    """Two micro-batches in flight (and again after clean_low_latency_buffer), and three dispatches
-    before any combine (the third takes the first buffer back)."""
+    """Two micro-batches in flight (bf16, and after clean_low_latency_buffer FP8 with packed UE8M0
+    scales), and three dispatches before any combine (the third takes the first buffer back)."""
     n, results = job
     for r, res in enumerate(results):
         for what in ("vllm_dbo", "after_clean", "three_in_flight"):
             for ub, (got, want) in enumerate(res[what]):
-                _check_replay(got, want, f"rank {r}: {what} micro-batch {ub}")
+                _check_replay(got, want, f"rank {r}: {what} micro-batch {ub}", fp8=what == "after_clean")
 
 
 def test_sglang_low_latency_replay(job):
