@@ -35,7 +35,8 @@ and replays (read to learn the calls; no code taken):
   combines with the same flags, ``combine_b`` runs the hook or waits.
 
 The experts of the replays: local expert e maps a row to ``row * (e + 1) / 4`` (bf16), so each
-token's output is ``sum_k w_k x (e_k + 1) / 4``, checked against NumPy in float64.
+token's output is ``sum_k w_k x (e_k + 1) / 4``, checked against NumPy in float64, and the bf16
+micro-batches bit for bit against ``reference_batched.combine_batched``.
 """
 
 from __future__ import annotations
@@ -382,6 +383,38 @@ def test_vllm_dual_batch_overlap_replay(job):
         for what in ("vllm_dbo", "after_clean", "three_in_flight"):
             for ub, (got, want) in enumerate(res[what]):
                 _check_replay(got, want, f"rank {r}: {what} micro-batch {ub}", fp8=what == "after_clean")
+
+
+def exact_dbo_outputs(n: int, ub: int) -> list:
+    """Every rank's output of micro-batch ``ub`` of :func:`vllm_dbo` (bf16), from NumPy: the batched
+    reference of the inputs (``reference_batched.batched``), the replays' experts on its rows, and
+    ``combine_batched`` with the combine's weights, the order of the runtime's sums."""
+    from ep_runtime.core.config import EPConfig
+    from ep_runtime.core.reference import dispatch
+    from ep_runtime.core.reference_batched import batched, combine_batched
+
+    cfg = EPConfig(n_ranks=n, n_experts=n_experts(n), top_k=TOP_K, hidden=HIDDEN, max_tokens_per_rank=NUM_MAX)
+    xs, ids, ws = [], [], []
+    for r in range(n):
+        g = torch.Generator().manual_seed(50 + ub * 10 + r)
+        x = (torch.randn(SETUPS[n]["tokens"][r], HIDDEN, generator=g) * 0.5).to(torch.bfloat16)
+        idx, w = rank_routing(r, n, SETUPS[n]["tokens"][r], 7 + ub)
+        xs.append(x.view(torch.int16).numpy().view(np.uint16))
+        ids.append(idx.numpy().astype(np.int32))
+        ws.append(w.numpy())
+    rows = [torch.from_numpy(ref.x.view(np.int16)).view(torch.bfloat16) for ref in batched(xs, ids, ws, cfg)]
+    ys = [experts_out(y).view(torch.int16).numpy().view(np.uint16) for y in rows]
+    return [o.astype(np.float32) for o in combine_batched(ys, dispatch(xs, ids, ws, cfg), ids, cfg)]
+
+
+def test_vllm_dual_batch_overlap_outputs_are_exact(job):
+    """The bf16 micro-batches bit for bit (the simulator does not contract multiply-adds): the
+    combine's weights reach each slot and the sums run in the reference's order."""
+    n, results = job
+    for ub in range(2):
+        want = exact_dbo_outputs(n, ub)
+        for r, res in enumerate(results):
+            np.testing.assert_array_equal(res["vllm_dbo"][ub][0], want[r], err_msg=f"rank {r}: micro-batch {ub}")
 
 
 def test_sglang_low_latency_replay(job):
