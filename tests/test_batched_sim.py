@@ -131,7 +131,23 @@ def batched_pe(session, R: int) -> dict:
         h = rt.dispatch_async(xs[r].view(np.uint16), ids[r], ws[r])
         for what, s in {"scales_packed_bf16": "packed", "scales_other": "cols"}.items():
             errors[what] = input_error_of(lambda: rt.dispatch_wait(h, layout="batched", scales=s))
-        rt.dispatch_wait(h, layout="batched")  # (bf16 rows have no scales: the default scales="row" serves)
+        batch = rt.dispatch_wait(h, layout="compact")
+        L, M, H = cfg.n_local_experts, R * cfg.max_tokens_per_rank, cfg.hidden
+        y = np.zeros((L, M, H), np.uint16)
+        for what, call in {
+            "combine_without_batched_dispatch": lambda: rt.combine_async(y, batch.handle, layout="batched"),
+        }.items():
+            errors[what] = input_error_of(call)
+        rt.combine(np.zeros((M, H), np.uint16), batch.handle, layout="compact")
+        batch = rt.dispatch(xs[r].view(np.uint16), ids[r], ws[r], layout="batched")  # (default scales="row": bf16)
+        for what, call in {
+            "combine_batched_wrong_slots": lambda: rt.combine_async(y[:, :-1], batch.handle, layout="batched"),
+            "combine_batched_float32": lambda: rt.combine_async(y.astype(np.float32), batch.handle, layout="batched"),
+            "combine_batched_weights_shape": lambda: rt.combine_async(y, batch.handle, layout="batched",
+                                                                      weights=np.ones((L, M + 1), np.float32)),
+        }.items():
+            errors[what] = input_error_of(call)
+        rt.combine(y, batch.handle, layout="batched")
     with EPRuntime(EPConfig(**base_cfg(R, hidden=256, token_dtype="fp8_e4m3")), session) as rt:
         h = rt.dispatch_async(xs[r].view(np.uint16)[:, :1].repeat(256, axis=1), ids[r], ws[r])
         errors["scales_row_fp8"] = input_error_of(lambda: rt.dispatch_wait(h, layout="batched"))
@@ -140,6 +156,7 @@ def batched_pe(session, R: int) -> dict:
     with EPRuntime(EPConfig(**base_cfg(R, layouts="compact")), session) as rt:
         h = rt.dispatch_async(xs[r].view(np.uint16), ids[r], ws[r])
         errors["not_served"] = input_error_of(lambda: rt.dispatch_wait(h, layout="batched", scales="column"))
+        errors["views_not_served"] = input_error_of(lambda: rt.batched_views())
         rt.dispatch_wait(h, layout="compact")
     return {"cases": results, "sequence": seq, "errors": errors}
 
@@ -254,6 +271,14 @@ def test_bad_batched_calls_are_refused_before_launch(sim):
         assert e["scales_row_fp8"] and "column-major per expert" in e["scales_row_fp8"], e
         assert e["scales_packed_fp8"] and "hidden a multiple of 512" in e["scales_packed_fp8"], e
         assert e["not_served"] and "including 'batched'" in e["not_served"], e
+        assert e["views_not_served"] and "'batched' in EPConfig.layouts" in e["views_not_served"], e
+        assert e["combine_without_batched_dispatch"] and "dispatch_wait(handle, layout='batched')" in \
+            e["combine_without_batched_dispatch"], e
+        assert e["combine_batched_wrong_slots"] and "M = n_ranks * max_tokens_per_rank" in \
+            e["combine_batched_wrong_slots"], e
+        assert e["combine_batched_float32"] and "expert_out must have dtype" in e["combine_batched_float32"], e
+        assert e["combine_batched_weights_shape"] and "a weight per batched slot" in \
+            e["combine_batched_weights_shape"], e
 
 
 def test_the_batched_layout_refuses_nvfp4():
