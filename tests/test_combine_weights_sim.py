@@ -88,7 +88,7 @@ def test_bad_weights_are_refused_before_launch(run):
     cfg, per_rank = run
     for r, res in enumerate(per_rank):
         errors = res["errors"]
-        for name, frag in (("compact_rows_with_weights", "weights= applies to the expanded layout only"),
+        for name, frag in (("compact_rows_with_weights", "weights= applies to the expanded and batched layouts only"),
                            ("weights_float64", "weights must have dtype float32"),
                            ("weights_too_short", "weights must have shape"),
                            ("weights_unknown_string", "expected 'dispatch', None or a float32")):

@@ -186,10 +186,8 @@ def _refusals(buffer, other, ins, setup: Setup, group) -> dict:
                                          num_tokens_per_expert=per_expert)
     other.combine(recv, handle)
     cases = {
-        "low_latency_mode": lambda: deep_ep.Buffer(group, 0, 0, low_latency_mode=True),
         "num_rdma_bytes": lambda: deep_ep.Buffer(group, 0, 1 << 20),
         "low_latency_dispatch": lambda: buffer.low_latency_dispatch(x, topk, 8, setup.E),
-        "low_latency_hint": lambda: deep_ep.Buffer.get_low_latency_rdma_size_hint(8, setup.H, setup.R, setup.E),
         "internode_dispatch": lambda: buffer.internode_dispatch(x),
         "local_buffer": lambda: buffer.get_local_buffer_tensor(torch.bfloat16),
         "rdma_layout": lambda: buffer.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rank,
@@ -401,10 +399,8 @@ def test_a_dispatch_with_counts_reads_the_host_once_and_nothing_else_reads_it(jo
 
 #: The refused calls: (error class, a NotImplementedError?, words the message must hold).
 REFUSED = {
-    "low_latency_mode": ("DeepEPUnsupportedError", True, ("low-latency", "next issue")),
     "num_rdma_bytes": ("DeepEPUnsupportedError", True, ("internode", "num_rdma_bytes=0")),
-    "low_latency_dispatch": ("DeepEPUnsupportedError", True, ("low_latency_dispatch", "next issue")),
-    "low_latency_hint": ("DeepEPUnsupportedError", True, ("low-latency",)),
+    "low_latency_dispatch": ("EPStateError", False, ("low_latency_dispatch", "low_latency_mode=True")),
     "internode_dispatch": ("DeepEPUnsupportedError", True, ("internode",)),
     "local_buffer": ("DeepEPUnsupportedError", True, ("raw access",)),
     "rdma_layout": ("DeepEPUnsupportedError", True, ("num_tokens_per_rdma_rank", "pass None")),

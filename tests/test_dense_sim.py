@@ -266,7 +266,7 @@ def test_bad_dense_calls_are_refused_before_launch(sim):
             e["combine_dense_rows_too_many"], e
         assert e["combine_dense_wrong_hidden"] and "expert_out must have shape" in e["combine_dense_wrong_hidden"], e
         assert e["combine_dense_float32"] and "combine_dtype is 'bfloat16'" in e["combine_dense_float32"], e
-        assert e["combine_dense_weights"] and "expanded layout only" in e["combine_dense_weights"], e
+        assert e["combine_dense_weights"] and "expanded and batched layouts only" in e["combine_dense_weights"], e
         assert e["dispatch_wait_not_served"] and "layout='dense'" in e["dispatch_wait_not_served"] \
             and "including 'dense'" in e["dispatch_wait_not_served"], e
         # the refused calls left the runtime usable

@@ -138,9 +138,22 @@ DSV3_LOCAL = {
     "slot_dense_row": ((8, 4096), i32, 131_072, 4_706_504_192),
     # [R] i32: 32 B; + 131,072 = 4,706,635,264
     "dense_source_rows": ((8,), i32, 32, 4_706_635_264),
+    # the batched layout's rows, M = R T = 32768 per local expert: [L M, H] u16: 1,048,576 * 7168 * 2 =
+    # 15,032,385,536 B; 4,706,635,264 + 32 -> 4,706,635,520
+    "batched_x": ((1_048_576, 7168), u16, 15_032_385_536, 4_706_635_520),
+    # [L] i32: 128 B; 4,706,635,520 + 15,032,385,536 = 19,739,021,056
+    "batched_counts": ((32,), i32, 128, 19_739_021_056),
+    # [L, M] i32: 4,194,304 B; + 128 -> 19,739,021,312
+    "batched_src_token": ((32, 32768), i32, 4_194_304, 19_739_021_312),
+    # [L, R] i64: 2048 B; + 4,194,304 = 19,743,215,616
+    "batched_layout_range": ((32, 8), i64, 2048, 19_743_215_616),
+    # [R, T, K] i32: 8 * 4096 * 8 * 4 = 1,048,576 B; + 2048 = 19,743,217,664
+    "batched_token_rows": ((8, 4096, 8), i32, 1_048_576, 19_743_217_664),
+    # [L M] f32: 4,194,304 B; + 1,048,576 = 19,744,266,240
+    "batched_row_weight": ((1_048_576,), f32, 4_194_304, 19_744_266_240),
 }
 # 4,234,284,544 + 229,376 = 4,234,513,920 (256-byte aligned)
-DSV3_LOCAL_BYTES = 4_706_635_520  # 4,706,635,264 + 32 -> 256-byte aligned
+DSV3_LOCAL_BYTES = 19_748_460_544  # 19,744,266,240 + 4,194,304
 
 SMALL_SYMMETRIC = {
     # [R, T, H] u16: 2 * 16 * 64 * 2 = 4096 B at 0
@@ -220,8 +233,16 @@ SMALL_LOCAL = {
     "dense_slot": ((32,), i32, 128, 19712),  # [N] i32: 128 B; 19456 + 256 = 19712
     "slot_dense_row": ((2, 16), i32, 128, 19968),  # [R, T] i32: 128 B; 19712 + 128 -> 19968
     "dense_source_rows": ((2,), i32, 8, 20224),  # [R] i32: 8 B; 19968 + 128 -> 20224
+    # the batched layout's rows, M = R T = 32 per local expert: [L M, H] u16: 128 * 64 * 2 = 16384 B;
+    # 20224 + 8 -> 20480
+    "batched_x": ((128, 64), u16, 16384, 20480),
+    "batched_counts": ((4,), i32, 16, 36864),  # [L] i32: 16 B; 20480 + 16384 = 36864
+    "batched_src_token": ((4, 32), i32, 512, 37120),  # [L, M] i32: 512 B; 36864 + 16 -> 37120
+    "batched_layout_range": ((4, 2), i64, 64, 37632),  # [L, R] i64: 64 B; 37120 + 512 = 37632
+    "batched_token_rows": ((2, 16, 2), i32, 256, 37888),  # [R, T, K] i32: 256 B; 37632 + 64 -> 37888
+    "batched_row_weight": ((128,), f32, 512, 38144),  # [L M] f32: 512 B; 37888 + 256 = 38144
 }
-SMALL_LOCAL_BYTES = 20480  # 20224 + 8 -> 20480
+SMALL_LOCAL_BYTES = 38656  # 38144 + 512
 
 CASES = {
     "dsv3": (DSV3, DSV3_SYMMETRIC, DSV3_SYMMETRIC_BYTES, DSV3_LOCAL, DSV3_LOCAL_BYTES),
@@ -277,7 +298,9 @@ def test_dsv3_totals_in_mib():
     # combine_stage 448 MiB + expert_x 3584 MiB + token_rows 1 MiB + 5 row arrays of 1 MiB
     # + the sender's 0.125 MiB of staged ranks, 0.22 MiB of packed-row slots and a few KiB
     # + the dense layout's rows (448 MiB), their top-k ids and weights (1 MiB each) and maps (0.25 MiB).
-    assert 4488.5 < layout.local_bytes / MiB < 4488.7
+    # + the batched layout's rows (14336 MiB at T = 4096: L R T rows), their source tokens and weights (4 MiB
+    # each), batched token rows (1 MiB) and ranges.
+    assert 18833.5 < layout.local_bytes / MiB < 18833.7
 
 
 def test_a_plan_allocates_a_subset_of_every_region_in_the_same_order():
@@ -298,13 +321,16 @@ def test_a_plan_allocates_a_subset_of_every_region_in_the_same_order():
                                       "relay_signal", "relay_partials", "relay_flag", "relay_sync", "relay_stage",
                                       "relay_rows", "relay_chunk_flag", "relay_sums", "combine_chunk_flag",
                                       "relay_slot", "slot_across", "slot_stage", "dense_x", "dense_topk_idx",
-                                      "dense_topk_weights", "dense_slot", "slot_dense_row", "dense_source_rows"}
-    # 4038.35 MiB (every region but the dense layout's) less 3584 + 448 + 0.125 + 0.22 + 0.001: the
+                                      "dense_topk_weights", "dense_slot", "slot_dense_row", "dense_source_rows",
+                                      "batched_x", "batched_counts", "batched_src_token", "batched_layout_range",
+                                      "batched_token_rows", "batched_row_weight"}
+    # 4038.35 MiB (every region but the dense and batched layouts') less 3584 + 448 + 0.125 + 0.22 + 0.001: the
     # token rows (1 MiB), 5 row arrays and a few KiB
     assert 6 < layout.local_bytes / MiB < 6.01
     assert layout.region("token_rows").offset == 768  # after the three counters, nothing staged
     assert set(layout.absent()) == set(every) - set(kept) | {"dispatch_send_stage", "expert_scales",
-                                                              "token_global_scale", "dense_scales"}
+                                                              "token_global_scale", "dense_scales",
+                                                              "batched_scales"}
 
 
 @pytest.mark.parametrize("heap", ["symmetric", "local"])
@@ -384,7 +410,8 @@ def test_sentinel_inits():
     layout = BufferLayout(SMALL)
     # -1 marks "no expert id" / "no row" / "padding"; everything else starts at 0.
     minus_one = {"dispatch_topk_ids", "token_rows", "row_src_rank", "row_src_token", "row_src_k", "row_gather",
-                 "relay_slot", "dense_topk_idx", "dense_slot", "slot_dense_row"}
+                 "relay_slot", "dense_topk_idx", "dense_slot", "slot_dense_row", "batched_src_token",
+                 "batched_token_rows"}
     for r in layout.regions:
         assert r.init == (-1 if r.name in minus_one else 0), f"{r.name} init {r.init}"
 
@@ -411,8 +438,8 @@ def test_describe_dsv3_figures():
     assert "896.000" in text          # combine_partials
     assert "3584.000" in text         # expert_x
     assert "392.000" in text          # relay_stage, relay_rows, relay_sums (7 other nodes)
-    # 3,134,542,080 / 2**20 = 2989.3323; 4,706,635,520 / 2**20 = 4488.5967
-    assert "symmetric 2989.332 MiB, local 4488.597 MiB" in text
+    # 3,134,542,080 / 2**20 = 2989.3323; 19,748,460,544 / 2**20 = 18833.5996
+    assert "symmetric 2989.332 MiB, local 18833.600 MiB" in text
 
 
 def test_region_unknown_name_raises_key_error():

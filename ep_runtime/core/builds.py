@@ -27,7 +27,7 @@ NODE_VARIANTS = (("wait", "hierarchical"),)
 #: The kernels of each family, as :func:`plan_kernels` builds them (a family's module is imported
 #: only when one of its kernels is asked for: the dispatch and combine kernels import NVSHMEM).
 DISPATCH_KERNELS = ("dispatch_async", "dispatch_wait", "dispatch_land", "dispatch_copy", "dispatch_relay",
-                    "dispatch_dense")
+                    "dispatch_dense", "dispatch_batched")
 COMBINE_KERNELS = ("combine_async", "combine_async_rows", "combine_wait", "combine_relay", "combine_async_dense")
 #: A format with a global scale (NVFP4): the kernels that compute it on the stream before
 #: dispatch_async when the caller passes none (its codec's ``make_global_scale``), in order.
@@ -35,14 +35,14 @@ GLOBAL_SCALE_KERNELS = ("tensor_amax", "global_scale_of_amax")
 
 
 def plan_kernels(cfg: EPConfig, plan: Plan, only=None) -> dict:
-    """``{name: kernel}``: every kernel a runtime of ``cfg`` under ``plan`` launches (or those
-    of them named in ``only``, building nothing else). ``combine_async_rows`` (and
-    ``combine_async_dense``) copies partial words unchanged, so the bf16-partials build serves
-    float32 partials too. ``dispatch_copy`` only where the expanded layout is served and copied
-    after the placement; ``dispatch_dense`` and ``combine_async_dense`` where the dense layout is
-    served; ``dispatch_relay`` and ``combine_relay`` with the hierarchical transport. The
-    slot-value kernels depend on the block size, transport and PDL only, ``routing_copy`` (a kept
-    routing aside and back) on the block size and PDL; :data:`GLOBAL_SCALE_KERNELS` in a format with a global scale."""
+    """``{name: kernel}``: every kernel a runtime of ``cfg`` under ``plan`` launches (or those of them named in
+    ``only``, building nothing else). ``combine_async_rows`` (and ``combine_async_dense``) copies partial words
+    unchanged, so the bf16-partials build serves float32 partials too. ``dispatch_copy`` only where the expanded
+    layout is served and copied after the placement; ``dispatch_dense`` and ``combine_async_dense`` where the
+    dense layout is served, ``dispatch_batched`` where the batched one is; ``dispatch_relay`` and
+    ``combine_relay`` with the hierarchical transport. The slot-value kernels depend on the block size,
+    transport and PDL only, ``routing_copy`` (a kept routing aside and back) on the block size and PDL;
+    :data:`GLOBAL_SCALE_KERNELS` in a format with a global scale."""
     def wanted(*names) -> bool:
         return only is None or any(n in only for n in names)
 
@@ -58,6 +58,10 @@ def plan_kernels(cfg: EPConfig, plan: Plan, only=None) -> dict:
             from ep_runtime.kernels.layouts.dense import make_dispatch_dense
 
             kernels["dispatch_dense"] = make_dispatch_dense(plan.threads, cfg.token_format.codec, plan.pdl)
+        if plan.serves("batched"):
+            from ep_runtime.kernels.layouts.batched import make_dispatch_batched
+
+            kernels["dispatch_batched"] = make_dispatch_batched(plan.threads, cfg.token_format.codec, plan.pdl)
     if wanted(*COMBINE_KERNELS):
         from ep_runtime.kernels.combine import make_combine_kernels
 

@@ -29,9 +29,10 @@ from ep_runtime.kernels.protocol import MAX_RANKS, PLACEMENT_WORDS  # noqa: F401
 #: Row indices of the expert batch are int32.
 MAX_ROWS = 2**31 - 1
 #: The layouts dispatch_wait can return (``EPConfig.layouts``): one row per (token, local
-#: expert), the received rows as they landed with per-expert gather indices, or the received
-#: rows laid out densely in DeepEP's order (one per received (token, source rank)).
-LAYOUTS = ("expanded", "compact", "dense")
+#: expert), the received rows as they landed with per-expert gather indices, the received
+#: rows laid out densely in DeepEP's order (one per received (token, source rank)), or DeepEP's
+#: low-latency batch (``[local experts, n_ranks * max_tokens_per_rank, hidden]``).
+LAYOUTS = ("expanded", "compact", "dense", "batched")
 #: The layouts a runtime serves by default, also spelled ``"both"``.
 DEFAULT_LAYOUTS = ("expanded", "compact")
 #: Default bound on a device-side wait: long enough for a slow peer's first-call compile to be
@@ -84,14 +85,15 @@ class EPConfig:
         Whether the debug-mode routing check accepts negative router weights (NaN and
         infinities are always rejected).
     layouts : str or tuple of str
-        The layouts dispatch_wait serves: ``"expanded"``, ``"compact"``, ``"dense"``, or any
-        tuple of them; the default is expanded and compact, also spelled ``"both"``. The
-        execution plan gives the expanded and compact layouts their fastest measured paths
-        (:mod:`ep_runtime.core.plan`); ``"dense"`` (DeepEP's received rows, written by
-        ``dispatch_dense`` after any receiver) adds to whichever the plan picks for the others,
-        and a runtime that serves only it is planned as a compact one. A runtime allocates the
-        expert batch only when it serves the expanded layout, and the dense rows only when it
-        serves the dense one. Stored as a tuple in ``LAYOUTS`` order.
+        The layouts dispatch_wait serves: ``"expanded"``, ``"compact"``, ``"dense"``,
+        ``"batched"``, or any tuple of them; the default is expanded and compact, also spelled
+        ``"both"``. The execution plan gives the expanded and compact layouts their fastest
+        measured paths (:mod:`ep_runtime.core.plan`); ``"dense"`` (DeepEP's received rows,
+        written by ``dispatch_dense`` after any receiver) and ``"batched"`` (DeepEP's
+        low-latency rows, ``dispatch_batched``'s; not NVFP4) add to whichever the plan picks for
+        the others, and a runtime that serves only them is planned as a compact one. A runtime
+        allocates the expert batch only when it serves the expanded layout, and the dense and
+        batched rows only when it serves those. Stored as a tuple in ``LAYOUTS`` order.
     """
 
     n_ranks: int
@@ -160,6 +162,10 @@ class EPConfig:
                 f"EPConfig.hidden={self.hidden} with combine_dtype='float32': hidden must be a multiple of {m} "
                 f"(float32 partials move as 8-byte words of 2 floats, and token rows as 8-byte words of 4 bf16); "
                 f"pad hidden to {up}, or use combine_dtype='bfloat16' (any hidden)")
+        if "batched" in self.layouts and self.token_format.has_global_scale:
+            raise EPConfigError(f"EPConfig.layouts={self.layouts!r} with token_dtype={self.token_dtype!r}: the batched "
+                                f"layout (DeepEP's low-latency rows) carries bf16 or FP8 rows; use token_dtype "
+                                f"'bfloat16', 'fp8_e4m3' or 'fp8_e4m3_ue8m0', or drop 'batched' from layouts.")
         if self.n_sms is not None:
             _check(self.n_sms >= 1, "n_sms", self.n_sms, "must be >= 1 or None", "use None to let the runtime choose")
         _check(isinstance(self.wait_timeout_s, numbers.Real) and not isinstance(self.wait_timeout_s, bool)
@@ -252,9 +258,10 @@ def _layouts(value) -> tuple:
     """``value`` (a layout name, ``"both"`` or an iterable of names) as a tuple in LAYOUTS order."""
     names = DEFAULT_LAYOUTS if value == "both" else (value,) if isinstance(value, str) else tuple(value)
     if not names or any(n not in LAYOUTS for n in names):
-        raise EPConfigError(f"EPConfig.layouts={value!r}: expected 'expanded', 'compact', 'dense', 'both' (expanded "
-                            f"and compact) or a tuple of {LAYOUTS}; use 'compact' for a runtime that serves only the "
-                            f"compact layout, 'dense' for DeepEP's received rows.")
+        raise EPConfigError(f"EPConfig.layouts={value!r}: expected 'expanded', 'compact', 'dense', 'batched', 'both' "
+                            f"(expanded and compact) or a tuple of {LAYOUTS}; use 'compact' for a runtime that serves "
+                            f"only the compact layout, 'dense' for DeepEP's received rows, 'batched' for its "
+                            f"low-latency rows.")
     return tuple(n for n in LAYOUTS if n in names)
 
 

@@ -220,3 +220,42 @@ class DenseBatch:
     handle: DispatchHandle
     scales: Any = None
     global_scales: Any = None
+
+
+@dataclass(frozen=True)
+class BatchedBatch:
+    """This rank's received rows as DeepEP's low-latency batch (``dispatch_wait(layout="batched")``),
+    written by the kernels (device arrays, views into runtime buffers, the same memory every
+    call: one CUDA graph serves every step; valid until the next ``dispatch_wait``).
+
+    Local expert e's rows are ``x[e, :counts[e]]``: source rank ascending, then the source's
+    token order; rows from rank s are slots ``[range[e, s] >> 32, + (range[e, s] & 0xFFFFFFFF))``.
+    M = ``n_ranks * max_tokens_per_rank``.
+
+    Attributes
+    ----------
+    x : [L, M, hidden] uint16 (bf16 bits), or uint8 E4M3 codes in an FP8 format; slots past
+        ``counts[e]`` are stale.
+    counts : [L] int32, each local expert's rows (DeepEP's ``recv_count``).
+    src_token : [L, M] int32, each slot's token index on its source rank (DeepEP's
+        ``recv_src_info``); stale past the count.
+    layout_range : [L, n_ranks] int64, per (expert, source rank) the first slot ``<< 32 |`` the
+        count (DeepEP's ``recv_layout_range``).
+    row_weight : [L, M] float32, each slot's router weight (as dispatched); stale past the count.
+    row_offsets, expert_counts : the expert-major placement's (as :class:`ExpertBatch`).
+    handle : the :class:`DispatchHandle` of the call, for ``combine_async``.
+    scales : FP8 formats only (else None), column-major in the last two dimensions:
+        ``scales="column"``: [L, M, hidden / 128] float32 (UE8M0 codes decoded to powers of two);
+        ``scales="packed"`` (UE8M0 only): [L, M, hidden / 512] int32, four codes per int32, the
+        lowest byte the first block.
+    """
+
+    x: Any
+    counts: Any
+    src_token: Any
+    layout_range: Any
+    row_weight: Any
+    row_offsets: Any
+    expert_counts: Any
+    handle: DispatchHandle
+    scales: Any = None

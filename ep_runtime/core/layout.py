@@ -56,10 +56,12 @@ def partial_format_name(cfg: EPConfig) -> str:
 
 
 #: Regions of the quantized token formats only (:func:`send_stage_regions`,
-#: :func:`expert_scales_regions`, :func:`global_scale_regions`, :func:`dense_regions`' scales), as
-#: (dtype, ndim) of their empty stand-ins in a layout of a format without them.
+#: :func:`expert_scales_regions`, :func:`global_scale_regions`, :func:`dense_regions`' and
+#: :func:`batched_regions`' scales), as (dtype, ndim) of their empty stand-ins in a layout of a
+#: format without them.
 FORMAT_REGIONS = {"dispatch_send_stage": (np.uint64, 2), "expert_scales": (np.float32, 1),
-                  "token_global_scale": (np.float32, 1), "dense_scales": (np.float32, 1)}
+                  "token_global_scale": (np.float32, 1), "dense_scales": (np.float32, 1),
+                  "batched_scales": (np.float32, 1)}
 
 @dataclass(frozen=True)
 class Region:
@@ -283,6 +285,7 @@ def _regions(cfg: EPConfig, plan=None) -> list[Region]:
         *global_scale_regions(cfg),
         # -- local: the dense layout's rows (after the rest: the other layouts' offsets stay) ------------
         *dense_regions(cfg),
+        *batched_regions(cfg),
     ]
 
 
@@ -312,6 +315,10 @@ def _expanded(plan, cfg) -> bool:
 
 def _dense(plan, cfg) -> bool:
     return plan.serves("dense")
+
+
+def _batched(plan, cfg) -> bool:
+    return plan.serves("batched")
 
 
 #: ``{region: used(plan, cfg)}``: which plans use a region; a region not listed is used by every
@@ -349,6 +356,13 @@ USED_BY = {
     "dense_slot": _dense,
     "slot_dense_row": _dense,
     "dense_source_rows": _dense,
+    "batched_x": _batched,
+    "batched_scales": _batched,
+    "batched_counts": _batched,
+    "batched_src_token": _batched,
+    "batched_layout_range": _batched,
+    "batched_token_rows": _batched,
+    "batched_row_weight": _batched,
 }
 
 
@@ -470,6 +484,37 @@ def dense_regions(cfg: EPConfig) -> list[Region]:
                "[src, t]: the dense row of token t of rank src, -1 where it did not come here"),
         Region("dense_source_rows", (R,), i32, 0, False, DD, ("user (dense)",),
                "[src]: the dense rows from rank src (its tokens with an expert here)"),
+    ]
+
+
+def batched_regions(cfg: EPConfig) -> list[Region]:
+    """The batched layout's rows (:mod:`ep_runtime.kernels.layouts.batched`), written by
+    ``dispatch_batched`` each call: ``M = R T`` slots per local expert (the most one expert can
+    receive), the row of expert e at slot pos at ``e M + pos``; an FP8 format's codes, and its
+    scales column-major per expert (float32 ``[L, S, M]``, or UE8M0 codes packed four to an
+    int32 ``[L, S / 4, M]`` in the region's first bytes)."""
+    R, T, L, H, K = cfg.n_ranks, cfg.max_tokens_per_rank, cfg.n_local_experts, cfg.hidden, cfg.top_k
+    M, fmt = R * T, cfg.token_format
+    i32, DB = np.dtype(np.int32), "dispatch_batched"
+    scales = []
+    if fmt.quantized:
+        scales = [Region("batched_scales", (L * M * fmt.scale_count(H),), np.dtype(np.float32), 0, False, DB,
+                         ("user (batched)",), "the batched rows' block scales, per expert column-major: float32 "
+                         "[L, S, M], or UE8M0 codes packed four to an int32 [L, S / 4, M] (per call)")]
+    return [
+        Region("batched_x", (L * M, fmt.payload_width(H)), fmt.element_dtype, 0, False, DB, ("user (batched)",),
+               "[e M + pos]: local expert e's row at slot pos (bf16 bits, or the format's codes); slots past the "
+               "expert's count are stale"),
+        *scales,
+        Region("batched_counts", (L,), i32, 0, False, DB, ("user (batched)",), "[e]: the rows of local expert e"),
+        Region("batched_src_token", (L, M), i32, -1, False, DB, ("user (batched)",),
+               "[e, pos]: the token index on its source rank of the row at slot pos (stale past the count)"),
+        Region("batched_layout_range", (L, R), np.dtype(np.int64), 0, False, DB, ("user (batched)",),
+               "[e, src]: the first slot of rank src's rows of expert e << 32 | their count"),
+        Region("batched_token_rows", (R, T, K), i32, -1, False, DB, ("combine_async (batched)",),
+               "[src, t, j]: the batched row e M + pos of the j-th local expert of token t of rank src"),
+        Region("batched_row_weight", (L * M,), np.dtype(np.float32), 0, False, DB,
+               ("combine_async (batched)", "user (batched)"), "[e M + pos]: the row's router weight"),
     ]
 
 

@@ -91,7 +91,7 @@ CHUNK_FROM_TOKENS = 1024
 #: block, so the routing is not left to one block's share of the busy links).
 SPLIT_FROM_TOKENS = 512
 
-LAYOUTS = ("expanded", "compact", "dense")
+LAYOUTS = ("expanded", "compact", "dense", "batched")
 
 
 @dataclass(frozen=True)
@@ -212,8 +212,9 @@ class Plan:
     @property
     def receiver_layout(self) -> str:
         """The layout the receive kernels are built with: ``"expanded"`` when served (its copies
-        skipped on another layout's call), else ``"compact"`` when served, else ``"dense"`` (the
-        compact layout's placement and copies: the dense rows are ``dispatch_dense``'s)."""
+        skipped on another layout's call), else ``"compact"`` when served, else ``"dense"`` or
+        ``"batched"`` (the compact layout's placement and copies: their rows are
+        ``dispatch_dense``'s and ``dispatch_batched``'s)."""
         return next(name for name in LAYOUTS if self.serves(name))
 
     # -- what the kernels are built for -----------------------------------------------------------

@@ -43,6 +43,7 @@ from ep_runtime.core.runtime_slot_values import SlotValueCalls
 from ep_runtime.core.runtime_state import INT64, STEP, State
 from ep_runtime.shmem.session import Session
 from ep_runtime.core.status import error_from_status
+from ep_runtime.kernels.protocol import BATCHED_SCALES_FLOAT, BATCHED_SCALES_PACKED
 
 _owner_ids = itertools.count(1)
 
@@ -119,6 +120,9 @@ class EPRuntime(DispatchCalls, CombineCalls, SlotValueCalls):
             self._arg[name] = session.as_kernel_arg(view)
         for name, kernel, types in builds:  # compile now, not inside a timed wait
             session.precompile(kernel, types)
+        # the batched layout's rows (L M, every local expert's M slots), where it is served
+        self._batched_rows = (cfg.n_local_experts * cfg.n_ranks * cfg.max_tokens_per_rank
+                              if self.plan.serves("batched") else 0)
         # stand-ins for the combine_wait arrays a call does not use (allocated once: graph-safe)
         self._no_out = session.alloc_local("unused out", (0, 0), np.uint16)
         self._no_partials = session.alloc_local("unused out_partials", (0, 0, 0), np.uint16)
@@ -129,8 +133,10 @@ class EPRuntime(DispatchCalls, CombineCalls, SlotValueCalls):
         self._own_rows = self._no_own
         self._no_valid = session.alloc_local("unused valid_tokens", (1,), np.int32)
         self._no_scales = session.alloc_local("unused token_scales", (0, 0), np.uint8)
-        # combine_async(weights=None): a weight of 1 per expanded row (allocated here, not inside a graph capture)
-        self._unit_weights = session.alloc_local("unit row weights", (cfg.recv_rows_capacity,), np.float32, fill=1.0)
+        # combine_async(weights=None): a weight of 1 per expanded (or batched) row (allocated here, not inside a
+        # graph capture)
+        self._unit_weights = session.alloc_local("unit row weights", (max(cfg.recv_rows_capacity, self._batched_rows),),
+                                                 np.float32, fill=1.0)
         self._no_tokens = session.alloc_local("unused tokens", (0, cfg.hidden), np.uint16)
         self._batch_views = batch_views(cfg, self.buffers)
         self._pad_multiple = np.int64(cfg.pad_multiple)
@@ -143,6 +149,7 @@ class EPRuntime(DispatchCalls, CombineCalls, SlotValueCalls):
         self._slots_call = -1  # the dispatch call whose slot values went home last
         self._kept_call = 0  # the last dispatch_async reused a kept routing (1) or sent its own (0)
         self._dense_call = -1  # the dispatch call whose rows dispatch_dense laid out last
+        self._batched_call = -1  # ... and dispatch_batched
         self._epoch = 0  # reset() count: a kept routing of an earlier epoch is refused
         self._failed: Exception | None = None
         self._closed = False
@@ -153,6 +160,7 @@ class EPRuntime(DispatchCalls, CombineCalls, SlotValueCalls):
         ``"compact"`` (and the placement before ``dispatch_copy``), ``"expanded"`` where the
         receive kernel copies too (a route-first dispatch_wait on the whole grid), and
         ``("dispatch_copy", scales)``, ``"dispatch_dense"`` where the dense layout is served,
+        ``("dispatch_batched", scales_form)`` where the batched one is,
         and with the hierarchical transport ``"dispatch_relay"``
         and ``"combine_relay"``. A landing plan's receive launches read each call's tokens:
         they are prepared with dispatch_async's."""
@@ -170,6 +178,9 @@ class EPRuntime(DispatchCalls, CombineCalls, SlotValueCalls):
             fixed["combine_relay"] = self._prepare("combine_relay", timeout_ns=self._timeout_ns)
         if plan.serves("dense"):
             fixed["dispatch_dense"] = self._prepare("dispatch_dense")
+        if plan.serves("batched"):
+            for form in (BATCHED_SCALES_FLOAT, BATCHED_SCALES_PACKED):
+                fixed["dispatch_batched", form] = self._prepare("dispatch_batched", scales_form=np.int64(form))
         if plan.expanded_copy is ExpandedCopy.DISPATCH_COPY:
             for scales in SCALE_LAYOUTS:
                 fixed["dispatch_copy", scales] = self._prepare("dispatch_copy",
@@ -192,7 +203,7 @@ class EPRuntime(DispatchCalls, CombineCalls, SlotValueCalls):
         self.session.synchronize()
         self.session.barrier()
         self._calls, self._state, self._failed, self._slots_call = 0, State.IDLE, None, -1
-        self._dense_call = -1
+        self._dense_call = self._batched_call = -1
         self._epoch += 1
 
     def close(self) -> None:

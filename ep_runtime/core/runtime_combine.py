@@ -46,6 +46,13 @@ class CombineCalls:
               came here, so ``rows`` must be at least the rows received (a shorter array is a
               device error raised by :meth:`synchronize`; rows past them are not read). Dtype
               as the compact layout's.
+            - ``layout="batched"``: bfloat16 (or uint16 bits) ``[L, M, hidden]`` (or ``[L M,
+              hidden]``), M = n_ranks * max_tokens_per_rank: the output of local expert e's row
+              at slot pos at ``[e, pos]`` (the batched batch of this call,
+              ``dispatch_wait(handle, layout="batched")``; slots past each expert's count are not
+              read). Each token's partial is the expanded layout's: the sum over its local
+              experts, ascending, of weight x output (read through the batch's
+              ``batched_token_rows``, no reordering copy).
             - ``layout="compact"``: ``[n_ranks * max_tokens_per_rank, hidden]``, row
               ``s * max_tokens_per_rank + t`` holding this rank's partial for token t of rank
               s, already weighted and summed over this rank's experts by the caller (the
@@ -62,17 +69,22 @@ class CombineCalls:
             Megatron's HybridEP and DeepEP combine: the caller applied the weights, or a
             backward sums gradients); or a float32 ``[rows]`` array row-aligned with the batch
             (explicit weights; ``rows >= row_offsets[L]``, padding rows are not read), which
-            must stay unmodified until :meth:`combine_wait` has run. The expanded layout only:
-            compact and dense rows come weighted.
+            must stay unmodified until :meth:`combine_wait` has run. The batched layout takes
+            the same, its array float32 ``[L, M]`` (or ``[L M]``), a weight per slot. The
+            expanded and batched layouts only: compact and dense rows come weighted.
         """
         self._require(State.DISPATCHED, call="combine_async", handle=handle, handle_type=DispatchHandle)
         if layout not in DISPATCH_LAYOUTS:
             raise EPInputError(f"combine_async: layout={layout!r}; expected one of {DISPATCH_LAYOUTS}.")
         mode = "dispatch" if isinstance(weights, str) and weights == "dispatch" else \
             "none" if weights is None else "array"
-        if mode != "dispatch" and layout != "expanded":
-            raise EPInputError(f"combine_async: weights= applies to the expanded layout only; {layout} rows are the "
-                               f"caller's partials, already weighted (leave weights='dispatch').")
+        if mode != "dispatch" and layout not in ("expanded", "batched"):
+            raise EPInputError(f"combine_async: weights= applies to the expanded and batched layouts only; {layout} "
+                               f"rows are the caller's partials, already weighted (leave weights='dispatch').")
+        if layout == "batched" and (not self.plan.serves("batched") or self._batched_call != handle.call):
+            raise EPInputError("combine_async: layout='batched' reads the batched rows of this call's dispatch: call "
+                               "dispatch_wait(handle, layout='batched') first (on a runtime with 'batched' in "
+                               f"EPConfig.layouts; this one serves {self.plan.layouts}).")
         if layout == "dense" and (not self.plan.serves("dense") or self._dense_call != handle.call):
             raise EPInputError("combine_async: layout='dense' reads the dense rows of this call's dispatch: call "
                                "dispatch_wait(handle, layout='dense') first (on a runtime with 'dense' in "
@@ -119,6 +131,9 @@ class CombineCalls:
                                    f"(n_ranks * max_tokens_per_rank); pass one row per dense row.")
             call = self._prepare("combine_async_dense", expert_out=expert_out)
             own = self._no_own  # this rank's own partials are copied into combine_partials
+        elif layout == "batched":
+            call = self._prepare_combine_batched(expert_out, mode, weights)
+            own = self._no_own
         else:
             arrays.check_array(expert_out, c, "expert_out", np.uint16, (None, cfg.hidden),
                                f"Expected [rows, hidden={cfg.hidden}], row-aligned with the expert batch.")
@@ -134,6 +149,32 @@ class CombineCalls:
             own = self._no_own
         return PreparedCall(call.kernel, call.args, n_tokens=expert_out.shape[0], checked=(own,),
                             grid=self.plan.combine_async_grid(layout))
+
+    def _prepare_combine_batched(self, expert_out, mode, weights) -> PreparedCall:
+        """combine_async's launch in the batched layout: ``combine_async`` itself, reading the
+        ``[L M, hidden]`` rows through ``batched_token_rows`` and their weights (``mode``) from
+        ``batched_row_weight``, a weight of 1 each, or the caller's ``[L M]``."""
+        c, cfg = "combine_async", self.cfg
+        L, M = cfg.n_local_experts, cfg.n_ranks * cfg.max_tokens_per_rank
+        if expert_out.ndim == 3:
+            arrays.check_array(expert_out, c, "expert_out", np.uint16, (L, M, cfg.hidden),
+                               f"The batched layout has M = n_ranks * max_tokens_per_rank = {M} slots per local "
+                               f"expert: [L = {L}, M = {M}, hidden = {cfg.hidden}] (or [L M, hidden]).")
+            expert_out = expert_out.reshape(L * M, cfg.hidden)
+        arrays.check_array(expert_out, c, "expert_out", np.uint16, (L * M, cfg.hidden),
+                           f"The batched layout has M = n_ranks * max_tokens_per_rank = {M} slots per local expert: "
+                           f"[L M = {L * M}, hidden = {cfg.hidden}] (or [L, M, hidden]).")
+        row_weight = {"dispatch": self.buffers["batched_row_weight"], "none": self._unit_weights}.get(mode)
+        if mode == "array":
+            row_weight = arrays.to_backend(weights, self.session.backend, c, "weights")
+            if row_weight.ndim == 2:
+                arrays.check_array(row_weight, c, "weights", np.float32, (L, M), f"Expected float32 [L = {L}, M = "
+                                   f"{M}] (or [L M]), a weight per batched slot.")
+                row_weight = row_weight.reshape(L * M)
+            arrays.check_array(row_weight, c, "weights", np.float32, (L * M,),
+                               f"Expected float32 [L M = {L * M}] (or [L, M]), a weight per batched slot.")
+        return self._prepare("combine_async", expert_out=expert_out, token_rows=self.buffers["batched_token_rows"],
+                             row_weight=row_weight)
 
     def combine_wait(self, handle: CombineHandle, out=None, epilogue=None, aux=None, reduce: bool = True):
         """Complete the combine of ``handle``. Collective; enqueued on the stream.

@@ -19,14 +19,18 @@ from ep_runtime.core import arrays
 from ep_runtime.core.call_memo import PreparedCall
 from ep_runtime.core.config import LAYOUTS, EPConfig
 from ep_runtime.core.errors import EPInputError, EPStateError
-from ep_runtime.core.handles import CompactBatch, DenseBatch, DispatchHandle, ExpertBatch, KeptRouting, from_fields
+from ep_runtime.core.handles import (BatchedBatch, CompactBatch, DenseBatch, DispatchHandle, ExpertBatch, KeptRouting,
+                                     from_fields)
 from ep_runtime.core.plan import ExpandedCopy, Receiver, Transport
 from ep_runtime.core.runtime_state import INT64, State
+from ep_runtime.kernels.protocol import BATCHED_SCALES_FLOAT, BATCHED_SCALES_PACKED
 
 #: The layouts of dispatch_wait's result and of combine_async's input.
 DISPATCH_LAYOUTS = LAYOUTS
 #: The layouts of an FP8 expert batch's scales: [rows, S] or [S, rows].
 SCALE_LAYOUTS = ("row", "column")
+#: The batched layout's scale layouts: column-major per expert, float32 or UE8M0 packed.
+BATCHED_SCALES = {"column": BATCHED_SCALES_FLOAT, "packed": BATCHED_SCALES_PACKED}
 
 
 @dataclass(frozen=True)
@@ -251,6 +255,14 @@ class DispatchCalls:
         batch's views are the same memory every call); ``combine_async(rows, h,
         layout="dense")`` takes one row per dense row.
 
+        ``layout="batched"`` returns a :class:`BatchedBatch`: DeepEP's low-latency rows, local
+        expert e's row at slot pos (source-major, then token order) at ``x[e, pos]``, M = n_ranks
+        * max_tokens_per_rank slots per expert, written by ``dispatch_batched`` after the receive
+        kernel (the same memory every call). Its FP8 scales are column-major per expert:
+        ``scales="column"`` float32 ``[L, M, hidden / 128]`` (UE8M0 codes decoded), or
+        ``scales="packed"`` (``fp8_e4m3_ue8m0``, hidden a multiple of 512) int32 ``[L, M,
+        hidden / 512]``, four codes each.
+
         ``layout="compact"`` returns a :class:`CompactBatch`: no expansion copy (one kernel).
         The received rows stay where they landed, one per (token, source rank), and the batch
         gives per local expert the rows to gather (``gather``) and their weights, in the same
@@ -271,17 +283,23 @@ class DispatchCalls:
                                f"(EPConfig.layouts); pass one of them, or build the runtime with layouts "
                                f"including {layout!r}." if layout in DISPATCH_LAYOUTS else
                                f"dispatch_wait: layout={layout!r}; expected one of {self.plan.layouts}.")
-        if scales not in SCALE_LAYOUTS:
+        if layout == "batched":
+            scales = self._batched_scales(scales)
+        elif scales not in SCALE_LAYOUTS:
             raise EPInputError(f"dispatch_wait: scales={scales!r}; expected one of {SCALE_LAYOUTS} (row-major "
                                f"[rows, hidden / 128] or column-major [hidden / 128, rows]).")
         land = self.plan.receiver is Receiver.LAND
         if self.plan.transport is Transport.HIERARCHICAL:  # this node's share of the other nodes' calls, first
             self._run(self._fixed["dispatch_relay", self._kept_call])
-        if layout in ("compact", "dense"):
+        if layout in ("compact", "dense", "batched"):
             self._run(self._land[0] if land else self._fixed["compact"])
             self._state = State.DISPATCHED
             if layout == "compact":
                 return from_fields(CompactBatch, {**self._batch_views["compact"], "handle": handle})
+            if layout == "batched":
+                self._run(self._fixed["dispatch_batched", BATCHED_SCALES[scales]])  # DeepEP's low-latency batch
+                self._batched_call = handle.call
+                return from_fields(BatchedBatch, {**self._batch_views["batched", scales], "handle": handle})
             self._run(self._fixed["dispatch_dense"])  # the received rows laid out densely
             self._dense_call = handle.call
             return from_fields(DenseBatch, {**self._batch_views["dense"], "handle": handle})
@@ -295,6 +313,33 @@ class DispatchCalls:
             self._run(self._fixed["dispatch_copy", scales])
         self._state = State.DISPATCHED
         return from_fields(ExpertBatch, {**self._batch_views["expanded", scales], "handle": handle})
+
+    def batched_views(self, scales: str = "column") -> dict:
+        """The arrays of ``dispatch_wait(h, layout="batched", scales=scales)`` (a
+        :class:`BatchedBatch` less its handle), without a call: the same memory every call, holding
+        a call's rows once its dispatch_wait has run on the stream (for a caller that hands them
+        out before it enqueues the wait, as DeepEP's receive hook does). Not collective."""
+        if not self.plan.serves("batched"):
+            raise EPInputError(f"batched_views: this runtime serves {self.plan.layouts}; build it with 'batched' in "
+                               f"EPConfig.layouts.")
+        return dict(self._batch_views["batched", self._batched_scales(scales)])
+
+    def _batched_scales(self, scales: str) -> str:
+        """dispatch_wait's ``scales`` in the batched layout as a key of :data:`BATCHED_SCALES`
+        (bf16 rows have none: any of them, or the default "row", serves), raising EPInputError
+        before any launch."""
+        fmt, c = self.cfg.token_format, "dispatch_wait"
+        if not fmt.quantized and scales in SCALE_LAYOUTS:
+            return "column"
+        if scales not in BATCHED_SCALES:
+            raise EPInputError(f"{c}: scales={scales!r} with layout='batched'; expected one of {tuple(BATCHED_SCALES)} "
+                               f"(the batched layout's scales are column-major per expert, DeepEP's low-latency "
+                               f"layout: float32, or UE8M0 codes packed four to an int32).")
+        if scales == "packed" and (fmt.scale_dtype != np.uint8 or fmt.scale_count(self.cfg.hidden) % 4):
+            raise EPInputError(f"{c}: scales='packed' packs UE8M0 codes four to an int32: it needs token_dtype "
+                               f"'fp8_e4m3_ue8m0' and hidden a multiple of 512 (this runtime: "
+                               f"{self.cfg.token_dtype!r}, hidden {self.cfg.hidden}); use scales='column'.")
+        return scales
 
     def dispatch(self, tokens, topk_ids, topk_weights, layout: str = "expanded", token_scales=None,
                  scales: str = "row", token_global_scale=None):
@@ -400,6 +445,9 @@ def batch_views(cfg: EPConfig, b: dict) -> dict:
                             gather=b["row_gather"], **meta)
     if "dense_x" in b:  # (the dense layout served)
         views["dense"] = dense_views(cfg, b)
+    if "batched_x" in b:  # (the batched layout served)
+        for scales in BATCHED_SCALES:
+            views["batched", scales] = batched_layout_views(cfg, b, scales)
     return views
 
 
@@ -416,3 +464,20 @@ def dense_views(cfg: EPConfig, b: dict) -> dict:
     return dict(x=b["dense_x"], scales=scales, global_scales=global_scales, topk_idx=b["dense_topk_idx"],
                 topk_weights=b["dense_topk_weights"], slot=b["dense_slot"], slot_row=b["slot_dense_row"],
                 source_rows=b["dense_source_rows"], row_offsets=b["row_offsets"], expert_counts=b["expert_counts"])
+
+
+def batched_layout_views(cfg: EPConfig, b: dict, scales: str) -> dict:
+    """The batched batch's views (less the handle) of the regions ``b``, its FP8 scales as
+    ``scales`` gives them (:data:`BATCHED_SCALES`): strided views, column-major in the last two
+    dimensions (None where the format has none, or packed where it has no UE8M0 codes)."""
+    fmt, L, M, H = cfg.token_format, cfg.n_local_experts, cfg.n_ranks * cfg.max_tokens_per_rank, cfg.hidden
+    S = fmt.scale_count(H) if fmt.quantized else 0
+    view = None
+    if fmt.quantized and scales == "column":
+        view = b["batched_scales"][:L * M * S].reshape(L, S, M).transpose(0, 2, 1)
+    elif fmt.quantized and fmt.scale_dtype == np.uint8 and S % 4 == 0:
+        view = b["batched_scales"][:L * M * S // 4].view(np.int32).reshape(L, S // 4, M).transpose(0, 2, 1)
+    return dict(x=b["batched_x"].reshape(L, M, -1), scales=view, counts=b["batched_counts"],
+                src_token=b["batched_src_token"], layout_range=b["batched_layout_range"],
+                row_weight=b["batched_row_weight"].reshape(L, M),
+                row_offsets=b["row_offsets"], expert_counts=b["expert_counts"])

@@ -184,7 +184,8 @@ def dispatch_wait(pending: PendingDispatch, layout: str = "expanded", scales: st
                            f"{type(pending).__name__}.")
     if layout not in ("expanded", "compact"):
         raise EPInputError(f"dispatch_wait: layout={layout!r}; torch_async serves 'expanded' and 'compact'. DeepEP's "
-                           f"dense rows (layout 'dense') come through ep_runtime.deep_ep.Buffer.dispatch.")
+                           f"dense rows (layout 'dense') come through ep_runtime.deep_ep.Buffer.dispatch, its "
+                           f"low-latency rows (layout 'batched') through Buffer.low_latency_dispatch.")
     rt = pending.runtime
     bridge = _Bridge(rt)
     with _calls(bridge):  # (reads nothing of the torch stream's: the runtime's stream does not wait for it)

@@ -130,6 +130,11 @@ E4M3_MAX = 448.0
 E4M3_NAN = 0x7F
 #: UE8M0's NaN code.
 UE8M0_NAN = 255
+#: The batched layout's scales (``dispatch_batched``'s ``scales_form``): float32, per expert
+#: ``[S, M]`` (column-major ``[M, S]``: what TMA-based FP8 GEMMs read; UE8M0 codes decoded), or
+#: UE8M0 codes packed four to an int32, per expert ``[S / 4, M]`` int32 (DeepEP's ``use_ue8m0``).
+BATCHED_SCALES_FLOAT = 0
+BATCHED_SCALES_PACKED = 1
 
 
 def relay_chunk_tokens(n_tokens):

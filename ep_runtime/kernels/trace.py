@@ -66,6 +66,8 @@ SLOTS = {
     32: ("dispatch_dense", "start"),
     33: ("dispatch_dense", "rows placed and copied (last block)"),
     34: ("dispatch_dense", "end (last block)"),
+    7: ("dispatch_batched", "start"),
+    21: ("dispatch_batched", "end (last block)"),
 }
 assert max(SLOTS) < TRACE_LEN
 

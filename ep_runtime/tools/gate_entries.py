@@ -55,19 +55,20 @@ FORMATS = (("bfloat16", "bfloat16"), ("bfloat16", "float32"), ("fp8_e4m3", "bflo
 def plan_entries(formats=FORMATS, variants=PLAN_VARIANTS + NODE_VARIANTS, pdl: bool = True) -> list:
     """``[(label, cfg, plan)]``: a plan of every receiver on every transport, in each format, on
     GPUs of one NVLink domain (``Topology.nvlink_gpus``; the hierarchical transport on 4 GPUs as
-    2 nodes of 2, storing and putting within a node), every layout served (so every kernel a
-    plan can launch is built: the expanded layout's receivers, dispatch_dense and
-    combine_async_dense)."""
+    2 nodes of 2, storing and putting within a node), every layout the format has served (so
+    every kernel a plan can launch is built: the expanded layout's receivers, dispatch_dense,
+    combine_async_dense and, but in NVFP4, dispatch_batched)."""
     from ep_runtime.core.config import EPConfig
     from ep_runtime.core.plan import Topology, choose_plan
 
     out = []
     for token_dtype, combine_dtype in formats:
+        layouts = ("expanded", "compact", "dense") + (() if token_dtype == "nvfp4" else ("batched",))
         for receiver, transport in variants:
             nodes = transport == "hierarchical"  # 4 PEs as 2 nodes of 2 (their heaps not mapped across)
             cfg = EPConfig(n_ranks=4 if nodes else 2, n_experts=8, top_k=2, hidden=256, max_tokens_per_rank=16,
                            token_dtype=token_dtype, combine_dtype=combine_dtype,
-                           layouts=("expanded", "compact", "dense"))
+                           layouts=layouts)
             topology = Topology(4, False, 132, True, False, (0, 0, 1, 1), True) if nodes else Topology.nvlink_gpus(2)
             within = ((True, ""), (False, " puts within")) if nodes else ((False, ""),)
             for node_stores, note in within:  # the hierarchical transport stores, or puts, within a node
@@ -90,7 +91,8 @@ def _in_cross_section(name: str, token_dtype: str, receiver: str, transport: str
     sender. The receive kernels of UE8M0 equal FP8_E4M3's except for the scale words they copy,
     so they are built in FP8_E4M3 only, and of the route-first receivers only the chunked one
     (the plain one's code is its bfloat16 build's less the copy, and the chunked FP8 build's
-    less the chunks); ``dispatch_copy`` (which writes the scales' layout) in both. NVFP4's codec
+    less the chunks); ``dispatch_copy`` and ``dispatch_batched`` (which write the scales' layout)
+    in both. NVFP4's codec
     is its own: its ``dispatch_async`` on both transports (peer stores, or a stage and puts),
     its ``dispatch_copy`` (its receiver) and the kernels of its global scale
     (:data:`GLOBAL_SCALE_KERNELS`); its receive kernels read of the codec only its ``RAW``
@@ -109,7 +111,7 @@ def _in_cross_section(name: str, token_dtype: str, receiver: str, transport: str
         return True
     if name == "dispatch_async":
         return receiver == "wait" and (token_dtype in ("fp8_e4m3", "nvfp4") or transport == "stores")
-    if name == "dispatch_copy":
+    if name in ("dispatch_copy", "dispatch_batched"):
         return True
     if name == "dispatch_wait" and receiver == "route_first":  # its FP8 code is route_first_chunked's build's
         return False

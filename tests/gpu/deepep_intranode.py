@@ -1,16 +1,28 @@
-"""DeepEP's own intranode test, unmodified, against ep_runtime's DeepEP layer (issue #63).
+"""DeepEP's own intranode and low-latency tests, unmodified, against ep_runtime's DeepEP layer
+(issues #63 and #64).
 
-DeepEP's ``tests/test_intranode.py`` at tag v1.2.1 (commit 9af0e0d0e74f3577af1979c9b9e1ac2cad0104ee)
-is fetched, never copied into this repository: check out that tag's ``tests/`` directory
-(``test_intranode.py``, ``utils.py``, ``test_low_latency.py``, which it imports) and point this
-script at it. It checks that the three files are v1.2.1's (their git blob ids), installs the
-``deep_ep`` import alias into a temporary site directory that every process of the run reads at
-start-up (a ``sitecustomize`` on ``PYTHONPATH``: the test's ``torch.multiprocessing.spawn``
-workers are fresh interpreters), runs ``python test_intranode.py ARGS`` in that directory, and
-prints PASS or FAIL with the test's exit status::
+DeepEP's ``tests/test_intranode.py`` and ``tests/test_low_latency.py`` at tag v1.2.1 (commit
+9af0e0d0e74f3577af1979c9b9e1ac2cad0104ee) are fetched, never copied into this repository: check
+out that tag's ``tests/`` directory (``test_intranode.py``, ``utils.py``, ``test_low_latency.py``)
+and point this script at it. It checks that the three files are v1.2.1's (their git blob ids),
+installs the ``deep_ep`` import alias into a temporary site directory that every process of the
+run reads at start-up (a ``sitecustomize`` on ``PYTHONPATH``: the test's
+``torch.multiprocessing.spawn`` workers are fresh interpreters), runs ``python TEST ARGS`` in that
+directory (``--test intranode``, the default, or ``--test low_latency``), and prints PASS or FAIL
+with the test's exit status::
 
     git clone https://github.com/deepseek-ai/DeepEP && git -C DeepEP checkout v1.2.1
     python tests/gpu/deepep_intranode.py --deepep-tests DeepEP/tests -- --num-processes 2
+    python tests/gpu/deepep_intranode.py --deepep-tests DeepEP/tests --test low_latency -- --num-processes 2
+
+``test_low_latency.py``'s defaults: 128 tokens, hidden 7168, top-8 of 288 experts, 8 processes.
+Its checks run first; its timing section profiles the kernels whose names hold ``dispatch`` and
+``combine`` with ``utils.bench_kineto``, which asserts one such kernel each, DeepEP's. The
+layer's dispatch and combine are several kernels each (send, receive, the batched layout's, the
+weights' exchange), so for that test the workers' ``sitecustomize`` replaces
+``utils.bench_kineto`` by a sum, per call, of every kernel whose name holds each word (printed
+as DeepEP prints its times; with the receive hook, the whole time as the first part and 0 as the
+second): a harness change, like the two below, the test file untouched.
 
 The test's defaults are 4096 tokens, hidden 7168, top-8 of 256 experts, 8 processes: pass
 ``--num-processes`` for the GPUs at hand. Its harness (``utils.init_dist``) joins an NCCL group,
@@ -74,6 +86,29 @@ if os.environ.get("EP_DEEPEP_TEST_BACKEND") or os.environ.get("EP_DEEPEP_TEST_SH
         torch.cuda.set_device = lambda device: _set_device(torch.device(device).index % torch.cuda.device_count()
                                                            if not isinstance(device, int)
                                                            else device % torch.cuda.device_count())
+if os.environ.get("EP_DEEPEP_TEST_KERNEL_SUMS"):
+    import torch
+
+    sys.path.insert(0, os.environ["EP_DEEPEP_TEST_KERNEL_SUMS"])
+    import utils as _deepep_test_utils
+
+    def _kernel_sums(fn, kernel_names, num_tests=30, suppress_kineto_output=False, trace_path=None,
+                     barrier_comm_profiling=False, num_kernels_per_period=1):
+        names = (kernel_names,) if isinstance(kernel_names, str) else tuple(kernel_names)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(num_tests):
+                fn()
+            torch.cuda.synchronize()
+        events = prof.key_averages()
+        out = []
+        for name in names:
+            us = sum(getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0)) for e in events
+                     if name in e.key)
+            seconds = us / 1e6 / num_tests
+            out.append(seconds if num_kernels_per_period == 1 else [seconds] + [0.0] * (num_kernels_per_period - 1))
+        return out[0] if isinstance(kernel_names, str) else tuple(out)
+
+    _deepep_test_utils.bench_kineto = _kernel_sums
 '''
 
 
@@ -100,7 +135,9 @@ def main(argv=None) -> int:
     p.add_argument("--backend", choices=("nccl", "gloo"), default=None,
                    help="the test harness's torch.distributed backend (default: its own, NCCL)")
     p.add_argument("--share-gpu", action="store_true", help="process i on GPU i %% count (with CUDA MPS)")
-    p.add_argument("test_args", nargs=argparse.REMAINDER, help="after --: test_intranode.py's arguments")
+    p.add_argument("--test", choices=("intranode", "low_latency"), default="intranode",
+                   help="DeepEP's test_intranode.py (default) or test_low_latency.py")
+    p.add_argument("test_args", nargs=argparse.REMAINDER, help="after --: the test's arguments")
     args = p.parse_args(argv)
     tests = args.deepep_tests.resolve()
     check_files(tests)
@@ -118,10 +155,13 @@ def main(argv=None) -> int:
             env["EP_DEEPEP_TEST_BACKEND"] = args.backend
         if args.share_gpu:
             env["EP_DEEPEP_TEST_SHARE_GPU"] = "1"
+        if args.test == "low_latency":
+            env["EP_DEEPEP_TEST_KERNEL_SUMS"] = str(tests)
+        test_file = f"test_{args.test}.py"
         test_args = [a for a in args.test_args if a != "--"]
-        print(f"deepep_intranode: DeepEP v1.2.1 tests/test_intranode.py (unmodified) on ep_runtime.deep_ep, "
+        print(f"deepep_intranode: DeepEP v1.2.1 tests/{test_file} (unmodified) on ep_runtime.deep_ep, "
               f"args {test_args}", flush=True)
-        rc = subprocess.call([sys.executable, "test_intranode.py", *test_args], cwd=tests, env=env)
+        rc = subprocess.call([sys.executable, test_file, *test_args], cwd=tests, env=env)
     print("PASS" if rc == 0 else f"FAIL (exit status {rc})", flush=True)
     return 0 if rc == 0 else 1
 

@@ -18,8 +18,8 @@ run="mpirun -np ${EP_RANKS:-2} ${EP_MPIRUN_ARGS:-} -x PYTHONPATH -x NVSHMEM_DISA
 export NVSHMEM_DISABLE_CUDA_VMM=1  # compute-sanitizer cannot follow NVSHMEM's VMM heap mappings
 plan="${EP_RUNTIME_PLAN:-}"  # the caller's overrides for every section but ep_puts
 sections=("$@")
-[ ${#sections[@]} -eq 0 ] && sections=(shmem ep ep_puts graph graph_compact graph_rows fp8 soak stream zerocopy
-                                        example bench kernels stores host racecheck memcheck)
+[ ${#sections[@]} -eq 0 ] && sections=(shmem ep ep_puts graph graph_compact graph_rows graph_batched fp8 soak stream
+                                        zerocopy example bench kernels stores host racecheck memcheck)
 for s in "${sections[@]}"; do
   case "$s" in
     shmem)     cmd="timeout 180 $run python3 tests/gpu/shmem_check.py" ;;
@@ -28,6 +28,7 @@ for s in "${sections[@]}"; do
     graph)     cmd="timeout 180 $run python3 tests/gpu/graph_check.py --replays 100" ;;
     graph_compact) cmd="timeout 180 $run python3 tests/gpu/graph_check.py --replays 100 --layout compact" ;;
     graph_rows) cmd="timeout 240 $run python3 tests/gpu/graph_check.py --capacity 4096 --hidden 2048 --replays 20 --layout compact" ;;
+    graph_batched) cmd="timeout 240 $run python3 tests/gpu/batched_graph_check.py --replays 50 --scenario masked" ;;
     soak)      cmd="timeout 150 $run python3 tests/gpu/soak.py --calls 10000" ;;
     stream)    cmd="timeout 120 $run python3 tests/gpu/stream_order_check.py" ;;
     zerocopy)  cmd="timeout 120 $run python3 tests/gpu/zero_copy_check.py" ;;

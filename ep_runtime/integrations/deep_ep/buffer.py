@@ -1,12 +1,14 @@
-"""``deep_ep.Buffer``: DeepEP v1.2.1's normal-mode buffer on ep_runtime.
+"""``deep_ep.Buffer``: DeepEP v1.2.1's buffer on ep_runtime, normal and low-latency modes.
 
 The public Python API of ``deep_ep/buffer.py`` at DeepEP's tag v1.2.1, for one node: the
 constructor's arguments, ``get_dispatch_layout``, ``dispatch`` (bf16 or ``(fp8, scales)``
 tokens, top-k with -1, ``expert_alignment``, ``num_worst_tokens``, a cached ``handle``),
 ``combine`` (``topk_weights``, ``bias``), the configs, ``set_num_sms``, ``capture``,
-``get_comm_stream`` and ``destroy``, with DeepEP's return tuples, shapes, dtypes and row order.
-What DeepEP's API offers and the layer does not do (low-latency mode, internode RDMA buffers,
-raw buffer access) raises :class:`~ep_runtime.integrations.deep_ep.errors.DeepEPUnsupportedError`.
+``get_comm_stream`` and ``destroy``, with DeepEP's return tuples, shapes, dtypes and row order;
+and the low-latency calls (``low_latency_dispatch`` / ``low_latency_combine``, hooks, the
+cleaning, size hint and zero-copy buffer: :mod:`~ep_runtime.integrations.deep_ep.low_latency`).
+What DeepEP's API offers and the layer does not do (internode RDMA normal mode, LogFMT, raw
+buffer access) raises :class:`~ep_runtime.integrations.deep_ep.errors.DeepEPUnsupportedError`.
 
 Every call is collective over the buffer's group, as DeepEP's: every rank makes the same calls
 in the same order (a rank with no tokens too), with the same shapes of routing (top-k width,
@@ -23,9 +25,10 @@ import torch
 from ep_runtime.core.errors import EPInputError, EPStateError
 from ep_runtime.integrations.deep_ep import exchange
 from ep_runtime.integrations.deep_ep.config import Config, default_config
-from ep_runtime.integrations.deep_ep.errors import LOW_LATENCY, DeepEPUnsupportedError, unsupported
+from ep_runtime.integrations.deep_ep.errors import unsupported
 from ep_runtime.integrations.deep_ep.handle import DispatchHandle, HandleState
 from ep_runtime.integrations.deep_ep.layout import dispatch_layout, routing_from_ranks, routing_from_topk
+from ep_runtime.integrations.deep_ep.low_latency import LowLatency
 from ep_runtime.integrations.deep_ep.runtimes import RuntimeCache, RuntimeKey
 from ep_runtime.integrations.deep_ep.streams import CommCall
 from ep_runtime.integrations.deep_ep.utils import EventHandle, EventOverlap
@@ -54,10 +57,12 @@ class Buffer:
       process holds one: e.g. a benchmark's), used instead of opening one at the first dispatch.
 
     ``num_nvl_bytes`` is the least symmetric heap the layer's session opens with (it opens at
-    the first dispatch, collectively, with room for its runtimes). ``num_rdma_bytes > 0`` and
-    ``low_latency_mode=True`` raise :class:`DeepEPUnsupportedError`; ``num_qps_per_rank``,
-    ``allow_nvlink_for_low_latency_mode`` and ``allow_mnnvl`` concern only those and are accepted
-    as DeepEP accepts them without them.
+    the first dispatch, collectively, with room for its runtimes). ``low_latency_mode=True``
+    allows the low-latency calls, and ``num_rdma_bytes`` (DeepEP's low-latency buffer,
+    :meth:`get_low_latency_rdma_size_hint`) then counts toward that heap too; without it
+    ``num_rdma_bytes > 0`` (DeepEP's internode normal mode) raises
+    :class:`DeepEPUnsupportedError`. ``num_qps_per_rank``, ``allow_nvlink_for_low_latency_mode``
+    and ``allow_mnnvl`` concern DeepEP's RDMA transport and are accepted (one node, NVLink).
 
     Attributes: ``rank``, ``group`` (the group, or ``comm``), ``group_size``,
     ``num_nvl_bytes``, ``num_rdma_bytes``, ``low_latency_mode``, ``explicitly_destroy``, as
@@ -70,13 +75,11 @@ class Buffer:
                  num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
                  explicitly_destroy: bool = False, comm=None, *, max_tokens_per_rank: int | None = None,
                  debug: bool | None = None, session=None) -> None:
-        if low_latency_mode:
-            raise DeepEPUnsupportedError(f"Buffer(low_latency_mode=True): {LOW_LATENCY}.")
         for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes),
                             ("max_tokens_per_rank", max_tokens_per_rank or 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise EPInputError(f"Buffer: {name}={value!r} must be an int >= 0.")
-        if num_rdma_bytes > 0:
+        if num_rdma_bytes > 0 and not low_latency_mode:
             raise unsupported("Buffer", f"num_rdma_bytes={num_rdma_bytes} asks for DeepEP's internode (RDMA) buffer",
                               "The layer runs DeepEP's intranode normal mode (one node, NVLink), which needs none: "
                               "pass num_rdma_bytes=0 (what Config.get_rdma_buffer_size_hint gives for a group of at "
@@ -85,11 +88,13 @@ class Buffer:
             raise EPInputError("Buffer: pass group= (a torch.distributed ProcessGroup) or comm= (an mpi4py "
                                "communicator); either must be provided.")
         self.group = group if group is not None else comm
-        self._cache = RuntimeCache(self.group, num_nvl_bytes, max_tokens_per_rank or 0, "Buffer", "max_tokens_per_rank",
+        heap_floor = max(num_nvl_bytes, num_rdma_bytes)
+        self._cache = RuntimeCache(self.group, heap_floor, max_tokens_per_rank or 0, "Buffer", "max_tokens_per_rank",
                                    session)
+        self._low_latency = LowLatency(self._cache, self)
         self.rank, self.group_size = self._cache.rank, self._cache.n_ranks
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
-        self.low_latency_mode, self.explicitly_destroy = False, bool(explicitly_destroy)
+        self.low_latency_mode, self.explicitly_destroy = bool(low_latency_mode), bool(explicitly_destroy)
         self._debug = debug
         self._unknown_cache: dict = {}
         self._destroyed = False
@@ -101,6 +106,7 @@ class Buffer:
         if not self.explicitly_destroy:
             raise EPStateError("Buffer.destroy: the `explicitly_destroy` flag must be set (Buffer(..., "
                                "explicitly_destroy=True)); without it the runtimes live as long as the process.")
+        self._low_latency.close()
         self._cache.close()
         self._destroyed = True
 
@@ -137,7 +143,10 @@ class Buffer:
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                                        num_experts: int) -> int:
-        raise DeepEPUnsupportedError(f"Buffer.get_low_latency_rdma_size_hint: {LOW_LATENCY}.")
+        """Symmetric heap bytes the low-latency calls of these sizes use (bf16 rows): two
+        alternating runtimes and the combine's weights runtime (:mod:`.low_latency`); pass it as
+        ``num_rdma_bytes``."""
+        return LowLatency.size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
 
     def get_comm_stream(self):
         """The communication stream: the runtime's CUDA stream (from the first dispatch, which
@@ -335,19 +344,87 @@ class Buffer:
         raise unsupported("Buffer.internode_combine", "DeepEP's internode (RDMA) normal mode",
                           "The layer runs within one node: call combine")
 
-    def clean_low_latency_buffer(self, *args, **kwargs):
-        raise DeepEPUnsupportedError(f"Buffer.clean_low_latency_buffer: {LOW_LATENCY}.")
+    # -- low-latency mode ------------------------------------------------------------------------
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        """Reset the low-latency runtimes of these sizes (collective; earlier handles no longer
+        combine). Nothing needs it after a normal-mode call (:meth:`LowLatency.clean`)."""
+        self._check_low_latency("clean_low_latency_buffer")
+        self._low_latency.clean(num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
-    def low_latency_dispatch(self, *args, **kwargs):
-        raise DeepEPUnsupportedError(f"Buffer.low_latency_dispatch: {LOW_LATENCY}.")
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
+                             num_experts: int, cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+                             dispatch_wait_recv_cost_stats: torch.Tensor | None = None, use_fp8: bool = True,
+                             round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
+                             return_recv_hook: bool = False):
+        """DeepEP's low-latency dispatch: ``(recv_x, recv_count, handle, event, hook)``. Collective;
+        no host read.
 
-    def low_latency_combine(self, *args, **kwargs):
-        raise DeepEPUnsupportedError(f"Buffer.low_latency_combine: {LOW_LATENCY}.")
+        ``x`` ``[T, hidden]`` bf16, T at most ``num_max_dispatch_tokens_per_rank`` (M / R below);
+        ``topk_idx`` ``[T, K]`` int64 (or int32), -1 masked. ``recv_x`` ``[L, M, hidden]`` bf16, or
+        with ``use_fp8`` ``(codes [L, M, hidden] float8_e4m3fn, scales)``: ``[L, M, hidden / 128]``
+        float32 (powers of two with ``round_scale``), or with ``use_ue8m0`` ``[L, M, hidden / 512]``
+        int32 of four UE8M0 codes; the scales column-major in the last two dimensions. Local expert
+        e's rows are ``recv_x[e, :recv_count[e]]``, source rank ascending then token order.
+        ``cumulative_local_expert_recv_stats`` ``[L]`` int32 gets ``recv_count`` added. The tensors
+        are the same memory every call of the buffer they came from (two alternate)."""
+        self._check_low_latency("low_latency_dispatch")
+        if dispatch_wait_recv_cost_stats is not None:
+            raise unsupported("low_latency_dispatch", "dispatch_wait_recv_cost_stats (per-peer receive wait times)",
+                              "The layer does not time its waits per peer: pass None")
+        _check_hook(return_recv_hook, async_finish, "low_latency_dispatch")
+        return self._low_latency.dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                                          cumulative_local_expert_recv_stats, use_fp8, round_scale, use_ue8m0,
+                                          async_finish, return_recv_hook)
 
-    def get_next_low_latency_combine_buffer(self, *args, **kwargs):
-        raise DeepEPUnsupportedError(f"Buffer.get_next_low_latency_combine_buffer: {LOW_LATENCY}.")
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                            handle: tuple, use_logfmt: bool = False, zero_copy: bool = False,
+                            async_finish: bool = False, return_recv_hook: bool = False, out: torch.Tensor | None = None,
+                            combine_wait_recv_cost_stats: torch.Tensor | None = None):
+        """DeepEP's low-latency combine: ``(combined_x, event, hook)``. Collective; no host read.
+
+        ``x`` ``[L, M, hidden]`` bf16, each slot's expert output (with ``zero_copy``, the rows are
+        read from :meth:`get_next_low_latency_combine_buffer` instead); ``topk_idx`` and
+        ``topk_weights`` ``[T, K]`` the dispatch's routing and the weights to apply. ``combined_x``
+        (``out`` when given) ``[T, hidden]`` bf16: each token's sum over its slots of weight x
+        output (docs/deep_ep.md, "Low-latency mode", has the order of the sums)."""
+        self._check_low_latency("low_latency_combine")
+        if use_logfmt:
+            raise unsupported("low_latency_combine", "use_logfmt=True (DeepEP's 10-bit LogFMT combine)",
+                              "The layer combines bf16 rows: pass use_logfmt=False")
+        if combine_wait_recv_cost_stats is not None:
+            raise unsupported("low_latency_combine", "combine_wait_recv_cost_stats (per-peer receive wait times)",
+                              "The layer does not time its waits per peer: pass None")
+        _check_hook(return_recv_hook, async_finish, "low_latency_combine")
+        return self._low_latency.combine(x, topk_idx, topk_weights, handle, zero_copy, async_finish,
+                                         return_recv_hook, out)
+
+    def get_next_low_latency_combine_buffer(self, handle: tuple) -> torch.Tensor:
+        """The ``[L, M, hidden]`` bf16 rows that ``low_latency_combine(..., handle, zero_copy=True)``
+        reads: write the expert outputs there and skip the copy."""
+        self._check_low_latency("get_next_low_latency_combine_buffer")
+        state = self._low_latency.state_of(handle, "get_next_low_latency_combine_buffer")
+        return self._low_latency.combine_buffer(state)
+
+    def low_latency_update_mask_buffer(self, *args, **kwargs):
+        raise unsupported("Buffer.low_latency_update_mask_buffer", "DeepEP's rank masking (after v1.2.1)",
+                          "The layer's low-latency mode has no mask buffer: every rank takes part in every call")
+
+    def low_latency_query_mask_buffer(self, *args, **kwargs):
+        raise unsupported("Buffer.low_latency_query_mask_buffer", "DeepEP's rank masking (after v1.2.1)",
+                          "The layer's low-latency mode has no mask buffer: every rank takes part in every call")
+
+    def low_latency_clean_mask_buffer(self, *args, **kwargs):
+        raise unsupported("Buffer.low_latency_clean_mask_buffer", "DeepEP's rank masking (after v1.2.1)",
+                          "The layer's low-latency mode has no mask buffer: every rank takes part in every call")
 
     # -- internals -----------------------------------------------------------------------------
+    def _check_low_latency(self, call: str) -> None:
+        self._check_alive(call)
+        if not self.low_latency_mode:
+            raise EPStateError(f"Buffer.{call}: the buffer was built without low_latency_mode; build it with "
+                               f"Buffer(group, num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(...), "
+                               f"low_latency_mode=True).")
+
     def _check_alive(self, call: str) -> None:
         if self._destroyed:
             raise EPStateError(f"Buffer.{call}: the buffer was destroyed; build a new Buffer.")
@@ -464,3 +541,9 @@ def _check_streams(call: str, previous_event, async_finish: bool, allocate_on_co
     if allocate_on_comm_stream and (previous_event is None or not async_finish):
         raise EPInputError(f"{call}: allocate_on_comm_stream=True needs previous_event and async_finish=True (as "
                            f"DeepEP's).")
+
+
+def _check_hook(return_recv_hook: bool, async_finish: bool, call: str) -> None:
+    if return_recv_hook and async_finish:
+        raise EPInputError(f"{call}: async_finish and return_recv_hook exclude each other (as DeepEP's): the hook "
+                           f"receives on the caller's stream; pass one of them.")

@@ -129,7 +129,7 @@ class RuntimeCache:
         cfg = EPConfig(n_ranks=self.n_ranks, n_experts=key.n_experts, top_k=top_k, hidden=key.hidden,
                        max_tokens_per_rank=tokens, token_dtype=key.token_dtype, combine_dtype=key.combine_dtype,
                        pad_multiple=key.pad_multiple, layouts=(key.layout,))
-        session = self._session(cfg)
+        session = self.open_session(cfg)
         plan = None
         if key == weights_key(key.hidden, key.n_experts) and session.spans_nodes():
             plan = {"transport": "puts"}  # its combine returns each rank's partials (the hierarchical transport sums)
@@ -143,7 +143,7 @@ class RuntimeCache:
         entry = self.entries[key] = RuntimeEntry(runtime, _Bridge(runtime))
         return entry
 
-    def _session(self, cfg: EPConfig):
+    def open_session(self, cfg: EPConfig):
         """This process's session over the group, opened (collective) at the first build with a
         heap of at least ``heap_floor`` and :data:`HEAP_HEADROOM` times ``cfg``'s symmetric bytes
         (under the plan of GPUs of one NVLink domain: the session, which gives the topology, is

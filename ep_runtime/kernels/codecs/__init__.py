@@ -27,7 +27,11 @@ device code looks at the format. A codec module has two factories:
     ``lay_out(msg_u8, P, XB, expert_scales_u8, r, C, col_major, lane)``: every lane of a warp lays
     the message's ``XB`` bytes of extras (its scales: from byte ``P``, the payload's end) out for
     expert row ``r`` of ``C`` in ``expert_scales_u8``, row- or column-major; ``zero(XB,
-    expert_scales_u8, r, C, col_major, lane)``: a padding row's. The payload words themselves
+    expert_scales_u8, r, C, col_major, lane)``: a padding row's; ``lay_out_batched(msg_u8, P, S,
+    batched_scales_u8, e, pos, M, form, lane)``: the message's S block scales for slot ``pos`` of
+    local expert ``e`` in the batched layout (column-major per expert; ``form`` a
+    ``BATCHED_SCALES_*`` of :mod:`ep_runtime.kernels.protocol`; NVFP4 has none: the batched layout
+    refuses it). The payload words themselves
     (the message's first ``expert_x.shape[1]`` words) are copied by the layout, whatever the codec.
 
 Module constants (:func:`traits`): ``RAW`` (a message is the caller's token words: a receiver may

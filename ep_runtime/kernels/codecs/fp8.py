@@ -14,14 +14,14 @@ expanded layout, row- or column-major. See :mod:`ep_runtime.kernels.codecs` for 
 import functools
 from types import SimpleNamespace
 
-from numba import uint32, uint64
+from numba import uint8, uint32, uint64
 
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.bits import bf16_to_f32
 from ep_runtime.kernels.block import group_max_u32, part_bounds, part_words, row_parts, warp_geometry, warp_sync
 from ep_runtime.kernels.cuda_api import cuda, inlined
 from ep_runtime.kernels.fp8 import bf16_abs_max4, block_scale, pack8, quantize4_by, quantize4_scaled, scaled_directly
-from ep_runtime.kernels.protocol import PEER_TOKENS
+from ep_runtime.kernels.protocol import BATCHED_SCALES_PACKED, PEER_TOKENS, UE8M0_NAN
 from ep_runtime.kernels.transport.common import PAIRS_IN_FLIGHT
 from ep_runtime.kernels.vec import (address_of, load_pair, load_u32_at, make_pair_loops, pairs_aligned, store_pair_at,
                                     store_u8_at, store_u32_at)
@@ -328,4 +328,43 @@ def make_receiver(spec, threads: int) -> SimpleNamespace:
         """Every lane of a warp: padding row ``r``'s ``XB`` scale bytes, zero."""
         store_scales(expert_scales_u8, 0, XB, expert_scales_u8, r, C, col_major, lane, 1)
 
-    return SimpleNamespace(lay_out=lay_out, zero=zero)
+    @cuda.jit(device=True)
+    def lay_out_batched(msg_u8, P, S, batched_scales_u8, e, pos, M, form, lane):
+        """Every lane of a warp: the ``S`` block scales of the message ``msg_u8`` (from byte ``P``)
+        for slot ``pos`` of local expert ``e`` in the batched layout's scales, ``M`` slots per
+        expert, column-major per expert: ``form`` BATCHED_SCALES_FLOAT, float32 byte ``4 ((e S +
+        b) M + pos)`` of block b (UE8M0 codes decoded to ``2**(code - 127)``); or
+        BATCHED_SCALES_PACKED (UE8M0 only; S a multiple of 4), code b in byte ``b % 4`` of the
+        int32 ``(e S / 4 + b / 4) M + pos``."""
+        for b in range(lane, S, warp):
+            if SB == 1 and form == BATCHED_SCALES_PACKED:
+                j = b // 4
+                batched_scales_u8[((e * (S // 4) + j) * M + pos) * 4 + (b - 4 * j)] = msg_u8[P + b]
+            else:
+                at = ((e * S + b) * M + pos) * 4
+                if SB == 4:
+                    for i in range(4):
+                        batched_scales_u8[at + i] = msg_u8[P + 4 * b + i]
+                else:
+                    bits = ue8m0_bits(msg_u8[P + b])
+                    for i in range(4):
+                        batched_scales_u8[at + i] = uint8((bits >> uint32(8 * i)) & uint32(0xFF))
+
+    return SimpleNamespace(lay_out=lay_out, zero=zero, lay_out_batched=lay_out_batched)
+
+
+#: float32 bits of a NaN scale, and of 2**-127 (a subnormal: UE8M0 code 0).
+_F32_BITS_NAN = 0x7FC00000
+_F32_BITS_2_POW_M127 = 0x00400000
+
+
+@cuda.jit(device=True)
+def ue8m0_bits(code):
+    """The float32 bits of UE8M0 scale ``code``: ``code << 23`` (``2**(code - 127)``), the
+    subnormal 2**-127 for code 0, NaN for UE8M0_NAN."""
+    c = uint32(code)
+    if c == uint32(UE8M0_NAN):
+        return uint32(_F32_BITS_NAN)
+    if c == uint32(0):
+        return uint32(_F32_BITS_2_POW_M127)
+    return c << uint32(23)

@@ -103,6 +103,11 @@ def _zero(XB, expert_scales_u8, r, C, col_major, lane):
     """Nothing: a row of words has no extras."""
 
 
+@cuda.jit(device=True)
+def _lay_out_batched(msg_u8, P, S, batched_scales_u8, e, pos, M, form, lane):
+    """Nothing: a row of words has no scales."""
+
+
 def make_receiver(spec, threads: int) -> SimpleNamespace:
     """The words codec's receiver: nothing to lay out besides the words."""
-    return SimpleNamespace(lay_out=_lay_out, zero=_zero)
+    return SimpleNamespace(lay_out=_lay_out, zero=_zero, lay_out_batched=_lay_out_batched)

@@ -20,6 +20,11 @@ plan's delivering layout (:func:`make_layout`) and call its names; none branches
     rank) out source-major, then in the source's token order (``prefix(s)`` + the token's rank
     among s's tokens with an expert here), with its slots' local expert ids and weights and the
     maps between dense rows and receive-buffer slots (the combine reads its input through them).
+``batched`` (:mod:`.batched`)
+    The same placement with a fixed stride per expert (DeepEP's low-latency layout):
+    ``dispatch_batched``, after the receive kernel, copies the row of local expert e at slot pos
+    (its rank among e's rows) to ``e * M + pos`` (M = R Tmax), with its scales column-major per
+    expert, and writes the per-expert counts, source tokens and per-source slot ranges.
 
 The namespace :func:`make_layout` returns: the placement's functions (:mod:`.expert_major`:
 ``scan_placement``, ``first_rows``, ``write_segments``, ``zero_padding_rows``,
@@ -29,11 +34,11 @@ copy), ``copy_in_pairs``, ``copy_to_rows`` (every lane of a warp: a part of a ro
 given by index) and ``gather_rows`` (every thread of the copying blocks: every placed row from
 its slot; nothing in the compact and dense layouts). A runtime serving several layouts is built
 with the first it serves of :data:`LAYOUTS` (``Plan.receiver_layout``) and skips its copies on
-another layout's call (``copy_rows`` 0); the dense rows are written by their own kernel after any
-receiver.
+another layout's call (``copy_rows`` 0); the dense and batched rows are written by their own
+kernels after any receiver.
 
-A new layout (the batched ``[experts, slots, hidden]`` one) is a module with the same names, its
-placement and its delivery, and a name in :data:`LAYOUTS`.
+A new layout is a module with the same names, its placement and its delivery, and a name in
+:data:`LAYOUTS`.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from types import SimpleNamespace
 
 #: The layouts by name: their module.
 LAYOUTS = {"expanded": "ep_runtime.kernels.layouts.expanded", "compact": "ep_runtime.kernels.layouts.compact",
-           "dense": "ep_runtime.kernels.layouts.dense"}
+           "dense": "ep_runtime.kernels.layouts.dense", "batched": "ep_runtime.kernels.layouts.batched"}
 
 
 @functools.lru_cache(maxsize=None)
