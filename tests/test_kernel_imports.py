@@ -9,7 +9,7 @@ import sys
 
 KERNELS = pathlib.Path(__file__).resolve().parents[1] / "ep_runtime" / "kernels"
 #: Third-party packages device code may import.
-TOOLCHAIN = {"numba", "llvmlite", "numpy", "cffi", "nvshmem", "cuda"}
+TOOLCHAIN = {"numba", "numba_cuda_mlir", "llvmlite", "numpy", "cffi", "nvshmem", "cuda"}
 #: Project modules outside the kernels package that a kernel module may import, per module.
 ALLOWED_PROJECT = {"ep_runtime.core.errors"}
 SIM_BACKEND = {"_shmem_sim.py": {"ep_runtime.shmem.sim_heap"}}

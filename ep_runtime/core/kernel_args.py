@@ -88,10 +88,10 @@ def build_args(kernel, regions: dict, values: dict) -> tuple:
 
 
 def argtypes(kernel, layout: BufferLayout, name: str | None = None) -> tuple:
-    """The Numba signature the runtime launches ``kernel`` with (C-contiguous arrays), from its
+    """The Numba signature (the kernel compiler's types) the runtime launches ``kernel`` with (C-contiguous arrays), from its
     parameter names. Raises ``TypeError`` naming the kernel (``name``, else its function's)
     and the parameter when a name is none of the kinds above."""
-    from numba import from_dtype, types
+    from ep_runtime.kernels.cuda_api import from_dtype, types
 
     absent = layout.absent()
     out = []

@@ -3,7 +3,8 @@
 ``bf16_to_f32(bits)`` widens exactly; ``f32_to_bf16(x)`` rounds to nearest even, keeps
 infinities, and maps NaN to a quiet NaN with the input's sign: the same results as
 ``ml_dtypes.bfloat16`` for every finite input, which the reference uses.
-On a GPU the bit casts are LLVM bitcasts; in the simulator they are NumPy scalar views.
+On a GPU the bit casts are LLVM bitcasts (PTX moves with numba-cuda-mlir:
+:mod:`ep_runtime.kernels.mlir_intrinsics`); in the simulator they are NumPy scalar views.
 
 Token rows travel as *words* of ``pack`` bf16 values (uint64: 4, uint32: 2, uint16: 1; see
 :func:`ep_runtime.core.layout.token_word`), element ``i`` of a word in bits ``16 i .. 16 i + 15``
@@ -16,10 +17,10 @@ float32 combine partials travel as uint64 words of 2 float32 values, element ``i
 """
 
 import numpy as np
-from numba import cuda as _numba_cuda, types
-from numba.cuda import config as _config
 
-if _config.ENABLE_CUDASIM:
+from ep_runtime.kernels.cuda_api import MLIR, SIMULATED, cuda, float32, types, uint16, uint32, uint64
+
+if SIMULATED:
 
     def bf16_to_f32(bits):
         """float32 value of the bf16 pattern ``bits`` (uint16)."""
@@ -52,9 +53,11 @@ if _config.ENABLE_CUDASIM:
         """uint64 with the bits of float32 ``x`` at element ``i`` (0 or 1; bits 32 i ..)."""
         return np.uint64(int(np.float32(x).view(np.uint32)) << (32 * i))
 
+elif MLIR:
+    from ep_runtime.kernels.mlir_intrinsics import f32_as_u32_bits as _f32_as_u32_bits
+    from ep_runtime.kernels.mlir_intrinsics import u32_bits_as_f32 as _u32_bits_as_f32
 else:
     from llvmlite import ir
-    from numba import float32, uint16, uint32, uint64
     from numba.core.extending import intrinsic
 
     @intrinsic
@@ -84,17 +87,20 @@ else:
 
         return types.uint32(x), codegen
 
-    @_numba_cuda.jit(device=True)
+
+if not SIMULATED:
+
+    @cuda.jit(device=True)
     def bf16_to_f32(bits):
         """float32 value of the bf16 pattern ``bits`` (uint16)."""
         return _u32_bits_as_f32(uint32(bits) << uint32(16))
 
-    @_numba_cuda.jit(device=True)
+    @cuda.jit(device=True)
     def f32_bits(x):
         """The IEEE bit pattern (uint32) of float32 ``x``."""
         return _f32_as_u32_bits(x)
 
-    @_numba_cuda.jit(device=True)
+    @cuda.jit(device=True)
     def f32_to_bf16(x):
         """bf16 pattern (uint16) of float32 ``x``, rounded to nearest even."""
         u = _f32_as_u32_bits(x)
@@ -102,22 +108,22 @@ else:
             return uint16(((u >> uint32(16)) & uint32(0x8000)) | uint32(0x7FC0))
         return uint16((u + uint32(0x7FFF) + ((u >> uint32(16)) & uint32(1))) >> uint32(16))
 
-    @_numba_cuda.jit(device=True)
+    @cuda.jit(device=True)
     def word_f32(word, i):
         """float32 value of bf16 element ``i`` of ``word``."""
         return bf16_to_f32((uint64(word) >> uint64(16 * i)) & uint64(0xFFFF))
 
-    @_numba_cuda.jit(device=True)
+    @cuda.jit(device=True)
     def bf16_bits_at(x, i):
         """uint64 with the bf16 rounding of float32 ``x`` at element ``i`` (bits 16 i ..)."""
         return uint64(f32_to_bf16(x)) << uint64(16 * i)
 
-    @_numba_cuda.jit(device=True)
+    @cuda.jit(device=True)
     def f32_word_at(word, i):
         """float32 element ``i`` (0 or 1) of the uint64 ``word`` (bits 32 i .. 32 i + 31)."""
         return _u32_bits_as_f32(uint64(word) >> uint64(32 * i))
 
-    @_numba_cuda.jit(device=True)
+    @cuda.jit(device=True)
     def f32_bits_at(x, i):
         """uint64 with the bits of float32 ``x`` at element ``i`` (0 or 1; bits 32 i ..)."""
         return uint64(_f32_as_u32_bits(float32(x))) << uint64(32 * i)

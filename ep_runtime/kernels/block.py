@@ -25,10 +25,8 @@ with ``blockDim.x`` threads in a 1-D block.
 - ``local_expert_count``: how many of a token's experts live on a rank.
 """
 
-from numba import int32, int64, uint32, uint64
-
 from ep_runtime.kernels import cuda_api, shmem
-from ep_runtime.kernels.cuda_api import cuda
+from ep_runtime.kernels.cuda_api import cuda, int32, int64, uint32, uint64
 from ep_runtime.kernels.protocol import (STATUS_CALL, STATUS_CODE, STATUS_COUNTER, STATUS_EXPECTED, STATUS_KERNEL,
                                          STATUS_OBSERVED, STATUS_PEER, STATUS_RANK, ERR_TIMEOUT)
 
@@ -203,9 +201,6 @@ if cuda_api.SIMULATED:
         return uint32(m)
 
 else:
-    from llvmlite import ir
-    from numba import types
-    from numba.core.extending import intrinsic
 
     @cuda.jit(device=True)
     def warp_sync():
@@ -226,27 +221,34 @@ else:
         """Set bits of the 32-bit ``mask`` (one ``POPC``). Any thread; no barrier."""
         return cuda.popc(uint32(mask))
 
-    def _to_u32(builder, value, ty):
-        """LLVM ``i32`` of integer ``value`` of Numba type ``ty`` (truncated or zero-extended)."""
-        i32 = ir.IntType(32)
-        if ty.bitwidth > 32:
-            return builder.trunc(value, i32)
-        return builder.zext(value, i32) if ty.bitwidth < 32 else value
+    if cuda_api.MLIR:
+        from ep_runtime.kernels.mlir_intrinsics import udiv32
+    else:
+        from llvmlite import ir
+        from numba import types
+        from numba.core.extending import intrinsic
 
-    @intrinsic
-    def udiv32(typingctx, a, b):
-        """``uint32(a) // uint32(b)`` (``b > 0``; both taken modulo 2**32) as one 32-bit unsigned
-        division, which ptxas expands inline (a reciprocal and a correction). Numba's ``//`` on
-        integers divides in 64 bits, which compiles to a 32-bit fast path plus a call to a
-        64-bit division routine (docs/plans.md)."""
-        if not (isinstance(a, types.Integer) and isinstance(b, types.Integer)):
-            return None
+        def _to_u32(builder, value, ty):
+            """LLVM ``i32`` of integer ``value`` of Numba type ``ty`` (truncated or zero-extended)."""
+            i32 = ir.IntType(32)
+            if ty.bitwidth > 32:
+                return builder.trunc(value, i32)
+            return builder.zext(value, i32) if ty.bitwidth < 32 else value
 
-        def codegen(context, builder, signature, args):
-            (ta, tb), (va, vb) = signature.args, args
-            return builder.udiv(_to_u32(builder, va, ta), _to_u32(builder, vb, tb))
+        @intrinsic
+        def udiv32(typingctx, a, b):
+            """``uint32(a) // uint32(b)`` (``b > 0``; both taken modulo 2**32) as one 32-bit unsigned
+            division, which ptxas expands inline (a reciprocal and a correction). Numba's ``//`` on
+            integers divides in 64 bits, which compiles to a 32-bit fast path plus a call to a
+            64-bit division routine (docs/plans.md)."""
+            if not (isinstance(a, types.Integer) and isinstance(b, types.Integer)):
+                return None
 
-        return types.uint32(a, b), codegen
+            def codegen(context, builder, signature, args):
+                (ta, tb), (va, vb) = signature.args, args
+                return builder.udiv(_to_u32(builder, va, ta), _to_u32(builder, vb, tb))
+
+            return types.uint32(a, b), codegen
 
     @cuda.jit(device=True)
     def group_max_u32(value, group, buf64):

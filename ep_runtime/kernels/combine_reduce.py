@@ -13,10 +13,8 @@ format, epilogue and where partials arrive.
 import functools
 from types import SimpleNamespace
 
-from numba import float32, uint64
-
 from ep_runtime.kernels.bits import bf16_bits_at, f32_word_at, word_f32
-from ep_runtime.kernels.cuda_api import inlined
+from ep_runtime.kernels.cuda_api import float32, inlined, uint64
 from ep_runtime.kernels.nodes import make_partial_sources
 from ep_runtime.kernels.partials import partial_geometry
 from ep_runtime.kernels.vec import load_pair, store_pair

@@ -13,12 +13,10 @@ ep_runtime/kernels/combine_sum.py, the writes to the peers the plan's transport'
 
 import functools
 
-from numba import float32, uint64
-
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.block import interleaved_item, local_expert_count, most_tokens, part_bounds
 from ep_runtime.kernels.combine_sum import make_partial_sums
-from ep_runtime.kernels.cuda_api import cuda, kernel_jit
+from ep_runtime.kernels.cuda_api import cuda, float32, kernel_jit, uint64
 from ep_runtime.kernels.partials import flagged_parts, partial_geometry
 from ep_runtime.kernels.pdl import make_pdl, programmatic
 from ep_runtime.kernels.protocol import STATUS_CODE, SYNC_CALLS

@@ -13,10 +13,8 @@ format.
 import functools
 from types import SimpleNamespace
 
-from numba import float32, uint64
-
 from ep_runtime.kernels.bits import bf16_bits_at, f32_bits_at, word_f32
-from ep_runtime.kernels.cuda_api import cuda, inlined
+from ep_runtime.kernels.cuda_api import cuda, float32, inlined, uint64
 from ep_runtime.kernels.partials import partial_geometry
 from ep_runtime.kernels.vec import make_pair_loops, pack_f32x2, store_pair, store_pair_at, store_word_at
 

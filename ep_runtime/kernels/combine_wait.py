@@ -12,12 +12,10 @@ ep_runtime/kernels/combine_reduce.py.
 
 import functools
 
-from numba import float32, int32, uint32, uint64
-
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.block import part_bounds, warp_sync
 from ep_runtime.kernels.combine_reduce import make_partial_reduce
-from ep_runtime.kernels.cuda_api import cuda, kernel_jit
+from ep_runtime.kernels.cuda_api import cuda, float32, int32, kernel_jit, uint32, uint64
 from ep_runtime.kernels.nodes import make_partial_sources
 from ep_runtime.kernels.partials import flagged_parts, partial_geometry
 from ep_runtime.kernels.pdl import make_pdl, programmatic

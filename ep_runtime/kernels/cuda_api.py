@@ -1,7 +1,10 @@
-"""``cuda`` for device code: numba.cuda on a GPU, a context-forwarding proxy in the simulator.
+"""``cuda`` and the scalar types for device code, from the compiler the process builds with.
 
-Kernel modules and device helpers write ``from ep_runtime.kernels.cuda_api import cuda``
-instead of ``from numba import cuda``.
+Kernel modules and device helpers write ``from ep_runtime.kernels.cuda_api import cuda`` instead
+of ``from numba import cuda``, and take ``int32``, ``uint64``, ``float32`` ... (and ``types``,
+``from_dtype`` for signatures) from here instead of ``numba``: the same source then builds with
+numba-cuda or numba-cuda-mlir (:mod:`ep_runtime.kernels.compiler` says which, once per process;
+:data:`COMPILER` names it).
 
 WAR: Numba's CUDA simulator makes ``cuda.threadIdx``, ``cuda.atomic``, ``cuda.shared`` ...
 work by swapping every module global that *is* ``numba.cuda`` for the running kernel's fake
@@ -13,10 +16,26 @@ the plain simulator module, which has no ``threadIdx`` or ``atomic``. The proxy 
 per process in the simulator) and otherwise to numba.cuda (for ``jit``, ``local`` ...).
 """
 
-from numba import cuda as _numba_cuda
-from numba.cuda import config as _config
+from ep_runtime.kernels import compiler as _compiler
 
-SIMULATED = bool(_config.ENABLE_CUDASIM)
+#: The compiler this process builds the kernels with (``"numba-cuda"`` or ``"numba-cuda-mlir"``).
+COMPILER = _compiler.bind()
+MLIR = COMPILER == _compiler.NUMBA_CUDA_MLIR
+
+if MLIR:
+    from numba_cuda_mlir import cuda as _cuda, types
+    from numba_cuda_mlir.numba_cuda.np.numpy_support import from_dtype
+
+    #: numba-cuda-mlir has no simulator (compiler.bind refuses it under NUMBA_ENABLE_CUDASIM)
+    SIMULATED = False
+else:
+    from numba import cuda as _cuda, from_dtype, types
+    from numba.cuda import config as _config
+
+    SIMULATED = bool(_config.ENABLE_CUDASIM)
+
+int32, int64, uint8, uint16 = types.int32, types.int64, types.uint8, types.uint16
+uint32, uint64, float32 = types.uint32, types.uint64, types.float32
 
 if SIMULATED:
     from numba.cuda.simulator.kernel import _get_kernel_context
@@ -28,8 +47,8 @@ if SIMULATED:
         ``numba.cuda`` (it reaches the kernel's context through this proxy), so a call costs a
         Python call, not the simulator's module swap with its three locks per call, which the
         simulated threads of a block contend for; numba's device wrapper otherwise."""
-        if any(v is _numba_cuda for v in fn.__globals__.values()):
-            return _numba_cuda.jit(device=True)(fn)
+        if any(v is _cuda for v in fn.__globals__.values()):
+            return _cuda.jit(device=True)(fn)
         return fn
 
     class _SimulatedCuda:
@@ -41,20 +60,20 @@ if SIMULATED:
                 value = getattr(ctx, name, _MISSING)
                 if value is not _MISSING:
                     return value
-            return getattr(_numba_cuda, name)
+            return getattr(_cuda, name)
 
         def jit(self, func_or_sig=None, device=False, **options):
             """numba.cuda.jit, but a device function is :func:`_sim_device_function`'s."""
             if not device:
-                return _numba_cuda.jit(func_or_sig, device=device, **options) if func_or_sig is not None \
-                    else _numba_cuda.jit(device=device, **options)
+                return _cuda.jit(func_or_sig, device=device, **options) if func_or_sig is not None \
+                    else _cuda.jit(device=device, **options)
             if callable(func_or_sig):
                 return _sim_device_function(func_or_sig)
             return _sim_device_function
 
     cuda = _SimulatedCuda()
 else:
-    cuda = _numba_cuda
+    cuda = _cuda
 
 
 def kernel_jit(threads: int, one_block_per_sm: bool = False):
@@ -76,10 +95,10 @@ def kernel_jit(threads: int, one_block_per_sm: bool = False):
     these options: there it is plain ``cuda.jit``.
     """
     if SIMULATED:
-        return _numba_cuda.jit
+        return _cuda.jit
     if one_block_per_sm:
-        return _numba_cuda.jit(max_registers=max_registers_for(threads), shared_memory_carveout="MaxL1")
-    return _numba_cuda.jit(max_registers=max_registers_for(threads))
+        return _cuda.jit(max_registers=max_registers_for(threads), shared_memory_carveout="MaxL1")
+    return _cuda.jit(max_registers=max_registers_for(threads))
 
 
 def inlined(func):
@@ -89,7 +108,20 @@ def inlined(func):
     The simulator refuses the option: there it is a plain device function."""
     if SIMULATED:
         return _sim_device_function(func)
-    return _numba_cuda.jit(device=True, forceinline=True)(func)
+    return _cuda.jit(device=True, forceinline=True)(func)
+
+
+def dispatcher_class():
+    """The class of what ``cuda.jit`` returns for a kernel or device function (numba-cuda's
+    ``CUDADispatcher``, numba-cuda-mlir's ``MLIRDispatcher``): ``py_func`` and ``targetoptions``
+    on both."""
+    if MLIR:
+        from numba_cuda_mlir.descriptor import MLIRDispatcher
+
+        return MLIRDispatcher
+    from numba.cuda.dispatcher import CUDADispatcher
+
+    return CUDADispatcher
 
 
 #: Registers of one SM (sm_70 to sm_100): a block's threads share them.
@@ -101,4 +133,5 @@ def max_registers_for(threads: int) -> int:
     return min(255, REGISTERS_PER_SM // int(threads))
 
 
-__all__ = ["cuda", "SIMULATED", "inlined", "kernel_jit", "max_registers_for"]
+__all__ = ["cuda", "COMPILER", "MLIR", "SIMULATED", "inlined", "kernel_jit", "max_registers_for", "dispatcher_class",
+           "types", "from_dtype", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float32"]

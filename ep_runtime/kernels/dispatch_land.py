@@ -13,13 +13,11 @@ as they land".
 
 import functools
 
-from numba import float32, int32, int64, uint64
-
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.block import (await_part, flag_rule, local_expert_count, part_bounds, record_error,
                                       warp_geometry, warp_sync)
 from ep_runtime.kernels.codecs import traits
-from ep_runtime.kernels.cuda_api import cuda, kernel_jit
+from ep_runtime.kernels.cuda_api import cuda, float32, int32, int64, kernel_jit, uint64
 from ep_runtime.kernels.layouts import make_layout
 from ep_runtime.kernels.layouts.expanded import COPY_PAIRS, COPY_UNROLL
 from ep_runtime.kernels.pdl import make_pdl, programmatic

@@ -19,12 +19,10 @@ themselves: a route-first sender only sends the routing rows and T and signals t
 import functools
 from types import SimpleNamespace
 
-from numba import int32, int64, uint32, uint64
-
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.block import last_block_ticket, popc32, publish_fence, record_error, udiv32, warp_geometry
 from ep_runtime.kernels.codecs import traits
-from ep_runtime.kernels.cuda_api import SIMULATED, cuda, inlined
+from ep_runtime.kernels.cuda_api import SIMULATED, cuda, inlined, int32, int64, uint32, uint64
 from ep_runtime.kernels.protocol import (DROPPED_SLOT, ERR_BAD_EXPERT_ID, KERNEL_DISPATCH_ASYNC, MASKED_SLOT,
                                          SIGNAL_TOKEN_BITS, STATUS_LEN, SYNC_ROUTE_TICKET)
 from ep_runtime.kernels.ranking import ID_BATCH, make_ranking

@@ -15,12 +15,10 @@ ep_runtime/kernels/dispatch_route.py. The last block to finish signals every ran
 import functools
 from types import SimpleNamespace
 
-from numba import int32, int64, uint32, uint64
-
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.block import last_block_ticket, udiv32, warp_geometry
 from ep_runtime.kernels.codecs import make_sender, traits
-from ep_runtime.kernels.cuda_api import cuda, inlined, kernel_jit
+from ep_runtime.kernels.cuda_api import cuda, inlined, int32, int64, kernel_jit, uint32, uint64
 from ep_runtime.kernels.dispatch_route import make_dispatch_route
 from ep_runtime.kernels.nodes import MAX_NODES
 from ep_runtime.kernels.pdl import make_pdl, programmatic

@@ -13,12 +13,10 @@ so the expanded batch takes one launch. docs/protocol.md has the timeline.
 
 import functools
 
-from numba import int32, int64, uint32, uint64
-
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.block import record_error, warp_geometry
 from ep_runtime.kernels.codecs import traits
-from ep_runtime.kernels.cuda_api import cuda, inlined, kernel_jit
+from ep_runtime.kernels.cuda_api import cuda, inlined, int32, int64, kernel_jit, uint32, uint64
 from ep_runtime.kernels.layouts import make_layout
 from ep_runtime.kernels.layouts.expanded import WAIT_COPY_PAIRS
 from ep_runtime.kernels.pdl import make_pdl, programmatic

@@ -37,11 +37,9 @@ gives NaN). The software conversion was the encoder's cost: a long instruction s
 element (docs/plans.md). In the simulator, :func:`quantize4` is :func:`e4m3_bits`.
 """
 
-from numba import float32, int32, uint32, uint64
-
 from ep_runtime.kernels.protocol import E4M3_MAX, E4M3_NAN, UE8M0_NAN
 from ep_runtime.kernels.bits import bf16_to_f32, f32_bits, word_f32
-from ep_runtime.kernels.cuda_api import SIMULATED, cuda
+from ep_runtime.kernels.cuda_api import SIMULATED, cuda, float32, int32, uint32, uint64
 from ep_runtime.kernels.vec import max_u16x2
 
 #: Largest quotient magnitude the hardware conversion rounds as ml_dtypes does (464 rounds to

@@ -5,9 +5,8 @@ rely on, so the gate shows on a CPU-only machine that the facade compiles and li
 nvshmem4py's device API for sm_90.
 """
 
-from numba import cuda
-
 from ep_runtime.kernels import shmem
+from ep_runtime.kernels.cuda_api import cuda
 
 
 @cuda.jit

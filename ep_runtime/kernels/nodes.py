@@ -15,10 +15,8 @@ order (``chunk_mask`` ranks them) and cross in one put.
 
 import functools
 
-from numba import uint32, uint64
-
 from ep_runtime.kernels.block import await_flag, await_part
-from ep_runtime.kernels.cuda_api import cuda
+from ep_runtime.kernels.cuda_api import cuda, uint32, uint64
 from ep_runtime.kernels.protocol import (COUNTER_COMBINE_CHUNK, COUNTER_COMBINE_ROW_FLAG, KERNEL_COMBINE_WAIT,
                                          relay_chunk_tokens)
 

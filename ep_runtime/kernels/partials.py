@@ -12,11 +12,10 @@ import functools
 from types import SimpleNamespace
 
 import numpy as np
-from numba import from_dtype
 
 from ep_runtime.kernels.bits import f32_to_bf16
 from ep_runtime.kernels.block import flag_rule, most_tokens, warp_geometry
-from ep_runtime.kernels.cuda_api import cuda
+from ep_runtime.kernels.cuda_api import cuda, from_dtype
 from ep_runtime.kernels.protocol import COMBINE_FLAG_PARTS
 from ep_runtime.kernels.vec import pack_bf16x2, pack_bf16x4
 

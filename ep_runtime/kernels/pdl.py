@@ -28,9 +28,7 @@ the kernels as usual.
 
 import functools
 
-from numba import types
-
-from ep_runtime.kernels.cuda_api import SIMULATED, cuda
+from ep_runtime.kernels.cuda_api import MLIR, SIMULATED, cuda, types
 
 #: attribute set on marked dispatchers (read by the session's fast launcher)
 MARK = "ep_runtime_programmatic"
@@ -57,6 +55,9 @@ if SIMULATED:
     def _trigger():
         """The simulator runs one kernel at a time: nothing to trigger."""
 
+elif MLIR:
+    from ep_runtime.kernels.mlir_intrinsics import pdl_trigger as _trigger
+    from ep_runtime.kernels.mlir_intrinsics import pdl_wait as _wait
 else:
     from llvmlite import ir
     from numba.core.extending import intrinsic

@@ -14,10 +14,8 @@ every received token (ep_runtime/kernels/route_first.py, ep_runtime/kernels/rout
 import functools
 from types import SimpleNamespace
 
-from numba import int32, uint32
-
 from ep_runtime.kernels.block import popc32, warp_geometry
-from ep_runtime.kernels.cuda_api import SIMULATED, cuda
+from ep_runtime.kernels.cuda_api import SIMULATED, cuda, int32, uint32
 from ep_runtime.kernels.layouts.expert_major import make_placement
 from ep_runtime.kernels.protocol import MASKED_SLOT
 

@@ -15,11 +15,9 @@ by call n - 1), both complete before this kernel started.
 import functools
 from types import SimpleNamespace
 
-from numba import int32, int64, uint64
-
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.block import record_error
-from ep_runtime.kernels.cuda_api import cuda
+from ep_runtime.kernels.cuda_api import cuda, int32, int64, uint64
 from ep_runtime.kernels.protocol import ERR_TIMEOUT, RECV_CALLS, RECV_CLAIMS, RECV_TICKET, SIGNAL_TOKEN_BITS
 
 

@@ -11,10 +11,8 @@ as the unchunked placement's: the reference's order.
 
 import functools
 
-from numba import float32, int32, uint64
-
 from ep_runtime.kernels.block import record_error, warp_geometry
-from ep_runtime.kernels.cuda_api import cuda
+from ep_runtime.kernels.cuda_api import cuda, float32, int32, uint64
 from ep_runtime.kernels.layouts.expert_major import make_placement
 from ep_runtime.kernels.protocol import COUNTER_RECV_ROWS, ERR_CAPACITY, KERNEL_DISPATCH_WAIT
 from ep_runtime.kernels.ranking import ID_BATCH, RECV_WINDOW, make_ranking

@@ -14,11 +14,9 @@ thresholds.
 import functools
 from types import SimpleNamespace
 
-from numba import float32, int32, int64, uint64
-
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.block import record_error, warp_geometry
-from ep_runtime.kernels.cuda_api import cuda
+from ep_runtime.kernels.cuda_api import cuda, float32, int32, int64, uint64
 from ep_runtime.kernels.layouts.expert_major import make_placement
 from ep_runtime.kernels.protocol import (COUNTER_DISPATCH_PLACED, COUNTER_DISPATCH_SIGNAL, COUNTER_RECV_ROWS,
                                          COUNTER_ROUTE_SIGNAL, ERR_CAPACITY, ERR_TIMEOUT, KERNEL_DISPATCH_WAIT)

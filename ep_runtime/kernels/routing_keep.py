@@ -25,9 +25,7 @@ this launch in its stream, and no peer writes group g before this rank's signal 
 
 import functools
 
-from numba import uint64
-
-from ep_runtime.kernels.cuda_api import cuda, kernel_jit
+from ep_runtime.kernels.cuda_api import cuda, kernel_jit, uint64
 from ep_runtime.kernels.pdl import make_pdl, programmatic
 from ep_runtime.kernels.protocol import N_GROUPS, SIGNAL_TOKEN_BITS, SYNC_CALLS
 

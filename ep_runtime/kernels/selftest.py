@@ -18,9 +18,8 @@ epoch      int >= 1      scalar     the signal value of this round (monotonic, c
 =========  ============  =========  ==========================================================
 """
 
-from numba import cuda
-
 from ep_runtime.kernels import shmem
+from ep_runtime.kernels.cuda_api import cuda
 
 
 @cuda.jit

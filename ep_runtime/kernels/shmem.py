@@ -2,7 +2,8 @@
 
 Kernels write ``from ep_runtime.kernels import shmem`` and call ``shmem.put_nbi_block(...)``.
 On a GPU the names below are nvshmem4py's Numba device API (``nvshmem.core.device.numba``,
-with ``quiet``/``fence`` from ``nvshmem.bindings.device.numba``); under
+with ``quiet``/``fence`` from ``nvshmem.bindings.device.numba``; its ``numba_cuda_mlir`` modules
+when the kernels build with numba-cuda-mlir: :mod:`ep_runtime.kernels._shmem_nvshmem_mlir`); under
 ``NUMBA_ENABLE_CUDASIM=1`` they are Python implementations over the simulated symmetric heap
 (:mod:`ep_runtime.kernels._shmem_sim`) with the same names, argument order and semantics.
 
@@ -49,17 +50,21 @@ Constants: ``SIGNAL_SET``, ``SIGNAL_ADD``; ``CMP_EQ``, ``CMP_NE``, ``CMP_GT``, `
 ``CMP_LT``, ``CMP_GE`` (NVSHMEM's values).
 """
 
-from numba.cuda import config as _cuda_config
+from ep_runtime.kernels.cuda_api import MLIR, SIMULATED
 
 SIGNAL_SET = 9
 SIGNAL_ADD = 10
 CMP_EQ, CMP_NE, CMP_GT, CMP_LE, CMP_LT, CMP_GE = 0, 1, 2, 3, 4, 5
 
-SIMULATED = bool(_cuda_config.ENABLE_CUDASIM)
-
 if SIMULATED:
     from ep_runtime.kernels._shmem_sim import *  # noqa: F401,F403
     from ep_runtime.kernels._shmem_sim import __all__ as _names
+elif MLIR:
+    from ep_runtime.kernels._shmem_nvshmem_mlir import *  # noqa: F401,F403
+    from ep_runtime.kernels._shmem_nvshmem_mlir import __all__ as _names
+    # nvshmem4py's bindings for numba-cuda-mlir take NVSHMEM's enums (same values), not integers
+    from ep_runtime.kernels._shmem_nvshmem_mlir import (CMP_EQ, CMP_GE, CMP_GT, CMP_LE, CMP_LT, CMP_NE,  # noqa: F811
+                                                        SIGNAL_ADD, SIGNAL_SET)
 else:
     from ep_runtime.kernels._shmem_nvshmem import *  # noqa: F401,F403
     from ep_runtime.kernels._shmem_nvshmem import __all__ as _names

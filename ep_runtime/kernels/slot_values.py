@@ -40,11 +40,9 @@ comes after a dispatch that every rank's earlier call must have finished.
 
 import functools
 
-from numba import float32, int32, int64, uint32, uint64
-
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.block import last_block_ticket, record_error
-from ep_runtime.kernels.cuda_api import cuda, kernel_jit
+from ep_runtime.kernels.cuda_api import cuda, float32, int32, int64, kernel_jit, uint32, uint64
 from ep_runtime.kernels.nodes import make_near
 from ep_runtime.kernels.pdl import make_pdl, programmatic
 from ep_runtime.kernels.protocol import (COUNTER_SLOT_SIGNAL, ERR_SHORT_ROWS, ERR_TIMEOUT, KERNEL_SLOT_VALUES_ASYNC,

@@ -16,10 +16,8 @@ them after it. Slots are named in :data:`SLOTS`.
 
 import os
 
-from numba import int64
-
 from ep_runtime.kernels import shmem
-from ep_runtime.kernels.cuda_api import cuda
+from ep_runtime.kernels.cuda_api import cuda, int64
 from ep_runtime.kernels.protocol import TRACE_BASE, TRACE_LEN
 
 TRACE = os.environ.get("EP_RUNTIME_TRACE", "").strip().lower() in ("1", "true", "yes", "on")

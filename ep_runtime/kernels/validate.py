@@ -10,7 +10,6 @@ host raises :class:`~ep_runtime.core.errors.EPInputError` at its next synchroniz
 peers' waits time out naming this rank.
 """
 
-from numba import int64
 
 #: Largest finite float32: |w| <= FLOAT32_MAX is false exactly for NaN and infinities.
 FLOAT32_MAX = 3.4028234663852886e38
@@ -18,7 +17,7 @@ FLOAT32_MAX = 3.4028234663852886e38
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.bits import f32_bits
 from ep_runtime.kernels.block import record_error
-from ep_runtime.kernels.cuda_api import cuda
+from ep_runtime.kernels.cuda_api import cuda, int64
 from ep_runtime.kernels.protocol import (ERR_BAD_EXPERT_ID, ERR_BAD_WEIGHT, ERR_DUPLICATE_EXPERT,
                                          KERNEL_VALIDATE_ROUTING, MASKED_SLOT)
 

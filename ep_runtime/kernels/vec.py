@@ -41,7 +41,8 @@ instruction (``cvt.rn.bf16x2.f32``).
   (a float32 partial word).
 
 On a GPU these are LLVM intrinsics (a vector load/store with its alignment, inline PTX for
-the conversion); in the simulator, plain Python with the same results.
+the conversion; with numba-cuda-mlir, inline PTX throughout: :mod:`ep_runtime.kernels.mlir_intrinsics`);
+in the simulator, plain Python with the same results.
 
 :func:`make_pair_loops` builds the loops every kernel runs over them: a lane's ``n`` pairs of
 a row part, loaded all before any is stored (memory-level parallelism), then stored to a row
@@ -51,11 +52,11 @@ or to rows at addresses.
 import ctypes
 
 import numpy as np
-from numba.cuda import config as _config
 
 from ep_runtime.kernels.bits import f32_bits, f32_to_bf16
+from ep_runtime.kernels.cuda_api import MLIR, SIMULATED, cuda, float32, types, uint32, uint64
 
-if _config.ENABLE_CUDASIM:
+if SIMULATED:
 
     def load_pair(row, i):
         """``(row[i], row[i + 1])``."""
@@ -119,9 +120,12 @@ if _config.ENABLE_CUDASIM:
         """float32 a, b (unrounded) in bits 0 and 32 of a uint64."""
         return np.uint64(int(f32_bits(a)) | (int(f32_bits(b)) << 32))
 
+elif MLIR:
+    from ep_runtime.kernels.mlir_intrinsics import (  # noqa: F401 (this module's interface)
+        address_of, f32_pair_conversion, load_pair, load_u32_at, load_u32x4_at, max_u16x2, pairs_aligned, store_pair,
+        store_pair_at, store_u8_at, store_u32_at, store_word_at)
 else:
     from llvmlite import ir
-    from numba import cuda, float32, types, uint32, uint64
     from numba.core.extending import intrinsic
 
     def _element_pointer(context, builder, aryty, ary, index, indexty):
@@ -330,6 +334,8 @@ else:
 
         return types.uint32(a, b), codegen
 
+
+if not SIMULATED:
     #: bf16(hi) << 16 | bf16(lo), NaN as the hardware's canonical NaN
     _cvt_bf16x2 = f32_pair_conversion("cvt.rn.bf16x2.f32", 32)
 
@@ -368,8 +374,6 @@ def make_pair_loops(n: int, warp: int):
       reached through a peer's mapping, uint64 words: :func:`store_pair_at`).
 
     ``lo``, ``hi``: local arrays of at least ``n`` words (registers, once inlined)."""
-    from ep_runtime.kernels.cuda_api import cuda
-
     step = 2 * warp
 
     @cuda.jit(device=True)
@@ -403,10 +407,6 @@ def make_peer_copy(n: int, warp: int):
     ``pairs`` (uint64 words, 16-byte aligned on both sides, ``w0`` even) ``n`` word pairs per
     lane in flight (:func:`make_pair_loops`), else a word per lane per step. ``lo``, ``hi``:
     local arrays of at least ``n`` words."""
-    from numba import uint64
-
-    from ep_runtime.kernels.cuda_api import cuda
-
     load_pairs, _, store_pairs_at = make_pair_loops(n, warp)
 
     @cuda.jit(device=True)

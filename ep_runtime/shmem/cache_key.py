@@ -123,8 +123,9 @@ class _Describer:
         A project module is described with those of ``attributes`` (the names the referring
         code uses) it has: code that calls ``pdl.dependency_wait()`` freezes that function, and
         what it reads (``pdl.ENABLED``, set from the environment at import) into the kernel."""
-        from numba.cuda import types as nbtypes
-        from numba.cuda.dispatcher import CUDADispatcher
+        from ep_runtime.kernels.cuda_api import dispatcher_class, types as nbtypes
+
+        dispatcher_type = dispatcher_class()
 
         if v is None or isinstance(v, (bool, int, float, str)):
             return [type(v).__name__, v if not isinstance(v, float) else repr(v)]
@@ -149,7 +150,7 @@ class _Describer:
                                            for a in attributes if hasattr(v, a)}]
         if isinstance(v, type):  # e.g. a NumPy scalar type such as np.uint32
             return ["class", f"{v.__module__}.{v.__qualname__}"]
-        if isinstance(v, CUDADispatcher):
+        if isinstance(v, dispatcher_type):
             func = v.py_func
             if self._ours(getattr(func, "__module__", None)):
                 return ["dispatcher", self.function(func), self.options(v.targetoptions, where)]
@@ -181,8 +182,12 @@ def environment_fingerprint() -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
     env = {"python": f"{sys.version_info[0]}.{sys.version_info[1]}"}
+    # the CUDA 13 stack's packages, then the CUDA 12 builds of the same (the gpu-cu12 extra; NVVM
+    # is in nvidia-cuda-nvcc-cu12 there), and the second compiler
     for dist in ("numba-cuda", "numba", "llvmlite", "nvshmem4py-cu13", "nvidia-nvshmem-cu13",
-                 "cuda-bindings", "cuda-core", "nvidia-cuda-nvrtc", "nvidia-nvjitlink", "nvidia-nvvm"):
+                 "cuda-bindings", "cuda-core", "nvidia-cuda-nvrtc", "nvidia-nvjitlink", "nvidia-nvvm",
+                 "nvshmem4py-cu12", "nvidia-nvshmem-cu12", "nvidia-cuda-nvrtc-cu12", "nvidia-nvjitlink-cu12",
+                 "nvidia-cuda-nvcc-cu12", "numba-cuda-mlir"):
         try:
             env[dist] = version(dist)
         except PackageNotFoundError:

@@ -46,14 +46,20 @@ def memoize(compile_fn):
 
 
 def install() -> bool:
-    """Memoize numba-cuda's NVRTC compile in this process (idempotent). Returns whether the
-    memo is in place."""
+    """Memoize the NVRTC compile of the compiler the kernels build with (numba-cuda's, or the
+    copy numba-cuda-mlir carries, ``numba_cuda_mlir.numba_cuda.cudadrv.nvrtc``, which its linker
+    calls the same way) in this process (idempotent). Returns whether the memo is in place."""
     global _installed
     with _lock:
         if _installed:
             return True
+        from ep_runtime.kernels.cuda_api import MLIR
+
         try:
-            from numba.cuda.cudadrv import nvrtc
+            if MLIR:
+                from numba_cuda_mlir.numba_cuda.cudadrv import nvrtc
+            else:
+                from numba.cuda.cudadrv import nvrtc
         except ImportError:
             return False
         if not callable(getattr(nvrtc, "compile", None)):

@@ -1,6 +1,7 @@
 """Compile-and-link gate: every NVSHMEM-calling kernel must build for sm_90 on a CPU-only machine.
 
-``python -m ep_runtime.tools.compile_gate [--json] [--entries SPEC] [--only NAME ...] [--jobs N]``
+``python -m ep_runtime.tools.compile_gate [--json] [--entries SPEC] [--only NAME ...] [--jobs N]
+[--compiler numba-cuda|numba-cuda-mlir]``
 
 Each entry ``(name, kernel, argtypes)`` is compiled the way ``Dispatcher.compile`` does it on a
 GPU (``_Kernel(py_func, argtypes, **targetoptions)``; LTO on, as numba-cuda picks when nvJitLink is
@@ -18,6 +19,10 @@ see that module) unless ``--entries`` names another module (dotted name or ``.py
 ``gate_entries()`` function, or ``MODULE:FUNCTION``: ``ep_runtime.tools.gate_entries:every_build``
 builds every EP kernel of every plan variant and format; the tests use a file of entries for
 the negative control, which must FAIL.
+
+``--compiler numba-cuda-mlir`` builds the same entries with numba-cuda-mlir instead
+(:mod:`ep_runtime.tools.gate_mlir`; without ``--compiler``, the compiler installed:
+:mod:`ep_runtime.kernels.compiler`).
 
 Exit status: 0 every entry compiled and linked; 1 some entry failed; 2 the gate could not run
 (simulator on, nvshmem4py's Numba bindings missing, no entries, bad arguments).
@@ -118,6 +123,15 @@ def _simulator_requested() -> bool:
 
 def check_environment() -> None:
     """Raise :class:`GateSetupError` unless the real compiler and nvshmem4py's bindings are here."""
+    from ep_runtime.kernels import compiler
+
+    if compiler.chosen() == compiler.NUMBA_CUDA_MLIR:
+        from ep_runtime.tools import gate_mlir
+
+        lacking = gate_mlir.missing()
+        if _simulator_requested() or lacking:
+            raise GateSetupError(lacking or "NUMBA_ENABLE_CUDASIM is set: numba-cuda-mlir has no simulator; unset it.")
+        return
     if _simulator_requested():
         raise GateSetupError(
             "NUMBA_ENABLE_CUDASIM is set: the compile gate needs the real CUDA compiler "
@@ -363,7 +377,13 @@ def run_gate(entries) -> list[CompileResult]:
     """
     if _simulator_requested():
         raise GateSetupError("NUMBA_ENABLE_CUDASIM is set: the compile gate needs the real compiler.")
+    from ep_runtime.kernels.cuda_api import MLIR
     from ep_runtime.shmem import shim_memo
+
+    if MLIR:
+        from ep_runtime.tools import gate_mlir
+
+        return gate_mlir.run(entries, TARGET_CC)
 
     shim_memo.install()
     lowered = [_lower(name, func, argtypes) for name, func, argtypes in entries]
@@ -446,7 +466,10 @@ def source_fingerprint(spec: str = DEFAULT_ENTRIES) -> str:
     return digest.hexdigest()
 
 
-def _compile_in_worker(spec: str, names: list[str]) -> list[CompileResult]:
+def _compile_in_worker(spec: str, names: list[str], compiler_name: str) -> list[CompileResult]:
+    from ep_runtime.kernels import compiler
+
+    compiler.select(compiler_name)
     entries = {e[0]: e for e in load_entries(spec)}
     return run_gate([entries[n] for n in names])
 
@@ -459,11 +482,13 @@ def _run_parallel(spec: str, names: list[str], jobs: int) -> list[CompileResult]
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
+    from ep_runtime.kernels import compiler
+
     ctx = multiprocessing.get_context("spawn")  # fresh interpreters: no forked compiler state
     by_kernel = sorted(names, key=lambda n: n.split(" ")[0])
     shares = [by_kernel[i::jobs] for i in range(jobs)]
     with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
-        futures = [pool.submit(_compile_in_worker, spec, share) for share in shares if share]
+        futures = [pool.submit(_compile_in_worker, spec, share, compiler.chosen()) for share in shares if share]
         by_name = {r.name: r for f in futures for r in f.result()}
     return [by_name[n] for n in names]
 
@@ -480,11 +505,26 @@ def main(argv=None) -> int:
                              f"{DEFAULT_ENTRIES}:every_build adds every FP8 build of every plan variant)")
     parser.add_argument("--only", action="append", metavar="NAME", help="compile only these entries")
     parser.add_argument("--jobs", "-j", type=int, default=1, help="compile in N processes (default 1)")
+    parser.add_argument("--compiler", choices=("numba-cuda", "numba-cuda-mlir"),
+                        help="build the kernels with this compiler (default: the one installed, numba-cuda first)")
     args = parser.parse_args(argv)
+
+    from ep_runtime.core.errors import EPError
+    from ep_runtime.kernels import compiler
 
     version = _numba_cuda_version()
     started = time.perf_counter()
     try:
+        try:
+            name = compiler.select(args.compiler) if args.compiler else compiler.chosen()
+        except EPError as exc:
+            raise GateSetupError(str(exc)) from None
+        if name == compiler.NUMBA_CUDA_MLIR:
+            from ep_runtime.tools.gate_mlir import numba_cuda_mlir_version
+
+            built_by = f"numba-cuda-mlir {numba_cuda_mlir_version()}"
+        else:
+            built_by = f"numba-cuda {version}"
         check_environment()
         # Keep stdout for our report: numba/nvshmem chatter during import and compile goes to stderr.
         with contextlib.redirect_stdout(sys.stderr):
@@ -496,7 +536,7 @@ def main(argv=None) -> int:
                 entries = [e for e in entries if e[0] in args.only]
             if not entries:
                 raise GateSetupError(f"no gate entries from {args.entries}")
-            if version != PINNED_NUMBA_CUDA:
+            if name == compiler.NUMBA_CUDA and version != PINNED_NUMBA_CUDA:
                 print(f"warning: numba-cuda {version}, the gate's patches target "
                       f"{PINNED_NUMBA_CUDA}", file=sys.stderr)
             if args.jobs > 1 and len(entries) > 1:
@@ -515,7 +555,7 @@ def main(argv=None) -> int:
     wall = time.perf_counter() - started
     if args.json:
         print(json.dumps({
-            "ok": ok, "target": "sm_%d%d%s" % TARGET_CC, "numba_cuda": version,
+            "ok": ok, "target": "sm_%d%d%s" % TARGET_CC, "numba_cuda": version, "compiler": built_by,
             "seconds": round(wall, 2), "results": [dataclasses.asdict(r) for r in results],
             "sources": source_fingerprint(args.entries),
         }))
@@ -524,7 +564,7 @@ def main(argv=None) -> int:
             print(r.line())
         n_ok = sum(r.ok for r in results)
         print(f"compile gate: {n_ok}/{len(results)} OK for sm_{TARGET_CC[0]}{TARGET_CC[1]}{TARGET_CC[2]} "
-              f"(numba-cuda {version}) in {wall:.1f} s")
+              f"({built_by}) in {wall:.1f} s")
     return 0 if ok else 1
 
 

@@ -6,10 +6,9 @@ are C-contiguous (``"C"``), as NVSHMEM needs. The gate links each entry to an sm
 CPU-only machine.
 """
 
-from numba import types
-
 from ep_runtime.core.builds import GLOBAL_SCALE_KERNELS, NODE_VARIANTS, PLAN_VARIANTS  # noqa: F401 (the tools' lists)
 from ep_runtime.kernels import gate_probe, selftest
+from ep_runtime.kernels.cuda_api import types
 
 
 def _c(dtype, ndim=1):

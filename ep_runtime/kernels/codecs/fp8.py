@@ -14,12 +14,10 @@ expanded layout, row- or column-major. See :mod:`ep_runtime.kernels.codecs` for 
 import functools
 from types import SimpleNamespace
 
-from numba import uint8, uint32, uint64
-
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.bits import bf16_to_f32
 from ep_runtime.kernels.block import group_max_u32, part_bounds, part_words, row_parts, warp_geometry, warp_sync
-from ep_runtime.kernels.cuda_api import cuda, inlined
+from ep_runtime.kernels.cuda_api import cuda, inlined, uint8, uint32, uint64
 from ep_runtime.kernels.fp8 import bf16_abs_max4, block_scale, pack8, quantize4_by, quantize4_scaled, scaled_directly
 from ep_runtime.kernels.protocol import BATCHED_SCALES_PACKED, PEER_TOKENS, UE8M0_NAN
 from ep_runtime.kernels.transport.common import PAIRS_IN_FLIGHT

@@ -23,13 +23,11 @@ and one E4M3 scale per 16 elements is converted in software (:func:`e4m3_saturat
 import functools
 from types import SimpleNamespace
 
-from numba import float32, int64, uint32, uint64
-
 from ep_runtime.core.nvfp4_rule import E2M1_THRESHOLDS, NVFP4_GLOBAL_BYTES, NVFP4_GLOBAL_RANGE
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.bits import bf16_to_f32, f32_bits, f32_word_at, word_f32
 from ep_runtime.kernels.block import group_max_u32, part_bounds, part_words, row_parts, warp_geometry, warp_sync
-from ep_runtime.kernels.cuda_api import cuda, inlined, kernel_jit
+from ep_runtime.kernels.cuda_api import cuda, float32, inlined, int64, kernel_jit, uint32, uint64
 from ep_runtime.kernels.fp8 import bf16_abs_max4, e4m3_bits, e4m3_value
 from ep_runtime.kernels.protocol import E4M3_NAN, PEER_TOKENS
 from ep_runtime.kernels.vec import address_of, load_pair, pairs_aligned, store_u8_at, store_u32_at, store_word_at

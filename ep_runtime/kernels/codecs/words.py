@@ -9,10 +9,8 @@ destination. See :mod:`ep_runtime.kernels.codecs` for the interface.
 
 from types import SimpleNamespace
 
-from numba import uint64
-
 from ep_runtime.kernels.block import flag_rule, part_bounds, part_words, row_parts, warp_geometry
-from ep_runtime.kernels.cuda_api import cuda, inlined
+from ep_runtime.kernels.cuda_api import cuda, inlined, uint64
 from ep_runtime.kernels.protocol import DISPATCH_FLAG_PARTS
 from ep_runtime.kernels.transport.common import PAIRS_IN_FLIGHT
 from ep_runtime.kernels.vec import address_of, make_pair_loops, pairs_aligned

@@ -19,11 +19,9 @@ packed four to an int32), and writes the per-expert counts, each slot's source t
 
 import functools
 
-from numba import int32, int64, uint64
-
 from ep_runtime.kernels.block import part_bounds, part_words, row_parts, warp_geometry
 from ep_runtime.kernels.codecs import CodecSpec, make_receiver
-from ep_runtime.kernels.cuda_api import cuda, kernel_jit
+from ep_runtime.kernels.cuda_api import cuda, int32, int64, kernel_jit, uint64
 from ep_runtime.kernels.layouts.compact import make_layout as make_compact_layout
 from ep_runtime.kernels.layouts.expanded import COPY_PAIRS, COPY_UNROLL, make_row_copy
 from ep_runtime.kernels.pdl import make_pdl, programmatic

@@ -24,12 +24,10 @@ the rows are read where they landed until ``dispatch_dense`` copies them).
 import functools
 from types import SimpleNamespace
 
-from numba import float32, int32, int64, uint64
-
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.block import block_exclusive_scan, block_sum, warp_geometry
 from ep_runtime.kernels.codecs import CodecSpec, make_receiver
-from ep_runtime.kernels.cuda_api import cuda, kernel_jit
+from ep_runtime.kernels.cuda_api import cuda, float32, int32, int64, kernel_jit, uint64
 from ep_runtime.kernels.layouts.compact import make_layout as make_compact_layout
 from ep_runtime.kernels.layouts.expanded import COPY_PAIRS, COPY_UNROLL, make_row_copy
 from ep_runtime.kernels.layouts.expert_major import make_placement

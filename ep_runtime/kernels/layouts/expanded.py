@@ -16,11 +16,9 @@ words. dispatch_land copies each landed part with ``copy_to_rows``.
 import functools
 from types import SimpleNamespace
 
-from numba import uint64
-
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.block import local_expert_count, part_bounds, part_words, row_parts, warp_geometry
-from ep_runtime.kernels.cuda_api import cuda, kernel_jit
+from ep_runtime.kernels.cuda_api import cuda, kernel_jit, uint64
 from ep_runtime.kernels.layouts.expert_major import make_placement
 from ep_runtime.kernels.pdl import make_pdl, programmatic
 from ep_runtime.kernels.protocol import STATUS_CODE, SYNC_CALLS

@@ -16,10 +16,8 @@ the token's rank among ``s``'s tokens with ``e``. The table lives in shared memo
 import functools
 from types import SimpleNamespace
 
-from numba import int32, int64
-
 from ep_runtime.kernels.block import block_exclusive_scan, udiv32, warp_exclusive_sum, warp_geometry
-from ep_runtime.kernels.cuda_api import cuda
+from ep_runtime.kernels.cuda_api import cuda, int32, int64
 
 
 @functools.lru_cache(maxsize=None)

@@ -9,11 +9,9 @@ exchange credits (``nodes.reaches``).
 import functools
 from types import SimpleNamespace
 
-from numba import int64, uint64
-
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.block import record_error
-from ep_runtime.kernels.cuda_api import cuda
+from ep_runtime.kernels.cuda_api import cuda, int64, uint64
 from ep_runtime.kernels.nodes import node_bits, reaches
 from ep_runtime.kernels.protocol import COUNTER_TOKEN_CREDIT, ERR_TIMEOUT, KERNEL_DISPATCH_ASYNC
 

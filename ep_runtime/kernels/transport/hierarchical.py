@@ -17,10 +17,8 @@ token rows in packed chunks).
 import functools
 from types import SimpleNamespace
 
-from numba import uint32, uint64
-
 from ep_runtime.kernels import shmem
-from ep_runtime.kernels.cuda_api import cuda, inlined
+from ep_runtime.kernels.cuda_api import cuda, inlined, uint32, uint64
 from ep_runtime.kernels.block import flag_part, flag_stored, popc32, publish_fence, warp_geometry, warp_sync
 from ep_runtime.kernels.nodes import chunk_tokens, node_bits, other_index, reaches
 from ep_runtime.kernels.protocol import PEER_RELAY_PARTIALS

@@ -14,10 +14,8 @@ signal. Built for every PE (``node_size`` 0) or for the PEs of this PE's node (`
 import functools
 from types import SimpleNamespace
 
-from numba import uint64
-
 from ep_runtime.kernels import shmem
-from ep_runtime.kernels.cuda_api import cuda, inlined
+from ep_runtime.kernels.cuda_api import cuda, inlined, uint64
 from ep_runtime.kernels.block import flag_part, warp_geometry, warp_sync
 from ep_runtime.kernels.nodes import make_near
 from ep_runtime.kernels.vec import pairs_aligned

@@ -17,11 +17,9 @@ node, :mod:`.hierarchical`, which adds what crosses nodes).
 import functools
 from types import SimpleNamespace
 
-from numba import uint32, uint64
-
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.bits import f32_bits
-from ep_runtime.kernels.cuda_api import cuda, inlined
+from ep_runtime.kernels.cuda_api import cuda, inlined, uint32, uint64
 from ep_runtime.kernels.nodes import make_near
 from ep_runtime.kernels.protocol import (PEER_COUNTS, PEER_IDS, PEER_PARTIALS, PEER_RANKS, PEER_SLOTS, PEER_TOKENS,
                                          PEER_WEIGHTS)
