@@ -12,12 +12,10 @@ combine_wait sums the partials as after any combine_async.
 
 import functools
 
-from numba import int64
-
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.block import interleaved_item, most_tokens, part_bounds, record_error
 from ep_runtime.kernels.combine_send import peer_words
-from ep_runtime.kernels.cuda_api import cuda, kernel_jit
+from ep_runtime.kernels.cuda_api import cuda, int64, kernel_jit
 from ep_runtime.kernels.partials import flagged_parts, partial_geometry
 from ep_runtime.kernels.pdl import make_pdl, programmatic
 from ep_runtime.kernels.protocol import ERR_SHORT_ROWS, KERNEL_COMBINE_ASYNC, STATUS_CODE, SYNC_CALLS
