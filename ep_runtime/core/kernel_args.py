@@ -88,8 +88,8 @@ def build_args(kernel, regions: dict, values: dict) -> tuple:
 
 
 def argtypes(kernel, layout: BufferLayout, name: str | None = None) -> tuple:
-    """The Numba signature (the kernel compiler's types) the runtime launches ``kernel`` with (C-contiguous arrays), from its
-    parameter names. Raises ``TypeError`` naming the kernel (``name``, else its function's)
+    """The Numba signature (the kernel compiler's types) the runtime launches ``kernel`` with
+    (C-contiguous arrays), from its parameter names. Raises ``TypeError`` naming the kernel (``name``, else its function's)
     and the parameter when a name is none of the kinds above."""
     from ep_runtime.kernels.cuda_api import from_dtype, types
 
