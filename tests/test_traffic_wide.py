@@ -1,6 +1,6 @@
 """The traffic model (ep_runtime/tools/bench/traffic.py) past 64 ranks, pure NumPy: a hand-worked
 72-rank (9 x 8) routing, the projection's random routing and its refusal of an expert count the
-ranks do not divide. docs/wide_ep.md projects 16 x 8, 40 x 8 and 128 x 8 with it."""
+ranks do not divide, and docs/wide_ep.md's figures against the model and the layout code."""
 
 from __future__ import annotations
 
@@ -55,3 +55,31 @@ def test_a_wide_projection_runs_and_an_expert_count_the_ranks_do_not_divide_is_r
     assert p["ranks"] == 72 and p["across_out"] > 0 and p["ops_across"] >= 8 * 6
     with pytest.raises(EPConfigError, match=r"n_experts=256 for 40 x 8 = 320 ranks.*n_experts=320"):
         project_nodes(40, 8, 16, n_experts=256)
+
+
+def test_docs_wide_ep_shows_the_model_s_16x8_row_and_the_layout_s_totals(capsys, monkeypatch):
+    """docs/wide_ep.md's traffic row at 16 x 8, T = 128 is the tool's, and its region totals at 2 x 8
+    and 16 x 8 are BufferLayout's (MAX_RANKS lifted for the sizes only, as the doc's recipe does)."""
+    from pathlib import Path
+
+    import ep_runtime.core.config as config
+    from ep_runtime.core.config import EPConfig
+    from ep_runtime.core.layout import BufferLayout
+    from ep_runtime.core.plan import Topology, choose_plan
+    from ep_runtime.tools.bench.traffic import main
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "wide_ep.md").read_text()
+    main(["--shapes", "16x8", "--experts", "256", "--tokens", "128"])
+    row = capsys.readouterr().out.splitlines()[2]
+    assert row.replace("| 16x8 | 128 |", "| 16x8 | 256 | 128 |") in doc.splitlines()
+    totals = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[4:7]] for line in doc.splitlines()
+              if line.startswith(("| **symmetric**", "| **local**"))}
+    monkeypatch.setattr(config, "MAX_RANKS", 1024)
+    for column, nodes in enumerate((2, 16)):
+        R = nodes * 8
+        cfg = EPConfig(n_ranks=R, n_experts=256, top_k=8, hidden=7168, max_tokens_per_rank=4096,
+                       layouts=("expanded", "compact", "dense", "batched"))
+        plan = choose_plan(cfg, Topology(R, False, 132, True, False, tuple(p // 8 for p in range(R)), True))
+        layout = BufferLayout(cfg, plan)
+        for name, size in (("**symmetric**", layout.symmetric_bytes), ("**local**", layout.local_bytes)):
+            assert totals[name][column] == f"**{round(size / (1 << 20)):,}**", (nodes, name, totals[name])
