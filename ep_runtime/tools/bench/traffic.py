@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ep_runtime.core.errors import EPConfigError
 from ep_runtime.kernels.protocol import relay_chunk_tokens
 
 
@@ -261,18 +262,34 @@ def node_traffic(ids_per_rank, rank: int, n_local_experts: int, node_size: int, 
                        rows_across=rows)
 
 
+def random_top_k(rng, tokens: int, n_experts: int, top_k: int) -> np.ndarray:
+    """One rank's uniform random routing: each token's ``top_k`` distinct experts of
+    ``n_experts``, the experts of its ``top_k`` smallest of ``n_experts`` uniform draws in
+    ascending order of their draws. [tokens, top_k] int64. A partial selection, not a sort of every
+    row, so a projection of a thousand ranks with an expert each takes seconds."""
+    draws = rng.random((tokens, n_experts))
+    chosen = np.argpartition(draws, top_k - 1, axis=1)[:, :top_k]
+    order = np.argsort(np.take_along_axis(draws, chosen, axis=1), axis=1)
+    return np.take_along_axis(chosen, order, axis=1).astype(np.int64)
+
+
 def project_nodes(nodes: int, gpus: int, tokens: int, hidden: int = 7168, n_experts: int = 256, top_k: int = 8,
                   nic_gbps: float = 400.0, nvlink_gbs: float = 380.0, proxy_op_us: float = 1.0,
                   seed: int = 0) -> dict:
     """The traffic model's projection for one rank of ``nodes`` x ``gpus`` GPUs, bf16 tokens and
     partials, ``tokens`` per GPU routed uniformly at random to ``top_k`` of ``n_experts`` (one
-    draw of ``seed``): :func:`node_traffic`'s bytes and operations, and the times they bound
+    draw of ``seed``, :func:`random_top_k`; ``n_experts`` a multiple of the ranks, else
+    EPConfigError): :func:`node_traffic`'s bytes and operations, and the times they bound
     (us) for a NIC of ``nic_gbps`` Gb/s per GPU, NVLink at ``nvlink_gbs`` GB/s per direction and
     a CPU proxy that services one operation in ``proxy_op_us``; the call (a dispatch and its
     combine) takes at least the largest."""
-    rng = np.random.default_rng(seed)
-    R, L = nodes * gpus, n_experts // (nodes * gpus)
-    ids = [np.argsort(rng.random((tokens, n_experts)), axis=1)[:, :top_k].astype(np.int64) for _ in range(R)]
+    R = nodes * gpus
+    if n_experts < R or n_experts % R:
+        raise EPConfigError(f"project_nodes: n_experts={n_experts} for {nodes} x {gpus} = {R} ranks: expected a "
+                         f"multiple of {R} (every rank holds the same number of experts); pass n_experts={R} "
+                         f"(one expert a rank) or another multiple of {R}")
+    rng, L = np.random.default_rng(seed), n_experts // R
+    ids = [random_top_k(rng, tokens, n_experts, top_k) for _ in range(R)]
     t = node_traffic(ids, 0, L, gpus, 2 * hidden, 2 * hidden)
     nic_us = max(t.across_out, t.across_in) / (nic_gbps / 8 * 1e3)  # bytes / (GB/s) = ns; / 1e3 = us
     return {"ranks": R, "across_out": t.across_out, "across_in": t.across_in, "within_out": t.within_out,
@@ -290,6 +307,7 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[128, 4096])
     ap.add_argument("--proxy-op-us", type=float, default=1.0)
     ap.add_argument("--nic-gbps", type=float, default=400.0)
+    ap.add_argument("--experts", type=int, default=256, help="experts of the layer, a multiple of every shape's ranks")
     args = ap.parse_args(argv)
     print(f"| nodes x GPUs | tokens/GPU | MB across out / in (NIC) | MB within out / in (NVLink) | ops across "
           f"| NIC us | proxy us at {args.proxy_op_us:g} us/op | NVLink us |")
@@ -297,7 +315,8 @@ def main(argv=None) -> None:
     for shape in args.shapes:
         nodes, gpus = (int(x) for x in shape.split("x"))
         for T in args.tokens:
-            p = project_nodes(nodes, gpus, T, nic_gbps=args.nic_gbps, proxy_op_us=args.proxy_op_us)
+            p = project_nodes(nodes, gpus, T, n_experts=args.experts, nic_gbps=args.nic_gbps,
+                              proxy_op_us=args.proxy_op_us)
             print(f"| {shape} | {T} | {p['across_out'] / 1e6:.2f} / {p['across_in'] / 1e6:.2f} | "
                   f"{p['within_out'] / 1e6:.2f} / {p['within_in'] / 1e6:.2f} | {p['ops_across']} | "
                   f"{p['nic_us']:.0f} | {p['proxy_us']:.0f} | {p['nvlink_us']:.0f} |")
