@@ -148,8 +148,10 @@ def check_environment() -> None:
             "and cffi: pip install -e \".[test]\", the CPU test suite's extra, or \".[gpu]\").")
 
 
-def nvshmem_numba_bindings_installed() -> bool:
-    """Whether nvshmem4py's Numba device bindings and their undeclared dependency cffi are present.
+def nvshmem_device_bindings_present(compiler_dir: str) -> bool:
+    """Whether nvshmem4py's device bindings for one kernel compiler (``compiler_dir``: its
+    folder under ``nvshmem/core/device`` and ``nvshmem/bindings/device``, ``"numba"`` or
+    ``"numba_cuda_mlir"``) and their undeclared dependency cffi are present.
 
     Looks at files only (imports nothing of numba or nvshmem): nvshmem4py ships stubs and warns
     "Numba device bindings are not enabled" when ``rma.py`` / ``_numbast.py`` are absent.
@@ -161,11 +163,15 @@ def nvshmem_numba_bindings_installed() -> bool:
     if spec is None or not spec.submodule_search_locations:
         return False
     root = list(spec.submodule_search_locations)[0]
-    needed = [os.path.join(root, "core", "device", "numba", "rma.py"),
-              os.path.join(root, "bindings", "device", "numba", "_numbast.py")]
-    return (all(os.path.exists(p) for p in needed)
-            and importlib.util.find_spec("cffi") is not None
-            and importlib.util.find_spec("numba_cuda") is not None)
+    needed = [os.path.join(root, "core", "device", compiler_dir, "rma.py"),
+              os.path.join(root, "bindings", "device", compiler_dir, "_numbast.py")]
+    return all(os.path.exists(p) for p in needed) and importlib.util.find_spec("cffi") is not None
+
+
+def nvshmem_numba_bindings_installed() -> bool:
+    """Whether nvshmem4py's Numba device bindings, cffi and numba-cuda are present (files only,
+    :func:`nvshmem_device_bindings_present`)."""
+    return nvshmem_device_bindings_present("numba") and importlib.util.find_spec("numba_cuda") is not None
 
 
 def _numba_cuda_version() -> str:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import os
 import time
 
 #: The numba-cuda-mlir release whose private API the patch below targets.
@@ -43,17 +42,10 @@ def numba_cuda_mlir_version() -> str | None:
 
 def bindings_installed() -> bool:
     """Whether nvshmem4py's device bindings for numba-cuda-mlir (its ``[mlir]`` extra) and cffi
-    are present. Looks at files only, as :func:`compile_gate.nvshmem_numba_bindings_installed`."""
-    try:
-        spec = importlib.util.find_spec("nvshmem")
-    except (ImportError, ValueError):
-        return False
-    if spec is None or not spec.submodule_search_locations:
-        return False
-    root = list(spec.submodule_search_locations)[0]
-    needed = [os.path.join(root, "core", "device", "numba_cuda_mlir", "rma.py"),
-              os.path.join(root, "bindings", "device", "numba_cuda_mlir", "_numbast.py")]
-    return all(os.path.exists(p) for p in needed) and importlib.util.find_spec("cffi") is not None
+    are present (files only: :func:`compile_gate.nvshmem_device_bindings_present`)."""
+    from ep_runtime.tools import compile_gate as gate
+
+    return gate.nvshmem_device_bindings_present("numba_cuda_mlir")
 
 
 def missing() -> str | None:
