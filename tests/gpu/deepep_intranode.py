@@ -27,13 +27,15 @@ second): a harness change, like the two below, the test file untouched.
 The test's defaults are 4096 tokens, hidden 7168, top-8 of 256 experts, 8 processes: pass
 ``--num-processes`` for the GPUs at hand. Its harness (``utils.init_dist``) joins an NCCL group,
 one GPU per process. With fewer GPUs than processes, ``--share-gpu`` maps process ``i`` to GPU
-``i % count`` and ``--backend gloo`` replaces NCCL (which refuses two ranks on one GPU); run it
+``i % count`` and ``--backend gloo`` replaces NCCL (which refuses two ranks on one GPU; Gloo's
+``all_gather_into_tensor`` then gets the test's ``[world, n, ...]`` output viewed as ``[world * n, ...]``,
+the one shape Gloo takes); run it
 under CUDA MPS so the ranks' kernels are co-resident::
 
     bash tests/gpu/mps_run.sh 2 python tests/gpu/deepep_intranode.py --deepep-tests DeepEP/tests \\
         --share-gpu --backend gloo -- --num-processes 2
 
-Both harness changes are made in the workers' ``sitecustomize``; the test file is not touched.
+These harness changes are made in the workers' ``sitecustomize``; the test file is not touched.
 The test's tuning section prints timings (DeepEP's chunk sizes mean nothing to the layer).
 """
 
@@ -81,6 +83,16 @@ if os.environ.get("EP_DEEPEP_TEST_BACKEND") or os.environ.get("EP_DEEPEP_TEST_SH
             return _init(*args, **kwargs)
 
         dist.init_process_group = init_process_group
+        if backend == "gloo":
+            _all_gather_into_tensor = dist.all_gather_into_tensor
+
+            def all_gather_into_tensor(output_tensor, input_tensor, *args, **kwargs):
+                # Gloo takes the output as [world * n, ...] only; NCCL (and the test) also [world, n, ...]
+                if output_tensor.dim() == input_tensor.dim() + 1:
+                    output_tensor = output_tensor.view(-1, *input_tensor.shape[1:])
+                return _all_gather_into_tensor(output_tensor, input_tensor, *args, **kwargs)
+
+            dist.all_gather_into_tensor = all_gather_into_tensor
     if os.environ.get("EP_DEEPEP_TEST_SHARE_GPU"):
         _set_device = torch.cuda.set_device
         torch.cuda.set_device = lambda device: _set_device(torch.device(device).index % torch.cuda.device_count()
