@@ -378,9 +378,9 @@ def wide_round_trip_pe(session, n_nodes: int, cfg: EPConfig, plan: dict, seed: i
     :func:`expert_outputs` of the batch this rank received: ``{"calls": [fields and "out"],
     "plan": ...}``, what :func:`assert_calls_are_the_reference` takes.
 
-    Unlike :func:`plan_pe` no rank computes the reference's batches (of every rank: ranks
-    squared in every rank, most of a run at 64 simulated PEs); :func:`assert_calls_are_the_reference`
-    checks every batch once, so a wrong batch fails there and a combine of it cannot pass.
+    Unlike :func:`plan_pe` no rank computes the reference's batches (of every rank: work that
+    grows with the ranks squared in every rank); :func:`assert_calls_are_the_reference` checks
+    every batch once, so a wrong batch fails there and a combine of it cannot pass.
     """
     from ep_runtime.core.runtime import EPRuntime
 

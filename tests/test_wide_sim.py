@@ -76,8 +76,8 @@ def new_modules_pe(session, n_nodes: int, cfg: EPConfig, plan: dict) -> list[str
                          ids=["hierarchical", "puts", "stores"])
 def test_pes_fork_with_every_module_of_a_round_trip_imported(n_nodes, plan, monkeypatch):
     """The PE server imports the kernels once (``launch._PE_PRELOAD``): a PE imports no
-    ep_runtime module of its own for a round trip on any transport (each did, once per PE,
-    which at 64 PEs was most of a job's CPU)."""
+    ep_runtime module of its own for a round trip on any transport (a module missing from the
+    preload is imported once per PE)."""
     monkeypatch.delenv("EP_RUNTIME_TRACE", raising=False)  # set, it makes the PEs spawn (launch._pe_context)
     cfg = EPConfig(n_ranks=4, n_experts=8, top_k=4, hidden=8, max_tokens_per_rank=2, layouts=("expanded",))
     imported = run_pes(new_modules_pe, 4, args=(n_nodes, cfg, plan), timeout_s=RUN_TIMEOUT_S,

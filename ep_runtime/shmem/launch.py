@@ -351,13 +351,15 @@ class _Stopped(BaseException):
 #: What the PE server imports once, in simulator mode: numba, the simulator's session and
 #: runtime, the kernel modules a runtime builds its kernels from (every family
 #: ``core.builds.plan_kernels`` imports, every transport and codec) and the tests' inputs and PE
-#: functions (ep_runtime.testing). Each PE imported them itself before: at 64 PEs most of a
-#: job's CPU, and without cached bytecode a compile of every module in every PE.
+#: functions (ep_runtime.testing). Imported in each PE instead, they would cost every PE the
+#: imports (and, without cached bytecode, a compile of every module): with many PEs a core, most
+#: of a job's CPU.
 _PE_PRELOAD = ("numpy", "numba.cuda", "ep_runtime.shmem.sim_session", "ep_runtime.core.runtime",
                "ep_runtime.core.formats", "ep_runtime.kernels.dispatch", "ep_runtime.kernels.combine",
                "ep_runtime.kernels.combine_dense", "ep_runtime.kernels.layouts.dense",
-               "ep_runtime.kernels.layouts.batched", "ep_runtime.kernels.slot_values", "ep_runtime.kernels.routing_keep",
-               "ep_runtime.kernels.validate", "ep_runtime.kernels.transport.stores", "ep_runtime.kernels.transport.puts",
+               "ep_runtime.kernels.layouts.batched", "ep_runtime.kernels.slot_values",
+               "ep_runtime.kernels.routing_keep", "ep_runtime.kernels.validate",
+               "ep_runtime.kernels.transport.stores", "ep_runtime.kernels.transport.puts",
                "ep_runtime.kernels.transport.hierarchical", "ep_runtime.kernels.codecs.words",
                "ep_runtime.kernels.codecs.fp8", "ep_runtime.kernels.codecs.nvfp4", "ep_runtime.testing")
 #: Environment variables that the preloaded modules read once, when imported (``EP_RUNTIME_TRACE``:
