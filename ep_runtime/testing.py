@@ -361,6 +361,40 @@ def plan_pe(session, plan: dict, cfg: EPConfig, calls: int, seed: int, device_co
         return {"calls": got, "plan": rt.plan.as_dict(), "regions": [r.name for r in rt.layout.regions]}
 
 
+def received_batch(got: dict):
+    """The expanded batch a rank received (:func:`dispatch_to_host`'s host copies) as a
+    :class:`~ep_runtime.core.reference.ExpertBatchRef`, for :func:`expert_outputs`."""
+    from ep_runtime.core import reference
+
+    n = int(got["row_offsets"][-1])
+    return reference.ExpertBatchRef(x=got["x"][:n].view(BF16), row_offsets=got["row_offsets"],
+                                    expert_counts=got["expert_counts"],
+                                    **{k: got[k][:n] for k in ("src_rank", "src_token", "src_k", "weight")})
+
+
+def wide_round_trip_pe(session, n_nodes: int, cfg: EPConfig, plan: dict, seed: int) -> dict:
+    """As ``n_nodes`` logical nodes (1: one node), one round trip of call 0's inputs
+    (:func:`call_inputs`) in the expanded layout under plan overrides ``plan``, combining the
+    :func:`expert_outputs` of the batch this rank received: ``{"calls": [fields and "out"],
+    "plan": ...}``, what :func:`assert_calls_are_the_reference` takes.
+
+    Unlike :func:`plan_pe` no rank computes the reference's batches (of every rank: work that
+    grows with the ranks squared in every rank); :func:`assert_calls_are_the_reference` checks
+    every batch once, so a wrong batch fails there and a combine of it cannot pass.
+    """
+    from ep_runtime.core.runtime import EPRuntime
+
+    r = session.rank
+    if n_nodes > 1:
+        session.use_logical_nodes(n_nodes)
+    xs, ids, ws = call_inputs(cfg, 0, seed)
+    with EPRuntime(cfg, session, plan=plan) as rt:
+        got, batch = dispatch_to_host(session, rt, cfg, xs[r].view(np.uint16), ids[r], ws[r], "expanded")
+        y = session.to_device(expert_outputs(cfg, received_batch(got), r))
+        got["out"] = session.to_host(rt.combine(y, batch.handle)).copy()[:len(xs[r])]
+        return {"calls": [got], "plan": rt.plan.as_dict()}
+
+
 def assert_batch_is_the_reference(got: dict, ref, layout: str, xs, cfg: EPConfig, what: str) -> None:
     """One rank's batch (``got``, from :func:`dispatch_to_host`) against the reference's ``ref``:
     offsets, counts, row descriptions and weights bit for bit; the expanded rows, or the compact

@@ -264,11 +264,16 @@ def _check_run_args(target, n_ranks: int, timeout_s: float, backend: str) -> tup
 
 
 @contextmanager
-def _environment(env: dict[str, str]):
-    """Set ``env`` in os.environ for the block: spawned PEs inherit it from their first
-    instruction, before any module (numba included) is imported there."""
+def _environment(env: dict[str, str | None]):
+    """Set ``env`` in os.environ for the block (a name whose value is None: unset): spawned PEs
+    inherit it from their first instruction, before any module (numba included) is imported
+    there."""
     saved = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)
+    for name, value in env.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
     try:
         yield
     finally:
@@ -343,25 +348,43 @@ class _Stopped(BaseException):
         self.signum = signum
 
 
-#: What the PE server imports once, in simulator mode: numba and the simulator's session and
-#: runtime, most of a PE's start-up when each PE is a fresh interpreter.
-_PE_PRELOAD = ("numpy", "numba.cuda", "ep_runtime.shmem.sim_session", "ep_runtime.core.runtime")
+#: What the PE server imports once, in simulator mode: numba, the simulator's session and
+#: runtime, the kernel modules a runtime builds its kernels from (every family
+#: ``core.builds.plan_kernels`` imports, every transport and codec) and the tests' inputs and PE
+#: functions (ep_runtime.testing). Imported in each PE instead, they would cost every PE the
+#: imports (and, without cached bytecode, a compile of every module): with many PEs a core, most
+#: of a job's CPU.
+_PE_PRELOAD = ("numpy", "numba.cuda", "ep_runtime.shmem.sim_session", "ep_runtime.core.runtime",
+               "ep_runtime.core.formats", "ep_runtime.kernels.dispatch", "ep_runtime.kernels.combine",
+               "ep_runtime.kernels.combine_dense", "ep_runtime.kernels.layouts.dense",
+               "ep_runtime.kernels.layouts.batched", "ep_runtime.kernels.slot_values",
+               "ep_runtime.kernels.routing_keep", "ep_runtime.kernels.validate",
+               "ep_runtime.kernels.transport.stores", "ep_runtime.kernels.transport.puts",
+               "ep_runtime.kernels.transport.hierarchical", "ep_runtime.kernels.codecs.words",
+               "ep_runtime.kernels.codecs.fp8", "ep_runtime.kernels.codecs.nvfp4", "ep_runtime.testing")
+#: Environment variables that the preloaded modules read once, when imported (``EP_RUNTIME_TRACE``:
+#: kernels/trace.py). The server starts without them; a job that sets one spawns its PEs.
+_IMPORT_ENVIRONMENT = ("EP_RUNTIME_TRACE",)
 _pe_server_lock = threading.Lock()
 _pe_server_started = False
 
 
-def _pe_context():
-    """The multiprocessing context PEs start in.
+def _pe_context(environ: dict[str, str]):
+    """The multiprocessing context the PEs of a job with environment ``environ`` start in.
 
     multiprocessing's fork server, started by this module with ``NUMBA_ENABLE_CUDASIM=1`` and
     :data:`_PE_PRELOAD` imported: each PE is a fork of that single-threaded, warm interpreter
-    (numba already in simulator mode, no threads or locks of the launcher), then runs
-    multiprocessing's usual preparation (the launcher's sys.path and main module) and takes
-    the launcher's environment (:func:`_pe_main`). Where this process already runs a fork
-    server that this module did not start (its preload and environment are someone else's),
-    or the platform has none, each PE is spawned as a fresh interpreter instead.
+    (numba already in simulator mode, the kernel modules imported, no threads or locks of the
+    launcher), then runs multiprocessing's usual preparation (the launcher's sys.path and main
+    module) and takes the launcher's environment (:func:`_pe_main`). Each PE is spawned as a
+    fresh interpreter instead where ``environ`` sets a variable of :data:`_IMPORT_ENVIRONMENT`
+    (the server's modules were imported without it), where this process already runs a fork
+    server that this module did not start (its preload and environment are someone else's), or
+    where the platform has none.
     """
     global _pe_server_started
+    if any(name in environ for name in _IMPORT_ENVIRONMENT):
+        return multiprocessing.get_context("spawn")
     try:
         from multiprocessing import forkserver
         server = forkserver._forkserver
@@ -373,7 +396,7 @@ def _pe_context():
             if getattr(server, "_forkserver_pid", None) is not None:
                 return multiprocessing.get_context("spawn")
             server.set_forkserver_preload(list(_PE_PRELOAD))
-            with _environment({"NUMBA_ENABLE_CUDASIM": "1"}):
+            with _environment({"NUMBA_ENABLE_CUDASIM": "1", **{name: None for name in _IMPORT_ENVIRONMENT}}):
                 server.ensure_running()
             _pe_server_started = True
     return context
@@ -383,7 +406,7 @@ def _start_pes(specs: list[_PESpec], env: dict[str, str], procs: list, conns: li
     # A fresh interpreter's worth of state per PE (numba must start in simulator mode; no
     # forked threads or locks): see _pe_context. The preparation data carries the parent's
     # sys.path, so test modules import in the PEs.
-    context = _pe_context()
+    context = _pe_context({**os.environ, **env})
     with _environment(env):
         environ = dict(os.environ)
         for spec in specs:

@@ -93,6 +93,11 @@ DEFAULT_HEAP_BYTES = 64 << 20
 # a waiter reacts within ~2 ms and other processes get the CPU.
 _POLL_MIN_S = 50e-6
 _POLL_MAX_S = 2e-3
+# Wake-ups a second and core that the waiting PEs of a job take together at most: with many
+# PEs a core (64 on 2), polls every 2 ms would fill the cores with wake-ups and starve the PEs
+# that work (and the launcher starting them), so the cap grows with the PEs a core
+# (:func:`poll_pause_cap`).
+_WAKEUPS_PER_CORE_S = 4000
 # Limit (seconds) of the simulated device-side waits of the PEs (ep_runtime.kernels._shmem_sim).
 WAIT_TIMEOUT_ENV = "EP_SIM_WAIT_TIMEOUT"
 _JOB_RE = re.compile(r"^[A-Za-z0-9-]+$")
@@ -133,16 +138,29 @@ def gather_offset(heap_bytes: int) -> int:
     return _align(CONTROL_BYTES + heap_bytes)
 
 
-def poll(check: Callable[[], bool], timeout_s: float, heap: SimHeap | None = None) -> bool:
+def poll_pause_cap(n_ranks: int) -> float:
+    """The longest sleep (seconds) between two checks of a wait of a job of ``n_ranks`` PEs on
+    this machine: 2 ms, or more where the PEs outnumber the cores, so that their wake-ups
+    together stay near ``_WAKEUPS_PER_CORE_S`` a core (16 ms for 128 PEs on 2 cores)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(_POLL_MAX_S, n_ranks / (cores * _WAKEUPS_PER_CORE_S))
+
+
+def poll(check: Callable[[], bool], timeout_s: float, heap: SimHeap | None = None,
+         pause_cap_s: float | None = None) -> bool:
     """Call ``check()`` until it returns True or ``timeout_s`` passed.
 
-    Sleeps between calls with exponential backoff (50 us to 2 ms). Returns whether ``check``
+    Sleeps between calls with exponential backoff, from 50 us to ``pause_cap_s`` (default: the
+    watched heap's :attr:`SimHeap.pause_cap_s`, else 2 ms). Returns whether ``check``
     succeeded. While it waits, a peer PE of ``heap`` (default: this process's current heap, if
     a session is open) whose process has exited ends the wait with :class:`PEFailure` naming
     that PE, unless ``check()`` succeeds once more after the exit was seen.
     """
     deadline = time.monotonic() + timeout_s
     pause = _POLL_MIN_S
+    if pause_cap_s is None:
+        watched = heap if heap is not None else _current
+        pause_cap_s = watched.pause_cap_s if watched is not None else _POLL_MAX_S
     while not check():
         watched = heap if heap is not None else _current
         if watched is not None:
@@ -150,7 +168,7 @@ def poll(check: Callable[[], bool], timeout_s: float, heap: SimHeap | None = Non
         if time.monotonic() > deadline:
             return False
         time.sleep(pause)
-        pause = min(2 * pause, _POLL_MAX_S)
+        pause = min(2 * pause, pause_cap_s)
     return True
 
 
@@ -207,6 +225,8 @@ class SimHeap:
         self.job = job
         self.heap_bytes = heap_bytes
         self.timeout_s = timeout_s
+        #: the longest sleep between two checks of a wait of this process (:func:`poll_pause_cap`)
+        self.pause_cap_s = poll_pause_cap(n_ranks)
         self.lock = lock
         self._maps = maps
         self._bases = [m.__array_interface__["data"][0] for m in maps]
@@ -387,7 +407,7 @@ class SimHeap:
         epoch = self._epoch
         with self.lock:
             self._words[self.rank][_ARRIVAL_WORD] = epoch
-        if not poll(lambda: not self._missing(epoch), self.timeout_s, heap=self):
+        if not poll(_Arrivals(self._words, epoch).all_arrived, self.timeout_s, heap=self):
             missing = self._missing(epoch)
             raise ShmemTimeoutError(
                 f"PE {self.rank}: barrier #{epoch} ({what}) timed out after {self.timeout_s} s "
@@ -395,6 +415,11 @@ class SimHeap:
                 "hang in a kernel, or skipped a collective call (alloc_symmetric, "
                 "free_symmetric, barrier, allgather_object and close must be called by every "
                 "PE in the same order)")
+        # The arrivals were read without the lock; taking it once orders this PE's reads after
+        # the barrier behind the peers' writes before it (each peer published its arrival
+        # under the lock).
+        with self.lock:
+            pass
 
     def allgather(self, obj, what: str = "allgather_object") -> list:
         """Every PE's picklable ``obj`` in rank order, through the heap files' mailboxes.
@@ -478,6 +503,27 @@ class SimHeap:
             raise EPInputError(f"PE {self.rank}: {op}: pe={pe} is not in [0, {self.n_ranks})")
 
 
+class _Arrivals:
+    """Whether every PE has reached barrier ``epoch``, read from their arrival words.
+
+    A PE's arrival word only grows, so a PE seen arrived stays arrived: each check resumes at
+    the first PE not yet seen, and a barrier reads each word about once plus once per poll,
+    not every word on every poll (PEs x polls, which at many PEs is most of a barrier's CPU).
+    The words are read without the job's lock (an aligned 8-byte word written by its owner
+    only); :meth:`SimHeap.barrier` takes the lock once afterwards.
+    """
+
+    def __init__(self, words: list[np.ndarray], epoch: int):
+        self._words = words
+        self._epoch = epoch
+        self._next = 0  # the first PE not yet seen at the barrier
+
+    def all_arrived(self) -> bool:
+        while self._next < len(self._words) and self._words[self._next][_ARRIVAL_WORD] >= self._epoch:
+            self._next += 1
+        return self._next == len(self._words)
+
+
 def _check_open_args(rank: int, n_ranks: int, job: str, heap_bytes: int, timeout_s: float) -> None:
     if not 0 <= rank < n_ranks:
         raise EPInputError(f"SimHeap.open: rank={rank} is not in [0, n_ranks={n_ranks})")
@@ -508,7 +554,16 @@ def _wait_for_files(paths: list[str], file_bytes: int, rank: int, job: str, time
                 out.append(None)
         return out
 
-    if not poll(lambda: None not in sizes(), timeout_s):
+    # A published file stays until every PE has mapped it, so each poll resumes at the first
+    # file not yet seen: about one stat a file, not one a file and poll.
+    seen = [0]
+
+    def all_published() -> bool:
+        while seen[0] < len(paths) and os.path.exists(paths[seen[0]]):
+            seen[0] += 1
+        return seen[0] == len(paths)
+
+    if not poll(all_published, timeout_s, pause_cap_s=poll_pause_cap(len(paths))):
         missing = [pe for pe, size in enumerate(sizes()) if size is None]
         raise ShmemTimeoutError(
             f"PE {rank}: simulated heap bring-up of job {job} timed out after {timeout_s} s: "

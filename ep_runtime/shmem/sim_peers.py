@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import select
+import threading
 
 
 class PeerWatch:
@@ -23,6 +24,14 @@ class PeerWatch:
 
     def __init__(self, fds: dict[int, tuple[int, int]]):
         self._fds = fds  # PE -> (pidfd, pid)
+        # One poll set for the job's life: every wait of the simulator checks it on each of its
+        # polls, so it is one system call, not a registration per peer each time (poll, not
+        # select: a pidfd may be numbered past select's limit of 1024). The simulator's threads
+        # share it under a lock: a poll object refuses concurrent calls.
+        self._poller = select.poll()
+        self._poller_lock = threading.Lock()
+        for fd, _ in fds.values():
+            self._poller.register(fd, select.POLLIN)
 
     @classmethod
     def open(cls, rank: int, pids: list[int], starts: list[int]) -> PeerWatch:
@@ -46,11 +55,8 @@ class PeerWatch:
         """The watched PEs whose process has exited, in rank order."""
         if not self._fds:
             return []
-        # poll, not select: a pidfd may be numbered past select's limit of 1024.
-        poller = select.poll()
-        for fd, _ in self._fds.values():
-            poller.register(fd, select.POLLIN)
-        ready = {fd for fd, _ in poller.poll(0)}
+        with self._poller_lock:
+            ready = {fd for fd, _ in self._poller.poll(0)}
         return sorted(pe for pe, (fd, _) in self._fds.items() if fd in ready)
 
     def pid(self, pe: int) -> int:
@@ -58,6 +64,7 @@ class PeerWatch:
 
     def close(self) -> None:
         for fd, _ in self._fds.values():
+            self._poller.unregister(fd)
             os.close(fd)
         self._fds = {}
 
