@@ -36,7 +36,8 @@ and replays (read to learn the calls; no code taken):
 
 The experts of the replays: local expert e maps a row to ``row * (e + 1) / 4`` (bf16), so each
 token's output is ``sum_k w_k x (e_k + 1) / 4``, checked against NumPy in float64, and the bf16
-micro-batches bit for bit against ``reference_batched.combine_batched``.
+micro-batches bit for bit against ``reference_batched.combine_batched_home`` (the weights applied
+at home, in slot order).
 """
 
 from __future__ import annotations
@@ -388,10 +389,10 @@ def test_vllm_dual_batch_overlap_replay(job):
 def exact_dbo_outputs(n: int, ub: int) -> list:
     """Every rank's output of micro-batch ``ub`` of :func:`vllm_dbo` (bf16), from NumPy: the batched
     reference of the inputs (``reference_batched.batched``), the replays' experts on its rows, and
-    ``combine_batched`` with the combine's weights, the order of the runtime's sums."""
+    ``combine_batched_home`` with the combine's weights, the order of the runtime's sums (each
+    token's routed slots ascending, float32 from 0, at home)."""
     from ep_runtime.core.config import EPConfig
-    from ep_runtime.core.reference import dispatch
-    from ep_runtime.core.reference_batched import batched, combine_batched
+    from ep_runtime.core.reference_batched import batched, combine_batched_home
 
     cfg = EPConfig(n_ranks=n, n_experts=n_experts(n), top_k=TOP_K, hidden=HIDDEN, max_tokens_per_rank=NUM_MAX)
     xs, ids, ws = [], [], []
@@ -402,14 +403,15 @@ def exact_dbo_outputs(n: int, ub: int) -> list:
         xs.append(x.view(torch.int16).numpy().view(np.uint16))
         ids.append(idx.numpy().astype(np.int32))
         ws.append(w.numpy())
-    rows = [torch.from_numpy(ref.x.view(np.int16)).view(torch.bfloat16) for ref in batched(xs, ids, ws, cfg)]
+    refs = batched(xs, ids, ws, cfg)
+    rows = [torch.from_numpy(ref.x.view(np.int16)).view(torch.bfloat16) for ref in refs]
     ys = [experts_out(y).view(torch.int16).numpy().view(np.uint16) for y in rows]
-    return [o.astype(np.float32) for o in combine_batched(ys, dispatch(xs, ids, ws, cfg), ids, cfg)]
+    return [o.astype(np.float32) for o in combine_batched_home(ys, refs, ids, ws, cfg)]
 
 
 def test_vllm_dual_batch_overlap_outputs_are_exact(job):
     """The bf16 micro-batches bit for bit (the simulator does not contract multiply-adds): the
-    combine's weights reach each slot and the sums run in the reference's order."""
+    combine's weights multiply the right slot's row once, at home, in the reference's order."""
     n, results = job
     for ub in range(2):
         want = exact_dbo_outputs(n, ub)
