@@ -36,7 +36,8 @@ and replays (read to learn the calls; no code taken):
 
 The experts of the replays: local expert e maps a row to ``row * (e + 1) / 4`` (bf16), so each
 token's output is ``sum_k w_k x (e_k + 1) / 4``, checked against NumPy in float64, and the bf16
-micro-batches bit for bit against ``reference_batched.combine_batched``.
+micro-batches bit for bit against ``reference_batched.combine_batched_home`` (the weights applied
+at home, in slot order).
 """
 
 from __future__ import annotations
@@ -206,6 +207,12 @@ def vllm_dbo(buffer, rank: int, n: int, T: int, ue8m0: bool = False) -> list:
     return [(out.float().numpy(), want_replay(x, idx, w, rank, n)) for out, (x, idx, w) in zip(outs, ubatches)]
 
 
+def runtime_calls(buffer) -> dict:
+    """``{runtime key: (its combine_weights, dispatches so far)}`` of the buffer's low-latency runtimes."""
+    return {key: (entry.runtime.cfg.combine_weights, entry.runtime.calls)
+            for key, entry in buffer._low_latency.entries.items()}
+
+
 def three_in_flight(buffer, rank: int, n: int, T: int) -> list:
     """Three dispatches before any combine (the third takes the first's buffer back), then the
     three combines in order, each output against NumPy."""
@@ -327,7 +334,9 @@ def torch_rank_main(rank: int, n: int, store: str, out_dir: str) -> None:
         buffer = deep_ep.Buffer(group, num_rdma_bytes=hint, low_latency_mode=True, num_qps_per_rank=n_experts(n) // n,
                                 allow_nvlink_for_low_latency_mode=True, explicitly_destroy=True, allow_mnnvl=False)
         got = {"hint": hint, "deepep": deepep_checks(buffer, rank, n, T)}
+        before = runtime_calls(buffer)
         got["vllm_dbo"] = vllm_dbo(buffer, rank, n, T)
+        got["runtime_calls"] = (before, runtime_calls(buffer))
         got["three_in_flight"] = three_in_flight(buffer, rank, n, T)
         got["sglang"] = [sglang_low_latency(buffer, rank, n, T, hook) for hook in (True, False)]
         buffer.clean_low_latency_buffer(NUM_MAX, HIDDEN, n_experts(n))
@@ -388,10 +397,10 @@ def test_vllm_dual_batch_overlap_replay(job):
 def exact_dbo_outputs(n: int, ub: int) -> list:
     """Every rank's output of micro-batch ``ub`` of :func:`vllm_dbo` (bf16), from NumPy: the batched
     reference of the inputs (``reference_batched.batched``), the replays' experts on its rows, and
-    ``combine_batched`` with the combine's weights, the order of the runtime's sums."""
+    ``combine_batched_home`` with the combine's weights, the order of the runtime's sums (each
+    token's routed slots ascending, float32 from 0, at home)."""
     from ep_runtime.core.config import EPConfig
-    from ep_runtime.core.reference import dispatch
-    from ep_runtime.core.reference_batched import batched, combine_batched
+    from ep_runtime.core.reference_batched import batched, combine_batched_home
 
     cfg = EPConfig(n_ranks=n, n_experts=n_experts(n), top_k=TOP_K, hidden=HIDDEN, max_tokens_per_rank=NUM_MAX)
     xs, ids, ws = [], [], []
@@ -402,19 +411,34 @@ def exact_dbo_outputs(n: int, ub: int) -> list:
         xs.append(x.view(torch.int16).numpy().view(np.uint16))
         ids.append(idx.numpy().astype(np.int32))
         ws.append(w.numpy())
-    rows = [torch.from_numpy(ref.x.view(np.int16)).view(torch.bfloat16) for ref in batched(xs, ids, ws, cfg)]
+    refs = batched(xs, ids, ws, cfg)
+    rows = [torch.from_numpy(ref.x.view(np.int16)).view(torch.bfloat16) for ref in refs]
     ys = [experts_out(y).view(torch.int16).numpy().view(np.uint16) for y in rows]
-    return [o.astype(np.float32) for o in combine_batched(ys, dispatch(xs, ids, ws, cfg), ids, cfg)]
+    return [o.astype(np.float32) for o in combine_batched_home(ys, refs, ids, ws, cfg)]
 
 
 def test_vllm_dual_batch_overlap_outputs_are_exact(job):
     """The bf16 micro-batches bit for bit (the simulator does not contract multiply-adds): the
-    combine's weights reach each slot and the sums run in the reference's order."""
+    combine's weights multiply the right slot's row once, at home, in the reference's order."""
     n, results = job
     for ub in range(2):
         want = exact_dbo_outputs(n, ub)
         for r, res in enumerate(results):
             np.testing.assert_array_equal(res["vllm_dbo"][ub][0], want[r], err_msg=f"rank {r}: micro-batch {ub}")
+
+
+def test_a_combine_adds_no_exchange(job):
+    """Each micro-batch of the dual-batch overlap costs its buffer's runtime one dispatch and
+    nothing else: the combine's weights go to no runtime of their own (every low-latency runtime
+    is one of a format's two buffers, built to apply the weights at home)."""
+    _, results = job
+    for r, res in enumerate(results):
+        before, after = res["runtime_calls"]
+        assert set(after) == set(before), f"rank {r}: runtimes built by the combines: {set(after) - set(before)}"
+        assert {key[-1] for key in after} <= {0, 1}, f"rank {r}: {sorted(after)}"
+        assert all(weights == "home" for weights, _ in after.values()), f"rank {r}: {after}"
+        grown = sorted(after[key][1] - before[key][1] for key in after)
+        assert grown.count(1) == 2 and set(grown) <= {0, 1}, f"rank {r}: dispatches per runtime {grown}"
 
 
 def test_sglang_low_latency_replay(job):

@@ -40,7 +40,8 @@ def plan_kernels(cfg: EPConfig, plan: Plan, only=None) -> dict:
     unchanged, so the bf16-partials build serves float32 partials too. ``dispatch_copy`` only where the expanded
     layout is served and copied after the placement; ``dispatch_dense`` and ``combine_async_dense`` where the
     dense layout is served, ``dispatch_batched`` where the batched one is; ``dispatch_relay`` and
-    ``combine_relay`` with the hierarchical transport. The slot-value kernels depend on the block size,
+    ``combine_relay`` with the hierarchical transport; with ``combine_weights="home"`` the batched
+    layout's combine pair of ep_runtime/kernels/combine_home.py and no ``combine_async_rows``. The slot-value kernels depend on the block size,
     transport and PDL only, ``routing_copy`` (a kept routing aside and back) on the block size and PDL;
     :data:`GLOBAL_SCALE_KERNELS` in a format with a global scale."""
     def wanted(*names) -> bool:
@@ -67,9 +68,11 @@ def plan_kernels(cfg: EPConfig, plan: Plan, only=None) -> dict:
 
         cv = plan.combine_variant(cfg)
         combine = make_combine_kernels(cv)
-        rows = make_combine_kernels(dataclasses.replace(cv, f32_partials=False))["combine_async_rows"]
-        kernels.update(combine_async=combine["combine_async"], combine_async_rows=rows,
-                       combine_wait=combine["combine_wait"])
+        rows = {}  # (weights at home: a runtime of the batched layout only, which has no compact combine)
+        if not cv.home_weights:
+            bf16_rows = dataclasses.replace(cv, f32_partials=False)
+            rows["combine_async_rows"] = make_combine_kernels(bf16_rows)["combine_async_rows"]
+        kernels.update(combine_async=combine["combine_async"], **rows, combine_wait=combine["combine_wait"])
         if plan.serves("dense"):
             from ep_runtime.kernels.combine_dense import make_combine_async_dense
 

@@ -24,6 +24,12 @@ TOKEN_DTYPES = ("bfloat16", "fp8_e4m3", "fp8_e4m3_ue8m0", "nvfp4")
 COMBINE_DTYPES = ("bfloat16", "float32")
 #: float32 partials move as 8-byte words of 2 floats, with token rows as 8-byte words of 4 bf16.
 F32_PARTIALS_HIDDEN_MULTIPLE = 4
+#: Where a combine applies the router weights (``EPConfig.combine_weights``): "expert", each
+#: expert rank weights and sums its rows of a token and sends one partial home; "home" (the
+#: batched layout only), each expert rank sends every (token, slot) row unweighted and the home
+#: rank sums ``w[t, k] * row[t, k]`` with the weights given at the combine (DeepEP's
+#: low-latency combine, which takes the weights there and nowhere else).
+COMBINE_WEIGHTS = ("expert", "home")
 from ep_runtime.kernels.protocol import MAX_RANKS, PLACEMENT_WORDS  # noqa: F401 (limits the kernels set)
 
 #: Row indices of the expert batch are int32.
@@ -109,6 +115,7 @@ class EPConfig:
     max_recv_rows: int | None = None
     allow_negative_weights: bool = True
     layouts: tuple = DEFAULT_LAYOUTS
+    combine_weights: str = "expert"
 
     def __post_init__(self):
         object.__setattr__(self, "layouts", _layouts(self.layouts))
@@ -166,6 +173,7 @@ class EPConfig:
             raise EPConfigError(f"EPConfig.layouts={self.layouts!r} with token_dtype={self.token_dtype!r}: the batched "
                                 f"layout (DeepEP's low-latency rows) carries bf16 or FP8 rows; use token_dtype "
                                 f"'bfloat16', 'fp8_e4m3' or 'fp8_e4m3_ue8m0', or drop 'batched' from layouts.")
+        _check_combine_weights(self)
         if self.n_sms is not None:
             _check(self.n_sms >= 1, "n_sms", self.n_sms, "must be >= 1 or None", "use None to let the runtime choose")
         _check(isinstance(self.wait_timeout_s, numbers.Real) and not isinstance(self.wait_timeout_s, bool)
@@ -263,6 +271,24 @@ def _layouts(value) -> tuple:
                             f"only the compact layout, 'dense' for DeepEP's received rows, 'batched' for its "
                             f"low-latency rows.")
     return tuple(n for n in LAYOUTS if n in names)
+
+
+def _check_combine_weights(cfg: EPConfig) -> None:
+    """``combine_weights``: one of :data:`COMBINE_WEIGHTS`; ``"home"`` only on a runtime serving
+    just the batched layout (its slots are the rows sent home) with bf16 partials (the rows go
+    home as the experts wrote them)."""
+    _check(isinstance(cfg.combine_weights, str) and cfg.combine_weights in COMBINE_WEIGHTS, "combine_weights",
+           cfg.combine_weights, f"must be one of the strings {COMBINE_WEIGHTS}", "use 'expert' (the default)")
+    if cfg.combine_weights != "home":
+        return
+    if cfg.layouts != ("batched",):
+        raise EPConfigError(f"EPConfig.combine_weights='home' with layouts={cfg.layouts!r}: weights applied at home "
+                            f"need one row home per (token, slot), which only the batched layout's combine sends; "
+                            f"use layouts=('batched',), or combine_weights='expert' for the other layouts.")
+    if cfg.combine_dtype != "bfloat16":
+        raise EPConfigError(f"EPConfig.combine_weights='home' with combine_dtype={cfg.combine_dtype!r}: the rows go "
+                            f"home unweighted as the experts wrote them (bf16) and are summed in float32 there; use "
+                            f"combine_dtype='bfloat16'.")
 
 
 def _require_int(field: str, value) -> None:

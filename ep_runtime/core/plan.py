@@ -229,7 +229,8 @@ class Plan:
         from ep_runtime.core.layout import token_word
 
         return CombineVariant(self.threads, token_word(cfg.hidden).name, cfg.combine_dtype == "float32",
-                              self.transport, self.pdl, self.node_size, self.node_stores)
+                              self.transport, self.pdl, self.node_size, self.node_stores,
+                              cfg.combine_weights == "home")
 
     # -- records --------------------------------------------------------------------------------
     def as_dict(self) -> dict:
@@ -494,6 +495,10 @@ def check_plan(plan: Plan, cfg: EPConfig, topology: Topology) -> None:
                                                           plan.node_size == topology.node_size), "transport",
          f"transport=hierarchical needs PEs on 2 or more nodes of equal size, each a block of consecutive PEs; "
          f"these PEs are on nodes {list(topology.node_of) or [0] * topology.n_ranks}", "use transport=puts"),
+        (cfg.combine_weights != "home" or plan.transport is not Transport.HIERARCHICAL, "transport",
+         "EPConfig.combine_weights='home' sends each (token, slot) row straight to its home, which the hierarchical "
+         "transport's proxies do not carry (they sum a node's partials of a token)",
+         "use transport=puts (it reaches every PE), or combine_weights='expert'"),
         (not plan.node_stores or (plan.transport is Transport.HIERARCHICAL and topology.node_peers_mapped),
          "node_stores", f"node_stores=1 needs the hierarchical transport (this plan's: {plan.transport.value}) and "
          f"every PE mapping its node's heaps (NVLink within a node): "

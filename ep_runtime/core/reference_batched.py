@@ -4,7 +4,9 @@
 expert-major reference batch (:func:`ep_runtime.core.reference.dispatch`): local expert e's
 rows, in that order, at slots ``0 .. counts[e] - 1`` of ``M = R T``; :func:`combine_batched` is
 each home rank's output of ``combine_async(layout="batched")``: the expanded combine's sums
-(:func:`ep_runtime.core.reference.combine`) of the slots' outputs. A separate module from
+(:func:`ep_runtime.core.reference.combine`) of the slots' outputs; :func:`combine_batched_home`
+the output with ``EPConfig.combine_weights="home"``: each token's slots' rows weighted and
+summed at home, in slot order. A separate module from
 :mod:`ep_runtime.core.reference` (which it reads) to keep each under the house's file size.
 """
 
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ep_runtime.core.config import EPConfig
-from ep_runtime.core.reference import ExpertBatchRef, combine, dispatch
+from ep_runtime.core.reference import BF16, ExpertBatchRef, as_bf16, combine, dispatch, routed_ids
 
 
 @dataclass
@@ -89,3 +91,35 @@ def combine_batched(outputs_per_rank, batches: list[ExpertBatchRef], topk_ids_pe
         weights = [expanded_rows(np.asarray(w, np.float32).reshape(cfg.n_local_experts, -1), b)
                    for w, b in zip(weights, batches)]
     return combine(rows, batches, topk_ids_per_rank, cfg, weights=weights)
+
+
+def combine_batched_home(outputs_per_rank, refs: list[BatchedRef], topk_ids_per_rank, topk_weights_per_rank,
+                         cfg: EPConfig) -> list:
+    """Combine in the batched layout with the weights applied at home
+    (``EPConfig.combine_weights="home"``), per home rank ``[T_s, hidden]`` bfloat16.
+
+    ``outputs_per_rank[r]`` ``[L, M, hidden]`` bfloat16 (or uint16 bits): rank r's output of each
+    batched slot; ``refs`` the batched rows (:func:`batched`: which slot holds each (token,
+    expert)); ``topk_ids_per_rank`` the dispatch's routing, ``topk_weights_per_rank[s]`` ``[T_s,
+    K]`` float32 the weights home rank s gives the combine. Token t's output is bf16 of the sum
+    over its routed slots k (:func:`~ep_runtime.core.reference.routed_ids`: masked, dropped and
+    repeated slots skipped), ascending, of ``float32(w[t, k] * row)``, in float32 from 0: the
+    row the slot's expert wrote for the token, unrounded until the output."""
+    L, H = cfg.n_local_experts, cfg.hidden
+    rows = [as_bf16(np.asarray(y)).reshape(L, -1, H).astype(np.float32) for y in outputs_per_rank]
+    outs = []
+    for s, (topk_ids, weights) in enumerate(zip(topk_ids_per_rank, topk_weights_per_rank)):
+        ids = routed_ids(topk_ids, cfg.n_experts)
+        weights = np.asarray(weights, np.float32)
+        out = np.zeros((ids.shape[0], H), np.float32)
+        for t in range(ids.shape[0]):
+            for k in range(ids.shape[1]):
+                x = int(ids[t, k])
+                if x < 0:
+                    continue
+                r, e = divmod(x, L)
+                pos = np.flatnonzero((refs[r].src_rank[e] == s) & (refs[r].src_token[e] == t))
+                assert len(pos) == 1, f"token {t} of rank {s}: expert {x} holds {len(pos)} slots of it"
+                out[t] += weights[t, k] * rows[r][e, pos[0]]
+        outs.append(out.astype(BF16))
+    return outs

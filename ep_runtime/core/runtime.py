@@ -131,6 +131,8 @@ class EPRuntime(DispatchCalls, CombineCalls, SlotValueCalls):
         # partials are read there, not copied), or this empty stand-in after an expanded one
         self._no_own = session.alloc_local("unused own_rows", (0, 0), np.uint16)
         self._own_rows = self._no_own
+        # combine_wait's topk_weights with EPConfig.combine_weights="home": the last combine_async's
+        self._home_weights = None
         self._no_valid = session.alloc_local("unused valid_tokens", (1,), np.int32)
         self._no_scales = session.alloc_local("unused token_scales", (0, 0), np.uint8)
         # combine_async(weights=None): a weight of 1 per expanded (or batched) row (allocated here, not inside a
@@ -221,6 +223,7 @@ class EPRuntime(DispatchCalls, CombineCalls, SlotValueCalls):
         self.session.free_symmetric(self._sym)
         self._sym = self._local = self._no_out = self._no_partials = self._no_aux = self._no_valid = None
         self._no_own = self._own_rows = self._no_scales = self._no_tokens = self._unit_weights = None
+        self._home_weights = None
 
     def __enter__(self):
         return self

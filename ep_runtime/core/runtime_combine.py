@@ -72,12 +72,20 @@ class CombineCalls:
             must stay unmodified until :meth:`combine_wait` has run. The batched layout takes
             the same, its array float32 ``[L, M]`` (or ``[L M]``), a weight per slot. The
             expanded and batched layouts only: compact and dense rows come weighted.
+            With ``EPConfig.combine_weights="home"`` (batched layout only): this rank's router
+            weights, float32 ``[T, top_k]`` (T the dispatch's tokens), which combine_wait applies
+            here to the unweighted (token, slot) rows the expert ranks send (masked, dropped and
+            repeated slots are not read); the array must stay unmodified until combine_wait has
+            run on the stream.
         """
         self._require(State.DISPATCHED, call="combine_async", handle=handle, handle_type=DispatchHandle)
         if layout not in DISPATCH_LAYOUTS:
             raise EPInputError(f"combine_async: layout={layout!r}; expected one of {DISPATCH_LAYOUTS}.")
         mode = "dispatch" if isinstance(weights, str) and weights == "dispatch" else \
             "none" if weights is None else "array"
+        if self.cfg.combine_weights == "home":
+            self._home_weights = self._home_weights_of(layout, weights, handle)
+            mode = "home"
         if mode != "dispatch" and layout not in ("expanded", "batched"):
             raise EPInputError(f"combine_async: weights= applies to the expanded and batched layouts only; {layout} "
                                f"rows are the caller's partials, already weighted (leave weights='dispatch').")
@@ -164,6 +172,8 @@ class CombineCalls:
         arrays.check_array(expert_out, c, "expert_out", np.uint16, (L * M, cfg.hidden),
                            f"The batched layout has M = n_ranks * max_tokens_per_rank = {M} slots per local expert: "
                            f"[L M = {L * M}, hidden = {cfg.hidden}] (or [L, M, hidden]).")
+        if mode == "home":  # the rows go home unweighted (combine_wait weights them)
+            return self._prepare("combine_async", expert_out=expert_out)
         row_weight = {"dispatch": self.buffers["batched_row_weight"], "none": self._unit_weights}.get(mode)
         if mode == "array":
             row_weight = arrays.to_backend(weights, self.session.backend, c, "weights")
@@ -176,6 +186,25 @@ class CombineCalls:
         return self._prepare("combine_async", expert_out=expert_out, token_rows=self.buffers["batched_token_rows"],
                              row_weight=row_weight)
 
+    def _home_weights_of(self, layout: str, weights, handle: DispatchHandle):
+        """``combine_async``'s ``weights`` on a runtime with ``combine_weights="home"``: this rank's
+        float32 ``[T, top_k]`` router weights as a backend array (raising EPInputError, naming
+        the fix, for another layout or anything else)."""
+        c, cfg = "combine_async", self.cfg
+        if layout != "batched":
+            raise EPInputError(f"{c}: layout={layout!r} on a runtime with EPConfig.combine_weights='home', which "
+                               f"sends the batched rows home by slot; use layout='batched'.")
+        if weights is None or isinstance(weights, str):
+            raise EPInputError(f"{c}: weights={weights!r}, but EPConfig.combine_weights is 'home': combine_wait "
+                               f"weights each (token, slot) row here by this rank's router weights; pass them as "
+                               f"float32 [T = {handle.n_tokens}, top_k = {cfg.top_k}], or build the runtime with "
+                               f"combine_weights='expert' to weight on the expert ranks.")
+        weights = arrays.to_backend(weights, self.session.backend, c, "weights")
+        arrays.check_array(weights, c, "weights", np.float32, (handle.n_tokens, cfg.top_k),
+                           f"Expected float32 [T = {handle.n_tokens}, top_k = {cfg.top_k}], this rank's router "
+                           f"weights (combine_weights='home').")
+        return weights
+
     def combine_wait(self, handle: CombineHandle, out=None, epilogue=None, aux=None, reduce: bool = True):
         """Complete the combine of ``handle``. Collective; enqueued on the stream.
 
@@ -185,9 +214,15 @@ class CombineCalls:
         ``aux``, a [T, hidden] float32 array) and rounded to bf16. With ``reduce=False`` returns
         the per-rank partials ``[n_ranks, T, hidden]`` instead (zero where the token did not
         go), in the partials' dtype: uint16 bf16 bits, or float32 when
-        ``EPConfig.combine_dtype`` is ``"float32"``.
+        ``EPConfig.combine_dtype`` is ``"float32"``. With ``EPConfig.combine_weights="home"``: for
+        each token, the sum over its routed slots (slot order, float32 from 0) of the weight
+        combine_async was given times the slot's row; ``reduce=False`` is refused.
         """
         self._require(State.COMBINE_SENT, call="combine_wait", handle=handle, handle_type=CombineHandle)
+        if not reduce and self.cfg.combine_weights == "home":
+            raise EPInputError("combine_wait: reduce=False returns each rank's partial, but with "
+                               "EPConfig.combine_weights='home' the ranks send a row per (token, slot), summed here; "
+                               "use reduce=True, or a runtime with combine_weights='expert'.")
         if not reduce and self.plan.transport is Transport.HIERARCHICAL:
             raise EPInputError("combine_wait: reduce=False returns each rank's partial, but the hierarchical "
                                "transport sums each other node's partials on that node; use reduce=True, or a "
@@ -196,21 +231,23 @@ class CombineCalls:
             shape = (handle.n_tokens, self.cfg.hidden) if reduce else (self.cfg.n_ranks, handle.n_tokens,
                                                                        self.cfg.hidden)
             out = self.session.alloc_local("combine_out", shape, np.uint16 if reduce else self._partial, fill=None)
-        own = self._own_rows
-        call = self._memo.get_or_prepare("combine_wait", (handle.n_tokens, bool(reduce), epilogue), (out, aux, own),
+        own, home = self._own_rows, self._home_weights
+        call = self._memo.get_or_prepare("combine_wait", (handle.n_tokens, bool(reduce), epilogue),
+                                         (out, aux, own, home),
                                          lambda: self._prepare_combine_wait(handle.n_tokens, out, aux, epilogue,
-                                                                            reduce, own))
+                                                                            reduce, own, home))
         if "combine_relay" in self._fixed:  # the other nodes' partials of this node's proxies, summed and sent
             self._run(self._fixed["combine_relay"])
         self._run(call)
         self._state = State.IDLE
         return call.checked[0]
 
-    def _prepare_combine_wait(self, T, out, aux, epilogue, reduce, own) -> PreparedCall:
+    def _prepare_combine_wait(self, T, out, aux, epilogue, reduce, own, home) -> PreparedCall:
         """Check and convert combine_wait's ``out`` and ``aux`` for ``T`` tokens (raising
         EPInputError before any launch); the launch, with ``checked = (out,)`` as returned.
         ``own``: the last combine_async's compact expert_out (checked there), or the empty
-        stand-in."""
+        stand-in; ``home``: its router weights with ``combine_weights="home"`` (checked there),
+        else None."""
         cfg, s = self.cfg, self.session
         shape = (T, cfg.hidden) if reduce else (cfg.n_ranks, T, cfg.hidden)
         dtype = np.uint16 if reduce else self._partial
@@ -227,7 +264,7 @@ class CombineCalls:
                                f"aux is the epilogue's [T={T}, hidden={cfg.hidden}] float32 input.")
         call = self._prepare("combine_wait", epilogue=epilogue, out=out if reduce else unused,
                              out_partials=unused if reduce else out, mode=INT64[0 if reduce else 1],
-                             timeout_ns=self._timeout_ns, aux=aux, own_rows=own)
+                             timeout_ns=self._timeout_ns, aux=aux, own_rows=own, topk_weights=home)
         return PreparedCall(call.kernel, call.args, n_tokens=T, checked=(out,))
 
     def combine(self, expert_out, handle: DispatchHandle, layout: str = "expanded", weights="dispatch", **kwargs):

@@ -74,6 +74,7 @@ class DispatchVariant:
     split_from_tokens: int
     node_size: int = 0
     node_stores: bool = False
+    home_weights: bool = False
     layout: str = "expanded"
 
 
@@ -92,3 +93,4 @@ class CombineVariant:
     pdl: bool
     node_size: int = 0
     node_stores: bool = False
+    home_weights: bool = False

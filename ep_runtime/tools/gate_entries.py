@@ -75,7 +75,27 @@ def plan_entries(formats=FORMATS, variants=PLAN_VARIANTS + NODE_VARIANTS, pdl: b
                                                    **({"node_stores": node_stores} if nodes else {})})
                 out.append((f"{receiver}/{transport}{note}, {token_dtype}" +
                             (", f32 partials" if combine_dtype == "float32" else ""), cfg, plan))
-    return out
+    return out + home_weight_entries(pdl)
+
+
+#: The transports the batched combine with the weights at home runs on (the hierarchical one
+#: refuses it).
+HOME_WEIGHT_TRANSPORTS = ("stores", "puts")
+
+
+def home_weight_entries(pdl: bool = True) -> list:
+    """``[(label, cfg, plan)]``: a runtime of the batched layout only with
+    ``combine_weights="home"`` on each of :data:`HOME_WEIGHT_TRANSPORTS` (the wait receiver, bf16
+    rows: its combine pair, ep_runtime/kernels/combine_home.py, depends on neither the receiver
+    nor the token format; its dispatch kernels are the other plans' builds)."""
+    from ep_runtime.core.config import EPConfig
+    from ep_runtime.core.plan import Topology, choose_plan
+
+    cfg = EPConfig(n_ranks=2, n_experts=8, top_k=2, hidden=256, max_tokens_per_rank=16, layouts=("batched",),
+                   combine_weights="home")
+    return [(f"wait/{transport}, bfloat16, weights at home", cfg,
+             choose_plan(cfg, Topology.nvlink_gpus(2), {"receiver": "wait", "transport": transport, "pdl": pdl}))
+            for transport in HOME_WEIGHT_TRANSPORTS]
 
 
 def _in_cross_section(name: str, token_dtype: str, receiver: str, transport: str = "stores",

@@ -3,10 +3,13 @@ the GPU machine):
 
     mpirun -np 2 -x PYTHONPATH python3 tests/gpu/batched_graph_check.py [--capacity 128] [--replays 50]
         [--scenario masked] [--plans default | variants | receiver=land,transport=puts ...]
+        [--combine-weights expert home]
 
 Captures dispatch_async(n_tokens=<device scalar>) -> dispatch_wait(layout="batched") -> the expert
 stand-in (the identity: a CuPy copy of the batch's ``[L, M, hidden]`` rows) -> combine_async(layout=
-"batched") -> combine_wait once, with capacity-sized inputs, and counts the graph's nodes (the
+"batched", with the router weights: at the expert ranks, the dispatch's; or, ``EPConfig.combine_weights
+="home"`` as the deep_ep layer builds its runtimes, the same weights passed to the combine and applied at
+home) -> combine_wait once, with capacity-sized inputs, and counts the graph's nodes (the
 driver's ``cuGraphGetNodes``; kernel nodes by ``cuGraphNodeGetType``): a capture that completes
 holds no host synchronization (one would end it with an error), and a second capture of the same
 calls must give the same nodes. Each replay writes new tokens, routing (``--scenario masked``: -1
@@ -15,7 +18,8 @@ rank and replay: 0, 1, the capacity and random ones), replays the graph, and che
 expert's count, slot ranges, source tokens and rows exactly against
 :func:`ep_runtime.core.reference_batched.batched` and the combine output within
 ``reference.combine_tolerance`` of :func:`~ep_runtime.core.reference_batched.combine_batched`
-(a GPU may contract the weighted sums' multiply-adds). Prints a table, then PASS or FAIL.
+(or ``combine_batched_home``; a GPU may contract the weighted sums' multiply-adds), for each
+``--combine-weights`` choice (default both). Prints a table, then PASS or FAIL.
 """
 
 from __future__ import annotations
@@ -52,12 +56,15 @@ def graph_nodes(graph) -> tuple[int, int]:
 def step_reference(cfg, seed: int, i: int, counts: list[int], me: int, scenario: str) -> SimpleNamespace:
     """Replay ``i``'s inputs on rank ``me`` and what it must give there."""
     from ep_runtime.core import reference
-    from ep_runtime.core.reference_batched import batched, combine_batched
+    from ep_runtime.core.reference_batched import batched, combine_batched, combine_batched_home
     from ep_runtime.testing import make_inputs
 
     xs, ids, ws = make_inputs(cfg, scenario, seed * 1000 + i, n_tokens=counts)
     refs = batched(xs, ids, ws, cfg)
-    want = combine_batched([r.x for r in refs], reference.dispatch(xs, ids, ws, cfg), ids, cfg)[me]
+    if cfg.combine_weights == "home":  # the combine's weights (the dispatch's here) applied at home
+        want = combine_batched_home([r.x for r in refs], refs, ids, ws, cfg)[me]
+    else:
+        want = combine_batched([r.x for r in refs], reference.dispatch(xs, ids, ws, cfg), ids, cfg)[me]
     b = refs[me]
     scale = float(np.abs(b.x.astype(np.float32)).max()) if b.x.size else 0.0
     return SimpleNamespace(tokens=xs[me].view(np.uint16), ids=ids[me], ws=ws[me], ref=b, want=want,
@@ -65,13 +72,15 @@ def step_reference(cfg, seed: int, i: int, counts: list[int], me: int, scenario:
 
 
 def capture(rt, stream, tok, tid, tw, count, y, out):
-    """The step's calls captured on ``stream``: the graph and the batch it fills."""
+    """The step's calls captured on ``stream``: the graph and the batch it fills. With
+    ``combine_weights="home"`` the combine takes the weights ``tw`` (read at home by combine_wait)."""
     import cupy
 
+    weights = {"weights": tw} if rt.cfg.combine_weights == "home" else {}
     stream.begin_capture()
     batch = rt.dispatch_wait(rt.dispatch_async(tok, tid, tw, n_tokens=count), layout="batched")
     cupy.copyto(y, batch.x)  # the identity expert, inside the graph
-    rt.combine_wait(rt.combine_async(y, batch.handle, layout="batched"), out=out)
+    rt.combine_wait(rt.combine_async(y, batch.handle, layout="batched", **weights), out=out)
     return stream.end_capture(), batch
 
 
@@ -130,16 +139,19 @@ def main() -> int:
     ap.add_argument("--replays", type=int, default=50)
     harness.add_scenario_option(ap)
     ap.add_argument("--plans", nargs="+", default=["default"], metavar="PLAN", help=harness.PLANS_HELP)
+    ap.add_argument("--combine-weights", nargs="+", choices=("expert", "home"), default=["expert", "home"],
+                    help="where the combine applies the router weights (EPConfig.combine_weights; the hierarchical "
+                         "transport takes 'expert' only)")
     args = ap.parse_args()
     plans = harness.plan_list(args.plans)
 
     R, cap = harness.job_comm().Get_size(), args.capacity
-    cfg = harness.layer_config(args, R, cap, layouts="batched")
-    session = harness.open_job_session(cfg)
+    cfgs = {w: harness.layer_config(args, R, cap, layouts="batched", combine_weights=w) for w in args.combine_weights}
+    session = harness.open_job_session(*cfgs.values())
     rng = np.random.default_rng(args.seed)
     counts_per_step = [step_counts(R, cap, i, rng) for i in range(args.replays)]
     lines, rows, failures = harness.run_plans(
-        session, plans, {"": cfg}, lambda rt, label, check: replay_steps(rt, session, check, counts_per_step, args))
+        session, plans, cfgs, lambda rt, label, check: replay_steps(rt, session, check, counts_per_step, args))
     session.close()
 
     def table(all_rows) -> list[str]:
@@ -148,7 +160,8 @@ def main() -> int:
             return f"{good:>10} {args.replays:>4} {nodes:>6} {kernels:>7}"
 
         columns = f"{'replays ok':>10} {'of':>4} {'nodes':>6} {'kernels':>7}"
-        return ["layout batched", *lines, *harness.plan_table(all_rows, len(plans), columns, cells)]
+        return ["layout batched", *lines, *harness.plan_table(all_rows, len(plans), columns, cells,
+                                                               key_column=("weights", 7))]
 
     return harness.finish(failures, rows, table, most=10)
 

@@ -143,8 +143,8 @@ class Buffer:
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                                        num_experts: int) -> int:
-        """Symmetric heap bytes the low-latency calls of these sizes use (bf16 rows): two
-        alternating runtimes and the combine's weights runtime (:mod:`.low_latency`); pass it as
+        """Symmetric heap bytes the low-latency calls of these sizes use: the two alternating
+        runtimes of each row format ``hidden`` allows (:mod:`.low_latency`); pass it as
         ``num_rdma_bytes``."""
         return LowLatency.size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
 

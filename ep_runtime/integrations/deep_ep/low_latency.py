@@ -15,13 +15,14 @@ dual-batch overlap) each hold a dispatch until their combine; a third dispatch r
 buffer (its received rows overwritten, as DeepEP's), and the first handle's combine then sends its
 routing again first (``_open_dispatch``).
 
-The combine applies ``topk_weights`` given at the combine, which DeepEP's dispatch never sees:
-they go to the expert ranks first, on a third runtime of ``WEIGHTS_HIDDEN``-wide empty rows
-whose dispatch carries the combine's routing and weights (the same routing places each
-(token, expert) at the same slot), and the combine weights each slot by its weight there before
-each expert rank sums its rows of a token (the runtime's combine: float32 from 0, local experts
-ascending; the ranks' partials summed home in rank order). docs/deep_ep.md, "Low-latency mode",
-has the costs: one more small exchange per combine, and the memory of two runtimes.
+The combine applies ``topk_weights`` given at the combine, which DeepEP's dispatch never sees, at
+home, as DeepEP's does: the runtimes are built with ``EPConfig.combine_weights="home"``, so each
+expert rank sends every (token, expert) row home unweighted (into the home's row of that top-k
+slot) and the home rank's ``combine_wait`` sums ``topk_weights[t, k] * row`` over the token's
+routed slots in slot order (float32 from 0, then bf16): no exchange besides the combine's own
+(:mod:`ep_runtime.kernels.combine_home`). The slots summed are the dispatch's routing (-1 and
+repeated ids sum nothing); the weights are copied into a buffer of the runtime (the same memory
+every call, read by the receive).
 
 ``return_recv_hook``: the call enqueues the send and returns a hook that enqueues the receive
 (``dispatch_wait``, ``combine_wait``); the returned tensors hold the data once the hook has run
@@ -45,8 +46,6 @@ from ep_runtime.integrations.torch import _Bridge
 _BF16, _FP8 = torch.bfloat16, torch.float8_e4m3fn
 #: Runtimes of one row format that alternate between dispatches (DeepEP's two low-latency buffers).
 LOW_LATENCY_BUFFERS = 2
-#: bf16 values of a row of the weights runtime: one 8-byte token word (its rows carry nothing).
-WEIGHTS_HIDDEN = 4
 #: The routing width ``get_low_latency_rdma_size_hint`` sizes for (its arguments have no top-k).
 HINT_TOP_K = 16
 
@@ -107,22 +106,24 @@ class LowLatency:
         self.cache, self.owner = cache, owner
         self.entries: dict[tuple, RuntimeEntry] = {}
         self.combine_buffers: dict[int, torch.Tensor] = {}
+        self.weight_buffers: dict[int, torch.Tensor] = {}  # each runtime's combine weights [num_max, top_k]
         self.calls = 0  # dispatches so far: the next takes buffer calls % LOW_LATENCY_BUFFERS
 
     # -- runtimes --------------------------------------------------------------------------------
     def entry(self, token_dtype: str, hidden: int, n_experts: int, top_k: int, num_max: int, index) -> RuntimeEntry:
-        """The runtime of buffer ``index`` (or ``"weights"``) for these rows, built (collective:
-        every argument equal on every rank) when none holds ``top_k`` slots."""
+        """The runtime of buffer ``index`` for these rows, built (collective: every argument equal
+        on every rank) when none holds ``top_k`` slots; its combine applies the weights at home."""
         key = (token_dtype, hidden, n_experts, num_max, index)
         entry = self.entries.get(key)
         if entry is not None and entry.cfg.top_k >= top_k:
             return entry
         if entry is not None:
             entry.runtime.close()
+            self.combine_buffers.pop(id(entry), None)
+            self.weight_buffers.pop(id(entry), None)
         from ep_runtime.core.runtime import EPRuntime
 
-        cfg = EPConfig(n_ranks=self.cache.n_ranks, n_experts=n_experts, top_k=top_k, hidden=hidden,
-                       max_tokens_per_rank=num_max, token_dtype=token_dtype, layouts=("batched",))
+        cfg = low_latency_config(self.cache.n_ranks, n_experts, top_k, hidden, num_max, token_dtype)
         runtime = EPRuntime(cfg, self.cache.open_session(cfg))
         entry = self.entries[key] = RuntimeEntry(runtime, _Bridge(runtime))
         return entry
@@ -133,6 +134,7 @@ class LowLatency:
             entry.runtime.close()
         self.entries.clear()
         self.combine_buffers.clear()
+        self.weight_buffers.clear()
 
     def clean(self, num_max: int, hidden: int, n_experts: int) -> None:
         """``clean_low_latency_buffer``: reset the runtimes of these sizes (collective): they are
@@ -146,17 +148,13 @@ class LowLatency:
     @staticmethod
     def size_hint(num_max: int, hidden: int, n_ranks: int, n_experts: int) -> int:
         """Symmetric bytes of the low-latency runtimes of these sizes: the two buffers of each
-        row format ``hidden`` allows (bf16; FP8 at a multiple of 128; packed UE8M0 at 512) and
-        the weights runtime's, routing :data:`HINT_TOP_K` wide (at most ``n_experts``)."""
+        row format ``hidden`` allows (bf16; FP8 at a multiple of 128; packed UE8M0 at 512),
+        routing :data:`HINT_TOP_K` wide (at most ``n_experts``)."""
         top_k = min(HINT_TOP_K, n_experts)
-
-        def symmetric(h: int, token_dtype: str = "bfloat16") -> int:
-            cfg = EPConfig(n_ranks=n_ranks, n_experts=n_experts, top_k=top_k, hidden=h, max_tokens_per_rank=num_max,
-                           token_dtype=token_dtype, layouts=("batched",))
-            return BufferLayout(cfg).symmetric_bytes
-
         formats = ["bfloat16"] + (["fp8_e4m3", "fp8_e4m3_ue8m0"] if hidden % 128 == 0 else [])
-        return LOW_LATENCY_BUFFERS * sum(symmetric(hidden, f) for f in formats) + symmetric(WEIGHTS_HIDDEN)
+        return LOW_LATENCY_BUFFERS * sum(
+            BufferLayout(low_latency_config(n_ranks, n_experts, top_k, hidden, num_max, f)).symmetric_bytes
+            for f in formats)
 
     # -- dispatch ---------------------------------------------------------------------------------
     def dispatch(self, x, topk_idx, num_max: int, n_experts: int, stats, use_fp8: bool, round_scale: bool,
@@ -216,17 +214,14 @@ class LowLatency:
             out = torch.empty(T, H, dtype=_BF16, device=bridge.device)
         _check(c, "out", out, (_BF16,), (T, H))
         rows = self.combine_buffer(state) if zero_copy else x.contiguous()
-        w_entry = self.entry("bfloat16", WEIGHTS_HIDDEN, state.n_experts, rt.cfg.top_k, state.num_max, "weights")
-        w_rt, w_bridge = w_entry.runtime, w_entry.bridge
-        ids = _padded_ids(topk_idx, w_rt.cfg.top_k)
-        weights = torch.nn.functional.pad(topk_weights, (0, w_rt.cfg.top_k - topk_weights.shape[1])).contiguous()
-        empty = torch.zeros(T, WEIGHTS_HIDDEN, dtype=_BF16, device=bridge.device)
+        weights = self.weight_buffer(state)[:T]
         with CommCall(self.cache.session, bridge.device, None, async_finish and not return_recv_hook) as call:
-            # the combine's weights to the expert ranks: each slot's weight lands where its row is
-            w_handle = w_rt.dispatch_async(w_bridge.to_rt(empty), w_bridge.to_rt(ids), w_bridge.to_rt(weights))
-            slot_weights = w_rt.dispatch_wait(w_handle, layout="batched").row_weight
+            # the weights into the runtime's buffer (on the communication stream, before the
+            # receive reads them at home), slots past the caller's top-k zero (never routed)
+            weights[:, :topk_weights.shape[1]].copy_(topk_weights)
+            weights[:, topk_weights.shape[1]:].zero_()
             pending = rt.combine_async(bridge.to_rt(rows), self._open_dispatch(state), layout="batched",
-                                       weights=slot_weights)
+                                       weights=bridge.to_rt(weights))
             entry.open = None
 
             def receive():
@@ -264,6 +259,16 @@ class LowLatency:
                                                     dtype=_BF16, device=entry.bridge.device)
         return self.combine_buffers[key]
 
+    def weight_buffer(self, state: LowLatencyState) -> torch.Tensor:
+        """The ``[num_max, top_k]`` float32 weights the combine of ``state``'s runtime reads at
+        home (one per runtime, made at its first use)."""
+        entry = state.entry
+        key = id(entry)
+        if key not in self.weight_buffers:
+            self.weight_buffers[key] = torch.zeros(state.num_max, entry.cfg.top_k, dtype=torch.float32,
+                                                   device=entry.bridge.device)
+        return self.weight_buffers[key]
+
     def state_of(self, handle, call: str) -> LowLatencyState:
         if not isinstance(handle, LowLatencyHandle):
             raise EPInputError(f"{call}: handle must be the handle low_latency_dispatch returned; got "
@@ -283,6 +288,13 @@ class LowLatency:
                 call.finish(())
 
         return hook
+
+
+def low_latency_config(n_ranks: int, n_experts: int, top_k: int, hidden: int, num_max: int,
+                       token_dtype: str) -> EPConfig:
+    """The config of a low-latency runtime: the batched layout only, its combine weighting at home."""
+    return EPConfig(n_ranks=n_ranks, n_experts=n_experts, top_k=top_k, hidden=hidden, max_tokens_per_rank=num_max,
+                    token_dtype=token_dtype, layouts=("batched",), combine_weights="home")
 
 
 def _no_hook():

@@ -47,7 +47,10 @@ Combine partials (every lane of a warp)
     address it is stored to. ``stage_aligned(stage)``, ``home_aligned(relay_partials)``:
     whether those rows take 16-byte accesses. ``finish_part(...)``: a written part flagged
     where it went, or put from its stage with its flag. ``send_home_part(...)``: a caller's
-    partial row part home (compact layout).
+    partial row part home (compact layout). ``send_slot_part(...)``: the same arguments with
+    the top-k slot ``k`` in place of this PE's index: an unweighted row part into ``[g, k, t]``
+    of its home, flagged ``[k, t, p]`` (``combine_weights="home"``; the stores and puts
+    transports only).
 
 Slot values
     ``send_slot_value(...)`` (one thread), ``signal_slot_values(...)`` (the last block).

@@ -7,7 +7,7 @@ signal. Built for every PE (``node_size`` 0) or for the PEs of this PE's node (`
 
 :func:`make` merges the interface from a factory per job: :func:`make_rows` (token rows),
 :func:`make_routing` (routing rows, ranks, counts, the call's signal), :func:`make_partials`
-(the combine partials' stage, put and flag), :func:`make_slots` (slot values) and
+(the combine partials' stage, put and flag, by source rank or by top-k slot), :func:`make_slots` (slot values) and
 :func:`make_forwarding` (the proxies' forwarding within their node).
 """
 
@@ -189,8 +189,11 @@ def make_partials() -> SimpleNamespace:
         shmem.put_signal_nbi_warp(partials[g, me, t, w0:w1], src[w0:w1], row_flag[me, t, p:p + 1], uint64(n + 1),
                                   shmem.SIGNAL_SET, s)
 
+    # a row by slot (combine_weights="home") is put as a caller's partial is, into [g, k, t] with
+    # the flag [k, t, p]: the slot k stands where this PE's index does
     return SimpleNamespace(stores_to=stores_to, stages=stages, stage_aligned=stage_aligned, home_aligned=common.home_aligned,
-                           home_at=home_at, finish_part=finish_part, send_home_part=send_home_part)
+                           home_at=home_at, finish_part=finish_part, send_home_part=send_home_part,
+                           send_slot_part=send_home_part)
 
 
 def make_slots(threads: int, near) -> SimpleNamespace:

@@ -10,7 +10,7 @@ node, :mod:`.hierarchical`, which adds what crosses nodes).
 
 :func:`make` merges the interface from a factory per job: :func:`make_rows` (token rows),
 :func:`make_routing` (routing rows, ranks, counts, the call's signal), :func:`make_partials`
-(the combine partials' home and flag), :func:`make_slots` (slot values) and
+(the combine partials' home and flag, by source rank or by top-k slot), :func:`make_slots` (slot values) and
 :func:`make_forwarding` (the proxies' forwarding within their node).
 """
 
@@ -25,7 +25,7 @@ from ep_runtime.kernels.protocol import (PEER_COUNTS, PEER_IDS, PEER_PARTIALS, P
                                          PEER_WEIGHTS)
 from ep_runtime.kernels.transport import common
 from ep_runtime.kernels.transport.common import PAIRS_IN_FLIGHT, RUN_BATCH
-from ep_runtime.kernels.block import flag_part, warp_geometry
+from ep_runtime.kernels.block import flag_part, flag_stored, warp_geometry
 from ep_runtime.kernels.vec import (address_of, load_u32_at, make_pair_loops, make_peer_copy, pairs_aligned,
                                     store_u32_at, store_word_at)
 
@@ -192,9 +192,17 @@ def make_partials(warp: int) -> SimpleNamespace:
         flag it there (``row_flag[me, t, p] = n + 1`` after a fence: ``flag_part``)."""
         flag_part(row_flag, me, t, p, n, uint64(1) << uint64(s), lane)
 
+    @inlined
+    def finish_slot_part(partials, stage, relay_partials, relay_flag, row_flag, g, k, s, t, p, pw0, pw1, n, lane):
+        """Every lane of the warp that stored part ``p`` of the row slot ``k`` of token ``t`` of PE
+        ``s`` went to (``combine_weights="home"``): flag it there (``row_flag[k, t, p] = n + 1``
+        after a fence)."""
+        flag_stored(row_flag[k, t, p:p + 1], n, uint64(1) << uint64(s), s + 1, lane)
+
     return SimpleNamespace(stores_to=stores_to, stages=stages, stage_aligned=stage_aligned, home_aligned=common.home_aligned,
                            home_at=home_at, finish_part=finish_part,
-                           send_home_part=make_home_sender(warp, home_at, finish_part))
+                           send_home_part=make_home_sender(warp, home_at, finish_part),
+                           send_slot_part=make_home_sender(warp, home_at, finish_slot_part))
 
 
 def make_home_sender(warp: int, home_at, finish_part):
