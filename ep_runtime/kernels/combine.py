@@ -21,7 +21,8 @@ def make_combine_kernels(v: CombineVariant, epilogue=identity_epilogue) -> dict:
     node size, so the other plans that differ only there share it), and with the hierarchical
     transport ``combine_relay`` (ep_runtime/kernels/relay.py). Each is marked for PDL when ``v.pdl``."""
     kernels = dict(make_combine_send(v))
-    kernels["combine_wait"] = make_combine_wait(v.threads, v.word, v.f32_partials, v.pdl, epilogue, v.node_size)
+    kernels["combine_wait"] = make_combine_wait(v.threads, v.word, v.f32_partials, v.pdl, epilogue, v.node_size,
+                                                v.dest_slots)
     if v.node_size:
         kernels["combine_relay"] = make_combine_relay(v)
     return kernels

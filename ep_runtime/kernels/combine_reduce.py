@@ -21,12 +21,14 @@ from ep_runtime.kernels.vec import load_pair, store_pair
 
 
 @functools.lru_cache(maxsize=None)
-def make_partial_reduce(threads: int, word: str, f32_partials: bool, epilogue, node_size: int) -> SimpleNamespace:
+def make_partial_reduce(threads: int, word: str, f32_partials: bool, epilogue, node_size: int,
+                        dest_slots: int = 0) -> SimpleNamespace:
     """The part loops of ``combine_wait`` for blocks of ``threads`` threads, token words of
     ``word`` (a NumPy dtype name), the partial format, ``epilogue(value: float32, token: int,
     col: int, aux: [T, H] float32) -> float32`` (a Numba device function applied to each reduced
     element before the bf16 store) and the partials' rows (``nodes.make_partial_sources`` of
-    ``node_size``): ``reduce_part`` and ``copy_part``."""
+    ``node_size``), a token's ranks a uint64 mask (``dest_slots`` 0) or an ascending list
+    (ep_runtime/kernels/destinations.py): ``reduce_part`` and ``copy_part``."""
     geo = partial_geometry(threads, word, f32_partials)
     warp, word_t, pack, P, F32 = geo.warp, geo.word_t, geo.pack, geo.P, geo.F32
     rounded_word = geo.rounded_word
@@ -39,49 +41,104 @@ def make_partial_reduce(threads: int, word: str, f32_partials: bool, epilogue, n
     _, partial_row, _ = make_partial_sources(node_size)
 
     @inlined
+    def add_pairs(src, w, w1, lo, hi, acc):
+        """Every lane: one rank's partial ``src`` added into ``acc``, UP partial-word pairs from
+        token word ``w`` (each lane's loads issued before use)."""
+        for u in range(UPW):
+            wu = w + 2 * u * warp
+            if wu < w1:
+                if F32:  # token words wu, wu + 1: partial words 2 wu .. 2 wu + 3
+                    pair = load_pair(src, 2 * wu)
+                    lo[2 * u] = pair[0]
+                    hi[2 * u] = pair[1]
+                    pair = load_pair(src, 2 * wu + 2)
+                    lo[2 * u + 1] = pair[0]
+                    hi[2 * u + 1] = pair[1]
+                else:
+                    pair = load_pair(src, wu)
+                    lo[u] = pair[0]
+                    hi[u] = pair[1]
+        for u in range(UPW):
+            for x in range(pack):
+                if F32:
+                    acc[2 * u * pack + x] += f32_word_at(lo[2 * u] if x < 2 else hi[2 * u], x % 2)
+                    acc[(2 * u + 1) * pack + x] += f32_word_at(
+                        lo[2 * u + 1] if x < 2 else hi[2 * u + 1], x % 2)
+                else:
+                    acc[2 * u * pack + x] += word_f32(lo[u], x)
+                    acc[(2 * u + 1) * pack + x] += word_f32(hi[u], x)
+
+    @inlined
+    def add_words(src, w, w1, vals, acc):
+        """Every lane: one rank's partial ``src`` added into ``acc``, U partial words from token
+        word ``w`` (each lane's loads issued before use)."""
+        for u in range(UW):
+            if w + u * warp < w1:
+                if F32:  # token word w + u warp: partial words 2 (w + u warp) + 0, 1
+                    vals[2 * u] = src[2 * (w + u * warp)]
+                    vals[2 * u + 1] = src[2 * (w + u * warp) + 1]
+                else:
+                    vals[u] = src[w + u * warp]
+        for u in range(UW):
+            for x in range(pack):
+                if F32:
+                    acc[u * pack + x] += f32_word_at(vals[2 * u + x // 2], x % 2)
+                else:
+                    acc[u * pack + x] += word_f32(vals[u], x)
+
+    @inlined
+    def partial_of(own_rows, combine_partials, relay_slot, g, me, t, Tmax, r, own):
+        """Rank r's partial row of token t: row ``me * Tmax + t`` of ``own_rows`` where ``own``
+        and r = me, else row ``partial_row(relay_slot, g, t, r, me)`` of ``combine_partials[g, r]``."""
+        return (own_rows[me * Tmax + t] if own and r == me
+                else combine_partials[g, r, partial_row(relay_slot, g, t, r, me)])
+
+    @inlined
+    def sum_mask(own_rows, combine_partials, relay_slot, g, me, t, Tmax, R, went, own, pairs, w, w1, lo, hi, vals,
+                 acc):
+        """Every lane: the partials of the ranks set in the mask ``went`` (uint64), ascending, added
+        into ``acc`` (``add_pairs`` where ``pairs``, else ``add_words``)."""
+        for r in range(R):
+            if (went >> uint64(r)) & uint64(1):
+                src = partial_of(own_rows, combine_partials, relay_slot, g, me, t, Tmax, r, own)
+                if pairs:
+                    add_pairs(src, w, w1, lo, hi, acc)
+                else:
+                    add_words(src, w, w1, vals, acc)
+
+    @inlined
+    def sum_listed(own_rows, combine_partials, relay_slot, g, me, t, Tmax, R, went, own, pairs, w, w1, lo, hi, vals,
+                   acc):
+        """``sum_mask`` over the ranks of the list ``went`` (int32, count first, ascending:
+        ep_runtime/kernels/destinations.py): the same ranks in the same order."""
+        for j in range(went[0]):
+            src = partial_of(own_rows, combine_partials, relay_slot, g, me, t, Tmax, went[1 + j], own)
+            if pairs:
+                add_pairs(src, w, w1, lo, hi, acc)
+            else:
+                add_words(src, w, w1, vals, acc)
+
+    sum_ranks = sum_listed if dest_slots else sum_mask
+
+    @inlined
     def reduce_part(out, own_rows, combine_partials, relay_slot, aux, g, me, t, Tmax, R, went, own, pairs, w0, w1,
                     lane, acc, vals, lo, hi):
         """Every lane of one warp (MODE_REDUCE): token words ``[w0, w1)`` of ``out[t]`` ([T, W]
-        words) = bf16(epilogue(sum over the ranks r set in ``went`` (uint64), ascending, of
-        f32(partial_r), from 0)). Rank r's partial is row ``partial_row(relay_slot, g, t, r,
-        me)`` of ``combine_partials[g, r]`` ([G, R, Tmax, P W] partial words), or, ``own`` and
-        r = me, row ``me * Tmax + t`` of ``own_rows``. ``pairs``: UP partial-word pairs per
-        lane in flight (16-byte accesses), else U partial words; each rank's loads are issued
-        before use. ``acc`` (local float32 [U / P pack]), ``vals`` (local [U] words), ``lo``,
-        ``hi`` (local [U / 2] words): the lanes' registers, their lanes past the row's end
-        finite."""
+        words) = bf16(epilogue(sum over the ranks r in ``went`` (a uint64 mask, or a list where
+        built with ``dest_slots``), ascending, of f32(partial_r), from 0)). Rank r's partial is row
+        ``partial_row(relay_slot, g, t, r, me)`` of ``combine_partials[g, r]`` ([G, R, Tmax, P W]
+        partial words), or, ``own`` and r = me, row ``me * Tmax + t`` of ``own_rows``.
+        ``pairs``: UP partial-word pairs per lane in flight (16-byte accesses), else U partial
+        words; each rank's loads are issued before use. ``acc`` (local float32 [U / P pack]),
+        ``vals`` (local [U] words), ``lo``, ``hi`` (local [U / 2] words): the lanes' registers,
+        their lanes past the row's end finite."""
         orow = out[t]
         w = w0 + 2 * lane
-        while pairs and w < w1:  # UP partial-word pairs per lane: each rank's loads issued before use
+        while pairs and w < w1:  # UP partial-word pairs per lane
             for x in range(2 * UPW * pack):
                 acc[x] = float32(0.0)
-            for r in range(R):
-                if (went >> uint64(r)) & uint64(1):
-                    src = (own_rows[me * Tmax + t] if own and r == me
-                           else combine_partials[g, r, partial_row(relay_slot, g, t, r, me)])
-                    for u in range(UPW):
-                        wu = w + 2 * u * warp
-                        if wu < w1:
-                            if F32:  # token words wu, wu + 1: partial words 2 wu .. 2 wu + 3
-                                pair = load_pair(src, 2 * wu)
-                                lo[2 * u] = pair[0]
-                                hi[2 * u] = pair[1]
-                                pair = load_pair(src, 2 * wu + 2)
-                                lo[2 * u + 1] = pair[0]
-                                hi[2 * u + 1] = pair[1]
-                            else:
-                                pair = load_pair(src, wu)
-                                lo[u] = pair[0]
-                                hi[u] = pair[1]
-                    for u in range(UPW):
-                        for x in range(pack):
-                            if F32:
-                                acc[2 * u * pack + x] += f32_word_at(lo[2 * u] if x < 2 else hi[2 * u], x % 2)
-                                acc[(2 * u + 1) * pack + x] += f32_word_at(
-                                    lo[2 * u + 1] if x < 2 else hi[2 * u + 1], x % 2)
-                            else:
-                                acc[2 * u * pack + x] += word_f32(lo[u], x)
-                                acc[(2 * u + 1) * pack + x] += word_f32(hi[u], x)
+            sum_ranks(own_rows, combine_partials, relay_slot, g, me, t, Tmax, R, went, own, True, w, w1, lo, hi, vals,
+                      acc)
             for u in range(UPW):
                 wu = w + 2 * u * warp
                 if wu < w1:
@@ -90,26 +147,11 @@ def make_partial_reduce(threads: int, word: str, f32_partials: bool, epilogue, n
                     store_pair(orow, wu, rounded_word(acc, 2 * u * pack), rounded_word(acc, (2 * u + 1) * pack))
             w += 2 * UPW * warp
         w = w0 + lane
-        while not pairs and w < w1:  # U partial words per lane: each rank's loads issued before use
+        while not pairs and w < w1:  # U partial words per lane
             for x in range(UW * pack):
                 acc[x] = float32(0.0)
-            for r in range(R):
-                if (went >> uint64(r)) & uint64(1):
-                    src = (own_rows[me * Tmax + t] if own and r == me
-                           else combine_partials[g, r, partial_row(relay_slot, g, t, r, me)])
-                    for u in range(UW):
-                        if w + u * warp < w1:
-                            if F32:  # token word w + u warp: partial words 2 (w + u warp) + 0, 1
-                                vals[2 * u] = src[2 * (w + u * warp)]
-                                vals[2 * u + 1] = src[2 * (w + u * warp) + 1]
-                            else:
-                                vals[u] = src[w + u * warp]
-                    for u in range(UW):
-                        for x in range(pack):
-                            if F32:
-                                acc[u * pack + x] += f32_word_at(vals[2 * u + x // 2], x % 2)
-                            else:
-                                acc[u * pack + x] += word_f32(vals[u], x)
+            sum_ranks(own_rows, combine_partials, relay_slot, g, me, t, Tmax, R, went, own, False, w, w1, lo, hi, vals,
+                      acc)
             for u in range(UW):
                 wu = w + u * warp
                 if wu < w1:
@@ -134,4 +176,20 @@ def make_partial_reduce(threads: int, word: str, f32_partials: bool, epilogue, n
                 else:
                     out_partials[r, t, w] = 0
 
-    return SimpleNamespace(reduce_part=reduce_part, copy_part=copy_part)
+    @inlined
+    def copy_listed_part(out_partials, own_rows, combine_partials, relay_slot, g, me, t, Tmax, R, went, own, w0, w1,
+                         lane):
+        """``copy_part`` of the ranks of the list ``went`` (int32, count first, ascending)."""
+        for w in range(P * w0 + lane, P * w1, warp):  # partial words
+            j = 0  # the next listed rank
+            for r in range(R):
+                if j < went[0] and went[1 + j] == r:
+                    if own and r == me:
+                        out_partials[r, t, w] = own_rows[me * Tmax + t, w]
+                    else:
+                        out_partials[r, t, w] = combine_partials[g, r, partial_row(relay_slot, g, t, r, me), w]
+                    j += 1
+                else:
+                    out_partials[r, t, w] = 0
+
+    return SimpleNamespace(reduce_part=reduce_part, copy_part=copy_listed_part if dest_slots else copy_part)

@@ -19,6 +19,7 @@ from ep_runtime.kernels import shmem
 from ep_runtime.kernels.block import last_block_ticket, udiv32, warp_geometry
 from ep_runtime.kernels.codecs import make_sender, traits
 from ep_runtime.kernels.cuda_api import cuda, inlined, int32, int64, kernel_jit, uint32, uint64
+from ep_runtime.kernels.destinations import holders_at, list_words
 from ep_runtime.kernels.dispatch_route import make_dispatch_route
 from ep_runtime.kernels.nodes import MAX_NODES
 from ep_runtime.kernels.pdl import make_pdl, programmatic
@@ -57,8 +58,9 @@ def make_token_senders(v: DispatchVariant) -> SimpleNamespace:
     each rank with one of its experts, ``token_destinations``) and the transport's
     ``send_across`` (the rows bound for other nodes, a packed chunk a put; nothing without
     nodes), and the encoder's shared scratch (``MBUF_WORDS``, ``HELD_WORDS``)."""
-    tp = make_transport(v.transport, v.threads, v.node_size, v.node_stores)
+    tp = make_transport(v.transport, v.threads, v.node_size, v.node_stores, v.dest_slots)
     row_dests = tp.row_dests
+    LANDS = v.receiver is Receiver.LAND
 
     @cuda.jit(device=True)
     def token_destinations(ids_at, K, L, R, me, skip, ids_l):
@@ -68,7 +70,16 @@ def make_token_senders(v: DispatchVariant) -> SimpleNamespace:
         its chunk (the transport's ``send_across``)."""
         return row_dests(token_holders(ids_at, K, L, R, ids_l) & ~skip, me)
 
-    sender = make_sender(v.codec, v.threads, tp, token_destinations, v.receiver is Receiver.LAND)
+    @cuda.jit(device=True)
+    def token_destination_list(ids_at, K, L, R, me, skip, ids_l):
+        """``token_destinations`` of a build with destination lists: the list (int32, count
+        first: ep_runtime/kernels/destinations.py) in ``ids_l[ID_BATCH:]``, returned. The codec's
+        ``skip`` mask cannot name a rank past 63: this rank is left out exactly when the receiver
+        lands (it reads its own rows from the caller's tokens), which is what the codecs skip."""
+        return holders_at(ids_at, K, L, R, me if LANDS else -1, ids_l, ids_l[ID_BATCH:])
+
+    sender = make_sender(v.codec, v.threads, tp, token_destination_list if v.dest_slots else token_destinations,
+                         LANDS)
     return SimpleNamespace(send_rows=sender.send_rows, send_across=tp.make_row_chunks(sender.pack_row, token_holders),
                            MBUF_WORDS=sender.MBUF_WORDS, HELD_WORDS=sender.HELD_WORDS)
 
@@ -175,6 +186,7 @@ def make_dispatch_async(v: DispatchVariant):
     SPLIT_FROM = int(v.split_from_tokens)
     ENCODES = traits(v.codec).ENCODES  # the token blocks compute the messages (FP8)
     CHUNK_MASKS = MAX_NODES if v.node_size > 0 else 1  # the node chunks' masks (send_across)
+    IDS_WORDS = ID_BATCH + list_words(v.dest_slots)  # a token's ids, then its destination list (if listed)
     pdl_wait, pdl_trigger = make_pdl(v.pdl)
     route = make_dispatch_route(v)
     RANK_WORDS = route.rank_words if not FIRST else 1  # a routing block's masks and rows (none route first)
@@ -249,7 +261,7 @@ def make_dispatch_async(v: DispatchVariant):
         lo = cuda.local.array(PAIRS_IN_FLIGHT, uint64)  # a warp's word pairs in flight (the codec's copies)
         hi = cuda.local.array(PAIRS_IN_FLIGHT, uint64)
         run_l = cuda.local.array(RUN_BATCH, uint32)  # a routing block's ranks loaded before they are stored
-        ids_l = cuda.local.array(ID_BATCH, int32)  # a token's expert ids
+        ids_l = cuda.local.array(IDS_WORDS, int32)  # a token's expert ids (and its destination list)
         pdl_wait()  # nothing stream-ordered is read before this (ep_runtime/kernels/pdl.py)
         pdl_trigger()  # after the wait: a receive kernel started now finds all before this complete
         # the prologue's loads issued together, before the first branch on any of them (one
