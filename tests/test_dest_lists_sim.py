@@ -3,10 +3,12 @@ int32 list and its count (ep_runtime/kernels/destinations.py) instead of a 64-bi
 variant every runtime past 64 ranks takes.
 
 The list variant forced (the plan's ``dest_list``) at 4 and 8 ranks on the stores and puts
-transports and each receiver, over calls of random routing, a rank with no tokens, masked (-1)
+transports under each receiver, over calls of random routing, a rank with no tokens, masked (-1)
 slots and no token anywhere, and at top-k 1: batches and combine bit for bit the reference's.
-The plan takes the list past 64 ranks and refuses what still keeps a mask. A 72-rank round trip
-(marker ``wide``: ``pytest -m wide``) runs the list where it is needed.
+Also across logical nodes (the hierarchical transport, stores and puts within a node). The plan
+takes the list past 64 ranks and refuses what still keeps a mask (FP8 / NVFP4). 72-rank round
+trips, flat and over 9 x 8 logical nodes (marker ``wide``: ``pytest -m wide``), run the list
+where it is needed.
 """
 
 from __future__ import annotations
@@ -57,6 +59,31 @@ def test_destination_lists_forced_are_the_reference_bit_for_bit(variant, R, chan
     assert_calls_are_the_reference(cfg, res, CALLS, SEED, f"{variant} at {R} ranks, destination lists")
 
 
+def nodes_pe(session, n_nodes: int, plan: dict, cfg: EPConfig, calls: int, seed: int) -> dict:
+    """As ``n_nodes`` logical nodes (the hierarchical transport): :func:`plan_pe`."""
+    session.use_logical_nodes(n_nodes)
+    return plan_pe(session, plan, cfg, calls, seed)
+
+
+#: (ranks, nodes, plan overrides, config changes): logical nodes, stores and puts within a node
+NODE_RUNS = [
+    (4, 2, {}, {}), (8, 2, {"node_stores": False}, {}), (8, 4, {}, {"top_k": 1}),
+    (8, 2, {}, {"top_k": 6, "n_experts": 32, "max_tokens_per_rank": 20, "combine_dtype": "float32"}),
+]
+
+
+@pytest.mark.parametrize("R, nodes, plan, changes", NODE_RUNS,
+                         ids=[f"{R}x{n}" + "".join(f"-{k}={x}" for k, x in {**p, **c}.items())
+                              for R, n, p, c in NODE_RUNS])
+def test_destination_lists_forced_across_logical_nodes_are_the_reference(R, nodes, plan, changes):
+    cfg = cfg_of(R, **changes)
+    res = run_pes(nodes_pe, R, args=(nodes, {"dest_list": True, **plan}, cfg, CALLS, SEED),
+                  timeout_s=RUN_TIMEOUT_S)
+    assert all(r["plan"]["dest_list"] and r["plan"]["transport"] == "hierarchical" for r in res), res[0]["plan"]
+    assert_calls_are_the_reference(cfg, res, CALLS, SEED, f"{nodes} logical nodes of {R // nodes}, lists",
+                                   node_size=R // nodes)
+
+
 def test_a_list_keeps_its_ranks_ascending_once_each_whatever_their_number():
     insert = getattr(insert_rank, "py_func", insert_rank)  # the device function's Python source
     dl = np.zeros(7, np.int32)
@@ -80,17 +107,32 @@ def test_the_plan_takes_lists_past_64_ranks_and_refuses_what_keeps_a_mask():
                     {"dest_list": False})
     nodes = Topology(72, False, 2, pdl=False, simulated=True, node_of=tuple(p // 8 for p in range(72)),
                      node_peers_mapped=True)
-    with pytest.raises(EPConfigError, match=r"plan rule 'dest_list'.*transport is hierarchical.*use transport=puts"):
-        choose_plan(EPConfig(n_ranks=72, n_experts=72, top_k=2, hidden=64, max_tokens_per_rank=2), nodes)
+    hier = choose_plan(EPConfig(n_ranks=72, n_experts=72, top_k=2, hidden=64, max_tokens_per_rank=2), nodes)
+    assert hier.transport.value == "hierarchical" and hier.node_size == 8 and hier.dest_list, hier
     fp8 = EPConfig(n_ranks=72, n_experts=72, top_k=2, hidden=128, max_tokens_per_rank=2, token_dtype="fp8_e4m3")
-    with pytest.raises(EPConfigError, match=r"plan rule 'dest_list'.*FP8 / NVFP4 codecs still keep a 64-bit mask"):
+    with pytest.raises(EPConfigError, match=r"plan rule 'dest_list'.*fp8_e4m3: the FP8 / NVFP4 codecs still keep a "
+                                            r"64-bit mask.*use bf16 tokens, or at most 64 ranks"):
         choose_plan(fp8, flat)
 
 
+def wide_cfg(R: int) -> EPConfig:
+    """One expert a rank, top-2, hidden 64, 2 tokens a rank: the smallest round trip past 64 ranks
+    (the simulator runs a process per rank); waits bounded by ten minutes on a loaded machine."""
+    return EPConfig(n_ranks=R, n_experts=R, top_k=2, hidden=64, max_tokens_per_rank=2, wait_timeout_s=600.0)
+
+
 @pytest.mark.wide
-@pytest.mark.parametrize("R", [72])
-def test_a_72_rank_flat_round_trip_is_the_reference(R):
-    cfg = EPConfig(n_ranks=R, n_experts=R, top_k=2, hidden=64, max_tokens_per_rank=2, wait_timeout_s=600.0)
-    res = run_pes(plan_pe, R, args=({"transport": "puts"}, cfg, 1, SEED), timeout_s=1800)
-    assert all(r["plan"]["dest_list"] for r in res)
-    assert_calls_are_the_reference(cfg, res, 1, SEED, f"{R} ranks, flat, destination lists")
+def test_a_72_rank_flat_round_trip_is_the_reference():
+    cfg = wide_cfg(72)
+    res = run_pes(plan_pe, 72, args=({"transport": "puts"}, cfg, 1, SEED), timeout_s=1800)
+    assert all(r["plan"]["dest_list"] and r["plan"]["transport"] == "puts" for r in res), res[0]["plan"]
+    assert_calls_are_the_reference(cfg, res, 1, SEED, "72 ranks, flat, destination lists")
+
+
+@pytest.mark.wide
+def test_a_72_rank_round_trip_over_9_logical_nodes_of_8_is_the_reference():
+    cfg = wide_cfg(72)
+    res = run_pes(nodes_pe, 72, args=(9, {}, cfg, 1, SEED), timeout_s=1800)
+    assert all(r["plan"]["dest_list"] and r["plan"]["node_size"] == 8 for r in res), res[0]["plan"]
+    assert_calls_are_the_reference(cfg, res, 1, SEED, "72 ranks, 9 x 8 logical nodes, destination lists",
+                                   node_size=8)

@@ -17,7 +17,7 @@ from ep_runtime.kernels.block import part_bounds, warp_sync
 from ep_runtime.kernels.combine_reduce import make_partial_reduce
 from ep_runtime.kernels.cuda_api import cuda, float32, inlined, int32, kernel_jit, uint32, uint64
 from ep_runtime.kernels.destinations import holders_of, list_words
-from ep_runtime.kernels.nodes import make_partial_sources
+from ep_runtime.kernels.nodes import make_partial_sources, via_proxies_listed
 from ep_runtime.kernels.partials import flagged_parts, partial_geometry
 from ep_runtime.kernels.pdl import make_pdl, programmatic
 from ep_runtime.kernels.protocol import STATUS_CODE, SYNC_CALLS
@@ -59,7 +59,8 @@ def make_combine_wait(threads: int, word: str, f32_partials: bool, pdl: bool, ep
 
     senders, _, await_partial = make_partial_sources(node_size)
     reduce = make_partial_reduce(threads, word, f32_partials, epilogue, node_size, dest_slots)
-    WENT_WORDS = max(1, list_words(dest_slots))
+    LIST = list_words(dest_slots)
+    WENT_WORDS = max(1, 2 * LIST if node_size else LIST)  # hierarchical: the holders, then the senders
 
     @inlined
     def went_of_mask(dispatch_topk_ids, g, me, t, K, L, R, went_l):
@@ -87,8 +88,12 @@ def make_combine_wait(threads: int, word: str, f32_partials: bool, pdl: bool, ep
 
     @inlined
     def went_of_list(dispatch_topk_ids, g, me, t, K, L, R, went_l):
-        """``went_of_mask`` as an ascending list in ``went_l`` (ep_runtime/kernels/destinations.py)."""
-        return holders_of(dispatch_topk_ids[g, me, t], L, R, went_l)
+        """``went_of_mask`` as an ascending list in ``went_l`` (ep_runtime/kernels/destinations.py;
+        hierarchical: the holders' list, then the senders' in ``went_l[LIST:]``, returned)."""
+        went = holders_of(dispatch_topk_ids[g, me, t], L, R, went_l)
+        if node_size:
+            return via_proxies_listed(went, me, node_size, went_l[LIST:])
+        return went
 
     @inlined
     def await_list(combine_row_flag, combine_chunk_flag, went, me, t, p, n, T, R, own, any_words, timeout_ns,

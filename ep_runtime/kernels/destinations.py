@@ -55,9 +55,10 @@ def insert_rank(dl, d):
 
 
 @cuda.jit(device=True)
-def holders_at(ids_at, K, L, R, skip, ids_l, dl):
+def holders_at(ids_at, K, L, R, skip, node_size, me, ids_l, dl):
     """``dl`` set to the ranks holding one of a token's ``K`` experts, ascending, but not rank
-    ``skip`` (-1: none), and returned: the token's ids are the int32 at address ``ids_at`` (its
+    ``skip`` (-1: none) and, with ``node_size`` > 0, only those on ``me``'s node (a hierarchical
+    transport's row crosses to the others in its chunk), and returned: the token's ids are the int32 at address ``ids_at`` (its
     row of ``topk_ids``), rank d holds experts ``[d L, (d + 1) L)``, an id outside ``[0, R L)``
     adds none. The ids are loaded ``ID_BATCH`` at a time into ``ids_l`` (local int32
     [ID_BATCH]) before any is used, as ``dispatch_send.token_holders`` loads them."""
@@ -70,7 +71,7 @@ def holders_at(ids_at, K, L, R, skip, ids_l, dl):
         for u in range(ID_BATCH):
             if k0 + u < K and uint32(ids_l[u]) < uint32(E):  # (a negative id is a large uint32)
                 d = int32(udiv32(ids_l[u], L))
-                if d != skip:
+                if d != skip and (node_size == 0 or d // node_size == me // node_size):
                     insert_rank(dl, d)
     return dl
 

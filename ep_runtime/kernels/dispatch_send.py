@@ -21,7 +21,7 @@ from ep_runtime.kernels.codecs import make_sender, traits
 from ep_runtime.kernels.cuda_api import cuda, inlined, int32, int64, kernel_jit, uint32, uint64
 from ep_runtime.kernels.destinations import holders_at, list_words
 from ep_runtime.kernels.dispatch_route import make_dispatch_route
-from ep_runtime.kernels.nodes import MAX_NODES
+from ep_runtime.kernels.nodes import node_slots
 from ep_runtime.kernels.pdl import make_pdl, programmatic
 from ep_runtime.kernels.protocol import SIGNAL_TOKEN_BITS, STATUS_CODE, SYNC_CALLS, SYNC_TICKET
 from ep_runtime.kernels.ranking import ID_BATCH
@@ -61,6 +61,7 @@ def make_token_senders(v: DispatchVariant) -> SimpleNamespace:
     tp = make_transport(v.transport, v.threads, v.node_size, v.node_stores, v.dest_slots)
     row_dests = tp.row_dests
     LANDS = v.receiver is Receiver.LAND
+    NODE = v.node_size
 
     @cuda.jit(device=True)
     def token_destinations(ids_at, K, L, R, me, skip, ids_l):
@@ -75,12 +76,20 @@ def make_token_senders(v: DispatchVariant) -> SimpleNamespace:
         """``token_destinations`` of a build with destination lists: the list (int32, count
         first: ep_runtime/kernels/destinations.py) in ``ids_l[ID_BATCH:]``, returned. The codec's
         ``skip`` mask cannot name a rank past 63: this rank is left out exactly when the receiver
-        lands (it reads its own rows from the caller's tokens), which is what the codecs skip."""
-        return holders_at(ids_at, K, L, R, me if LANDS else -1, ids_l, ids_l[ID_BATCH:])
+        lands (it reads its own rows from the caller's tokens), which is what the codecs skip.
+        The hierarchical transport's list holds this rank's node's holders only."""
+        return holders_at(ids_at, K, L, R, me if LANDS else -1, NODE, me, ids_l, ids_l[ID_BATCH:])
+
+    @cuda.jit(device=True)
+    def token_holder_list(ids_at, K, L, R, ids_l):
+        """``token_holders`` as a destination list, in ``ids_l[ID_BATCH:]``: every rank holding
+        one of the token's experts (the hierarchical transport's chunks bound for other nodes)."""
+        return holders_at(ids_at, K, L, R, -1, 0, 0, ids_l, ids_l[ID_BATCH:])
 
     sender = make_sender(v.codec, v.threads, tp, token_destination_list if v.dest_slots else token_destinations,
                          LANDS)
-    return SimpleNamespace(send_rows=sender.send_rows, send_across=tp.make_row_chunks(sender.pack_row, token_holders),
+    send_across = tp.make_row_chunks(sender.pack_row, token_holder_list if v.dest_slots else token_holders)
+    return SimpleNamespace(send_rows=sender.send_rows, send_across=send_across,
                            MBUF_WORDS=sender.MBUF_WORDS, HELD_WORDS=sender.HELD_WORDS)
 
 
@@ -185,7 +194,7 @@ def make_dispatch_async(v: DispatchVariant):
     CHUNKS = v.receiver is Receiver.ROUTE_FIRST_CHUNKED
     SPLIT_FROM = int(v.split_from_tokens)
     ENCODES = traits(v.codec).ENCODES  # the token blocks compute the messages (FP8)
-    CHUNK_MASKS = MAX_NODES if v.node_size > 0 else 1  # the node chunks' masks (send_across)
+    CHUNK_MASKS = node_slots(v.rank_slots, v.node_size) if v.node_size > 0 else 1  # the node chunks' masks
     IDS_WORDS = ID_BATCH + list_words(v.dest_slots)  # a token's ids, then its destination list (if listed)
     pdl_wait, pdl_trigger = make_pdl(v.pdl)
     route = make_dispatch_route(v)

@@ -24,7 +24,7 @@ Token rows (every lane of a warp)
     ``send_part(rows, me, t, src, w0, w1, dests, R, peer_bases, pairs, lane, lo, hi)``: words
     ``[w0, w1)`` of ``src`` into row ``[me, t]`` of ``rows`` on every PE below ``R`` set in
     ``dests`` (a build with destination lists, ``dest_slots`` > 0: every PE of the list ``dests``,
-    ep_runtime/kernels/destinations.py; the stores and puts transports build it). ``send_part_flagged(rows, flags, me, t, p, n, ...)``: then ``flags[me, t, p] =
+    ep_runtime/kernels/destinations.py). ``send_part_flagged(rows, flags, me, t, p, n, ...)``: then ``flags[me, t, p] =
     n + 1`` there, after the data. ``make_row_chunks(pack_row, holders)``: the token blocks'
     ``send_across`` of the rows bound for other nodes (nothing without nodes).
 
@@ -83,13 +83,9 @@ def make_transport(kind: Transport, threads: int, node_size: int = 0, node_store
         from ep_runtime.kernels.transport import puts
 
         return puts.make(threads, 0, dest_slots)
-    if dest_slots:
-        raise ValueError(f"make_transport: dest_slots={dest_slots} with the hierarchical transport, which keeps a "
-                         f"64-bit destination mask; use dest_slots=0 (at most 64 ranks) or the stores or puts "
-                         f"transport")
     from ep_runtime.kernels.transport import hierarchical
 
-    return hierarchical.make(threads, node_size, node_stores)
+    return hierarchical.make(threads, node_size, node_stores, dest_slots)
 
 
 __all__ = ["make_transport"]

@@ -34,7 +34,7 @@ def make(threads: int, node_size: int = 0, dest_slots: int = 0) -> SimpleNamespa
     return SimpleNamespace(warp=warp, FENCED=False, NEAR_FENCED=False, DIRECT=False, near=near,
                            make_row_chunks=common.no_row_chunks, no_dests=common.no_dests_of(dest_slots),
                            **vars(rows), **vars(make_routing(threads, near)), **vars(make_partials(dest_slots)),
-                           **vars(make_slots(threads, near)), **vars(make_forwarding(node_size)),
+                           **vars(make_slots(threads, near)), **vars(make_forwarding(node_size, dest_slots)),
                            **vars(common.make_credits(node_size)))
 
 
@@ -252,9 +252,10 @@ def make_slots(threads: int, near) -> SimpleNamespace:
     return SimpleNamespace(send_slot_value=send_slot_value, signal_slot_values=signal_slot_values)
 
 
-def make_forwarding(node_size: int) -> SimpleNamespace:
-    """The hierarchical proxies' forwarding within their node of ``node_size`` PEs, puts:
-    ``forward_run``, ``forward_row``."""
+def make_forwarding(node_size: int, dest_slots: int = 0) -> SimpleNamespace:
+    """The hierarchical proxies' forwarding within their node of ``node_size`` PEs, puts (a row's
+    PEs a mask, or with ``dest_slots`` > 0 a destination list): ``forward_run``,
+    ``forward_row``."""
     NODE = node_size
 
     @cuda.jit(device=True)
@@ -273,4 +274,11 @@ def make_forwarding(node_size: int) -> SimpleNamespace:
             if (to >> uint64(q)) & uint64(1):
                 shmem.put_nbi_warp(rows[s, t], row, q)
 
-    return SimpleNamespace(forward_run=forward_run, forward_row=forward_row)
+    @cuda.jit(device=True)
+    def forward_listed_row(rows, row, s, t, to, peer_bases, region, first, lane, lo, hi):
+        """``forward_row`` of a build with destination lists: to each PE of the list ``to``
+        (int32, count first: the node's PEs holding one of the token's experts)."""
+        for j in range(to[0]):
+            shmem.put_nbi_warp(rows[s, t], row, to[1 + j])
+
+    return SimpleNamespace(forward_run=forward_run, forward_row=forward_listed_row if dest_slots else forward_row)

@@ -44,7 +44,7 @@ def make(threads: int, node_size: int = 0, dest_slots: int = 0) -> SimpleNamespa
                            make_row_chunks=common.no_row_chunks, no_dests=common.no_dests_of(dest_slots),
                            **vars(rows), **vars(make_routing(threads, near)), **vars(make_partials(warp, dest_slots)),
                            **vars(make_slots(threads, near)),
-                           **vars(make_forwarding(threads, node_size, copy_to_peers)),
+                           **vars(make_forwarding(threads, node_size, copy_to_peers, dest_slots)),
                            **vars(common.make_credits(node_size)))
 
 
@@ -279,11 +279,13 @@ def make_slots(threads: int, near) -> SimpleNamespace:
     return SimpleNamespace(send_slot_value=send_slot_value, signal_slot_values=signal_slot_values)
 
 
-def make_forwarding(threads: int, node_size: int, copy_to_peers) -> SimpleNamespace:
+def make_forwarding(threads: int, node_size: int, copy_to_peers, dest_slots: int = 0) -> SimpleNamespace:
     """The hierarchical proxies' forwarding within their node of ``node_size`` PEs, stores through
     the mappings (blocks of ``threads`` threads; ``copy_to_peers``:
-    :func:`~ep_runtime.kernels.vec.make_peer_copy`): ``forward_run``, ``forward_row``."""
+    :func:`~ep_runtime.kernels.vec.make_peer_copy`; a row's PEs a mask, or with ``dest_slots`` >
+    0 a destination list): ``forward_run``, ``forward_row``."""
     NODE = node_size
+    copy_to_listed = make_listed_peer_copy(PAIRS_IN_FLIGHT, warp_geometry(threads)[0])
 
     @cuda.jit(device=True)
     def forward_run(array, g, s, t0, t1, peer_bases, region, first, me):
@@ -310,4 +312,13 @@ def make_forwarding(threads: int, node_size: int, copy_to_peers) -> SimpleNamesp
         pairs = row.itemsize == 8 and W % 2 == 0 and pairs_aligned(row) and pairs_aligned(rows)
         copy_to_peers(row, 0, W, to, first, first + NODE, peer_bases, region, slot, pairs, lane, lo, hi)
 
-    return SimpleNamespace(forward_run=forward_run, forward_row=forward_row)
+    @cuda.jit(device=True)
+    def forward_listed_row(rows, row, s, t, to, peer_bases, region, first, lane, lo, hi):
+        """``forward_row`` of a build with destination lists: into each PE of the list ``to``
+        (int32, count first: the node's PEs holding one of the token's experts)."""
+        W = row.shape[0]
+        slot = address_of(rows[s, t]) - address_of(rows)  # the same on every PE
+        pairs = row.itemsize == 8 and W % 2 == 0 and pairs_aligned(row) and pairs_aligned(rows)
+        copy_to_listed(row, 0, W, to, peer_bases, region, slot, pairs, lane, lo, hi)
+
+    return SimpleNamespace(forward_run=forward_run, forward_row=forward_listed_row if dest_slots else forward_row)
