@@ -22,6 +22,8 @@ with ``blockDim.x`` threads in a 1-D block.
 - ``flag_rule`` / ``flag_part`` / ``await_part``: rows flagged part by part as they land
   (combine and dispatch): how many parts a row is cut into, by a rule every
   rank computes alike, the sending warp's fence and flag, and the receiver's bounded wait;
+  ``flag_part_listed`` / ``flag_listed`` / ``flag_one``: the same flags to a destination list's PEs or
+  one PE (builds with destination lists, ep_runtime/kernels/destinations.py);
 - ``local_expert_count``: how many of a token's experts live on a rank.
 """
 

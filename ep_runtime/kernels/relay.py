@@ -29,7 +29,7 @@ from ep_runtime.kernels import shmem
 from ep_runtime.kernels.bits import f32_bits_at, f32_word_at, word_f32
 from ep_runtime.kernels.block import (await_flag, last_block_ticket, part_bounds, popc32, publish_fence, record_error,
                                       warp_geometry, warp_sync)
-from ep_runtime.kernels.cuda_api import cuda, float32, int32, int64, kernel_jit, uint32, uint64
+from ep_runtime.kernels.cuda_api import cuda, float32, inlined, int32, int64, kernel_jit, uint32, uint64
 from ep_runtime.kernels.destinations import insert_rank, list_words
 from ep_runtime.kernels.nodes import chunk_tokens, holders, node_bits, node_slots, nth_set_bit, other_index
 from ep_runtime.kernels.partials import flagged_parts, partial_geometry
@@ -93,29 +93,30 @@ def make_node_holders(node_size: int, dest_slots: int) -> SimpleNamespace:
     other functions take it), ``chunk_marks(cmask, d_ids, g, s, c, CH, T, here, L, R)``
     (:func:`chunk_mask`), ``held_here(ids, L, R, here, store)`` (the holders on the node: a uint64
     of PE bits, or with destination lists, ``dest_slots`` > 0, the list in ``store``, int32 [S +
-    1], count first) and ``is_held(held, q)`` (PE q among them)."""
+    1], count first) and ``is_held(held, q)`` (PE q among them); inlined, so a mask build is the
+    code it was with the expressions written in the kernels."""
     NODE = node_size
     if not dest_slots:
-        @cuda.jit(device=True)
+        @inlined
         def held_bits(ids, L, R, here, store):
             return holders(ids, L, R) & here
 
-        @cuda.jit(device=True)
+        @inlined
         def bit_set(held, q):
             return (held >> uint64(q)) & uint64(1)
 
-        @cuda.jit(device=True)
+        @inlined
         def marks_of_bits(cmask, d_ids, g, s, c, CH, T, here, L, R):
             return chunk_mask(cmask, d_ids, g, s, c, CH, T, here, L, R)
 
-        @cuda.jit(device=True)
+        @inlined
         def bits_of_node(mine):
             return node_bits(mine, NODE)
 
         return SimpleNamespace(node_set=bits_of_node, chunk_marks=marks_of_bits, held_here=held_bits,
                                is_held=bit_set)
 
-    @cuda.jit(device=True)
+    @inlined
     def held_listed(ids, L, R, here, store):
         store[0] = 0
         for k in range(ids.shape[0]):
@@ -124,18 +125,18 @@ def make_node_holders(node_size: int, dest_slots: int) -> SimpleNamespace:
                 insert_rank(store, int32(x // L))
         return store
 
-    @cuda.jit(device=True)
+    @inlined
     def listed(held, q):
         for j in range(held[0]):
             if held[1 + j] == q:
                 return True
         return False
 
-    @cuda.jit(device=True)
+    @inlined
     def marks_listed(cmask, d_ids, g, s, c, CH, T, here, L, R):
         return chunk_mask_listed(cmask, d_ids, g, s, c, CH, T, here, L, R, NODE)
 
-    @cuda.jit(device=True)
+    @inlined
     def index_of_node(mine):
         return mine
 

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.block import record_error
 from ep_runtime.kernels.destinations import no_listed
-from ep_runtime.kernels.cuda_api import cuda, int64, uint64
+from ep_runtime.kernels.cuda_api import cuda, inlined, int64, uint64
 from ep_runtime.kernels.nodes import node_bits, reaches
 from ep_runtime.kernels.protocol import COUNTER_TOKEN_CREDIT, ERR_TIMEOUT, KERNEL_DISPATCH_ASYNC
 
@@ -79,7 +79,7 @@ def make_row_dests(node_size: int):
     return row_dests
 
 
-@cuda.jit(device=True)
+@inlined
 def no_mask_dests(dests):
     """Whether the destination mask ``dests`` (uint64) is empty."""
     return dests == 0

@@ -26,7 +26,7 @@ from ep_runtime.kernels.transport import common
 def make(threads: int, node_size: int = 0, dest_slots: int = 0) -> SimpleNamespace:
     """The puts transport for blocks of ``threads`` threads, to every PE (``node_size`` 0) or to
     the PEs of this PE's node, a token's destinations a mask (``dest_slots`` 0) or a list
-    (ep_runtime/kernels/destinations.py; every PE only): the package's device interface, one
+    (ep_runtime/kernels/destinations.py): the package's device interface, one
     namespace."""
     warp, _ = warp_geometry(threads)
     near = make_near(node_size)
