@@ -87,20 +87,16 @@ def make_partial_reduce(threads: int, word: str, f32_partials: bool, epilogue, n
                     acc[u * pack + x] += word_f32(vals[u], x)
 
     @inlined
-    def partial_of(own_rows, combine_partials, relay_slot, g, me, t, Tmax, r, own):
-        """Rank r's partial row of token t: row ``me * Tmax + t`` of ``own_rows`` where ``own``
-        and r = me, else row ``partial_row(relay_slot, g, t, r, me)`` of ``combine_partials[g, r]``."""
-        return (own_rows[me * Tmax + t] if own and r == me
-                else combine_partials[g, r, partial_row(relay_slot, g, t, r, me)])
-
-    @inlined
     def sum_mask(own_rows, combine_partials, relay_slot, g, me, t, Tmax, R, went, own, pairs, w, w1, lo, hi, vals,
                  acc):
         """Every lane: the partials of the ranks set in the mask ``went`` (uint64), ascending, added
-        into ``acc`` (``add_pairs`` where ``pairs``, else ``add_words``)."""
+        into ``acc`` (``add_pairs`` where ``pairs``, else ``add_words``): rank r's is row ``me Tmax
+        + t`` of ``own_rows`` where ``own`` and r = me, else row ``partial_row(relay_slot, g, t, r,
+        me)`` of ``combine_partials[g, r]``."""
         for r in range(R):
             if (went >> uint64(r)) & uint64(1):
-                src = partial_of(own_rows, combine_partials, relay_slot, g, me, t, Tmax, r, own)
+                src = (own_rows[me * Tmax + t] if own and r == me
+                       else combine_partials[g, r, partial_row(relay_slot, g, t, r, me)])
                 if pairs:
                     add_pairs(src, w, w1, lo, hi, acc)
                 else:
@@ -112,7 +108,9 @@ def make_partial_reduce(threads: int, word: str, f32_partials: bool, epilogue, n
         """``sum_mask`` over the ranks of the list ``went`` (int32, count first, ascending:
         ep_runtime/kernels/destinations.py): the same ranks in the same order."""
         for j in range(went[0]):
-            src = partial_of(own_rows, combine_partials, relay_slot, g, me, t, Tmax, went[1 + j], own)
+            r = went[1 + j]
+            src = (own_rows[me * Tmax + t] if own and r == me
+                   else combine_partials[g, r, partial_row(relay_slot, g, t, r, me)])
             if pairs:
                 add_pairs(src, w, w1, lo, hi, acc)
             else:

@@ -89,11 +89,14 @@ def make_combine_wait(threads: int, word: str, f32_partials: bool, pdl: bool, ep
     @inlined
     def went_of_list(dispatch_topk_ids, g, me, t, K, L, R, went_l):
         """``went_of_mask`` as an ascending list in ``went_l`` (ep_runtime/kernels/destinations.py;
-        hierarchical: the holders' list, then the senders' in ``went_l[LIST:]``, returned)."""
-        went = holders_of(dispatch_topk_ids[g, me, t], L, R, went_l)
+        hierarchical: the holders' list in ``went_l[LIST:]``, the senders' in front), returned (a
+        device function returns only an array it was passed)."""
         if node_size:
-            return via_proxies_listed(went, me, node_size, went_l[LIST:])
-        return went
+            holders_of(dispatch_topk_ids[g, me, t], L, R, went_l[LIST:])
+            via_proxies_listed(went_l[LIST:], me, node_size, went_l)
+        else:
+            holders_of(dispatch_topk_ids[g, me, t], L, R, went_l)
+        return went_l
 
     @inlined
     def await_list(combine_row_flag, combine_chunk_flag, went, me, t, p, n, T, R, own, any_words, timeout_ns,

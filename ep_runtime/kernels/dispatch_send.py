@@ -62,6 +62,7 @@ def make_token_senders(v: DispatchVariant) -> SimpleNamespace:
     row_dests = tp.row_dests
     LANDS = v.receiver is Receiver.LAND
     NODE = v.node_size
+    LIST = list_words(v.dest_slots)  # ids_l: a list build's destination list, then the ids
 
     @cuda.jit(device=True)
     def token_destinations(ids_at, K, L, R, me, skip, ids_l):
@@ -74,17 +75,21 @@ def make_token_senders(v: DispatchVariant) -> SimpleNamespace:
     @cuda.jit(device=True)
     def token_destination_list(ids_at, K, L, R, me, skip, ids_l):
         """``token_destinations`` of a build with destination lists: the list (int32, count
-        first: ep_runtime/kernels/destinations.py) in ``ids_l[ID_BATCH:]``, returned. The codec's
+        first: ep_runtime/kernels/destinations.py) at the front of ``ids_l``, the ids loaded behind
+        it (``ids_l[LIST:]``), and ``ids_l`` returned (a device function returns only an array it
+        was passed). The codec's
         ``skip`` mask cannot name a rank past 63: this rank is left out exactly when the receiver
         lands (it reads its own rows from the caller's tokens), which is what the codecs skip.
         The hierarchical transport's list holds this rank's node's holders only."""
-        return holders_at(ids_at, K, L, R, me if LANDS else -1, NODE, me, ids_l, ids_l[ID_BATCH:])
+        holders_at(ids_at, K, L, R, me if LANDS else -1, NODE, me, ids_l[LIST:], ids_l)
+        return ids_l
 
     @cuda.jit(device=True)
     def token_holder_list(ids_at, K, L, R, ids_l):
-        """``token_holders`` as a destination list, in ``ids_l[ID_BATCH:]``: every rank holding
+        """``token_holders`` as a destination list at the front of ``ids_l``: every rank holding
         one of the token's experts (the hierarchical transport's chunks bound for other nodes)."""
-        return holders_at(ids_at, K, L, R, -1, 0, 0, ids_l, ids_l[ID_BATCH:])
+        holders_at(ids_at, K, L, R, -1, 0, 0, ids_l[LIST:], ids_l)
+        return ids_l
 
     sender = make_sender(v.codec, v.threads, tp, token_destination_list if v.dest_slots else token_destinations,
                          LANDS)
@@ -195,7 +200,7 @@ def make_dispatch_async(v: DispatchVariant):
     SPLIT_FROM = int(v.split_from_tokens)
     ENCODES = traits(v.codec).ENCODES  # the token blocks compute the messages (FP8)
     CHUNK_MASKS = node_slots(v.rank_slots, v.node_size) if v.node_size > 0 else 1  # the node chunks' masks
-    IDS_WORDS = ID_BATCH + list_words(v.dest_slots)  # a token's ids, then its destination list (if listed)
+    IDS_WORDS = list_words(v.dest_slots) + ID_BATCH  # a list build's destination list, then a token's ids
     pdl_wait, pdl_trigger = make_pdl(v.pdl)
     route = make_dispatch_route(v)
     RANK_WORDS = route.rank_words if not FIRST else 1  # a routing block's masks and rows (none route first)

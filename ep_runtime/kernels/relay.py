@@ -89,9 +89,9 @@ def chunk_mask_listed(cmask, d_ids, g, s, c, CH, T, here, L, R, node_size):
 
 @functools.lru_cache(maxsize=None)
 def make_node_holders(node_size: int, dest_slots: int) -> SimpleNamespace:
-    """The relays' view of a token's holders on their node: ``node_set(mine)`` (the node as the
-    other functions take it), ``chunk_marks(cmask, d_ids, g, s, c, CH, T, here, L, R)``
-    (:func:`chunk_mask`), ``held_here(ids, L, R, here, store)`` (the holders on the node: a uint64
+    """The relays' view of a token's holders on their node: ``node_set(mine, node_size)`` (the
+    node as the other functions take it: its PE bits, ``node_bits``, or with lists its index),
+    ``chunk_marks(cmask, d_ids, g, s, c, CH, T, here, L, R)`` (:func:`chunk_mask`), ``held_here(ids, L, R, here, store)`` (the holders on the node: a uint64
     of PE bits, or with destination lists, ``dest_slots`` > 0, the list in ``store``, int32 [S +
     1], count first) and ``is_held(held, q)`` (PE q among them); inlined, so a mask build is the
     code it was with the expressions written in the kernels."""
@@ -105,16 +105,7 @@ def make_node_holders(node_size: int, dest_slots: int) -> SimpleNamespace:
         def bit_set(held, q):
             return (held >> uint64(q)) & uint64(1)
 
-        @inlined
-        def marks_of_bits(cmask, d_ids, g, s, c, CH, T, here, L, R):
-            return chunk_mask(cmask, d_ids, g, s, c, CH, T, here, L, R)
-
-        @inlined
-        def bits_of_node(mine):
-            return node_bits(mine, NODE)
-
-        return SimpleNamespace(node_set=bits_of_node, chunk_marks=marks_of_bits, held_here=held_bits,
-                               is_held=bit_set)
+        return SimpleNamespace(node_set=node_bits, chunk_marks=chunk_mask, held_here=held_bits, is_held=bit_set)
 
     @inlined
     def held_listed(ids, L, R, here, store):
@@ -137,7 +128,7 @@ def make_node_holders(node_size: int, dest_slots: int) -> SimpleNamespace:
         return chunk_mask_listed(cmask, d_ids, g, s, c, CH, T, here, L, R, NODE)
 
     @inlined
-    def index_of_node(mine):
+    def index_of_node(mine, node_size):
         return mine
 
     return SimpleNamespace(node_set=index_of_node, chunk_marks=marks_listed, held_here=held_listed, is_held=listed)
@@ -202,7 +193,7 @@ def make_dispatch_relay(v: DispatchVariant):
         L = dispatch_counts.shape[2] - 1
         mine = me // NODE
         first = mine * NODE  # this node's first PE
-        here = node_set(mine)
+        here = node_set(mine, NODE)
         tid = cuda.threadIdx.x
         wid = tid // warp
         if tid == 0:
@@ -326,7 +317,7 @@ def make_combine_relay(v: CombineVariant):
         PW = combine_partials.shape[3]
         mine = me // NODE
         first = mine * NODE
-        here = node_set(mine)
+        here = node_set(mine, NODE)
         lane = cuda.threadIdx.x % warp
         wid = cuda.threadIdx.x // warp
         parts, span = flagged_parts(dispatch_counts[g], PW, warp)  # the parts every rank cuts alike
