@@ -41,6 +41,102 @@ def make_partial_reduce(threads: int, word: str, f32_partials: bool, epilogue, n
     _, partial_row, _ = make_partial_sources(node_size)
 
     @inlined
+    def reduce_part(out, own_rows, combine_partials, relay_slot, aux, g, me, t, Tmax, R, went, own, pairs, w0, w1,
+                    lane, acc, vals, lo, hi):
+        """Every lane of one warp (MODE_REDUCE): token words ``[w0, w1)`` of ``out[t]`` ([T, W]
+        words) = bf16(epilogue(sum over the ranks r set in ``went`` (uint64), ascending, of
+        f32(partial_r), from 0)). Rank r's partial is row ``partial_row(relay_slot, g, t, r,
+        me)`` of ``combine_partials[g, r]`` ([G, R, Tmax, P W] partial words), or, ``own`` and
+        r = me, row ``me * Tmax + t`` of ``own_rows``. ``pairs``: UP partial-word pairs per
+        lane in flight (16-byte accesses), else U partial words; each rank's loads are issued
+        before use. ``acc`` (local float32 [U / P pack]), ``vals`` (local [U] words), ``lo``,
+        ``hi`` (local [U / 2] words): the lanes' registers, their lanes past the row's end
+        finite."""
+        orow = out[t]
+        w = w0 + 2 * lane
+        while pairs and w < w1:  # UP partial-word pairs per lane: each rank's loads issued before use
+            for x in range(2 * UPW * pack):
+                acc[x] = float32(0.0)
+            for r in range(R):
+                if (went >> uint64(r)) & uint64(1):
+                    src = (own_rows[me * Tmax + t] if own and r == me
+                           else combine_partials[g, r, partial_row(relay_slot, g, t, r, me)])
+                    for u in range(UPW):
+                        wu = w + 2 * u * warp
+                        if wu < w1:
+                            if F32:  # token words wu, wu + 1: partial words 2 wu .. 2 wu + 3
+                                pair = load_pair(src, 2 * wu)
+                                lo[2 * u] = pair[0]
+                                hi[2 * u] = pair[1]
+                                pair = load_pair(src, 2 * wu + 2)
+                                lo[2 * u + 1] = pair[0]
+                                hi[2 * u + 1] = pair[1]
+                            else:
+                                pair = load_pair(src, wu)
+                                lo[u] = pair[0]
+                                hi[u] = pair[1]
+                    for u in range(UPW):
+                        for x in range(pack):
+                            if F32:
+                                acc[2 * u * pack + x] += f32_word_at(lo[2 * u] if x < 2 else hi[2 * u], x % 2)
+                                acc[(2 * u + 1) * pack + x] += f32_word_at(
+                                    lo[2 * u + 1] if x < 2 else hi[2 * u + 1], x % 2)
+                            else:
+                                acc[2 * u * pack + x] += word_f32(lo[u], x)
+                                acc[(2 * u + 1) * pack + x] += word_f32(hi[u], x)
+            for u in range(UPW):
+                wu = w + 2 * u * warp
+                if wu < w1:
+                    for x in range(2 * pack):
+                        acc[2 * u * pack + x] = epilogue(acc[2 * u * pack + x], t, wu * pack + x, aux)
+                    store_pair(orow, wu, rounded_word(acc, 2 * u * pack), rounded_word(acc, (2 * u + 1) * pack))
+            w += 2 * UPW * warp
+        w = w0 + lane
+        while not pairs and w < w1:  # U partial words per lane: each rank's loads issued before use
+            for x in range(UW * pack):
+                acc[x] = float32(0.0)
+            for r in range(R):
+                if (went >> uint64(r)) & uint64(1):
+                    src = (own_rows[me * Tmax + t] if own and r == me
+                           else combine_partials[g, r, partial_row(relay_slot, g, t, r, me)])
+                    for u in range(UW):
+                        if w + u * warp < w1:
+                            if F32:  # token word w + u warp: partial words 2 (w + u warp) + 0, 1
+                                vals[2 * u] = src[2 * (w + u * warp)]
+                                vals[2 * u + 1] = src[2 * (w + u * warp) + 1]
+                            else:
+                                vals[u] = src[w + u * warp]
+                    for u in range(UW):
+                        for x in range(pack):
+                            if F32:
+                                acc[u * pack + x] += f32_word_at(vals[2 * u + x // 2], x % 2)
+                            else:
+                                acc[u * pack + x] += word_f32(vals[u], x)
+            for u in range(UW):
+                wu = w + u * warp
+                if wu < w1:
+                    packed = uint64(0)
+                    for x in range(pack):
+                        packed |= bf16_bits_at(epilogue(acc[u * pack + x], t, wu * pack + x, aux), x)
+                    out[t, wu] = word_t(packed)
+            w += UW * warp
+
+    @inlined
+    def copy_part(out_partials, own_rows, combine_partials, relay_slot, g, me, t, Tmax, R, went, own, w0, w1, lane):
+        """Every lane of one warp (MODE_PARTIALS): partial words ``[P w0, P w1)`` of each rank's
+        partial of token t into ``out_partials[r, t]`` ([R, T, P W] partial words; zero for the
+        ranks r not set in ``went``), from where ``reduce_part`` reads them."""
+        for w in range(P * w0 + lane, P * w1, warp):  # partial words
+            for r in range(R):
+                if (went >> uint64(r)) & uint64(1):
+                    if own and r == me:
+                        out_partials[r, t, w] = own_rows[me * Tmax + t, w]
+                    else:
+                        out_partials[r, t, w] = combine_partials[g, r, partial_row(relay_slot, g, t, r, me), w]
+                else:
+                    out_partials[r, t, w] = 0
+
+    @inlined
     def add_pairs(src, w, w1, lo, hi, acc):
         """Every lane: one rank's partial ``src`` added into ``acc``, UP partial-word pairs from
         token word ``w`` (each lane's loads issued before use)."""
@@ -87,22 +183,6 @@ def make_partial_reduce(threads: int, word: str, f32_partials: bool, epilogue, n
                     acc[u * pack + x] += word_f32(vals[u], x)
 
     @inlined
-    def sum_mask(own_rows, combine_partials, relay_slot, g, me, t, Tmax, R, went, own, pairs, w, w1, lo, hi, vals,
-                 acc):
-        """Every lane: the partials of the ranks set in the mask ``went`` (uint64), ascending, added
-        into ``acc`` (``add_pairs`` where ``pairs``, else ``add_words``): rank r's is row ``me Tmax
-        + t`` of ``own_rows`` where ``own`` and r = me, else row ``partial_row(relay_slot, g, t, r,
-        me)`` of ``combine_partials[g, r]``."""
-        for r in range(R):
-            if (went >> uint64(r)) & uint64(1):
-                src = (own_rows[me * Tmax + t] if own and r == me
-                       else combine_partials[g, r, partial_row(relay_slot, g, t, r, me)])
-                if pairs:
-                    add_pairs(src, w, w1, lo, hi, acc)
-                else:
-                    add_words(src, w, w1, vals, acc)
-
-    @inlined
     def sum_listed(own_rows, combine_partials, relay_slot, g, me, t, Tmax, R, went, own, pairs, w, w1, lo, hi, vals,
                    acc):
         """``sum_mask`` over the ranks of the list ``went`` (int32, count first, ascending:
@@ -116,27 +196,18 @@ def make_partial_reduce(threads: int, word: str, f32_partials: bool, epilogue, n
             else:
                 add_words(src, w, w1, vals, acc)
 
-    sum_ranks = sum_listed if dest_slots else sum_mask
-
     @inlined
-    def reduce_part(out, own_rows, combine_partials, relay_slot, aux, g, me, t, Tmax, R, went, own, pairs, w0, w1,
-                    lane, acc, vals, lo, hi):
-        """Every lane of one warp (MODE_REDUCE): token words ``[w0, w1)`` of ``out[t]`` ([T, W]
-        words) = bf16(epilogue(sum over the ranks r in ``went`` (a uint64 mask, or a list where
-        built with ``dest_slots``), ascending, of f32(partial_r), from 0)). Rank r's partial is row
-        ``partial_row(relay_slot, g, t, r, me)`` of ``combine_partials[g, r]`` ([G, R, Tmax, P W]
-        partial words), or, ``own`` and r = me, row ``me * Tmax + t`` of ``own_rows``.
-        ``pairs``: UP partial-word pairs per lane in flight (16-byte accesses), else U partial
-        words; each rank's loads are issued before use. ``acc`` (local float32 [U / P pack]),
-        ``vals`` (local [U] words), ``lo``, ``hi`` (local [U / 2] words): the lanes' registers,
-        their lanes past the row's end finite."""
+    def reduce_listed_part(out, own_rows, combine_partials, relay_slot, aux, g, me, t, Tmax, R, went, own, pairs,
+                           w0, w1, lane, acc, vals, lo, hi):
+        """``reduce_part`` of a build with destination lists: the ranks of the list ``went``
+        (int32, count first, ascending), summed in the mask's order."""
         orow = out[t]
         w = w0 + 2 * lane
         while pairs and w < w1:  # UP partial-word pairs per lane
             for x in range(2 * UPW * pack):
                 acc[x] = float32(0.0)
-            sum_ranks(own_rows, combine_partials, relay_slot, g, me, t, Tmax, R, went, own, True, w, w1, lo, hi, vals,
-                      acc)
+            sum_listed(own_rows, combine_partials, relay_slot, g, me, t, Tmax, R, went, own, True, w, w1, lo, hi, vals,
+                       acc)
             for u in range(UPW):
                 wu = w + 2 * u * warp
                 if wu < w1:
@@ -148,8 +219,8 @@ def make_partial_reduce(threads: int, word: str, f32_partials: bool, epilogue, n
         while not pairs and w < w1:  # U partial words per lane
             for x in range(UW * pack):
                 acc[x] = float32(0.0)
-            sum_ranks(own_rows, combine_partials, relay_slot, g, me, t, Tmax, R, went, own, False, w, w1, lo, hi, vals,
-                      acc)
+            sum_listed(own_rows, combine_partials, relay_slot, g, me, t, Tmax, R, went, own, False, w, w1, lo, hi, vals,
+                       acc)
             for u in range(UW):
                 wu = w + u * warp
                 if wu < w1:
@@ -158,21 +229,6 @@ def make_partial_reduce(threads: int, word: str, f32_partials: bool, epilogue, n
                         packed |= bf16_bits_at(epilogue(acc[u * pack + x], t, wu * pack + x, aux), x)
                     out[t, wu] = word_t(packed)
             w += UW * warp
-
-    @inlined
-    def copy_part(out_partials, own_rows, combine_partials, relay_slot, g, me, t, Tmax, R, went, own, w0, w1, lane):
-        """Every lane of one warp (MODE_PARTIALS): partial words ``[P w0, P w1)`` of each rank's
-        partial of token t into ``out_partials[r, t]`` ([R, T, P W] partial words; zero for the
-        ranks r not set in ``went``), from where ``reduce_part`` reads them."""
-        for w in range(P * w0 + lane, P * w1, warp):  # partial words
-            for r in range(R):
-                if (went >> uint64(r)) & uint64(1):
-                    if own and r == me:
-                        out_partials[r, t, w] = own_rows[me * Tmax + t, w]
-                    else:
-                        out_partials[r, t, w] = combine_partials[g, r, partial_row(relay_slot, g, t, r, me), w]
-                else:
-                    out_partials[r, t, w] = 0
 
     @inlined
     def copy_listed_part(out_partials, own_rows, combine_partials, relay_slot, g, me, t, Tmax, R, went, own, w0, w1,
@@ -190,4 +246,6 @@ def make_partial_reduce(threads: int, word: str, f32_partials: bool, epilogue, n
                 else:
                     out_partials[r, t, w] = 0
 
-    return SimpleNamespace(reduce_part=reduce_part, copy_part=copy_listed_part if dest_slots else copy_part)
+    if dest_slots:
+        return SimpleNamespace(reduce_part=reduce_listed_part, copy_part=copy_listed_part)
+    return SimpleNamespace(reduce_part=reduce_part, copy_part=copy_part)

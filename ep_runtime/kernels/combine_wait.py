@@ -74,13 +74,15 @@ def make_combine_wait(threads: int, word: str, f32_partials: bool, pdl: bool, ep
         return senders(went, me, R)  # hierarchical: one partial per other node
 
     @inlined
-    def await_mask(combine_row_flag, combine_chunk_flag, went, me, t, p, n, T, R, own, any_words, timeout_ns,
+    def await_mask(combine_row_flag, combine_chunk_flag, went, me, t, i, parts, n, T, R, own, w0, w1, timeout_ns,
                    status):
-        """One thread: wait for part p of the partial of every rank set in ``went`` (not this
-        rank's own in expert_out); 1 when all came, 0 on a timeout (recorded)."""
+        """One thread: wait for part ``p = i - t parts`` of the partial of every rank set in
+        ``went`` (not this rank's own in expert_out; none where the part has no word, ``w0 >=
+        w1``); 1 when all came, 0 on a timeout (recorded)."""
         ok = 1
+        p = i - t * parts
         for r in range(R):
-            if any_words and (went >> uint64(r)) & uint64(1) and not (own and r == me):
+            if w0 < w1 and (went >> uint64(r)) & uint64(1) and not (own and r == me):
                 if not await_partial(combine_row_flag, combine_chunk_flag, me, r, t, p, n, T, timeout_ns, status):
                     ok = 0
                     break
@@ -99,13 +101,14 @@ def make_combine_wait(threads: int, word: str, f32_partials: bool, pdl: bool, ep
         return went_l
 
     @inlined
-    def await_list(combine_row_flag, combine_chunk_flag, went, me, t, p, n, T, R, own, any_words, timeout_ns,
+    def await_list(combine_row_flag, combine_chunk_flag, went, me, t, i, parts, n, T, R, own, w0, w1, timeout_ns,
                    status):
         """``await_mask`` over the ranks of the list ``went``."""
         ok = 1
+        p = i - t * parts
         for j in range(went[0]):
             r = went[1 + j]
-            if any_words and not (own and r == me):
+            if w0 < w1 and not (own and r == me):
                 if not await_partial(combine_row_flag, combine_chunk_flag, me, r, t, p, n, T, timeout_ns, status):
                     ok = 0
                     break
@@ -196,8 +199,8 @@ def make_combine_wait(threads: int, word: str, f32_partials: bool, pdl: bool, ep
             t, w0, w1 = part_bounds(i, parts, span, W)
             went = went_of(dispatch_topk_ids, g, me, t, K, L, R, went_l)
             if lane == 0:  # lane 0 waits for the part's partials (its own in expert_out are there)
-                claim[wid] = await_went(combine_row_flag, combine_chunk_flag, went, me, t, i - t * parts, n, T, R, own,
-                                        w0 < w1, timeout_ns, status)
+                claim[wid] = await_went(combine_row_flag, combine_chunk_flag, went, me, t, i, parts, n, T, R, own, w0,
+                                        w1, timeout_ns, status)
             warp_sync()
             ok = claim[wid]
             warp_sync()

@@ -58,8 +58,9 @@ def insert_rank(dl, d):
 def holders_at(ids_at, K, L, R, skip, node_size, me, ids_l, dl):
     """``dl`` set to the ranks holding one of a token's ``K`` experts, ascending, but not rank
     ``skip`` (-1: none) and, with ``node_size`` > 0, only those on ``me``'s node (a hierarchical
-    transport's row crosses to the others in its chunk), and returned: the token's ids are the int32 at address ``ids_at`` (its
-    row of ``topk_ids``), rank d holds experts ``[d L, (d + 1) L)``, an id outside ``[0, R L)``
+    transport's row crosses to the others in its chunk), and returned: the token's ids are the int32
+    at address ``ids_at`` (its row of ``topk_ids``), rank d holds experts ``[d L, (d + 1) L)``, an
+    id outside ``[0, R L)``
     adds none. The ids are loaded ``ID_BATCH`` at a time into ``ids_l`` (local int32
     [ID_BATCH]) before any is used, as ``dispatch_send.token_holders`` loads them."""
     E = R * L

@@ -91,8 +91,9 @@ def chunk_mask_listed(cmask, d_ids, g, s, c, CH, T, here, L, R, node_size):
 def make_node_holders(node_size: int, dest_slots: int) -> SimpleNamespace:
     """The relays' view of a token's holders on their node: ``node_set(mine, node_size)`` (the
     node as the other functions take it: its PE bits, ``node_bits``, or with lists its index),
-    ``chunk_marks(cmask, d_ids, g, s, c, CH, T, here, L, R)`` (:func:`chunk_mask`), ``held_here(ids, L, R, here, store)`` (the holders on the node: a uint64
-    of PE bits, or with destination lists, ``dest_slots`` > 0, the list in ``store``, int32 [S +
+    ``chunk_marks(cmask, d_ids, g, s, c, CH, T, here, L, R)`` (:func:`chunk_mask`), ``held_here(ids,
+    L, R, here, store)`` (the holders on the node: a uint64 of PE bits, or with destination lists,
+    ``dest_slots`` > 0, the list in ``store``, int32 [S +
     1], count first) and ``is_held(held, q)`` (PE q among them); inlined, so a mask build is the
     code it was with the expressions written in the kernels."""
     NODE = node_size

@@ -17,8 +17,9 @@ Peers and credits
     ``near(me, d)`` (any thread): PE ``me`` writes ``d``'s routing rows, ranks, counts and slot
     values itself (every PE, or the PEs of its node under the hierarchical transport).
     ``row_dests(holders, me)``: of the PEs holding a token's experts (uint64 bits), those this PE
-    sends the row to itself. ``no_dests(dests)``: a token's destination set is empty. ``grant_credits(credit, call)`` / ``await_credits(credit, n,
-    status, timeout_ns)`` (one thread): the token rows' credits (:mod:`.common`).
+    sends the row to itself. ``no_dests(dests)``: a token's destination set is empty.
+    ``grant_credits(credit, call)`` / ``await_credits(credit, n, status, timeout_ns)`` (one thread):
+    the token rows' credits (:mod:`.common`).
 
 Token rows (every lane of a warp)
     ``send_part(rows, me, t, src, w0, w1, dests, R, peer_bases, pairs, lane, lo, hi)``: words

@@ -170,8 +170,8 @@ def make_routing(threads: int, near) -> SimpleNamespace:
 
 def make_partials(dest_slots: int = 0) -> SimpleNamespace:
     """The combine partials, staged here and put home with their flag, part by part (a build with
-    destination lists, ``dest_slots`` > 0, flags its own without a mask): ``stores_to``, ``stages``, ``stage_aligned``, ``home_aligned``, ``home_at``,
-    ``finish_part``, ``send_home_part``."""
+    destination lists, ``dest_slots`` > 0, flags its own without a mask): ``stores_to``, ``stages``,
+    ``stage_aligned``, ``home_aligned``, ``home_at``, ``finish_part``, ``send_home_part``."""
 
     @cuda.jit(device=True)
     def stores_to(me, s):
