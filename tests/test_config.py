@@ -137,10 +137,14 @@ def test_range_rules(field, value, rule, fix):
     assert_fragments(msg, f"EPConfig.{field}={value!r}", rule, fix)
 
 
-def test_n_ranks_above_64():
-    msg = config_error(n_ranks=65, n_experts=65 * 4)
-    assert_fragments(msg, "EPConfig.n_ranks=65", "must be <= 64", "64-bit mask",
-                     "split the group into expert-parallel groups of at most 64 ranks")
+def test_n_ranks_above_1024():
+    msg = config_error(n_ranks=1025, n_experts=1025)
+    assert_fragments(msg, "EPConfig.n_ranks=1025", "must be <= 1024", "a word per source rank in shared memory",
+                     "split the group into expert-parallel groups of at most 1024 ranks")
+
+
+def test_n_ranks_past_64_are_taken():
+    assert EPConfig(n_ranks=72, n_experts=72, top_k=2, hidden=64, max_tokens_per_rank=2).n_ranks == 72
 
 
 @pytest.mark.parametrize("top_k", [0, -1, 257])

@@ -3,10 +3,9 @@ ranks, bit for bit the reference's, with the hierarchical transport and with fla
 keeps a PE cheap (the kernels imported once, before the PEs fork; waits that sleep longer where
 the PEs outnumber the cores).
 
-64 ranks (8 x 8) is the most the configuration takes today; 72 (9 x 8) and 128 (16 x 8) are the
-same test with another rank count, and fail with ``EPConfigError`` (strict xfail) until the
-kernels take more than 64 ranks: then they pass, and the xfail marks go. Those two are under the
-``wide`` marker, which the default run leaves out (``pytest -m wide tests/test_wide_sim.py`` runs
+64 ranks (8 x 8) keep the 64-bit destination masks; 72 (9 x 8) and 128 (16 x 8) are the same
+test with another rank count, on the destination lists the plan takes past 64 ranks. Those two are
+under the ``wide`` marker, which the default run leaves out (``pytest -m wide tests/test_wide_sim.py`` runs
 them). Tiny sizes (hidden 8, two tokens a rank, one call) so that a PE costs little more than its
 process; docs/plans.md, "The simulator at many PEs (#66)", has what such a run costs.
 
@@ -22,7 +21,6 @@ import os
 import pytest
 
 from ep_runtime.core.config import EPConfig
-from ep_runtime.core.errors import EPConfigError
 from ep_runtime.core.layout import BufferLayout
 from ep_runtime.shmem.launch import run_pes
 from ep_runtime.shmem.sim_heap import poll_pause_cap
@@ -31,12 +29,8 @@ from ep_runtime.testing import assert_calls_are_the_reference, wide_round_trip_p
 SEED = 66
 NODE_SIZE = 8
 RUN_TIMEOUT_S = 900
-#: above the configuration's limit today: EPConfig refuses them until the kernels take more ranks;
 #: past 64 PEs a run takes over a minute here (docs/plans.md), so only ``pytest -m wide`` runs them
-OVER_THE_LIMIT = [pytest.mark.wide, pytest.mark.xfail(strict=True, raises=EPConfigError,
-                                                      reason="EPConfig takes at most 64 ranks until the kernels "
-                                                             "do (#66, step 1)")]
-RANKS = [64, pytest.param(72, marks=OVER_THE_LIMIT), pytest.param(128, marks=OVER_THE_LIMIT)]
+RANKS = [64, pytest.param(72, marks=pytest.mark.wide), pytest.param(128, marks=pytest.mark.wide)]
 
 
 def wide_cfg(R: int) -> EPConfig:
@@ -49,7 +43,7 @@ def wide_cfg(R: int) -> EPConfig:
 @pytest.mark.parametrize("R", RANKS)
 @pytest.mark.parametrize("transport", ["hierarchical", "puts"])
 def test_wide_round_trip_on_nodes_of_eight_is_the_reference(R, transport):
-    cfg = wide_cfg(R)  # EPConfigError past the configuration's limit (the xfail above)
+    cfg = wide_cfg(R)
     hierarchical = transport == "hierarchical"
     runs = run_pes(wide_round_trip_pe, R, args=(R // NODE_SIZE if hierarchical else 1, cfg,
                                                 {} if hierarchical else {"transport": "puts"}, SEED),

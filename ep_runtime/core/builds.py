@@ -58,7 +58,8 @@ def plan_kernels(cfg: EPConfig, plan: Plan, only=None) -> dict:
         if plan.serves("dense"):
             from ep_runtime.kernels.layouts.dense import make_dispatch_dense
 
-            kernels["dispatch_dense"] = make_dispatch_dense(plan.threads, cfg.token_format.codec, plan.pdl)
+            kernels["dispatch_dense"] = make_dispatch_dense(plan.threads, cfg.token_format.codec, plan.pdl,
+                                                           plan.dispatch_variant(cfg).rank_slots)
         if plan.serves("batched"):
             from ep_runtime.kernels.layouts.batched import make_dispatch_batched
 

@@ -53,7 +53,8 @@ class EPConfig:
     Parameters
     ----------
     n_ranks : int
-        Ranks (PEs) in the expert-parallel group; 1 <= n_ranks <= 64.
+        Ranks (PEs) in the expert-parallel group; 1 <= n_ranks <= 1024 (past 64, the stores and
+        puts transports with bf16 tokens: ``plan.check_plan``).
     n_experts : int
         Global experts, a multiple of ``n_ranks``; rank r holds experts
         ``[r * n_local_experts, (r + 1) * n_local_experts)``. At most
@@ -126,8 +127,9 @@ class EPConfig:
                 _require_int(f, getattr(self, f))
         _check(self.n_ranks >= 1, "n_ranks", self.n_ranks, "must be >= 1", "use the size of the expert-parallel group")
         _check(self.n_ranks <= MAX_RANKS, "n_ranks", self.n_ranks,
-               f"must be <= {MAX_RANKS} (combine keeps a 64-bit mask of destination ranks)",
-               "split the group into expert-parallel groups of at most 64 ranks")
+               f"must be <= {MAX_RANKS} (the receive kernels keep a word per source rank in shared memory, "
+               f"and every region is sized for every rank's tokens: docs/wide_ep.md)",
+               f"split the group into expert-parallel groups of at most {MAX_RANKS} ranks")
         _check(self.n_experts >= 1, "n_experts", self.n_experts, "must be >= 1", "use the model's expert count")
         if self.n_experts % self.n_ranks:
             lo = self.n_experts // self.n_ranks * self.n_ranks

@@ -26,7 +26,7 @@ from enum import Enum
 
 from ep_runtime.core.config import EPConfig
 from ep_runtime.core.errors import EPConfigError
-from ep_runtime.kernels.protocol import MAX_COPY_PLACERS
+from ep_runtime.kernels.protocol import MASK_RANKS, MAX_COPY_PLACERS
 from ep_runtime.kernels.variant import CombineVariant, DispatchVariant, Receiver, Transport
 
 __all__ = ["Plan", "Topology", "Transport", "Receiver", "ExpandedCopy", "choose_plan", "parse_overrides", "agree",
@@ -162,6 +162,8 @@ class Plan:
     PEs per node of the hierarchical transport (0 with the others; from the topology, not an
     override). ``node_stores``: the hierarchical transport stores into the peers of a node
     through their mappings (else puts within a node too; False with the other transports).
+    ``dest_list``: the kernels keep a token's destination ranks as an ascending list, not a
+    64-bit mask (needed past 64 ranks; ep_runtime/kernels/destinations.py).
     ``reasons``: one line per rule, not part of the plan's identity.
     """
 
@@ -181,6 +183,7 @@ class Plan:
     split_from_tokens: int = SPLIT_FROM_TOKENS
     node_size: int = 0
     node_stores: bool = False
+    dest_list: bool = False
     reasons: tuple = field(default=(), compare=False)
 
     # -- grids ----------------------------------------------------------------------------------
@@ -222,7 +225,8 @@ class Plan:
         """The dispatch kernels' compile-time constants for a runtime of ``cfg``."""
         return DispatchVariant(self.threads, cfg.token_format.codec, self.transport, self.receiver, self.pdl,
                                self.share_from_tokens, self.chunk_from_tokens, self.split_from_tokens, self.node_size,
-                               self.node_stores, self.receiver_layout)
+                               self.node_stores, self.receiver_layout, self.dest_slots(cfg),
+                               max(cfg.n_ranks, MASK_RANKS))
 
     def combine_variant(self, cfg: EPConfig) -> CombineVariant:
         """The combine kernels' compile-time constants for a runtime of ``cfg``."""
@@ -230,7 +234,12 @@ class Plan:
 
         return CombineVariant(self.threads, token_word(cfg.hidden).name, cfg.combine_dtype == "float32",
                               self.transport, self.pdl, self.node_size, self.node_stores,
-                              cfg.combine_weights == "home")
+                              home_weights=cfg.combine_weights == "home", dest_slots=self.dest_slots(cfg))
+
+    def dest_slots(self, cfg: EPConfig) -> int:
+        """The kernels' destination list length (``DispatchVariant.dest_slots``): 0 for the mask,
+        else ``min(top_k, n_ranks)``, the most ranks a token goes to."""
+        return min(cfg.top_k, cfg.n_ranks) if self.dest_list else 0
 
     # -- records --------------------------------------------------------------------------------
     def as_dict(self) -> dict:
@@ -265,6 +274,8 @@ class Plan:
                 ("split_from_tokens", self.split_from_tokens)]
         if self.node_size:
             rows.insert(2, ("node_stores", "on" if self.node_stores else "off"))
+        if self.dest_list:
+            rows.append(("dest_list", "on"))
         lines = [f"{name:<26} {str(value):<20} {why.get(name, '')}".rstrip() for name, value in rows]
         grids = (f"grids: dispatch_async {self.dispatch_async_grid}, dispatch_wait {self.dispatch_wait_grid}, "
                  f"combine_async {self.combine_async_grid('compact')} (compact) / "
@@ -285,6 +296,7 @@ OVERRIDABLE = {
     "transport": Transport, "receiver": Receiver, "expanded_copy": ExpandedCopy, "pdl": bool,
     "receiver_sms": int, "placing_blocks": int, "combine_wait_sms": int, "combine_wait_sms_expanded": int,
     "share_from_tokens": int, "chunk_from_tokens": int, "split_from_tokens": int, "node_stores": bool,
+    "dest_list": bool,
 }
 
 
@@ -418,13 +430,17 @@ def choose_plan(cfg: EPConfig, topology: Topology, overrides: dict | None = None
     combine_sms_x = pick("combine_wait_sms_expanded", fitted_sms(COMBINE_WAIT_SMS_EXPANDED, grid) if early else 0,
                          "combine_wait's early blocks (the sender reads every expert row)" if early
                          else "no SMs left free")
+    dest_list = pick("dest_list", cfg.n_ranks > MASK_RANKS,
+                     f"{cfg.n_ranks} > {MASK_RANKS} ranks: destination lists" if cfg.n_ranks > MASK_RANKS else
+                     f"{cfg.n_ranks} <= {MASK_RANKS} ranks: a 64-bit destination mask")
     thresholds = {k: o[k] for k in ("share_from_tokens", "chunk_from_tokens", "split_from_tokens") if k in o}
     reasons += [f"{k}: set by override" for k in thresholds]
     if receiver is Receiver.LAND and "compact" in layouts and "expanded" in layouts and "receiver" not in o:
         reasons.append("trade: serving both layouts, the compact one lands too; a runtime serving only the "
                        "compact layout routes first, chunked (docs/plans.md)")
     plan = Plan(layouts, transport, receiver, expanded_copy, pdl, threads, grid, receiver_sms, placing_blocks,
-                combine_sms, combine_sms_x, node_size=node_size, node_stores=node_stores, reasons=tuple(reasons),
+                combine_sms, combine_sms_x, node_size=node_size, node_stores=node_stores, dest_list=dest_list,
+                reasons=tuple(reasons),
                 **thresholds)
     check_plan(plan, cfg, topology)
     return plan
@@ -534,6 +550,13 @@ def check_plan(plan: Plan, cfg: EPConfig, topology: Topology) -> None:
         (max(plan.combine_wait_sms, plan.combine_wait_sms_expanded) < plan.grid, "combine_wait_sms",
          f"combine_wait_sms={plan.combine_wait_sms} / _expanded={plan.combine_wait_sms_expanded} leave "
          f"combine_async no block of grid={plan.grid}", "use fewer"),
+        (plan.dest_list or cfg.n_ranks <= MASK_RANKS, "dest_list",
+         f"dest_list=0 with {cfg.n_ranks} ranks: a 64-bit destination mask holds {MASK_RANKS} ranks at most",
+         "leave dest_list to the rule"),
+        (not plan.dest_list or not cfg.token_format.quantized, "dest_list",
+         f"destination lists (dest_list=1, needed past {MASK_RANKS} ranks) are built for bf16 tokens; these are "
+         f"{cfg.token_format.name}: the FP8 / NVFP4 codecs still keep a 64-bit mask (docs/wide_ep.md)",
+         f"use bf16 tokens, or at most {MASK_RANKS} ranks"),
         (min(plan.share_from_tokens, plan.chunk_from_tokens, plan.split_from_tokens) >= 1, "thresholds",
          "share_from_tokens, chunk_from_tokens and split_from_tokens must be >= 1", "use the defaults"),
     ]

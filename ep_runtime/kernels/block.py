@@ -22,6 +22,8 @@ with ``blockDim.x`` threads in a 1-D block.
 - ``flag_rule`` / ``flag_part`` / ``await_part``: rows flagged part by part as they land
   (combine and dispatch): how many parts a row is cut into, by a rule every
   rank computes alike, the sending warp's fence and flag, and the receiver's bounded wait;
+  ``flag_part_listed`` / ``flag_listed`` / ``flag_one``: the same flags to a destination list's PEs or
+  one PE (builds with destination lists, ep_runtime/kernels/destinations.py);
 - ``local_expert_count``: how many of a token's experts live on a rank.
 """
 
@@ -394,6 +396,34 @@ def flag_stored(flag, n, dests, R, lane):
         for d in range(R):
             if (dests >> uint64(d)) & uint64(1):
                 shmem.signal_op(flag, uint64(n + 1), shmem.SIGNAL_SET, d)
+
+
+@cuda.jit(device=True)
+def flag_part_listed(row_flag, me, t, part, n, dl, lane):
+    """``flag_part`` of a build with destination lists: the ranks of the list ``dl``
+    (ep_runtime/kernels/destinations.py) in place of a mask's bits."""
+    flag_listed(row_flag[me, t, part:part + 1], n, dl, lane)
+
+
+@cuda.jit(device=True)
+def flag_listed(flag, n, dl, lane):
+    """``flag_stored`` to the PEs of the destination list ``dl`` (int32, count first: ep_runtime/
+    kernels/destinations.py): fence at system scope, meet, and lane 0 sets the flag on each."""
+    cuda.threadfence_system()
+    warp_sync()
+    if lane == 0:
+        for j in range(dl[0]):
+            shmem.signal_op(flag, uint64(n + 1), shmem.SIGNAL_SET, dl[1 + j])
+
+
+@cuda.jit(device=True)
+def flag_one(row_flag, me, t, part, n, d, lane):
+    """``flag_part`` to the one PE ``d`` (any PE number: no mask), of a build with destination
+    lists: fence at system scope, meet, and lane 0 sets ``row_flag[me, t, part]`` on d to n + 1."""
+    cuda.threadfence_system()
+    warp_sync()
+    if lane == 0:
+        shmem.signal_op(row_flag[me, t, part:part + 1], uint64(n + 1), shmem.SIGNAL_SET, d)
 
 
 @cuda.jit(device=True)

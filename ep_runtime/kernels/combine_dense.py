@@ -32,7 +32,7 @@ def make_combine_async_dense(v: CombineVariant):
     threads = v.threads
     geo = partial_geometry(threads, v.word, v.f32_partials)
     warp, warps, word_t = geo.warp, geo.warps, geo.word_t
-    tp = make_transport(v.transport, threads, v.node_size, v.node_stores)
+    tp = make_transport(v.transport, threads, v.node_size, v.node_stores, v.dest_slots)
     grant_credits, home_aligned, send_home_part = tp.grant_credits, tp.home_aligned, tp.send_home_part
     finish_part = tp.finish_part
     UP = geo.UP  # word pairs per lane in flight

@@ -21,12 +21,14 @@ from ep_runtime.kernels.vec import load_pair, store_pair
 
 
 @functools.lru_cache(maxsize=None)
-def make_partial_reduce(threads: int, word: str, f32_partials: bool, epilogue, node_size: int) -> SimpleNamespace:
+def make_partial_reduce(threads: int, word: str, f32_partials: bool, epilogue, node_size: int,
+                        dest_slots: int = 0) -> SimpleNamespace:
     """The part loops of ``combine_wait`` for blocks of ``threads`` threads, token words of
     ``word`` (a NumPy dtype name), the partial format, ``epilogue(value: float32, token: int,
     col: int, aux: [T, H] float32) -> float32`` (a Numba device function applied to each reduced
     element before the bf16 store) and the partials' rows (``nodes.make_partial_sources`` of
-    ``node_size``): ``reduce_part`` and ``copy_part``."""
+    ``node_size``), a token's ranks a uint64 mask (``dest_slots`` 0) or an ascending list
+    (ep_runtime/kernels/destinations.py): ``reduce_part`` and ``copy_part``."""
     geo = partial_geometry(threads, word, f32_partials)
     warp, word_t, pack, P, F32 = geo.warp, geo.word_t, geo.pack, geo.P, geo.F32
     rounded_word = geo.rounded_word
@@ -134,4 +136,116 @@ def make_partial_reduce(threads: int, word: str, f32_partials: bool, epilogue, n
                 else:
                     out_partials[r, t, w] = 0
 
+    @inlined
+    def add_pairs(src, w, w1, lo, hi, acc):
+        """Every lane: one rank's partial ``src`` added into ``acc``, UP partial-word pairs from
+        token word ``w`` (each lane's loads issued before use)."""
+        for u in range(UPW):
+            wu = w + 2 * u * warp
+            if wu < w1:
+                if F32:  # token words wu, wu + 1: partial words 2 wu .. 2 wu + 3
+                    pair = load_pair(src, 2 * wu)
+                    lo[2 * u] = pair[0]
+                    hi[2 * u] = pair[1]
+                    pair = load_pair(src, 2 * wu + 2)
+                    lo[2 * u + 1] = pair[0]
+                    hi[2 * u + 1] = pair[1]
+                else:
+                    pair = load_pair(src, wu)
+                    lo[u] = pair[0]
+                    hi[u] = pair[1]
+        for u in range(UPW):
+            for x in range(pack):
+                if F32:
+                    acc[2 * u * pack + x] += f32_word_at(lo[2 * u] if x < 2 else hi[2 * u], x % 2)
+                    acc[(2 * u + 1) * pack + x] += f32_word_at(
+                        lo[2 * u + 1] if x < 2 else hi[2 * u + 1], x % 2)
+                else:
+                    acc[2 * u * pack + x] += word_f32(lo[u], x)
+                    acc[(2 * u + 1) * pack + x] += word_f32(hi[u], x)
+
+    @inlined
+    def add_words(src, w, w1, vals, acc):
+        """Every lane: one rank's partial ``src`` added into ``acc``, U partial words from token
+        word ``w`` (each lane's loads issued before use)."""
+        for u in range(UW):
+            if w + u * warp < w1:
+                if F32:  # token word w + u warp: partial words 2 (w + u warp) + 0, 1
+                    vals[2 * u] = src[2 * (w + u * warp)]
+                    vals[2 * u + 1] = src[2 * (w + u * warp) + 1]
+                else:
+                    vals[u] = src[w + u * warp]
+        for u in range(UW):
+            for x in range(pack):
+                if F32:
+                    acc[u * pack + x] += f32_word_at(vals[2 * u + x // 2], x % 2)
+                else:
+                    acc[u * pack + x] += word_f32(vals[u], x)
+
+    @inlined
+    def sum_listed(own_rows, combine_partials, relay_slot, g, me, t, Tmax, R, went, own, pairs, w, w1, lo, hi, vals,
+                   acc):
+        """``sum_mask`` over the ranks of the list ``went`` (int32, count first, ascending:
+        ep_runtime/kernels/destinations.py): the same ranks in the same order."""
+        for j in range(went[0]):
+            r = went[1 + j]
+            src = (own_rows[me * Tmax + t] if own and r == me
+                   else combine_partials[g, r, partial_row(relay_slot, g, t, r, me)])
+            if pairs:
+                add_pairs(src, w, w1, lo, hi, acc)
+            else:
+                add_words(src, w, w1, vals, acc)
+
+    @inlined
+    def reduce_listed_part(out, own_rows, combine_partials, relay_slot, aux, g, me, t, Tmax, R, went, own, pairs,
+                           w0, w1, lane, acc, vals, lo, hi):
+        """``reduce_part`` of a build with destination lists: the ranks of the list ``went``
+        (int32, count first, ascending), summed in the mask's order."""
+        orow = out[t]
+        w = w0 + 2 * lane
+        while pairs and w < w1:  # UP partial-word pairs per lane
+            for x in range(2 * UPW * pack):
+                acc[x] = float32(0.0)
+            sum_listed(own_rows, combine_partials, relay_slot, g, me, t, Tmax, R, went, own, True, w, w1, lo, hi, vals,
+                       acc)
+            for u in range(UPW):
+                wu = w + 2 * u * warp
+                if wu < w1:
+                    for x in range(2 * pack):
+                        acc[2 * u * pack + x] = epilogue(acc[2 * u * pack + x], t, wu * pack + x, aux)
+                    store_pair(orow, wu, rounded_word(acc, 2 * u * pack), rounded_word(acc, (2 * u + 1) * pack))
+            w += 2 * UPW * warp
+        w = w0 + lane
+        while not pairs and w < w1:  # U partial words per lane
+            for x in range(UW * pack):
+                acc[x] = float32(0.0)
+            sum_listed(own_rows, combine_partials, relay_slot, g, me, t, Tmax, R, went, own, False, w, w1, lo, hi, vals,
+                       acc)
+            for u in range(UW):
+                wu = w + u * warp
+                if wu < w1:
+                    packed = uint64(0)
+                    for x in range(pack):
+                        packed |= bf16_bits_at(epilogue(acc[u * pack + x], t, wu * pack + x, aux), x)
+                    out[t, wu] = word_t(packed)
+            w += UW * warp
+
+    @inlined
+    def copy_listed_part(out_partials, own_rows, combine_partials, relay_slot, g, me, t, Tmax, R, went, own, w0, w1,
+                         lane):
+        """``copy_part`` of the ranks of the list ``went`` (int32, count first, ascending)."""
+        for w in range(P * w0 + lane, P * w1, warp):  # partial words
+            j = 0  # the next listed rank
+            for r in range(R):
+                if j < went[0] and went[1 + j] == r:
+                    if own and r == me:
+                        out_partials[r, t, w] = own_rows[me * Tmax + t, w]
+                    else:
+                        out_partials[r, t, w] = combine_partials[g, r, partial_row(relay_slot, g, t, r, me), w]
+                    j += 1
+                else:
+                    out_partials[r, t, w] = 0
+
+    if dest_slots:
+        return SimpleNamespace(reduce_part=reduce_listed_part, copy_part=copy_listed_part)
     return SimpleNamespace(reduce_part=reduce_part, copy_part=copy_part)

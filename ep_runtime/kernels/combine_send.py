@@ -47,7 +47,7 @@ def make_combine_async(v: CombineVariant):
     threads = v.threads
     geo = partial_geometry(threads, v.word, v.f32_partials)
     warp, warps, word_t, pack, P, F32 = geo.warp, geo.warps, geo.word_t, geo.pack, geo.P, geo.F32
-    tp = make_transport(v.transport, threads, v.node_size, v.node_stores)
+    tp = make_transport(v.transport, threads, v.node_size, v.node_stores, v.dest_slots)
     grant_credits, stores_to, stages, home_at = tp.grant_credits, tp.stores_to, tp.stages, tp.home_at
     stage_aligned, home_aligned, finish_part = tp.stage_aligned, tp.home_aligned, tp.finish_part
     sum_part = make_partial_sums(threads, v.word, v.f32_partials).sum_part
@@ -167,7 +167,7 @@ def make_combine_async_rows(v: CombineVariant):
     threads = v.threads
     geo = partial_geometry(threads, v.word, v.f32_partials)
     warp, warps, word_t = geo.warp, geo.warps, geo.word_t
-    tp = make_transport(v.transport, threads, v.node_size, v.node_stores)
+    tp = make_transport(v.transport, threads, v.node_size, v.node_stores, v.dest_slots)
     grant_credits, home_aligned, send_home_part = tp.grant_credits, tp.home_aligned, tp.send_home_part
     UP = geo.UP  # word pairs per lane in flight
     PEER_WORDS = peer_words(geo.pack)

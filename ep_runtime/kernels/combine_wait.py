@@ -15,8 +15,9 @@ import functools
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.block import part_bounds, warp_sync
 from ep_runtime.kernels.combine_reduce import make_partial_reduce
-from ep_runtime.kernels.cuda_api import cuda, float32, int32, kernel_jit, uint32, uint64
-from ep_runtime.kernels.nodes import make_partial_sources
+from ep_runtime.kernels.cuda_api import cuda, float32, inlined, int32, kernel_jit, uint32, uint64
+from ep_runtime.kernels.destinations import holders_of, list_words
+from ep_runtime.kernels.nodes import make_partial_sources, via_proxies_listed
 from ep_runtime.kernels.partials import flagged_parts, partial_geometry
 from ep_runtime.kernels.pdl import make_pdl, programmatic
 from ep_runtime.kernels.protocol import STATUS_CODE, SYNC_CALLS
@@ -36,14 +37,16 @@ def identity_epilogue(value, token, col, aux):
 
 @functools.lru_cache(maxsize=None)
 def make_combine_wait(threads: int, word: str, f32_partials: bool, pdl: bool, epilogue=identity_epilogue,
-                      node_size: int = 0):
+                      node_size: int = 0, dest_slots: int = 0):
     """``combine_wait`` for blocks of ``threads`` threads, token words of ``word`` (a NumPy
     dtype name), the partial format, PDL, and ``epilogue(value: float32, token: int, col: int,
     aux: [T, H] float32) -> float32``, a Numba device function applied to each reduced element
     before the bf16 store (e.g. a residual add reading ``aux[token, col]``). Of the transport it
     sees only where partials arrive (``nodes.make_partial_sources`` of the hierarchical one's
     ``node_size``; 0 otherwise): a token's partials from another node come summed, from this
-    rank's proxy there, in its chunk's packed row (``relay_slot``)."""
+    rank's proxy there, in its chunk's packed row (``relay_slot``). A token's ranks are a uint64
+    mask (``dest_slots`` 0) or an ascending list of at most ``dest_slots`` ranks
+    (ep_runtime/kernels/destinations.py)."""
     geo = partial_geometry(threads, word, f32_partials)
     warp, warps, word_t, pack, P, F32 = geo.warp, geo.warps, geo.word_t, geo.pack, geo.P, geo.F32
     U = geo.U
@@ -55,7 +58,63 @@ def make_combine_wait(threads: int, word: str, f32_partials: bool, pdl: bool, ep
     pdl_wait, pdl_trigger = make_pdl(pdl)
 
     senders, _, await_partial = make_partial_sources(node_size)
-    reduce = make_partial_reduce(threads, word, f32_partials, epilogue, node_size)
+    reduce = make_partial_reduce(threads, word, f32_partials, epilogue, node_size, dest_slots)
+    LIST = list_words(dest_slots)
+    WENT_WORDS = max(1, 2 * LIST if node_size else LIST)  # hierarchical: the holders, then the senders
+
+    @inlined
+    def went_of_mask(dispatch_topk_ids, g, me, t, K, L, R, went_l):
+        """The ranks whose partials token t sums: bit r (uint64) for each rank it went to
+        (hierarchical: one partial per other node, ``senders``)."""
+        went = uint64(0)  # bit r: token t went to rank r
+        for k in range(K):
+            x = dispatch_topk_ids[g, me, t, k]
+            if uint32(x) < uint32(R * L):  # a masked (-1) or dropped id went nowhere
+                went |= uint64(1) << uint64(x // L)
+        return senders(went, me, R)  # hierarchical: one partial per other node
+
+    @inlined
+    def await_mask(combine_row_flag, combine_chunk_flag, went, me, t, i, parts, n, T, R, own, w0, w1, timeout_ns,
+                   status):
+        """One thread: wait for part ``p = i - t parts`` of the partial of every rank set in
+        ``went`` (not this rank's own in expert_out; none where the part has no word, ``w0 >=
+        w1``); 1 when all came, 0 on a timeout (recorded)."""
+        ok = 1
+        p = i - t * parts
+        for r in range(R):
+            if w0 < w1 and (went >> uint64(r)) & uint64(1) and not (own and r == me):
+                if not await_partial(combine_row_flag, combine_chunk_flag, me, r, t, p, n, T, timeout_ns, status):
+                    ok = 0
+                    break
+        return ok
+
+    @inlined
+    def went_of_list(dispatch_topk_ids, g, me, t, K, L, R, went_l):
+        """``went_of_mask`` as an ascending list in ``went_l`` (ep_runtime/kernels/destinations.py;
+        hierarchical: the holders' list in ``went_l[LIST:]``, the senders' in front), returned (a
+        device function returns only an array it was passed)."""
+        if node_size:
+            holders_of(dispatch_topk_ids[g, me, t], L, R, went_l[LIST:])
+            via_proxies_listed(went_l[LIST:], me, node_size, went_l)
+        else:
+            holders_of(dispatch_topk_ids[g, me, t], L, R, went_l)
+        return went_l
+
+    @inlined
+    def await_list(combine_row_flag, combine_chunk_flag, went, me, t, i, parts, n, T, R, own, w0, w1, timeout_ns,
+                   status):
+        """``await_mask`` over the ranks of the list ``went``."""
+        ok = 1
+        p = i - t * parts
+        for j in range(went[0]):
+            r = went[1 + j]
+            if w0 < w1 and not (own and r == me):
+                if not await_partial(combine_row_flag, combine_chunk_flag, me, r, t, p, n, T, timeout_ns, status):
+                    ok = 0
+                    break
+        return ok
+
+    went_of, await_went = (went_of_list, await_list) if dest_slots else (went_of_mask, await_mask)
     reduce_part, copy_part = reduce.reduce_part, reduce.copy_part
 
     @kernel_jit(threads)
@@ -91,6 +150,7 @@ def make_combine_wait(threads: int, word: str, f32_partials: bool, pdl: bool, ep
         """
         claim = cuda.shared.array(warps, int32)  # each warp's claimed part, then its flags' verdict
         acc = cuda.local.array(ACCW, float32)
+        went_l = cuda.local.array(WENT_WORDS, int32)  # a token's ranks, where built with destination lists
         vals = cuda.local.array(U, word_t)
         lo = cuda.local.array(UP, word_t)
         hi = cuda.local.array(UP, word_t)
@@ -137,22 +197,10 @@ def make_combine_wait(threads: int, word: str, f32_partials: bool, pdl: bool, ep
             if i >= T * parts:
                 break
             t, w0, w1 = part_bounds(i, parts, span, W)
-            went = uint64(0)  # bit r: token t went to rank r
-            for k in range(K):
-                x = dispatch_topk_ids[g, me, t, k]
-                if uint32(x) < uint32(R * L):  # a masked (-1) or dropped id went nowhere
-                    went |= uint64(1) << uint64(x // L)
-            went = senders(went, me, R)  # hierarchical: one partial per other node
+            went = went_of(dispatch_topk_ids, g, me, t, K, L, R, went_l)
             if lane == 0:  # lane 0 waits for the part's partials (its own in expert_out are there)
-                ok = 1
-                p = i - t * parts
-                for r in range(R):
-                    if w0 < w1 and (went >> uint64(r)) & uint64(1) and not (own and r == me):
-                        if not await_partial(combine_row_flag, combine_chunk_flag, me, r, t, p, n, T, timeout_ns,
-                                             status):
-                            ok = 0
-                            break
-                claim[wid] = ok
+                claim[wid] = await_went(combine_row_flag, combine_chunk_flag, went, me, t, i, parts, n, T, R, own, w0,
+                                        w1, timeout_ns, status)
             warp_sync()
             ok = claim[wid]
             warp_sync()

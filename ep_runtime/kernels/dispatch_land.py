@@ -23,7 +23,7 @@ from ep_runtime.kernels.layouts.expanded import COPY_PAIRS, COPY_UNROLL
 from ep_runtime.kernels.pdl import make_pdl, programmatic
 from ep_runtime.kernels.protocol import (COUNTER_DISPATCH_ROW_FLAG, COUNTER_DISPATCH_SIGNAL, COUNTER_RECV_ROWS,
                                          COUNTER_ROUTE_SIGNAL, DISPATCH_FLAG_PARTS, ERR_CAPACITY, KERNEL_DISPATCH_LAND,
-                                         MAX_RANKS, PLACEMENT_WORDS, RECV_CLAIMS, STATUS_CODE)
+                                         PLACEMENT_WORDS, RECV_CLAIMS, STATUS_CODE)
 from ep_runtime.kernels.receive import make_receive
 from ep_runtime.kernels.trace import stamp_first, stamp_last
 from ep_runtime.kernels.variant import DispatchVariant
@@ -52,7 +52,7 @@ def make_land_rows(v: DispatchVariant):
         """dispatch_land's work for call ``n``, every thread of a block (the kernel waits for its
         predecessor after it, whatever path returns). Arguments as the kernel's; the rest is
         scratch (shared: flag [1], sum_buf [threads], place [PLACEMENT_WORDS], src_T
-        [MAX_RANKS], claim [warps], item_rows [warps, warp] (each warp's token: its local
+        [rank_slots], claim [warps], item_rows [warps, warp] (each warp's token: its local
         experts' rows, for the copy); local: lo, hi, vals)."""
         if status[STATUS_CODE] != 0:
             return
@@ -195,6 +195,7 @@ def make_dispatch_land(v: DispatchVariant):
     pdl_wait, pdl_trigger = make_pdl(v.pdl)
     begin_receive = make_receive(threads).begin_receive
     land_rows = make_land_rows(v)
+    RANK_SLOTS = v.rank_slots  # a shared word per source
 
     @kernel_jit(threads)
     def dispatch_land(dispatch_topk_ids, dispatch_topk_weights, dispatch_counts, dispatch_ranks, dispatch_route_signal,
@@ -225,7 +226,7 @@ def make_dispatch_land(v: DispatchVariant):
         flag = cuda.shared.array(1, int32)
         sum_buf = cuda.shared.array(threads, int64)
         place = cuda.shared.array(PLACEMENT_WORDS, int32)
-        src_T = cuda.shared.array(MAX_RANKS, int32)
+        src_T = cuda.shared.array(RANK_SLOTS, int32)
         claim = cuda.shared.array(warps, int32)  # each warp's claimed item, then its flag's verdict
         item_rows = cuda.shared.array((warps, warp), int32)  # each warp's token: its local experts' rows
         ticket = cuda.shared.array(1, int32)

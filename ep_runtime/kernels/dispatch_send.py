@@ -19,8 +19,9 @@ from ep_runtime.kernels import shmem
 from ep_runtime.kernels.block import last_block_ticket, udiv32, warp_geometry
 from ep_runtime.kernels.codecs import make_sender, traits
 from ep_runtime.kernels.cuda_api import cuda, inlined, int32, int64, kernel_jit, uint32, uint64
+from ep_runtime.kernels.destinations import holders_at, list_words
 from ep_runtime.kernels.dispatch_route import make_dispatch_route
-from ep_runtime.kernels.nodes import MAX_NODES
+from ep_runtime.kernels.nodes import node_slots
 from ep_runtime.kernels.pdl import make_pdl, programmatic
 from ep_runtime.kernels.protocol import SIGNAL_TOKEN_BITS, STATUS_CODE, SYNC_CALLS, SYNC_TICKET
 from ep_runtime.kernels.ranking import ID_BATCH
@@ -57,8 +58,11 @@ def make_token_senders(v: DispatchVariant) -> SimpleNamespace:
     each rank with one of its experts, ``token_destinations``) and the transport's
     ``send_across`` (the rows bound for other nodes, a packed chunk a put; nothing without
     nodes), and the encoder's shared scratch (``MBUF_WORDS``, ``HELD_WORDS``)."""
-    tp = make_transport(v.transport, v.threads, v.node_size, v.node_stores)
+    tp = make_transport(v.transport, v.threads, v.node_size, v.node_stores, v.dest_slots)
     row_dests = tp.row_dests
+    LANDS = v.receiver is Receiver.LAND
+    NODE = v.node_size
+    LIST = list_words(v.dest_slots)  # ids_l: a list build's destination list, then the ids
 
     @cuda.jit(device=True)
     def token_destinations(ids_at, K, L, R, me, skip, ids_l):
@@ -68,8 +72,29 @@ def make_token_senders(v: DispatchVariant) -> SimpleNamespace:
         its chunk (the transport's ``send_across``)."""
         return row_dests(token_holders(ids_at, K, L, R, ids_l) & ~skip, me)
 
-    sender = make_sender(v.codec, v.threads, tp, token_destinations, v.receiver is Receiver.LAND)
-    return SimpleNamespace(send_rows=sender.send_rows, send_across=tp.make_row_chunks(sender.pack_row, token_holders),
+    @cuda.jit(device=True)
+    def token_destination_list(ids_at, K, L, R, me, skip, ids_l):
+        """``token_destinations`` of a build with destination lists: the list (int32, count
+        first: ep_runtime/kernels/destinations.py) at the front of ``ids_l``, the ids loaded behind
+        it (``ids_l[LIST:]``), and ``ids_l`` returned (a device function returns only an array it
+        was passed). The codec's
+        ``skip`` mask cannot name a rank past 63: this rank is left out exactly when the receiver
+        lands (it reads its own rows from the caller's tokens), which is what the codecs skip.
+        The hierarchical transport's list holds this rank's node's holders only."""
+        holders_at(ids_at, K, L, R, me if LANDS else -1, NODE, me, ids_l[LIST:], ids_l)
+        return ids_l
+
+    @cuda.jit(device=True)
+    def token_holder_list(ids_at, K, L, R, ids_l):
+        """``token_holders`` as a destination list at the front of ``ids_l``: every rank holding
+        one of the token's experts (the hierarchical transport's chunks bound for other nodes)."""
+        holders_at(ids_at, K, L, R, -1, 0, 0, ids_l[LIST:], ids_l)
+        return ids_l
+
+    sender = make_sender(v.codec, v.threads, tp, token_destination_list if v.dest_slots else token_destinations,
+                         LANDS)
+    send_across = tp.make_row_chunks(sender.pack_row, token_holder_list if v.dest_slots else token_holders)
+    return SimpleNamespace(send_rows=sender.send_rows, send_across=send_across,
                            MBUF_WORDS=sender.MBUF_WORDS, HELD_WORDS=sender.HELD_WORDS)
 
 
@@ -174,7 +199,8 @@ def make_dispatch_async(v: DispatchVariant):
     CHUNKS = v.receiver is Receiver.ROUTE_FIRST_CHUNKED
     SPLIT_FROM = int(v.split_from_tokens)
     ENCODES = traits(v.codec).ENCODES  # the token blocks compute the messages (FP8)
-    CHUNK_MASKS = MAX_NODES if v.node_size > 0 else 1  # the node chunks' masks (send_across)
+    CHUNK_MASKS = node_slots(v.rank_slots, v.node_size) if v.node_size > 0 else 1  # the node chunks' masks
+    IDS_WORDS = list_words(v.dest_slots) + ID_BATCH  # a list build's destination list, then a token's ids
     pdl_wait, pdl_trigger = make_pdl(v.pdl)
     route = make_dispatch_route(v)
     RANK_WORDS = route.rank_words if not FIRST else 1  # a routing block's masks and rows (none route first)
@@ -249,7 +275,7 @@ def make_dispatch_async(v: DispatchVariant):
         lo = cuda.local.array(PAIRS_IN_FLIGHT, uint64)  # a warp's word pairs in flight (the codec's copies)
         hi = cuda.local.array(PAIRS_IN_FLIGHT, uint64)
         run_l = cuda.local.array(RUN_BATCH, uint32)  # a routing block's ranks loaded before they are stored
-        ids_l = cuda.local.array(ID_BATCH, int32)  # a token's expert ids
+        ids_l = cuda.local.array(IDS_WORDS, int32)  # a token's expert ids (and its destination list)
         pdl_wait()  # nothing stream-ordered is read before this (ep_runtime/kernels/pdl.py)
         pdl_trigger()  # after the wait: a receive kernel started now finds all before this complete
         # the prologue's loads issued together, before the first branch on any of them (one

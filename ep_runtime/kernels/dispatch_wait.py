@@ -21,7 +21,7 @@ from ep_runtime.kernels.layouts import make_layout
 from ep_runtime.kernels.layouts.expanded import WAIT_COPY_PAIRS
 from ep_runtime.kernels.pdl import make_pdl, programmatic
 from ep_runtime.kernels.protocol import (COUNTER_DISPATCH_SIGNAL, COUNTER_RECV_ROWS, ERR_CAPACITY, KERNEL_DISPATCH_WAIT,
-                                         MAX_COPY_PLACERS, MAX_RANKS, PLACEMENT_WORDS, STATUS_CODE)
+                                         MAX_COPY_PLACERS, PLACEMENT_WORDS, STATUS_CODE)
 from ep_runtime.kernels.ranking import RECV_WINDOW, make_ranking
 from ep_runtime.kernels.receive import make_receive
 from ep_runtime.kernels.route_first import make_route_first
@@ -105,6 +105,7 @@ def make_dispatch_wait(v: DispatchVariant):
     threads = v.threads
     warp, warps = warp_geometry(threads)
     FIRST = v.receiver.routes_first
+    RANK_SLOTS = v.rank_slots  # a shared word per source
     place_fns, recv = make_layout(v.layout, threads), make_receive(threads)  # the placement and the copies
     # a route-first wait may copy the rows into the expert batch in its own launch where they are
     # the caller's words
@@ -159,7 +160,7 @@ def make_dispatch_wait(v: DispatchVariant):
         flag = cuda.shared.array(1, int32)
         sum_buf = cuda.shared.array(threads, int64)
         place = cuda.shared.array(PLACEMENT_WORDS, int32)  # the placement table
-        src_items = cuda.shared.array(MAX_RANKS, int32)  # T, then (token, k) pairs, each source sent this call
+        src_items = cuda.shared.array(RANK_SLOTS, int32)  # T, then (token, k) pairs, each source sent this call
         masks = cuda.shared.array(RECV_WORDS, uint32)  # route-first builds: [warp, window expert] lanes
         warp_rows = cuda.shared.array(RECV_WORDS, int32)  # ... and each warp's first rank
         next_rank = cuda.shared.array(RECV_NEXT, int32)  # ... and the next round's

@@ -17,11 +17,19 @@ import functools
 
 from ep_runtime.kernels.block import await_flag, await_part
 from ep_runtime.kernels.cuda_api import cuda, uint32, uint64
+from ep_runtime.kernels.destinations import insert_rank
 from ep_runtime.kernels.protocol import (COUNTER_COMBINE_CHUNK, COUNTER_COMBINE_ROW_FLAG, KERNEL_COMBINE_WAIT,
                                          relay_chunk_tokens)
 
-#: The most nodes a runtime may span (a block keeps a mask per node in shared memory).
+#: The nodes a block keeps a mask or count for in shared memory, at least: every build of 64
+#: ranks or fewer keeps this many; wider ones one per node (:func:`node_slots`).
 MAX_NODES = 64
+
+
+def node_slots(rank_slots: int, node_size: int) -> int:
+    """The shared words a block keeps per node for ``rank_slots`` ranks (``DispatchVariant``) in
+    nodes of ``node_size`` PEs: ``max(rank_slots / node_size, MAX_NODES)``."""
+    return max(rank_slots // node_size, MAX_NODES)
 
 
 @cuda.jit(device=True)
@@ -69,6 +77,37 @@ def via_proxies(dests, me, node_size, R):
     for node in range(R // node_size):
         if node != mine and dests & node_bits(node, node_size) != uint64(0):
             out |= uint64(1) << uint64(node * node_size + me % node_size)
+    return out
+
+
+@cuda.jit(device=True)
+def via_proxies_listed(dl, me, node_size, out):
+    """:func:`via_proxies` of destination lists (int32, count first, ascending:
+    ep_runtime/kernels/destinations.py): ``out`` set to the ranks of ``dl`` on ``me``'s node and,
+    for each other node with a rank in ``dl``, ``me``'s proxy there, ascending, and returned."""
+    out[0] = 0
+    mine = me // node_size
+    for j in range(dl[0]):
+        d = dl[1 + j]
+        if d // node_size == mine:
+            insert_rank(out, d)
+        else:
+            insert_rank(out, (d // node_size) * node_size + me % node_size)
+    return out
+
+
+@cuda.jit(device=True)
+def holders_near(ids, L, R, first, node_size):
+    """Bit ``q - first`` (uint64) set for every PE q of the node ``[first, first + node_size)``
+    holding one of the experts ``ids`` ([K] int32; an id outside ``[0, R L)`` sets none): a
+    node-relative mask, which any PE number fits (a node has at most 64 PEs)."""
+    out = uint64(0)
+    for k in range(ids.shape[0]):
+        x = ids[k]
+        if x >= 0 and x < R * L:
+            q = x // L
+            if q >= first and q < first + node_size:
+                out |= uint64(1) << uint64(q - first)
     return out
 
 

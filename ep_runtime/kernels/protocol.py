@@ -10,8 +10,13 @@ modules re-export what their users need (``ep_runtime.core.layout``, ``ep_runtim
 
 #: Buffer groups that alternate between calls (call ``n`` uses group ``n % 2``).
 N_GROUPS = 2
-#: combine_wait keeps the set of ranks a token went to in a 64-bit mask.
-MAX_RANKS = 64
+#: The most ranks a runtime may span: a token's destination ranks are a 64-bit mask up to
+#: MASK_RANKS ranks, an ascending list past them (ep_runtime/kernels/destinations.py); the
+#: receive kernels' per-source words in shared memory grow with the rank count (4 KB at 1024).
+MAX_RANKS = 1024
+#: Ranks a destination mask holds (a bit each), and the per-source shared words every build of
+#: this many ranks or fewer keeps (``DispatchVariant.rank_slots``).
+MASK_RANKS = 64
 #: The receive kernels keep a placement table of ``(n_ranks + 1) * (n_experts / n_ranks)`` int32
 #: words in shared memory (each source's first row per local expert), 16 KB at most.
 PLACEMENT_WORDS = 4096

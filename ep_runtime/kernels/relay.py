@@ -23,13 +23,15 @@ s sums the partials of its own node's PEs and one per other node, in ascending P
 """
 
 import functools
+from types import SimpleNamespace
 
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.bits import f32_bits_at, f32_word_at, word_f32
 from ep_runtime.kernels.block import (await_flag, last_block_ticket, part_bounds, popc32, publish_fence, record_error,
                                       warp_geometry, warp_sync)
-from ep_runtime.kernels.cuda_api import cuda, float32, int32, int64, kernel_jit, uint32, uint64
-from ep_runtime.kernels.nodes import MAX_NODES, chunk_tokens, holders, node_bits, nth_set_bit, other_index
+from ep_runtime.kernels.cuda_api import cuda, float32, inlined, int32, int64, kernel_jit, uint32, uint64
+from ep_runtime.kernels.destinations import insert_rank, list_words
+from ep_runtime.kernels.nodes import chunk_tokens, holders, node_bits, node_slots, nth_set_bit, other_index
 from ep_runtime.kernels.partials import flagged_parts, partial_geometry
 from ep_runtime.kernels.protocol import (COUNTER_RELAY_CHUNK, COUNTER_RELAY_FLAG, COUNTER_RELAY_SIGNAL,
                                          COUNTER_TOKEN_CREDIT, ERR_TIMEOUT, KERNEL_COMBINE_RELAY, KERNEL_DISPATCH_RELAY,
@@ -60,14 +62,91 @@ def chunk_mask(cmask, d_ids, g, s, c, CH, T, here, L, R):
     return mask
 
 
+@cuda.jit(device=True)
+def chunk_mask_listed(cmask, d_ids, g, s, c, CH, T, here, L, R, node_size):
+    """:func:`chunk_mask` of a build with destination lists: ``here`` is the node's index, and a
+    token is in the chunk's mask when one of its experts is on a PE d of it (``d // node_size ==
+    here``), any PE number."""
+    if cuda.threadIdx.x == 0:
+        cmask[0] = uint32(0)
+    cuda.syncthreads()
+    for j in range(cuda.threadIdx.x, CH, cuda.blockDim.x):
+        t = c * CH + j
+        if t < T:
+            ids = d_ids[g, s, t]
+            on = False
+            for k in range(ids.shape[0]):
+                x = ids[k]
+                if x >= 0 and x < R * L and (x // L) // node_size == here:
+                    on = True
+            if on:
+                cuda.atomic.or_(cmask, 0, uint32(1) << uint32(j))
+    cuda.syncthreads()
+    mask = cmask[0]
+    cuda.syncthreads()  # read by every thread before the next chunk clears it
+    return mask
+
+
+@functools.lru_cache(maxsize=None)
+def make_node_holders(node_size: int, dest_slots: int) -> SimpleNamespace:
+    """The relays' view of a token's holders on their node: ``node_set(mine, node_size)`` (the
+    node as the other functions take it: its PE bits, ``node_bits``, or with lists its index),
+    ``chunk_marks(cmask, d_ids, g, s, c, CH, T, here, L, R)`` (:func:`chunk_mask`), ``held_here(ids,
+    L, R, here, store)`` (the holders on the node: a uint64 of PE bits, or with destination lists,
+    ``dest_slots`` > 0, the list in ``store``, int32 [S +
+    1], count first) and ``is_held(held, q)`` (PE q among them); inlined, so a mask build is the
+    code it was with the expressions written in the kernels."""
+    NODE = node_size
+    if not dest_slots:
+        @inlined
+        def held_bits(ids, L, R, here, store):
+            return holders(ids, L, R) & here
+
+        @inlined
+        def bit_set(held, q):
+            return (held >> uint64(q)) & uint64(1)
+
+        return SimpleNamespace(node_set=node_bits, chunk_marks=chunk_mask, held_here=held_bits, is_held=bit_set)
+
+    @inlined
+    def held_listed(ids, L, R, here, store):
+        store[0] = 0
+        for k in range(ids.shape[0]):
+            x = ids[k]
+            if x >= 0 and x < R * L and (x // L) // NODE == here:
+                insert_rank(store, int32(x // L))
+        return store
+
+    @inlined
+    def listed(held, q):
+        for j in range(held[0]):
+            if held[1 + j] == q:
+                return True
+        return False
+
+    @inlined
+    def marks_listed(cmask, d_ids, g, s, c, CH, T, here, L, R):
+        return chunk_mask_listed(cmask, d_ids, g, s, c, CH, T, here, L, R, NODE)
+
+    @inlined
+    def index_of_node(mine, node_size):
+        return mine
+
+    return SimpleNamespace(node_set=index_of_node, chunk_marks=marks_listed, held_here=held_listed, is_held=listed)
+
+
 @functools.lru_cache(maxsize=None)
 def make_dispatch_relay(v: DispatchVariant):
     """The ``dispatch_relay`` kernel of a hierarchical ``v`` (``v.node_size`` PEs a node)."""
     threads = v.threads
     warp, warps = warp_geometry(threads)
     NODE = v.node_size
-    tp = make_transport(v.transport, threads, NODE, v.node_stores)
+    tp = make_transport(v.transport, threads, NODE, v.node_stores, v.dest_slots)
     forward_run, forward_row = tp.forward_run, tp.forward_row  # stores or puts within the node
+    near = make_node_holders(NODE, v.dest_slots)
+    node_set, chunk_marks, held_here = near.node_set, near.chunk_marks, near.held_here
+    HELD_WORDS = max(1, list_words(v.dest_slots))
+    NODE_SLOTS = node_slots(v.rank_slots, NODE)
 
     @kernel_jit(threads)
     def dispatch_relay(dispatch_tokens, dispatch_topk_ids, dispatch_topk_weights, dispatch_ranks, dispatch_counts,
@@ -102,7 +181,8 @@ def make_dispatch_relay(v: DispatchVariant):
         """
         flag = cuda.shared.array(1, int32)
         cmask = cuda.shared.array(1, uint32)
-        t_of = cuda.shared.array(MAX_NODES, int32)  # each source node's token count (T_s)
+        t_of = cuda.shared.array(NODE_SLOTS, int32)  # each source node's token count (T_s)
+        held_l = cuda.local.array(HELD_WORDS, int32)  # a token's holders here, where built with lists
         lo = cuda.local.array(PAIRS_IN_FLIGHT, uint64)  # forward_row's word pairs
         hi = cuda.local.array(PAIRS_IN_FLIGHT, uint64)
         if status[STATUS_CODE] != 0:
@@ -114,7 +194,7 @@ def make_dispatch_relay(v: DispatchVariant):
         L = dispatch_counts.shape[2] - 1
         mine = me // NODE
         first = mine * NODE  # this node's first PE
-        here = node_bits(mine, NODE)
+        here = node_set(mine, NODE)
         tid = cuda.threadIdx.x
         wid = tid // warp
         if tid == 0:
@@ -155,7 +235,7 @@ def make_dispatch_relay(v: DispatchVariant):
                 CH = chunk_tokens(T)
                 c = cuda.blockIdx.x
                 while c * CH < T:  # block-uniform
-                    mask = chunk_mask(cmask, dispatch_topk_ids, g, s, c, CH, T, here, L, R)
+                    mask = chunk_marks(cmask, dispatch_topk_ids, g, s, c, CH, T, here, L, R)
                     if mask != uint32(0):
                         if tid == 0 and not await_flag(relay_chunk_flag[s, c:c + 1], s, c * CH, n, timeout_ns,
                                                        status, KERNEL_DISPATCH_RELAY, COUNTER_RELAY_CHUNK):
@@ -165,7 +245,7 @@ def make_dispatch_relay(v: DispatchVariant):
                             return  # no ticket: the node's receivers time out naming the source
                         for j in range(wid, popc32(mask), warps):  # a warp a packed row
                             t = c * CH + nth_set_bit(mask, j)
-                            to = holders(dispatch_topk_ids[g, s, t], L, R) & here
+                            to = held_here(dispatch_topk_ids[g, s, t], L, R, here, held_l)
                             forward_row(dispatch_tokens, relay_rows[x, c * CH + j], s, t, to, peer_bases,
                                         PEER_TOKENS, first, tid % warp, lo, hi)
                     c += cuda.gridDim.x
@@ -196,6 +276,9 @@ def make_combine_relay(v: CombineVariant):
     rounded_word = geo.rounded_word
     E = 2 if F32 else pack  # values a partial word holds
     NODE = v.node_size
+    near = make_node_holders(NODE, v.dest_slots)
+    node_set, chunk_marks, held_here, is_held = near.node_set, near.chunk_marks, near.held_here, near.is_held
+    HELD_WORDS = max(1, list_words(v.dest_slots))
 
     @kernel_jit(threads)
     def combine_relay(combine_partials, relay_partials, relay_flag, relay_sums, combine_chunk_flag, dispatch_topk_ids,
@@ -221,6 +304,7 @@ def make_combine_relay(v: CombineVariant):
         naming this PE).
         """
         acc = cuda.local.array(E, float32)
+        held_l = cuda.local.array(HELD_WORDS, int32)  # a token's holders here, where built with lists
         cmask = cuda.shared.array(1, uint32)
         ok = cuda.shared.array(1, int32)  # the block's flags: all seen (1) or not
         verdict = cuda.shared.array(warps, int32)  # each warp's flags
@@ -234,7 +318,7 @@ def make_combine_relay(v: CombineVariant):
         PW = combine_partials.shape[3]
         mine = me // NODE
         first = mine * NODE
-        here = node_bits(mine, NODE)
+        here = node_set(mine, NODE)
         lane = cuda.threadIdx.x % warp
         wid = cuda.threadIdx.x // warp
         parts, span = flagged_parts(dispatch_counts[g], PW, warp)  # the parts every rank cuts alike
@@ -248,7 +332,7 @@ def make_combine_relay(v: CombineVariant):
                 while c * CH < T:  # block-uniform
                     if cuda.threadIdx.x == 0:
                         ok[0] = 1
-                    mask = chunk_mask(cmask, dispatch_topk_ids, g, s, c, CH, T, here, L, R)
+                    mask = chunk_marks(cmask, dispatch_topk_ids, g, s, c, CH, T, here, L, R)
                     packed = popc32(mask)
                     i = wid
                     while i < packed * parts and ok[0] == 1:  # (token j, part p) of the chunk, a warp each
@@ -256,11 +340,11 @@ def make_combine_relay(v: CombineVariant):
                         p = i - j * parts
                         t = c * CH + nth_set_bit(mask, j)
                         _, w0, w1 = part_bounds(t * parts + p, parts, span, PW)
-                        held = holders(dispatch_topk_ids[g, s, t], L, R) & here
+                        held = held_here(dispatch_topk_ids[g, s, t], L, R, here, held_l)
                         if lane == 0:
                             seen_all = 1
                             for q in range(first, first + NODE):
-                                if seen_all == 1 and w0 < w1 and (held >> uint64(q)) & uint64(1):
+                                if seen_all == 1 and w0 < w1 and is_held(held, q):
                                     row = node * NODE + q - first  # PE q's partials of source s's tokens
                                     if not await_flag(relay_flag[row, t, p:p + 1], q, t, n, timeout_ns, status,
                                                       KERNEL_COMBINE_RELAY, COUNTER_RELAY_FLAG):
@@ -275,7 +359,7 @@ def make_combine_relay(v: CombineVariant):
                                 for e in range(E):
                                     acc[e] = float32(0.0)
                                 for q in range(first, first + NODE):
-                                    if (held >> uint64(q)) & uint64(1):
+                                    if is_held(held, q):
                                         word = relay_partials[node * NODE + q - first, t, w]
                                         for e in range(E):
                                             if F32:

@@ -62,6 +62,10 @@ class DispatchVariant:
     (0 otherwise); ``node_stores``: its writes within a node are stores (else puts).
     ``layout``: the receive kernels' layout (:mod:`ep_runtime.kernels.layouts`): ``"expanded"``
     when the plan serves it (its copies skipped on a compact call), else ``"compact"``.
+    ``dest_slots``: how a token's destination ranks are kept (:mod:`ep_runtime.kernels.destinations`):
+    0, a 64-bit mask (64 ranks at most); else an ascending list of at most this many ranks.
+    ``rank_slots``: the per-source words the receive kernels keep in shared memory (at least the
+    rank count; 64 for every runtime of 64 ranks or fewer).
     """
 
     threads: int
@@ -76,6 +80,8 @@ class DispatchVariant:
     node_stores: bool = False
     home_weights: bool = False
     layout: str = "expanded"
+    dest_slots: int = 0
+    rank_slots: int = 64
 
 
 @dataclass(frozen=True)
@@ -84,7 +90,8 @@ class CombineVariant:
     (``word``: NumPy dtype name, ``"uint64"`` / ``"uint32"`` / ``"uint16"``), float32 partials
     (``f32_partials``), the ``transport``, ``pdl`` and the hierarchical transport's
     ``node_size`` (PEs per node; 0 otherwise) and ``node_stores`` (its writes within a node
-    are stores)."""
+    are stores) and ``dest_slots`` (a token's destination ranks: 0, a 64-bit mask; else an
+    ascending list of at most this many, as :class:`DispatchVariant`'s)."""
 
     threads: int
     word: str
@@ -94,3 +101,4 @@ class CombineVariant:
     node_size: int = 0
     node_stores: bool = False
     home_weights: bool = False
+    dest_slots: int = 0

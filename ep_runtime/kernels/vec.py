@@ -429,6 +429,30 @@ def make_peer_copy(n: int, warp: int):
     return copy_to_peers
 
 
+
+def make_listed_peer_copy(n: int, warp: int):
+    """``copy_to_listed(src, w0, w1, dl, peer_bases, region, slot, pairs, lane, lo, hi)``:
+    :func:`make_peer_copy`'s copy to the PEs of the destination list ``dl`` (int32, count first:
+    ep_runtime/kernels/destinations.py) instead of a mask's bits, each word loaded once."""
+    load_pairs, _, store_pairs_at = make_pair_loops(n, warp)
+
+    @cuda.jit(device=True)
+    def copy_to_listed(src, w0, w1, dl, peer_bases, region, slot, pairs, lane, lo, hi):
+        if pairs:
+            w = w0 + 2 * lane
+            while w < w1:
+                load_pairs(src, w, w1, lo, hi)
+                for j in range(dl[0]):
+                    store_pairs_at(peer_bases[region, dl[1 + j]] + slot, w, w1, lo, hi)
+                w += 2 * n * warp
+        else:
+            for w in range(w0 + lane, w1, warp):
+                val = src[w]
+                for j in range(dl[0]):
+                    store_word_at(peer_bases[region, dl[1 + j]] + slot, w, val)
+
+    return copy_to_listed
+
 __all__ = ["load_pair", "store_pair", "pairs_aligned", "address_of", "store_pair_at", "load_u32_at", "store_u32_at",
            "store_u8_at", "max_u16x2", "pack_bf16x2", "pack_bf16x4", "pack_f32x2", "make_pair_loops",
-           "make_peer_copy"]
+           "make_peer_copy", "make_listed_peer_copy"]

@@ -27,7 +27,7 @@ ENCODES = False
 def make_sender(spec, threads: int, tp, destinations, lands: bool) -> SimpleNamespace:
     """The words codec's sender (:mod:`ep_runtime.kernels.codecs`)."""
     warp, warps = warp_geometry(threads)
-    send_part, send_part_flagged = tp.send_part, tp.send_part_flagged
+    send_part, send_part_flagged, no_dests = tp.send_part, tp.send_part_flagged, tp.no_dests
     load_pairs, _, store_pairs_at = make_pair_loops(PAIRS_IN_FLIGHT, warp)
 
     @cuda.jit(device=True)
@@ -62,7 +62,7 @@ def make_sender(spec, threads: int, tp, destinations, lands: bool) -> SimpleName
             t, w0, w1 = part_bounds(i, parts, span, W)
             if w0 < w1:
                 sent = destinations(ids_base + uint64(4 * t * K), K, L, R, me, own_skip, ids_l)  # bit d: to d
-                if sent == 0:
+                if no_dests(sent):
                     pass  # a landing receiver's row for this PE only (it copies it from the tokens)
                 elif lands:  # each part flagged on arrival
                     send_part_flagged(rows, row_flag, me, t, i - t * parts, n, tokens[t], w0, w1, sent, R, peer_bases,

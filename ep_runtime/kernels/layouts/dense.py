@@ -32,7 +32,7 @@ from ep_runtime.kernels.layouts.compact import make_layout as make_compact_layou
 from ep_runtime.kernels.layouts.expanded import COPY_PAIRS, COPY_UNROLL, make_row_copy
 from ep_runtime.kernels.layouts.expert_major import make_placement
 from ep_runtime.kernels.pdl import make_pdl, programmatic
-from ep_runtime.kernels.protocol import MAX_RANKS, STATUS_CODE, SYNC_CALLS
+from ep_runtime.kernels.protocol import MASK_RANKS, STATUS_CODE, SYNC_CALLS
 from ep_runtime.kernels.trace import stamp_first, stamp_last
 
 
@@ -99,9 +99,10 @@ def make_dense_rows(threads: int) -> SimpleNamespace:
 
 
 @functools.lru_cache(maxsize=None)
-def make_dispatch_dense(threads: int, codec: CodecSpec, pdl: bool):
+def make_dispatch_dense(threads: int, codec: CodecSpec, pdl: bool, rank_slots: int = MASK_RANKS):
     """The ``dispatch_dense`` kernel for blocks of ``threads`` threads, a token format's
-    ``codec`` (its receiver lays out what a message carries besides its payload words) and PDL."""
+    ``codec`` (its receiver lays out what a message carries besides its payload words), PDL and
+    ``rank_slots`` shared words per source (at least the rank count)."""
     warp, warps = warp_geometry(threads)
     U = COPY_UNROLL
     CP = COPY_PAIRS
@@ -142,8 +143,8 @@ def make_dispatch_dense(threads: int, codec: CodecSpec, pdl: bool):
         """
         sum_buf = cuda.shared.array(threads, int64)
         scan_buf = cuda.shared.array(threads, int32)
-        src_T = cuda.shared.array(MAX_RANKS, int32)
-        src_rows = cuda.shared.array(MAX_RANKS, int32)
+        src_T = cuda.shared.array(rank_slots, int32)
+        src_rows = cuda.shared.array(rank_slots, int32)
         round_row = cuda.shared.array(threads, int32)  # the round's tokens: dense row (-1: not here)
         round_slot = cuda.shared.array(threads, int32)  # ... and receive-buffer slot
         vals = cuda.local.array(U, uint64)

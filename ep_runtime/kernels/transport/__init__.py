@@ -17,13 +17,15 @@ Peers and credits
     ``near(me, d)`` (any thread): PE ``me`` writes ``d``'s routing rows, ranks, counts and slot
     values itself (every PE, or the PEs of its node under the hierarchical transport).
     ``row_dests(holders, me)``: of the PEs holding a token's experts (uint64 bits), those this PE
-    sends the row to itself. ``grant_credits(credit, call)`` / ``await_credits(credit, n,
-    status, timeout_ns)`` (one thread): the token rows' credits (:mod:`.common`).
+    sends the row to itself. ``no_dests(dests)``: a token's destination set is empty.
+    ``grant_credits(credit, call)`` / ``await_credits(credit, n, status, timeout_ns)`` (one thread):
+    the token rows' credits (:mod:`.common`).
 
 Token rows (every lane of a warp)
     ``send_part(rows, me, t, src, w0, w1, dests, R, peer_bases, pairs, lane, lo, hi)``: words
     ``[w0, w1)`` of ``src`` into row ``[me, t]`` of ``rows`` on every PE below ``R`` set in
-    ``dests``. ``send_part_flagged(rows, flags, me, t, p, n, ...)``: then ``flags[me, t, p] =
+    ``dests`` (a build with destination lists, ``dest_slots`` > 0: every PE of the list ``dests``,
+    ep_runtime/kernels/destinations.py). ``send_part_flagged(rows, flags, me, t, p, n, ...)``: then ``flags[me, t, p] =
     n + 1`` there, after the data. ``make_row_chunks(pack_row, holders)``: the token blocks'
     ``send_across`` of the rows bound for other nodes (nothing without nodes).
 
@@ -71,21 +73,23 @@ from ep_runtime.kernels.variant import Transport
 
 
 @functools.lru_cache(maxsize=None)
-def make_transport(kind: Transport, threads: int, node_size: int = 0, node_stores: bool = False):
+def make_transport(kind: Transport, threads: int, node_size: int = 0, node_stores: bool = False,
+                   dest_slots: int = 0):
     """The device interface of transport ``kind`` for blocks of ``threads`` threads (and, for the
     hierarchical transport, ``node_size`` PEs a node, stores within a node when
-    ``node_stores``): a namespace of the names above."""
+    ``node_stores``), a token's destinations a mask (``dest_slots`` 0) or a list of at most
+    ``dest_slots`` ranks: a namespace of the names above."""
     if kind is Transport.STORES:
         from ep_runtime.kernels.transport import stores
 
-        return stores.make(threads)
+        return stores.make(threads, 0, dest_slots)
     if kind is Transport.PUTS:
         from ep_runtime.kernels.transport import puts
 
-        return puts.make(threads)
+        return puts.make(threads, 0, dest_slots)
     from ep_runtime.kernels.transport import hierarchical
 
-    return hierarchical.make(threads, node_size, node_stores)
+    return hierarchical.make(threads, node_size, node_stores, dest_slots)
 
 
 __all__ = ["make_transport"]

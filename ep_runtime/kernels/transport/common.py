@@ -11,7 +11,8 @@ from types import SimpleNamespace
 
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.block import record_error
-from ep_runtime.kernels.cuda_api import cuda, int64, uint64
+from ep_runtime.kernels.destinations import no_listed
+from ep_runtime.kernels.cuda_api import cuda, inlined, int64, uint64
 from ep_runtime.kernels.nodes import node_bits, reaches
 from ep_runtime.kernels.protocol import COUNTER_TOKEN_CREDIT, ERR_TIMEOUT, KERNEL_DISPATCH_ASYNC
 
@@ -78,6 +79,12 @@ def make_row_dests(node_size: int):
     return row_dests
 
 
+@inlined
+def no_mask_dests(dests):
+    """Whether the destination mask ``dests`` (uint64) is empty."""
+    return dests == 0
+
+
 @cuda.jit(device=True)
 def home_aligned(relay_partials):
     """Whether the rows partials go to beyond ``combine_partials`` are 16-byte aligned: none (a
@@ -90,6 +97,11 @@ def _no_rows_across(tokens, token_scales, token_global_scale_u8, prequantized, i
                     relay_chunk_flag, relay_slot, peer_bases, T, K, L, R, me, n, token_blocks, cmask, mbuf, held, ids_l,
                     lo, hi):
     """Nothing: every PE is reached directly (no node to cross to)."""
+
+
+def no_dests_of(dest_slots: int):
+    """``no_dests(dests)`` for destinations kept as a mask (``dest_slots`` 0) or a list."""
+    return no_listed if dest_slots else no_mask_dests
 
 
 def no_row_chunks(pack_row, holders):

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.cuda_api import cuda, inlined, uint32, uint64
-from ep_runtime.kernels.block import flag_part, flag_stored, popc32, publish_fence, warp_geometry, warp_sync
+from ep_runtime.kernels.block import flag_one, flag_part, flag_stored, popc32, publish_fence, warp_geometry, warp_sync
 from ep_runtime.kernels.nodes import chunk_tokens, node_bits, other_index, reaches
 from ep_runtime.kernels.protocol import PEER_RELAY_PARTIALS
 from ep_runtime.kernels.transport import puts, stores
@@ -29,18 +29,20 @@ from ep_runtime.kernels.vec import address_of, pairs_aligned
 #: The names of the interface the hierarchical transport takes unchanged from its node's transport
 #: (``stores`` or ``puts`` built for the node's PEs): the constants, the credits and what is written
 #: only within the node.
-WITHIN = ("warp", "NEAR_FENCED", "DIRECT", "near", "row_dests", "send_part", "send_part_flagged", "spread_range",
+WITHIN = ("warp", "NEAR_FENCED", "DIRECT", "near", "row_dests", "no_dests",
+          "send_part", "send_part_flagged", "spread_range",
           "row_at", "spread_slot", "spread_flush", "count_u32", "send_ranks", "counts_before_route", "forward_run",
           "forward_row", "grant_credits", "await_credits", "stores_to", "stages", "stage_aligned")
 
 
 @functools.lru_cache(maxsize=None)
-def make(threads: int, node_size: int, node_stores: bool) -> SimpleNamespace:
+def make(threads: int, node_size: int, node_stores: bool, dest_slots: int = 0) -> SimpleNamespace:
     """The hierarchical transport for blocks of ``threads`` threads and nodes of ``node_size``
-    PEs, storing within a node when ``node_stores`` (else putting): the package's device
+    PEs, storing within a node when ``node_stores`` (else putting), a token's destinations a
+    mask (``dest_slots`` 0) or a list (ep_runtime/kernels/destinations.py): the package's device
     interface, one namespace, the node's transport (``WITHIN``) with what crosses nodes."""
     NODE = node_size
-    within = (stores if node_stores else puts).make(threads, node_size)
+    within = (stores if node_stores else puts).make(threads, node_size, dest_slots)
 
     @cuda.jit(device=True)
     def reaches_pe(me, d):
@@ -48,10 +50,10 @@ def make(threads: int, node_size: int, node_stores: bool) -> SimpleNamespace:
         return reaches(me, d, NODE)
 
     return SimpleNamespace(FENCED=False, reaches=reaches_pe,
-                           make_row_chunks=functools.partial(make_row_chunks, threads, node_size),
+                           make_row_chunks=functools.partial(make_row_chunks, threads, node_size, dest_slots),
                            **{name: getattr(within, name) for name in WITHIN}, **vars(make_slots(within)),
                            **vars(make_signal(threads, node_size, within.signal_pe)),
-                           **vars(make_partials(node_size, node_stores, within)))
+                           **vars(make_partials(node_size, node_stores, within, dest_slots)))
 
 
 def make_slots(within) -> SimpleNamespace:
@@ -132,7 +134,7 @@ def make_signal(threads: int, node_size: int, signal_near) -> SimpleNamespace:
     return SimpleNamespace(signal_call=signal_call)
 
 
-def make_partials(node_size: int, node_stores: bool, within) -> SimpleNamespace:
+def make_partials(node_size: int, node_stores: bool, within, dest_slots: int = 0) -> SimpleNamespace:
     """The combine partials: a partial for a home on another node goes to the home's proxy on this
     node (the PE with the home's local index), into its relay_partials row ``node(s) node_size
     + local(me)``, flagged in relay_flag; the proxy sums its node's partials (combine_relay).
@@ -156,14 +158,15 @@ def make_partials(node_size: int, node_stores: bool, within) -> SimpleNamespace:
         """Whether the proxies' ``relay_partials`` rows are 16-byte aligned."""
         return pairs_aligned(relay_partials)
 
-    across = (make_stored_partials if node_stores else make_put_partials)(within, far, proxy_row)
+    across = (make_stored_partials if node_stores else make_put_partials)(within, far, proxy_row, dest_slots)
     return SimpleNamespace(home_aligned=home_aligned, **vars(across))
 
 
-def make_stored_partials(within, far, proxy_row) -> SimpleNamespace:
+def make_stored_partials(within, far, proxy_row, dest_slots: int = 0) -> SimpleNamespace:
     """``home_at``, ``finish_part``, ``send_home_part`` of partials stored through the mappings
     (``within``: the stores transport of the node's PEs; ``far(me, s)``: whether ``s`` is on
-    another node; ``proxy_row(me, s)``: its ``(row, proxy)``)."""
+    another node; ``proxy_row(me, s)``: its ``(row, proxy)``; a build with destination lists,
+    ``dest_slots`` > 0, flags the proxy without a mask)."""
     near_home_at = within.home_at
     near_finish_part = within.finish_part
 
@@ -189,14 +192,30 @@ def make_stored_partials(within, far, proxy_row) -> SimpleNamespace:
             near_finish_part(partials, stage, relay_partials, relay_flag, row_flag, g, me, s, t, p, pw0, pw1, n,
                              lane)
 
+    @inlined
+    def finish_listed_part(partials, stage, relay_partials, relay_flag, row_flag, g, me, s, t, p, pw0, pw1, n,
+                           lane):
+        """``finish_part`` of a build with destination lists: the proxy's relay flag set with
+        ``flag_one`` (any PE number)."""
+        if far(me, s):
+            row, proxy = proxy_row(me, s)
+            flag_one(relay_flag, row, t, p, n, proxy, lane)
+        else:
+            near_finish_part(partials, stage, relay_partials, relay_flag, row_flag, g, me, s, t, p, pw0, pw1, n,
+                             lane)
+
+    if dest_slots:
+        finish_part = finish_listed_part
+
     return SimpleNamespace(home_at=home_at, finish_part=finish_part,
                            send_home_part=stores.make_home_sender(within.warp, home_at, finish_part))
 
 
-def make_put_partials(within, far, proxy_row) -> SimpleNamespace:
+def make_put_partials(within, far, proxy_row, dest_slots: int = 0) -> SimpleNamespace:
     """``home_at``, ``finish_part``, ``send_home_part`` of partials staged and put (``within``:
     the puts transport of the node's PEs; ``far(me, s)``: whether ``s`` is on another node;
-    ``proxy_row(me, s)``: its ``(row, proxy)``)."""
+    ``proxy_row(me, s)``: its ``(row, proxy)``; a build with destination lists, ``dest_slots`` >
+    0, flags its own without a mask)."""
     near_send_home_part = within.send_home_part
 
     @inlined
@@ -217,6 +236,16 @@ def make_put_partials(within, far, proxy_row) -> SimpleNamespace:
             flag_part(row_flag, me, t, p, n, uint64(1) << uint64(s), lane)
 
     @inlined
+    def finish_listed_part(partials, stage, relay_partials, relay_flag, row_flag, g, me, s, t, p, pw0, pw1, n,
+                           lane):
+        """``finish_part`` of a build with destination lists: this PE's own part flagged with
+        ``flag_one`` (any PE number)."""
+        if s != me:
+            finish_part(partials, stage, relay_partials, relay_flag, row_flag, g, me, s, t, p, pw0, pw1, n, lane)
+        else:
+            flag_one(row_flag, me, t, p, n, s, lane)
+
+    @inlined
     def send_home_part(src, w0, w1, partials, relay_partials, relay_flag, row_flag, peer_bases, g, me, s, t, p, n,
                        direct, lane, lo, hi):
         """Every lane of a warp: the caller's partial row part put to the proxy for ``s`` on
@@ -229,17 +258,37 @@ def make_put_partials(within, far, proxy_row) -> SimpleNamespace:
             near_send_home_part(src, w0, w1, partials, relay_partials, relay_flag, row_flag, peer_bases, g, me,
                                 s, t, p, n, direct, lane, lo, hi)
 
-    return SimpleNamespace(home_at=within.home_at, finish_part=finish_part, send_home_part=send_home_part)
+    return SimpleNamespace(home_at=within.home_at, finish_part=finish_listed_part if dest_slots else finish_part,
+                           send_home_part=send_home_part)
 
 
-def make_row_chunks(threads: int, node_size: int, pack_row, holders):
+def make_row_chunks(threads: int, node_size: int, dest_slots: int, pack_row, holders):
     """``send_across``: the token blocks' rows bound for other nodes under the hierarchical
     transport of ``node_size`` PEs a node, built with the format's ``pack_row(tokens,
     token_scales, token_global_scale_u8, prequantized, t, row, lane, mbuf, peer_bases, held, lo, hi)`` (token ``t``'s
     row as it travels, into a local row) and ``holders(ids_at, K, L, R, ids_l)`` (the PEs holding
-    a token's experts, uint64 bits)."""
+    a token's experts, uint64 bits; with ``dest_slots`` > 0 a destination list,
+    ep_runtime/kernels/destinations.py)."""
     warp, warps = warp_geometry(threads)
     NODE = node_size
+
+    @inlined
+    def mark_by_bits(cmask, held_by, j, mine, nodes):
+        """Bit j of ``cmask[node]`` set for each node other than ``mine`` with a PE set in
+        ``held_by`` (uint64)."""
+        for node in range(nodes):
+            if node != mine and held_by & node_bits(node, NODE) != uint64(0):
+                cuda.atomic.or_(cmask, node, uint32(1) << uint32(j))
+
+    @inlined
+    def mark_by_list(cmask, held_by, j, mine, nodes):
+        """``mark_by_bits`` of a destination list: a step per listed PE, not per node."""
+        for q in range(held_by[0]):
+            node = held_by[1 + q] // NODE
+            if node != mine:
+                cuda.atomic.or_(cmask, node, uint32(1) << uint32(j))
+
+    mark_nodes = mark_by_list if dest_slots else mark_by_bits
 
     @inlined
     def send_across(tokens, token_scales, token_global_scale_u8, prequantized, ids_base, relay_stage, relay_rows,
@@ -269,10 +318,7 @@ def make_row_chunks(threads: int, node_size: int, pack_row, holders):
             for j in range(tid, CH, threads):
                 t = c * CH + j
                 if t < T:
-                    held_by = holders(ids_base + uint64(4 * t * K), K, L, R, ids_l)
-                    for node in range(nodes):
-                        if node != mine and held_by & node_bits(node, NODE) != uint64(0):
-                            cuda.atomic.or_(cmask, node, uint32(1) << uint32(j))
+                    mark_nodes(cmask, holders(ids_base + uint64(4 * t * K), K, L, R, ids_l), j, mine, nodes)
             cuda.syncthreads()
             for node in range(nodes):
                 mask = cmask[node]

@@ -16,22 +16,25 @@ from types import SimpleNamespace
 
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.cuda_api import cuda, inlined, uint64
-from ep_runtime.kernels.block import flag_part, warp_geometry, warp_sync
+from ep_runtime.kernels.block import flag_one, flag_part, warp_geometry, warp_sync
 from ep_runtime.kernels.nodes import make_near
 from ep_runtime.kernels.vec import pairs_aligned
 from ep_runtime.kernels.transport import common
 
 
 @functools.lru_cache(maxsize=None)
-def make(threads: int, node_size: int = 0) -> SimpleNamespace:
+def make(threads: int, node_size: int = 0, dest_slots: int = 0) -> SimpleNamespace:
     """The puts transport for blocks of ``threads`` threads, to every PE (``node_size`` 0) or to
-    the PEs of this PE's node: the package's device interface, one namespace."""
+    the PEs of this PE's node, a token's destinations a mask (``dest_slots`` 0) or a list
+    (ep_runtime/kernels/destinations.py): the package's device interface, one
+    namespace."""
     warp, _ = warp_geometry(threads)
     near = make_near(node_size)
+    rows = make_listed_rows() if dest_slots else make_rows(node_size)
     return SimpleNamespace(warp=warp, FENCED=False, NEAR_FENCED=False, DIRECT=False, near=near,
-                           make_row_chunks=common.no_row_chunks, **vars(make_rows(node_size)),
-                           **vars(make_routing(threads, near)), **vars(make_partials()),
-                           **vars(make_slots(threads, near)), **vars(make_forwarding(node_size)),
+                           make_row_chunks=common.no_row_chunks, no_dests=common.no_dests_of(dest_slots),
+                           **vars(rows), **vars(make_routing(threads, near)), **vars(make_partials(dest_slots)),
+                           **vars(make_slots(threads, near)), **vars(make_forwarding(node_size, dest_slots)),
                            **vars(common.make_credits(node_size)))
 
 
@@ -57,6 +60,28 @@ def make_rows(node_size: int) -> SimpleNamespace:
                                           shmem.SIGNAL_SET, d)
 
     return SimpleNamespace(row_dests=common.make_row_dests(node_size), send_part=send_part, send_part_flagged=send_part_flagged)
+
+
+def make_listed_rows() -> SimpleNamespace:
+    """:func:`make_rows` to every PE of a token's destination list (``dests``: int32, count
+    first, ep_runtime/kernels/destinations.py) instead of a mask's bits."""
+
+    @inlined
+    def send_part(rows, me, t, src, w0, w1, dests, R, peer_bases, pairs, lane, lo, hi):
+        """Every lane of a warp: words ``[w0, w1)`` of ``src`` into row ``[me, t]`` of ``rows``
+        on every PE of the list ``dests``, a warp put each."""
+        for j in range(dests[0]):
+            shmem.put_nbi_warp(rows[me, t, w0:w1], src[w0:w1], dests[1 + j])
+
+    @inlined
+    def send_part_flagged(rows, flags, me, t, p, n, src, w0, w1, dests, R, peer_bases, pairs, lane, lo, hi):
+        """``send_part``, each put with part ``p``'s flag (``flags[me, t, p] = n + 1``, after the
+        data)."""
+        for j in range(dests[0]):
+            shmem.put_signal_nbi_warp(rows[me, t, w0:w1], src[w0:w1], flags[me, t, p:p + 1], uint64(n + 1),
+                                      shmem.SIGNAL_SET, dests[1 + j])
+
+    return SimpleNamespace(row_dests=common.make_row_dests(0), send_part=send_part, send_part_flagged=send_part_flagged)
 
 
 def make_routing(threads: int, near) -> SimpleNamespace:
@@ -143,10 +168,10 @@ def make_routing(threads: int, near) -> SimpleNamespace:
                            counts_before_route=counts_before_route, signal_pe=signal_pe, signal_call=signal_call)
 
 
-def make_partials() -> SimpleNamespace:
-    """The combine partials, staged here and put home with their flag, part by part:
-    ``stores_to``, ``stages``, ``stage_aligned``, ``home_aligned``, ``home_at``,
-    ``finish_part``, ``send_home_part``."""
+def make_partials(dest_slots: int = 0) -> SimpleNamespace:
+    """The combine partials, staged here and put home with their flag, part by part (a build with
+    destination lists, ``dest_slots`` > 0, flags its own without a mask): ``stores_to``, ``stages``,
+    ``stage_aligned``, ``home_aligned``, ``home_at``, ``finish_part``, ``send_home_part``."""
 
     @cuda.jit(device=True)
     def stores_to(me, s):
@@ -180,6 +205,20 @@ def make_partials() -> SimpleNamespace:
                                       uint64(n + 1), shmem.SIGNAL_SET, s)
         else:
             flag_part(row_flag, me, t, p, n, uint64(1) << uint64(s), lane)
+
+    @inlined
+    def finish_listed_part(partials, stage, relay_partials, relay_flag, row_flag, g, me, s, t, p, pw0, pw1, n, lane):
+        """``finish_part`` of a build with destination lists: this PE's own part flagged with
+        ``flag_one`` (any PE number)."""
+        if s != me:
+            warp_sync()  # the whole staged part is written before the warp's put
+            shmem.put_signal_nbi_warp(partials[g, me, t, pw0:pw1], stage[s, t, pw0:pw1], row_flag[me, t, p:p + 1],
+                                      uint64(n + 1), shmem.SIGNAL_SET, s)
+        else:
+            flag_one(row_flag, me, t, p, n, s, lane)
+
+    if dest_slots:
+        finish_part = finish_listed_part
 
     @inlined
     def send_home_part(src, w0, w1, partials, relay_partials, relay_flag, row_flag, peer_bases, g, me, s, t, p, n,
@@ -216,9 +255,10 @@ def make_slots(threads: int, near) -> SimpleNamespace:
     return SimpleNamespace(send_slot_value=send_slot_value, signal_slot_values=signal_slot_values)
 
 
-def make_forwarding(node_size: int) -> SimpleNamespace:
-    """The hierarchical proxies' forwarding within their node of ``node_size`` PEs, puts:
-    ``forward_run``, ``forward_row``."""
+def make_forwarding(node_size: int, dest_slots: int = 0) -> SimpleNamespace:
+    """The hierarchical proxies' forwarding within their node of ``node_size`` PEs, puts (a row's
+    PEs a mask, or with ``dest_slots`` > 0 a destination list): ``forward_run``,
+    ``forward_row``."""
     NODE = node_size
 
     @cuda.jit(device=True)
@@ -237,4 +277,11 @@ def make_forwarding(node_size: int) -> SimpleNamespace:
             if (to >> uint64(q)) & uint64(1):
                 shmem.put_nbi_warp(rows[s, t], row, q)
 
-    return SimpleNamespace(forward_run=forward_run, forward_row=forward_row)
+    @cuda.jit(device=True)
+    def forward_listed_row(rows, row, s, t, to, peer_bases, region, first, lane, lo, hi):
+        """``forward_row`` of a build with destination lists: to each PE of the list ``to``
+        (int32, count first: the node's PEs holding one of the token's experts)."""
+        for j in range(to[0]):
+            shmem.put_nbi_warp(rows[s, t], row, to[1 + j])
+
+    return SimpleNamespace(forward_run=forward_run, forward_row=forward_listed_row if dest_slots else forward_row)

@@ -25,23 +25,26 @@ from ep_runtime.kernels.protocol import (PEER_COUNTS, PEER_IDS, PEER_PARTIALS, P
                                          PEER_WEIGHTS)
 from ep_runtime.kernels.transport import common
 from ep_runtime.kernels.transport.common import PAIRS_IN_FLIGHT, RUN_BATCH
-from ep_runtime.kernels.block import flag_part, flag_stored, warp_geometry
-from ep_runtime.kernels.vec import (address_of, load_u32_at, make_pair_loops, make_peer_copy, pairs_aligned,
-                                    store_u32_at, store_word_at)
+from ep_runtime.kernels.block import flag_one, flag_part, flag_part_listed, warp_geometry
+from ep_runtime.kernels.vec import (address_of, load_u32_at, make_listed_peer_copy, make_pair_loops, make_peer_copy,
+                                    pairs_aligned, store_u32_at, store_word_at)
 
 
 @functools.lru_cache(maxsize=None)
-def make(threads: int, node_size: int = 0) -> SimpleNamespace:
+def make(threads: int, node_size: int = 0, dest_slots: int = 0) -> SimpleNamespace:
     """The stores transport for blocks of ``threads`` threads, into every PE (``node_size`` 0)
-    or into the PEs of this PE's node: the package's device interface, one namespace."""
+    or into the PEs of this PE's node, a token's destinations a mask (``dest_slots`` 0) or a list
+    (ep_runtime/kernels/destinations.py): the package's device interface, one
+    namespace."""
     warp, _ = warp_geometry(threads)
     near = make_near(node_size)
     copy_to_peers = make_peer_copy(PAIRS_IN_FLIGHT, warp)  # token rows and forwarded rows alike
+    rows = (make_listed_rows(warp) if dest_slots else make_rows(node_size, copy_to_peers))
     return SimpleNamespace(warp=warp, FENCED=node_size == 0, NEAR_FENCED=True, DIRECT=True, near=near,
-                           make_row_chunks=common.no_row_chunks, **vars(make_rows(node_size, copy_to_peers)),
-                           **vars(make_routing(threads, near)), **vars(make_partials(warp)),
+                           make_row_chunks=common.no_row_chunks, no_dests=common.no_dests_of(dest_slots),
+                           **vars(rows), **vars(make_routing(threads, near)), **vars(make_partials(warp, dest_slots)),
                            **vars(make_slots(threads, near)),
-                           **vars(make_forwarding(threads, node_size, copy_to_peers)),
+                           **vars(make_forwarding(threads, node_size, copy_to_peers, dest_slots)),
                            **vars(common.make_credits(node_size)))
 
 
@@ -67,6 +70,27 @@ def make_rows(node_size: int, copy_to_peers) -> SimpleNamespace:
         flag_part(flags, me, t, p, n, dests, lane)
 
     return SimpleNamespace(row_dests=common.make_row_dests(node_size), send_part=send_part, send_part_flagged=send_part_flagged)
+
+
+def make_listed_rows(warp: int) -> SimpleNamespace:
+    """:func:`make_rows` into every PE of a token's destination list (``dests``: int32, count
+    first, ep_runtime/kernels/destinations.py) instead of a mask's bits."""
+    copy_to_listed = make_listed_peer_copy(PAIRS_IN_FLIGHT, warp)
+
+    @inlined
+    def send_part(rows, me, t, src, w0, w1, dests, R, peer_bases, pairs, lane, lo, hi):
+        """Every lane of a warp: words ``[w0, w1)`` of ``src`` into row ``[me, t]`` of ``rows``
+        on every PE of the list ``dests``, each word (pair) loaded once for every PE."""
+        slot = address_of(rows[me, t]) - address_of(rows)  # the same on every PE
+        copy_to_listed(src, w0, w1, dests, peer_bases, PEER_TOKENS, slot, pairs, lane, lo, hi)
+
+    @inlined
+    def send_part_flagged(rows, flags, me, t, p, n, src, w0, w1, dests, R, peer_bases, pairs, lane, lo, hi):
+        """``send_part``, then part ``p`` flagged on every PE of the list (``flag_part_listed``)."""
+        send_part(rows, me, t, src, w0, w1, dests, R, peer_bases, pairs, lane, lo, hi)
+        flag_part_listed(flags, me, t, p, n, dests, lane)
+
+    return SimpleNamespace(row_dests=common.make_row_dests(0), send_part=send_part, send_part_flagged=send_part_flagged)
 
 
 def make_routing(threads: int, near) -> SimpleNamespace:
@@ -159,9 +183,10 @@ def make_routing(threads: int, near) -> SimpleNamespace:
                            counts_before_route=counts_before_route, signal_pe=signal_pe, signal_call=signal_call)
 
 
-def make_partials(warp: int) -> SimpleNamespace:
+def make_partials(warp: int, dest_slots: int = 0) -> SimpleNamespace:
     """The combine partials, stored into their home through its mapping and flagged part by part
-    (warps of ``warp`` lanes): ``stores_to``, ``stages``, ``stage_aligned``, ``home_aligned``,
+    (warps of ``warp`` lanes; a build with destination lists, ``dest_slots`` > 0, flags the one
+    home without a mask): ``stores_to``, ``stages``, ``stage_aligned``, ``home_aligned``,
     ``home_at``, ``finish_part``, ``send_home_part``."""
 
     @cuda.jit(device=True)
@@ -196,9 +221,17 @@ def make_partials(warp: int) -> SimpleNamespace:
     def finish_slot_part(partials, stage, relay_partials, relay_flag, row_flag, g, k, s, t, p, pw0, pw1, n, lane):
         """Every lane of the warp that stored part ``p`` of the row slot ``k`` of token ``t`` of PE
         ``s`` went to (``combine_weights="home"``): flag it there (``row_flag[k, t, p] = n + 1``
-        after a fence)."""
-        flag_stored(row_flag[k, t, p:p + 1], n, uint64(1) << uint64(s), s + 1, lane)
+        after a fence; ``flag_one``: any PE number)."""
+        flag_one(row_flag, k, t, p, n, s, lane)
 
+    @inlined
+    def finish_listed_part(partials, stage, relay_partials, relay_flag, row_flag, g, me, s, t, p, pw0, pw1, n, lane):
+        """``finish_part`` of a build with destination lists: the flag set on PE ``s``
+        (``flag_one``: any PE number)."""
+        flag_one(row_flag, me, t, p, n, s, lane)
+
+    if dest_slots:
+        finish_part = finish_listed_part
     return SimpleNamespace(stores_to=stores_to, stages=stages, stage_aligned=stage_aligned, home_aligned=common.home_aligned,
                            home_at=home_at, finish_part=finish_part,
                            send_home_part=make_home_sender(warp, home_at, finish_part),
@@ -254,11 +287,13 @@ def make_slots(threads: int, near) -> SimpleNamespace:
     return SimpleNamespace(send_slot_value=send_slot_value, signal_slot_values=signal_slot_values)
 
 
-def make_forwarding(threads: int, node_size: int, copy_to_peers) -> SimpleNamespace:
+def make_forwarding(threads: int, node_size: int, copy_to_peers, dest_slots: int = 0) -> SimpleNamespace:
     """The hierarchical proxies' forwarding within their node of ``node_size`` PEs, stores through
     the mappings (blocks of ``threads`` threads; ``copy_to_peers``:
-    :func:`~ep_runtime.kernels.vec.make_peer_copy`): ``forward_run``, ``forward_row``."""
+    :func:`~ep_runtime.kernels.vec.make_peer_copy`; a row's PEs a mask, or with ``dest_slots`` >
+    0 a destination list): ``forward_run``, ``forward_row``."""
     NODE = node_size
+    copy_to_listed = make_listed_peer_copy(PAIRS_IN_FLIGHT, warp_geometry(threads)[0])
 
     @cuda.jit(device=True)
     def forward_run(array, g, s, t0, t1, peer_bases, region, first, me):
@@ -285,4 +320,13 @@ def make_forwarding(threads: int, node_size: int, copy_to_peers) -> SimpleNamesp
         pairs = row.itemsize == 8 and W % 2 == 0 and pairs_aligned(row) and pairs_aligned(rows)
         copy_to_peers(row, 0, W, to, first, first + NODE, peer_bases, region, slot, pairs, lane, lo, hi)
 
-    return SimpleNamespace(forward_run=forward_run, forward_row=forward_row)
+    @cuda.jit(device=True)
+    def forward_listed_row(rows, row, s, t, to, peer_bases, region, first, lane, lo, hi):
+        """``forward_row`` of a build with destination lists: into each PE of the list ``to``
+        (int32, count first: the node's PEs holding one of the token's experts)."""
+        W = row.shape[0]
+        slot = address_of(rows[s, t]) - address_of(rows)  # the same on every PE
+        pairs = row.itemsize == 8 and W % 2 == 0 and pairs_aligned(row) and pairs_aligned(rows)
+        copy_to_listed(row, 0, W, to, peer_bases, region, slot, pairs, lane, lo, hi)
+
+    return SimpleNamespace(forward_run=forward_run, forward_row=forward_listed_row if dest_slots else forward_row)
