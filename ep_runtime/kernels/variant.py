@@ -78,7 +78,6 @@ class DispatchVariant:
     split_from_tokens: int
     node_size: int = 0
     node_stores: bool = False
-    home_weights: bool = False
     layout: str = "expanded"
     dest_slots: int = 0
     rank_slots: int = 64
