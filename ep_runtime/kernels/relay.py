@@ -28,7 +28,7 @@ from ep_runtime.kernels import shmem
 from ep_runtime.kernels.bits import f32_bits_at, f32_word_at, word_f32
 from ep_runtime.kernels.block import (await_flag, last_block_ticket, part_bounds, popc32, publish_fence, record_error,
                                       warp_geometry, warp_sync)
-from ep_runtime.kernels.cuda_api import cuda, float32, int32, int64, kernel_jit, uint32, uint64
+from ep_runtime.kernels.cuda_api import cuda, float32, int32, int64, kernel_jit, shared_atomic, uint32, uint64
 from ep_runtime.kernels.nodes import MAX_NODES, chunk_tokens, holders, node_bits, nth_set_bit, other_index
 from ep_runtime.kernels.partials import flagged_parts, partial_geometry
 from ep_runtime.kernels.protocol import (COUNTER_RELAY_CHUNK, COUNTER_RELAY_FLAG, COUNTER_RELAY_SIGNAL,
@@ -53,7 +53,7 @@ def chunk_mask(cmask, d_ids, g, s, c, CH, T, here, L, R):
     for j in range(cuda.threadIdx.x, CH, cuda.blockDim.x):
         t = c * CH + j
         if t < T and holders(d_ids[g, s, t], L, R) & here != uint64(0):
-            cuda.atomic.or_(cmask, 0, uint32(1) << uint32(j))
+            shared_atomic.or_(cmask, 0, uint32(1) << uint32(j))
     cuda.syncthreads()
     mask = cmask[0]
     cuda.syncthreads()  # read by every thread before the next chunk clears it

@@ -18,7 +18,7 @@ import functools
 from types import SimpleNamespace
 
 from ep_runtime.kernels import shmem
-from ep_runtime.kernels.cuda_api import cuda, inlined, uint32, uint64
+from ep_runtime.kernels.cuda_api import cuda, inlined, shared_atomic, uint32, uint64
 from ep_runtime.kernels.block import flag_part, flag_stored, popc32, publish_fence, warp_geometry, warp_sync
 from ep_runtime.kernels.nodes import chunk_tokens, node_bits, other_index, reaches
 from ep_runtime.kernels.protocol import PEER_RELAY_PARTIALS
@@ -272,7 +272,7 @@ def make_row_chunks(threads: int, node_size: int, pack_row, holders):
                     held_by = holders(ids_base + uint64(4 * t * K), K, L, R, ids_l)
                     for node in range(nodes):
                         if node != mine and held_by & node_bits(node, NODE) != uint64(0):
-                            cuda.atomic.or_(cmask, node, uint32(1) << uint32(j))
+                            shared_atomic.or_(cmask, node, uint32(1) << uint32(j))
             cuda.syncthreads()
             for node in range(nodes):
                 mask = cmask[node]
