@@ -15,7 +15,8 @@ LLVM vector loads and stores, are ``ld.v2`` / ``st.v2`` statements here. numba-c
 It also lowers what numba-cuda-mlir 0.6.0 types but cannot lower (a compiler error) and the kernels
 use: ``cuda.threadfence()`` and ``cuda.threadfence_system()``, as what numba-cuda emits for them
 (``membar.gl``, ``membar.sys``), an array's ``itemsize`` (a constant of its type) and ``min`` of three
-numbers (its ``min`` of two, twice).
+numbers (its ``min`` of two, twice). And :data:`shared_atomic`: atomics on a shared array as
+``atom.shared`` (numba-cuda-mlir makes a device function's atomic on one a global atomic).
 
 Import only in a process that builds with numba-cuda-mlir (:data:`ep_runtime.kernels.cuda_api.MLIR`).
 """

@@ -18,9 +18,9 @@ reports every global atomic whose address
   ``add``, ``mad``, ``cvt`` ...), followed to a fixed point.
 
 What it cannot see: a function that is not inlined receives an array's address as a parameter,
-and there a global atomic on it reads as a global one whatever the caller passed. The builds
-inline their device functions (their PTX has no such ``.func`` taking an array); the rule holds
-for what the PTX shows.
+and there a global atomic on it reads as a global one whatever the caller passed. The rule holds
+for what the PTX shows; ``cuda_api.shared_atomic`` at every atomic on a shared array inside a
+device function is what keeps the rest right.
 """
 
 from __future__ import annotations
