@@ -91,7 +91,13 @@ if SIMULATED:
 
     shared_atomic = _SimulatedSharedAtomic()
 elif not MLIR:
+    from numba.cuda.cudadecl import registry as _typing_registry
+
     shared_atomic = _cuda.atomic
+    # numba-cuda types ``cuda.atomic`` as the module type its atomics' typing is keyed on only when
+    # reached as ``cuda.atomic``; registering that type for the object makes ``shared_atomic.or_``
+    # type, and lower, exactly as ``cuda.atomic.or_``
+    _typing_registry.register_global(shared_atomic, types.Module(shared_atomic))
 
 
 def __getattr__(name):
