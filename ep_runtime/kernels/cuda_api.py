@@ -75,8 +75,42 @@ if SIMULATED:
 else:
     cuda = _cuda
 
+# ``shared_atomic.or_(ary, i, v)`` (uint32) and ``shared_atomic.add(ary, i, v)`` (int32): an atomic on
+# a shared array, returning the word before, where the array reaches the atomic as a device function's
+# argument. On numba-cuda it *is* ``cuda.atomic`` (the same typing and lowering, so the same code).
+# WAR: numba-cuda-mlir 0.6.0 lowers an atomic on a device function's array argument as a global one
+# whatever the array's memory (docs/upstream/numba-cuda-mlir-shared-atomic.md); its ``shared_atomic``
+# issues ``atom.shared`` (mlir_intrinsics). Drop the name for ``cuda.atomic`` once numba-cuda-mlir keeps
+# the array's address space. An atomic on a global or symmetric array stays ``cuda.atomic``.
+if SIMULATED:
+    class _SimulatedSharedAtomic:
+        """Forwards ``shared_atomic.<op>`` to the running simulated kernel's ``cuda.atomic.<op>``."""
 
-def kernel_jit(threads: int, one_block_per_sm: bool = False):
+        def __getattr__(self, name):
+            return getattr(cuda.atomic, name)
+
+    shared_atomic = _SimulatedSharedAtomic()
+elif not MLIR:
+    from numba.cuda.cudadecl import registry as _typing_registry
+
+    shared_atomic = _cuda.atomic
+    # numba-cuda types ``cuda.atomic`` as the module type its atomics' typing is keyed on only when
+    # reached as ``cuda.atomic``; registering that type for the object makes ``shared_atomic.or_``
+    # type, and lower, exactly as ``cuda.atomic.or_``
+    _typing_registry.register_global(shared_atomic, types.Module(shared_atomic))
+
+
+def __getattr__(name):
+    # numba-cuda-mlir's shared_atomic, from mlir_intrinsics when a kernel module first imports it
+    # (importing it defines its lowerings: not before a process builds kernels)
+    if name == "shared_atomic" and MLIR:
+        from ep_runtime.kernels.mlir_intrinsics import shared_atomic
+
+        return shared_atomic
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def kernel_jit(threads: int, one_block_per_sm: bool = False, shmem_in_device_functions: bool = False):
     """``@cuda.jit`` for a kernel launched with blocks of ``threads`` threads.
 
     ``one_block_per_sm``: the smallest shared-memory carveout that holds one block
@@ -93,12 +127,28 @@ def kernel_jit(threads: int, one_block_per_sm: bool = False):
     target: kernels under it compile as before. (``launch_bounds`` was tried: with it ptxas
     chose 64 registers and spilled dispatch_async, which needs 116.) The simulator refuses
     these options: there it is plain ``cuda.jit``.
+
+    ``shmem_in_device_functions``: the kernel's NVSHMEM calls are all in device functions it
+    calls, none in its own body. Nothing changes on numba-cuda. WAR: numba-cuda-mlir 0.6.0 links
+    nvshmem4py's shim only into a kernel whose own body lowers an NVSHMEM call (a device
+    function's link items stay with the device function), so such a kernel fails to link
+    ("Undefined reference to '_Z13nvshmem_my_pe_nbst'",
+    docs/upstream/numba-cuda-mlir-device-function-shim.md); there the kernel links the shim
+    itself (``link=``, with the module set-up that initializes NVSHMEM in the loaded module, as
+    an NVSHMEM call in the body would). Drop it once numba-cuda-mlir links a device function's
+    link items into its kernel; the compile gate fails to link a kernel that needs it.
     """
     if SIMULATED:
         return _cuda.jit
+    if MLIR and shmem_in_device_functions:
+        from nvshmem.bindings.device.numba_cuda_mlir import _numbast
+
+        link = {"link": [_numbast.shim_obj]}
+    else:
+        link = {}
     if one_block_per_sm:
-        return _cuda.jit(max_registers=max_registers_for(threads), shared_memory_carveout="MaxL1")
-    return _cuda.jit(max_registers=max_registers_for(threads))
+        return _cuda.jit(max_registers=max_registers_for(threads), shared_memory_carveout="MaxL1", **link)
+    return _cuda.jit(max_registers=max_registers_for(threads), **link)
 
 
 def inlined(func):
@@ -133,5 +183,6 @@ def max_registers_for(threads: int) -> int:
     return min(255, REGISTERS_PER_SM // int(threads))
 
 
-__all__ = ["cuda", "COMPILER", "MLIR", "SIMULATED", "inlined", "kernel_jit", "max_registers_for", "dispatcher_class",
+__all__ = ["cuda", "COMPILER", "MLIR", "SIMULATED", "shared_atomic", "inlined", "kernel_jit", "max_registers_for",
+           "dispatcher_class",
            "types", "from_dtype", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float32"]

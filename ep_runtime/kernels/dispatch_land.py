@@ -197,7 +197,7 @@ def make_dispatch_land(v: DispatchVariant):
     land_rows = make_land_rows(v)
     RANK_SLOTS = v.rank_slots  # a shared word per source
 
-    @kernel_jit(threads)
+    @kernel_jit(threads, shmem_in_device_functions=True)
     def dispatch_land(dispatch_topk_ids, dispatch_topk_weights, dispatch_counts, dispatch_ranks, dispatch_route_signal,
                       dispatch_signal, receive_sync, row_offsets, expert_counts, row_src_rank, row_src_token, row_src_k,
                       row_weight, row_gather, recv_tokens, token_rows, status, pad_multiple, timeout_ns,

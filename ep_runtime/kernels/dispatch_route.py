@@ -22,7 +22,7 @@ from types import SimpleNamespace
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.block import last_block_ticket, popc32, publish_fence, record_error, udiv32, warp_geometry
 from ep_runtime.kernels.codecs import traits
-from ep_runtime.kernels.cuda_api import SIMULATED, cuda, inlined, int32, int64, uint32, uint64
+from ep_runtime.kernels.cuda_api import SIMULATED, cuda, inlined, int32, int64, shared_atomic, uint32, uint64
 from ep_runtime.kernels.protocol import (DROPPED_SLOT, ERR_BAD_EXPERT_ID, KERNEL_DISPATCH_ASYNC, MASKED_SLOT,
                                          SIGNAL_TOKEN_BITS, STATUS_LEN, SYNC_ROUTE_TICKET)
 from ep_runtime.kernels.ranking import ID_BATCH, make_ranking
@@ -245,7 +245,7 @@ def make_rank_chunk(v: DispatchVariant) -> SimpleNamespace:
         """Set this lane's bit in its warp's mask of window expert ``el`` (nothing outside the
         window ``[0, RANK_WINDOW)``)."""
         if el >= 0 and el < SW:
-            cuda.atomic.or_(masks, wid * SW + el, uint32(1) << uint32(lane))
+            shared_atomic.or_(masks, wid * SW + el, uint32(1) << uint32(lane))
 
     @cuda.jit(device=True)
     def stage_rank(masks, warp_rows, el, wid, lanes_below, ranks_src, j):
@@ -275,7 +275,7 @@ def make_rank_chunk(v: DispatchVariant) -> SimpleNamespace:
                         if u2 < u and ids_l[u2] == x:
                             first = False
                     if first:
-                        cuda.atomic.add(next_rank, el, int32(1))
+                        shared_atomic.add(next_rank, el, int32(1))
         for k in range(ID_BATCH, K):
             x = int32(load_u32_at(ids_base, t * K + k))
             el = x - w0
@@ -285,7 +285,7 @@ def make_rank_chunk(v: DispatchVariant) -> SimpleNamespace:
                     if int32(load_u32_at(ids_base, t * K + k2)) == x:
                         first = False
                 if first:
-                    cuda.atomic.add(next_rank, el, int32(1))
+                    shared_atomic.add(next_rank, el, int32(1))
 
     @inlined
     def rank_chunk(ids_base, d_ranks, d_counts, send_ranks, send_counts, peer_bases, g, me, n, T, R, L, K, rb,

@@ -15,10 +15,13 @@ LLVM vector loads and stores, are ``ld.v2`` / ``st.v2`` statements here. numba-c
 It also lowers what numba-cuda-mlir 0.6.0 types but cannot lower (a compiler error) and the kernels
 use: ``cuda.threadfence()`` and ``cuda.threadfence_system()``, as what numba-cuda emits for them
 (``membar.gl``, ``membar.sys``), an array's ``itemsize`` (a constant of its type) and ``min`` of three
-numbers (its ``min`` of two, twice).
+numbers (its ``min`` of two, twice). And :data:`shared_atomic`: atomics on a shared array as
+``atom.shared`` (numba-cuda-mlir makes a device function's atomic on one a global atomic).
 
 Import only in a process that builds with numba-cuda-mlir (:data:`ep_runtime.kernels.cuda_api.MLIR`).
 """
+
+from types import ModuleType
 
 from numba_cuda_mlir import cuda, types
 from numba_cuda_mlir._mlir import ir
@@ -28,9 +31,9 @@ from numba_cuda_mlir.lowering_utilities import coerce_numpy_scalars_for_binary_o
 from numba_cuda_mlir.numba_cuda import stubs
 from numba_cuda_mlir.numba_cuda.typing import signature
 from numba_cuda_mlir.numba_cuda.typing.templates import ConcreteTemplate
-from numba_cuda_mlir.types import float32, int64, uint16, uint32, uint64
+from numba_cuda_mlir.types import float32, int32, int64, uint16, uint32, uint64
 
-_U16, _U32, _U64, _F32 = types.uint16, types.uint32, types.uint64, types.float32
+_U16, _U32, _U64, _F32, _I32 = types.uint16, types.uint32, types.uint64, types.float32, types.int32
 
 
 def asm(name: str, text: str, constraints: str, result, params: tuple):
@@ -269,6 +272,40 @@ def max_u16x2(a, b):
     return _MAX_U16X2(uint32(a), uint32(b))
 
 
+# -- shared-memory atomics -------------------------------------------------------------------------
+# WAR: numba-cuda-mlir 0.6.0 lowers cuda.atomic.<op> on an array argument of a device function as a
+# global atomic (the callee converts the array's generic address with cvta.to.global, or, inlined,
+# issues atom.global on it), so an atomic on a shared array that reaches a device function updates
+# no shared memory (docs/upstream/numba-cuda-mlir-shared-atomic.md). These convert the array's
+# generic address to the shared window and issue atom.shared, numba-cuda's instruction for a shared
+# array. Drop them (cuda_api.shared_atomic becomes cuda.atomic again) once numba-cuda-mlir keeps the
+# address space of an array argument.
+_ATOM_SHARED_OR_B32 = asm("atom_shared_or_b32",
+                          "{ .reg .u64 %sa; cvta.to.shared.u64 %sa, $1; atom.shared.or.b32 $0, [%sa], $2; }",
+                          "=r,l,r,~{memory}", _U32, (_U64, _U32))
+_ATOM_SHARED_ADD_S32 = asm("atom_shared_add_s32",
+                           "{ .reg .u64 %sa; cvta.to.shared.u64 %sa, $1; atom.shared.add.s32 $0, [%sa], $2; }",
+                           "=r,l,r,~{memory}", _I32, (_U64, _I32))
+
+
+@cuda.jit(device=True)
+def _shared_atomic_or(ary, i, v):
+    """``cuda.atomic.or_(ary, i, v)`` for a uint32 shared array ``ary``: the word before."""
+    return _ATOM_SHARED_OR_B32(uint64(ary.ctypes.data) + uint64(int64(i) * 4), uint32(v))
+
+
+@cuda.jit(device=True)
+def _shared_atomic_add(ary, i, v):
+    """``cuda.atomic.add(ary, i, v)`` for an int32 shared array ``ary``: the word before."""
+    return _ATOM_SHARED_ADD_S32(uint64(ary.ctypes.data) + uint64(int64(i) * 4), int32(v))
+
+
+#: ``shared_atomic.or_`` / ``shared_atomic.add``: :data:`ep_runtime.kernels.cuda_api.shared_atomic` here.
+#: A module, as ``cuda.atomic`` is to the compiler: device code reads its functions as attributes.
+shared_atomic = ModuleType("shared_atomic", "Atomics on shared arrays for numba-cuda-mlir (atom.shared).")
+shared_atomic.or_, shared_atomic.add = _shared_atomic_or, _shared_atomic_add
+
+
 def f32_pair_conversion(instruction: str, bits: int):
     """``convert(lo, hi) -> uint32``: the PTX conversion ``instruction`` on ``(hi, lo)``, as
     :func:`ep_runtime.kernels.vec.f32_pair_conversion`."""
@@ -285,4 +322,4 @@ def f32_pair_conversion(instruction: str, bits: int):
 __all__ = ["asm", "u32_bits_as_f32", "f32_as_u32_bits", "udiv32", "pdl_wait", "pdl_trigger", "globaltimer_ns",
            "load_acquire_u64", "load_pair", "store_pair", "store_word_at", "address_of", "pairs_aligned",
            "store_pair_at", "store_u32_at", "store_u8_at", "load_u32_at", "load_u32x4_at", "max_u16x2",
-           "f32_pair_conversion"]
+           "shared_atomic", "f32_pair_conversion"]

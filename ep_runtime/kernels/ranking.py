@@ -15,7 +15,7 @@ import functools
 from types import SimpleNamespace
 
 from ep_runtime.kernels.block import popc32, warp_geometry
-from ep_runtime.kernels.cuda_api import SIMULATED, cuda, int32, uint32
+from ep_runtime.kernels.cuda_api import SIMULATED, cuda, int32, shared_atomic, uint32
 from ep_runtime.kernels.layouts.expert_major import make_placement
 from ep_runtime.kernels.protocol import MASKED_SLOT
 
@@ -70,7 +70,7 @@ def make_ranking(threads: int) -> SimpleNamespace:
         atomics are in flight together rather than one round trip each."""
         el = x - x0
         if el >= 0 and el < RW:
-            return cuda.atomic.or_(masks, wid * RW + el, uint32(1) << uint32(lane))
+            return shared_atomic.or_(masks, wid * RW + el, uint32(1) << uint32(lane))
         return uint32(0)
 
     @cuda.jit(device=True)

@@ -29,7 +29,7 @@ from ep_runtime.kernels import shmem
 from ep_runtime.kernels.bits import f32_bits_at, f32_word_at, word_f32
 from ep_runtime.kernels.block import (await_flag, last_block_ticket, part_bounds, popc32, publish_fence, record_error,
                                       warp_geometry, warp_sync)
-from ep_runtime.kernels.cuda_api import cuda, float32, inlined, int32, int64, kernel_jit, uint32, uint64
+from ep_runtime.kernels.cuda_api import cuda, float32, inlined, int32, int64, kernel_jit, shared_atomic, uint32, uint64
 from ep_runtime.kernels.destinations import insert_rank, list_words
 from ep_runtime.kernels.nodes import chunk_tokens, holders, node_bits, node_slots, nth_set_bit, other_index
 from ep_runtime.kernels.partials import flagged_parts, partial_geometry
@@ -55,7 +55,7 @@ def chunk_mask(cmask, d_ids, g, s, c, CH, T, here, L, R):
     for j in range(cuda.threadIdx.x, CH, cuda.blockDim.x):
         t = c * CH + j
         if t < T and holders(d_ids[g, s, t], L, R) & here != uint64(0):
-            cuda.atomic.or_(cmask, 0, uint32(1) << uint32(j))
+            shared_atomic.or_(cmask, 0, uint32(1) << uint32(j))
     cuda.syncthreads()
     mask = cmask[0]
     cuda.syncthreads()  # read by every thread before the next chunk clears it
@@ -80,7 +80,7 @@ def chunk_mask_listed(cmask, d_ids, g, s, c, CH, T, here, L, R, node_size):
                 if x >= 0 and x < R * L and (x // L) // node_size == here:
                     on = True
             if on:
-                cuda.atomic.or_(cmask, 0, uint32(1) << uint32(j))
+                shared_atomic.or_(cmask, 0, uint32(1) << uint32(j))
     cuda.syncthreads()
     mask = cmask[0]
     cuda.syncthreads()  # read by every thread before the next chunk clears it

@@ -12,7 +12,7 @@ as the unchunked placement's: the reference's order.
 import functools
 
 from ep_runtime.kernels.block import record_error, warp_geometry
-from ep_runtime.kernels.cuda_api import cuda, float32, int32, uint64
+from ep_runtime.kernels.cuda_api import cuda, float32, int32, shared_atomic, uint64
 from ep_runtime.kernels.layouts.expert_major import make_placement
 from ep_runtime.kernels.protocol import COUNTER_RECV_ROWS, ERR_CAPACITY, KERNEL_DISPATCH_WAIT
 from ep_runtime.kernels.ranking import ID_BATCH, RECV_WINDOW, make_ranking
@@ -42,9 +42,9 @@ def make_route_chunks(threads: int):
         the chunk), one more before the chunk (``place[L + e]``)."""
         e = x - first_mine
         if e >= 0 and e < L:
-            cuda.atomic.add(place, R * L + e, int32(1))
+            shared_atomic.add(place, R * L + e, int32(1))
             if j < before:
-                cuda.atomic.add(place, L + e, int32(1))
+                shared_atomic.add(place, L + e, int32(1))
 
     @cuda.jit(device=True)
     def place_by_chunks(d_ids, d_weights, g, n, me, R, L, K, Tmax, C, status, pad_multiple, row_offsets, expert_counts,

@@ -172,7 +172,10 @@ class _Describer:
             val = targetoptions[k]
             if k == "extensions" and val:
                 raise NotCacheable(f"{where}: kernels with argument extensions are not cached")
-            out[k] = self.value(val, strict=True, where=f"{where}:option {k}")
+            # code linked in (numba-cuda-mlir's nvshmem4py shim, cuda_api.kernel_jit) is named by type:
+            # which of it the kernel uses, its own code (in the key) decides
+            strict = k != "link"
+            out[k] = self.value(val, strict=strict, where=f"{where}:option {k}")
         return out
 
 

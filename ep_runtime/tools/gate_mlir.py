@@ -16,6 +16,10 @@ answer is cached in ``numba_cuda_mlir.tools._cached_cc``; :func:`_fixed_compute_
 sets that cache while a build runs (``WAR:``). It exists in numba-cuda-mlir==0.6.0
 (:data:`PINNED_NUMBA_CUDA_MLIR`). A kernel's ``shared_memory_carveout`` is left out of its build
 (:func:`_without_carveout`): numba-cuda-mlir sets it through the driver once the cubin is built.
+A build runs what ``compile_cubin`` runs (``numba_cuda_mlir.compiler._compile_and_optimize``) and
+keeps the compile result, whose PTX after link-time optimization
+(``numba_cuda_mlir.mlir_optimization.get_lto_ptx``, one more nvJitLink pass) the gate's atomics check
+reads (:mod:`ep_runtime.tools.gate_atomics`).
 """
 
 from __future__ import annotations
@@ -99,9 +103,11 @@ def _stage(exc: Exception) -> str:
 def build(name: str, kernel, argtypes: tuple, target_cc: tuple):
     """Compile and link one entry to an sm_90a cubin; a :class:`compile_gate.CompileResult`
     (never raises for kernel errors: they come back as ``ok=False`` with the error text)."""
-    from numba_cuda_mlir import cuda
+    # what cuda.compile_cubin runs, keeping the compile result for its PTX after link-time optimization
+    from numba_cuda_mlir.compiler import _compile_and_optimize
+    from numba_cuda_mlir.mlir_optimization import get_lto_ptx
 
-    from ep_runtime.tools import compile_gate as gate
+    from ep_runtime.tools import compile_gate as gate, gate_atomics
 
     chip = "sm_%d%d%s" % target_cc
     start = time.perf_counter()
@@ -110,11 +116,17 @@ def build(name: str, kernel, argtypes: tuple, target_cc: tuple):
         # the cubin into the driver (cuFuncSetAttribute), and there is no driver here. The carveout is
         # an attribute of the loaded function, not of its code: the cubin is the same without it.
         with _fixed_compute_capability(target_cc), _without_carveout(kernel):
-            data = bytes(cuda.compile_cubin(kernel, tuple(argtypes), chip=chip))
-        if not data:
-            raise RuntimeError("compile_cubin returned an empty cubin")
+            cres = _compile_and_optimize(kernel, tuple(argtypes), {"chip": chip})
+            data = bytes(cres.metadata["cubin"])
+            if not data:
+                raise RuntimeError("compile_cubin returned an empty cubin")
+            ptx = get_lto_ptx(cres)
     except Exception as exc:  # noqa: BLE001 - every kernel error is a gate FAIL
         return gate._failure(name, _stage(exc), start, exc)
+    misplaced = gate_atomics.global_atomics_on_shared(ptx)
+    if misplaced:
+        return gate.CompileResult(name, False, time.perf_counter() - start, len(data), stage="atomics",
+                                  error=gate.ATOMICS_ERROR + "\n".join(misplaced))
     options = getattr(kernel, "targetoptions", {}) or {}
     return gate.CompileResult(name, True, time.perf_counter() - start, len(data), cooperative=None,
                               registers=gate.cubin_registers(data), max_registers=options.get("max_registers"),

@@ -209,7 +209,7 @@ def make_dispatch_copy(threads: int, codec: CodecSpec, pdl: bool):
     expand_rows = make_expand_rows(threads, codec).expand_rows
     pdl_wait, pdl_trigger = make_pdl(pdl)
 
-    @kernel_jit(threads)
+    @kernel_jit(threads, shmem_in_device_functions=True)
     def dispatch_copy(dispatch_tokens, dispatch_topk_ids, dispatch_counts, dispatch_async_sync, token_rows, row_offsets,
                       expert_counts, expert_x, status, dispatch_tokens_u8, expert_scales_u8, scales_col_major):
         """Copy each received token row once to all its expert rows; zero the padding rows.

@@ -18,7 +18,7 @@ import functools
 from types import SimpleNamespace
 
 from ep_runtime.kernels import shmem
-from ep_runtime.kernels.cuda_api import cuda, inlined, uint32, uint64
+from ep_runtime.kernels.cuda_api import cuda, inlined, shared_atomic, uint32, uint64
 from ep_runtime.kernels.block import flag_one, flag_part, flag_stored, popc32, publish_fence, warp_geometry, warp_sync
 from ep_runtime.kernels.nodes import chunk_tokens, node_bits, other_index, reaches
 from ep_runtime.kernels.protocol import PEER_RELAY_PARTIALS
@@ -278,7 +278,7 @@ def make_row_chunks(threads: int, node_size: int, dest_slots: int, pack_row, hol
         ``held_by`` (uint64)."""
         for node in range(nodes):
             if node != mine and held_by & node_bits(node, NODE) != uint64(0):
-                cuda.atomic.or_(cmask, node, uint32(1) << uint32(j))
+                shared_atomic.or_(cmask, node, uint32(1) << uint32(j))
 
     @inlined
     def mark_by_list(cmask, held_by, j, mine, nodes):
@@ -286,7 +286,7 @@ def make_row_chunks(threads: int, node_size: int, dest_slots: int, pack_row, hol
         for q in range(held_by[0]):
             node = held_by[1 + q] // NODE
             if node != mine:
-                cuda.atomic.or_(cmask, node, uint32(1) << uint32(j))
+                shared_atomic.or_(cmask, node, uint32(1) << uint32(j))
 
     mark_nodes = mark_by_list if dest_slots else mark_by_bits
 
