@@ -13,7 +13,7 @@ from ep_runtime.core.builds import kernel_builds
 from ep_runtime.core.kernel_args import (CALLER_ARRAYS, RUNTIME_ARRAYS, SCALARS, arg_names, argtypes, build_args,
                                          region_views, view_base)
 from ep_runtime.core.layout import BufferLayout
-from ep_runtime.tools.gate_entries import plan_entries
+from ep_runtime.tools.gate_entries import home_weight_entries, plan_entries
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +21,7 @@ def builds():
     """``[(label, layout, name, kernel)]``: every kernel of every plan variant and format the
     compile gate builds."""
     out = []
-    for label, cfg, plan in plan_entries():
+    for label, cfg, plan in plan_entries() + home_weight_entries():
         layout = BufferLayout(cfg, plan)
         out += [(label, layout, name, kernel) for name, kernel, _ in kernel_builds(cfg, plan)]
     return out

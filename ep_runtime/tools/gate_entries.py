@@ -75,7 +75,7 @@ def plan_entries(formats=FORMATS, variants=PLAN_VARIANTS + NODE_VARIANTS, pdl: b
                                                    **({"node_stores": node_stores} if nodes else {})})
                 out.append((f"{receiver}/{transport}{note}, {token_dtype}" +
                             (", f32 partials" if combine_dtype == "float32" else ""), cfg, plan))
-    return out + home_weight_entries(pdl)
+    return out
 
 
 #: The transports the batched combine with the weights at home runs on (the hierarchical one
@@ -143,7 +143,8 @@ def ep_kernel_entries(every_build: bool = False):
     build once (by its kernel-cache key: plans that differ in what a kernel does not read, such
     as a receive kernel's transport, share it), named by the first plan that launches it.
     By default the cross-section :func:`_in_cross_section` describes; ``every_build`` adds the
-    rest (every FP8 sender of every receiver, the UE8M0 receive kernels): what
+    rest (every FP8 sender of every receiver, the UE8M0 receive kernels, the batched combine with
+    the weights at home of :func:`home_weight_entries`): what
     ``python -m ep_runtime.tools.compile_gate --entries ep_runtime.tools.gate_entries:every_build`` checks,
     and what a GPU machine compiles when tests/gpu/plan_checks.sh runs every variant."""
     from ep_runtime.core.builds import kernel_builds
@@ -151,7 +152,7 @@ def ep_kernel_entries(every_build: bool = False):
     from ep_runtime.shmem.cache_key import kernel_key
 
     seen, entries = set(), []
-    for label, cfg, plan in plan_entries():
+    for label, cfg, plan in plan_entries() + (home_weight_entries() if every_build else []):
         for name, kernel, argtypes in kernel_builds(cfg, plan):
             if not (every_build or _in_cross_section(name, cfg.token_dtype, plan.receiver.value,
                                                      plan.transport.value, cfg.combine_dtype)):
