@@ -7,8 +7,9 @@ transports under each receiver, over calls of random routing, a rank with no tok
 slots and no token anywhere, and at top-k 1: batches and combine bit for bit the reference's.
 Also across logical nodes (the hierarchical transport, stores and puts within a node). The plan
 takes the list past 64 ranks and refuses what still keeps a mask (FP8 / NVFP4). 72-rank round
-trips, flat and over 9 x 8 logical nodes (marker ``wide``: ``pytest -m wide``), run the list
-where it is needed.
+trips, flat and over 9 x 8 logical nodes, run the list where it is needed. The default run keeps
+one case of each kind (wait on stores and on puts at 4 ranks, 2 x 2 logical nodes); ``pytest -m
+wide`` runs every case, for CI's time.
 """
 
 from __future__ import annotations
@@ -43,15 +44,17 @@ def cfg_of(R: int, **changes) -> EPConfig:
                               wait_timeout_s=60.0), **changes})
 
 
-RUNS = [(v, 4, {}) for v in VARIANTS] + [
+#: the default run keeps the first two (stores and puts); ``pytest -m wide`` runs the rest (CI's time)
+ALL_RUNS = [(v, 4, {}) for v in VARIANTS] + [
     ("wait", 8, {}), ("land-puts", 8, {}),
     ("wait-puts", 4, {"top_k": 1}), ("land", 8, {"top_k": 1, "combine_dtype": "float32"}),
     ("wait", 4, {"top_k": 4, "n_experts": 16}),
 ]
+RUNS = ALL_RUNS[:2] + [pytest.param(*run, marks=pytest.mark.wide) for run in ALL_RUNS[2:]]
 
 
 @pytest.mark.parametrize("variant, R, changes", RUNS,
-                         ids=[f"{v}-R{R}" + "".join(f"-{k}={x}" for k, x in c.items()) for v, R, c in RUNS])
+                         ids=[f"{v}-R{R}" + "".join(f"-{k}={x}" for k, x in c.items()) for v, R, c in ALL_RUNS])
 def test_destination_lists_forced_are_the_reference_bit_for_bit(variant, R, changes):
     cfg = cfg_of(R, **changes)
     res = run_pes(plan_pe, R, args=(VARIANTS[variant], cfg, CALLS, SEED), timeout_s=RUN_TIMEOUT_S)
@@ -66,15 +69,16 @@ def nodes_pe(session, n_nodes: int, plan: dict, cfg: EPConfig, calls: int, seed:
 
 
 #: (ranks, nodes, plan overrides, config changes): logical nodes, stores and puts within a node
-NODE_RUNS = [
+ALL_NODE_RUNS = [
     (4, 2, {}, {}), (8, 2, {"node_stores": False}, {}), (8, 4, {}, {"top_k": 1}),
     (8, 2, {}, {"top_k": 6, "n_experts": 32, "max_tokens_per_rank": 20, "combine_dtype": "float32"}),
 ]
+NODE_RUNS = ALL_NODE_RUNS[:1] + [pytest.param(*run, marks=pytest.mark.wide) for run in ALL_NODE_RUNS[1:]]
 
 
 @pytest.mark.parametrize("R, nodes, plan, changes", NODE_RUNS,
                          ids=[f"{R}x{n}" + "".join(f"-{k}={x}" for k, x in {**p, **c}.items())
-                              for R, n, p, c in NODE_RUNS])
+                              for R, n, p, c in ALL_NODE_RUNS])
 def test_destination_lists_forced_across_logical_nodes_are_the_reference(R, nodes, plan, changes):
     cfg = cfg_of(R, **changes)
     res = run_pes(nodes_pe, R, args=(nodes, {"dest_list": True, **plan}, cfg, CALLS, SEED),
