@@ -376,7 +376,9 @@ def wide_round_trip_pe(session, n_nodes: int, cfg: EPConfig, plan: dict, seed: i
     """As ``n_nodes`` logical nodes (1: one node), one round trip of call 0's inputs
     (:func:`call_inputs`) in the expanded layout under plan overrides ``plan``, combining the
     :func:`expert_outputs` of the batch this rank received: ``{"calls": [fields and "out"],
-    "plan": ...}``, what :func:`assert_calls_are_the_reference` takes.
+    "plan": ..., "traffic": ...}``, what :func:`assert_calls_are_the_reference` and
+    :func:`assert_traffic_is_the_model` take (``traffic``: what the round trip's kernels put and
+    signalled, ``session.traffic()``).
 
     Unlike :func:`plan_pe` no rank computes the reference's batches (of every rank: work that
     grows with the ranks squared in every rank); :func:`assert_calls_are_the_reference` checks
@@ -388,11 +390,12 @@ def wide_round_trip_pe(session, n_nodes: int, cfg: EPConfig, plan: dict, seed: i
     if n_nodes > 1:
         session.use_logical_nodes(n_nodes)
     xs, ids, ws = call_inputs(cfg, 0, seed)
+    session.traffic(reset=True)
     with EPRuntime(cfg, session, plan=plan) as rt:
         got, batch = dispatch_to_host(session, rt, cfg, xs[r].view(np.uint16), ids[r], ws[r], "expanded")
         y = session.to_device(expert_outputs(cfg, received_batch(got), r))
         got["out"] = session.to_host(rt.combine(y, batch.handle)).copy()[:len(xs[r])]
-        return {"calls": [got], "plan": rt.plan.as_dict()}
+        return {"calls": [got], "plan": rt.plan.as_dict(), "traffic": session.traffic(reset=True)}
 
 
 def assert_batch_is_the_reference(got: dict, ref, layout: str, xs, cfg: EPConfig, what: str) -> None:
@@ -434,6 +437,35 @@ def assert_calls_are_the_reference(cfg: EPConfig, runs: list, calls: int, seed: 
             got, at = runs[r]["calls"][call], f"{what}: rank {r} call {call} ({layout})"
             assert_batch_is_the_reference(got, refs[r], layout, xs, cfg, at)
             np.testing.assert_array_equal(got["out"], outs[r].view(np.uint16), err_msg=f"{at}: combine")
+
+
+def assert_traffic_is_the_model(cfg: EPConfig, runs: list, routings: list, size: int, node_stores: bool) -> None:
+    """What each PE's kernels put and signalled to each other PE (``session.traffic``) against
+    the traffic model (bench.traffic, docs/cluster.md), PE to PE: across nodes the bytes
+    (``pair_bytes``) and the operations (``pair_ops``: a put per chunk, not per row); within a
+    node the model's bytes when the plan puts there, and when it stores there only 8-byte
+    signals (credits, flags, dispatch signals) and the counts rows a proxy forwards with the
+    signal of each source of another node (no row, partial or routing row goes as a put)."""
+    from ep_runtime.tools.bench.traffic import pair_bytes, pair_ops
+
+    R, L = cfg.n_ranks, cfg.n_local_experts
+    for r, got in enumerate(runs):
+        for d in range(R):
+            if d == r:
+                continue
+            ops, sent = int(got["traffic"][d, 0]), int(got["traffic"][d, 1])
+            if d // size == r // size and node_stores:
+                rows = len(routings) * (R // size - 1)  # a counts row a call per source r is the proxy of
+                assert sent == 8 * (ops - rows) + rows * 4 * (L + 1), \
+                    f"rank {r} to {d} (its node, stores): {ops} operations of {sent} bytes are not {rows} counts " \
+                    f"rows and 8-byte signals: something else went as a put"
+                continue
+            model = sum(pair_bytes(ids, r, d, L, size, cfg.token_bytes, cfg.partial_bytes, cfg.slot_bytes)
+                        for ids in routings)
+            assert model == sent, f"rank {r} to {d}: model {model}, sent {got['traffic'][d]}"
+            if d // size != r // size:  # and the operations across: a put per chunk, not per row
+                model_ops = sum(pair_ops(ids, r, d, L, size) for ids in routings)
+                assert model_ops == ops, f"rank {r} to {d}: model {model_ops} operations, sent {got['traffic'][d]}"
 
 
 def fp8_plan_pe(session, plan: dict, cfg: EPConfig, seed: int, prequantized: bool = False) -> dict:

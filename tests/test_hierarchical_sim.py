@@ -25,13 +25,12 @@ import numpy as np
 import pytest
 
 from ep_runtime.core import reference
-from ep_runtime.tools.bench.traffic import pair_bytes, pair_ops
 from ep_runtime.core.config import EPConfig
 from ep_runtime.core.errors import EPConfigError
 from ep_runtime.core.plan import Receiver, Topology, Transport, choose_plan
 from ep_runtime.shmem.launch import run_pes
 from ep_runtime.testing import (assert_batch_is_the_reference, assert_calls_are_the_reference,
-                                assert_fp8_calls_are_the_reference, call_inputs, expert_outputs, fp8_plan_pe,
+                                assert_fp8_calls_are_the_reference, assert_traffic_is_the_model, call_inputs, expert_outputs, fp8_plan_pe,
                                 input_error_of, make_inputs, plan_pe, round_trip_with_error, silent_peer_pe)
 from test_masked_ids_sim import PLANTED, planted_inputs
 
@@ -70,33 +69,6 @@ def round_trips_pe(session, n_nodes: int, cfg: EPConfig, compare_flat: bool, pla
 CHUNKS = dict(top_k=3, hidden=32, max_tokens_per_rank=72)
 #: float32 partials: stored into the proxies' relay partials two words a value
 F32 = dict(combine_dtype="float32")
-
-
-def assert_traffic_is_the_model(cfg: EPConfig, runs: list, routings: list, size: int, node_stores: bool) -> None:
-    """What each PE's kernels put and signalled to each other PE (``session.traffic``) against
-    the traffic model (bench.traffic, docs/cluster.md), PE to PE: across nodes the bytes
-    (``pair_bytes``) and the operations (``pair_ops``: a put per chunk, not per row); within a
-    node the model's bytes when the plan puts there, and when it stores there only 8-byte
-    signals (credits, flags, dispatch signals) and the counts rows a proxy forwards with the
-    signal of each source of another node (no row, partial or routing row goes as a put)."""
-    R, L = cfg.n_ranks, cfg.n_local_experts
-    for r, got in enumerate(runs):
-        for d in range(R):
-            if d == r:
-                continue
-            ops, sent = int(got["traffic"][d, 0]), int(got["traffic"][d, 1])
-            if d // size == r // size and node_stores:
-                rows = len(routings) * (R // size - 1)  # a counts row a call per source r is the proxy of
-                assert sent == 8 * (ops - rows) + rows * 4 * (L + 1), \
-                    f"rank {r} to {d} (its node, stores): {ops} operations of {sent} bytes are not {rows} counts " \
-                    f"rows and 8-byte signals: something else went as a put"
-                continue
-            model = sum(pair_bytes(ids, r, d, L, size, cfg.token_bytes, cfg.partial_bytes, cfg.slot_bytes)
-                        for ids in routings)
-            assert model == sent, f"rank {r} to {d}: model {model}, sent {got['traffic'][d]}"
-            if d // size != r // size:  # and the operations across: a put per chunk, not per row
-                model_ops = sum(pair_ops(ids, r, d, L, size) for ids in routings)
-                assert model_ops == ops, f"rank {r} to {d}: model {model_ops} operations, sent {got['traffic'][d]}"
 
 
 @pytest.mark.parametrize("R, n_nodes, changes, node_stores",

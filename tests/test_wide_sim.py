@@ -1,5 +1,6 @@
 """Wide expert parallelism on the simulator (#66): a round trip on logical nodes of 8 PEs at many
-ranks, bit for bit the reference's, with the hierarchical transport and with flat puts; and what
+ranks, bit for bit the reference's, with the hierarchical transport (what each PE puts and
+signals to each other PE the traffic model's, bytes and operations) and with flat puts; and what
 keeps a PE cheap (the kernels imported once, before the PEs fork; waits that sleep longer where
 the PEs outnumber the cores).
 
@@ -24,7 +25,8 @@ from ep_runtime.core.config import EPConfig
 from ep_runtime.core.layout import BufferLayout
 from ep_runtime.shmem.launch import run_pes
 from ep_runtime.shmem.sim_heap import poll_pause_cap
-from ep_runtime.testing import assert_calls_are_the_reference, wide_round_trip_pe
+from ep_runtime.testing import (assert_calls_are_the_reference, assert_traffic_is_the_model, call_inputs,
+                                wide_round_trip_pe)
 
 SEED = 66
 NODE_SIZE = 8
@@ -56,6 +58,8 @@ def test_wide_round_trip_on_nodes_of_eight_is_the_reference(R, transport):
     assert sum(int(got["calls"][0]["expert_counts"].sum()) for got in runs) > 0, "no rank received a row"
     assert_calls_are_the_reference(cfg, runs, 1, SEED, f"{R // NODE_SIZE} x {NODE_SIZE} ({transport})",
                                    node_size=NODE_SIZE if hierarchical else 0)
+    if hierarchical:  # what each PE put and signalled to each other PE: the traffic model's bytes and operations
+        assert_traffic_is_the_model(cfg, runs, [call_inputs(cfg, 0, SEED)[1]], NODE_SIZE, True)
 
 
 def new_modules_pe(session, n_nodes: int, cfg: EPConfig, plan: dict) -> list[str]:
