@@ -63,36 +63,11 @@ def make_combine_wait(threads: int, word: str, f32_partials: bool, pdl: bool, ep
     WENT_WORDS = max(1, 2 * LIST if node_size else LIST)  # hierarchical: the holders, then the senders
 
     @inlined
-    def went_of_mask(dispatch_topk_ids, g, me, t, K, L, R, went_l):
-        """The ranks whose partials token t sums: bit r (uint64) for each rank it went to
-        (hierarchical: one partial per other node, ``senders``)."""
-        went = uint64(0)  # bit r: token t went to rank r
-        for k in range(K):
-            x = dispatch_topk_ids[g, me, t, k]
-            if uint32(x) < uint32(R * L):  # a masked (-1) or dropped id went nowhere
-                went |= uint64(1) << uint64(x // L)
-        return senders(went, me, R)  # hierarchical: one partial per other node
-
-    @inlined
-    def await_mask(combine_row_flag, combine_chunk_flag, went, me, t, i, parts, n, T, R, own, w0, w1, timeout_ns,
-                   status):
-        """One thread: wait for part ``p = i - t parts`` of the partial of every rank set in
-        ``went`` (not this rank's own in expert_out; none where the part has no word, ``w0 >=
-        w1``); 1 when all came, 0 on a timeout (recorded)."""
-        ok = 1
-        p = i - t * parts
-        for r in range(R):
-            if w0 < w1 and (went >> uint64(r)) & uint64(1) and not (own and r == me):
-                if not await_partial(combine_row_flag, combine_chunk_flag, me, r, t, p, n, T, timeout_ns, status):
-                    ok = 0
-                    break
-        return ok
-
-    @inlined
     def went_of_list(dispatch_topk_ids, g, me, t, K, L, R, went_l):
-        """``went_of_mask`` as an ascending list in ``went_l`` (ep_runtime/kernels/destinations.py;
-        hierarchical: the holders' list in ``went_l[LIST:]``, the senders' in front), returned (a
-        device function returns only an array it was passed)."""
+        """The ranks whose partials token t sums (the kernel's mask loop) as an ascending list in
+        ``went_l`` (ep_runtime/kernels/destinations.py; hierarchical: the holders' list in
+        ``went_l[LIST:]``, the senders' in front), returned (a device function returns only an
+        array it was passed)."""
         if node_size:
             holders_of(dispatch_topk_ids[g, me, t], L, R, went_l[LIST:])
             via_proxies_listed(went_l[LIST:], me, node_size, went_l)
@@ -103,7 +78,9 @@ def make_combine_wait(threads: int, word: str, f32_partials: bool, pdl: bool, ep
     @inlined
     def await_list(combine_row_flag, combine_chunk_flag, went, me, t, i, parts, n, T, R, own, w0, w1, timeout_ns,
                    status):
-        """``await_mask`` over the ranks of the list ``went``."""
+        """One thread: wait for part ``p = i - t parts`` of the partial of every rank of the list
+        ``went`` (not this rank's own in expert_out; none where the part has no word, ``w0 >=
+        w1``); 1 when all came, 0 on a timeout (recorded). The kernel's mask loop over a list."""
         ok = 1
         p = i - t * parts
         for j in range(went[0]):
@@ -114,7 +91,9 @@ def make_combine_wait(threads: int, word: str, f32_partials: bool, pdl: bool, ep
                     break
         return ok
 
-    went_of, await_went = (went_of_list, await_list) if dest_slots else (went_of_mask, await_mask)
+    # a constant the compiler prunes on: the mask builds keep their loops in the kernel body, the
+    # code they compiled to before the lists (an inlined helper reorders it)
+    LISTED = dest_slots > 0
     reduce_part, copy_part = reduce.reduce_part, reduce.copy_part
 
     @kernel_jit(threads)
@@ -197,10 +176,28 @@ def make_combine_wait(threads: int, word: str, f32_partials: bool, pdl: bool, ep
             if i >= T * parts:
                 break
             t, w0, w1 = part_bounds(i, parts, span, W)
-            went = went_of(dispatch_topk_ids, g, me, t, K, L, R, went_l)
-            if lane == 0:  # lane 0 waits for the part's partials (its own in expert_out are there)
-                claim[wid] = await_went(combine_row_flag, combine_chunk_flag, went, me, t, i, parts, n, T, R, own, w0,
-                                        w1, timeout_ns, status)
+            if LISTED:
+                went = went_of_list(dispatch_topk_ids, g, me, t, K, L, R, went_l)
+                if lane == 0:  # lane 0 waits for the part's partials (its own in expert_out are there)
+                    claim[wid] = await_list(combine_row_flag, combine_chunk_flag, went, me, t, i, parts, n, T, R, own,
+                                            w0, w1, timeout_ns, status)
+            else:
+                went = uint64(0)  # bit r: token t went to rank r
+                for k in range(K):
+                    x = dispatch_topk_ids[g, me, t, k]
+                    if uint32(x) < uint32(R * L):  # a masked (-1) or dropped id went nowhere
+                        went |= uint64(1) << uint64(x // L)
+                went = senders(went, me, R)  # hierarchical: one partial per other node
+                if lane == 0:  # lane 0 waits for the part's partials (its own in expert_out are there)
+                    ok = 1
+                    p = i - t * parts
+                    for r in range(R):
+                        if w0 < w1 and (went >> uint64(r)) & uint64(1) and not (own and r == me):
+                            if not await_partial(combine_row_flag, combine_chunk_flag, me, r, t, p, n, T, timeout_ns,
+                                                 status):
+                                ok = 0
+                                break
+                    claim[wid] = ok
             warp_sync()
             ok = claim[wid]
             warp_sync()

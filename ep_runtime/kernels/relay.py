@@ -147,6 +147,9 @@ def make_dispatch_relay(v: DispatchVariant):
     node_set, chunk_marks, held_here = near.node_set, near.chunk_marks, near.held_here
     HELD_WORDS = max(1, list_words(v.dest_slots))
     NODE_SLOTS = node_slots(v.rank_slots, NODE)
+    # a constant the compiler prunes on: a mask build keeps the holders' expression in the kernel
+    # body, the code it compiled to before the lists (``held_here`` inlined reorders it)
+    LISTED = v.dest_slots > 0
 
     @kernel_jit(threads)
     def dispatch_relay(dispatch_tokens, dispatch_topk_ids, dispatch_topk_weights, dispatch_ranks, dispatch_counts,
@@ -245,7 +248,10 @@ def make_dispatch_relay(v: DispatchVariant):
                             return  # no ticket: the node's receivers time out naming the source
                         for j in range(wid, popc32(mask), warps):  # a warp a packed row
                             t = c * CH + nth_set_bit(mask, j)
-                            to = held_here(dispatch_topk_ids[g, s, t], L, R, here, held_l)
+                            if LISTED:
+                                to = held_here(dispatch_topk_ids[g, s, t], L, R, here, held_l)
+                            else:
+                                to = holders(dispatch_topk_ids[g, s, t], L, R) & here
                             forward_row(dispatch_tokens, relay_rows[x, c * CH + j], s, t, to, peer_bases,
                                         PEER_TOKENS, first, tid % warp, lo, hi)
                     c += cuda.gridDim.x
