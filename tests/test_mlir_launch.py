@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from test_compiler_seam import HIDE_MLIR
+from test_compiler_seam import HIDE_MLIR, run as seam_run
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_TESTS = ROOT / "tests" / "gpu"
@@ -183,3 +183,23 @@ def test_the_empty_arguments_type_as_the_build(tmp_path):
     got = run(EMPTY_ARGS, tmp_path, python=mlir_python())
     assert got["checked"] >= 8 and got["same"] == got["checked"]
     assert got["refused"].startswith("argument 0: ") and "neither a C-contiguous array nor an integer" in got["refused"]
+
+
+
+def test_prebuild_refuses_where_the_kernels_build_with_numba_cuda_mlir(tmp_path):
+    """The kernel cache holds numba-cuda's builds only: prebuild says so instead of failing inside it
+    (numba-cuda-mlir replaced by test_compiler_seam's stand-in: nothing is built)."""
+    got = seam_run("""
+        import contextlib, io
+        from ep_runtime.kernels import compiler
+        compiler.select("numba-cuda-mlir")
+        from ep_runtime.tools import prebuild
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            rc = prebuild.main(["--cc", "9.0a", "--only", "dispatch_wait"])
+        print(json.dumps({"rc": rc, "stderr": err.getvalue()}))
+        """, tmp_path, stand_in=True)
+    assert got["rc"] == 2
+    assert got["stderr"].startswith("prebuild: the kernels build with numba-cuda-mlir here, whose builds the kernel "
+                                    "cache does not hold")
+    assert 'pip install -e ".[sim]"' in got["stderr"]
