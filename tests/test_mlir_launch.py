@@ -120,13 +120,14 @@ PRECOMPILE = """
     mlir_launch.load_module = lambda kernel, argtypes, stream, as_kernel_arg: loads.append(
         (kernel, tuple(argtypes), stream, as_kernel_arg))
     session = NvshmemSession.__new__(NvshmemSession)  # its precompile path, without NVSHMEM or a GPU
-    session._numba_stream = "the session stream"
+    session._numba_stream, session._mlir_loaded = "the session stream", set()
     builds = {}
     for name, kernel, argtypes in kernel_builds(cfg, plan, ONLY):
         # no driver here: numba-cuda-mlir's host compute capability and the carveout it sets through the
         # driver, as the compile gate does (ep_runtime/tools/gate_mlir.py)
         with _fixed_compute_capability((9, 0, "a")), _without_carveout(kernel):
             session.precompile(kernel, argtypes)
+            session.precompile(kernel, argtypes)  # as a second runtime of the session does: loaded once
         build = kernel.overloads[tuple(argtypes)]
         builds[name] = {"cubin": len(bytes(build.metadata["cubin"])),
                         "nvshmem_setup": _numbast.shim_obj.setup_callback in kernel._module_setup_callbacks,
@@ -147,7 +148,7 @@ def test_precompile_builds_ep_checks_kernels_with_numba_cuda_mlir_and_loads_each
     for name, build in got["builds"].items():
         assert build["cubin"] > 0, name
         assert build["nvshmem_setup"], f"{name}: its build does not run NVSHMEM's module set-up when loaded"
-        assert build["loaded"] == 1, f"{name}: precompile asked {build['loaded']} times to load its module"
+        assert build["loaded"] == 1, f"{name}: two precompiles asked {build['loaded']} times to load its module"
 
 
 EMPTY_ARGS = """
@@ -203,3 +204,64 @@ def test_prebuild_refuses_where_the_kernels_build_with_numba_cuda_mlir(tmp_path)
     assert got["stderr"].startswith("prebuild: the kernels build with numba-cuda-mlir here, whose builds the kernel "
                                     "cache does not hold")
     assert 'pip install -e ".[sim]"' in got["stderr"]
+
+
+LOAD_MODULE = """
+    import logging
+    from ep_runtime.kernels import compiler
+    compiler.select("numba-cuda-mlir")
+    from numba_cuda_mlir.numba_cuda.cudadrv import devices
+    from ep_runtime.kernels.cuda_api import types
+    from ep_runtime.shmem import mlir_launch
+
+    class Context:  # what load_module reads of numba-cuda-mlir's context: the modules it loaded
+        modules = {}
+
+    devices.get_context = lambda: Context
+
+    def dispatch_wait():
+        pass
+
+    class Kernel:
+        '''A dispatcher whose launch records its arguments, loads a module or not, then raises.'''
+        def __init__(self, loads, error):
+            self.loads, self.error, self.launches = loads, error, []
+            self._module_setup_callbacks = ["NVSHMEM's set-up"]
+            self.py_func = dispatch_wait
+        def __getitem__(self, config):
+            def launch(*args):
+                self.launches.append((config, [type(a).__name__ for a in args]))
+                if self.loads:
+                    Context.modules[len(Context.modules)] = "a module"
+                raise RuntimeError(self.error)
+            return launch
+
+    warnings = []
+    logging.getLogger("ep_runtime.shmem").addHandler(type("H", (logging.Handler,), {
+        "emit": lambda self, record: warnings.append(record.getMessage()) if record.levelno >= logging.WARNING
+        else None})())
+    out = {}
+    refused = "Failed to launch CUDA kernel: CUDA_ERROR_INVALID_VALUE (invalid argument)"
+    for case, loads, error in (("loaded", True, refused), ("not loaded", False, refused),
+                               ("other error", True, "Failed to load CUDA library from binary data: bad")):
+        kernel, before = Kernel(loads, error), len(warnings)
+        try:
+            mlir_launch.load_module(kernel, (types.int64, types.int32), "the stream", lambda a: a)
+            raised = None
+        except RuntimeError as exc:
+            raised = str(exc)
+        out[case] = {"launches": kernel.launches, "raised": raised, "warnings": warnings[before:]}
+    print(json.dumps(out))
+    """
+
+
+@needs_mlir
+def test_load_module_expects_the_empty_grid_refused_and_warns_when_no_module_loaded(tmp_path):
+    got = run(LOAD_MODULE, tmp_path, python=mlir_python())
+    launch = [[[0, 1, 1], [1, 1, 1], "the stream"], ["int64", "int32"]]
+    assert got["loaded"] == {"launches": [launch], "raised": None, "warnings": []}
+    assert got["not loaded"]["raised"] is None and got["not loaded"]["launches"] == [launch]
+    assert got["not loaded"]["warnings"] == [
+        "dispatch_wait: the launch of an empty grid loaded no module: its first launch will load it and run NVSHMEM's "
+        "module set-up, which a CUDA graph capture does not allow"]
+    assert got["other error"]["raised"] == "Failed to load CUDA library from binary data: bad"

@@ -27,6 +27,7 @@ stores numba-cuda's builds). Each process compiles its kernels.
 from __future__ import annotations
 
 import logging
+import warnings
 
 import numpy as np
 
@@ -42,6 +43,12 @@ WHY_DISPATCHER = ("kernels built by numba-cuda-mlir launch through its dispatche
 _REFUSED_LAUNCH = "Failed to launch CUDA kernel"
 
 
+def _cupy_empty(shape, dtype):
+    import cupy
+
+    return cupy.empty(shape, dtype=dtype)
+
+
 def empty_args(argtypes: tuple, empty=None) -> list:
     """Arguments that type as ``argtypes`` (the runtime's: C-contiguous arrays and integer
     scalars, :func:`ep_runtime.core.kernel_args.argtypes`): an empty array of each array's dtype
@@ -50,10 +57,7 @@ def empty_args(argtypes: tuple, empty=None) -> list:
     naming the argument for any other type."""
     from ep_runtime.kernels.cuda_api import types
 
-    if empty is None:
-        import cupy
-
-        empty = cupy.empty
+    empty = empty or _cupy_empty
     out = []
     for i, ty in enumerate(argtypes):
         if isinstance(ty, types.Array) and ty.layout == "C":
@@ -77,14 +81,30 @@ def load_module(kernel, argtypes: tuple, stream, as_kernel_arg) -> None:
     empty grid with arguments of the same types: the dispatcher picks the build and loads its
     module, and the driver refuses the grid (nothing runs); that refusal is expected here, any
     other error is raised. ``stream``: the session's (the compiler's stream object);
-    ``as_kernel_arg``: the session's, for the empty arrays."""
+    ``as_kernel_arg``: the session's, for the empty arrays. Call it once per build (a loaded
+    build loads nothing more).
+
+    That the dispatcher loads the module before the driver refuses the grid is read from its
+    launcher, not seen on a GPU: for a build with set-up callbacks the dispatcher records the module
+    it loads in the context (private API of numba-cuda-mlir 0.6.0), and a build that loaded none is
+    logged as a warning, so a GPU run tells."""
+    from numba_cuda_mlir.numba_cuda.cudadrv import devices
+
+    name = getattr(getattr(kernel, "py_func", kernel), "__qualname__", repr(kernel))
+    modules = devices.get_context().modules
+    before = len(modules)
     args = [a if isinstance(a, np.generic) else as_kernel_arg(a) for a in empty_args(argtypes)]
     try:
-        kernel[(0, 1, 1), (1, 1, 1), stream](*args)
+        with warnings.catch_warnings():  # the dispatcher's low-occupancy warning, about this empty grid
+            warnings.filterwarnings("ignore", message="Grid size 0 ")
+            kernel[(0, 1, 1), (1, 1, 1), stream](*args)
     except Exception as exc:  # noqa: BLE001 - the refusal's class is cuda.core's CUDAError
         if _REFUSED_LAUNCH not in str(exc):
             raise
-        log.debug("%s: module loaded (empty grid refused: %s)", getattr(kernel, "__qualname__", kernel), exc)
+        log.debug("%s: empty grid refused: %s", name, exc)
+    if kernel._module_setup_callbacks and len(modules) == before:
+        log.warning("%s: the launch of an empty grid loaded no module: its first launch will load it and run "
+                    "NVSHMEM's module set-up, which a CUDA graph capture does not allow", name)
 
 
 __all__ = ["WHY_DISPATCHER", "empty_args", "load_module"]

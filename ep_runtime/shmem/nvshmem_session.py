@@ -155,6 +155,7 @@ class NvshmemSession(Session):
         #: Launches so far by path: ``fast`` (driver) and ``numba`` (dispatcher).
         self.launch_counts = {"fast": 0, "numba": 0}
         self._fast = {}  # id(dispatcher) -> [(dispatcher, FastLauncher)]
+        self._mlir_loaded = set()  # (dispatcher, argtypes) whose module numba-cuda-mlir loaded
         log.info("rank %d/%d: NVSHMEM initialized on GPU %d", self.rank, self.n_ranks, self.device_index)
         return self
 
@@ -253,7 +254,9 @@ class NvshmemSession(Session):
         shim_memo.install()  # the kernels of this process link one NVRTC compile of the shim
         if MLIR:
             kernel.compile(argtypes)
-            mlir_launch.load_module(kernel, argtypes, self._numba_stream, self.as_kernel_arg)
+            if (kernel, tuple(argtypes)) not in self._mlir_loaded:
+                mlir_launch.load_module(kernel, argtypes, self._numba_stream, self.as_kernel_arg)
+                self._mlir_loaded.add((kernel, tuple(argtypes)))
             return
         if self.kernel_cache is not None:
             compiled = self.kernel_cache.load_or_compile(kernel, argtypes)
@@ -326,4 +329,5 @@ class NvshmemSession(Session):
             self._nvshmem.free_array(arr)
         self._symmetric.clear()
         self._fast.clear()
+        self._mlir_loaded.clear()
         self._nvshmem.finalize()

@@ -83,7 +83,7 @@ done
 for c in "${checks[@]}"; do
   f="$out/mlir_$c.log"; [ -f "$f" ] || continue
   echo "== mlir_$c.log"
-  grep -v "Warning\|warn(\|cuGetProcAddress" "$f" | grep -E "PASS|FAIL|Error|Traceback|rank|exact|launch|compil" \
+  grep -v "Warning\|warn(\|cuGetProcAddress" "$f" | grep -E "PASS|FAIL|Error|Traceback|rank|exact|launch|compil|no module" \
     | tail -15
 done
 echo "== summary"; cat "$summary"
