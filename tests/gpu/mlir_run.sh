@@ -43,9 +43,6 @@ for dist in ("numba-cuda-mlir", "numba-cuda", "cuda-bindings", "cuda-core", "cud
         print(f"{dist} {md.version(dist)}")
     except md.PackageNotFoundError:
         print(f"{dist} (not installed)")
-import cupy
-print("cupy", cupy.__version__, "runtime", cupy.cuda.runtime.runtimeGetVersion(), "driver",
-      cupy.cuda.runtime.driverGetVersion(), cupy.cuda.runtime.getDeviceProperties(0)["name"].decode())
 from cuda import pathfinder
 for lib in ("nvrtc", "nvvm", "nvJitLink", "cudart"):
     try:
@@ -57,7 +54,10 @@ print("numba_cuda_mlir", numba_cuda_mlir.__file__)
 from ep_runtime.kernels import compiler
 compiler.select("numba-cuda-mlir")
 from ep_runtime.kernels import cuda_api, shmem
-print("kernels built by", cuda_api.COMPILER, "; SHMEM facade", shmem.__name__)
+print("kernels built by", cuda_api.COMPILER, "; NVSHMEM device bindings:", shmem.my_pe.__module__)
+import cupy
+print("cupy", cupy.__version__, "runtime", cupy.cuda.runtime.runtimeGetVersion(), "driver",
+      cupy.cuda.runtime.driverGetVersion(), cupy.cuda.runtime.getDeviceProperties(0)["name"].decode())
 PY
 
 left() { echo $(( deadline - $(date +%s) )); }
