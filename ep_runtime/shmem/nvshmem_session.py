@@ -146,7 +146,7 @@ class NvshmemSession(Session):
         self._symmetric = []
         self._closed = False
         #: Launch precompiled signatures through the driver (see the module docstring). With
-        #: EP_RUNTIME_FAST_LAUNCH=0 no fast launcher is built and this stays False.
+        #: EP_RUNTIME_FAST_LAUNCH=0, or on numba-cuda-mlir, no fast launcher is built and this stays False.
         self.fast_launch = self._build_launchers = _fast_launch_from_env() and not MLIR
         #: The on-disk kernel cache, or None when disabled (and on numba-cuda-mlir).
         self.kernel_cache = None if MLIR else KernelCache.from_env()
