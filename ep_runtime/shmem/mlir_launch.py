@@ -84,10 +84,12 @@ def load_module(kernel, argtypes: tuple, stream, as_kernel_arg) -> None:
     ``as_kernel_arg``: the session's, for the empty arrays. Call it once per build (a loaded
     build loads nothing more).
 
-    That the dispatcher loads the module before the driver refuses the grid is read from its
-    launcher, not seen on a GPU: for a build with set-up callbacks the dispatcher records the module
-    it loads in the context (private API of numba-cuda-mlir 0.6.0), and a build that loaded none is
-    logged as a warning, so a GPU run tells."""
+    That the dispatcher loads the module before the driver refuses the grid is read from its C++
+    launcher's source (``launch``: compile, ``cuLibraryLoadData``, the post-load callback, then
+    ``cuLaunchKernel``; the loaded kernel is kept per argument dtypes and dimensions, so the real
+    launches reuse it), not seen on a GPU: for a build with set-up callbacks the dispatcher records
+    the module it loads in the context (private API of numba-cuda-mlir 0.6.0), and a build that
+    loaded none is logged as a warning, so a GPU run tells."""
     from numba_cuda_mlir.numba_cuda.cudadrv import devices
 
     name = getattr(getattr(kernel, "py_func", kernel), "__qualname__", repr(kernel))
