@@ -1,8 +1,9 @@
 """The GPU path of kernels built by numba-cuda-mlir, as far as it runs without a GPU: the GPU checks'
-``--compiler`` (tests/gpu/harness.py) selects the compiler or refuses one that is not installed,
-and the ``nvshmem`` session's precompile path (ep_runtime/shmem/nvshmem_session.py,
+``--compiler`` (tests/gpu/harness.py) selects the compiler or refuses one that is not installed;
+the ``nvshmem`` session's precompile path (ep_runtime/shmem/nvshmem_session.py,
 ep_runtime/shmem/mlir_launch.py) builds a check's kernels with numba-cuda-mlir, each with NVSHMEM's
-module set-up, then asks for its module to be loaded with arguments of the types it was built for.
+module set-up, then asks once for its module to be loaded with arguments of the types it was built
+for; that load against a stand-in dispatcher; prebuild's refusal on numba-cuda-mlir.
 
 Each case runs in a fresh interpreter (the compiler is bound once per process). The numba-cuda-mlir
 cases need an interpreter with numba-cuda-mlir and nvshmem4py's bindings for it (``.[gpu-mlir]``,
