@@ -20,7 +20,10 @@ cache when it can (:mod:`ep_runtime.shmem.kernel_cache`; directory ``$EP_RUNTIME
 ``off`` disables it) and otherwise compiles and stores it; :meth:`NvshmemSession.launch` launches
 precompiled signatures through the driver (:mod:`ep_runtime.shmem.fast_launch`) and everything
 else through Numba. ``EP_RUNTIME_FAST_LAUNCH=0`` (read at :meth:`NvshmemSession.open`) or
-``session.fast_launch = False`` (at any time) sends every launch through Numba.
+``session.fast_launch = False`` (at any time) sends every launch through Numba. Kernels built by
+numba-cuda-mlir (the process's compiler: :mod:`ep_runtime.kernels.compiler`) are compiled in the
+process and launched through its dispatcher, without the fast launcher or the kernel cache
+(:mod:`ep_runtime.shmem.mlir_launch`).
 """
 
 from __future__ import annotations
@@ -33,9 +36,10 @@ import numpy as np
 
 from ep_runtime.core.errors import MissingDependencyError, ShmemError
 from ep_runtime.kernels import pdl
+from ep_runtime.kernels.cuda_api import MLIR, cuda as kernel_cuda
 from ep_runtime.shmem.env import configure_nvshmem_env
 from ep_runtime.shmem.fast_launch import FastLauncher, Unsupported
-from ep_runtime.shmem import shim_memo
+from ep_runtime.shmem import mlir_launch, shim_memo
 from ep_runtime.shmem.kernel_cache import KernelCache
 from ep_runtime.shmem.session import Session
 
@@ -108,7 +112,6 @@ class NvshmemSession(Session):
                 f"NvshmemSession.open: {exc.name or exc} is not installed; the nvshmem backend needs "
                 "nvshmem4py: pip install -e \".[gpu]\"") from exc
         import cupy
-        from numba import cuda as numba_cuda
 
         self = cls.__new__(cls)
         #: the job's group this session bootstrapped over (its host collectives)
@@ -138,17 +141,21 @@ class NvshmemSession(Session):
         handle = int(self._core_stream.handle)
         self._cupy_stream = cupy.cuda.ExternalStream(handle)
         self._cupy_stream.use()  # the caller's CuPy work orders with the kernels by default
-        self._numba_stream = numba_cuda.external_stream(handle)
+        #: the session stream as the kernel compiler's stream object (what its dispatcher launches on)
+        self._numba_stream = kernel_cuda.external_stream(handle)
         self._symmetric = []
         self._closed = False
         #: Launch precompiled signatures through the driver (see the module docstring). With
-        #: EP_RUNTIME_FAST_LAUNCH=0 no fast launcher is built and this stays False.
-        self.fast_launch = self._build_launchers = _fast_launch_from_env()
-        #: The on-disk kernel cache, or None when disabled.
-        self.kernel_cache = KernelCache.from_env()
+        #: EP_RUNTIME_FAST_LAUNCH=0, or on numba-cuda-mlir, no fast launcher is built and this stays False.
+        self.fast_launch = self._build_launchers = _fast_launch_from_env() and not MLIR
+        #: The on-disk kernel cache, or None when disabled (and on numba-cuda-mlir).
+        self.kernel_cache = None if MLIR else KernelCache.from_env()
+        if MLIR:
+            log.info("rank %d: %s", self.rank, mlir_launch.WHY_DISPATCHER)
         #: Launches so far by path: ``fast`` (driver) and ``numba`` (dispatcher).
         self.launch_counts = {"fast": 0, "numba": 0}
         self._fast = {}  # id(dispatcher) -> [(dispatcher, FastLauncher)]
+        self._mlir_loaded = set()  # (dispatcher, argtypes) whose module numba-cuda-mlir loaded
         log.info("rank %d/%d: NVSHMEM initialized on GPU %d", self.rank, self.n_ranks, self.device_index)
         return self
 
@@ -229,9 +236,7 @@ class NvshmemSession(Session):
 
     # -- kernels --------------------------------------------------------------------------------
     def as_kernel_arg(self, array):
-        from numba import cuda as numba_cuda
-
-        return numba_cuda.as_cuda_array(array, sync=False)
+        return kernel_cuda.as_cuda_array(array, sync=False)
 
     def launch(self, kernel, grid, block, args):
         if self.fast_launch:
@@ -244,8 +249,15 @@ class NvshmemSession(Session):
 
     def precompile(self, kernel, argtypes):
         """Compile ``kernel`` for ``argtypes`` (or load it from the kernel cache), and prepare its
-        fast launcher unless ``EP_RUNTIME_FAST_LAUNCH=0`` was set at :meth:`open`."""
+        fast launcher unless ``EP_RUNTIME_FAST_LAUNCH=0`` was set at :meth:`open`. On
+        numba-cuda-mlir: compile it and load its module (:mod:`ep_runtime.shmem.mlir_launch`)."""
         shim_memo.install()  # the kernels of this process link one NVRTC compile of the shim
+        if MLIR:
+            kernel.compile(argtypes)
+            if (kernel, tuple(argtypes)) not in self._mlir_loaded:
+                mlir_launch.load_module(kernel, argtypes, self._numba_stream, self.as_kernel_arg)
+                self._mlir_loaded.add((kernel, tuple(argtypes)))
+            return
         if self.kernel_cache is not None:
             compiled = self.kernel_cache.load_or_compile(kernel, argtypes)
         else:
@@ -270,7 +282,7 @@ class NvshmemSession(Session):
 
     def pdl_capable(self):
         """Compute capability 9.0 or later and the fast launcher (the path that sets PDL's launch
-        attribute; off with EP_RUNTIME_FAST_LAUNCH=0)."""
+        attribute; off with EP_RUNTIME_FAST_LAUNCH=0 and on numba-cuda-mlir)."""
         return self._build_launchers and self.compute_capability()[0] >= 9
 
     def compute_capability(self) -> tuple[int, int]:
@@ -317,4 +329,5 @@ class NvshmemSession(Session):
             self._nvshmem.free_array(arr)
         self._symmetric.clear()
         self._fast.clear()
+        self._mlir_loaded.clear()
         self._nvshmem.finalize()

@@ -22,7 +22,8 @@ carry the versions of numba-cuda, NVSHMEM, NVRTC, nvJitLink and NVVM, and the ke
 ``EP_RUNTIME_TRACE=1`` in the environment builds the traced kernels (``ep_runtime/kernels/trace.py``), which
 the cache keys apart. Prints one line per kernel (with the plans that use it) and a summary
 last; exit status 0 when every kernel is cached, 1 when one failed to build, 2 when the tool
-cannot run here.
+cannot run here (the simulator, the cache off, or kernels that build with numba-cuda-mlir, whose
+builds the cache does not hold).
 """
 
 from __future__ import annotations
@@ -181,6 +182,13 @@ def main(argv=None) -> int:
     if _simulator_requested():
         print("prebuild: NUMBA_ENABLE_CUDASIM is set: the simulator compiles nothing, so there is nothing to "
               "cache. Unset it (and run on a GPU, or pass --cc).", file=sys.stderr)
+        return 2
+    from ep_runtime.kernels import compiler
+
+    if compiler.chosen() == compiler.NUMBA_CUDA_MLIR:
+        print("prebuild: the kernels build with numba-cuda-mlir here, whose builds the kernel cache does not hold "
+              "(a process compiles them: docs/compilers.md): nothing to prebuild. The cache is numba-cuda's: "
+              f"{compiler.COMPILERS[compiler.NUMBA_CUDA][1]}", file=sys.stderr)
         return 2
     from ep_runtime.shmem.kernel_cache import KernelCache
 

@@ -2,6 +2,7 @@
 
     mpirun -np 2 -x PYTHONPATH python3 tests/gpu/ep_check.py [--tokens 4096 128] [--calls 100]
         [--plans default | variants | receiver=land,transport=puts ...]
+        [--compiler numba-cuda | numba-cuda-mlir]
 
 For each execution plan of ``--plans`` (a runtime each, built one after another on one NVSHMEM
 session: ``default`` is the rules' plan with EP_RUNTIME_PLAN's overrides, an item such as
@@ -211,7 +212,8 @@ def main() -> int:
     ap.add_argument("--combine-dtype", default="bfloat16", choices=["bfloat16", "float32"],
                     help="EPConfig.combine_dtype: float32 partials (compact rows are then float32 too)")
     ap.add_argument("--plans", nargs="+", default=["default"], metavar="PLAN", help=harness.PLANS_HELP)
-    args = ap.parse_args()
+    harness.add_compiler_option(ap)
+    args = harness.parse_args(ap)
     plans = harness.plan_list(args.plans)
 
     cfg = harness.layer_config(args, harness.job_comm().Get_size(), max(args.tokens),

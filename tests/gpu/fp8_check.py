@@ -2,6 +2,7 @@
 
     mpirun -np 2 -x PYTHONPATH python3 tests/gpu/fp8_check.py [--tokens 4096 128] [--replays 20]
         [--plans default | variants | receiver=wait,transport=puts ...]
+        [--compiler numba-cuda | numba-cuda-mlir]
 
 For each execution plan of ``--plans`` (as in ep_check.py: ``default``, plan overrides, or
 ``variants``; one runtime per plan and format, built one after another on one NVSHMEM
@@ -68,9 +69,9 @@ def check_hardware_conversion() -> tuple[int, int]:
     every bf16 word whose block amax is its own times each of SCALED_WIDEN, in both scale
     kinds, wherever ``scaled_directly`` admits the block."""
     import cupy
-    from numba import cuda as ncuda
 
     from ep_runtime.kernels.bits import bf16_to_f32
+    from ep_runtime.kernels.cuda_api import cuda as ncuda
     from ep_runtime.kernels.fp8 import (bf16_abs_max4, block_scale, quantize4, quantize4_by_software, quantize4_scaled,
                                         quantize4_software, scaled_directly)
 
@@ -212,7 +213,8 @@ def main() -> int:
     harness.add_scenario_option(ap)
     ap.add_argument("--plans", nargs="+", default=["default"], metavar="PLAN",
                     help=harness.PLANS_HELP + "; one runtime per plan and format")
-    args = ap.parse_args()
+    harness.add_compiler_option(ap)
+    args = harness.parse_args(ap)
     plans = harness.plan_list(args.plans)
 
     R = harness.job_comm().Get_size()

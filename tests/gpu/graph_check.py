@@ -2,6 +2,7 @@
 
     mpirun -np 2 -x PYTHONPATH python3 tests/gpu/graph_check.py [--capacity 256] [--replays 100]
         [--layout expanded|compact] [--plans default | variants | receiver=land,transport=puts ...]
+        [--compiler numba-cuda | numba-cuda-mlir]
 
 Captures dispatch_async(n_tokens=<device scalar>) -> dispatch_wait -> (expert compute: the
 identity expert, a CuPy copy of the expanded batch, or with ``--layout compact`` a CuPy gather
@@ -124,7 +125,8 @@ def main() -> int:
     harness.add_scenario_option(ap)
     ap.add_argument("--layout", choices=("expanded", "compact"), default="expanded")
     ap.add_argument("--plans", nargs="+", default=["default"], metavar="PLAN", help=harness.PLANS_HELP)
-    args = ap.parse_args()
+    harness.add_compiler_option(ap)
+    args = harness.parse_args(ap)
     plans = harness.plan_list(args.plans)
 
     R, cap = harness.job_comm().Get_size(), args.capacity

@@ -65,6 +65,31 @@ def add_backend_option(ap) -> None:
                     help="sim: the simulator, under NUMBA_ENABLE_CUDASIM=1 mpiexec -n N")
 
 
+def add_compiler_option(ap) -> None:
+    """``--compiler``: the kernel compiler of this process (``ep_runtime.kernels.compiler``;
+    default: the one installed, numba-cuda first). Parse with :func:`parse_args`, which selects it."""
+    from ep_runtime.kernels.compiler import COMPILERS
+
+    ap.add_argument("--compiler", choices=sorted(COMPILERS), default=None,
+                    help="build the kernels with this compiler (default: the one installed, numba-cuda first)")
+
+
+def parse_args(ap, argv=None):
+    """``ap.parse_args(argv)``, then the compiler of ``--compiler`` (:func:`add_compiler_option`)
+    selected for this process, before any kernel module is imported; one that is not installed
+    ends the script through ``ap.error`` with its install command."""
+    from ep_runtime.core.errors import EPError
+    from ep_runtime.kernels import compiler
+
+    args = ap.parse_args(argv)
+    if getattr(args, "compiler", None) is not None:
+        try:
+            compiler.select(args.compiler)
+        except EPError as exc:
+            ap.error(f"--compiler {args.compiler}: {exc}")
+    return args
+
+
 # -- the job -------------------------------------------------------------------------------------------
 def job_comm():
     """The job's communicator (mpi4py's ``COMM_WORLD``): one rank per GPU under mpirun."""
