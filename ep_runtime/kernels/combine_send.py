@@ -191,8 +191,8 @@ def make_combine_async_rows(v: CombineVariant):
         Words are copied unchanged, so the kernel is the same for either partial format.
 
         A warp per item (part of a row, ``row_parts``; the peers' items interleaved, ``interleaved_item`` over
-        the R - 1 peers): a row for a peer goes straight from expert_out to slot [g, me, t] of rank s (no
-        staging): in a ``stores`` build through its NVLink mapping (peer_bases row 1, as in combine_async),
+        the R - 1 peers): a row for a peer goes straight from expert_out to slot [g, me, t] of rank s ([g, j,
+        t] with ``v.partial_slots``, as in combine_async) (no staging): in a ``stores`` build through its NVLink mapping (peer_bases row 1, as in combine_async),
         16-byte stores of word pairs where the arrays allow it, else a word per lane per step; in a puts build
         ``put_signal_nbi_warp``. This rank's own rows (``s = me``) are not copied: combine_wait reads them
         from expert_out itself (its ``own_rows``), so every warp carries NVLink rows. Each part is flagged as

@@ -94,19 +94,21 @@ def holders_of(ids, L, R, dl):
 
 
 @cuda.jit(device=True)
-def rank_position(ids, L, R, d):
+def rank_position(ids, L, d):
     """The position of rank ``d`` in the ascending list :func:`holders_of` makes of ``ids``
-    ([K] int32): the distinct ranks below ``d`` holding one of the experts (an id outside ``[0, R
-    L)`` holds none). A sender finds its destination slot on a token's home this way, from the
-    routing row it received, without a list of its own (``CombineVariant.partial_slots``)."""
+    ([K] int32; rank r holds experts ``[r L, (r + 1) L)``): the distinct ranks below ``d`` holding
+    one of the experts (a negative id holds none). A sender finds its destination slot on a token's home this way, from the
+    routing row it received, without a list of its own (``CombineVariant.partial_slots``). One
+    32-bit division an id below ``d L``; a rank counts at its first id (range tests, no division)."""
     K = ids.shape[0]
     j = 0
     for k in range(K):
         x = ids[k]
-        if uint32(x) < uint32(R * L) and x // L < d:
-            first = True  # rank x // L counted once, at its first slot
+        if x >= 0 and x < d * L:  # an expert of a rank below d
+            lo = int32(udiv32(x, L)) * L  # its rank's first expert
+            first = True
             for k2 in range(k):
-                if uint32(ids[k2]) < uint32(R * L) and ids[k2] // L == x // L:
+                if ids[k2] >= lo and ids[k2] < lo + L:
                     first = False
             if first:
                 j += 1

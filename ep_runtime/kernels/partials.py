@@ -93,7 +93,7 @@ def slot_row(dispatch_topk_ids, g, s, t, L, R, me):
     """The home row of this PE's partial of token t of PE ``s``, indexed by destination slot: the
     position of ``me`` among the token's ascending destination ranks, from its routing row
     ``dispatch_topk_ids[g, s, t]`` (the home finds it in its own list)."""
-    return rank_position(dispatch_topk_ids[g, s, t], L, R, me)
+    return rank_position(dispatch_topk_ids[g, s, t], L, me)
 
 
 def make_home_row(partial_slots: int):
