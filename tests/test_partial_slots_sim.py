@@ -84,16 +84,15 @@ def test_list_builds_on_stores_and_puts_size_the_partials_by_slot_the_others_by_
 
 
 def test_a_senders_slot_is_its_place_in_the_homes_list(monkeypatch):
-    """``rank_position`` against the list ``holders_of`` makes, the ascending distinct ranks of
-    the ids in ``[0, R L)`` (built here in NumPy: its Python source calls a device function),
-    past 64 ranks. Its Python source runs on the host, ``udiv32`` (a GPU intrinsic) as the
-    simulator's."""
+    """``rank_position`` (its Python source on the host, ``udiv32``, a GPU intrinsic, as the
+    simulator's) against the home's list, the ascending distinct ranks of the ids in ``[0, R L)``
+    (``holders_of``'s, built here in NumPy), past 64 ranks."""
     monkeypatch.setattr(destinations, "udiv32", lambda a, b: (int(a) & 0xFFFFFFFF) // (int(b) & 0xFFFFFFFF))
     rng = np.random.default_rng(SEED)
     R, L, K = 1024, 2, 8
     for _ in range(300):
         ids = rng.integers(-1, R * L + 3, K).astype(np.int32)  # -1 and past the experts: no rank
-        ids[rng.integers(0, K)] = ids[0]  # a rank twice
+        ids[rng.integers(1, K)] = ids[0] ^ 1  # the other expert of ids[0]'s rank (L = 2): a rank twice
         listed = sorted({int(x) // L for x in ids if 0 <= x < R * L})
         for j, d in enumerate(listed):
             assert py(destinations.rank_position)(ids, L, d) == j, (ids, listed, d)
