@@ -187,7 +187,7 @@ def _regions(cfg: EPConfig, plan=None) -> list[Region]:
         Region("dispatch_route_signal", (G, R), u64, 0, S, f"{DA} (peers, routing out)",
                (DL, DW), "[g, src]: (n + 1) << 32 | T once src's routing of call n has arrived, before its token "
                "rows (land: ids, weights, ranks, counts; route first: ids, weights and T; monotonic)"),
-        combine_partials_region(cfg),
+        combine_partials_region(cfg, plan),
         # cumulative over calls (not per group), as the token rows it guards
         Region("dispatch_token_credit", (R,), u64, 0, S, f"{DA}, {CA} (peers)", (DA,),
                "[d]: rank d has finished reading my token rows of every call before c - 1 once it is c "
@@ -195,7 +195,7 @@ def _regions(cfg: EPConfig, plan=None) -> list[Region]:
                "call n may go into d once it is >= n + 1 (monotonic)"),
         # monotonic (call numbers), no group axis: a row of call n + 1 cannot come before
         # combine_wait of call n has finished (docs/protocol.md, "Combine rows as they land")
-        combine_row_flag_region(cfg),
+        combine_row_flag_region(cfg, plan),
         # monotonic (call numbers), no group axis, as the token rows it flags
         Region("dispatch_row_flag", (R, T, DISPATCH_FLAG_PARTS), u64, 0, S, f"{DA} (peers, each part's warp)",
                (DL,), "[src, t, p]: n + 1 once part p of token t of rank src of call n has arrived (land, bf16: "
@@ -485,32 +485,51 @@ def dense_regions(cfg: EPConfig) -> list[Region]:
     ]
 
 
-def combine_partials_region(cfg: EPConfig) -> Region:
-    """``combine_partials``: a partial per (source rank, token), or with ``combine_weights="home"``
-    a row per (top-k slot, token), unweighted (ep_runtime/kernels/combine_home.py)."""
-    R, K, T, H, G = cfg.n_ranks, cfg.top_k, cfg.max_tokens_per_rank, cfg.hidden, N_GROUPS
+def partial_rows(cfg: EPConfig, plan=None) -> tuple[int, str]:
+    """``(rows, index)``: the rows a home keeps for a token's partials and what indexes them:
+    ``plan``'s destination slots (``Plan.partial_slots``: ``min(K, R)``, slot j holding the
+    partial of the token's j-th destination rank, ascending), or a row a source rank (``R``;
+    ``plan`` None sizes for every plan: the most rows)."""
+    slots = plan.partial_slots(cfg) if plan is not None else 0
+    return (slots, "j") if slots else (cfg.n_ranks, "r")
+
+
+def combine_partials_region(cfg: EPConfig, plan=None) -> Region:
+    """``combine_partials``: a partial per (source rank, token), or per (destination slot,
+    token) under a plan with partial slots (:func:`partial_rows`), or with
+    ``combine_weights="home"`` a row per (top-k slot, token), unweighted
+    (ep_runtime/kernels/combine_home.py)."""
+    K, T, H, G = cfg.top_k, cfg.max_tokens_per_rank, cfg.hidden, N_GROUPS
     if cfg.combine_weights == "home":
         return Region("combine_partials", (G, K, T, H), partial_dtype(cfg), 0, True, "combine_async (peers)",
                       ("combine_wait",), "[g, k, t]: the unweighted row slot k of my token t went to (bf16; "
                       "combine_weights='home')")
-    return Region("combine_partials", (G, R, T, H), partial_dtype(cfg), 0, True, "combine_async (peers)",
+    rows, index = partial_rows(cfg, plan)
+    if index == "j":
+        return Region("combine_partials", (G, rows, T, H), partial_dtype(cfg), 0, True, "combine_async (peers)",
+                      ("combine_wait",), f"[g, j, t]: weighted partial sum over the experts of my token t's j-th "
+                      f"destination rank, ascending ({partial_format_name(cfg)})")
+    return Region("combine_partials", (G, rows, T, H), partial_dtype(cfg), 0, True, "combine_async (peers)",
                   ("combine_wait",), f"[g, r, t]: weighted partial sum over rank r's experts for my token t "
                   f"({partial_format_name(cfg)})")
 
 
-def combine_row_flag_region(cfg: EPConfig) -> Region:
+def combine_row_flag_region(cfg: EPConfig, plan=None) -> Region:
     """``combine_row_flag``: monotonic (call numbers), no group axis: a row of call n + 1 cannot
     come before combine_wait of call n has finished (docs/protocol.md, "Combine rows as they
-    land"); by source rank, or with ``combine_weights="home"`` by top-k slot."""
-    R, K, T, u64 = cfg.n_ranks, cfg.top_k, cfg.max_tokens_per_rank, np.dtype(np.uint64)
+    land"); by source rank or destination slot as ``combine_partials`` (:func:`partial_rows`),
+    or with ``combine_weights="home"`` by top-k slot."""
+    K, T, u64 = cfg.top_k, cfg.max_tokens_per_rank, np.dtype(np.uint64)
     if cfg.combine_weights == "home":
         return Region("combine_row_flag", (K, T, COMBINE_FLAG_PARTS), u64, 0, True,
                       "combine_async (peers, each part's warp)", ("combine_wait",),
                       "[k, t, p]: n + 1 once part p of the row slot k of my token t of call n went to has arrived "
                       "(combine_weights='home')")
-    return Region("combine_row_flag", (R, T, COMBINE_FLAG_PARTS), u64, 0, True, "combine_async (peers, each part's "
-                  "warp)", ("combine_wait",), "[r, t, p]: n + 1 once part p of rank r's partial of my token t of call "
-                  "n has arrived")
+    rows, index = partial_rows(cfg, plan)
+    whose = "my token t's j-th destination rank's partial" if index == "j" else "rank r's partial of my token t"
+    return Region("combine_row_flag", (rows, T, COMBINE_FLAG_PARTS), u64, 0, True, "combine_async (peers, each "
+                  "part's warp)", ("combine_wait",), f"[{index}, t, p]: n + 1 once part p of {whose} of call n has "
+                  "arrived")
 
 
 def batched_regions(cfg: EPConfig) -> list[Region]:

@@ -234,12 +234,22 @@ class Plan:
 
         return CombineVariant(self.threads, token_word(cfg.hidden).name, cfg.combine_dtype == "float32",
                               self.transport, self.pdl, self.node_size, self.node_stores,
-                              home_weights=cfg.combine_weights == "home", dest_slots=self.dest_slots(cfg))
+                              home_weights=cfg.combine_weights == "home", dest_slots=self.dest_slots(cfg),
+                              partial_slots=self.partial_slots(cfg))
 
     def dest_slots(self, cfg: EPConfig) -> int:
         """The kernels' destination list length (``DispatchVariant.dest_slots``): 0 for the mask,
         else ``min(top_k, n_ranks)``, the most ranks a token goes to."""
         return min(cfg.top_k, cfg.n_ranks) if self.dest_list else 0
+
+    def partial_slots(self, cfg: EPConfig) -> int:
+        """The slots of a token's partials on its home (``CombineVariant.partial_slots``): with
+        destination lists on the stores and puts transports, ``dest_slots`` (``combine_partials
+        [G, min(K, R), T, H]``, a slot a destination rank); else 0, a row a source rank (the
+        mask builds; the hierarchical transport, whose proxies put a chunk's sums as one run of
+        rows; the weights at home, already by top-k slot)."""
+        flat = self.transport is not Transport.HIERARCHICAL and cfg.combine_weights != "home"
+        return self.dest_slots(cfg) if flat else 0
 
     # -- records --------------------------------------------------------------------------------
     def as_dict(self) -> dict:

@@ -28,7 +28,7 @@ def make_combine_kernels(v: CombineVariant, epilogue=identity_epilogue) -> dict:
         return dict(make_combine_home_kernels(v, epilogue))
     kernels = dict(make_combine_send(v))
     kernels["combine_wait"] = make_combine_wait(v.threads, v.word, v.f32_partials, v.pdl, epilogue, v.node_size,
-                                                v.dest_slots)
+                                                v.dest_slots, v.partial_slots)
     if v.node_size:
         kernels["combine_relay"] = make_combine_relay(v)
     return kernels

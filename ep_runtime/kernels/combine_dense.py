@@ -16,7 +16,7 @@ from ep_runtime.kernels import shmem
 from ep_runtime.kernels.block import interleaved_item, most_tokens, part_bounds, record_error
 from ep_runtime.kernels.combine_send import peer_words
 from ep_runtime.kernels.cuda_api import cuda, int64, kernel_jit
-from ep_runtime.kernels.partials import flagged_parts, partial_geometry
+from ep_runtime.kernels.partials import flagged_parts, make_home_row, partial_geometry
 from ep_runtime.kernels.pdl import make_pdl, programmatic
 from ep_runtime.kernels.protocol import ERR_SHORT_ROWS, KERNEL_COMBINE_ASYNC, STATUS_CODE, SYNC_CALLS
 from ep_runtime.kernels.trace import stamp_first, stamp_last
@@ -35,6 +35,7 @@ def make_combine_async_dense(v: CombineVariant):
     tp = make_transport(v.transport, threads, v.node_size, v.node_stores, v.dest_slots)
     grant_credits, home_aligned, send_home_part = tp.grant_credits, tp.home_aligned, tp.send_home_part
     finish_part = tp.finish_part
+    home_row = make_home_row(v.partial_slots)
     UP = geo.UP  # word pairs per lane in flight
     PEER_WORDS = peer_words(geo.pack)
     pdl_wait, pdl_trigger = make_pdl(v.pdl)
@@ -53,7 +54,8 @@ def make_combine_async_dense(v: CombineVariant):
         (the puts transport's staging; an empty stand-in otherwise) only types the transport's flag path.
 
         A warp per item (part of a row, ``flagged_parts``; the sources' items interleaved,
-        ``interleaved_item``): a row for a peer goes from expert_out to slot [g, me, t] of rank s (the
+        ``interleaved_item``): a row for a peer goes from expert_out to slot [g, me, t] of rank s ([g, j, t]
+        with ``v.partial_slots``: j this rank's destination slot, ``partials.make_home_row``) (the
         transport's ``send_home_part``: stores through its NVLink mapping, or a put with the part's flag);
         this rank's own row is copied into its own slot [g, me, t] and flagged there (combine_wait then reads
         every partial from combine_partials). A row past ``expert_out``'s rows records ``ERR_SHORT_ROWS``
@@ -94,16 +96,18 @@ def make_combine_async_dense(v: CombineVariant):
                         record_error(status, ERR_SHORT_ROWS, KERNEL_COMBINE_ASYNC, me, row, -1,
                                      int64(row) + 1, int64(expert_out.shape[0]), n + 1)
                 elif row >= 0 and s == me:  # this rank's own partial: into its own slot, flagged there
+                    row_at_home = home_row(dispatch_topk_ids, g, s, t, L, R, me)  # this PE's row of its partials
                     src = expert_out[row]
-                    dst = combine_partials[g, me, t]
+                    dst = combine_partials[g, row_at_home, t]
                     for w in range(w0 + lane, w1, warp):
                         dst[w] = src[w]
-                    finish_part(combine_partials, combine_stage, relay_partials, relay_flag, combine_row_flag, g, me,
-                                s, t, item - t * parts, w0, w1, n, lane)
+                    finish_part(combine_partials, combine_stage, relay_partials, relay_flag, combine_row_flag, g,
+                                row_at_home, s, t, item - t * parts, w0, w1, n, lane)
                 elif row >= 0:
+                    row_at_home = home_row(dispatch_topk_ids, g, s, t, L, R, me)  # this PE's row of s's partials
                     send_home_part(expert_out[row], w0, w1, combine_partials, relay_partials, relay_flag,
-                                   combine_row_flag, peer_bases, g, me, s, t, item - t * parts, n, direct, lane, lo,
-                                   hi)
+                                   combine_row_flag, peer_bases, g, row_at_home, s, t, item - t * parts, n, direct,
+                                   lane, lo, hi)
             q += all_warps
 
         stamp_last(status, 17)

@@ -22,13 +22,15 @@ from ep_runtime.kernels.vec import load_pair, store_pair
 
 @functools.lru_cache(maxsize=None)
 def make_partial_reduce(threads: int, word: str, f32_partials: bool, epilogue, node_size: int,
-                        dest_slots: int = 0) -> SimpleNamespace:
+                        dest_slots: int = 0, partial_slots: int = 0) -> SimpleNamespace:
     """The part loops of ``combine_wait`` for blocks of ``threads`` threads, token words of
     ``word`` (a NumPy dtype name), the partial format, ``epilogue(value: float32, token: int,
     col: int, aux: [T, H] float32) -> float32`` (a Numba device function applied to each reduced
     element before the bf16 store) and the partials' rows (``nodes.make_partial_sources`` of
     ``node_size``), a token's ranks a uint64 mask (``dest_slots`` 0) or an ascending list
-    (ep_runtime/kernels/destinations.py): ``reduce_part`` and ``copy_part``."""
+    (ep_runtime/kernels/destinations.py), with ``partial_slots`` the list's j-th rank's partial in
+    row j of ``combine_partials[g]`` (``CombineVariant.partial_slots``; no nodes): ``reduce_part``
+    and ``copy_part``."""
     geo = partial_geometry(threads, word, f32_partials)
     warp, word_t, pack, P, F32 = geo.warp, geo.word_t, geo.pack, geo.P, geo.F32
     rounded_word = geo.rounded_word
@@ -183,14 +185,23 @@ def make_partial_reduce(threads: int, word: str, f32_partials: bool, epilogue, n
                     acc[u * pack + x] += word_f32(vals[u], x)
 
     @inlined
+    def listed_row(relay_slot, g, t, r, j, me):
+        """``(a, b)``: rank r's partial of token t, r the j-th rank of the token's list, is
+        ``combine_partials[g, a, b]``: ``(r, partial_row(...))``, or with ``partial_slots`` ``(j,
+        t)`` (this rank's own in ``own_rows`` aside)."""
+        if partial_slots:
+            return j, t
+        return r, partial_row(relay_slot, g, t, r, me)
+
+    @inlined
     def sum_listed(own_rows, combine_partials, relay_slot, g, me, t, Tmax, R, went, own, pairs, w, w1, lo, hi, vals,
                    acc):
         """``sum_mask`` over the ranks of the list ``went`` (int32, count first, ascending:
         ep_runtime/kernels/destinations.py): the same ranks in the same order."""
         for j in range(went[0]):
             r = went[1 + j]
-            src = (own_rows[me * Tmax + t] if own and r == me
-                   else combine_partials[g, r, partial_row(relay_slot, g, t, r, me)])
+            a, b = listed_row(relay_slot, g, t, r, j, me)
+            src = own_rows[me * Tmax + t] if own and r == me else combine_partials[g, a, b]
             if pairs:
                 add_pairs(src, w, w1, lo, hi, acc)
             else:
@@ -241,7 +252,8 @@ def make_partial_reduce(threads: int, word: str, f32_partials: bool, epilogue, n
                     if own and r == me:
                         out_partials[r, t, w] = own_rows[me * Tmax + t, w]
                     else:
-                        out_partials[r, t, w] = combine_partials[g, r, partial_row(relay_slot, g, t, r, me), w]
+                        a, b = listed_row(relay_slot, g, t, r, j, me)
+                        out_partials[r, t, w] = combine_partials[g, a, b, w]
                     j += 1
                 else:
                     out_partials[r, t, w] = 0

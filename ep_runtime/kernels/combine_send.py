@@ -17,7 +17,7 @@ from ep_runtime.kernels import shmem
 from ep_runtime.kernels.block import interleaved_item, local_expert_count, most_tokens, part_bounds
 from ep_runtime.kernels.combine_sum import make_partial_sums
 from ep_runtime.kernels.cuda_api import cuda, float32, kernel_jit, uint64
-from ep_runtime.kernels.partials import flagged_parts, partial_geometry
+from ep_runtime.kernels.partials import flagged_parts, make_home_row, partial_geometry
 from ep_runtime.kernels.pdl import make_pdl, programmatic
 from ep_runtime.kernels.protocol import STATUS_CODE, SYNC_CALLS
 from ep_runtime.kernels.trace import stamp_first, stamp_last
@@ -51,6 +51,7 @@ def make_combine_async(v: CombineVariant):
     grant_credits, stores_to, stages, home_at = tp.grant_credits, tp.stores_to, tp.stages, tp.home_at
     stage_aligned, home_aligned, finish_part = tp.stage_aligned, tp.home_aligned, tp.finish_part
     sum_part = make_partial_sums(threads, v.word, v.f32_partials).sum_part
+    home_row = make_home_row(v.partial_slots)
     U = geo.U
     ACC = U * pack  # float32 accumulators per lane (a compile-time constant for local.array)
     UP = geo.UP  # word pairs per lane in flight (pair loops)
@@ -78,7 +79,9 @@ def make_combine_async(v: CombineVariant):
         overlap those for peers, NVLink), U words per lane in flight: partial = sum over the token's local
         experts in ascending order of weight * output, in float32 from 0, rounded to bf16 (or kept float32:
         token word w becomes partial words P w .. P w + P - 1). A partial for this rank's own token is stored
-        straight into its slot [g, me, t]; one for a peer goes to slot [g, me, t] of rank src: in a ``stores``
+        straight into its slot [g, me, t]; one for a peer goes to slot [g, me, t] of rank src (with
+        ``v.partial_slots``, [g, j, t]: j this rank's position among the token's destination ranks,
+        ``partials.make_home_row``; its flags likewise [j, t, p]): in a ``stores``
         build stored there through its NVLink mapping, as word pairs where the arrays allow it (uint64 words,
         16-byte aligned), else a partial word per lane per step (no NVSHMEM put in the build); in a puts build
         staged in stage[src, t] and its partial words [P w0, P w1) put (``put_signal_nbi_warp``, the part's
@@ -137,21 +140,22 @@ def make_combine_async(v: CombineVariant):
             if t < dispatch_counts[g, s, L]:
                 n_local = local_expert_count(dispatch_topk_ids[g, s, t], L, me)
                 if n_local > 0 and w0 < w1:
+                    row_at_home = home_row(dispatch_topk_ids, g, s, t, L, R, me)  # this PE's row of s's partials
                     # a peer's partial staged here and put, or stored into it below (home_at)
-                    dst = combine_stage[s, t] if stages(me, s) else combine_partials[g, me, t]
+                    dst = combine_stage[s, t] if stages(me, s) else combine_partials[g, row_at_home, t]
                     stored = stores_to(me, s)  # stored into rank s through its mapping (else written here)
                     to_peer = direct and stored  # ... as word pairs
                     in_pairs = pairs and (to_peer or not stored)  # else a word per lane per step
                     peer_row = uint64(0)
                     if stored:
-                        peer_row = home_at(combine_partials, relay_partials, peer_bases, g, me, s, t)
+                        peer_row = home_at(combine_partials, relay_partials, peer_bases, g, row_at_home, s, t)
                     sum_part(expert_out, token_rows, row_weight, s, t, n_local, w0, w1, in_pairs, to_peer, stored,
                              dst, peer_row, lane, acc, vals, lo, hi)
                     pw0 = 2 * w0 if F32 else w0
                     pw1 = 2 * w1 if F32 else w1
                     # flagged where it went, or put from its stage with the flag
-                    finish_part(combine_partials, combine_stage, relay_partials, relay_flag, combine_row_flag, g, me,
-                                s, t, item - t * parts, pw0, pw1, n, lane)
+                    finish_part(combine_partials, combine_stage, relay_partials, relay_flag, combine_row_flag, g,
+                                row_at_home, s, t, item - t * parts, pw0, pw1, n, lane)
             q += all_warps
 
         stamp_last(status, 17)
@@ -169,6 +173,7 @@ def make_combine_async_rows(v: CombineVariant):
     warp, warps, word_t = geo.warp, geo.warps, geo.word_t
     tp = make_transport(v.transport, threads, v.node_size, v.node_stores, v.dest_slots)
     grant_credits, home_aligned, send_home_part = tp.grant_credits, tp.home_aligned, tp.send_home_part
+    home_row = make_home_row(v.partial_slots)
     UP = geo.UP  # word pairs per lane in flight
     PEER_WORDS = peer_words(geo.pack)
     pdl_wait, pdl_trigger = make_pdl(v.pdl)
@@ -186,8 +191,8 @@ def make_combine_async_rows(v: CombineVariant):
         Words are copied unchanged, so the kernel is the same for either partial format.
 
         A warp per item (part of a row, ``row_parts``; the peers' items interleaved, ``interleaved_item`` over
-        the R - 1 peers): a row for a peer goes straight from expert_out to slot [g, me, t] of rank s (no
-        staging): in a ``stores`` build through its NVLink mapping (peer_bases row 1, as in combine_async),
+        the R - 1 peers): a row for a peer goes straight from expert_out to slot [g, me, t] of rank s ([g, j,
+        t] with ``v.partial_slots``, as in combine_async) (no staging): in a ``stores`` build through its NVLink mapping (peer_bases row 1, as in combine_async),
         16-byte stores of word pairs where the arrays allow it, else a word per lane per step; in a puts build
         ``put_signal_nbi_warp``. This rank's own rows (``s = me``) are not copied: combine_wait reads them
         from expert_out itself (its ``own_rows``), so every warp carries NVLink rows. Each part is flagged as
@@ -230,9 +235,10 @@ def make_combine_async_rows(v: CombineVariant):
             t, w0, w1 = part_bounds(item, parts, span, W)
             if t < dispatch_counts[g, s, L]:
                 if w0 < w1 and local_expert_count(dispatch_topk_ids[g, s, t], L, me) > 0:
+                    row_at_home = home_row(dispatch_topk_ids, g, s, t, L, R, me)  # this PE's row of s's partials
                     send_home_part(expert_out[s * Tmax + t], w0, w1, combine_partials, relay_partials, relay_flag,
-                                   combine_row_flag, peer_bases, g, me, s, t, item - t * parts, n, direct, lane, lo,
-                                   hi)
+                                   combine_row_flag, peer_bases, g, row_at_home, s, t, item - t * parts, n, direct,
+                                   lane, lo, hi)
             q += all_warps
 
         stamp_last(status, 17)

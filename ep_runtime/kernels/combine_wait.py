@@ -13,14 +13,14 @@ ep_runtime/kernels/combine_reduce.py.
 import functools
 
 from ep_runtime.kernels import shmem
-from ep_runtime.kernels.block import part_bounds, warp_sync
+from ep_runtime.kernels.block import await_flag, part_bounds, warp_sync
 from ep_runtime.kernels.combine_reduce import make_partial_reduce
 from ep_runtime.kernels.cuda_api import cuda, float32, inlined, int32, kernel_jit, uint32, uint64
 from ep_runtime.kernels.destinations import holders_of, list_words
 from ep_runtime.kernels.nodes import make_partial_sources, via_proxies_listed
 from ep_runtime.kernels.partials import flagged_parts, partial_geometry
 from ep_runtime.kernels.pdl import make_pdl, programmatic
-from ep_runtime.kernels.protocol import STATUS_CODE, SYNC_CALLS
+from ep_runtime.kernels.protocol import COUNTER_COMBINE_ROW_FLAG, KERNEL_COMBINE_WAIT, STATUS_CODE, SYNC_CALLS
 from ep_runtime.kernels.trace import stamp_first, stamp_last
 from ep_runtime.kernels.vec import pairs_aligned
 
@@ -37,7 +37,7 @@ def identity_epilogue(value, token, col, aux):
 
 @functools.lru_cache(maxsize=None)
 def make_combine_wait(threads: int, word: str, f32_partials: bool, pdl: bool, epilogue=identity_epilogue,
-                      node_size: int = 0, dest_slots: int = 0):
+                      node_size: int = 0, dest_slots: int = 0, partial_slots: int = 0):
     """``combine_wait`` for blocks of ``threads`` threads, token words of ``word`` (a NumPy
     dtype name), the partial format, PDL, and ``epilogue(value: float32, token: int, col: int,
     aux: [T, H] float32) -> float32``, a Numba device function applied to each reduced element
@@ -46,7 +46,12 @@ def make_combine_wait(threads: int, word: str, f32_partials: bool, pdl: bool, ep
     ``node_size``; 0 otherwise): a token's partials from another node come summed, from this
     rank's proxy there, in its chunk's packed row (``relay_slot``). A token's ranks are a uint64
     mask (``dest_slots`` 0) or an ascending list of at most ``dest_slots`` ranks
-    (ep_runtime/kernels/destinations.py)."""
+    (ep_runtime/kernels/destinations.py); with ``partial_slots`` (a list build without nodes) its
+    partials and their flags are kept by destination slot, the list's j-th rank's in row j
+    (``CombineVariant.partial_slots``)."""
+    if partial_slots and (not dest_slots or node_size):
+        raise ValueError(f"partials by destination slot (partial_slots={partial_slots}) need destination lists "
+                         f"(dest_slots={dest_slots}) and no nodes (node_size={node_size})")
     geo = partial_geometry(threads, word, f32_partials)
     warp, warps, word_t, pack, P, F32 = geo.warp, geo.warps, geo.word_t, geo.pack, geo.P, geo.F32
     U = geo.U
@@ -58,7 +63,7 @@ def make_combine_wait(threads: int, word: str, f32_partials: bool, pdl: bool, ep
     pdl_wait, pdl_trigger = make_pdl(pdl)
 
     senders, _, await_partial = make_partial_sources(node_size)
-    reduce = make_partial_reduce(threads, word, f32_partials, epilogue, node_size, dest_slots)
+    reduce = make_partial_reduce(threads, word, f32_partials, epilogue, node_size, dest_slots, partial_slots)
     LIST = list_words(dest_slots)
     WENT_WORDS = max(1, 2 * LIST if node_size else LIST)  # hierarchical: the holders, then the senders
 
@@ -91,6 +96,23 @@ def make_combine_wait(threads: int, word: str, f32_partials: bool, pdl: bool, ep
                     break
         return ok
 
+    @inlined
+    def await_slots(combine_row_flag, combine_chunk_flag, went, me, t, i, parts, n, T, R, own, w0, w1, timeout_ns,
+                    status):
+        """``await_list`` where partials are kept by destination slot: the list's j-th rank r's
+        flag is ``combine_row_flag[j, t, p]`` (a timeout names r)."""
+        ok = 1
+        p = i - t * parts
+        for j in range(went[0]):
+            r = went[1 + j]
+            if w0 < w1 and not (own and r == me):
+                if not await_flag(combine_row_flag[j, t, p:p + 1], r, t, n, timeout_ns, status, KERNEL_COMBINE_WAIT,
+                                  COUNTER_COMBINE_ROW_FLAG):
+                    ok = 0
+                    break
+        return ok
+
+    await_listed = await_slots if partial_slots else await_list
     # a constant the compiler prunes on: the mask builds keep their loops in the kernel body, the
     # code they compiled to before the lists (an inlined helper reorders it)
     LISTED = dest_slots > 0
@@ -105,7 +127,9 @@ def make_combine_wait(threads: int, word: str, f32_partials: bool, pdl: bool, ep
         MODE_REDUCE: out [T, W] words = bf16(epilogue(sum over ranks r that token t went to, in ascending r,
         of f32(partial_r), from 0)). MODE_PARTIALS: out_partials [R, T, P W] partial words = partial_r (zero
         where the token did not go to r). The array of the other mode is not touched (pass any array of the
-        right rank). combine_partials [G, R, T, P W] partial words. aux [T, H] float32: the epilogue's input.
+        right rank). combine_partials [G, R, T, P W] partial words ([G, S, T, P W] with ``partial_slots`` S,
+        rank r's partial in row j, r's position among the token's destination ranks; combine_row_flag
+        likewise). aux [T, H] float32: the epilogue's input.
         own_rows: after combine_async_rows (compact layout), its expert_out [R * Tmax, P W] partial words,
         where this rank's own partial of token t is row ``me * Tmax + t`` (combine_async_rows does not copy
         it); after combine_async, an empty [0, 0] array (the own partial is in combine_partials[g, me, t]).
@@ -179,8 +203,8 @@ def make_combine_wait(threads: int, word: str, f32_partials: bool, pdl: bool, ep
             if LISTED:
                 went = went_of_list(dispatch_topk_ids, g, me, t, K, L, R, went_l)
                 if lane == 0:  # lane 0 waits for the part's partials (its own in expert_out are there)
-                    claim[wid] = await_list(combine_row_flag, combine_chunk_flag, went, me, t, i, parts, n, T, R, own,
-                                            w0, w1, timeout_ns, status)
+                    claim[wid] = await_listed(combine_row_flag, combine_chunk_flag, went, me, t, i, parts, n, T, R,
+                                              own, w0, w1, timeout_ns, status)
             else:
                 went = uint64(0)  # bit r: token t went to rank r
                 for k in range(K):

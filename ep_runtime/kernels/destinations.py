@@ -16,6 +16,10 @@ combine: the ranks whose partials it sums) in one of two forms, chosen at build 
 The consumers of each form are the transports' ``send_part`` / ``send_part_flagged`` /
 ``finish_part`` and ``no_dests`` (:mod:`ep_runtime.kernels.transport`), ``block.flag_listed`` /
 ``flag_one`` and combine_wait's reductions (:mod:`ep_runtime.kernels.combine_reduce`).
+
+A list build on the stores and puts transports also keeps a token's partials on its home by
+destination slot (``CombineVariant.partial_slots``): rank d's partial in slot
+:func:`rank_position`, the index of d in the list, so combine_wait reads its list's slots in order.
 """
 
 from ep_runtime.kernels.block import udiv32
@@ -90,9 +94,31 @@ def holders_of(ids, L, R, dl):
 
 
 @cuda.jit(device=True)
+def rank_position(ids, L, d):
+    """The position of rank ``d`` in the ascending list :func:`holders_of` makes of ``ids``
+    ([K] int32; rank r holds experts ``[r L, (r + 1) L)``): the distinct ranks below ``d`` holding
+    one of the experts (a negative id holds none). A sender finds its destination slot on a token's home this way, from the
+    routing row it received, without a list of its own (``CombineVariant.partial_slots``). One
+    32-bit division an id below ``d L``; a rank counts at its first id (range tests, no division)."""
+    K = ids.shape[0]
+    j = 0
+    for k in range(K):
+        x = ids[k]
+        if x >= 0 and x < d * L:  # an expert of a rank below d
+            lo = int32(udiv32(x, L)) * L  # its rank's first expert
+            first = True
+            for k2 in range(k):
+                if ids[k2] >= lo and ids[k2] < lo + L:
+                    first = False
+            if first:
+                j += 1
+    return j
+
+
+@cuda.jit(device=True)
 def no_listed(dl):
     """Whether the list ``dl`` is empty."""
     return dl[0] == 0
 
 
-__all__ = ["list_words", "clear_list", "insert_rank", "holders_at", "holders_of", "no_listed"]
+__all__ = ["list_words", "clear_list", "insert_rank", "holders_at", "holders_of", "rank_position", "no_listed"]

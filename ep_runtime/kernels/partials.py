@@ -6,6 +6,10 @@ Partials (``combine_partials``, ``combine_stage``, ``out_partials``) are bf16 in
 "float32"``), float32 passed as uint64 words of 2 floats: token word ``w`` (4 bf16 values) owns
 partial words ``2 w`` and ``2 w + 1`` (``P = 2``), element order as in the float32 row. The
 format is a compile-time choice: the bf16 kernels carry no branch for it.
+
+On its home a token's partials sit in rows of ``combine_partials[g]`` (flagged in the same rows
+of ``combine_row_flag``): a row a source rank, or a row a destination slot
+(``CombineVariant.partial_slots``, :func:`make_home_row`).
 """
 
 import functools
@@ -15,7 +19,8 @@ import numpy as np
 
 from ep_runtime.kernels.bits import f32_to_bf16
 from ep_runtime.kernels.block import flag_rule, most_tokens, warp_geometry
-from ep_runtime.kernels.cuda_api import cuda, from_dtype
+from ep_runtime.kernels.cuda_api import cuda, from_dtype, inlined
+from ep_runtime.kernels.destinations import rank_position
 from ep_runtime.kernels.protocol import COMBINE_FLAG_PARTS
 from ep_runtime.kernels.vec import pack_bf16x2, pack_bf16x4
 
@@ -75,3 +80,26 @@ def partial_geometry(threads: int, word: str, f32_partials: bool) -> SimpleNames
 
     return SimpleNamespace(warp=warp, warps=warps, word_t=word_t, pack=pack, P=P, F32=P == 2, U=WORDS_IN_FLIGHT,
                            UP=WORDS_IN_FLIGHT // 2, rounded_word=rounded_word)
+
+
+@inlined
+def rank_row(dispatch_topk_ids, g, s, t, L, R, me):
+    """The home row of this PE's partial of token t of PE ``s``, indexed by source rank: ``me``."""
+    return me
+
+
+@inlined
+def slot_row(dispatch_topk_ids, g, s, t, L, R, me):
+    """The home row of this PE's partial of token t of PE ``s``, indexed by destination slot: the
+    position of ``me`` among the token's ascending destination ranks, from its routing row
+    ``dispatch_topk_ids[g, s, t]`` (the home finds it in its own list)."""
+    return rank_position(dispatch_topk_ids[g, s, t], L, me)
+
+
+def make_home_row(partial_slots: int):
+    """``home_row(dispatch_topk_ids, g, s, t, L, R, me)``: the row of PE ``s``'s
+    ``combine_partials[g]`` and ``combine_row_flag`` (int32 ids [G, R, Tmax, K]; rank d holds
+    experts ``[d L, (d + 1) L)``) where this PE's partial of token t of ``s`` goes: its own index
+    (``partial_slots`` 0), or its destination slot. The transports' partial functions take it
+    where they name this PE's row (``me``)."""
+    return slot_row if partial_slots else rank_row

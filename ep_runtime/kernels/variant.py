@@ -90,7 +90,12 @@ class CombineVariant:
     (``f32_partials``), the ``transport``, ``pdl`` and the hierarchical transport's
     ``node_size`` (PEs per node; 0 otherwise) and ``node_stores`` (its writes within a node
     are stores) and ``dest_slots`` (a token's destination ranks: 0, a 64-bit mask; else an
-    ascending list of at most this many, as :class:`DispatchVariant`'s)."""
+    ascending list of at most this many, as :class:`DispatchVariant`'s). ``partial_slots``: how
+    the home's ``combine_partials`` / ``combine_row_flag`` are indexed: 0, by source rank
+    (``[G, R, T, H]``, ``[R, T, parts]``); else by destination slot, ``[G, S, T, H]`` and ``[S,
+    T, parts]`` with ``S = partial_slots``: rank d's partial of token t in slot j, the position
+    of d among t's ascending destination ranks (ep_runtime/kernels/destinations.py,
+    ``rank_position``; destination lists on the stores and puts transports only)."""
 
     threads: int
     word: str
@@ -101,3 +106,4 @@ class CombineVariant:
     node_stores: bool = False
     home_weights: bool = False
     dest_slots: int = 0
+    partial_slots: int = 0

@@ -209,8 +209,10 @@ def make_partials(dest_slots: int = 0) -> SimpleNamespace:
     @inlined
     def finish_listed_part(partials, stage, relay_partials, relay_flag, row_flag, g, me, s, t, p, pw0, pw1, n, lane):
         """``finish_part`` of a build with destination lists: this PE's own part flagged with
-        ``flag_one`` (any PE number)."""
-        if s != me:
+        ``flag_one`` (any PE number). ``me`` is this PE's row of the home's partials only, its
+        destination slot where they are kept by slot (``partials.make_home_row``): whether the
+        part is this PE's own asks ``my_pe``."""
+        if s != shmem.my_pe():
             warp_sync()  # the whole staged part is written before the warp's put
             shmem.put_signal_nbi_warp(partials[g, me, t, pw0:pw1], stage[s, t, pw0:pw1], row_flag[me, t, p:p + 1],
                                       uint64(n + 1), shmem.SIGNAL_SET, s)
