@@ -31,7 +31,9 @@ from ep_runtime.testing import (assert_calls_are_the_reference, assert_traffic_i
 
 RUN_TIMEOUT_S = 300
 SEED = 6605
-CALLS = 4  # random routing, a rank with no tokens, masked slots, no token anywhere (testing.call_inputs)
+#: testing.call_inputs' calls: random routing, a rank with no tokens, masked slots, no token anywhere,
+#: then the same routings with varying counts (call 7: every token to one expert)
+CALLS = 8
 
 
 def cfg_of(R: int, **changes) -> EPConfig:
