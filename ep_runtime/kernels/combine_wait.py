@@ -62,7 +62,9 @@ def make_combine_wait(threads: int, word: str, f32_partials: bool, pdl: bool, ep
     ACCW = UW * pack
     pdl_wait, pdl_trigger = make_pdl(pdl)
 
-    senders, _, await_partial = make_partial_sources(node_size, bool(partial_slots and node_size))
+    by_sender = partial_slots and node_size  # the mask builds share one set of functions with combine_reduce
+    sources = make_partial_sources(node_size, True) if by_sender else make_partial_sources(node_size)
+    senders, _, await_partial = sources
     reduce = make_partial_reduce(threads, word, f32_partials, epilogue, node_size, dest_slots, partial_slots)
     LIST = list_words(dest_slots)
     WENT_WORDS = max(1, 2 * LIST if node_size else LIST)  # hierarchical: the holders, then the senders

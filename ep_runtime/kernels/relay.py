@@ -296,10 +296,10 @@ def make_combine_relay(v: CombineVariant):
 
         Symmetric: combine_partials [G, R, Tmax, PW] partial words (a chunk's sums go to ``[g, me, c CH:]`` of
         the source, packed; kept by sender, ``v.partial_slots``, [G, N + X, Tmax, PW] and ``[g, N + x', c
-        CH:]``, x' the index of this node among the source's other nodes), relay_partials [R, Tmax, PW] (``[node(s) node_size + j, t]``: the partial of PE j
-        of this node for token t of source s), relay_flag [R, Tmax, FLAG_PARTS] uint64, relay_sums [X, Tmax,
-        PW] (the sums, packed and staged for their put), combine_chunk_flag [R, C] uint64
-        (``combine_chunk_flag``); dispatch_topk_ids [G, R, Tmax, K] and dispatch_counts [G, R, L + 1] of the
+        CH:]``, x' the index of this node among the source's other nodes), relay_partials [R, Tmax, PW]
+        (``[node(s) node_size + j, t]``: the partial of PE j of this node for token t of source s), relay_flag
+        [R, Tmax, FLAG_PARTS] uint64, relay_sums [X, Tmax, PW] (the sums, packed and staged for their put),
+        combine_chunk_flag [R, C] uint64 ([N + X, C] by sender; ``combine_chunk_flag``); dispatch_topk_ids [G, R, Tmax, K] and dispatch_counts [G, R, L + 1] of the
         call (group g). Local: dispatch_async_sync (the call counter), status int64.
 
         A chunk of ``CH = chunk_tokens(T_s)`` tokens of a source a block in turn: the block ranks the chunk's
@@ -309,9 +309,9 @@ def make_combine_relay(v: CombineVariant):
         and rounds the sum to the partial format into ``relay_sums[x, c CH + j]`` (x: ``other_index`` of the
         source's node, j the token's packed row). Then the block puts the chunk's packed sums to the source in
         one ``put_signal_nbi_block`` setting its ``combine_chunk_flag[me, c]`` (by sender ``[N + x', c]``) to
-        n + 1; each block quiets its puts at the end (their source is reused by the next call). A flag's timeout records this kernel, the
-        holder and the token, and the block stops before its put (the source's combine_wait then times out
-        naming this PE).
+        n + 1; each block quiets its puts at the end (their source is reused by the next call). A flag's
+        timeout records this kernel, the holder and the token, and the block stops before its put (the
+        source's combine_wait then times out naming this PE).
         """
         acc = cuda.local.array(E, float32)
         held_l = cuda.local.array(HELD_WORDS, int32)  # a token's holders here, where built with lists
