@@ -5,7 +5,8 @@ partial in slot j, d's position among the token's ascending destination ranks
 (``destinations.rank_position`` on the sender, the home's own list on the home).
 
 The layout sizes the regions by the plan (slots for those list builds; a row a rank for the mask
-builds, the hierarchical transport and the weights at home). Through the real kernels on the
+builds and the weights at home; the hierarchical transport's list builds keep them by sender:
+tests/test_sender_rows_sim.py). Through the real kernels on the
 simulator, the list forced at 4 and 8 ranks: each layout's combine (expanded, compact, dense),
 ``reduce=False``'s per-rank partials, bf16 and float32 partials, on random routing, a rank
 without tokens, masked (-1) slots, every token to one expert and top-k 1, each call twice, bit for
@@ -74,9 +75,9 @@ def test_list_builds_on_stores_and_puts_size_the_partials_by_slot_the_others_by_
         region = BufferLayout(f32, plan_of(f32, {"dest_list": True})).region("combine_partials")
         assert (region.shape, region.dtype) == ((G, S, T, H), np.float32), region
     cfg = cfg_of(8)
-    hier = plan_of(cfg, {"dest_list": True}, node_of=tuple(p // 4 for p in range(8)))
+    hier = plan_of(cfg, {}, node_of=tuple(p // 4 for p in range(8)))
     assert hier.transport.value == "hierarchical" and hier.combine_variant(cfg).partial_slots == 0
-    assert partial_shapes(cfg, hier) == ((G, 8, T, H), (8, T, F))  # the proxies put a chunk's rows as one run
+    assert partial_shapes(cfg, hier) == ((G, 8, T, H), (8, T, F))  # its list builds: tests/test_sender_rows_sim.py
     home = cfg_of(8, layouts=("batched",), combine_weights="home")
     plan = plan_of(home, {"dest_list": True})
     assert plan.combine_variant(home).partial_slots == 0 and partial_shapes(home, plan) == ((G, 2, T, H), (2, T, F))

@@ -401,6 +401,7 @@ def relay_regions(cfg: EPConfig, plan=None, symmetric: bool = True) -> list[Regi
     X, C = other_nodes(cfg, plan), -(-cfg.max_tokens_per_rank // RELAY_CHUNK_MIN)
     tok, pdt, u64 = tokens_region(cfg), partial_dtype(cfg), np.dtype(np.uint64)
     row = (tok.shape[2],)
+    senders, index = partial_rows(cfg, plan)
     if not symmetric:
         return [Region("relay_slot", (G, T, X), np.dtype(np.int32), -1, False, "dispatch_async", ("combine_wait",),
                        "[g, t, x]: the packed row (c CH + j) token t of chunk c took in its chunk to "
@@ -417,9 +418,10 @@ def relay_regions(cfg: EPConfig, plan=None, symmetric: bool = True) -> list[Regi
         Region("relay_sums", (X, T, H), pdt, 0, True, "combine_relay", ("combine_relay",),
                f"[x, c CH + j]: this node's sum for the j-th token of chunk c of the source of the x-th "
                f"other node ({partial_format_name(cfg)}), staged for its chunk's put (hierarchical)"),
-        Region("combine_chunk_flag", (R, C), u64, 0, True, "combine_relay (peers: proxies)", ("combine_wait",),
-               "[r, c]: n + 1 once proxy r's sums of chunk c of my tokens of call n have arrived in "
-               "combine_partials[g, r, c CH:] (hierarchical; monotonic)"),
+        Region("combine_chunk_flag", (senders, C), u64, 0, True, "combine_relay (peers: proxies)",
+               ("combine_wait",), f"[{index}, c]: n + 1 once proxy {index}'s sums of chunk c of my tokens of call n "
+               f"have arrived in combine_partials[g, {index}, c CH:] (hierarchical; monotonic; indexed as "
+               f"combine_partials)"),
     ]
 
 
@@ -486,12 +488,17 @@ def dense_regions(cfg: EPConfig) -> list[Region]:
 
 
 def partial_rows(cfg: EPConfig, plan=None) -> tuple[int, str]:
-    """``(rows, index)``: the rows a home keeps for a token's partials and what indexes them:
-    ``plan``'s destination slots (``Plan.partial_slots``: ``min(K, R)``, slot j holding the
-    partial of the token's j-th destination rank, ascending), or a row a source rank (``R``;
-    ``plan`` None sizes for every plan: the most rows)."""
-    slots = plan.partial_slots(cfg) if plan is not None else 0
-    return (slots, "j") if slots else (cfg.n_ranks, "r")
+    """``(rows, index)``: the rows a home keeps for a token's partials and what indexes them
+    (``Plan.partial_slots``): on the stores and puts transports with destination lists, the
+    destination slots (``min(K, R)``, slot j holding the partial of the token's j-th destination
+    rank, ascending: ``"j"``); on the hierarchical transport with destination lists, its senders
+    (``N + X``: a PE of this node by its local index, the proxy of the x-th other node in row
+    ``N + x``: ``"i"``); else a row a source rank (``R``: ``"r"``; ``plan`` None sizes for every
+    plan: the most rows)."""
+    rows = plan.partial_slots(cfg) if plan is not None else 0
+    if not rows:
+        return cfg.n_ranks, "r"
+    return rows, "i" if getattr(plan, "node_size", 0) else "j"
 
 
 def combine_partials_region(cfg: EPConfig, plan=None) -> Region:
@@ -509,6 +516,12 @@ def combine_partials_region(cfg: EPConfig, plan=None) -> Region:
         return Region("combine_partials", (G, rows, T, H), partial_dtype(cfg), 0, True, "combine_async (peers)",
                       ("combine_wait",), f"[g, j, t]: weighted partial sum over the experts of my token t's j-th "
                       f"destination rank, ascending ({partial_format_name(cfg)})")
+    if index == "i":
+        return Region("combine_partials", (G, rows, T, H), partial_dtype(cfg), 0, True,
+                      "combine_async (peers), combine_relay (proxies)", ("combine_wait",),
+                      f"[g, i, t]: weighted partial sum for my token t from sender i: i < N the PE of my node "
+                      f"with local index i, N + x the proxy of the x-th other node (its chunk's sums packed, "
+                      f"relay_slot) ({partial_format_name(cfg)})")
     return Region("combine_partials", (G, rows, T, H), partial_dtype(cfg), 0, True, "combine_async (peers)",
                   ("combine_wait",), f"[g, r, t]: weighted partial sum over rank r's experts for my token t "
                   f"({partial_format_name(cfg)})")
@@ -526,7 +539,8 @@ def combine_row_flag_region(cfg: EPConfig, plan=None) -> Region:
                       "[k, t, p]: n + 1 once part p of the row slot k of my token t of call n went to has arrived "
                       "(combine_weights='home')")
     rows, index = partial_rows(cfg, plan)
-    whose = "my token t's j-th destination rank's partial" if index == "j" else "rank r's partial of my token t"
+    whose = {"j": "my token t's j-th destination rank's partial", "i": "sender i's partial of my token t (i < N: "
+             "the PE of my node with local index i)", "r": "rank r's partial of my token t"}[index]
     return Region("combine_row_flag", (rows, T, COMBINE_FLAG_PARTS), u64, 0, True, "combine_async (peers, each "
                   "part's warp)", ("combine_wait",), f"[{index}, t, p]: n + 1 once part p of {whose} of call n has "
                   "arrived")

@@ -243,13 +243,18 @@ class Plan:
         return min(cfg.top_k, cfg.n_ranks) if self.dest_list else 0
 
     def partial_slots(self, cfg: EPConfig) -> int:
-        """The slots of a token's partials on its home (``CombineVariant.partial_slots``): with
-        destination lists on the stores and puts transports, ``dest_slots`` (``combine_partials
-        [G, min(K, R), T, H]``, a slot a destination rank); else 0, a row a source rank (the
-        mask builds; the hierarchical transport, whose proxies put a chunk's sums as one run of
-        rows; the weights at home, already by top-k slot)."""
-        flat = self.transport is not Transport.HIERARCHICAL and cfg.combine_weights != "home"
-        return self.dest_slots(cfg) if flat else 0
+        """The rows of a home's partials other than a row a rank (``CombineVariant.partial_slots``):
+        with destination lists on the stores and puts transports, ``dest_slots`` (``combine_partials
+        [G, min(K, R), T, H]``, a slot a destination rank); with destination lists on the
+        hierarchical transport, its senders, ``N + X`` (``[G, N + X, T, H]``: a PE of the home's
+        node by its local index, the proxy of the x-th other node in row ``N + x``, so a proxy's
+        chunk of sums stays one run of rows); else 0, a row a source rank (the mask builds; the
+        weights at home, already by top-k slot)."""
+        if not self.dest_slots(cfg) or cfg.combine_weights == "home":
+            return 0
+        if self.transport is Transport.HIERARCHICAL:
+            return self.node_size + cfg.n_ranks // self.node_size - 1
+        return self.dest_slots(cfg)
 
     # -- records --------------------------------------------------------------------------------
     def as_dict(self) -> dict:

@@ -35,7 +35,7 @@ def make_combine_async_dense(v: CombineVariant):
     tp = make_transport(v.transport, threads, v.node_size, v.node_stores, v.dest_slots)
     grant_credits, home_aligned, send_home_part = tp.grant_credits, tp.home_aligned, tp.send_home_part
     finish_part = tp.finish_part
-    home_row = make_home_row(v.partial_slots)
+    home_row = make_home_row(v.partial_slots, v.node_size)
     UP = geo.UP  # word pairs per lane in flight
     PEER_WORDS = peer_words(geo.pack)
     pdl_wait, pdl_trigger = make_pdl(v.pdl)

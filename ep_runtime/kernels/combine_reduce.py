@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 from ep_runtime.kernels.bits import bf16_bits_at, f32_word_at, word_f32
 from ep_runtime.kernels.cuda_api import float32, inlined, uint64
-from ep_runtime.kernels.nodes import make_partial_sources
+from ep_runtime.kernels.nodes import make_partial_sources, sender_index
 from ep_runtime.kernels.partials import partial_geometry
 from ep_runtime.kernels.vec import load_pair, store_pair
 
@@ -29,8 +29,8 @@ def make_partial_reduce(threads: int, word: str, f32_partials: bool, epilogue, n
     element before the bf16 store) and the partials' rows (``nodes.make_partial_sources`` of
     ``node_size``), a token's ranks a uint64 mask (``dest_slots`` 0) or an ascending list
     (ep_runtime/kernels/destinations.py), with ``partial_slots`` the list's j-th rank's partial in
-    row j of ``combine_partials[g]`` (``CombineVariant.partial_slots``; no nodes): ``reduce_part``
-    and ``copy_part``."""
+    row j of ``combine_partials[g]``, or with nodes rank r's in row ``nodes.sender_index(me, r)``
+    (``CombineVariant.partial_slots``): ``reduce_part`` and ``copy_part``."""
     geo = partial_geometry(threads, word, f32_partials)
     warp, word_t, pack, P, F32 = geo.warp, geo.word_t, geo.pack, geo.P, geo.F32
     rounded_word = geo.rounded_word
@@ -41,6 +41,8 @@ def make_partial_reduce(threads: int, word: str, f32_partials: bool, epilogue, n
     UW = U // P
     UPW = UP // P  # token-word pairs per pass: UP partial-word pairs in flight
     _, partial_row, _ = make_partial_sources(node_size)
+    BY_SENDER = bool(partial_slots and node_size)  # the list builds' rows (constants the compiler prunes on)
+    BY_SLOT = bool(partial_slots and not node_size)
 
     @inlined
     def reduce_part(out, own_rows, combine_partials, relay_slot, aux, g, me, t, Tmax, R, went, own, pairs, w0, w1,
@@ -188,8 +190,11 @@ def make_partial_reduce(threads: int, word: str, f32_partials: bool, epilogue, n
     def listed_row(relay_slot, g, t, r, j, me):
         """``(a, b)``: rank r's partial of token t, r the j-th rank of the token's list, is
         ``combine_partials[g, a, b]``: ``(r, partial_row(...))``, or with ``partial_slots`` ``(j,
-        t)`` (this rank's own in ``own_rows`` aside)."""
-        if partial_slots:
+        t)``, with nodes ``(sender_index(me, r), partial_row(...))`` (this rank's own in
+        ``own_rows`` aside)."""
+        if BY_SENDER:
+            return sender_index(me, r, node_size), partial_row(relay_slot, g, t, r, me)
+        if BY_SLOT:
             return j, t
         return r, partial_row(relay_slot, g, t, r, me)
 

@@ -51,7 +51,7 @@ def make_combine_async(v: CombineVariant):
     grant_credits, stores_to, stages, home_at = tp.grant_credits, tp.stores_to, tp.stages, tp.home_at
     stage_aligned, home_aligned, finish_part = tp.stage_aligned, tp.home_aligned, tp.finish_part
     sum_part = make_partial_sums(threads, v.word, v.f32_partials).sum_part
-    home_row = make_home_row(v.partial_slots)
+    home_row = make_home_row(v.partial_slots, v.node_size)
     U = geo.U
     ACC = U * pack  # float32 accumulators per lane (a compile-time constant for local.array)
     UP = geo.UP  # word pairs per lane in flight (pair loops)
@@ -173,7 +173,7 @@ def make_combine_async_rows(v: CombineVariant):
     warp, warps, word_t = geo.warp, geo.warps, geo.word_t
     tp = make_transport(v.transport, threads, v.node_size, v.node_stores, v.dest_slots)
     grant_credits, home_aligned, send_home_part = tp.grant_credits, tp.home_aligned, tp.send_home_part
-    home_row = make_home_row(v.partial_slots)
+    home_row = make_home_row(v.partial_slots, v.node_size)
     UP = geo.UP  # word pairs per lane in flight
     PEER_WORDS = peer_words(geo.pack)
     pdl_wait, pdl_trigger = make_pdl(v.pdl)

@@ -46,12 +46,12 @@ def make_combine_wait(threads: int, word: str, f32_partials: bool, pdl: bool, ep
     ``node_size``; 0 otherwise): a token's partials from another node come summed, from this
     rank's proxy there, in its chunk's packed row (``relay_slot``). A token's ranks are a uint64
     mask (``dest_slots`` 0) or an ascending list of at most ``dest_slots`` ranks
-    (ep_runtime/kernels/destinations.py); with ``partial_slots`` (a list build without nodes) its
-    partials and their flags are kept by destination slot, the list's j-th rank's in row j
-    (``CombineVariant.partial_slots``)."""
-    if partial_slots and (not dest_slots or node_size):
-        raise ValueError(f"partials by destination slot (partial_slots={partial_slots}) need destination lists "
-                         f"(dest_slots={dest_slots}) and no nodes (node_size={node_size})")
+    (ep_runtime/kernels/destinations.py); with ``partial_slots`` (a list build) its partials and
+    their flags are kept by destination slot, the list's j-th rank's in row j, or with nodes by
+    sender, rank r's in row ``nodes.sender_index(me, r)`` (``CombineVariant.partial_slots``)."""
+    if partial_slots and not dest_slots:
+        raise ValueError(f"partials by destination slot or sender (partial_slots={partial_slots}) need "
+                         f"destination lists (dest_slots={dest_slots}); pass partial_slots=0 for a mask build")
     geo = partial_geometry(threads, word, f32_partials)
     warp, warps, word_t, pack, P, F32 = geo.warp, geo.warps, geo.word_t, geo.pack, geo.P, geo.F32
     U = geo.U
@@ -62,7 +62,9 @@ def make_combine_wait(threads: int, word: str, f32_partials: bool, pdl: bool, ep
     ACCW = UW * pack
     pdl_wait, pdl_trigger = make_pdl(pdl)
 
-    senders, _, await_partial = make_partial_sources(node_size)
+    by_sender = partial_slots and node_size  # the mask builds share one set of functions with combine_reduce
+    sources = make_partial_sources(node_size, True) if by_sender else make_partial_sources(node_size)
+    senders, _, await_partial = sources
     reduce = make_partial_reduce(threads, word, f32_partials, epilogue, node_size, dest_slots, partial_slots)
     LIST = list_words(dest_slots)
     WENT_WORDS = max(1, 2 * LIST if node_size else LIST)  # hierarchical: the holders, then the senders
@@ -112,7 +114,7 @@ def make_combine_wait(threads: int, word: str, f32_partials: bool, pdl: bool, ep
                     break
         return ok
 
-    await_listed = await_slots if partial_slots else await_list
+    await_listed = await_slots if partial_slots and not node_size else await_list
     # a constant the compiler prunes on: the mask builds keep their loops in the kernel body, the
     # code they compiled to before the lists (an inlined helper reorders it)
     LISTED = dest_slots > 0
@@ -128,8 +130,9 @@ def make_combine_wait(threads: int, word: str, f32_partials: bool, pdl: bool, ep
         of f32(partial_r), from 0)). MODE_PARTIALS: out_partials [R, T, P W] partial words = partial_r (zero
         where the token did not go to r). The array of the other mode is not touched (pass any array of the
         right rank). combine_partials [G, R, T, P W] partial words ([G, S, T, P W] with ``partial_slots`` S,
-        rank r's partial in row j, r's position among the token's destination ranks; combine_row_flag
-        likewise). aux [T, H] float32: the epilogue's input.
+        rank r's partial in row j, r's position among the token's destination ranks, or with nodes in row
+        ``sender_index(me, r)``; combine_row_flag and combine_chunk_flag likewise). aux [T, H] float32: the
+        epilogue's input.
         own_rows: after combine_async_rows (compact layout), its expert_out [R * Tmax, P W] partial words,
         where this rank's own partial of token t is row ``me * Tmax + t`` (combine_async_rows does not copy
         it); after combine_async, an empty [0, 0] array (the own partial is in combine_partials[g, me, t]).
@@ -147,9 +150,9 @@ def make_combine_wait(threads: int, word: str, f32_partials: bool, pdl: bool, ep
 
         Hierarchical (``node_size`` > 0): the partial of a token from another node is its proxy r's sum, in
         ``combine_partials[g, r, relay_slot[g, t, x]]`` (x: ``other_index`` of r's node; the packed row
-        dispatch_async noted), flagged for the token's whole chunk (``combine_chunk_flag[r, t //
-        chunk_tokens(T)]``); relay_slot [G, Tmax, X] int32, combine_chunk_flag [R, C] uint64 (empty stand-ins
-        otherwise).
+        dispatch_async noted; row ``N + x`` where kept by sender), flagged for the token's whole chunk
+        (``combine_chunk_flag[r, t // chunk_tokens(T)]``); relay_slot [G, Tmax, X] int32, combine_chunk_flag
+        [R, C] uint64 ([N + X, C] by sender) (empty stand-ins otherwise).
         """
         claim = cuda.shared.array(warps, int32)  # each warp's claimed part, then its flags' verdict
         acc = cuda.local.array(ACCW, float32)

@@ -137,6 +137,18 @@ def other_index(node, mine):
 
 
 @cuda.jit(device=True)
+def sender_index(me, r, node_size):
+    """The row of PE ``me``'s partials (``combine_partials[g]``, ``combine_row_flag``,
+    ``combine_chunk_flag``) from its sender ``r``, where they are kept by sender
+    (``CombineVariant.partial_slots`` of a hierarchical build): r's local index for r on
+    ``me``'s node, else ``node_size + other_index(node(r), node(me))`` (r the proxy there)."""
+    mine = me // node_size
+    if r // node_size == mine:
+        return r % node_size
+    return node_size + other_index(r // node_size, mine)
+
+
+@cuda.jit(device=True)
 def nth_set_bit(mask, j):
     """The position of the ``j``-th (from 0) set bit of the 32-bit ``mask``, counting from bit 0
     (32 if it has no such bit): the token of a chunk's ``j``-th packed row."""
@@ -150,9 +162,10 @@ def nth_set_bit(mask, j):
 
 
 @functools.lru_cache(maxsize=None)
-def make_partial_sources(node_size: int):
+def make_partial_sources(node_size: int, by_sender: bool = False):
     """Where combine_wait finds each rank's partial of a token, for nodes of ``node_size`` PEs
-    (0: every rank sends its own): ``(senders, partial_row, await_partial)``.
+    (0: every rank sends its own), its rows and flags a row a rank, or ``by_sender`` a row a
+    sender (:func:`sender_index`): ``(senders, partial_row, await_partial)``.
 
     - ``senders(went, me, R)``: the ranks whose partials a token that went to the ranks set in
       ``went`` (uint64) gets (``via_proxies``: one per other node, its proxy's sum);
@@ -161,7 +174,8 @@ def make_partial_sources(node_size: int):
       (``relay_slot[g, t, other_index(node(r), node(me))]``);
     - ``await_partial(row_flag, chunk_flag, me, r, t, p, n, T, timeout_ns, status)`` (one thread): wait
       for part p of that partial (``row_flag[r, t, p]``, or the proxy's whole chunk,
-      ``chunk_flag[r, t // chunk_tokens(T)]``), recording a timeout naming combine_wait."""
+      ``chunk_flag[r, t // chunk_tokens(T)]``; ``by_sender``, the rows ``sender_index(me, r)``),
+      recording a timeout naming combine_wait (and rank r)."""
     @cuda.jit(device=True)
     def across(me, r):
         return node_size > 0 and r // node_size != me // node_size
@@ -184,4 +198,14 @@ def make_partial_sources(node_size: int):
                               COUNTER_COMBINE_CHUNK)
         return await_part(row_flag, r, t, p, n, timeout_ns, status, KERNEL_COMBINE_WAIT, COUNTER_COMBINE_ROW_FLAG)
 
-    return senders, partial_row, await_partial
+    @cuda.jit(device=True)
+    def await_sender(row_flag, chunk_flag, me, r, t, p, n, T, timeout_ns, status):
+        i = sender_index(me, r, node_size)
+        if across(me, r):
+            c = t // chunk_tokens(T)
+            return await_flag(chunk_flag[i, c:c + 1], r, t, n, timeout_ns, status, KERNEL_COMBINE_WAIT,
+                              COUNTER_COMBINE_CHUNK)
+        return await_flag(row_flag[i, t, p:p + 1], r, t, n, timeout_ns, status, KERNEL_COMBINE_WAIT,
+                          COUNTER_COMBINE_ROW_FLAG)
+
+    return senders, partial_row, await_sender if by_sender else await_partial

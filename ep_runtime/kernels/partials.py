@@ -9,7 +9,8 @@ format is a compile-time choice: the bf16 kernels carry no branch for it.
 
 On its home a token's partials sit in rows of ``combine_partials[g]`` (flagged in the same rows
 of ``combine_row_flag``): a row a source rank, or a row a destination slot
-(``CombineVariant.partial_slots``, :func:`make_home_row`).
+(``CombineVariant.partial_slots``, :func:`make_home_row`), or under the hierarchical transport
+a row a sender (its node's PEs, then a proxy per other node).
 """
 
 import functools
@@ -96,10 +97,25 @@ def slot_row(dispatch_topk_ids, g, s, t, L, R, me):
     return rank_position(dispatch_topk_ids[g, s, t], L, me)
 
 
-def make_home_row(partial_slots: int):
+@functools.lru_cache(maxsize=None)
+def make_home_row(partial_slots: int, node_size: int = 0):
     """``home_row(dispatch_topk_ids, g, s, t, L, R, me)``: the row of PE ``s``'s
     ``combine_partials[g]`` and ``combine_row_flag`` (int32 ids [G, R, Tmax, K]; rank d holds
     experts ``[d L, (d + 1) L)``) where this PE's partial of token t of ``s`` goes: its own index
-    (``partial_slots`` 0), or its destination slot. The transports' partial functions take it
-    where they name this PE's row (``me``)."""
-    return slot_row if partial_slots else rank_row
+    (``partial_slots`` 0), its destination slot, or under the hierarchical transport
+    (``node_size`` > 0) its local index, its row among the senders of a home on its node
+    (``nodes.sender_index``; a home on another node gets it summed by the proxy, which puts it in
+    the proxy's row). The transports' partial functions take it where they name this PE's row
+    (``me``)."""
+    if not partial_slots:
+        return rank_row
+    if not node_size:
+        return slot_row
+
+    @inlined
+    def sender_row(dispatch_topk_ids, g, s, t, L, R, me):
+        """The home row of this PE's partial of token t of PE ``s`` on its node, indexed by
+        sender: its local index."""
+        return me % node_size
+
+    return sender_row

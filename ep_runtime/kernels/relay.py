@@ -285,6 +285,9 @@ def make_combine_relay(v: CombineVariant):
     near = make_node_holders(NODE, v.dest_slots)
     node_set, chunk_marks, held_here, is_held = near.node_set, near.chunk_marks, near.held_here, near.is_held
     HELD_WORDS = max(1, list_words(v.dest_slots))
+    # a constant the compiler prunes on: the list builds keep the home's partials by sender
+    # (``CombineVariant.partial_slots``), the mask builds a row a rank
+    BY_SENDER = v.partial_slots > 0
 
     @kernel_jit(threads)
     def combine_relay(combine_partials, relay_partials, relay_flag, relay_sums, combine_chunk_flag, dispatch_topk_ids,
@@ -292,10 +295,11 @@ def make_combine_relay(v: CombineVariant):
         """Sum this node's partials of each source's tokens and send them home, a chunk a put.
 
         Symmetric: combine_partials [G, R, Tmax, PW] partial words (a chunk's sums go to ``[g, me, c CH:]`` of
-        the source, packed), relay_partials [R, Tmax, PW] (``[node(s) node_size + j, t]``: the partial of PE j
-        of this node for token t of source s), relay_flag [R, Tmax, FLAG_PARTS] uint64, relay_sums [X, Tmax,
-        PW] (the sums, packed and staged for their put), combine_chunk_flag [R, C] uint64
-        (``combine_chunk_flag``); dispatch_topk_ids [G, R, Tmax, K] and dispatch_counts [G, R, L + 1] of the
+        the source, packed; kept by sender, ``v.partial_slots``, [G, N + X, Tmax, PW] and ``[g, N + x', c
+        CH:]``, x' the index of this node among the source's other nodes), relay_partials [R, Tmax, PW]
+        (``[node(s) node_size + j, t]``: the partial of PE j of this node for token t of source s), relay_flag
+        [R, Tmax, FLAG_PARTS] uint64, relay_sums [X, Tmax, PW] (the sums, packed and staged for their put),
+        combine_chunk_flag [R, C] uint64 ([N + X, C] by sender; ``combine_chunk_flag``); dispatch_topk_ids [G, R, Tmax, K] and dispatch_counts [G, R, L + 1] of the
         call (group g). Local: dispatch_async_sync (the call counter), status int64.
 
         A chunk of ``CH = chunk_tokens(T_s)`` tokens of a source a block in turn: the block ranks the chunk's
@@ -304,10 +308,10 @@ def make_combine_relay(v: CombineVariant):
         relay flag of the part, then sums the holders' partial words in ascending PE order (float32 from 0)
         and rounds the sum to the partial format into ``relay_sums[x, c CH + j]`` (x: ``other_index`` of the
         source's node, j the token's packed row). Then the block puts the chunk's packed sums to the source in
-        one ``put_signal_nbi_block`` setting its ``combine_chunk_flag[me, c]`` to n + 1; each block quiets its
-        puts at the end (their source is reused by the next call). A flag's timeout records this kernel, the
-        holder and the token, and the block stops before its put (the source's combine_wait then times out
-        naming this PE).
+        one ``put_signal_nbi_block`` setting its ``combine_chunk_flag[me, c]`` (by sender ``[N + x', c]``) to
+        n + 1; each block quiets its puts at the end (their source is reused by the next call). A flag's
+        timeout records this kernel, the holder and the token, and the block stops before its put (the
+        source's combine_wait then times out naming this PE).
         """
         acc = cuda.local.array(E, float32)
         held_l = cuda.local.array(HELD_WORDS, int32)  # a token's holders here, where built with lists
@@ -383,9 +387,15 @@ def make_combine_relay(v: CombineVariant):
                         return  # no put: the source's combine_wait times out naming this PE
                     if packed > 0:
                         c0 = c * CH
-                        shmem.put_signal_nbi_block(combine_partials[g, me, c0:c0 + packed],
-                                                   relay_sums[x, c0:c0 + packed], combine_chunk_flag[me, c:c + 1],
-                                                   uint64(n + 1), shmem.SIGNAL_SET, s)
+                        if BY_SENDER:  # this proxy's row of s's partials: N + the index of this node there
+                            at = NODE + other_index(mine, node)
+                            shmem.put_signal_nbi_block(combine_partials[g, at, c0:c0 + packed],
+                                                       relay_sums[x, c0:c0 + packed], combine_chunk_flag[at, c:c + 1],
+                                                       uint64(n + 1), shmem.SIGNAL_SET, s)
+                        else:
+                            shmem.put_signal_nbi_block(combine_partials[g, me, c0:c0 + packed],
+                                                       relay_sums[x, c0:c0 + packed], combine_chunk_flag[me, c:c + 1],
+                                                       uint64(n + 1), shmem.SIGNAL_SET, s)
                     c += cuda.gridDim.x
         cuda.syncthreads()
         if cuda.threadIdx.x == 0:

@@ -95,7 +95,10 @@ class CombineVariant:
     (``[G, R, T, H]``, ``[R, T, parts]``); else by destination slot, ``[G, S, T, H]`` and ``[S,
     T, parts]`` with ``S = partial_slots``: rank d's partial of token t in slot j, the position
     of d among t's ascending destination ranks (ep_runtime/kernels/destinations.py,
-    ``rank_position``; destination lists on the stores and puts transports only)."""
+    ``rank_position``; destination lists on the stores and puts transports), or with destination
+    lists on the hierarchical transport by sender, ``S = N + X``: the PE of the home's node with
+    local index i in row i, the proxy of the x-th other node in row ``N + x``
+    (``nodes.sender_index``)."""
 
     threads: int
     word: str

@@ -46,8 +46,9 @@ Routing rows, ranks, counts, the signal (every thread of a block unless said)
 Combine partials (every lane of a warp)
     Where they take ``g, me, s, t``, ``me`` names this PE's row of ``s``'s ``combine_partials[g]``
     and ``combine_row_flag``: its index, or in a build with partials by destination slot
-    (``CombineVariant.partial_slots``, the stores and puts transports) its slot there
-    (``partials.make_home_row``). ``stores_to(me, s)`` / ``stages(me, s)`` take this PE's index.
+    (``CombineVariant.partial_slots``, the stores and puts transports) its slot there, or by
+    sender (the hierarchical transport's list builds) its local index (``partials.make_home_row``;
+    the partial functions then ask ``my_pe`` which PE they run on). ``stores_to(me, s)`` / ``stages(me, s)`` take this PE's index.
     ``stores_to(me, s)`` / ``stages(me, s)``: this PE's partial for PE ``s`` is stored into
     ``s`` through its mapping / written to a local stage row and put. ``home_at(...)``: the
     address it is stored to. ``stage_aligned(stage)``, ``home_aligned(relay_partials)``:

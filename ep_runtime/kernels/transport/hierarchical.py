@@ -140,7 +140,10 @@ def make_partials(node_size: int, node_stores: bool, within, dest_slots: int = 0
     + local(me)``, flagged in relay_flag; the proxy sums its node's partials (combine_relay).
     Stored (``node_stores``: :func:`make_stored_partials`) or put
     (:func:`make_put_partials`) as the node's transport (``within``) writes: ``home_aligned``,
-    ``home_at``, ``finish_part``, ``send_home_part``."""
+    ``home_at``, ``finish_part``, ``send_home_part``. A build with destination lists
+    (``dest_slots`` > 0) keeps a home's partials by sender (``CombineVariant.partial_slots``):
+    where these functions take ``me`` it is this PE's row there, its local index
+    (``partials.make_home_row``), and which PE this is they ask ``my_pe``."""
     NODE = node_size
 
     @cuda.jit(device=True)
@@ -154,11 +157,26 @@ def make_partials(node_size: int, node_stores: bool, within, dest_slots: int = 0
         return (s // NODE) * NODE + me % NODE, (me // NODE) * NODE + s % NODE
 
     @cuda.jit(device=True)
+    def far_of_row(row, s):
+        """:func:`far` where the caller names this PE by its row of the home's partials
+        (``row``: its local index, partials by sender): this PE asked of ``my_pe``."""
+        return far(shmem.my_pe(), s)
+
+    @cuda.jit(device=True)
+    def proxy_row_of_row(row, s):
+        """:func:`proxy_row` where the caller names this PE by its row of the home's partials."""
+        return proxy_row(shmem.my_pe(), s)
+
+    @cuda.jit(device=True)
     def home_aligned(relay_partials):
         """Whether the proxies' ``relay_partials`` rows are 16-byte aligned."""
         return pairs_aligned(relay_partials)
 
-    across = (make_stored_partials if node_stores else make_put_partials)(within, far, proxy_row, dest_slots)
+    make_across = make_stored_partials if node_stores else make_put_partials
+    if dest_slots:  # partials by sender: ``me`` in the partial functions is this PE's local index
+        across = make_across(within, far_of_row, proxy_row_of_row, dest_slots)
+    else:
+        across = make_across(within, far, proxy_row, dest_slots)
     return SimpleNamespace(home_aligned=home_aligned, **vars(across))
 
 
@@ -215,7 +233,7 @@ def make_put_partials(within, far, proxy_row, dest_slots: int = 0) -> SimpleName
     """``home_at``, ``finish_part``, ``send_home_part`` of partials staged and put (``within``:
     the puts transport of the node's PEs; ``far(me, s)``: whether ``s`` is on another node;
     ``proxy_row(me, s)``: its ``(row, proxy)``; a build with destination lists, ``dest_slots`` >
-    0, flags its own without a mask)."""
+    0, flags its own without a mask, ``me`` its row of the home's partials)."""
     near_send_home_part = within.send_home_part
 
     @inlined
@@ -238,10 +256,19 @@ def make_put_partials(within, far, proxy_row, dest_slots: int = 0) -> SimpleName
     @inlined
     def finish_listed_part(partials, stage, relay_partials, relay_flag, row_flag, g, me, s, t, p, pw0, pw1, n,
                            lane):
-        """``finish_part`` of a build with destination lists: this PE's own part flagged with
-        ``flag_one`` (any PE number)."""
-        if s != me:
-            finish_part(partials, stage, relay_partials, relay_flag, row_flag, g, me, s, t, p, pw0, pw1, n, lane)
+        """``finish_part`` of a build with destination lists, ``me`` this PE's row of the home's
+        partials (by sender: its local index; whether the part is its own asks ``my_pe``): put
+        into ``[g, me, t]`` of ``s`` on this node, or to the proxy for ``s`` on another node; this
+        PE's own part flagged with ``flag_one`` (any PE number)."""
+        if s != shmem.my_pe():
+            warp_sync()  # the whole staged part is written before the warp's put
+            if far(me, s):
+                row, proxy = proxy_row(me, s)
+                shmem.put_signal_nbi_warp(relay_partials[row, t, pw0:pw1], stage[s, t, pw0:pw1],
+                                          relay_flag[row, t, p:p + 1], uint64(n + 1), shmem.SIGNAL_SET, proxy)
+            else:
+                shmem.put_signal_nbi_warp(partials[g, me, t, pw0:pw1], stage[s, t, pw0:pw1],
+                                          row_flag[me, t, p:p + 1], uint64(n + 1), shmem.SIGNAL_SET, s)
         else:
             flag_one(row_flag, me, t, p, n, s, lane)
 

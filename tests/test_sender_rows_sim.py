@@ -1,0 +1,140 @@
+"""Partials by sender under the hierarchical transport (issue #66 step 4, docs/wide_ep.md): a list
+build keeps a token's partials on its home in ``combine_partials [G, N + X, T, H]`` and their flags
+in ``combine_row_flag [N + X, T, parts]`` and ``combine_chunk_flag [N + X, C]`` (``N`` PEs a node,
+``X`` other nodes), not a row a rank: a PE of the home's node writes the row of its local index,
+the proxy of the x-th other node puts a chunk's packed sums into row ``N + x``
+(``nodes.sender_index``), so a proxy's chunk stays one put.
+
+The layout sizes the regions by the plan (senders for the hierarchical list builds, a row a rank
+for its mask builds); every home's senders take the rows ``[0, N + X)`` once each, and the proxy's
+row is the one the home reads. Through the real kernels on the simulator, the list forced as 2 x 2,
+2 x 4 and 4 x 2 logical nodes, stores and puts within a node: random routing, a rank without
+tokens, masked (-1) slots, every token to one expert (expanded and compact layouts), top-k 1 and
+float32 partials, each call twice, batches and combine bit for bit the reference's in the
+hierarchical order, and the traffic the model's. The default run keeps one case (2 x 2, stores);
+``pytest -m wide`` runs the rest.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ep_runtime.core.config import EPConfig
+from ep_runtime.core.layout import BufferLayout
+from ep_runtime.core.plan import Topology, choose_plan
+from ep_runtime.kernels import nodes
+from ep_runtime.kernels.protocol import COMBINE_FLAG_PARTS, RELAY_CHUNK_MIN
+from ep_runtime.shmem.launch import run_pes
+from ep_runtime.testing import (assert_calls_are_the_reference, assert_traffic_is_the_model, call_inputs,
+                                plan_round_trips)
+
+RUN_TIMEOUT_S = 300
+SEED = 6605
+#: testing.call_inputs' calls: random routing, a rank with no tokens, masked slots, no token anywhere,
+#: then the same routings with varying counts (call 7: every token to one expert)
+CALLS = 8
+
+
+def cfg_of(R: int, **changes) -> EPConfig:
+    """Four experts a rank, top-3 (a token's experts on several PEs of a node and on several
+    nodes), hidden 64, up to 20 tokens a rank (more than one chunk), expanded and compact layouts."""
+    return EPConfig(**{**dict(n_ranks=R, n_experts=4 * R, top_k=3, hidden=64, max_tokens_per_rank=20,
+                              layouts=("expanded", "compact"), wait_timeout_s=60.0), **changes})
+
+
+def py(device_function):
+    """A device function's Python source (callable on the host)."""
+    return getattr(device_function, "py_func", device_function)
+
+
+# -- the layout and the index ---------------------------------------------------------------------
+def hierarchical_plan(cfg: EPConfig, n_nodes: int, overrides: dict):
+    size = cfg.n_ranks // n_nodes
+    topology = Topology(cfg.n_ranks, False, 2, pdl=False, simulated=True,
+                        node_of=tuple(p // size for p in range(cfg.n_ranks)), node_peers_mapped=True)
+    return choose_plan(cfg, topology, overrides)
+
+
+def test_hierarchical_list_builds_size_the_partials_by_sender_the_mask_builds_by_rank():
+    G, T, H, F, C = 2, 20, 64, COMBINE_FLAG_PARTS, -(-20 // RELAY_CHUNK_MIN)
+    for R, n_nodes in ((4, 2), (8, 2), (8, 4), (72, 9)):
+        N, X = R // n_nodes, n_nodes - 1
+        cfg = cfg_of(R) if R <= 64 else cfg_of(R, n_experts=R, top_k=2, max_tokens_per_rank=20)
+        for stores in (True, False):
+            plan = hierarchical_plan(cfg, n_nodes, {"dest_list": True, "node_stores": stores})
+            assert plan.transport.value == "hierarchical" and plan.node_size == N, plan
+            assert plan.combine_variant(cfg).partial_slots == N + X, (R, n_nodes)
+            layout = BufferLayout(cfg, plan)
+            shapes = [layout.region(name).shape for name in ("combine_partials", "combine_row_flag",
+                                                             "combine_chunk_flag")]
+            assert shapes == [(G, N + X, T, H), (N + X, T, F), (N + X, C)], (R, n_nodes, stores, shapes)
+            if R > 64:
+                continue  # past 64 ranks every build takes the list
+            mask = hierarchical_plan(cfg, n_nodes, {"node_stores": stores})
+            assert not mask.dest_list and mask.combine_variant(cfg).partial_slots == 0
+            layout = BufferLayout(cfg, mask)
+            shapes = [layout.region(name).shape for name in ("combine_partials", "combine_row_flag",
+                                                             "combine_chunk_flag")]
+            assert shapes == [(G, R, T, H), (R, T, F), (R, C)], (R, n_nodes, stores, shapes)
+    f32 = cfg_of(8, combine_dtype="float32")
+    region = BufferLayout(f32, hierarchical_plan(f32, 4, {"dest_list": True})).region("combine_partials")
+    assert (region.shape, region.dtype) == ((G, 5, T, H), np.float32), region
+
+
+def test_every_homes_senders_take_its_rows_once_and_a_proxy_puts_where_the_home_reads(monkeypatch):
+    """``sender_index`` (its Python source on the host) over every home of several widths."""
+    index, other = py(nodes.sender_index), py(nodes.other_index)
+    monkeypatch.setattr(nodes, "other_index", other)  # what sender_index calls, on the host
+    for R, N in ((4, 2), (8, 4), (8, 2), (72, 8), (1024, 8)):
+        for home in range(R):
+            mine = home // N
+            senders = [q for q in range(mine * N, mine * N + N)]  # its node's PEs
+            senders += [node * N + home % N for node in range(R // N) if node != mine]  # its proxies
+            rows = [index(home, q, N) for q in senders]
+            assert sorted(rows) == list(range(N + R // N - 1)), (R, N, home, rows)
+            for proxy in senders[N:]:  # combine_relay's row: N + this node's index among the home's others
+                assert N + other(proxy // N, mine) == index(home, proxy, N), (R, N, home, proxy)
+
+
+# -- round trips through the kernels ----------------------------------------------------------------
+def twice_pe(session, n_nodes: int, plan: dict, cfg: EPConfig) -> dict:
+    """As ``n_nodes`` logical nodes, :data:`CALLS` round trips (``testing.plan_round_trips``)
+    on one runtime under plan overrides ``plan``, the traffic of the first pass, then the same
+    calls again."""
+    from ep_runtime.core.runtime import EPRuntime
+
+    session.use_logical_nodes(n_nodes)
+    with EPRuntime(cfg, session, plan=plan) as rt:
+        session.traffic(reset=True)
+        first = plan_round_trips(session, rt, cfg, CALLS, SEED, False)
+        traffic = session.traffic(reset=True)
+        again = plan_round_trips(session, rt, cfg, CALLS, SEED, False)
+        return {"calls": first, "again": again, "traffic": traffic, "plan": rt.plan.as_dict(),
+                "shape": rt.layout.region("combine_partials").shape}
+
+
+#: (ranks, nodes, plan overrides, config changes); the default run keeps the first (CI's time)
+ALL_RUNS = [
+    (4, 2, {}, {}), (4, 2, {"node_stores": False}, {}), (8, 2, {}, {}), (8, 2, {"node_stores": False}, {}),
+    (8, 4, {}, {"top_k": 1}), (8, 4, {"node_stores": False}, {"combine_dtype": "float32"}),
+    (4, 2, {}, {"combine_dtype": "float32", "top_k": 4}),
+]
+RUNS = ALL_RUNS[:1] + [pytest.param(*run, marks=pytest.mark.wide) for run in ALL_RUNS[1:]]
+
+
+@pytest.mark.parametrize("R, n_nodes, plan, changes", RUNS,
+                         ids=[f"{n}x{R // n}" + "".join(f"-{k}={x}" for k, x in {**p, **c}.items())
+                              for R, n, p, c in ALL_RUNS])
+def test_partials_by_sender_combine_bit_for_bit_as_the_reference(R, n_nodes, plan, changes):
+    cfg, size = cfg_of(R, **changes), R // n_nodes
+    res = run_pes(twice_pe, R, args=(n_nodes, {"dest_list": True, **plan}, cfg), timeout_s=RUN_TIMEOUT_S)
+    assert all(r["plan"]["dest_list"] and r["plan"]["node_size"] == size for r in res), res[0]["plan"]
+    assert all(tuple(r["shape"])[:2] == (2, size + n_nodes - 1) for r in res), res[0]["shape"]
+    what = f"{n_nodes} x {size} logical nodes, partials by sender, {plan} {changes}"
+    assert_calls_are_the_reference(cfg, res, CALLS, SEED, what, node_size=size)
+    for r, got in enumerate(res):
+        for call, (first, again) in enumerate(zip(got["calls"], got["again"])):
+            np.testing.assert_array_equal(again["out"], first["out"], err_msg=f"{what}: rank {r} call {call} again")
+    assert_traffic_is_the_model(cfg, res, [call_inputs(cfg, c, SEED)[1] for c in range(CALLS)], size,
+                                plan.get("node_stores", True))
