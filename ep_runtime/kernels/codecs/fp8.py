@@ -233,9 +233,9 @@ def make_sender(spec, threads: int, tp, destinations, lands: bool) -> SimpleName
         the token's row of uint64 words, 16-byte aligned) and their scale bytes (``scales8``)
         stored into the receive slot of every PE whose bit is set in ``sent``, at byte ``slot``
         past ``peer_bases[PEER_TOKENS, d]`` (every PE ``sent`` lists, in a list build); each word
-        pair loaded once. Float32 scales go a word
-        per block when the caller's row is 4-byte aligned (the message's scales are: ``slot``
-        and ``PB`` are multiples of 128), else a byte per store."""
+        pair loaded once. Float32 scales go a word per block when the caller's row is 4-byte
+        aligned (the message's scales are: ``slot`` and ``PB`` are multiples of 128), else a
+        byte per store."""
         w1 = b1 * CODE_WORDS
         w = b0 * CODE_WORDS + 2 * lane
         while w < w1:
