@@ -6,7 +6,8 @@ The list variant forced (the plan's ``dest_list``) at 4 and 8 ranks on the store
 transports under each receiver, over calls of random routing, a rank with no tokens, masked (-1)
 slots and no token anywhere, and at top-k 1: batches and combine bit for bit the reference's.
 Also across logical nodes (the hierarchical transport, stores and puts within a node). The plan
-takes the list past 64 ranks and refuses what still keeps a mask (FP8 / NVFP4). 72-rank round
+takes the list past 64 ranks, in every token format (tests/test_dest_lists_quantized_sim.py runs
+the FP8 and NVFP4 codecs over it). 72-rank round
 trips, flat and over 9 x 8 logical nodes, run the list where it is needed. The default run keeps
 one case of each kind (wait on stores and on puts at 4 ranks, 2 x 2 logical nodes); ``pytest -m
 wide`` runs every case, for CI's time.
@@ -96,7 +97,7 @@ def test_a_list_keeps_its_ranks_ascending_once_each_whatever_their_number():
     assert dl[0] == 5 and dl[1:6].tolist() == [0, 3, 64, 70, 1023], dl
 
 
-def test_the_plan_takes_lists_past_64_ranks_and_refuses_what_keeps_a_mask():
+def test_the_plan_takes_lists_past_64_ranks_in_every_token_format():
     flat = Topology(72, True, 2, pdl=False, simulated=True)
     plan = choose_plan(EPConfig(n_ranks=72, n_experts=72, top_k=2, hidden=64, max_tokens_per_rank=2), flat)
     assert plan.dest_list and any(r.startswith("dest_list: 72 > 64 ranks") for r in plan.reasons), plan.reasons
@@ -113,10 +114,11 @@ def test_the_plan_takes_lists_past_64_ranks_and_refuses_what_keeps_a_mask():
                      node_peers_mapped=True)
     hier = choose_plan(EPConfig(n_ranks=72, n_experts=72, top_k=2, hidden=64, max_tokens_per_rank=2), nodes)
     assert hier.transport.value == "hierarchical" and hier.node_size == 8 and hier.dest_list, hier
-    fp8 = EPConfig(n_ranks=72, n_experts=72, top_k=2, hidden=128, max_tokens_per_rank=2, token_dtype="fp8_e4m3")
-    with pytest.raises(EPConfigError, match=r"plan rule 'dest_list'.*fp8_e4m3: the FP8 / NVFP4 codecs still keep a "
-                                            r"64-bit mask.*use bf16 tokens, or at most 64 ranks"):
-        choose_plan(fp8, flat)
+    for fmt in ("fp8_e4m3", "fp8_e4m3_ue8m0", "nvfp4"):  # their codecs send over the list too
+        cfg = EPConfig(n_ranks=72, n_experts=72, top_k=2, hidden=128, max_tokens_per_rank=2, token_dtype=fmt)
+        for topology in (flat, nodes):
+            plan = choose_plan(cfg, topology)
+            assert plan.dest_list and plan.dispatch_variant(cfg).dest_slots == 2, (fmt, plan)
 
 
 def wide_cfg(R: int) -> EPConfig:

@@ -53,8 +53,8 @@ class EPConfig:
     Parameters
     ----------
     n_ranks : int
-        Ranks (PEs) in the expert-parallel group; 1 <= n_ranks <= 1024 (past 64, the stores and
-        puts transports with bf16 tokens: ``plan.check_plan``).
+        Ranks (PEs) in the expert-parallel group; 1 <= n_ranks <= 1024 (past 64, destination
+        lists in every token format: ``plan.check_plan``).
     n_experts : int
         Global experts, a multiple of ``n_ranks``; rank r holds experts
         ``[r * n_local_experts, (r + 1) * n_local_experts)``. At most

@@ -568,10 +568,6 @@ def check_plan(plan: Plan, cfg: EPConfig, topology: Topology) -> None:
         (plan.dest_list or cfg.n_ranks <= MASK_RANKS, "dest_list",
          f"dest_list=0 with {cfg.n_ranks} ranks: a 64-bit destination mask holds {MASK_RANKS} ranks at most",
          "leave dest_list to the rule"),
-        (not plan.dest_list or not cfg.token_format.quantized, "dest_list",
-         f"destination lists (dest_list=1, needed past {MASK_RANKS} ranks) are built for bf16 tokens; these are "
-         f"{cfg.token_format.name}: the FP8 / NVFP4 codecs still keep a 64-bit mask (docs/wide_ep.md)",
-         f"use bf16 tokens, or at most {MASK_RANKS} ranks"),
         (min(plan.share_from_tokens, plan.chunk_from_tokens, plan.split_from_tokens) >= 1, "thresholds",
          "share_from_tokens, chunk_from_tokens and split_from_tokens must be >= 1", "use the defaults"),
     ]

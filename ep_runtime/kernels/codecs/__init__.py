@@ -9,8 +9,8 @@ device code looks at the format. A codec module has two factories:
     rows_u8, stage, stage_u8, row_flag, peer_bases, T, K, L, R, me, n, token_blocks, mbuf, held,
     ids_l, lo, hi)``: every thread of a token block sends its share of this PE's ``T`` tokens,
     each once to every PE of ``destinations(ids_at, K, L, R, me, skip, ids_l)`` (uint64 bits, or
-    where the transport was built with destination lists, a list: ``tp.no_dests`` tells an
-    empty one, ep_runtime/kernels/destinations.py), through the transport ``tp``
+    where the transport was built with destination lists, ``tp.LISTED``, a list: ``tp.no_dests``
+    tells an empty one, ep_runtime/kernels/destinations.py), through the transport ``tp``
     (:mod:`ep_runtime.kernels.transport`), into row ``[me, t]`` of ``rows`` (``dispatch_tokens``,
     its uint8 view ``rows_u8``); ``stage`` / ``stage_u8`` are a
     message stage (``dispatch_send_stage``) where the codec stages and puts; ``token_scales``

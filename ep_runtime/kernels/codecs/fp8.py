@@ -17,7 +17,8 @@ from types import SimpleNamespace
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.bits import bf16_to_f32
 from ep_runtime.kernels.block import group_max_u32, part_bounds, part_words, row_parts, warp_geometry, warp_sync
-from ep_runtime.kernels.cuda_api import cuda, inlined, uint8, uint32, uint64
+from ep_runtime.kernels.cuda_api import cuda, inlined, int32, uint8, uint32, uint64
+from ep_runtime.kernels.destinations import no_listed
 from ep_runtime.kernels.fp8 import bf16_abs_max4, block_scale, pack8, quantize4_by, quantize4_scaled, scaled_directly
 from ep_runtime.kernels.protocol import BATCHED_SCALES_PACKED, PEER_TOKENS, UE8M0_NAN
 from ep_runtime.kernels.transport.common import PAIRS_IN_FLIGHT
@@ -46,15 +47,19 @@ RAW = False
 ENCODES = True
 
 
-def make_encoder(warp: int, ue8m0: bool):
+def make_encoder(warp: int, ue8m0: bool, listed: bool = False):
     """``(encode_blocks, store_scales)`` for warps of ``warp`` lanes (a multiple of
     ``BLOCK_LANES`` up to 32) and scales that are UE8M0 codes (``ue8m0``, 1 byte) or float32
-    (4 bytes)."""
+    (4 bytes), the destinations ``sent`` of :func:`encode_blocks` a uint64 mask or, ``listed``,
+    a destination list (int32, count first: ep_runtime/kernels/destinations.py)."""
     if warp % BLOCK_LANES or warp > 32:
         raise ValueError(f"make_encoder: warp={warp} must be a multiple of {BLOCK_LANES} up to 32")
     SB = 1 if ue8m0 else 4
     BPS = warp // BLOCK_LANES  # blocks per warp step
     WPL = WORDS_PER_LANE
+    # a constant the compiler prunes on: the mask builds keep their loops over the mask's bits in
+    # place, the code they compiled to before the lists
+    LISTED = listed
 
     @cuda.jit(device=True)
     def store_scale(at, b, code):
@@ -102,7 +107,17 @@ def make_encoder(warp: int, ue8m0: bool):
             scales_at = uint64(PB)  # uint64 + uint64 below (an int64 term would make it float64)
             if keep and j == 0:
                 held[s0 + b] = uint32(code)
-            if sent == uint64(0):
+            if LISTED:
+                if no_listed(sent):
+                    store_pair_at(stage_at, cw, lo, hi)
+                    if j == 0 and not keep:
+                        store_scale(stage_at + scales_at, b, code)
+                for x in range(1, sent[0] + 1):
+                    at = peer_bases[PEER_TOKENS, sent[x]] + slot
+                    store_pair_at(at, cw, lo, hi)
+                    if j == 0 and not keep:
+                        store_scale(at + scales_at, b, code)
+            elif sent == uint64(0):
                 store_pair_at(stage_at, cw, lo, hi)
                 if j == 0 and not keep:
                     store_scale(stage_at + scales_at, b, code)
@@ -122,7 +137,12 @@ def make_encoder(warp: int, ue8m0: bool):
         scales_at = uint64(PB)
         for b in range(b0 + lane, b1, warp):
             code = held[s0 + b]
-            if sent == uint64(0):
+            if LISTED:
+                if no_listed(sent):
+                    store_scale(stage_at + scales_at, b, code)
+                for x in range(1, sent[0] + 1):
+                    store_scale(peer_bases[PEER_TOKENS, sent[x]] + slot + scales_at, b, code)
+            elif sent == uint64(0):
                 store_scale(stage_at + scales_at, b, code)
             else:
                 for d in range(peer_bases.shape[1]):
@@ -148,13 +168,14 @@ def make_encoder(warp: int, ue8m0: bool):
         multiplier pass ``scaled_directly`` (every finite block but the tiniest) converts its
         products without per-value range checks (``quantize4_scaled``).
 
-        Where the message goes: with ``sent`` (uint64) zero, the stage row at byte address
-        ``stage_at`` (this process's), which the caller sends after meeting the warp
-        (``warp_sync``); otherwise straight into the receive slot of every rank ``d`` whose bit
-        is set in ``sent``, at byte ``slot`` past ``peer_bases[PEER_TOKENS, d]`` (its ``d_tokens``
-        as mapped here), with plain stores (publish as ``Session.peer_view`` says). Slots and
-        stage rows start on 128-byte lines (``formats.QUANTIZED_MESSAGE_ALIGN``), so the
-        512-byte warp stores of codes fill whole lines."""
+        Where the message goes: with ``sent`` (uint64) zero (an empty list where ``listed``),
+        the stage row at byte address ``stage_at`` (this process's), which the caller sends
+        after meeting the warp (``warp_sync``); otherwise straight into the receive slot of
+        every rank ``d`` whose bit is set in ``sent`` (or that ``sent`` lists), at byte
+        ``slot`` past ``peer_bases[PEER_TOKENS, d]`` (its ``d_tokens`` as mapped here), with
+        plain stores (publish as ``Session.peer_view`` says). Slots and stage rows start on
+        128-byte lines (``formats.QUANTIZED_MESSAGE_ALIGN``), so the 512-byte warp stores of
+        codes fill whole lines."""
         grp = lane // BLOCK_LANES  # the step's block this lane encodes
         j = lane - grp * BLOCK_LANES  # this lane's 16 values of it
         row = tokens[t]
@@ -192,11 +213,16 @@ def make_encoder(warp: int, ue8m0: bool):
 
 def make_sender(spec, threads: int, tp, destinations, lands: bool) -> SimpleNamespace:
     """The fp8 codec's sender (:mod:`ep_runtime.kernels.codecs`) for scales of
-    ``spec.param("scale_bytes")`` bytes (4: float32, 1: UE8M0). Its messages land whole: it
-    flags no parts (``lands`` is the receiver's concern)."""
+    ``spec.param("scale_bytes")`` bytes (4: float32, 1: UE8M0), a token's destinations a mask
+    or, where the transport was built with destination lists (``tp.LISTED``), a list. Its
+    messages land whole: it flags no parts (``lands`` is the receiver's concern)."""
     warp, warps = warp_geometry(threads)
     SB = int(spec.param("scale_bytes"))
-    encode_blocks, _ = make_encoder(warp, SB == 1)
+    # a constant the compiler prunes on: the mask builds keep their loops in place (and their
+    # send_rows, which a list build replaces with send_rows_listed)
+    LISTED = tp.LISTED
+    no_dests = tp.no_dests
+    encode_blocks, _ = make_encoder(warp, SB == 1, LISTED)
     UP = PAIRS_IN_FLIGHT
     load_pairs, _, store_pairs_at = make_pair_loops(UP, warp)
     DIRECT = tp.DIRECT
@@ -206,30 +232,71 @@ def make_sender(spec, threads: int, tp, destinations, lands: bool) -> SimpleName
         """Every lane of one warp: the caller's E4M3 code words of blocks ``[b0, b1)`` (``codes``:
         the token's row of uint64 words, 16-byte aligned) and their scale bytes (``scales8``)
         stored into the receive slot of every PE whose bit is set in ``sent``, at byte ``slot``
-        past ``peer_bases[PEER_TOKENS, d]``; each word pair loaded once. Float32 scales go a word
-        per block when the caller's row is 4-byte aligned (the message's scales are: ``slot``
-        and ``PB`` are multiples of 128), else a byte per store."""
+        past ``peer_bases[PEER_TOKENS, d]`` (every PE ``sent`` lists, in a list build); each word
+        pair loaded once. Float32 scales go a word per block when the caller's row is 4-byte
+        aligned (the message's scales are: ``slot`` and ``PB`` are multiples of 128), else a
+        byte per store."""
         w1 = b1 * CODE_WORDS
         w = b0 * CODE_WORDS + 2 * lane
         while w < w1:
             load_pairs(codes, w, w1, lo, hi)
-            for d in range(peer_bases.shape[1]):
-                if (sent >> uint64(d)) & uint64(1):
-                    store_pairs_at(peer_bases[PEER_TOKENS, d] + slot, w, w1, lo, hi)
+            if LISTED:
+                for x in range(1, sent[0] + 1):
+                    store_pairs_at(peer_bases[PEER_TOKENS, sent[x]] + slot, w, w1, lo, hi)
+            else:
+                for d in range(peer_bases.shape[1]):
+                    if (sent >> uint64(d)) & uint64(1):
+                        store_pairs_at(peer_bases[PEER_TOKENS, d] + slot, w, w1, lo, hi)
             w += 2 * UP * warp
         scales_at = slot + uint64(PB)  # uint64 + uint64 (an int64 term would make it float64)
         src_at = address_of(scales8)
         if SB == 4 and src_at % uint64(4) == uint64(0):  # a float32 scale per block, as one word
             for b in range(b0 + lane, b1, warp):
                 val = load_u32_at(src_at, b)
-                for d in range(peer_bases.shape[1]):
-                    if (sent >> uint64(d)) & uint64(1):
-                        store_u32_at(peer_bases[PEER_TOKENS, d] + scales_at, b, val)
+                if LISTED:
+                    for x in range(1, sent[0] + 1):
+                        store_u32_at(peer_bases[PEER_TOKENS, sent[x]] + scales_at, b, val)
+                else:
+                    for d in range(peer_bases.shape[1]):
+                        if (sent >> uint64(d)) & uint64(1):
+                            store_u32_at(peer_bases[PEER_TOKENS, d] + scales_at, b, val)
         else:
             for j in range(b0 * SB + lane, b1 * SB, warp):
-                for d in range(peer_bases.shape[1]):
-                    if (sent >> uint64(d)) & uint64(1):
-                        store_u8_at(peer_bases[PEER_TOKENS, d] + scales_at, j, scales8[j])
+                if LISTED:
+                    for x in range(1, sent[0] + 1):
+                        store_u8_at(peer_bases[PEER_TOKENS, sent[x]] + scales_at, j, scales8[j])
+                else:
+                    for d in range(peer_bases.shape[1]):
+                        if (sent >> uint64(d)) & uint64(1):
+                            store_u8_at(peer_bases[PEER_TOKENS, d] + scales_at, j, scales8[j])
+
+    @cuda.jit(device=True)
+    def send_listed(tokens, token_scales, prequantized, rows, rows_u8, stage, stage_u8, peer_bases, me, t, b0, b1,
+                    PB, direct, src_pairs, lane, mbuf, held, h0, dl, none, lo, hi):
+        """Every lane of one warp, in a build with destination lists: blocks ``[b0, b1)`` of
+        token ``t`` to every PE of the list ``dl`` (not empty), as :func:`send_rows` sends them
+        (``none``: an empty list, which :func:`encode_blocks` reads as the stage row)."""
+        if direct:
+            slot = address_of(rows[me, t]) - address_of(rows)  # the same on every PE
+            if prequantized == 0:
+                encode_blocks(tokens, t, b0, b1, src_pairs, uint64(0), PB, lane, mbuf, peer_bases, dl, slot, held, h0)
+            else:
+                send_prequantized(tokens[t], token_scales[t], b0, b1, PB, peer_bases, dl, slot, lane, lo, hi)
+        else:
+            if prequantized == 0:
+                encode_blocks(tokens, t, b0, b1, src_pairs, address_of(stage[t]), PB, lane, mbuf, peer_bases, none,
+                              uint64(0), held, h0)
+                warp_sync()  # the part is staged before the warp's puts read it
+            dst_codes = rows[me, t, b0 * CODE_WORDS:b1 * CODE_WORDS]
+            dst_scales = rows_u8[me, t, PB + b0 * SB:PB + b1 * SB]
+            for x in range(1, dl[0] + 1):
+                d = dl[x]
+                if prequantized == 0:
+                    shmem.put_nbi_warp(dst_codes, stage[t, b0 * CODE_WORDS:b1 * CODE_WORDS], d)
+                    shmem.put_nbi_warp(dst_scales, stage_u8[t, PB + b0 * SB:PB + b1 * SB], d)
+                else:  # straight from the caller's arrays
+                    shmem.put_nbi_warp(dst_codes, tokens[t, b0 * CODE_WORDS:b1 * CODE_WORDS], d)
+                    shmem.put_nbi_warp(dst_scales, token_scales[t, b0 * SB:b1 * SB], d)
 
     @inlined
     def send_rows(tokens, token_scales, token_global_scale_u8, prequantized, ids_base, rows, rows_u8, stage, stage_u8,
@@ -287,6 +354,37 @@ def make_sender(spec, threads: int, tp, destinations, lands: bool) -> SimpleName
         return direct
 
     @inlined
+    def send_rows_listed(tokens, token_scales, token_global_scale_u8, prequantized, ids_base, rows, rows_u8, stage,
+                         stage_u8, row_flag, peer_bases, T, K, L, R, me, n, token_blocks, mbuf, held, ids_l, lo, hi):
+        """:func:`send_rows` of a build with destination lists: the same parts and messages, each
+        to every PE of the token's list (:func:`send_listed`)."""
+        tid = cuda.threadIdx.x
+        all_warps = token_blocks * warps
+        h0 = (tid // warp) * HELD_SCALES
+        lane = tid % warp
+        if prequantized != 0:
+            S = tokens.shape[1] // CODE_WORDS
+        else:
+            S = tokens.shape[1] // BLOCK_WORDS
+        PB = S * CODE_WORDS * 8  # code bytes of a message (= H)
+        parts = row_parts(T, S, all_warps, 1)
+        span = part_words(S, parts, 1)
+        src_pairs = pairs_aligned(tokens)
+        direct = DIRECT and (prequantized == 0 or src_pairs)
+        none = cuda.local.array(1, int32)  # the empty list: encode into the stage row
+        none[0] = 0
+        i = cuda.blockIdx.x * warps + tid // warp
+        while cuda.blockIdx.x < token_blocks and i < T * parts:
+            t, b0, b1 = part_bounds(i, parts, span, S)
+            if b0 < b1:
+                dl = destinations(ids_base + uint64(4 * t * K), K, L, R, me, uint64(0), ids_l)
+                if not no_dests(dl):  # (a token whose slots are all masked goes nowhere)
+                    send_listed(tokens, token_scales, prequantized, rows, rows_u8, stage, stage_u8, peer_bases, me,
+                                t, b0, b1, PB, direct, src_pairs, lane, mbuf, held, h0, dl, none, lo, hi)
+            i += all_warps
+        return direct
+
+    @inlined
     def pack_row(tokens, token_scales, token_global_scale_u8, prequantized, t, row, lane, mbuf, peer_bases, held, lo,
                  hi):
         """Every lane of one warp: token ``t``'s message (encoded here, or the caller's codes and
@@ -295,8 +393,14 @@ def make_sender(spec, threads: int, tp, destinations, lands: bool) -> SimpleName
         if prequantized == 0:
             S = tokens.shape[1] // BLOCK_WORDS
             PB = S * CODE_WORDS * 8
-            encode_blocks(tokens, t, 0, S, pairs_aligned(tokens), address_of(row), PB, lane, mbuf, peer_bases,
-                          uint64(0), uint64(0), held, h0)
+            if LISTED:
+                none = cuda.local.array(1, int32)  # the empty list: encode into the row
+                none[0] = 0
+                encode_blocks(tokens, t, 0, S, pairs_aligned(tokens), address_of(row), PB, lane, mbuf, peer_bases,
+                              none, uint64(0), held, h0)
+            else:
+                encode_blocks(tokens, t, 0, S, pairs_aligned(tokens), address_of(row), PB, lane, mbuf, peer_bases,
+                              uint64(0), uint64(0), held, h0)
         else:
             PB = tokens.shape[1] * 8
             for w in range(lane, tokens.shape[1], warp):  # the codes, then the scales' bytes
@@ -305,7 +409,7 @@ def make_sender(spec, threads: int, tp, destinations, lands: bool) -> SimpleName
                 store_u8_at(address_of(row) + uint64(PB), j, token_scales[t, j])
 
     return SimpleNamespace(MBUF_WORDS=threads, HELD_WORDS=warps * HELD_SCALES,
-                           send_rows=send_rows, pack_row=pack_row)
+                           send_rows=send_rows_listed if LISTED else send_rows, pack_row=pack_row)
 
 
 @functools.lru_cache(maxsize=None)

@@ -27,7 +27,8 @@ from ep_runtime.core.nvfp4_rule import E2M1_THRESHOLDS, NVFP4_GLOBAL_BYTES, NVFP
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.bits import bf16_to_f32, f32_bits, f32_word_at, word_f32
 from ep_runtime.kernels.block import group_max_u32, part_bounds, part_words, row_parts, warp_geometry, warp_sync
-from ep_runtime.kernels.cuda_api import cuda, float32, inlined, int64, kernel_jit, uint32, uint64
+from ep_runtime.kernels.cuda_api import cuda, float32, inlined, int32, int64, kernel_jit, uint32, uint64
+from ep_runtime.kernels.destinations import no_listed
 from ep_runtime.kernels.fp8 import bf16_abs_max4, e4m3_bits, e4m3_value
 from ep_runtime.kernels.protocol import E4M3_NAN, PEER_TOKENS
 from ep_runtime.kernels.vec import address_of, load_pair, pairs_aligned, store_u8_at, store_u32_at, store_word_at
@@ -152,11 +153,40 @@ def store_global(at0, G, bits, peer_bases, sent, slot):
                 store_u32_at(peer_bases[PEER_TOKENS, d] + slot + uint64(G), 0, bits)
 
 
+@cuda.jit(device=True)
+def store_block_listed(at0, PB, b, codes, scale, peer_bases, dl, slot):
+    """:func:`store_block` of a build with destination lists: at ``at0`` when the list ``dl`` is
+    empty, else into the slot of every PE it lists."""
+    if no_listed(dl):
+        store_word_at(at0, b, uint64(codes))
+        store_u8_at(at0 + uint64(PB), b, uint32(scale))
+    for x in range(1, dl[0] + 1):
+        at = peer_bases[PEER_TOKENS, dl[x]] + slot
+        store_word_at(at, b, uint64(codes))
+        store_u8_at(at + uint64(PB), b, uint32(scale))
+
+
+@cuda.jit(device=True)
+def store_global_listed(at0, G, bits, peer_bases, dl, slot):
+    """:func:`store_global` of a build with destination lists (addressed as
+    :func:`store_block_listed`)."""
+    if no_listed(dl):
+        store_u32_at(at0 + uint64(G), 0, bits)
+    for x in range(1, dl[0] + 1):
+        store_u32_at(peer_bases[PEER_TOKENS, dl[x]] + slot + uint64(G), 0, bits)
+
+
 def make_sender(spec, threads: int, tp, destinations, lands: bool) -> SimpleNamespace:
-    """The nvfp4 codec's sender (:mod:`ep_runtime.kernels.codecs`). Its messages land whole: it
-    flags no parts (``lands`` is the receiver's concern)."""
+    """The nvfp4 codec's sender (:mod:`ep_runtime.kernels.codecs`), a token's destinations a
+    mask or, where the transport was built with destination lists (``tp.LISTED``), a list (the
+    ``*_listed`` functions). Its messages land whole: it flags no parts (``lands`` is the
+    receiver's concern)."""
     warp, warps = warp_geometry(threads)
     DIRECT = tp.DIRECT
+    # a constant the compiler prunes on: the mask builds keep their code in place
+    LISTED = tp.LISTED
+    no_dests = tp.no_dests
+    to_block, to_global = (store_block_listed, store_global_listed) if LISTED else (store_block, store_global)
 
     @cuda.jit(device=True)
     def write_part(tokens, token_scales, token_global_scale_u8, prequantized, t, b0, b1, S, src_pairs, at0, peer_bases,
@@ -172,7 +202,7 @@ def make_sender(spec, threads: int, tp, destinations, lands: bool) -> SimpleName
         row = tokens[t]
         for b in range(b0 + lane, b1, warp):
             if prequantized != 0:
-                store_block(at0, PB, b, row[b], token_scales[t, b], peer_bases, sent, slot)
+                to_block(at0, PB, b, row[b], token_scales[t, b], peer_bases, sent, slot)
             else:
                 w = b * BLOCK_WORDS
                 if src_pairs:
@@ -181,9 +211,9 @@ def make_sender(spec, threads: int, tp, destinations, lands: bool) -> SimpleName
                     codes, scale = encode_block(p[0], p[1], q[0], q[1], six_g, g)
                 else:
                     codes, scale = encode_block(row[w], row[w + 1], row[w + 2], row[w + 3], six_g, g)
-                store_block(at0, PB, b, codes, scale, peer_bases, sent, slot)
+                to_block(at0, PB, b, codes, scale, peer_bases, sent, slot)
         if b0 == 0 and lane == 0:
-            store_global(at0, PB + S, bits, peer_bases, sent, slot)
+            to_global(at0, PB + S, bits, peer_bases, sent, slot)
 
     @cuda.jit(device=True)
     def put_part(tokens, token_scales, token_global_scale_u8, prequantized, rows, rows_u8, stage, stage_u8, me, t, b0,
@@ -208,6 +238,25 @@ def make_sender(spec, threads: int, tp, destinations, lands: bool) -> SimpleName
                     shmem.put_nbi_warp(rows_u8[me, t, PB + b0:PB + b1], token_scales[t, b0:b1], d)
                     if b0 == 0:
                         shmem.put_nbi_warp(rows_u8[me, t, G:G + GLOBAL_BYTES], token_global_scale_u8[0:GLOBAL_BYTES], d)
+
+    @cuda.jit(device=True)
+    def put_message(tokens, token_scales, token_global_scale_u8, prequantized, rows, rows_u8, stage, stage_u8, me, t,
+                    b0, b1, S, d):
+        """Every lane of one warp: :func:`put_part`'s puts to PE ``d``."""
+        PB = S * 8
+        G = PB + S
+        if prequantized == 0 and b0 == 0 and b1 == S:
+            shmem.put_nbi_warp(rows_u8[me, t, 0:G + GLOBAL_BYTES], stage_u8[t, 0:G + GLOBAL_BYTES], d)
+        elif prequantized == 0:
+            shmem.put_nbi_warp(rows[me, t, b0:b1], stage[t, b0:b1], d)
+            shmem.put_nbi_warp(rows_u8[me, t, PB + b0:PB + b1], stage_u8[t, PB + b0:PB + b1], d)
+            if b0 == 0:
+                shmem.put_nbi_warp(rows_u8[me, t, G:G + GLOBAL_BYTES], stage_u8[t, G:G + GLOBAL_BYTES], d)
+        else:  # straight from the caller's arrays
+            shmem.put_nbi_warp(rows[me, t, b0:b1], tokens[t, b0:b1], d)
+            shmem.put_nbi_warp(rows_u8[me, t, PB + b0:PB + b1], token_scales[t, b0:b1], d)
+            if b0 == 0:
+                shmem.put_nbi_warp(rows_u8[me, t, G:G + GLOBAL_BYTES], token_global_scale_u8[0:GLOBAL_BYTES], d)
 
     @cuda.jit(device=True)
     def blocks_of(tokens, prequantized):
@@ -253,15 +302,58 @@ def make_sender(spec, threads: int, tp, destinations, lands: bool) -> SimpleName
         return DIRECT
 
     @inlined
+    def send_rows_listed(tokens, token_scales, token_global_scale_u8, prequantized, ids_base, rows, rows_u8, stage,
+                         stage_u8, row_flag, peer_bases, T, K, L, R, me, n, token_blocks, mbuf, held, ids_l, lo, hi):
+        """:func:`send_rows` of a build with destination lists: the same parts and messages, each
+        to every PE of the token's list."""
+        tid = cuda.threadIdx.x
+        lane = tid % warp
+        all_warps = token_blocks * warps
+        S = blocks_of(tokens, prequantized)
+        parts = row_parts(T, S, all_warps, warp)
+        span = part_words(S, parts, warp)  # blocks per part
+        src_pairs = pairs_aligned(tokens)
+        none = cuda.local.array(1, int32)  # the empty list: write into the stage row
+        none[0] = 0
+        i = cuda.blockIdx.x * warps + tid // warp
+        while cuda.blockIdx.x < token_blocks and i < T * parts:
+            t, b0, b1 = part_bounds(i, parts, span, S)
+            if b0 < b1:
+                dl = destinations(ids_base + uint64(4 * t * K), K, L, R, me, uint64(0), ids_l)
+                if no_dests(dl):
+                    pass  # a token whose slots are all masked goes nowhere
+                elif DIRECT:
+                    slot = address_of(rows[me, t]) - address_of(rows)  # the same on every PE
+                    write_part(tokens, token_scales, token_global_scale_u8, prequantized, t, b0, b1, S, src_pairs,
+                               uint64(0), peer_bases, dl, slot, lane)
+                else:
+                    if prequantized == 0:
+                        write_part(tokens, token_scales, token_global_scale_u8, prequantized, t, b0, b1, S, src_pairs,
+                                   address_of(stage[t]), peer_bases, none, uint64(0), lane)
+                        warp_sync()  # the part is staged before the warp's puts read it
+                    for x in range(1, dl[0] + 1):
+                        put_message(tokens, token_scales, token_global_scale_u8, prequantized, rows, rows_u8, stage,
+                                    stage_u8, me, t, b0, b1, S, dl[x])
+            i += all_warps
+        return DIRECT
+
+    @inlined
     def pack_row(tokens, token_scales, token_global_scale_u8, prequantized, t, row, lane, mbuf, peer_bases, held, lo,
                  hi):
         """Every lane of one warp: token ``t``'s message (encoded here, or the caller's codes and
         scales) into the local row ``row``."""
         S = blocks_of(tokens, prequantized)
-        write_part(tokens, token_scales, token_global_scale_u8, prequantized, t, 0, S, S, pairs_aligned(tokens),
-                   address_of(row), peer_bases, uint64(0), uint64(0), lane)
+        if LISTED:
+            none = cuda.local.array(1, int32)  # the empty list: write into the row
+            none[0] = 0
+            write_part(tokens, token_scales, token_global_scale_u8, prequantized, t, 0, S, S, pairs_aligned(tokens),
+                       address_of(row), peer_bases, none, uint64(0), lane)
+        else:
+            write_part(tokens, token_scales, token_global_scale_u8, prequantized, t, 0, S, S, pairs_aligned(tokens),
+                       address_of(row), peer_bases, uint64(0), uint64(0), lane)
 
-    return SimpleNamespace(MBUF_WORDS=1, HELD_WORDS=1, send_rows=send_rows, pack_row=pack_row)
+    return SimpleNamespace(MBUF_WORDS=1, HELD_WORDS=1, send_rows=send_rows_listed if LISTED else send_rows,
+                           pack_row=pack_row)
 
 
 @functools.lru_cache(maxsize=None)

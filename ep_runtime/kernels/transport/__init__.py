@@ -11,6 +11,8 @@ Constants (closure constants of the kernels that read them)
     ``NEAR_FENCED``: the same for its writes to near PEs (the routing a route ticket publishes).
     ``DIRECT``: token rows can be stored straight into the peers' receive slots (an FP8 encoder
     then writes every destination's message itself); otherwise they are staged and put.
+    ``LISTED``: a token's destinations are a list (the build has ``dest_slots`` > 0), else a
+    uint64 mask (what ``send_part``'s ``dests`` and the codecs' destinations are).
     ``warp``: the warp width the functions were built for.
 
 Peers and credits

@@ -29,7 +29,7 @@ from ep_runtime.kernels.vec import address_of, pairs_aligned
 #: The names of the interface the hierarchical transport takes unchanged from its node's transport
 #: (``stores`` or ``puts`` built for the node's PEs): the constants, the credits and what is written
 #: only within the node.
-WITHIN = ("warp", "NEAR_FENCED", "DIRECT", "near", "row_dests", "no_dests",
+WITHIN = ("warp", "NEAR_FENCED", "DIRECT", "LISTED", "near", "row_dests", "no_dests",
           "send_part", "send_part_flagged", "spread_range",
           "row_at", "spread_slot", "spread_flush", "count_u32", "send_ranks", "counts_before_route", "forward_run",
           "forward_row", "grant_credits", "await_credits", "stores_to", "stages", "stage_aligned")

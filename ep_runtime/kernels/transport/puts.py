@@ -31,8 +31,8 @@ def make(threads: int, node_size: int = 0, dest_slots: int = 0) -> SimpleNamespa
     warp, _ = warp_geometry(threads)
     near = make_near(node_size)
     rows = make_listed_rows() if dest_slots else make_rows(node_size)
-    return SimpleNamespace(warp=warp, FENCED=False, NEAR_FENCED=False, DIRECT=False, near=near,
-                           make_row_chunks=common.no_row_chunks, no_dests=common.no_dests_of(dest_slots),
+    return SimpleNamespace(warp=warp, FENCED=False, NEAR_FENCED=False, DIRECT=False, LISTED=dest_slots > 0,
+                           near=near, make_row_chunks=common.no_row_chunks, no_dests=common.no_dests_of(dest_slots),
                            **vars(rows), **vars(make_routing(threads, near)), **vars(make_partials(dest_slots)),
                            **vars(make_slots(threads, near)), **vars(make_forwarding(node_size, dest_slots)),
                            **vars(common.make_credits(node_size)))

@@ -40,8 +40,8 @@ def make(threads: int, node_size: int = 0, dest_slots: int = 0) -> SimpleNamespa
     near = make_near(node_size)
     copy_to_peers = make_peer_copy(PAIRS_IN_FLIGHT, warp)  # token rows and forwarded rows alike
     rows = (make_listed_rows(warp) if dest_slots else make_rows(node_size, copy_to_peers))
-    return SimpleNamespace(warp=warp, FENCED=node_size == 0, NEAR_FENCED=True, DIRECT=True, near=near,
-                           make_row_chunks=common.no_row_chunks, no_dests=common.no_dests_of(dest_slots),
+    return SimpleNamespace(warp=warp, FENCED=node_size == 0, NEAR_FENCED=True, DIRECT=True, LISTED=dest_slots > 0,
+                           near=near, make_row_chunks=common.no_row_chunks, no_dests=common.no_dests_of(dest_slots),
                            **vars(rows), **vars(make_routing(threads, near)), **vars(make_partials(warp, dest_slots)),
                            **vars(make_slots(threads, near)),
                            **vars(make_forwarding(threads, node_size, copy_to_peers, dest_slots)),
