@@ -216,33 +216,12 @@ def make_sender(spec, threads: int, tp, destinations, lands: bool) -> SimpleName
             to_global(at0, PB + S, bits, peer_bases, sent, slot)
 
     @cuda.jit(device=True)
-    def put_part(tokens, token_scales, token_global_scale_u8, prequantized, rows, rows_u8, stage, stage_u8, me, t, b0,
-                 b1, S, sent, R):
-        """Every lane of one warp: blocks ``[b0, b1)`` of token ``t``'s message (staged in
-        ``stage[t]``, or the caller's codes and scales) put into row ``[me, t]`` of every PE
-        whose bit is set in ``sent``: a whole staged message in one put, a part as its codes and
-        scales (and the first part the global scale)."""
-        PB = S * 8
-        G = PB + S
-        for d in range(R):
-            if (sent >> uint64(d)) & uint64(1):
-                if prequantized == 0 and b0 == 0 and b1 == S:
-                    shmem.put_nbi_warp(rows_u8[me, t, 0:G + GLOBAL_BYTES], stage_u8[t, 0:G + GLOBAL_BYTES], d)
-                elif prequantized == 0:
-                    shmem.put_nbi_warp(rows[me, t, b0:b1], stage[t, b0:b1], d)
-                    shmem.put_nbi_warp(rows_u8[me, t, PB + b0:PB + b1], stage_u8[t, PB + b0:PB + b1], d)
-                    if b0 == 0:
-                        shmem.put_nbi_warp(rows_u8[me, t, G:G + GLOBAL_BYTES], stage_u8[t, G:G + GLOBAL_BYTES], d)
-                else:  # straight from the caller's arrays
-                    shmem.put_nbi_warp(rows[me, t, b0:b1], tokens[t, b0:b1], d)
-                    shmem.put_nbi_warp(rows_u8[me, t, PB + b0:PB + b1], token_scales[t, b0:b1], d)
-                    if b0 == 0:
-                        shmem.put_nbi_warp(rows_u8[me, t, G:G + GLOBAL_BYTES], token_global_scale_u8[0:GLOBAL_BYTES], d)
-
-    @cuda.jit(device=True)
     def put_message(tokens, token_scales, token_global_scale_u8, prequantized, rows, rows_u8, stage, stage_u8, me, t,
                     b0, b1, S, d):
-        """Every lane of one warp: :func:`put_part`'s puts to PE ``d``."""
+        """Every lane of one warp: blocks ``[b0, b1)`` of token ``t``'s message (staged in
+        ``stage[t]``, or the caller's codes and scales) put into row ``[me, t]`` of PE ``d``: a
+        whole staged message in one put, a part as its codes and scales (and the first part the
+        global scale)."""
         PB = S * 8
         G = PB + S
         if prequantized == 0 and b0 == 0 and b1 == S:
@@ -257,6 +236,15 @@ def make_sender(spec, threads: int, tp, destinations, lands: bool) -> SimpleName
             shmem.put_nbi_warp(rows_u8[me, t, PB + b0:PB + b1], token_scales[t, b0:b1], d)
             if b0 == 0:
                 shmem.put_nbi_warp(rows_u8[me, t, G:G + GLOBAL_BYTES], token_global_scale_u8[0:GLOBAL_BYTES], d)
+
+    @cuda.jit(device=True)
+    def put_part(tokens, token_scales, token_global_scale_u8, prequantized, rows, rows_u8, stage, stage_u8, me, t, b0,
+                 b1, S, sent, R):
+        """Every lane of one warp: :func:`put_message` to every PE whose bit is set in ``sent``."""
+        for d in range(R):
+            if (sent >> uint64(d)) & uint64(1):
+                put_message(tokens, token_scales, token_global_scale_u8, prequantized, rows, rows_u8, stage, stage_u8,
+                            me, t, b0, b1, S, d)
 
     @cuda.jit(device=True)
     def blocks_of(tokens, prequantized):
