@@ -237,19 +237,25 @@ def make_put_partials(within, far, proxy_row, dest_slots: int = 0) -> SimpleName
     near_send_home_part = within.send_home_part
 
     @inlined
+    def put_staged(partials, stage, relay_partials, relay_flag, row_flag, g, me, s, t, p, pw0, pw1, n):
+        """Every lane of the warp that staged part ``p`` of its partial for PE ``s`` (not this
+        PE): put it with its flag to ``s`` on this node, into row ``me`` of its partials, or to
+        the proxy's ``relay_partials`` row with its ``relay_flag`` for ``s`` on another node."""
+        warp_sync()  # the whole staged part is written before the warp's put
+        if far(me, s):
+            row, proxy = proxy_row(me, s)
+            shmem.put_signal_nbi_warp(relay_partials[row, t, pw0:pw1], stage[s, t, pw0:pw1],
+                                      relay_flag[row, t, p:p + 1], uint64(n + 1), shmem.SIGNAL_SET, proxy)
+        else:
+            shmem.put_signal_nbi_warp(partials[g, me, t, pw0:pw1], stage[s, t, pw0:pw1],
+                                      row_flag[me, t, p:p + 1], uint64(n + 1), shmem.SIGNAL_SET, s)
+
+    @inlined
     def finish_part(partials, stage, relay_partials, relay_flag, row_flag, g, me, s, t, p, pw0, pw1, n, lane):
-        """Every lane of the warp that staged part ``p`` of its partial for PE ``s``: put it with
-        its flag to ``s`` on this node, or to the proxy's ``relay_partials`` row with its
-        ``relay_flag`` for ``s`` on another node; this PE's own part flagged here."""
+        """Every lane of the warp that staged part ``p`` of its partial for PE ``s``: put it
+        (:func:`put_staged`); this PE's own part flagged here."""
         if s != me:
-            warp_sync()  # the whole staged part is written before the warp's put
-            if far(me, s):
-                row, proxy = proxy_row(me, s)
-                shmem.put_signal_nbi_warp(relay_partials[row, t, pw0:pw1], stage[s, t, pw0:pw1],
-                                          relay_flag[row, t, p:p + 1], uint64(n + 1), shmem.SIGNAL_SET, proxy)
-            else:
-                shmem.put_signal_nbi_warp(partials[g, me, t, pw0:pw1], stage[s, t, pw0:pw1],
-                                          row_flag[me, t, p:p + 1], uint64(n + 1), shmem.SIGNAL_SET, s)
+            put_staged(partials, stage, relay_partials, relay_flag, row_flag, g, me, s, t, p, pw0, pw1, n)
         else:
             flag_part(row_flag, me, t, p, n, uint64(1) << uint64(s), lane)
 
@@ -257,18 +263,10 @@ def make_put_partials(within, far, proxy_row, dest_slots: int = 0) -> SimpleName
     def finish_listed_part(partials, stage, relay_partials, relay_flag, row_flag, g, me, s, t, p, pw0, pw1, n,
                            lane):
         """``finish_part`` of a build with destination lists, ``me`` this PE's row of the home's
-        partials (by sender: its local index; whether the part is its own asks ``my_pe``): put
-        into ``[g, me, t]`` of ``s`` on this node, or to the proxy for ``s`` on another node; this
+        partials (by sender: its local index; whether the part is its own asks ``my_pe``); this
         PE's own part flagged with ``flag_one`` (any PE number)."""
         if s != shmem.my_pe():
-            warp_sync()  # the whole staged part is written before the warp's put
-            if far(me, s):
-                row, proxy = proxy_row(me, s)
-                shmem.put_signal_nbi_warp(relay_partials[row, t, pw0:pw1], stage[s, t, pw0:pw1],
-                                          relay_flag[row, t, p:p + 1], uint64(n + 1), shmem.SIGNAL_SET, proxy)
-            else:
-                shmem.put_signal_nbi_warp(partials[g, me, t, pw0:pw1], stage[s, t, pw0:pw1],
-                                          row_flag[me, t, p:p + 1], uint64(n + 1), shmem.SIGNAL_SET, s)
+            put_staged(partials, stage, relay_partials, relay_flag, row_flag, g, me, s, t, p, pw0, pw1, n)
         else:
             flag_one(row_flag, me, t, p, n, s, lane)
 
