@@ -59,30 +59,30 @@ DSV3_SYMMETRIC = {
     "slot_across": ((2, 8, 4096, 8), f32, 2_097_152, 1_424_231_936),
     # [R, T, K] f32 (staged for their puts): 1,048,576 B; 1,424,231,936 + 2,097,152 = 1,426,329,088
     "slot_stage": ((8, 4096, 8), f32, 1_048_576, 1_426_329_088),
-    # the hierarchical transport's: [G, R, R, L + 1] i32: 2 * 8 * 8 * 33 * 4 = 16,896 B;
-    # 1,426,329,088 + 1,048,576 = 1,427,377,664
-    "relay_counts": ((2, 8, 8, 33), i32, 16_896, 1_427_377_664),
-    # [G, R] u64: 128 B; 1,427,377,664 + 16,896 = 1,427,394,560
-    "relay_signal": ((2, 8), u64, 128, 1_427_394_560),
-    # [R, T, H] u16 (one buffer, no group axis): 469,762,048 B; 1,427,394,560 + 128 -> 1,427,394,816
-    "relay_partials": ((8, 4096, 7168), u16, 469_762_048, 1_427_394_816),
-    # [R, T, 16] u64: 4,194,304 B; 1,427,394,816 + 469,762,048 = 1,897,156,864
-    "relay_flag": ((8, 4096, 16), u64, 4_194_304, 1_897_156_864),
-    # the packed chunks, sized for the most other nodes (one PE a node: X = 7 other nodes) and
-    # the most chunks (8 tokens each: C = 4096 / 8 = 512): [X, T, H] u16: 7 * 4096 * 7168 * 2 = 411,041,792 B;
-    # 1,897,156,864 + 4,194,304 = 1,901,351,168
-    "relay_stage": ((7, 4096, 7168), u16, 411_041_792, 1_901_351_168),
-    # + 411,041,792 = 2,312,392,960
-    "relay_rows": ((7, 4096, 7168), u16, 411_041_792, 2_312_392_960),
-    # [R, C] u64: 8 * 512 * 8 = 32,768 B; + 411,041,792 = 2,723,434,752
-    "relay_chunk_flag": ((8, 512), u64, 32_768, 2_723_434_752),
-    # [X, T, H] u16 (bf16 partials): 411,041,792 B; + 32,768 = 2,723,467,520
-    "relay_sums": ((7, 4096, 7168), u16, 411_041_792, 2_723_467_520),
-    # [R, C] u64: 32,768 B; + 411,041,792 = 3,134,509,312
-    "combine_chunk_flag": ((8, 512), u64, 32_768, 3_134_509_312),
+    # the hierarchical transport's, sized for the most other nodes (one PE a node: X = 7): [G, X, N, L + 1]
+    # i32, N = 1: 2 * 7 * 1 * 33 * 4 = 1848 B; 1,426,329,088 + 1,048,576 = 1,427,377,664
+    "relay_counts": ((2, 7, 1, 33), i32, 1848, 1_427_377_664),
+    # [G, R] u64: 128 B; 1,427,377,664 + 1848 = 1,427,379,512 -> 1,427,379,712
+    "relay_signal": ((2, 8), u64, 128, 1_427_379_712),
+    # [R, T, H] u16 (one buffer, no group axis): 469,762,048 B; 1,427,379,712 + 128 -> 1,427,379,968
+    "relay_partials": ((8, 4096, 7168), u16, 469_762_048, 1_427_379_968),
+    # [R, T, 16] u64: 4,194,304 B; 1,427,379,968 + 469,762,048 = 1,897,142,016
+    "relay_flag": ((8, 4096, 16), u64, 4_194_304, 1_897_142_016),
+    # the packed chunks, sized for the most other nodes (X = 7) and the most chunks (8 tokens each:
+    # C = 4096 / 8 = 512): [X, T, H] u16: 7 * 4096 * 7168 * 2 = 411,041,792 B;
+    # 1,897,142,016 + 4,194,304 = 1,901,336,320
+    "relay_stage": ((7, 4096, 7168), u16, 411_041_792, 1_901_336_320),
+    # + 411,041,792 = 2,312,378,112
+    "relay_rows": ((7, 4096, 7168), u16, 411_041_792, 2_312_378_112),
+    # [X, C] u64: 7 * 512 * 8 = 28,672 B; + 411,041,792 = 2,723,419,904
+    "relay_chunk_flag": ((7, 512), u64, 28_672, 2_723_419_904),
+    # [X, T, H] u16 (bf16 partials): 411,041,792 B; + 28,672 = 2,723,448,576
+    "relay_sums": ((7, 4096, 7168), u16, 411_041_792, 2_723_448_576),
+    # [R, C] u64: 32,768 B; + 411,041,792 = 3,134,490,368
+    "combine_chunk_flag": ((8, 512), u64, 32_768, 3_134_490_368),
 }
-# 3,134,509,312 + 32,768 = 3,134,542,080 (256-byte aligned)
-DSV3_SYMMETRIC_BYTES = 3_134_542_080
+# 3,134,490,368 + 32,768 = 3,134,523,136 (256-byte aligned)
+DSV3_SYMMETRIC_BYTES = 3_134_523_136
 
 DSV3_LOCAL = {
     # [4] i64: 32 B at 0
@@ -180,14 +180,14 @@ SMALL_SYMMETRIC = {
     "slot_signal": ((2, 2), u64, 32, 23552),  # [G, R] u64: 32 B; 23296 + 256 = 23552
     "slot_across": ((2, 2, 16, 2), f32, 512, 23808),  # [G, R, T, K] f32: 512 B; 23552 + 32 -> 23808
     "slot_stage": ((2, 16, 2), f32, 256, 24320),  # [R, T, K] f32: 256 B; 23808 + 512 = 24320
-    "relay_counts": ((2, 2, 2, 5), i32, 160, 24576),  # [G, R, R, L + 1] i32: 160 B; 24320 + 256 = 24576
-    "relay_signal": ((2, 2), u64, 32, 24832),  # [G, R] u64; 24576 + 160 = 24736 -> 24832
+    "relay_counts": ((2, 1, 1, 5), i32, 40, 24576),  # [G, X, N, L + 1] i32, X = N = 1: 40 B; 24320 + 256 = 24576
+    "relay_signal": ((2, 2), u64, 32, 24832),  # [G, R] u64; 24576 + 40 = 24616 -> 24832
     "relay_partials": ((2, 16, 64), u16, 4096, 25088),  # [R, T, H] u16: 4096 B; 24832 + 32 -> 25088
     "relay_flag": ((2, 16, 16), u64, 4096, 29184),  # [R, T, 16] u64: 4096 B; 25088 + 4096 = 29184
     "relay_stage": ((1, 16, 64), u16, 2048, 33280),  # [X, T, H] u16, X = 1: 2048 B; 29184 + 4096 = 33280
     "relay_rows": ((1, 16, 64), u16, 2048, 35328),  # 33280 + 2048 = 35328
-    "relay_chunk_flag": ((2, 2), u64, 32, 37376),  # [R, C] u64, C = 16 / 8: 32 B; 35328 + 2048 = 37376
-    "relay_sums": ((1, 16, 64), u16, 2048, 37632),  # 37376 + 32 -> 37632
+    "relay_chunk_flag": ((1, 2), u64, 16, 37376),  # [X, C] u64, C = 16 / 8: 16 B; 35328 + 2048 = 37376
+    "relay_sums": ((1, 16, 64), u16, 2048, 37632),  # 37376 + 16 -> 37632
     "combine_chunk_flag": ((2, 2), u64, 32, 39680),  # 37632 + 2048 = 39680
 }
 SMALL_SYMMETRIC_BYTES = 39936  # 39680 + 32 -> 39936 (256-byte aligned)
@@ -294,7 +294,7 @@ def test_dsv3_totals_in_mib():
     # other nodes: staged rows, received rows and staged sums (392 MiB each) and their flags, and
     # its slot values from other nodes (2 MiB) and staged for them (1 MiB).
     layout = BufferLayout(DSV3)
-    assert 2989.32 < layout.symmetric_bytes / MiB < 2989.34
+    assert 2989.30 < layout.symmetric_bytes / MiB < 2989.32
     # combine_stage 448 MiB + expert_x 3584 MiB + token_rows 1 MiB + 5 row arrays of 1 MiB
     # + the sender's 0.125 MiB of staged ranks, 0.22 MiB of packed-row slots and a few KiB
     # + the dense layout's rows (448 MiB), their top-k ids and weights (1 MiB each) and maps (0.25 MiB).
@@ -371,8 +371,14 @@ def test_symmetric_regions_have_leading_group_dimension(case):
         if r.name in ("relay_stage", "relay_rows", "relay_sums"):  # [X, T, ...]: one buffer per other node
             assert r.shape[1] == layout.cfg.max_tokens_per_rank, r.shape
             continue
-        if r.name in ("relay_chunk_flag", "combine_chunk_flag"):  # [R, C]: monotonic chunk flags
+        if r.name == "combine_chunk_flag":  # [R, C]: monotonic chunk flags
             assert r.shape == (layout.cfg.n_ranks, -(-layout.cfg.max_tokens_per_rank // 8)), r.shape
+            continue
+        if r.name == "relay_chunk_flag":  # [X, C]: monotonic chunk flags, a row per source (other node)
+            assert r.shape == (layout.cfg.n_ranks - 1, -(-layout.cfg.max_tokens_per_rank // 8)), r.shape
+            continue
+        if r.name == "relay_counts":  # [G, X, N, L + 1]: a source (other node) a row, one PE a node here
+            assert r.shape == (2, layout.cfg.n_ranks - 1, 1, layout.cfg.n_experts // layout.cfg.n_ranks + 1)
             continue
         assert r.shape[0] == 2, f"{r.name} {r.shape}: no leading group dimension 2"
         assert r.shape[1] == layout.cfg.n_ranks, f"{r.name} {r.shape}: second dimension is not the source rank"
@@ -438,8 +444,8 @@ def test_describe_dsv3_figures():
     assert "896.000" in text          # combine_partials
     assert "3584.000" in text         # expert_x
     assert "392.000" in text          # relay_stage, relay_rows, relay_sums (7 other nodes)
-    # 3,134,542,080 / 2**20 = 2989.3323; 19,748,460,544 / 2**20 = 18833.5996
-    assert "symmetric 2989.332 MiB, local 18833.600 MiB" in text
+    # 3,134,523,136 / 2**20 = 2989.3142; 19,748,460,544 / 2**20 = 18833.5996
+    assert "symmetric 2989.314 MiB, local 18833.600 MiB" in text
 
 
 def test_region_unknown_name_raises_key_error():

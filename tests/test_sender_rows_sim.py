@@ -82,6 +82,22 @@ def test_hierarchical_list_builds_size_the_partials_by_sender_the_mask_builds_by
     assert (region.shape, region.dtype) == ((G, 5, T, H), np.float32), region
 
 
+def test_a_proxy_keeps_its_sources_counts_and_chunk_flags_by_other_node():
+    """``relay_counts [G, X, N, L + 1]`` and ``relay_chunk_flag [X, C]``: a proxy's sources are the
+    PEs of its local index on the X other nodes, a row each (``other_index``), list or mask build."""
+    G, T, C = 2, 20, -(-20 // RELAY_CHUNK_MIN)
+    for R, n_nodes in ((4, 2), (8, 2), (8, 4), (72, 9), (1024, 128)):
+        N, X = R // n_nodes, n_nodes - 1
+        cfg = cfg_of(R) if R <= 64 else cfg_of(R, n_experts=R, top_k=2, max_tokens_per_rank=20)
+        L = cfg.n_experts // R
+        for overrides in ({"dest_list": True}, {}):
+            if R > 64 and not overrides:
+                continue  # past 64 ranks every build takes the list
+            layout = BufferLayout(cfg, hierarchical_plan(cfg, n_nodes, overrides))
+            shapes = [layout.region(name).shape for name in ("relay_counts", "relay_chunk_flag")]
+            assert shapes == [(G, X, N, L + 1), (X, C)], (R, n_nodes, overrides, shapes)
+
+
 def test_every_homes_senders_take_its_rows_once_and_a_proxy_puts_where_the_home_reads(monkeypatch):
     """``sender_index`` (its Python source on the host) over every home of several widths."""
     index, other = py(nodes.sender_index), py(nodes.other_index)

@@ -218,8 +218,10 @@ def _regions(cfg: EPConfig, plan=None) -> list[Region]:
         # the hierarchical transport's proxies (ep_runtime/kernels/relay.py): [s] is a source of this PE
         # (a PE of another node with its local index), row node(s) * node_size + j its node's
         # rows for PE j of this node
-        Region("relay_counts", (G, R, R, L + 1), i32, 0, S, f"{DA} (peers: sources, with the signal)",
-               ("dispatch_relay",), "[g, s, j]: source s's counts row for PE j of this node (hierarchical)"),
+        Region("relay_counts", (G, other_nodes(cfg, plan), node_pes(plan), L + 1), i32, 0, S,
+               f"{DA} (peers: sources, with the signal)", ("dispatch_relay",),
+               "[g, x, j]: the counts row for PE j of this node of the source on the x-th other node "
+               "(hierarchical)"),
         Region("relay_signal", (G, R), u64, 0, S, f"{DA} (peers: the sources, last block)", ("dispatch_relay",),
                "[g, s]: (n + 1) << 32 | T once everything of call n from source s for this node has arrived "
                "(hierarchical; monotonic)"),
@@ -382,11 +384,15 @@ def tokens_region(cfg: EPConfig) -> Region:
                   f"[src, t]: the {fmt.name} message of token t of rank src (codes, scales, padding)")
 
 
+def node_pes(plan=None) -> int:
+    """PEs a node under ``plan``'s hierarchical transport (1 without one, or for ``plan`` None)."""
+    return getattr(plan, "node_size", 0) or 1
+
+
 def other_nodes(cfg: EPConfig, plan=None) -> int:
     """The nodes other than its own a PE sends to under ``plan``'s hierarchical transport (at
     least 1, so a layout sized for any plan, ``plan`` None, holds the most: one PE a node)."""
-    size = getattr(plan, "node_size", 0) or 1
-    return max(cfg.n_ranks // size - 1, 1)
+    return max(cfg.n_ranks // node_pes(plan) - 1, 1)
 
 
 def relay_regions(cfg: EPConfig, plan=None, symmetric: bool = True) -> list[Region]:
@@ -413,8 +419,9 @@ def relay_regions(cfg: EPConfig, plan=None, symmetric: bool = True) -> list[Regi
         Region("relay_rows", (X, T, *row), tok.dtype, 0, True, "dispatch_async (peers: sources)",
                ("dispatch_relay",), "[x, c CH + j]: the j-th row of chunk c of this PE's source on the "
                "x-th other node (hierarchical)"),
-        Region("relay_chunk_flag", (R, C), u64, 0, True, "dispatch_async (peers: sources)", ("dispatch_relay",),
-               "[s, c]: n + 1 once source s's chunk c of call n has arrived (hierarchical; monotonic)"),
+        Region("relay_chunk_flag", (X, C), u64, 0, True, "dispatch_async (peers: sources)", ("dispatch_relay",),
+               "[x, c]: n + 1 once chunk c of call n of the source on the x-th other node has arrived "
+               "(hierarchical; monotonic)"),
         Region("relay_sums", (X, T, H), pdt, 0, True, "combine_relay", ("combine_relay",),
                f"[x, c CH + j]: this node's sum for the j-th token of chunk c of the source of the x-th "
                f"other node ({partial_format_name(cfg)}), staged for its chunk's put (hierarchical)"),

@@ -159,10 +159,10 @@ def make_dispatch_relay(v: DispatchVariant):
 
         Symmetric, as dispatch_async writes them: dispatch_tokens [R, Tmax, W] token words (or FP8 messages),
         dispatch_topk_ids / dispatch_topk_weights / dispatch_ranks [G, R, Tmax, K], dispatch_counts [G, R, L +
-        1] int32, dispatch_signal [G, R] uint64, relay_counts [G, R, R, L + 1] int32 ([g, s, j]: source s's
-        counts row for PE j of this node), relay_signal [G, R] uint64, dispatch_token_credit [R] uint64,
+        1] int32, dispatch_signal [G, R] uint64, relay_counts [G, X, N, L + 1] int32 ([g, x, j]: the counts row
+        for PE j of this node of the source on the x-th other node; ``N = node_size``), relay_signal [G, R] uint64, dispatch_token_credit [R] uint64,
         relay_rows [X, Tmax, W] (``[other_index(node(s)), c CH + j]``: the j-th packed row of chunk c of
-        source s) and relay_chunk_flag [R, C] uint64 (``[s, c]``: n + 1 once it arrived). peer_bases [P, R]
+        source s) and relay_chunk_flag [X, C] uint64 (``[other_index(node(s)), c]``: n + 1 once it arrived). peer_bases [P, R]
         uint64: the node's PEs' regions as mapped here (a ``node_stores`` build forwards with stores through
         them). Local: dispatch_async_sync (dispatch_async's call counter: this is call ``sync[1] - 1``),
         relay_sync [1] int64 (the launch's ticket), status int64. timeout_ns bounds each wait. reuse_routing
@@ -240,7 +240,7 @@ def make_dispatch_relay(v: DispatchVariant):
                 while c * CH < T:  # block-uniform
                     mask = chunk_marks(cmask, dispatch_topk_ids, g, s, c, CH, T, here, L, R)
                     if mask != uint32(0):
-                        if tid == 0 and not await_flag(relay_chunk_flag[s, c:c + 1], s, c * CH, n, timeout_ns,
+                        if tid == 0 and not await_flag(relay_chunk_flag[x, c:c + 1], s, c * CH, n, timeout_ns,
                                                        status, KERNEL_DISPATCH_RELAY, COUNTER_RELAY_CHUNK):
                             flag[0] = 0
                         cuda.syncthreads()
@@ -263,7 +263,7 @@ def make_dispatch_relay(v: DispatchVariant):
                     s = node * NODE + me % NODE
                     signal = (uint64(n + 1) << uint64(SIGNAL_TOKEN_BITS)) | uint64(t_of[node])
                     if reuse_routing == 0:
-                        shmem.put_signal(dispatch_counts[g, s], relay_counts[g, s, q - first],
+                        shmem.put_signal(dispatch_counts[g, s], relay_counts[g, other_index(node, mine), q - first],
                                          dispatch_signal[g, s:s + 1], signal, shmem.SIGNAL_SET, q)
                     else:
                         shmem.signal_op(dispatch_signal[g, s:s + 1], signal, shmem.SIGNAL_SET, q)

@@ -103,7 +103,7 @@ def make_signal(threads: int, node_size: int, signal_near) -> SimpleNamespace:
         """Every thread of dispatch_async's last block, after its quiet: when the call sent its
         routing, each proxy first gets this PE's routing rows (ids, weights and, ``ranked``, the
         ranks) in a put each, quieted; then each proxy gets this PE's counts rows for its node's
-        PEs in ``relay_counts[g, me]`` with the relay signal ``value`` (the signal alone on a kept
+        PEs in ``relay_counts[g, x]`` (x: this node among the proxy's other nodes) with the relay signal ``value`` (the signal alone on a kept
         routing's call), and each PE of this node the dispatch signal as the node's transport
         gives it."""
         tid = cuda.threadIdx.x
@@ -124,7 +124,8 @@ def make_signal(threads: int, node_size: int, signal_near) -> SimpleNamespace:
             if d // NODE != me // NODE:  # a proxy: its node's counts rows, its relay signal
                 if reaches(me, d, NODE) and route:
                     n0 = (d // NODE) * NODE
-                    shmem.put_signal(relay_counts[g, me, 0:NODE], staged[n0:n0 + NODE], relay_signal[g, me:me + 1],
+                    x = other_index(me // NODE, d // NODE)  # this node among the proxy's other nodes
+                    shmem.put_signal(relay_counts[g, x, 0:NODE], staged[n0:n0 + NODE], relay_signal[g, me:me + 1],
                                      value, shmem.SIGNAL_SET, d)
                 elif reaches(me, d, NODE):  # a kept routing's call: the counts rows are the receivers' own
                     shmem.signal_op(relay_signal[g, me:me + 1], value, shmem.SIGNAL_SET, d)
@@ -326,7 +327,7 @@ def make_row_chunks(threads: int, node_size: int, dest_slots: int, pack_row, hol
         ``relay_stage[x, c CH:]`` (a warp a row; FP8: messages), notes each token's packed row in
         ``relay_slot[g, t, x]`` (combine_wait finds the node's sum there), and puts the packed
         rows to its proxy there in one ``put_signal_nbi_block`` that sets the proxy's
-        ``relay_chunk_flag[me, c]`` to n + 1. A chunk with no token bound to a node sends it
+        ``relay_chunk_flag[x', c]`` to n + 1 (x': this node among the proxy's other nodes). A chunk with no token bound to a node sends it
         nothing (the proxy ranks the chunk alike and waits for no flag)."""
         tid = cuda.threadIdx.x
         lane = tid % warp
@@ -361,7 +362,8 @@ def make_row_chunks(threads: int, node_size: int, dest_slots: int, pack_row, hol
                     cuda.syncthreads()  # the packed rows are written before the block's put reads them
                     cnt = popc32(mask)
                     shmem.put_signal_nbi_block(relay_rows[other_index(mine, node), c0:c0 + cnt],
-                                               relay_stage[x, c0:c0 + cnt], relay_chunk_flag[me, c:c + 1],
+                                               relay_stage[x, c0:c0 + cnt],
+                                               relay_chunk_flag[other_index(mine, node), c:c + 1],
                                                uint64(n + 1), shmem.SIGNAL_SET, node * NODE + me % NODE)
             cuda.syncthreads()  # cmask read by every thread before the next chunk clears it
             c += token_blocks
