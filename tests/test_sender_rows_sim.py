@@ -85,7 +85,7 @@ def test_hierarchical_list_builds_size_the_partials_by_sender_the_mask_builds_by
 def test_a_proxy_keeps_its_sources_counts_and_chunk_flags_by_other_node():
     """``relay_counts [G, X, N, L + 1]`` and ``relay_chunk_flag [X, C]``: a proxy's sources are the
     PEs of its local index on the X other nodes, a row each (``other_index``), list or mask build."""
-    G, T, C = 2, 20, -(-20 // RELAY_CHUNK_MIN)
+    G, C = 2, -(-20 // RELAY_CHUNK_MIN)
     for R, n_nodes in ((4, 2), (8, 2), (8, 4), (72, 9), (1024, 128)):
         N, X = R // n_nodes, n_nodes - 1
         cfg = cfg_of(R) if R <= 64 else cfg_of(R, n_experts=R, top_k=2, max_tokens_per_rank=20)

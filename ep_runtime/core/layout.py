@@ -403,7 +403,7 @@ def relay_regions(cfg: EPConfig, plan=None, symmetric: bool = True) -> list[Regi
     the index of a node among the other nodes (ascending). The symmetric ones (``symmetric``),
     or the local one. Staged rows and sums are symmetric: a remote transport reads a put's
     source from the registered heap."""
-    R, H, T, G = cfg.n_ranks, cfg.hidden, cfg.max_tokens_per_rank, N_GROUPS
+    H, T, G = cfg.hidden, cfg.max_tokens_per_rank, N_GROUPS
     X, C = other_nodes(cfg, plan), -(-cfg.max_tokens_per_rank // RELAY_CHUNK_MIN)
     tok, pdt, u64 = tokens_region(cfg), partial_dtype(cfg), np.dtype(np.uint64)
     row = (tok.shape[2],)
