@@ -27,22 +27,30 @@ def make_partial_reduce(threads: int, word: str, f32_partials: bool, epilogue, n
     ``word`` (a NumPy dtype name), the partial format, ``epilogue(value: float32, token: int,
     col: int, aux: [T, H] float32) -> float32`` (a Numba device function applied to each reduced
     element before the bf16 store) and the partials' rows (``nodes.make_partial_sources`` of
-    ``node_size``), a token's ranks a uint64 mask (``dest_slots`` 0) or an ascending list
-    (ep_runtime/kernels/destinations.py), with ``partial_slots`` the list's j-th rank's partial in
-    row j of ``combine_partials[g]``, or with nodes rank r's in row ``nodes.sender_index(me, r)``
-    (``CombineVariant.partial_slots``): ``reduce_part`` and ``copy_part``."""
+    ``node_size``), a token's ranks a uint64 mask (``dest_slots`` 0: :func:`make_mask_reduce`) or
+    an ascending list (ep_runtime/kernels/destinations.py: :func:`make_listed_reduce`), with
+    ``partial_slots`` the list's j-th rank's partial in row j of ``combine_partials[g]``, or with
+    nodes rank r's in row ``nodes.sender_index(me, r)`` (``CombineVariant.partial_slots``):
+    ``reduce_part`` and ``copy_part``."""
+    if dest_slots:
+        return make_listed_reduce(threads, word, f32_partials, epilogue, node_size, partial_slots)
+    return make_mask_reduce(threads, word, f32_partials, epilogue, node_size)
+
+
+def loop_shape(threads: int, word: str, f32_partials: bool):
+    """``(warp, word_t, pack, P, F32, rounded_word, UW, UPW)`` of ``partials.partial_geometry``:
+    ``UW`` token words per lane per pass, so that ``U`` partial words are in flight (the same
+    bytes and registers as bf16's U words), ``UPW`` token-word pairs per pass (``UP``
+    partial-word pairs in flight)."""
     geo = partial_geometry(threads, word, f32_partials)
-    warp, word_t, pack, P, F32 = geo.warp, geo.word_t, geo.pack, geo.P, geo.F32
-    rounded_word = geo.rounded_word
-    U = geo.U
-    UP = geo.UP
-    # token words per lane per pass, so that U partial words are in flight (the same bytes and
-    # registers as bf16's U words)
-    UW = U // P
-    UPW = UP // P  # token-word pairs per pass: UP partial-word pairs in flight
+    return (geo.warp, geo.word_t, geo.pack, geo.P, geo.F32, geo.rounded_word, geo.U // geo.P, geo.UP // geo.P)
+
+
+def make_mask_reduce(threads: int, word: str, f32_partials: bool, epilogue, node_size: int) -> SimpleNamespace:
+    """``reduce_part`` and ``copy_part`` over a token's ranks as a uint64 mask (every build of 64
+    ranks or fewer; arguments as :func:`make_partial_reduce`'s)."""
+    warp, word_t, pack, P, F32, rounded_word, UW, UPW = loop_shape(threads, word, f32_partials)
     _, partial_row, _ = make_partial_sources(node_size)
-    BY_SENDER = bool(partial_slots and node_size)  # the list builds' rows (constants the compiler prunes on)
-    BY_SLOT = bool(partial_slots and not node_size)
 
     @inlined
     def reduce_part(out, own_rows, combine_partials, relay_slot, aux, g, me, t, Tmax, R, went, own, pairs, w0, w1,
@@ -139,6 +147,19 @@ def make_partial_reduce(threads: int, word: str, f32_partials: bool, epilogue, n
                         out_partials[r, t, w] = combine_partials[g, r, partial_row(relay_slot, g, t, r, me), w]
                 else:
                     out_partials[r, t, w] = 0
+
+    return SimpleNamespace(reduce_part=reduce_part, copy_part=copy_part)
+
+
+def make_listed_reduce(threads: int, word: str, f32_partials: bool, epilogue, node_size: int,
+                       partial_slots: int) -> SimpleNamespace:
+    """``reduce_part`` and ``copy_part`` over a token's ascending destination list (the builds
+    with destination lists; arguments as :func:`make_partial_reduce`'s): the mask's ranks in the
+    mask's order, rank r's partial where ``partial_slots`` puts it (``listed_row``)."""
+    warp, word_t, pack, P, F32, rounded_word, UW, UPW = loop_shape(threads, word, f32_partials)
+    _, partial_row, _ = make_partial_sources(node_size)
+    BY_SENDER = bool(partial_slots and node_size)  # the rows (constants the compiler prunes on)
+    BY_SLOT = bool(partial_slots and not node_size)
 
     @inlined
     def add_pairs(src, w, w1, lo, hi, acc):
@@ -263,6 +284,4 @@ def make_partial_reduce(threads: int, word: str, f32_partials: bool, epilogue, n
                 else:
                     out_partials[r, t, w] = 0
 
-    if dest_slots:
-        return SimpleNamespace(reduce_part=reduce_listed_part, copy_part=copy_listed_part)
-    return SimpleNamespace(reduce_part=reduce_part, copy_part=copy_part)
+    return SimpleNamespace(reduce_part=reduce_listed_part, copy_part=copy_listed_part)

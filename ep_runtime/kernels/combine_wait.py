@@ -35,39 +35,12 @@ def identity_epilogue(value, token, col, aux):
     return value
 
 
-@functools.lru_cache(maxsize=None)
-def make_combine_wait(threads: int, word: str, f32_partials: bool, pdl: bool, epilogue=identity_epilogue,
-                      node_size: int = 0, dest_slots: int = 0, partial_slots: int = 0):
-    """``combine_wait`` for blocks of ``threads`` threads, token words of ``word`` (a NumPy
-    dtype name), the partial format, PDL, and ``epilogue(value: float32, token: int, col: int,
-    aux: [T, H] float32) -> float32``, a Numba device function applied to each reduced element
-    before the bf16 store (e.g. a residual add reading ``aux[token, col]``). Of the transport it
-    sees only where partials arrive (``nodes.make_partial_sources`` of the hierarchical one's
-    ``node_size``; 0 otherwise): a token's partials from another node come summed, from this
-    rank's proxy there, in its chunk's packed row (``relay_slot``). A token's ranks are a uint64
-    mask (``dest_slots`` 0) or an ascending list of at most ``dest_slots`` ranks
-    (ep_runtime/kernels/destinations.py); with ``partial_slots`` (a list build) its partials and
-    their flags are kept by destination slot, the list's j-th rank's in row j, or with nodes by
-    sender, rank r's in row ``nodes.sender_index(me, r)`` (``CombineVariant.partial_slots``)."""
-    if partial_slots and not dest_slots:
-        raise ValueError(f"partials by destination slot or sender (partial_slots={partial_slots}) need "
-                         f"destination lists (dest_slots={dest_slots}); pass partial_slots=0 for a mask build")
-    geo = partial_geometry(threads, word, f32_partials)
-    warp, warps, word_t, pack, P, F32 = geo.warp, geo.warps, geo.word_t, geo.pack, geo.P, geo.F32
-    U = geo.U
-    UP = geo.UP
-    # token words per lane per pass, so that U partial words are in flight (the same bytes and
-    # registers as bf16's U words), and their accumulators (combine_reduce.py)
-    UW = U // P
-    ACCW = UW * pack
-    pdl_wait, pdl_trigger = make_pdl(pdl)
-
-    by_sender = partial_slots and node_size  # the mask builds share one set of functions with combine_reduce
-    sources = make_partial_sources(node_size, True) if by_sender else make_partial_sources(node_size)
-    senders, _, await_partial = sources
-    reduce = make_partial_reduce(threads, word, f32_partials, epilogue, node_size, dest_slots, partial_slots)
+def make_list_waits(node_size: int, dest_slots: int, partial_slots: int, await_partial):
+    """The list builds' ``went_of_list`` (a token's ranks whose partials it sums, as an ascending
+    list) and ``await_listed`` (wait for each of them), for ``combine_wait`` of
+    ``make_combine_wait``'s ``node_size``, ``dest_slots`` and ``partial_slots``; ``await_partial``
+    of the build's ``nodes.make_partial_sources``."""
     LIST = list_words(dest_slots)
-    WENT_WORDS = max(1, 2 * LIST if node_size else LIST)  # hierarchical: the holders, then the senders
 
     @inlined
     def went_of_list(dispatch_topk_ids, g, me, t, K, L, R, went_l):
@@ -114,7 +87,44 @@ def make_combine_wait(threads: int, word: str, f32_partials: bool, pdl: bool, ep
                     break
         return ok
 
-    await_listed = await_slots if partial_slots and not node_size else await_list
+    return went_of_list, (await_slots if partial_slots and not node_size else await_list)
+
+
+@functools.lru_cache(maxsize=None)
+def make_combine_wait(threads: int, word: str, f32_partials: bool, pdl: bool, epilogue=identity_epilogue,
+                      node_size: int = 0, dest_slots: int = 0, partial_slots: int = 0):
+    """``combine_wait`` for blocks of ``threads`` threads, token words of ``word`` (a NumPy
+    dtype name), the partial format, PDL, and ``epilogue(value: float32, token: int, col: int,
+    aux: [T, H] float32) -> float32``, a Numba device function applied to each reduced element
+    before the bf16 store (e.g. a residual add reading ``aux[token, col]``). Of the transport it
+    sees only where partials arrive (``nodes.make_partial_sources`` of the hierarchical one's
+    ``node_size``; 0 otherwise): a token's partials from another node come summed, from this
+    rank's proxy there, in its chunk's packed row (``relay_slot``). A token's ranks are a uint64
+    mask (``dest_slots`` 0) or an ascending list of at most ``dest_slots`` ranks
+    (ep_runtime/kernels/destinations.py); with ``partial_slots`` (a list build) its partials and
+    their flags are kept by destination slot, the list's j-th rank's in row j, or with nodes by
+    sender, rank r's in row ``nodes.sender_index(me, r)`` (``CombineVariant.partial_slots``)."""
+    if partial_slots and not dest_slots:
+        raise ValueError(f"partials by destination slot or sender (partial_slots={partial_slots}) need "
+                         f"destination lists (dest_slots={dest_slots}); pass partial_slots=0 for a mask build")
+    geo = partial_geometry(threads, word, f32_partials)
+    warp, warps, word_t, pack, P, F32 = geo.warp, geo.warps, geo.word_t, geo.pack, geo.P, geo.F32
+    U = geo.U
+    UP = geo.UP
+    # token words per lane per pass, so that U partial words are in flight (the same bytes and
+    # registers as bf16's U words), and their accumulators (combine_reduce.py)
+    UW = U // P
+    ACCW = UW * pack
+    pdl_wait, pdl_trigger = make_pdl(pdl)
+
+    by_sender = partial_slots and node_size  # the mask builds share one set of functions with combine_reduce
+    sources = make_partial_sources(node_size, True) if by_sender else make_partial_sources(node_size)
+    senders, _, await_partial = sources
+    reduce = make_partial_reduce(threads, word, f32_partials, epilogue, node_size, dest_slots, partial_slots)
+    LIST = list_words(dest_slots)
+    WENT_WORDS = max(1, 2 * LIST if node_size else LIST)  # hierarchical: the holders, then the senders
+
+    went_of_list, await_listed = make_list_waits(node_size, dest_slots, partial_slots, await_partial)
     # a constant the compiler prunes on: the mask builds keep their loops in the kernel body, the
     # code they compiled to before the lists (an inlined helper reorders it)
     LISTED = dest_slots > 0
