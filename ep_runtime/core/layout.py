@@ -88,6 +88,14 @@ class Region:
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
 
+def size_text(nbytes: int) -> str:
+    """``nbytes`` for a message: GiB, MiB or KiB with one decimal."""
+    for unit, shift in (("GiB", 30), ("MiB", 20)):
+        if nbytes >= 1 << shift:
+            return f"{nbytes / (1 << shift):,.1f} {unit}"
+    return f"{nbytes / 1024:,.1f} KiB"
+
+
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
@@ -138,6 +146,12 @@ class BufferLayout:
     @property
     def local_regions(self) -> tuple[Region, ...]:
         return tuple(r for r in self.regions if not r.symmetric)
+
+    def largest(self, symmetric: bool = True, n: int = 3) -> str:
+        """The ``n`` largest regions of one heap as text (``name shape MiB``), largest first: what
+        an error about the heap's size names."""
+        heap = sorted(self.symmetric_regions if symmetric else self.local_regions, key=lambda r: -r.nbytes)
+        return "; ".join(f"{r.name} {list(r.shape)} {size_text(r.nbytes)}" for r in heap[:n])
 
     def describe(self) -> str:
         """The region table (under 120 columns): each region's heap, shape, dtype, MiB and

@@ -34,7 +34,7 @@ from ep_runtime.core.call_memo import CallMemo, PreparedCall
 from ep_runtime.core.config import EPConfig
 from ep_runtime.core.errors import EPConfigError, EPStateError
 from ep_runtime.core.kernel_args import WORD_ARRAYS, build_args, region_views
-from ep_runtime.core.layout import PEER_REGIONS, SYNC_CALLS, BufferLayout, partial_dtype, token_word
+from ep_runtime.core.layout import PEER_REGIONS, SYNC_CALLS, BufferLayout, partial_dtype, size_text, token_word
 from ep_runtime.core.plan import (ExpandedCopy, Plan, Receiver, Topology, Transport, agree, check_plan, choose_plan,
                                   merged_overrides)
 from ep_runtime.core.runtime_combine import CombineCalls
@@ -95,6 +95,13 @@ class EPRuntime(DispatchCalls, CombineCalls, SlotValueCalls):
         self.plan = _resolve_plan(cfg, Topology.of(session), plan)
         agree(self.plan, session)
         self.layout = BufferLayout(cfg, self.plan)
+        if self.layout.symmetric_bytes > session.heap_bytes:
+            raise EPConfigError(
+                f"rank {self.rank}: the buffers of this config and plan need {size_text(self.layout.symmetric_bytes)} "
+                f"of symmetric heap, more than the session's {size_text(session.heap_bytes)} (largest: "
+                f"{self.layout.largest()}). Open the session with heap_bytes >= BufferLayout(cfg, plan)."
+                f"symmetric_bytes, or lower max_tokens_per_rank (most regions grow with n_ranks x "
+                f"max_tokens_per_rank) or the layouts served")
         self._word = token_word(cfg.hidden)
         self._timeout_ns = np.int64(round(cfg.wait_timeout_s * 1e9))
         self._sym = session.alloc_symmetric("ep_runtime.symmetric", (self.layout.symmetric_bytes,), np.uint8)

@@ -34,10 +34,10 @@ import os
 
 import numpy as np
 
-from ep_runtime.core.errors import MissingDependencyError, ShmemError
+from ep_runtime.core.errors import EPConfigError, MissingDependencyError, ShmemError
 from ep_runtime.kernels import pdl
 from ep_runtime.kernels.cuda_api import MLIR, cuda as kernel_cuda
-from ep_runtime.shmem.env import configure_nvshmem_env
+from ep_runtime.shmem.env import HEAP_SLACK_BYTES, configure_nvshmem_env
 from ep_runtime.shmem.fast_launch import FastLauncher, Unsupported
 from ep_runtime.shmem import mlir_launch, shim_memo
 from ep_runtime.shmem.kernel_cache import KernelCache
@@ -62,6 +62,22 @@ def _check_driver(result, call: str) -> None:
     err = result[0] if type(result) is tuple else result
     if int(err) != 0:
         raise ShmemError(f"{call} failed: {err!r}")
+
+
+def check_heap_fits_gpu(heap_bytes: int, gpu_bytes: int, rank: int, device_index: int) -> None:
+    """Raise :class:`~ep_runtime.core.errors.EPConfigError` if a symmetric heap of ``heap_bytes``
+    per PE (plus NVSHMEM's slack) cannot fit the ``gpu_bytes`` of GPU ``device_index``: NVSHMEM
+    reserves the heap in device memory at initialization, and a heap past it fails there with
+    no word of why (wide expert parallelism at many tokens a rank gets there first)."""
+    want = int(heap_bytes) + HEAP_SLACK_BYTES
+    if want > gpu_bytes:
+        gib = 1 << 30
+        raise EPConfigError(
+            f"NvshmemSession.open: rank {rank}: a symmetric heap of {want / gib:,.1f} GiB per PE "
+            f"(heap_bytes={heap_bytes} plus NVSHMEM's slack) cannot fit GPU {device_index}'s {gpu_bytes / gib:,.1f} "
+            "GiB. The heap is BufferLayout(cfg, plan).symmetric_bytes of the job's buffers, and most of its "
+            "regions grow with n_ranks x max_tokens_per_rank (docs/wide_ep.md, \"Memory\"): lower "
+            "max_tokens_per_rank or serve fewer layouts (EPConfig.layouts)")
 
 
 def _cuda_core_device(index: int):
@@ -125,6 +141,7 @@ class NvshmemSession(Session):
         self._device = _cuda_core_device(self.device_index)
         self._device.set_current()
         cupy.cuda.Device(self.device_index).use()
+        check_heap_fits_gpu(heap_bytes, cupy.cuda.runtime.memGetInfo()[1], self.rank, self.device_index)
         uid = nvshmem.get_unique_id(empty=self.rank != 0)
         self.bootstrap.broadcast_bytes(uid._data.view(np.int8), root=0)
         nvshmem.init(device=self._device, uid=uid, rank=self.rank, nranks=self.n_ranks,
