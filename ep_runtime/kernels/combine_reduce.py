@@ -46,120 +46,12 @@ def loop_shape(threads: int, word: str, f32_partials: bool):
     return (geo.warp, geo.word_t, geo.pack, geo.P, geo.F32, geo.rounded_word, geo.U // geo.P, geo.UP // geo.P)
 
 
-def make_mask_reduce(threads: int, word: str, f32_partials: bool, epilogue, node_size: int) -> SimpleNamespace:
-    """``reduce_part`` and ``copy_part`` over a token's ranks as a uint64 mask (every build of 64
-    ranks or fewer; arguments as :func:`make_partial_reduce`'s)."""
+@functools.lru_cache(maxsize=None)
+def make_part_adders(threads: int, word: str, f32_partials: bool) -> SimpleNamespace:
+    """``add_pairs`` and ``add_words``: one rank's partial added into a warp's accumulators (UP
+    partial-word pairs or U partial words a lane and pass), for ``reduce_part`` of the mask and
+    list builds alike."""
     warp, word_t, pack, P, F32, rounded_word, UW, UPW = loop_shape(threads, word, f32_partials)
-    _, partial_row, _ = make_partial_sources(node_size)
-
-    @inlined
-    def reduce_part(out, own_rows, combine_partials, relay_slot, aux, g, me, t, Tmax, R, went, own, pairs, w0, w1,
-                    lane, acc, vals, lo, hi):
-        """Every lane of one warp (MODE_REDUCE): token words ``[w0, w1)`` of ``out[t]`` ([T, W]
-        words) = bf16(epilogue(sum over the ranks r set in ``went`` (uint64), ascending, of
-        f32(partial_r), from 0)). Rank r's partial is row ``partial_row(relay_slot, g, t, r,
-        me)`` of ``combine_partials[g, r]`` ([G, R, Tmax, P W] partial words), or, ``own`` and
-        r = me, row ``me * Tmax + t`` of ``own_rows``. ``pairs``: UP partial-word pairs per
-        lane in flight (16-byte accesses), else U partial words; each rank's loads are issued
-        before use. ``acc`` (local float32 [U / P pack]), ``vals`` (local [U] words), ``lo``,
-        ``hi`` (local [U / 2] words): the lanes' registers, their lanes past the row's end
-        finite."""
-        orow = out[t]
-        w = w0 + 2 * lane
-        while pairs and w < w1:  # UP partial-word pairs per lane: each rank's loads issued before use
-            for x in range(2 * UPW * pack):
-                acc[x] = float32(0.0)
-            for r in range(R):
-                if (went >> uint64(r)) & uint64(1):
-                    src = (own_rows[me * Tmax + t] if own and r == me
-                           else combine_partials[g, r, partial_row(relay_slot, g, t, r, me)])
-                    for u in range(UPW):
-                        wu = w + 2 * u * warp
-                        if wu < w1:
-                            if F32:  # token words wu, wu + 1: partial words 2 wu .. 2 wu + 3
-                                pair = load_pair(src, 2 * wu)
-                                lo[2 * u] = pair[0]
-                                hi[2 * u] = pair[1]
-                                pair = load_pair(src, 2 * wu + 2)
-                                lo[2 * u + 1] = pair[0]
-                                hi[2 * u + 1] = pair[1]
-                            else:
-                                pair = load_pair(src, wu)
-                                lo[u] = pair[0]
-                                hi[u] = pair[1]
-                    for u in range(UPW):
-                        for x in range(pack):
-                            if F32:
-                                acc[2 * u * pack + x] += f32_word_at(lo[2 * u] if x < 2 else hi[2 * u], x % 2)
-                                acc[(2 * u + 1) * pack + x] += f32_word_at(
-                                    lo[2 * u + 1] if x < 2 else hi[2 * u + 1], x % 2)
-                            else:
-                                acc[2 * u * pack + x] += word_f32(lo[u], x)
-                                acc[(2 * u + 1) * pack + x] += word_f32(hi[u], x)
-            for u in range(UPW):
-                wu = w + 2 * u * warp
-                if wu < w1:
-                    for x in range(2 * pack):
-                        acc[2 * u * pack + x] = epilogue(acc[2 * u * pack + x], t, wu * pack + x, aux)
-                    store_pair(orow, wu, rounded_word(acc, 2 * u * pack), rounded_word(acc, (2 * u + 1) * pack))
-            w += 2 * UPW * warp
-        w = w0 + lane
-        while not pairs and w < w1:  # U partial words per lane: each rank's loads issued before use
-            for x in range(UW * pack):
-                acc[x] = float32(0.0)
-            for r in range(R):
-                if (went >> uint64(r)) & uint64(1):
-                    src = (own_rows[me * Tmax + t] if own and r == me
-                           else combine_partials[g, r, partial_row(relay_slot, g, t, r, me)])
-                    for u in range(UW):
-                        if w + u * warp < w1:
-                            if F32:  # token word w + u warp: partial words 2 (w + u warp) + 0, 1
-                                vals[2 * u] = src[2 * (w + u * warp)]
-                                vals[2 * u + 1] = src[2 * (w + u * warp) + 1]
-                            else:
-                                vals[u] = src[w + u * warp]
-                    for u in range(UW):
-                        for x in range(pack):
-                            if F32:
-                                acc[u * pack + x] += f32_word_at(vals[2 * u + x // 2], x % 2)
-                            else:
-                                acc[u * pack + x] += word_f32(vals[u], x)
-            for u in range(UW):
-                wu = w + u * warp
-                if wu < w1:
-                    packed = uint64(0)
-                    for x in range(pack):
-                        packed |= bf16_bits_at(epilogue(acc[u * pack + x], t, wu * pack + x, aux), x)
-                    out[t, wu] = word_t(packed)
-            w += UW * warp
-
-    @inlined
-    def copy_part(out_partials, own_rows, combine_partials, relay_slot, g, me, t, Tmax, R, went, own, w0, w1, lane):
-        """Every lane of one warp (MODE_PARTIALS): partial words ``[P w0, P w1)`` of each rank's
-        partial of token t into ``out_partials[r, t]`` ([R, T, P W] partial words; zero for the
-        ranks r not set in ``went``), from where ``reduce_part`` reads them."""
-        for w in range(P * w0 + lane, P * w1, warp):  # partial words
-            for r in range(R):
-                if (went >> uint64(r)) & uint64(1):
-                    if own and r == me:
-                        out_partials[r, t, w] = own_rows[me * Tmax + t, w]
-                    else:
-                        out_partials[r, t, w] = combine_partials[g, r, partial_row(relay_slot, g, t, r, me), w]
-                else:
-                    out_partials[r, t, w] = 0
-
-    return SimpleNamespace(reduce_part=reduce_part, copy_part=copy_part)
-
-
-def make_listed_reduce(threads: int, word: str, f32_partials: bool, epilogue, node_size: int,
-                       partial_slots: int) -> SimpleNamespace:
-    """``reduce_part`` and ``copy_part`` over a token's ascending destination list (the builds
-    with destination lists; arguments as :func:`make_partial_reduce`'s): the mask's ranks in the
-    mask's order, rank r's partial where ``partial_slots`` puts it (``listed_row``)."""
-    warp, word_t, pack, P, F32, rounded_word, UW, UPW = loop_shape(threads, word, f32_partials)
-    _, partial_row, _ = make_partial_sources(node_size)
-    BY_SENDER = bool(partial_slots and node_size)  # the rows (constants the compiler prunes on)
-    BY_SLOT = bool(partial_slots and not node_size)
 
     @inlined
     def add_pairs(src, w, w1, lo, hi, acc):
@@ -206,6 +98,94 @@ def make_listed_reduce(threads: int, word: str, f32_partials: bool, epilogue, no
                     acc[u * pack + x] += f32_word_at(vals[2 * u + x // 2], x % 2)
                 else:
                     acc[u * pack + x] += word_f32(vals[u], x)
+
+    return SimpleNamespace(add_pairs=add_pairs, add_words=add_words)
+
+
+def make_mask_reduce(threads: int, word: str, f32_partials: bool, epilogue, node_size: int) -> SimpleNamespace:
+    """``reduce_part`` and ``copy_part`` over a token's ranks as a uint64 mask (every build of 64
+    ranks or fewer; arguments as :func:`make_partial_reduce`'s)."""
+    warp, word_t, pack, P, F32, rounded_word, UW, UPW = loop_shape(threads, word, f32_partials)
+    _, partial_row, _ = make_partial_sources(node_size)
+    adders = make_part_adders(threads, word, f32_partials)
+    add_pairs, add_words = adders.add_pairs, adders.add_words
+
+    @inlined
+    def reduce_part(out, own_rows, combine_partials, relay_slot, aux, g, me, t, Tmax, R, went, own, pairs, w0, w1,
+                    lane, acc, vals, lo, hi):
+        """Every lane of one warp (MODE_REDUCE): token words ``[w0, w1)`` of ``out[t]`` ([T, W]
+        words) = bf16(epilogue(sum over the ranks r set in ``went`` (uint64), ascending, of
+        f32(partial_r), from 0)). Rank r's partial is row ``partial_row(relay_slot, g, t, r,
+        me)`` of ``combine_partials[g, r]`` ([G, R, Tmax, P W] partial words), or, ``own`` and
+        r = me, row ``me * Tmax + t`` of ``own_rows``. ``pairs``: UP partial-word pairs per
+        lane in flight (16-byte accesses), else U partial words; each rank's loads are issued
+        before use. ``acc`` (local float32 [U / P pack]), ``vals`` (local [U] words), ``lo``,
+        ``hi`` (local [U / 2] words): the lanes' registers, their lanes past the row's end
+        finite."""
+        orow = out[t]
+        w = w0 + 2 * lane
+        while pairs and w < w1:  # UP partial-word pairs per lane: each rank's loads issued before use
+            for x in range(2 * UPW * pack):
+                acc[x] = float32(0.0)
+            for r in range(R):
+                if (went >> uint64(r)) & uint64(1):
+                    src = (own_rows[me * Tmax + t] if own and r == me
+                           else combine_partials[g, r, partial_row(relay_slot, g, t, r, me)])
+                    add_pairs(src, w, w1, lo, hi, acc)
+            for u in range(UPW):
+                wu = w + 2 * u * warp
+                if wu < w1:
+                    for x in range(2 * pack):
+                        acc[2 * u * pack + x] = epilogue(acc[2 * u * pack + x], t, wu * pack + x, aux)
+                    store_pair(orow, wu, rounded_word(acc, 2 * u * pack), rounded_word(acc, (2 * u + 1) * pack))
+            w += 2 * UPW * warp
+        w = w0 + lane
+        while not pairs and w < w1:  # U partial words per lane: each rank's loads issued before use
+            for x in range(UW * pack):
+                acc[x] = float32(0.0)
+            for r in range(R):
+                if (went >> uint64(r)) & uint64(1):
+                    src = (own_rows[me * Tmax + t] if own and r == me
+                           else combine_partials[g, r, partial_row(relay_slot, g, t, r, me)])
+                    add_words(src, w, w1, vals, acc)
+            for u in range(UW):
+                wu = w + u * warp
+                if wu < w1:
+                    packed = uint64(0)
+                    for x in range(pack):
+                        packed |= bf16_bits_at(epilogue(acc[u * pack + x], t, wu * pack + x, aux), x)
+                    out[t, wu] = word_t(packed)
+            w += UW * warp
+
+    @inlined
+    def copy_part(out_partials, own_rows, combine_partials, relay_slot, g, me, t, Tmax, R, went, own, w0, w1, lane):
+        """Every lane of one warp (MODE_PARTIALS): partial words ``[P w0, P w1)`` of each rank's
+        partial of token t into ``out_partials[r, t]`` ([R, T, P W] partial words; zero for the
+        ranks r not set in ``went``), from where ``reduce_part`` reads them."""
+        for w in range(P * w0 + lane, P * w1, warp):  # partial words
+            for r in range(R):
+                if (went >> uint64(r)) & uint64(1):
+                    if own and r == me:
+                        out_partials[r, t, w] = own_rows[me * Tmax + t, w]
+                    else:
+                        out_partials[r, t, w] = combine_partials[g, r, partial_row(relay_slot, g, t, r, me), w]
+                else:
+                    out_partials[r, t, w] = 0
+
+    return SimpleNamespace(reduce_part=reduce_part, copy_part=copy_part)
+
+
+def make_listed_reduce(threads: int, word: str, f32_partials: bool, epilogue, node_size: int,
+                       partial_slots: int) -> SimpleNamespace:
+    """``reduce_part`` and ``copy_part`` over a token's ascending destination list (the builds
+    with destination lists; arguments as :func:`make_partial_reduce`'s): the mask's ranks in the
+    mask's order, rank r's partial where ``partial_slots`` puts it (``listed_row``)."""
+    warp, word_t, pack, P, F32, rounded_word, UW, UPW = loop_shape(threads, word, f32_partials)
+    _, partial_row, _ = make_partial_sources(node_size)
+    adders = make_part_adders(threads, word, f32_partials)
+    add_pairs, add_words = adders.add_pairs, adders.add_words
+    BY_SENDER = bool(partial_slots and node_size)  # the rows (constants the compiler prunes on)
+    BY_SLOT = bool(partial_slots and not node_size)
 
     @inlined
     def listed_row(relay_slot, g, t, r, j, me):
