@@ -209,3 +209,21 @@ def test_home_weights_refuse_the_hierarchical_transport_naming_the_fix():
     with pytest.raises(EPConfigError, match="use transport=puts"):
         choose_plan(cfg, nodes, {"transport": "hierarchical", "receiver": "wait"})
     assert choose_plan(cfg, nodes, {"transport": "puts"}).transport.value == "puts"
+
+
+def test_home_weights_across_nodes_take_puts_by_default():
+    """DeepEP's low-latency mode across nodes (the deep_ep layer builds its runtimes with no plan):
+    the plan puts to every peer rather than choosing the hierarchical transport and refusing it,
+    at 2 x 2 and past 64 ranks (18 x 8, with destination lists)."""
+    from ep_runtime.core.plan import Topology, choose_plan
+
+    for R in (4, 144):
+        size = 2 if R == 4 else 8
+        cfg = EPConfig(**home_cfg(R))
+        nodes = Topology(R, False, 132, True, False, tuple(p // size for p in range(R)), True)
+        plan = choose_plan(cfg, nodes)
+        assert plan.transport.value == "puts" and plan.dest_list == (R > 64), plan
+        assert any("weights at home" in reason for reason in plan.reasons), plan.reasons
+        # the weights at the expert ranks keep the hierarchical transport
+        plain = choose_plan(EPConfig(**home_cfg(R, combine_weights="expert")), nodes)
+        assert plain.transport.value == "hierarchical", plain

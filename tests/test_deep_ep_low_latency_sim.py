@@ -51,8 +51,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-#: Per group size: tokens per rank, and the sizes every rank passes.
-SETUPS = {2: dict(tokens=(6, 4)), 3: dict(tokens=(5, 0, 6))}
+#: Per group size: tokens per rank (and, at 4, two logical nodes of 2: DeepEP's low-latency mode
+#: across nodes, where the runtimes' plan puts to every peer), and the sizes every rank passes.
+SETUPS = {2: dict(tokens=(6, 4)), 3: dict(tokens=(5, 0, 6)), 4: dict(tokens=(3, 5, 0, 4), nodes=2)}
 NUM_MAX, HIDDEN, TOP_K = 6, 512, 3
 RANK_OFFSET = 128
 JOB_TIMEOUT_S = 900
@@ -330,6 +331,10 @@ def torch_rank_main(rank: int, n: int, store: str, out_dir: str) -> None:
     try:
         T = SETUPS[n]["tokens"][rank]
         group = dist.new_group(list(range(n)))
+        if SETUPS[n].get("nodes", 1) > 1:
+            from ep_runtime.shmem import session_for
+
+            session_for(group).use_logical_nodes(SETUPS[n]["nodes"])
         hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(NUM_MAX, HIDDEN, n, n_experts(n))
         buffer = deep_ep.Buffer(group, num_rdma_bytes=hint, low_latency_mode=True, num_qps_per_rank=n_experts(n) // n,
                                 allow_nvlink_for_low_latency_mode=True, explicitly_destroy=True, allow_mnnvl=False)
@@ -343,6 +348,7 @@ def torch_rank_main(rank: int, n: int, store: str, out_dir: str) -> None:
         got["after_clean"] = vllm_dbo(buffer, rank, n, T, ue8m0=True)
         got["host_reads"] = host_reads(buffer, rank, n, T)
         got["refused"] = refusals(buffer, deep_ep.Buffer(group, 0), rank, n, T)
+        got["transports"] = sorted({entry.runtime.plan.transport.value for entry in buffer._low_latency.entries.values()})
         buffer.destroy()
     finally:
         dist.destroy_process_group()
@@ -350,12 +356,22 @@ def torch_rank_main(rank: int, n: int, store: str, out_dir: str) -> None:
         pickle.dump(got, f)
 
 
-@pytest.fixture(scope="module", params=sorted(SETUPS), ids=lambda n: f"{n}_ranks")
+@pytest.fixture(scope="module", params=[2, 3, pytest.param(4, marks=pytest.mark.wide)],
+                ids=lambda n: f"{n}_ranks" if n in (2, 3) else f"{n}_ranks_2_nodes")
 def job(request, tmp_path_factory):
     from test_sessions_sim import run_torch_job
 
     n = request.param
     return n, run_torch_job("test_deep_ep_low_latency_sim", n, tmp_path_factory.mktemp(f"ll_{n}"), JOB_TIMEOUT_S)
+
+
+def test_low_latency_runtimes_put_across_nodes_and_store_within_one(job):
+    """One node: every peer mapped, stores; two logical nodes: the plan puts to every peer (the
+    weights at home go straight home, which the hierarchical transport's proxies do not carry)."""
+    n, got = job
+    want = ["puts"] if SETUPS[n].get("nodes", 1) > 1 else ["stores"]
+    for rank, g in enumerate(got):
+        assert g["transports"] == want, f"rank {rank}: {g['transports']}"
 
 
 def test_deepep_low_latency_checks_pass_on_every_rank(job):

@@ -8,8 +8,9 @@ rule); the combine sends each (token, slot) row home by its top-k slot, which no
 On the simulator (the real kernel source, one process a rank), bit for bit the reference's: each
 rank's batched counts, and each home's output against
 :func:`~ep_runtime.core.reference_batched.combine_batched_home`, twice on one runtime (the second
-call the first's bits), bf16 and FP8 rows. The default run forces the lists at 4 ranks (stores and
-puts); ``pytest -m wide`` runs 72 ranks (about a minute on 2 cores).
+call the first's bits), bf16 and FP8 rows, on one node and on logical nodes (where the plan puts
+to every peer). The default run forces the lists at 4 ranks (one node, stores; 2 x 2 nodes, puts);
+``pytest -m wide`` runs 72 ranks (15 to 30 s each on 2 cores).
 """
 
 from __future__ import annotations
@@ -53,12 +54,14 @@ def home_weights(cfg: EPConfig, topk_ids: np.ndarray, rank: int) -> np.ndarray:
     return np.where(routed_ids(topk_ids, cfg.n_experts) >= 0, w, np.float32(np.nan)).astype(np.float32)
 
 
-def low_latency_pe(session, cfg: EPConfig, plan: dict, scenario: str) -> dict:
-    """Two low-latency round trips of one routing on one runtime: each call's batched counts and
-    combined output, and the plan."""
+def low_latency_pe(session, cfg: EPConfig, plan: dict, scenario: str, n_nodes: int) -> dict:
+    """Two low-latency round trips of one routing on one runtime, as ``n_nodes`` logical nodes:
+    each call's batched counts and combined output, and the plan."""
     from ep_runtime.core.runtime import EPRuntime
 
     r = session.rank
+    if n_nodes > 1:
+        session.use_logical_nodes(n_nodes)
     xs, ids, ws = make_inputs(cfg, scenario, SEED)
     calls = []
     with EPRuntime(cfg, session, plan=plan) as rt:
@@ -88,23 +91,27 @@ def assert_low_latency_is_the_reference(cfg: EPConfig, scenario: str, runs: list
             np.testing.assert_array_equal(out, want[r].view(np.uint16), err_msg=f"{what}: rank {r} call {call}")
 
 
-#: (ranks, config changes, plan overrides, scenario): 4 ranks with the lists forced by default, 72
-#: ranks (the plan's lists: stores on the simulator's one node, puts where asked) under ``wide``
+#: (ranks, logical nodes, config changes, plan overrides, scenario): 4 ranks with the lists forced
+#: (one node, and 2 x 2 nodes, where the plan takes puts) by default; 72 ranks (the plan's lists:
+#: stores on the simulator's one node, puts where asked or across 9 x 8 nodes) under ``wide``
 CASES = [
-    pytest.param(4, {}, {"dest_list": True, "transport": "stores"}, "masked", id="4-stores-lists"),
-    pytest.param(4, {}, {"dest_list": True, "transport": "puts"}, "random", id="4-puts-lists", marks=pytest.mark.wide),
-    pytest.param(72, {}, {}, "random", id="72-bf16-stores", marks=pytest.mark.wide),
-    pytest.param(72, {}, {"transport": "puts"}, "masked", id="72-bf16-puts", marks=pytest.mark.wide),
-    pytest.param(72, {"hidden": 128, "token_dtype": "fp8_e4m3"}, {"transport": "puts"}, "random", id="72-fp8-puts",
+    pytest.param(4, 1, {}, {"dest_list": True, "transport": "stores"}, "masked", id="4-stores-lists"),
+    pytest.param(4, 2, {}, {"dest_list": True}, "random", id="2x2-puts-lists"),
+    pytest.param(4, 1, {}, {"dest_list": True, "transport": "puts"}, "random", id="4-puts-lists",
+                 marks=pytest.mark.wide),
+    pytest.param(72, 1, {}, {}, "random", id="72-bf16-stores", marks=pytest.mark.wide),
+    pytest.param(72, 1, {}, {"transport": "puts"}, "masked", id="72-bf16-puts", marks=pytest.mark.wide),
+    pytest.param(72, 9, {"hidden": 128, "token_dtype": "fp8_e4m3"}, {}, "random", id="9x8-fp8-puts",
                  marks=pytest.mark.wide),
 ]
 
 
-@pytest.mark.parametrize("R, changes, plan, scenario", CASES)
-def test_low_latency_round_trip_over_destination_lists_is_the_reference(R, changes, plan, scenario):
+@pytest.mark.parametrize("R, n_nodes, changes, plan, scenario", CASES)
+def test_low_latency_round_trip_over_destination_lists_is_the_reference(R, n_nodes, changes, plan, scenario):
     cfg = ll_cfg(R, **changes)
-    runs = run_pes(low_latency_pe, R, args=(cfg, plan, scenario), timeout_s=RUN_TIMEOUT_S,
+    runs = run_pes(low_latency_pe, R, args=(cfg, plan, scenario, n_nodes), timeout_s=RUN_TIMEOUT_S,
                    heap_bytes=BufferLayout(cfg).symmetric_bytes)
-    want = plan.get("transport", "stores")  # the simulator maps every PE: stores unless asked
+    # the simulator maps every PE of one node (stores unless asked); across nodes the plan puts
+    want = plan.get("transport", "stores" if n_nodes == 1 else "puts")
     assert all(got["plan"]["transport"] == want for got in runs), runs[0]["plan"]
-    assert_low_latency_is_the_reference(cfg, scenario, runs, f"{R} ranks {changes} {plan} {scenario}")
+    assert_low_latency_is_the_reference(cfg, scenario, runs, f"{R} ranks on {n_nodes} nodes {changes} {plan} {scenario}")

@@ -405,6 +405,11 @@ def choose_plan(cfg: EPConfig, topology: Topology, overrides: dict | None = None
     fp8 = cfg.token_format.quantized
     transport = pick("transport", *((Transport.STORES, "every PE's heap is mapped here (NVLink): stores from the SMs")
                                     if topology.peers_mapped else
+                                    (Transport.PUTS, "the weights at home (EPConfig.combine_weights='home', DeepEP's "
+                                                     "low-latency mode) send each (token, slot) row straight home, "
+                                                     "which the hierarchical transport's proxies do not carry: "
+                                                     "NVSHMEM puts to every peer")
+                                    if cfg.combine_weights == "home" else
                                     (Transport.HIERARCHICAL, f"the PEs are on {topology.n_nodes} nodes of "
                                                              f"{topology.node_size}: within a node see node_stores; "
                                                              f"across, a put per chunk of tokens and node, through "
