@@ -126,16 +126,17 @@ def bits(a) -> np.ndarray:
     return a.view(np.uint32) if a.dtype == np.float32 else a.view(np.uint16)
 
 
-def round_trips(session, rt, cfg: EPConfig, xs, ids, ws) -> dict:
-    """This rank's combine outputs of one routing in each layout, and ``reduce=False``'s per-rank
-    partials (expanded), as host bits."""
+def round_trips(session, rt, cfg: EPConfig, xs, ids, ws, partials: bool = True) -> dict:
+    """This rank's combine outputs of one routing in each layout, and (``partials``)
+    ``reduce=False``'s per-rank partials (expanded), as host bits."""
     r = session.rank
     out = {}
     batch = rt.dispatch(xs[r].view(np.uint16), ids[r], ws[r])
     y = expert_outputs(cfg, reference.dispatch(xs, ids, ws, cfg)[r], r)
     out["expanded"] = bits(session.to_host(rt.combine(y, batch.handle)).copy())
-    batch = rt.dispatch(xs[r].view(np.uint16), ids[r], ws[r])
-    out["partials"] = bits(session.to_host(rt.combine(y, batch.handle, reduce=False)).copy())
+    if partials:
+        batch = rt.dispatch(xs[r].view(np.uint16), ids[r], ws[r])
+        out["partials"] = bits(session.to_host(rt.combine(y, batch.handle, reduce=False)).copy())
     batch = rt.dispatch(xs[r].view(np.uint16), ids[r], ws[r], layout="compact")
     rows = compact_rows(cfg, xs, ids, r)
     out["compact"] = bits(session.to_host(rt.combine(rows, batch.handle, layout="compact")).copy())
