@@ -64,25 +64,26 @@ DSV3_SYMMETRIC = {
     "relay_counts": ((2, 7, 1, 33), i32, 1848, 1_427_377_664),
     # [G, R] u64: 128 B; 1,427,377,664 + 1848 = 1,427,379,512 -> 1,427,379,712
     "relay_signal": ((2, 8), u64, 128, 1_427_379_712),
-    # [R, T, H] u16 (one buffer, no group axis): 469,762,048 B; 1,427,379,712 + 128 -> 1,427,379,968
-    "relay_partials": ((8, 4096, 7168), u16, 469_762_048, 1_427_379_968),
-    # [R, T, 16] u64: 4,194,304 B; 1,427,379,968 + 469,762,048 = 1,897,142,016
-    "relay_flag": ((8, 4096, 16), u64, 4_194_304, 1_897_142_016),
+    # [X N, T, H] u16 (one buffer, no group axis), X N = 7 * 1 (a proxy's partial senders: the
+    # other nodes' PEs of this one): 7 * 4096 * 7168 * 2 = 411,041,792 B; 1,427,379,712 + 128 -> 1,427,379,968
+    "relay_partials": ((7, 4096, 7168), u16, 411_041_792, 1_427_379_968),
+    # [X N, T, 16] u64: 3,670,016 B; 1,427,379,968 + 411,041,792 = 1,838,421,760
+    "relay_flag": ((7, 4096, 16), u64, 3_670_016, 1_838_421_760),
     # the packed chunks, sized for the most other nodes (X = 7) and the most chunks (8 tokens each:
     # C = 4096 / 8 = 512): [X, T, H] u16: 7 * 4096 * 7168 * 2 = 411,041,792 B;
-    # 1,897,142,016 + 4,194,304 = 1,901,336,320
-    "relay_stage": ((7, 4096, 7168), u16, 411_041_792, 1_901_336_320),
-    # + 411,041,792 = 2,312,378,112
-    "relay_rows": ((7, 4096, 7168), u16, 411_041_792, 2_312_378_112),
-    # [X, C] u64: 7 * 512 * 8 = 28,672 B; + 411,041,792 = 2,723,419,904
-    "relay_chunk_flag": ((7, 512), u64, 28_672, 2_723_419_904),
-    # [X, T, H] u16 (bf16 partials): 411,041,792 B; + 28,672 = 2,723,448,576
-    "relay_sums": ((7, 4096, 7168), u16, 411_041_792, 2_723_448_576),
-    # [R, C] u64: 32,768 B; + 411,041,792 = 3,134,490,368
-    "combine_chunk_flag": ((8, 512), u64, 32_768, 3_134_490_368),
+    # 1,838,421,760 + 3,670,016 = 1,842,091,776
+    "relay_stage": ((7, 4096, 7168), u16, 411_041_792, 1_842_091_776),
+    # + 411,041,792 = 2,253,133,568
+    "relay_rows": ((7, 4096, 7168), u16, 411_041_792, 2_253_133_568),
+    # [X, C] u64: 7 * 512 * 8 = 28,672 B; + 411,041,792 = 2,664,175,360
+    "relay_chunk_flag": ((7, 512), u64, 28_672, 2_664_175_360),
+    # [X, T, H] u16 (bf16 partials): 411,041,792 B; + 28,672 = 2,664,204,032
+    "relay_sums": ((7, 4096, 7168), u16, 411_041_792, 2_664_204_032),
+    # [R, C] u64: 32,768 B; + 411,041,792 = 3,075,245,824
+    "combine_chunk_flag": ((8, 512), u64, 32_768, 3_075_245_824),
 }
-# 3,134,490,368 + 32,768 = 3,134,523,136 (256-byte aligned)
-DSV3_SYMMETRIC_BYTES = 3_134_523_136
+# 3,075,245,824 + 32,768 = 3,075,278,592 (256-byte aligned)
+DSV3_SYMMETRIC_BYTES = 3_075_278_592
 
 DSV3_LOCAL = {
     # [4] i64: 32 B at 0
@@ -182,15 +183,15 @@ SMALL_SYMMETRIC = {
     "slot_stage": ((2, 16, 2), f32, 256, 24320),  # [R, T, K] f32: 256 B; 23808 + 512 = 24320
     "relay_counts": ((2, 1, 1, 5), i32, 40, 24576),  # [G, X, N, L + 1] i32, X = N = 1: 40 B; 24320 + 256 = 24576
     "relay_signal": ((2, 2), u64, 32, 24832),  # [G, R] u64; 24576 + 40 = 24616 -> 24832
-    "relay_partials": ((2, 16, 64), u16, 4096, 25088),  # [R, T, H] u16: 4096 B; 24832 + 32 -> 25088
-    "relay_flag": ((2, 16, 16), u64, 4096, 29184),  # [R, T, 16] u64: 4096 B; 25088 + 4096 = 29184
-    "relay_stage": ((1, 16, 64), u16, 2048, 33280),  # [X, T, H] u16, X = 1: 2048 B; 29184 + 4096 = 33280
-    "relay_rows": ((1, 16, 64), u16, 2048, 35328),  # 33280 + 2048 = 35328
-    "relay_chunk_flag": ((1, 2), u64, 16, 37376),  # [X, C] u64, C = 16 / 8: 16 B; 35328 + 2048 = 37376
-    "relay_sums": ((1, 16, 64), u16, 2048, 37632),  # 37376 + 16 -> 37632
-    "combine_chunk_flag": ((2, 2), u64, 32, 39680),  # 37632 + 2048 = 39680
+    "relay_partials": ((1, 16, 64), u16, 2048, 25088),  # [X N, T, H] u16, X N = 1: 2048 B; 24832 + 32 -> 25088
+    "relay_flag": ((1, 16, 16), u64, 2048, 27136),  # [X N, T, 16] u64: 2048 B; 25088 + 2048 = 27136
+    "relay_stage": ((1, 16, 64), u16, 2048, 29184),  # [X, T, H] u16, X = 1: 2048 B; 27136 + 2048 = 29184
+    "relay_rows": ((1, 16, 64), u16, 2048, 31232),  # 29184 + 2048 = 31232
+    "relay_chunk_flag": ((1, 2), u64, 16, 33280),  # [X, C] u64, C = 16 / 8: 16 B; 31232 + 2048 = 33280
+    "relay_sums": ((1, 16, 64), u16, 2048, 33536),  # 33280 + 16 -> 33536
+    "combine_chunk_flag": ((2, 2), u64, 32, 35584),  # 33536 + 2048 = 35584
 }
-SMALL_SYMMETRIC_BYTES = 39936  # 39680 + 32 -> 39936 (256-byte aligned)
+SMALL_SYMMETRIC_BYTES = 35840  # 35584 + 32 -> 35840 (256-byte aligned)
 
 SMALL_LOCAL = {
     "dispatch_async_sync": ((4,), i64, 32, 0),
@@ -290,11 +291,11 @@ def test_dsv3_totals_in_mib():
     # [R, T, H] bf16 received tokens (one buffer: 448 MiB) and two groups of combine partials
     # (896 MiB), plus 4 MiB of routing (ids and weights), 2 MiB of ranks, 4 MiB of combine part
     # flags, 4 MiB of token part flags, 0.25 MiB of slot values and a few KiB; the hierarchical
-    # transport's relay partials (448 MiB) and their flags (4 MiB), its packed chunks for 7
+    # transport's relay partials (392 MiB, 7 senders) and their flags (3.5 MiB), its packed chunks for 7
     # other nodes: staged rows, received rows and staged sums (392 MiB each) and their flags, and
     # its slot values from other nodes (2 MiB) and staged for them (1 MiB).
     layout = BufferLayout(DSV3)
-    assert 2989.30 < layout.symmetric_bytes / MiB < 2989.32
+    assert 2932.80 < layout.symmetric_bytes / MiB < 2932.82
     # combine_stage 448 MiB + expert_x 3584 MiB + token_rows 1 MiB + 5 row arrays of 1 MiB
     # + the sender's 0.125 MiB of staged ranks, 0.22 MiB of packed-row slots and a few KiB
     # + the dense layout's rows (448 MiB), their top-k ids and weights (1 MiB each) and maps (0.25 MiB).
@@ -360,7 +361,10 @@ def test_symmetric_regions_have_leading_group_dimension(case):
         if r.name == "slot_values":  # [G, T, K]: this rank's own tokens' slots (one writer each), no rank axis
             assert r.shape == (2, layout.cfg.max_tokens_per_rank, layout.cfg.top_k), r.shape
             continue
-        if r.name in ("dispatch_tokens", "combine_row_flag", "dispatch_row_flag", "relay_partials", "relay_flag"):
+        if r.name in ("relay_partials", "relay_flag"):  # [X N, T, ...]: a proxy's senders (one PE a node here)
+            assert r.shape[:2] == (layout.cfg.n_ranks - 1, layout.cfg.max_tokens_per_rank), r.shape
+            continue
+        if r.name in ("dispatch_tokens", "combine_row_flag", "dispatch_row_flag"):
             # [R, T, ...], no group axis: one buffer guarded by the credits (the relay's: by the
             # next dispatch's signals); row flags monotonic over calls (call numbers)
             assert r.shape[:2] == (layout.cfg.n_ranks, layout.cfg.max_tokens_per_rank), r.shape
@@ -444,8 +448,8 @@ def test_describe_dsv3_figures():
     assert "896.000" in text          # combine_partials
     assert "3584.000" in text         # expert_x
     assert "392.000" in text          # relay_stage, relay_rows, relay_sums (7 other nodes)
-    # 3,134,523,136 / 2**20 = 2989.3142; 19,748,460,544 / 2**20 = 18833.5996
-    assert "symmetric 2989.314 MiB, local 18833.600 MiB" in text
+    # 3,075,278,592 / 2**20 = 2932.8142; 19,748,460,544 / 2**20 = 18833.5996
+    assert "symmetric 2932.814 MiB, local 18833.600 MiB" in text
 
 
 def test_region_unknown_name_raises_key_error():

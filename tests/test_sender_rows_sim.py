@@ -82,9 +82,11 @@ def test_hierarchical_list_builds_size_the_partials_by_sender_the_mask_builds_by
     assert (region.shape, region.dtype) == ((G, 5, T, H), np.float32), region
 
 
-def test_a_proxy_keeps_its_sources_counts_and_chunk_flags_by_other_node():
+def test_a_proxy_keeps_its_sources_counts_flags_and_partials_by_other_node():
     """``relay_counts [G, X, N, L + 1]`` and ``relay_chunk_flag [X, C]``: a proxy's sources are the
-    PEs of its local index on the X other nodes, a row each (``other_index``), list or mask build."""
+    PEs of its local index on the X other nodes, a row each (``other_index``); its partials
+    ``relay_partials`` / ``relay_flag [X N, T, ...]``, a row per (other node, PE of this node); list
+    or mask build."""
     G, C = 2, -(-20 // RELAY_CHUNK_MIN)
     for R, n_nodes in ((4, 2), (8, 2), (8, 4), (72, 9), (1024, 128)):
         N, X = R // n_nodes, n_nodes - 1
@@ -94,8 +96,10 @@ def test_a_proxy_keeps_its_sources_counts_and_chunk_flags_by_other_node():
             if R > 64 and not overrides:
                 continue  # past 64 ranks every build takes the list
             layout = BufferLayout(cfg, hierarchical_plan(cfg, n_nodes, overrides))
-            shapes = [layout.region(name).shape for name in ("relay_counts", "relay_chunk_flag")]
-            assert shapes == [(G, X, N, L + 1), (X, C)], (R, n_nodes, overrides, shapes)
+            shapes = [layout.region(name).shape[:2] if name.startswith("relay_partials") else layout.region(name).shape
+                      for name in ("relay_counts", "relay_chunk_flag", "relay_partials")]
+            assert shapes == [(G, X, N, L + 1), (X, C), (X * N, 20)], (R, n_nodes, overrides, shapes)
+            assert layout.region("relay_flag").shape[:2] == (X * N, 20), (R, n_nodes, overrides)
 
 
 def test_every_homes_senders_take_its_rows_once_and_a_proxy_puts_where_the_home_reads(monkeypatch):

@@ -183,6 +183,7 @@ def _regions(cfg: EPConfig, plan=None) -> list[Region]:
     DL = "dispatch_land"
     S, Lc = True, False
     pdt, pname = partial_dtype(cfg), partial_format_name(cfg)
+    XN = other_nodes(cfg, plan) * node_pes(plan)  # a proxy's partial senders: a row per (other node, PE here)
     return [
         # -- symmetric: written by peers (and by this rank to itself) -----------------------------
         tokens_region(cfg),
@@ -230,8 +231,8 @@ def _regions(cfg: EPConfig, plan=None) -> list[Region]:
                "[s, t, k]: this rank's value for slot k of token t of rank s of another node, staged for its "
                "put (hierarchical)"),
         # the hierarchical transport's proxies (ep_runtime/kernels/relay.py): [s] is a source of this PE
-        # (a PE of another node with its local index), row node(s) * node_size + j its node's
-        # rows for PE j of this node
+        # (a PE of another node with its local index), x the index of its node among the other nodes;
+        # row x * node_size + j of the partials holds PE j of this node's
         Region("relay_counts", (G, other_nodes(cfg, plan), node_pes(plan), L + 1), i32, 0, S,
                f"{DA} (peers: sources, with the signal)", ("dispatch_relay",),
                "[g, x, j]: the counts row for PE j of this node of the source on the x-th other node "
@@ -239,13 +240,14 @@ def _regions(cfg: EPConfig, plan=None) -> list[Region]:
         Region("relay_signal", (G, R), u64, 0, S, f"{DA} (peers: the sources, last block)", ("dispatch_relay",),
                "[g, s]: (n + 1) << 32 | T once everything of call n from source s for this node has arrived "
                "(hierarchical; monotonic)"),
-        Region("relay_partials", (R, T, H), pdt, 0, S, f"{CA} (node peers)", ("combine_relay",),
-               f"[node(s) node_size + j, t]: PE j's partial for token t of source s ({pname}; hierarchical)"),
+        Region("relay_partials", (XN, T, H), pdt, 0, S, f"{CA} (node peers)", ("combine_relay",),
+               f"[x node_size + j, t]: PE j's partial for token t of the source on the x-th other node ({pname}; "
+               f"hierarchical)"),
         # monotonic (call numbers), no group axis: PE j writes call n + 1's partials only after its
         # dispatch_wait of call n + 1 saw this PE's signal, sent after this PE's relay of call n
-        Region("relay_flag", (R, T, COMBINE_FLAG_PARTS), u64, 0, S, f"{CA} (node peers, each part's warp)",
-               ("combine_relay",), "[node(s) node_size + j, t, p]: n + 1 once part p of PE j's partial for token t "
-               "of source s of call n has arrived (hierarchical)"),
+        Region("relay_flag", (XN, T, COMBINE_FLAG_PARTS), u64, 0, S, f"{CA} (node peers, each part's warp)",
+               ("combine_relay",), "[x node_size + j, t, p]: n + 1 once part p of PE j's partial for token t "
+               "of the source on the x-th other node of call n has arrived (hierarchical)"),
         *relay_regions(cfg, plan, symmetric=True),
         # -- local: counters ------------------------------------------------------------------------
         Region("dispatch_async_sync", (SYNC_LEN,), i64, 0, Lc, DA, (DA, DC, CA, CW),

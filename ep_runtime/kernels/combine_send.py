@@ -93,8 +93,9 @@ def make_combine_async(v: CombineVariant):
 
         The hierarchical transport: a partial for a token whose home is on another node goes to the home's
         proxy on this node (the PE with the home's local index) instead, into its ``relay_partials[row, t]``
-        flagged in ``relay_flag[row, t, p]`` (symmetric [R, Tmax, P W] partial words and [R, Tmax, FLAG_PARTS]
-        uint64; row = the home's node x node_size + this rank's local index), and the proxy sends the node's
+        flagged in ``relay_flag[row, t, p]`` (symmetric [X N, Tmax, P W] partial words and [X N, Tmax, FLAG_PARTS]
+        uint64; row = x N + this rank's local index, x the index of the home's node among the other
+        nodes, N = node_size), and the proxy sends the node's
         sum home (ep_runtime/kernels/relay.py): stored through the proxy's mapping in a stores build
         (``node_stores``), else put.
         """

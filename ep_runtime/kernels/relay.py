@@ -296,9 +296,9 @@ def make_combine_relay(v: CombineVariant):
 
         Symmetric: combine_partials [G, R, Tmax, PW] partial words (a chunk's sums go to ``[g, me, c CH:]`` of
         the source, packed; kept by sender, ``v.partial_slots``, [G, N + X, Tmax, PW] and ``[g, N + x', c
-        CH:]``, x' the index of this node among the source's other nodes), relay_partials [R, Tmax, PW]
-        (``[node(s) node_size + j, t]``: the partial of PE j of this node for token t of source s), relay_flag
-        [R, Tmax, FLAG_PARTS] uint64, relay_sums [X, Tmax, PW] (the sums, packed and staged for their put),
+        CH:]``, x' the index of this node among the source's other nodes), relay_partials [X N, Tmax, PW]
+        (``[x node_size + j, t]``: the partial of PE j of this node for token t of source s, x the index of
+        s's node among the other nodes), relay_flag [X N, Tmax, FLAG_PARTS] uint64, relay_sums [X, Tmax, PW] (the sums, packed and staged for their put),
         combine_chunk_flag [R, C] uint64 ([N + X, C] by sender; ``combine_chunk_flag``); dispatch_topk_ids [G, R, Tmax, K] and dispatch_counts [G, R, L + 1] of the
         call (group g). Local: dispatch_async_sync (the call counter), status int64.
 
@@ -355,7 +355,7 @@ def make_combine_relay(v: CombineVariant):
                             seen_all = 1
                             for q in range(first, first + NODE):
                                 if seen_all == 1 and w0 < w1 and is_held(held, q):
-                                    row = node * NODE + q - first  # PE q's partials of source s's tokens
+                                    row = x * NODE + q - first  # PE q's partials of source s's tokens
                                     if not await_flag(relay_flag[row, t, p:p + 1], q, t, n, timeout_ns, status,
                                                       KERNEL_COMBINE_RELAY, COUNTER_RELAY_FLAG):
                                         seen_all = 0
@@ -370,7 +370,7 @@ def make_combine_relay(v: CombineVariant):
                                     acc[e] = float32(0.0)
                                 for q in range(first, first + NODE):
                                     if is_held(held, q):
-                                        word = relay_partials[node * NODE + q - first, t, w]
+                                        word = relay_partials[x * NODE + q - first, t, w]
                                         for e in range(E):
                                             if F32:
                                                 acc[e] += f32_word_at(word, e)

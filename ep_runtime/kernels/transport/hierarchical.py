@@ -137,8 +137,8 @@ def make_signal(threads: int, node_size: int, signal_near) -> SimpleNamespace:
 
 def make_partials(node_size: int, node_stores: bool, within, dest_slots: int = 0) -> SimpleNamespace:
     """The combine partials: a partial for a home on another node goes to the home's proxy on this
-    node (the PE with the home's local index), into its relay_partials row ``node(s) node_size
-    + local(me)``, flagged in relay_flag; the proxy sums its node's partials (combine_relay).
+    node (the PE with the home's local index), into its relay_partials row ``x node_size
+    + local(me)`` (x: the index of the home's node among the other nodes), flagged in relay_flag; the proxy sums its node's partials (combine_relay).
     Stored (``node_stores``: :func:`make_stored_partials`) or put
     (:func:`make_put_partials`) as the node's transport (``within``) writes: ``home_aligned``,
     ``home_at``, ``finish_part``, ``send_home_part``. A build with destination lists
@@ -154,8 +154,9 @@ def make_partials(node_size: int, node_stores: bool, within, dest_slots: int = 0
     @cuda.jit(device=True)
     def proxy_row(me, s):
         """``(row, proxy)``: where this PE's partial for PE ``s`` of another node goes: its row of
-        the proxy's ``relay_partials`` and the proxy."""
-        return (s // NODE) * NODE + me % NODE, (me // NODE) * NODE + s % NODE
+        the proxy's ``relay_partials`` (``x N + j``: x the index of s's node among the other nodes,
+        j this PE's local index) and the proxy."""
+        return other_index(s // NODE, me // NODE) * NODE + me % NODE, (me // NODE) * NODE + s % NODE
 
     @cuda.jit(device=True)
     def far_of_row(row, s):
