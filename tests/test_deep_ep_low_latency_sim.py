@@ -348,7 +348,8 @@ def torch_rank_main(rank: int, n: int, store: str, out_dir: str) -> None:
         got["after_clean"] = vllm_dbo(buffer, rank, n, T, ue8m0=True)
         got["host_reads"] = host_reads(buffer, rank, n, T)
         got["refused"] = refusals(buffer, deep_ep.Buffer(group, 0), rank, n, T)
-        got["transports"] = sorted({entry.runtime.plan.transport.value for entry in buffer._low_latency.entries.values()})
+        got["transports"] = sorted({entry.runtime.plan.transport.value
+                                    for entry in buffer._low_latency.entries.values()})
         buffer.destroy()
     finally:
         dist.destroy_process_group()

@@ -114,4 +114,5 @@ def test_low_latency_round_trip_over_destination_lists_is_the_reference(R, n_nod
     # the simulator maps every PE of one node (stores unless asked); across nodes the plan puts
     want = plan.get("transport", "stores" if n_nodes == 1 else "puts")
     assert all(got["plan"]["transport"] == want for got in runs), runs[0]["plan"]
-    assert_low_latency_is_the_reference(cfg, scenario, runs, f"{R} ranks on {n_nodes} nodes {changes} {plan} {scenario}")
+    what = f"{R} ranks on {n_nodes} nodes {changes} {plan} {scenario}"
+    assert_low_latency_is_the_reference(cfg, scenario, runs, what)

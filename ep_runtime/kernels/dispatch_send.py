@@ -238,12 +238,14 @@ def make_dispatch_async(v: DispatchVariant):
         (dispatch_send_stage / 8); dispatch_tokens then holds [R, Tmax, MW] messages, dispatch_tokens_u8 their
         uint8 view. A format with a global scale (NVFP4): token_global_scale_u8 [4] uint8, the float32 the
         codec encodes with and sends in every message (empty otherwise). peer_bases [P, R] uint64: the
-        address of each of ``protocol.PEER_REGIONS`` on each PE as mapped here (a stores build). The hierarchical transport (ep_runtime/kernels/relay.py): relay_counts
-        [G, X, node_size, L + 1] int32 and relay_signal [G, R] uint64 symmetric: a proxy gets this rank's counts
-        rows for its node's PEs in ``relay_counts[g, x]`` (x: this node among the proxy's other nodes) with ``relay_signal[g, me]`` (the dispatch
-        signal's value) instead of any signal of this rank; its rows bound there in chunks
-        (the transport's ``send_across``): relay_stage and relay_rows [X, Tmax, W] (X other nodes; token words or
-        messages, symmetric), relay_chunk_flag [X, C] uint64 (symmetric, ``[x, c]``), relay_slot [G, Tmax, X] int32
+        address of each of ``protocol.PEER_REGIONS`` on each PE as mapped here (a stores build). The
+        hierarchical transport (ep_runtime/kernels/relay.py): relay_counts [G, X, node_size, L + 1] int32 and
+        relay_signal [G, R] uint64 symmetric: a proxy gets this rank's counts rows for its node's PEs in
+        ``relay_counts[g, x]`` (x: this node among the proxy's other nodes) with ``relay_signal[g, me]`` (the
+        dispatch signal's value) instead of any signal of this rank; its rows bound there in chunks (the
+        transport's ``send_across``): relay_stage and relay_rows [X, Tmax, W] (X other nodes; token words or
+        messages, symmetric), relay_chunk_flag [X, C] uint64 (symmetric, ``[x, c]``), relay_slot [G, Tmax, X]
+        int32
         (local); empty stand-ins otherwise.
 
         Block 0 first grants every peer this call (``grant_credits``), and no block stores a token row

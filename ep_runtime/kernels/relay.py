@@ -160,10 +160,11 @@ def make_dispatch_relay(v: DispatchVariant):
         Symmetric, as dispatch_async writes them: dispatch_tokens [R, Tmax, W] token words (or FP8 messages),
         dispatch_topk_ids / dispatch_topk_weights / dispatch_ranks [G, R, Tmax, K], dispatch_counts [G, R, L +
         1] int32, dispatch_signal [G, R] uint64, relay_counts [G, X, N, L + 1] int32 ([g, x, j]: the counts row
-        for PE j of this node of the source on the x-th other node; ``N = node_size``), relay_signal [G, R] uint64, dispatch_token_credit [R] uint64,
-        relay_rows [X, Tmax, W] (``[other_index(node(s)), c CH + j]``: the j-th packed row of chunk c of
-        source s) and relay_chunk_flag [X, C] uint64 (``[other_index(node(s)), c]``: n + 1 once it arrived). peer_bases [P, R]
-        uint64: the node's PEs' regions as mapped here (a ``node_stores`` build forwards with stores through
+        for PE j of this node of the source on the x-th other node; ``N = node_size``), relay_signal [G, R]
+        uint64, dispatch_token_credit [R] uint64, relay_rows [X, Tmax, W] (``[other_index(node(s)), c CH + j]``:
+        the j-th packed row of chunk c of source s) and relay_chunk_flag [X, C] uint64 (``[other_index(node(s)),
+        c]``: n + 1 once it arrived). peer_bases [P, R] uint64: the node's PEs' regions as mapped here (a
+        ``node_stores`` build forwards with stores through
         them). Local: dispatch_async_sync (dispatch_async's call counter: this is call ``sync[1] - 1``),
         relay_sync [1] int64 (the launch's ticket), status int64. timeout_ns bounds each wait. reuse_routing
         (int64) nonzero: the call dispatched a kept routing (every rank restored every source's tables): the
@@ -296,10 +297,11 @@ def make_combine_relay(v: CombineVariant):
 
         Symmetric: combine_partials [G, R, Tmax, PW] partial words (a chunk's sums go to ``[g, me, c CH:]`` of
         the source, packed; kept by sender, ``v.partial_slots``, [G, N + X, Tmax, PW] and ``[g, N + x', c
-        CH:]``, x' the index of this node among the source's other nodes), relay_partials [X N, Tmax, PW]
-        (``[x node_size + j, t]``: the partial of PE j of this node for token t of source s, x the index of
-        s's node among the other nodes), relay_flag [X N, Tmax, FLAG_PARTS] uint64, relay_sums [X, Tmax, PW] (the sums, packed and staged for their put),
-        combine_chunk_flag [R, C] uint64 ([N + X, C] by sender; ``combine_chunk_flag``); dispatch_topk_ids [G, R, Tmax, K] and dispatch_counts [G, R, L + 1] of the
+        CH:]``, x' the index of this node among the source's other nodes), relay_partials [X N, Tmax, PW] (``[x
+        node_size + j, t]``: the partial of PE j of this node for token t of source s, x the index of s's node
+        among the other nodes), relay_flag [X N, Tmax, FLAG_PARTS] uint64, relay_sums [X, Tmax, PW] (the sums,
+        packed and staged for their put), combine_chunk_flag [R, C] uint64 ([N + X, C] by sender;
+        ``combine_chunk_flag``); dispatch_topk_ids [G, R, Tmax, K] and dispatch_counts [G, R, L + 1] of the
         call (group g). Local: dispatch_async_sync (the call counter), status int64.
 
         A chunk of ``CH = chunk_tokens(T_s)`` tokens of a source a block in turn: the block ranks the chunk's

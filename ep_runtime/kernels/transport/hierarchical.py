@@ -102,10 +102,10 @@ def make_signal(threads: int, node_size: int, signal_near) -> SimpleNamespace:
                     ranked):
         """Every thread of dispatch_async's last block, after its quiet: when the call sent its
         routing, each proxy first gets this PE's routing rows (ids, weights and, ``ranked``, the
-        ranks) in a put each, quieted; then each proxy gets this PE's counts rows for its node's
-        PEs in ``relay_counts[g, x]`` (x: this node among the proxy's other nodes) with the relay signal ``value`` (the signal alone on a kept
-        routing's call), and each PE of this node the dispatch signal as the node's transport
-        gives it."""
+        ranks) in a put each, quieted; then each proxy gets this PE's counts rows for its node's PEs
+        in ``relay_counts[g, x]`` (x: this node among the proxy's other nodes) with the relay signal
+        ``value`` (the signal alone on a kept routing's call), and each PE of this node the dispatch
+        signal as the node's transport gives it."""
         tid = cuda.threadIdx.x
         R = counts.shape[1]
         if route and T > 0:
@@ -137,9 +137,10 @@ def make_signal(threads: int, node_size: int, signal_near) -> SimpleNamespace:
 
 def make_partials(node_size: int, node_stores: bool, within, dest_slots: int = 0) -> SimpleNamespace:
     """The combine partials: a partial for a home on another node goes to the home's proxy on this
-    node (the PE with the home's local index), into its relay_partials row ``x node_size
-    + local(me)`` (x: the index of the home's node among the other nodes), flagged in relay_flag; the proxy sums its node's partials (combine_relay).
-    Stored (``node_stores``: :func:`make_stored_partials`) or put
+    node (the PE with the home's local index), into its relay_partials row ``x node_size +
+    local(me)`` (x: the index of the home's node among the other nodes), flagged in relay_flag; the
+    proxy sums its node's partials (combine_relay). Stored (``node_stores``:
+    :func:`make_stored_partials`) or put
     (:func:`make_put_partials`) as the node's transport (``within``) writes: ``home_aligned``,
     ``home_at``, ``finish_part``, ``send_home_part``. A build with destination lists
     (``dest_slots`` > 0) keeps a home's partials by sender (``CombineVariant.partial_slots``):
@@ -326,10 +327,11 @@ def make_row_chunks(threads: int, node_size: int, dest_slots: int, pack_row, hol
         with an expert on each other node (``cmask[node]``, bit j: token ``c CH + j``); for each
         such node x (``other_index``) it packs those tokens' rows in token order into
         ``relay_stage[x, c CH:]`` (a warp a row; FP8: messages), notes each token's packed row in
-        ``relay_slot[g, t, x]`` (combine_wait finds the node's sum there), and puts the packed
-        rows to its proxy there in one ``put_signal_nbi_block`` that sets the proxy's
-        ``relay_chunk_flag[x', c]`` to n + 1 (x': this node among the proxy's other nodes). A chunk with no token bound to a node sends it
-        nothing (the proxy ranks the chunk alike and waits for no flag)."""
+        ``relay_slot[g, t, x]`` (combine_wait finds the node's sum there), and puts the packed rows
+        to its proxy there in one ``put_signal_nbi_block`` that sets the proxy's
+        ``relay_chunk_flag[x', c]`` to n + 1 (x': this node among the proxy's other nodes). A chunk
+        with no token bound to a node sends it nothing (the proxy ranks the chunk alike and waits
+        for no flag)."""
         tid = cuda.threadIdx.x
         lane = tid % warp
         wid = tid // warp
