@@ -9,7 +9,8 @@ test with another rank count, on the destination lists the plan takes past 64 ra
 trips are under the ``wide`` marker (15 s to minutes each on 2 cores), which the default run leaves
 out, but for 72 ranks as 9 x 8 logical nodes: ``pytest -m wide tests/test_wide_sim.py`` runs the
 others; the cost guards below run by default. Tiny sizes (hidden 8, two tokens a rank, one call)
-so that a PE costs little more than its process; docs/plans.md, "The simulator at many PEs (#66)", has what such a run costs.
+so that a PE costs little more than its process; docs/plans.md, "The simulator at many PEs (#66)",
+has what such a run costs.
 
 Each PE combines the expert outputs of the batch it received (``testing.wide_round_trip_pe``: no
 PE computes the reference's batches of every rank); the launcher checks every batch and every
