@@ -159,17 +159,33 @@ def slots_pe(session, plan: dict, cfg: EPConfig) -> dict:
                 "shape": rt.layout.region("combine_partials").shape}
 
 
-def want_of(cfg: EPConfig, scenario: str, i: int) -> dict:
-    """Every rank's reference outputs of :func:`round_trips`."""
+def want_of(cfg: EPConfig, scenario: str, i: int, node_size: int = 0) -> dict:
+    """Every rank's reference outputs of :func:`round_trips` (``node_size``: the hierarchical
+    transport's node sums, and no ``reduce=False`` partials, which it refuses)."""
     xs, ids, ws = make_inputs(cfg, scenario, SEED + i)
     refs = reference.dispatch(xs, ids, ws, cfg)
-    ys = [expert_outputs(cfg, refs[s], s) for s in range(cfg.n_ranks)]
+    R, N = cfg.n_ranks, node_size
+    ys = [expert_outputs(cfg, refs[s], s) for s in range(R)]
     dense = reference.dense(xs, ids, ws, cfg)
-    return {"expanded": reference.combine(ys, refs, ids, cfg),
-            "partials": reference.combine(ys, refs, ids, cfg, reduce=False),
-            "compact": reference.combine_rows([compact_rows(cfg, xs, ids, r) for r in range(cfg.n_ranks)], ids, cfg),
-            "dense": reference.combine_dense([dense_rows(cfg, dense[r], r) for r in range(cfg.n_ranks)], dense, ids,
-                                             cfg)}
+    want = {"expanded": reference.combine(ys, refs, ids, cfg, node_size=N),
+            "compact": reference.combine_rows([compact_rows(cfg, xs, ids, r) for r in range(R)], ids, cfg, N),
+            "dense": reference.combine_dense([dense_rows(cfg, dense[r], r) for r in range(R)], dense, ids, cfg, N)}
+    if not N:
+        want["partials"] = reference.combine(ys, refs, ids, cfg, reduce=False)
+    return want
+
+
+def assert_layouts_are_the_reference(cfg: EPConfig, res: list, what: str, node_size: int = 0) -> None:
+    """Every rank's :func:`round_trips` of each of :data:`SCENARIOS` (``res[r]["runs"][scenario]``,
+    two calls) bit for bit :func:`want_of`'s, the second call the first's bits."""
+    for i, scenario in enumerate(SCENARIOS):
+        want = want_of(cfg, scenario, i, node_size)
+        for r in range(cfg.n_ranks):
+            first, again = res[r]["runs"][scenario]
+            for layout, got in first.items():
+                at = f"{what}, {scenario}, rank {r}, {layout}"
+                np.testing.assert_array_equal(got, bits(want[layout][r]), err_msg=at)
+                np.testing.assert_array_equal(again[layout], got, err_msg=f"{at}: the call again")
 
 
 #: (transport, ranks, config changes); the default run keeps the first (CI's time)
@@ -187,11 +203,4 @@ def test_partials_by_slot_combine_bit_for_bit_as_the_reference(transport, R, cha
     S = min(cfg.top_k, R)
     assert all(r["plan"]["dest_list"] and r["plan"]["transport"] == transport for r in res), res[0]["plan"]
     assert all(tuple(r["shape"])[:2] == (2, S) for r in res), res[0]["shape"]
-    for i, scenario in enumerate(SCENARIOS):
-        want = want_of(cfg, scenario, i)
-        for r in range(R):
-            first, again = res[r]["runs"][scenario]
-            for layout, got in first.items():
-                at = f"{transport} at {R} ranks, {changes}, {scenario}, rank {r}, {layout}"
-                np.testing.assert_array_equal(got, bits(want[layout][r]), err_msg=at)
-                np.testing.assert_array_equal(again[layout], got, err_msg=f"{at}: the call again")
+    assert_layouts_are_the_reference(cfg, res, f"{transport} at {R} ranks, {changes}")

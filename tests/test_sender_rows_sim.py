@@ -185,28 +185,11 @@ def test_every_layout_over_the_hierarchical_lists_is_the_reference(node_stores):
     destination lists, 2 x 2 logical nodes: bit for bit the reference's with the node's sums
     (``node_size``), the second call the first's bits. (``reduce=False`` is refused there: the
     proxies sum.)"""
-    from test_partial_slots_sim import SCENARIOS as ROUTINGS, SEED as ROUTING_SEED, bits, compact_rows, dense_rows
-
-    from ep_runtime.core import reference
-    from ep_runtime.testing import expert_outputs, make_inputs
+    from test_partial_slots_sim import assert_layouts_are_the_reference
 
     R, n_nodes, N = 4, 2, 2
     cfg = cfg_of(R, layouts=("expanded", "compact", "dense"))
     res = run_pes(layouts_pe, R, args=(n_nodes, {"dest_list": True, "node_stores": node_stores}, cfg),
                   timeout_s=RUN_TIMEOUT_S)
     assert all(r["plan"]["dest_list"] and r["plan"]["node_size"] == N for r in res), res[0]["plan"]
-    for i, scenario in enumerate(ROUTINGS):
-        xs, ids, ws = make_inputs(cfg, scenario, ROUTING_SEED + i)
-        refs = reference.dispatch(xs, ids, ws, cfg)
-        ys = [expert_outputs(cfg, refs[s], s) for s in range(R)]
-        dense = reference.dense(xs, ids, ws, cfg)
-        want = {"expanded": reference.combine(ys, refs, ids, cfg, node_size=N),
-                "compact": reference.combine_rows([compact_rows(cfg, xs, ids, r) for r in range(R)], ids, cfg, N),
-                "dense": reference.combine_dense([dense_rows(cfg, dense[r], r) for r in range(R)], dense, ids, cfg,
-                                                 N)}
-        for r in range(R):
-            first, again = res[r]["runs"][scenario]
-            for layout, got in first.items():
-                at = f"2 x 2 nodes, node_stores={node_stores}, {scenario}, rank {r}, {layout}"
-                np.testing.assert_array_equal(got, bits(want[layout][r]), err_msg=at)
-                np.testing.assert_array_equal(again[layout], got, err_msg=f"{at}: the call again")
+    assert_layouts_are_the_reference(cfg, res, f"2 x 2 nodes, node_stores={node_stores}", node_size=N)
