@@ -146,14 +146,15 @@ def round_trips(session, rt, cfg: EPConfig, xs, ids, ws, partials: bool = True) 
     return out
 
 
-def slots_pe(session, plan: dict, cfg: EPConfig) -> dict:
-    """Every routing of :data:`SCENARIOS` twice on one runtime under plan overrides ``plan``."""
+def slots_pe(session, plan: dict, cfg: EPConfig, scenarios=SCENARIOS) -> dict:
+    """Each routing of ``scenarios`` (of :data:`SCENARIOS`) twice on one runtime under plan
+    overrides ``plan``."""
     from ep_runtime.core.runtime import EPRuntime
 
     with EPRuntime(cfg, session, plan=plan) as rt:
         runs = {}
-        for i, scenario in enumerate(SCENARIOS):
-            xs, ids, ws = make_inputs(cfg, scenario, SEED + i)
+        for scenario in scenarios:
+            xs, ids, ws = make_inputs(cfg, scenario, SEED + SCENARIOS.index(scenario))
             runs[scenario] = [round_trips(session, rt, cfg, xs, ids, ws) for _ in range(2)]
         return {"runs": runs, "plan": rt.plan.as_dict(),
                 "shape": rt.layout.region("combine_partials").shape}
@@ -176,10 +177,10 @@ def want_of(cfg: EPConfig, scenario: str, i: int, node_size: int = 0) -> dict:
 
 
 def assert_layouts_are_the_reference(cfg: EPConfig, res: list, what: str, node_size: int = 0) -> None:
-    """Every rank's :func:`round_trips` of each of :data:`SCENARIOS` (``res[r]["runs"][scenario]``,
-    two calls) bit for bit :func:`want_of`'s, the second call the first's bits."""
-    for i, scenario in enumerate(SCENARIOS):
-        want = want_of(cfg, scenario, i, node_size)
+    """Every rank's :func:`round_trips` of each routing it ran (``res[r]["runs"][scenario]``, two
+    calls) bit for bit :func:`want_of`'s, the second call the first's bits."""
+    for scenario in res[0]["runs"]:
+        want = want_of(cfg, scenario, SCENARIOS.index(scenario), node_size)
         for r in range(cfg.n_ranks):
             first, again = res[r]["runs"][scenario]
             for layout, got in first.items():
@@ -204,3 +205,15 @@ def test_partials_by_slot_combine_bit_for_bit_as_the_reference(transport, R, cha
     assert all(r["plan"]["dest_list"] and r["plan"]["transport"] == transport for r in res), res[0]["plan"]
     assert all(tuple(r["shape"])[:2] == (2, S) for r in res), res[0]["shape"]
     assert_layouts_are_the_reference(cfg, res, f"{transport} at {R} ranks, {changes}")
+
+
+@pytest.mark.wide
+def test_compact_and_dense_past_64_ranks_are_the_reference():
+    """72 ranks on stores (the plan's destination lists; the receivers' per-source shared arrays
+    past 64 words): the expanded, compact and dense combines and ``reduce=False``, masked slots, a
+    call twice, bit for bit the reference's (about two minutes on 2 cores)."""
+    cfg = cfg_of(72, hidden=8, max_tokens_per_rank=2, top_k=4, wait_timeout_s=600.0)
+    res = run_pes(slots_pe, 72, args=({}, cfg, ("masked",)), timeout_s=900,
+                  heap_bytes=BufferLayout(cfg).symmetric_bytes)
+    assert all(r["plan"]["dest_list"] and r["plan"]["transport"] == "stores" for r in res), res[0]["plan"]
+    assert_layouts_are_the_reference(cfg, res, "72 ranks on stores")
