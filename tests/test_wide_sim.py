@@ -70,6 +70,22 @@ def test_wide_round_trip_on_nodes_of_eight_is_the_reference(R, transport):
         assert_traffic_is_the_model(cfg, runs, [call_inputs(cfg, 0, SEED)[1]], NODE_SIZE, True)
 
 
+@pytest.mark.wide
+@pytest.mark.parametrize("plan", [{"receiver": "land"}, {"receiver": "route_first"},
+                                  {"receiver": "land", "transport": "puts"}],
+                         ids=["land-stores", "route_first-stores", "land-puts"])
+def test_every_receiver_past_64_ranks_is_the_reference(plan):
+    """72 ranks on one node through the landing and route-first receivers (the round trips above
+    take the plan's ``wait``): their per-source shared arrays and scans past 64 sources, exact."""
+    cfg = wide_cfg(72)
+    runs = run_pes(wide_round_trip_pe, 72, args=(1, cfg, plan, SEED), timeout_s=RUN_TIMEOUT_S,
+                   heap_bytes=BufferLayout(cfg).symmetric_bytes)
+    for r, got in enumerate(runs):
+        assert got["plan"]["dest_list"], f"rank {r}: {got['plan']}"
+        assert {k: got["plan"][k] for k in plan} == plan, f"rank {r}: {got['plan']}"
+    assert_calls_are_the_reference(cfg, runs, 1, SEED, f"72 ranks {plan}")
+
+
 def new_modules_pe(session, n_nodes: int, cfg: EPConfig, plan: dict) -> list[str]:
     """The ep_runtime modules this PE imported itself during a round trip (``wide_round_trip_pe``)."""
     import sys
