@@ -24,6 +24,7 @@ import pytest
 from ep_runtime.core import reference
 from ep_runtime.core.config import EPConfig
 from ep_runtime.core.errors import EPInputError, EPStateError, EPTimeoutError
+from ep_runtime.core.layout import BufferLayout
 from ep_runtime.shmem.launch import run_pes
 from ep_runtime.testing import call_inputs, call_layout, expert_outputs, padded_to_capacity
 
@@ -79,9 +80,13 @@ def expected_home_of_call(cfg: EPConfig, rank: int, call: int) -> np.ndarray:
     return want
 
 
-def slot_pe(session, cfg: EPConfig, plan=None) -> list:
+def slot_pe(session, cfg: EPConfig, plan=None, nodes: int = 1) -> list:
+    """:data:`CALLS` calls of slot values and a combine of the same batch, as ``nodes`` logical
+    nodes (1: one node)."""
     from ep_runtime.core.runtime import EPRuntime
 
+    if nodes > 1:
+        session.use_logical_nodes(nodes)
     r, out = session.rank, []
     with EPRuntime(cfg, session, debug=False, plan=plan) as rt:  # (debug mode refuses the planted repeat)
         for call in range(CALLS):
@@ -190,3 +195,25 @@ def test_short_values_are_refused_on_the_device_and_the_peers_time_out_naming_th
                                       f"{res[0]['rows'] - 1} rows but the expert batch has {res[0]['rows']}")
     assert res[1]["error"].startswith("EPTimeoutError: rank 1: slot_values_wait of call 0 timed out"), res[1]
     assert "waiting for rank 0: slot_signal[0][0] expected >= 1, observed 0" in res[1]["error"], res[1]
+
+
+@pytest.mark.wide
+@pytest.mark.parametrize("plan, nodes", [({}, 1), ({}, 9)], ids=["72-stores", "9x8-nodes"])
+def test_slot_values_past_64_ranks_reach_their_slots(plan, nodes):
+    """72 ranks with the plan's destination lists, on one node (stores) and as 9 x 8 logical nodes
+    (the hierarchical transport: slots held on other nodes come through ``slot_across``): every
+    slot value home exactly and the same batch combined exactly after it (a minute or so each on 2
+    cores)."""
+    cfg = cfg_of(72, hidden=8, max_tokens_per_rank=2, wait_timeout_s=600.0)
+    res = run_pes(slot_pe, 72, args=(cfg, plan, nodes), timeout_s=900, heap_bytes=BufferLayout(cfg).symmetric_bytes)
+    for call in range(CALLS):
+        xs, ids, ws = planted_inputs(cfg, call)
+        refs = reference.dispatch(xs, ids, ws, cfg)
+        ys = [expert_outputs(cfg, refs[r], r) for r in range(cfg.n_ranks)]
+        want = reference.combine(ys, refs, ids, cfg, node_size=8 if nodes > 1 else 0)
+        for r in range(cfg.n_ranks):
+            np.testing.assert_array_equal(res[r][call]["home"], expected_home_of_call(cfg, r, call),
+                                          err_msg=f"{nodes} node(s): call {call} rank {r}")
+            np.testing.assert_array_equal(res[r][call]["combined"], want[r].view(np.uint16),
+                                          err_msg=f"{nodes} node(s): call {call} rank {r}: combine")
+
