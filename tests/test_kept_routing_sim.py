@@ -26,6 +26,7 @@ from test_plans_sim import VARIANTS as PLAN_VARIANTS
 from ep_runtime.core import reference
 from ep_runtime.core.config import EPConfig
 from ep_runtime.core.errors import EPInputError, EPStateError
+from ep_runtime.core.layout import BufferLayout
 from ep_runtime.shmem.launch import run_pes
 from ep_runtime.testing import (BATCH_FIELDS, POISON_BF16, assert_batch_is_the_reference, call_inputs, expert_outputs,
                                 make_inputs, make_tokens, padded_to_capacity)
@@ -157,6 +158,22 @@ def test_a_kept_routing_dispatches_new_tokens_as_its_own_dispatch_did(run):
         n = int(per_rank[r][0]["row_offsets"][-1])
         for k in ("row_offsets", "src_rank", "src_token", "src_k", "weight"):
             np.testing.assert_array_equal(per_rank[r][3][k][:n], per_rank[r][0][k][:n], err_msg=f"rank {r}: {k}")
+
+
+@pytest.mark.wide
+@pytest.mark.parametrize("variant, nodes", [("wait", 1), ("hierarchical", 9)], ids=["72-wait", "9x8-hierarchical"])
+def test_a_kept_routing_past_64_ranks_is_exact(variant, nodes, monkeypatch):
+    """72 ranks with the plan's destination lists, on one node and as 9 x 8 logical nodes: the
+    kept routing's dispatches, their slot values and the dispatch after them as at 2 to 4 ranks
+    (the checks above; about a minute each on 2 cores)."""
+    if nodes > 1:
+        monkeypatch.setitem(NODES, variant, nodes)  # the checks' node size (the hierarchical sum order)
+    cfg = cfg_of(72, hidden=8, max_tokens_per_rank=2, wait_timeout_s=600.0)
+    run = (variant, cfg, run_pes(kept_pe, 72, args=(VARIANTS[variant], cfg, False, nodes), timeout_s=900,
+                                 heap_bytes=BufferLayout(cfg).symmetric_bytes))
+    test_a_kept_routing_dispatches_new_tokens_as_its_own_dispatch_did(run)
+    test_slot_values_after_a_reusing_dispatch_come_home(run)
+    test_the_dispatch_after_the_reusing_ones_is_exact(run)
 
 
 def expected_slots(cfg: EPConfig, xs, ids, r: int) -> np.ndarray:
