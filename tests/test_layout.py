@@ -70,10 +70,10 @@ DSV3_SYMMETRIC = {
     # [X N, T, 16] u64: 3,670,016 B; 1,427,379,968 + 411,041,792 = 1,838,421,760
     "relay_flag": ((7, 4096, 16), u64, 3_670_016, 1_838_421_760),
     # the packed chunks, sized for the most other nodes (X = 7) and the most chunks (8 tokens each:
-    # C = 4096 / 8 = 512): [X, T, H] u16: 7 * 4096 * 7168 * 2 = 411,041,792 B;
-    # 1,838,421,760 + 3,670,016 = 1,842,091,776
-    "relay_stage": ((7, 4096, 7168), u16, 411_041_792, 1_842_091_776),
-    # + 411,041,792 = 2,253,133,568
+    # C = 4096 / 8 = 512): the stage [T min(K, X), H] u16 (a token goes to at most min(8, 7) other
+    # nodes): 28672 * 7168 * 2 = 411,041,792 B; 1,838,421,760 + 3,670,016 = 1,842,091,776
+    "relay_stage": ((28672, 7168), u16, 411_041_792, 1_842_091_776),
+    # the proxy's rows [X, T, H] u16: + 411,041,792 = 2,253,133,568
     "relay_rows": ((7, 4096, 7168), u16, 411_041_792, 2_253_133_568),
     # [X, C] u64: 7 * 512 * 8 = 28,672 B; + 411,041,792 = 2,664,175,360
     "relay_chunk_flag": ((7, 512), u64, 28_672, 2_664_175_360),
@@ -185,7 +185,7 @@ SMALL_SYMMETRIC = {
     "relay_signal": ((2, 2), u64, 32, 24832),  # [G, R] u64; 24576 + 40 = 24616 -> 24832
     "relay_partials": ((1, 16, 64), u16, 2048, 25088),  # [X N, T, H] u16, X N = 1: 2048 B; 24832 + 32 -> 25088
     "relay_flag": ((1, 16, 16), u64, 2048, 27136),  # [X N, T, 16] u64: 2048 B; 25088 + 2048 = 27136
-    "relay_stage": ((1, 16, 64), u16, 2048, 29184),  # [X, T, H] u16, X = 1: 2048 B; 27136 + 2048 = 29184
+    "relay_stage": ((16, 64), u16, 2048, 29184),  # [T min(K, X), H] u16, X = 1: 2048 B; 27136 + 2048 = 29184
     "relay_rows": ((1, 16, 64), u16, 2048, 31232),  # 29184 + 2048 = 31232
     "relay_chunk_flag": ((1, 2), u64, 16, 33280),  # [X, C] u64, C = 16 / 8: 16 B; 31232 + 2048 = 33280
     "relay_sums": ((1, 16, 64), u16, 2048, 33536),  # 33280 + 16 -> 33536
@@ -372,8 +372,12 @@ def test_symmetric_regions_have_leading_group_dimension(case):
         if r.name == "slot_stage":  # [R, T, K]: staged for blocking puts, reused every call
             assert r.shape == (layout.cfg.n_ranks, layout.cfg.max_tokens_per_rank, layout.cfg.top_k), r.shape
             continue
-        if r.name in ("relay_stage", "relay_rows", "relay_sums"):  # [X, T, ...]: one buffer per other node
+        if r.name in ("relay_rows", "relay_sums"):  # [X, T, ...]: one buffer per other node
             assert r.shape[1] == layout.cfg.max_tokens_per_rank, r.shape
+            continue
+        if r.name == "relay_stage":  # [T min(K, X), ...]: a chunk's rows for every other node in turn
+            cfg = layout.cfg
+            assert r.shape[0] == cfg.max_tokens_per_rank * min(cfg.top_k, cfg.n_ranks - 1), r.shape
             continue
         if r.name == "combine_chunk_flag":  # [R, C]: monotonic chunk flags
             assert r.shape == (layout.cfg.n_ranks, -(-layout.cfg.max_tokens_per_rank // 8)), r.shape
@@ -447,7 +451,7 @@ def test_describe_dsv3_figures():
     assert "448.000" in text          # dispatch_tokens (and combine_stage)
     assert "896.000" in text          # combine_partials
     assert "3584.000" in text         # expert_x
-    assert "392.000" in text          # relay_stage, relay_rows, relay_sums (7 other nodes)
+    assert "392.000" in text          # relay_stage (min(K, X) = 7 rows a token), relay_rows, relay_sums (7 other nodes)
     # 3,075,278,592 / 2**20 = 2932.8142; 19,748,460,544 / 2**20 = 18833.5996
     assert "symmetric 2932.814 MiB, local 18833.600 MiB" in text
 

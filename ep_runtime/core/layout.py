@@ -429,9 +429,10 @@ def relay_regions(cfg: EPConfig, plan=None, symmetric: bool = True) -> list[Regi
                        "[g, t, x]: the packed row (c CH + j) token t of chunk c took in its chunk to "
                        "the x-th other node, where it is bound there (hierarchical)")]
     return [
-        Region("relay_stage", (X, T, *row), tok.dtype, 0, True, "dispatch_async", ("dispatch_async",),
-               "[x, c CH + j]: this PE's j-th row of chunk c bound for the x-th other node, staged for "
-               "its chunk's put (hierarchical)"),
+        Region("relay_stage", (T * min(cfg.top_k, X), *row), tok.dtype, 0, True, "dispatch_async",
+               ("dispatch_async",), "[c CH KX + b + j], KX = min(K, X): this PE's j-th row of chunk c bound for "
+               "an other node, b its chunk's rows for the nodes before that one, staged for the chunk's put "
+               "(hierarchical; a token goes to at most KX other nodes)"),
         Region("relay_rows", (X, T, *row), tok.dtype, 0, True, "dispatch_async (peers: sources)",
                ("dispatch_relay",), "[x, c CH + j]: the j-th row of chunk c of this PE's source on the "
                "x-th other node (hierarchical)"),

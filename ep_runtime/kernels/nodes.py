@@ -131,7 +131,7 @@ chunk_tokens = cuda.jit(device=True)(relay_chunk_tokens)
 @cuda.jit(device=True)
 def other_index(node, mine):
     """The index of ``node`` among the nodes other than ``mine`` (ascending): where a PE of node
-    ``mine`` keeps what it exchanges with ``node`` (``relay_stage``, ``relay_rows``,
+    ``mine`` keeps what it exchanges with ``node`` (``relay_rows``, the chunk flags,
     ``relay_sums``, ``relay_slot``)."""
     return node if node < mine else node - 1
 

@@ -325,8 +325,10 @@ def make_row_chunks(threads: int, node_size: int, dest_slots: int, pack_row, hol
         """Every thread of a token block: the rows bound for other nodes, a chunk of ``CH =
         chunk_tokens(T)`` consecutive tokens a block in turn. The block ranks the chunk's tokens
         with an expert on each other node (``cmask[node]``, bit j: token ``c CH + j``); for each
-        such node x (``other_index``) it packs those tokens' rows in token order into
-        ``relay_stage[x, c CH:]`` (a warp a row; FP8: messages), notes each token's packed row in
+        such node x (``other_index``) it packs those tokens' rows in token order into its stage
+        ``relay_stage[c CH KX + b:]`` (a warp a row; FP8: messages; ``KX = min(K, X)``, the most
+        other nodes a token goes to, so a chunk's rows for all of them fit ``CH KX`` rows; b: the
+        chunk's rows for the nodes before this one), notes each token's packed row in
         ``relay_slot[g, t, x]`` (combine_wait finds the node's sum there), and puts the packed rows
         to its proxy there in one ``put_signal_nbi_block`` that sets the proxy's
         ``relay_chunk_flag[x', c]`` to n + 1 (x': this node among the proxy's other nodes). A chunk
@@ -339,6 +341,7 @@ def make_row_chunks(threads: int, node_size: int, dest_slots: int, pack_row, hol
         nodes = R // NODE
         g = n % 2
         CH = chunk_tokens(T)
+        KX = min(K, nodes - 1)
         c = cuda.blockIdx.x
         while cuda.blockIdx.x < token_blocks and c * CH < T:  # block-uniform
             for node in range(tid, nodes, threads):
@@ -349,11 +352,13 @@ def make_row_chunks(threads: int, node_size: int, dest_slots: int, pack_row, hol
                 if t < T:
                     mark_nodes(cmask, holders(ids_base + uint64(4 * t * K), K, L, R, ids_l), j, mine, nodes)
             cuda.syncthreads()
+            s0 = c * CH * KX  # the chunk's stage rows; the next node's follow this node's
             for node in range(nodes):
                 mask = cmask[node]
                 if node != mine and mask != uint32(0):
                     x = other_index(node, mine)
                     c0 = c * CH
+                    cnt = popc32(mask)
                     for b in range(CH):
                         if (mask >> uint32(b)) & uint32(1):
                             j = popc32(mask & ((uint32(1) << uint32(b)) - uint32(1)))
@@ -361,13 +366,13 @@ def make_row_chunks(threads: int, node_size: int, dest_slots: int, pack_row, hol
                                 if lane == 0:
                                     relay_slot[g, c0 + b, x] = c0 + j
                                 pack_row(tokens, token_scales, token_global_scale_u8, prequantized, c0 + b,
-                                         relay_stage[x, c0 + j], lane, mbuf, peer_bases, held, lo, hi)
+                                         relay_stage[s0 + j], lane, mbuf, peer_bases, held, lo, hi)
                     cuda.syncthreads()  # the packed rows are written before the block's put reads them
-                    cnt = popc32(mask)
                     shmem.put_signal_nbi_block(relay_rows[other_index(mine, node), c0:c0 + cnt],
-                                               relay_stage[x, c0:c0 + cnt],
+                                               relay_stage[s0:s0 + cnt],
                                                relay_chunk_flag[other_index(mine, node), c:c + 1],
                                                uint64(n + 1), shmem.SIGNAL_SET, node * NODE + me % NODE)
+                    s0 += cnt
             cuda.syncthreads()  # cmask read by every thread before the next chunk clears it
             c += token_blocks
 
