@@ -414,8 +414,8 @@ def test_hidden_not_a_multiple_of_4_is_refused_with_float32_partials(hidden):
 def test_layout_holds_float32_partials_of_twice_the_bytes():
     kw = dict(n_ranks=2, n_experts=4, top_k=2, hidden=12, max_tokens_per_rank=5)
     bf16, f32 = BufferLayout(EPConfig(**kw)), BufferLayout(EPConfig(**kw, combine_dtype="float32"))
-    # (the last two: the hierarchical transport's)
-    partials = ("combine_partials", "combine_stage", "relay_partials", "relay_sums")
+    # (the last three: the hierarchical transport's)
+    partials = ("combine_partials", "combine_stage", "relay_partials", "relay_sums", "combine_sums")
     for name in partials:
         a, b = bf16.region(name), f32.region(name)
         assert (a.dtype, b.dtype) == (np.dtype(np.uint16), np.dtype(np.float32)) and a.shape == b.shape

@@ -81,9 +81,12 @@ DSV3_SYMMETRIC = {
     "relay_sums": ((7, 4096, 7168), u16, 411_041_792, 2_664_204_032),
     # [R, C] u64: 32,768 B; + 411,041,792 = 3,075,245,824
     "combine_chunk_flag": ((8, 512), u64, 32_768, 3_075_245_824),
+    # the proxies' sums kept by sender, as the chunks' rows were staged: [G, T min(K, X), H] u16:
+    # 2 * 28672 * 7168 * 2 = 822,083,584 B; 3,075,245,824 + 32,768 = 3,075,278,592
+    "combine_sums": ((2, 28672, 7168), u16, 822_083_584, 3_075_278_592),
 }
-# 3,075,245,824 + 32,768 = 3,075,278,592 (256-byte aligned)
-DSV3_SYMMETRIC_BYTES = 3_075_278_592
+# 3,075,278,592 + 822,083,584 = 3,897,362,176 (256-byte aligned)
+DSV3_SYMMETRIC_BYTES = 3_897_362_176
 
 DSV3_LOCAL = {
     # [4] i64: 32 B at 0
@@ -190,8 +193,9 @@ SMALL_SYMMETRIC = {
     "relay_chunk_flag": ((1, 2), u64, 16, 33280),  # [X, C] u64, C = 16 / 8: 16 B; 31232 + 2048 = 33280
     "relay_sums": ((1, 16, 64), u16, 2048, 33536),  # 33280 + 16 -> 33536
     "combine_chunk_flag": ((2, 2), u64, 32, 35584),  # 33536 + 2048 = 35584
+    "combine_sums": ((2, 16, 64), u16, 4096, 35840),  # [G, T min(K, X), H] u16: 4096 B; 35584 + 32 -> 35840
 }
-SMALL_SYMMETRIC_BYTES = 35840  # 35584 + 32 -> 35840 (256-byte aligned)
+SMALL_SYMMETRIC_BYTES = 39936  # 35840 + 4096 = 39936 (256-byte aligned)
 
 SMALL_LOCAL = {
     "dispatch_async_sync": ((4,), i64, 32, 0),
@@ -293,9 +297,10 @@ def test_dsv3_totals_in_mib():
     # flags, 4 MiB of token part flags, 0.25 MiB of slot values and a few KiB; the hierarchical
     # transport's relay partials (392 MiB, 7 senders) and their flags (3.5 MiB), its packed chunks for 7
     # other nodes: staged rows, received rows and staged sums (392 MiB each) and their flags, and
-    # its slot values from other nodes (2 MiB) and staged for them (1 MiB).
+    # its slot values from other nodes (2 MiB) and staged for them (1 MiB), and, for its builds that keep
+    # partials by sender, the proxies' sums (784 MiB: a chunk's rows for 7 other nodes in turn).
     layout = BufferLayout(DSV3)
-    assert 2932.80 < layout.symmetric_bytes / MiB < 2932.82
+    assert 3716.80 < layout.symmetric_bytes / MiB < 3716.82
     # combine_stage 448 MiB + expert_x 3584 MiB + token_rows 1 MiB + 5 row arrays of 1 MiB
     # + the sender's 0.125 MiB of staged ranks, 0.22 MiB of packed-row slots and a few KiB
     # + the dense layout's rows (448 MiB), their top-k ids and weights (1 MiB each) and maps (0.25 MiB).
@@ -321,6 +326,7 @@ def test_a_plan_allocates_a_subset_of_every_region_in_the_same_order():
                                       "dispatch_send_counts", "combine_stage", "expert_x", "relay_counts",
                                       "relay_signal", "relay_partials", "relay_flag", "relay_sync", "relay_stage",
                                       "relay_rows", "relay_chunk_flag", "relay_sums", "combine_chunk_flag",
+                                      "combine_sums",
                                       "relay_slot", "slot_across", "slot_stage", "dense_x", "dense_topk_idx",
                                       "dense_topk_weights", "dense_slot", "slot_dense_row", "dense_source_rows",
                                       "batched_x", "batched_counts", "batched_src_token", "batched_layout_range",
@@ -375,9 +381,10 @@ def test_symmetric_regions_have_leading_group_dimension(case):
         if r.name in ("relay_rows", "relay_sums"):  # [X, T, ...]: one buffer per other node
             assert r.shape[1] == layout.cfg.max_tokens_per_rank, r.shape
             continue
-        if r.name == "relay_stage":  # [T min(K, X), ...]: a chunk's rows for every other node in turn
+        if r.name in ("relay_stage", "combine_sums"):  # [(G,) T min(K, X), ...]: a chunk's rows node after node
             cfg = layout.cfg
-            assert r.shape[0] == cfg.max_tokens_per_rank * min(cfg.top_k, cfg.n_ranks - 1), r.shape
+            rows = r.shape[0] if r.name == "relay_stage" else r.shape[1]
+            assert rows == cfg.max_tokens_per_rank * min(cfg.top_k, cfg.n_ranks - 1), r.shape
             continue
         if r.name == "combine_chunk_flag":  # [R, C]: monotonic chunk flags
             assert r.shape == (layout.cfg.n_ranks, -(-layout.cfg.max_tokens_per_rank // 8)), r.shape
@@ -452,8 +459,8 @@ def test_describe_dsv3_figures():
     assert "896.000" in text          # combine_partials
     assert "3584.000" in text         # expert_x
     assert "392.000" in text          # relay_stage (min(K, X) = 7 rows a token), relay_rows, relay_sums (7 other nodes)
-    # 3,075,278,592 / 2**20 = 2932.8142; 19,748,460,544 / 2**20 = 18833.5996
-    assert "symmetric 2932.814 MiB, local 18833.600 MiB" in text
+    # 3,897,362,176 / 2**20 = 3716.8142; 19,748,460,544 / 2**20 = 18833.5996
+    assert "symmetric 3716.814 MiB, local 18833.600 MiB" in text
 
 
 def test_region_unknown_name_raises_key_error():

@@ -1,9 +1,11 @@
-"""Partials by sender under the hierarchical transport (issue #66 step 4, docs/wide_ep.md): a list
-build keeps a token's partials on its home in ``combine_partials [G, N + X, T, H]`` and their flags
-in ``combine_row_flag [N + X, T, parts]`` and ``combine_chunk_flag [N + X, C]`` (``N`` PEs a node,
-``X`` other nodes), not a row a rank: a PE of the home's node writes the row of its local index,
-the proxy of the x-th other node puts a chunk's packed sums into row ``N + x``
-(``nodes.sender_index``), so a proxy's chunk stays one put.
+"""Partials by sender under the hierarchical transport (issue #66 steps 4 and 5, docs/wide_ep.md): a
+list build keeps a token's partials on its home by sender, not a row a rank: a PE of the home's
+node writes row ``combine_partials [G, N, T, H]`` of its local index, and the proxy of the x-th
+other node puts a chunk's sums, one put, where the home staged the chunk's rows for that node
+(``combine_sums [G, T min(K, X), H]``, a chunk's rows for every other node in turn: a token goes to
+at most ``min(K, X)`` other nodes); their flags are ``combine_row_flag [N + X, T, parts]`` and
+``combine_chunk_flag [N + X, C]``, the proxy's in row ``N + x`` (``nodes.sender_index``) (``N``
+PEs a node, ``X`` other nodes).
 
 The layout sizes the regions by the plan (senders for the hierarchical list builds, a row a rank
 for its mask builds); every home's senders take the rows ``[0, N + X)`` once each, and the proxy's
@@ -66,9 +68,10 @@ def test_hierarchical_list_builds_size_the_partials_by_sender_the_mask_builds_by
             assert plan.transport.value == "hierarchical" and plan.node_size == N, plan
             assert plan.combine_variant(cfg).partial_slots == N + X, (R, n_nodes)
             layout = BufferLayout(cfg, plan)
-            shapes = [layout.region(name).shape for name in ("combine_partials", "combine_row_flag",
+            shapes = [layout.region(name).shape for name in ("combine_partials", "combine_sums", "combine_row_flag",
                                                              "combine_chunk_flag")]
-            assert shapes == [(G, N + X, T, H), (N + X, T, F), (N + X, C)], (R, n_nodes, stores, shapes)
+            KX = min(cfg.top_k, X)
+            assert shapes == [(G, N, T, H), (G, T * KX, H), (N + X, T, F), (N + X, C)], (R, n_nodes, stores, shapes)
             if R > 64:
                 continue  # past 64 ranks every build takes the list
             mask = hierarchical_plan(cfg, n_nodes, {"node_stores": stores})
@@ -77,9 +80,12 @@ def test_hierarchical_list_builds_size_the_partials_by_sender_the_mask_builds_by
             shapes = [layout.region(name).shape for name in ("combine_partials", "combine_row_flag",
                                                              "combine_chunk_flag")]
             assert shapes == [(G, R, T, H), (R, T, F), (R, C)], (R, n_nodes, stores, shapes)
+            assert not layout.has("combine_sums")
     f32 = cfg_of(8, combine_dtype="float32")
-    region = BufferLayout(f32, hierarchical_plan(f32, 4, {"dest_list": True})).region("combine_partials")
-    assert (region.shape, region.dtype) == ((G, 5, T, H), np.float32), region
+    layout = BufferLayout(f32, hierarchical_plan(f32, 4, {"dest_list": True}))
+    for name, shape in (("combine_partials", (G, 2, T, H)), ("combine_sums", (G, T * 3, H))):
+        region = layout.region(name)
+        assert (region.shape, region.dtype) == (shape, np.float32), region
 
 
 def test_a_proxy_keeps_its_sources_counts_flags_and_partials_by_other_node():
@@ -131,16 +137,18 @@ def twice_pe(session, n_nodes: int, plan: dict, cfg: EPConfig) -> dict:
         traffic = session.traffic(reset=True)
         again = plan_round_trips(session, rt, cfg, CALLS, SEED, False)
         return {"calls": first, "again": again, "traffic": traffic, "plan": rt.plan.as_dict(),
-                "shape": rt.layout.region("combine_partials").shape}
+                "shape": [rt.layout.region(name).shape[:2] for name in ("combine_partials", "combine_sums")]}
 
 
-#: (ranks, nodes, plan overrides, config changes); the default run keeps the first (CI's time)
+#: (ranks, nodes, plan overrides, config changes); the default run keeps the first two (CI's time):
+#: 2 x 2, and 4 nodes of one PE, where a chunk's proxies find their rows after other nodes' in the
+#: source's stage (``relay.rows_before`` > 0; a token to up to 3 other nodes)
 ALL_RUNS = [
-    (4, 2, {}, {}), (4, 2, {"node_stores": False}, {}), (8, 2, {}, {}), (8, 2, {"node_stores": False}, {}),
+    (4, 2, {}, {}), (4, 4, {}, {}), (4, 2, {"node_stores": False}, {}), (8, 2, {}, {}), (8, 2, {"node_stores": False}, {}),
     (8, 4, {}, {"top_k": 1}), (8, 4, {"node_stores": False}, {"combine_dtype": "float32"}),
     (4, 2, {}, {"combine_dtype": "float32", "top_k": 4}),
 ]
-RUNS = ALL_RUNS[:1] + [pytest.param(*run, marks=pytest.mark.wide) for run in ALL_RUNS[1:]]
+RUNS = ALL_RUNS[:2] + [pytest.param(*run, marks=pytest.mark.wide) for run in ALL_RUNS[2:]]
 
 
 @pytest.mark.parametrize("R, n_nodes, plan, changes", RUNS,
@@ -150,7 +158,8 @@ def test_partials_by_sender_combine_bit_for_bit_as_the_reference(R, n_nodes, pla
     cfg, size = cfg_of(R, **changes), R // n_nodes
     res = run_pes(twice_pe, R, args=(n_nodes, {"dest_list": True, **plan}, cfg), timeout_s=RUN_TIMEOUT_S)
     assert all(r["plan"]["dest_list"] and r["plan"]["node_size"] == size for r in res), res[0]["plan"]
-    assert all(tuple(r["shape"])[:2] == (2, size + n_nodes - 1) for r in res), res[0]["shape"]
+    rows = cfg.max_tokens_per_rank * min(cfg.top_k, n_nodes - 1)  # a chunk's rows for every other node
+    assert all([tuple(x) for x in r["shape"]] == [(2, size), (2, rows)] for r in res), res[0]["shape"]
     what = f"{n_nodes} x {size} logical nodes, partials by sender, {plan} {changes}"
     assert_calls_are_the_reference(cfg, res, CALLS, SEED, what, node_size=size)
     for r, got in enumerate(res):

@@ -58,7 +58,7 @@ VIEWS = {"_u8": np.dtype(np.uint8)}
 #: of 4) and their views hold ``hidden / 2`` words, 2 floats each; the argument types are the same.
 WORD_ARRAYS = frozenset({"tokens", "expert_out", "own_rows", "out", "out_partials", "dispatch_tokens",
                          "combine_partials", "combine_stage", "expert_x", "relay_partials", "relay_stage",
-                         "relay_rows", "relay_sums", "dense_x", "batched_x"})
+                         "relay_rows", "relay_sums", "combine_sums", "dense_x", "batched_x"})
 #: int64 scalar arguments.
 SCALARS = ("pad_multiple", "timeout_ns", "mode", "n_experts", "allow_negative", "use_valid", "prequantized",
            "scales_col_major", "copy_rows", "reuse_routing", "restore", "scales_form")

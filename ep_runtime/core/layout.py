@@ -359,6 +359,7 @@ USED_BY = {
     "relay_rows": _hierarchical,
     "relay_chunk_flag": _hierarchical,
     "relay_sums": _hierarchical,
+    "combine_sums": lambda plan, cfg: _hierarchical(plan, cfg) and plan.partial_slots(cfg) > 0,
     "combine_chunk_flag": _hierarchical,
     "relay_slot": _hierarchical,
     "slot_across": _hierarchical,
@@ -426,8 +427,9 @@ def relay_regions(cfg: EPConfig, plan=None, symmetric: bool = True) -> list[Regi
     senders, index = partial_rows(cfg, plan)
     if not symmetric:
         return [Region("relay_slot", (G, T, X), np.dtype(np.int32), -1, False, "dispatch_async", ("combine_wait",),
-                       "[g, t, x]: the packed row (c CH + j) token t of chunk c took in its chunk to "
-                       "the x-th other node, where it is bound there (hierarchical)")]
+                       "[g, t, x]: where the x-th other node's sum for token t of chunk c comes back: row c CH + j "
+                       "of combine_partials[g, proxy] (j: t's rank among the chunk's tokens bound there), or, kept "
+                       "by sender, c CH KX + b + j of combine_sums[g] (hierarchical)")]
     return [
         Region("relay_stage", (T * min(cfg.top_k, X), *row), tok.dtype, 0, True, "dispatch_async",
                ("dispatch_async",), "[c CH KX + b + j], KX = min(K, X): this PE's j-th row of chunk c bound for "
@@ -444,8 +446,13 @@ def relay_regions(cfg: EPConfig, plan=None, symmetric: bool = True) -> list[Regi
                f"other node ({partial_format_name(cfg)}), staged for its chunk's put (hierarchical)"),
         Region("combine_chunk_flag", (senders, C), u64, 0, True, "combine_relay (peers: proxies)",
                ("combine_wait",), f"[{index}, c]: n + 1 once proxy {index}'s sums of chunk c of my tokens of call n "
-               f"have arrived in combine_partials[g, {index}, c CH:] (hierarchical; monotonic; indexed as "
-               f"combine_partials)"),
+               f"have arrived ({'in combine_sums' if index == 'i' else f'in combine_partials[g, {index}, c CH:]'}; "
+               f"hierarchical; monotonic; rows as combine_row_flag's)"),
+        Region("combine_sums", (G, T * min(cfg.top_k, X), H), pdt, 0, True, "combine_relay (peers: proxies)",
+               ("combine_wait",), f"[g, relay_slot[g, t, x]]: the x-th other node's sum for my token t, at "
+               f"c CH KX + b + j, KX = min(K, X) (the most other nodes a token goes to): chunk c's rows for the "
+               f"nodes before that one (b), then t's rank j among the chunk's tokens bound there, as "
+               f"dispatch_async staged them ({partial_format_name(cfg)}; hierarchical, kept by sender)"),
     ]
 
 
@@ -540,12 +547,11 @@ def combine_partials_region(cfg: EPConfig, plan=None) -> Region:
         return Region("combine_partials", (G, rows, T, H), partial_dtype(cfg), 0, True, "combine_async (peers)",
                       ("combine_wait",), f"[g, j, t]: weighted partial sum over the experts of my token t's j-th "
                       f"destination rank, ascending ({partial_format_name(cfg)})")
-    if index == "i":
-        return Region("combine_partials", (G, rows, T, H), partial_dtype(cfg), 0, True,
-                      "combine_async (peers), combine_relay (proxies)", ("combine_wait",),
-                      f"[g, i, t]: weighted partial sum for my token t from sender i: i < N the PE of my node "
-                      f"with local index i, N + x the proxy of the x-th other node (its chunk's sums packed, "
-                      f"relay_slot) ({partial_format_name(cfg)})")
+    if index == "i":  # the node's PEs; the proxies' sums are combine_sums
+        return Region("combine_partials", (G, node_pes(plan), T, H), partial_dtype(cfg), 0, True,
+                      "combine_async (peers)", ("combine_wait",),
+                      f"[g, i, t]: weighted partial sum for my token t from the PE of my node with local index i "
+                      f"({partial_format_name(cfg)})")
     return Region("combine_partials", (G, rows, T, H), partial_dtype(cfg), 0, True, "combine_async (peers)",
                   ("combine_wait",), f"[g, r, t]: weighted partial sum over rank r's experts for my token t "
                   f"({partial_format_name(cfg)})")

@@ -111,8 +111,8 @@ def make_mask_reduce(threads: int, word: str, f32_partials: bool, epilogue, node
     add_pairs, add_words = adders.add_pairs, adders.add_words
 
     @inlined
-    def reduce_part(out, own_rows, combine_partials, relay_slot, aux, g, me, t, Tmax, R, went, own, pairs, w0, w1,
-                    lane, acc, vals, lo, hi):
+    def reduce_part(out, own_rows, combine_partials, combine_sums, relay_slot, aux, g, me, t, Tmax, R, went, own,
+                    pairs, w0, w1, lane, acc, vals, lo, hi):
         """Every lane of one warp (MODE_REDUCE): token words ``[w0, w1)`` of ``out[t]`` ([T, W]
         words) = bf16(epilogue(sum over the ranks r set in ``went`` (uint64), ascending, of
         f32(partial_r), from 0)). Rank r's partial is row ``partial_row(relay_slot, g, t, r,
@@ -158,7 +158,8 @@ def make_mask_reduce(threads: int, word: str, f32_partials: bool, epilogue, node
             w += UW * warp
 
     @inlined
-    def copy_part(out_partials, own_rows, combine_partials, relay_slot, g, me, t, Tmax, R, went, own, w0, w1, lane):
+    def copy_part(out_partials, own_rows, combine_partials, combine_sums, relay_slot, g, me, t, Tmax, R, went, own, w0,
+                  w1, lane):
         """Every lane of one warp (MODE_PARTIALS): partial words ``[P w0, P w1)`` of each rank's
         partial of token t into ``out_partials[r, t]`` ([R, T, P W] partial words; zero for the
         ranks r not set in ``went``), from where ``reduce_part`` reads them."""
@@ -191,31 +192,36 @@ def make_listed_reduce(threads: int, word: str, f32_partials: bool, epilogue, no
     def listed_row(relay_slot, g, t, r, j, me):
         """``(a, b)``: rank r's partial of token t, r the j-th rank of the token's list, is
         ``combine_partials[g, a, b]``: ``(r, partial_row(...))``, or with ``partial_slots`` ``(j,
-        t)``, with nodes ``(sender_index(me, r), partial_row(...))`` (this rank's own in
-        ``own_rows`` aside)."""
+        t)``, with nodes by sender ``(sender_index(me, r), t)`` for a PE of this node and ``(-1,
+        relay_slot[g, t, x])`` for the proxy of another node, whose sum is ``combine_sums[g, b]``
+        (this rank's own in ``own_rows`` aside)."""
         if BY_SENDER:
-            return sender_index(me, r, node_size), partial_row(relay_slot, g, t, r, me)
+            i = sender_index(me, r, node_size)
+            if i >= node_size:
+                return -1, partial_row(relay_slot, g, t, r, me)
+            return i, t
         if BY_SLOT:
             return j, t
         return r, partial_row(relay_slot, g, t, r, me)
 
     @inlined
-    def sum_listed(own_rows, combine_partials, relay_slot, g, me, t, Tmax, R, went, own, pairs, w, w1, lo, hi, vals,
-                   acc):
+    def sum_listed(own_rows, combine_partials, combine_sums, relay_slot, g, me, t, Tmax, R, went, own, pairs, w, w1,
+                   lo, hi, vals, acc):
         """``sum_mask`` over the ranks of the list ``went`` (int32, count first, ascending:
         ep_runtime/kernels/destinations.py): the same ranks in the same order."""
         for j in range(went[0]):
             r = went[1 + j]
             a, b = listed_row(relay_slot, g, t, r, j, me)
-            src = own_rows[me * Tmax + t] if own and r == me else combine_partials[g, a, b]
+            src = (own_rows[me * Tmax + t] if own and r == me
+                   else combine_sums[g, b] if BY_SENDER and a < 0 else combine_partials[g, a, b])
             if pairs:
                 add_pairs(src, w, w1, lo, hi, acc)
             else:
                 add_words(src, w, w1, vals, acc)
 
     @inlined
-    def reduce_listed_part(out, own_rows, combine_partials, relay_slot, aux, g, me, t, Tmax, R, went, own, pairs,
-                           w0, w1, lane, acc, vals, lo, hi):
+    def reduce_listed_part(out, own_rows, combine_partials, combine_sums, relay_slot, aux, g, me, t, Tmax, R, went,
+                           own, pairs, w0, w1, lane, acc, vals, lo, hi):
         """``reduce_part`` of a build with destination lists: the ranks of the list ``went``
         (int32, count first, ascending), summed in the mask's order."""
         orow = out[t]
@@ -223,8 +229,8 @@ def make_listed_reduce(threads: int, word: str, f32_partials: bool, epilogue, no
         while pairs and w < w1:  # UP partial-word pairs per lane
             for x in range(2 * UPW * pack):
                 acc[x] = float32(0.0)
-            sum_listed(own_rows, combine_partials, relay_slot, g, me, t, Tmax, R, went, own, True, w, w1, lo, hi, vals,
-                       acc)
+            sum_listed(own_rows, combine_partials, combine_sums, relay_slot, g, me, t, Tmax, R, went, own, True, w, w1,
+                       lo, hi, vals, acc)
             for u in range(UPW):
                 wu = w + 2 * u * warp
                 if wu < w1:
@@ -236,8 +242,8 @@ def make_listed_reduce(threads: int, word: str, f32_partials: bool, epilogue, no
         while not pairs and w < w1:  # U partial words per lane
             for x in range(UW * pack):
                 acc[x] = float32(0.0)
-            sum_listed(own_rows, combine_partials, relay_slot, g, me, t, Tmax, R, went, own, False, w, w1, lo, hi, vals,
-                       acc)
+            sum_listed(own_rows, combine_partials, combine_sums, relay_slot, g, me, t, Tmax, R, went, own, False, w, w1,
+                       lo, hi, vals, acc)
             for u in range(UW):
                 wu = w + u * warp
                 if wu < w1:
@@ -248,8 +254,8 @@ def make_listed_reduce(threads: int, word: str, f32_partials: bool, epilogue, no
             w += UW * warp
 
     @inlined
-    def copy_listed_part(out_partials, own_rows, combine_partials, relay_slot, g, me, t, Tmax, R, went, own, w0, w1,
-                         lane):
+    def copy_listed_part(out_partials, own_rows, combine_partials, combine_sums, relay_slot, g, me, t, Tmax, R, went,
+                         own, w0, w1, lane):
         """``copy_part`` of the ranks of the list ``went`` (int32, count first, ascending)."""
         for w in range(P * w0 + lane, P * w1, warp):  # partial words
             j = 0  # the next listed rank
@@ -259,7 +265,8 @@ def make_listed_reduce(threads: int, word: str, f32_partials: bool, epilogue, no
                         out_partials[r, t, w] = own_rows[me * Tmax + t, w]
                     else:
                         a, b = listed_row(relay_slot, g, t, r, j, me)
-                        out_partials[r, t, w] = combine_partials[g, a, b, w]
+                        out_partials[r, t, w] = (combine_sums[g, b, w] if BY_SENDER and a < 0
+                                                 else combine_partials[g, a, b, w])
                     j += 1
                 else:
                     out_partials[r, t, w] = 0

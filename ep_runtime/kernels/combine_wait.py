@@ -133,7 +133,7 @@ def make_combine_wait(threads: int, word: str, f32_partials: bool, pdl: bool, ep
     @kernel_jit(threads)
     def combine_wait(out, out_partials, dispatch_topk_ids, dispatch_counts, combine_partials, dispatch_async_sync,
                      status, mode, timeout_ns, aux, own_rows, combine_row_flag, combine_wait_claims, relay_slot,
-                     combine_chunk_flag):
+                     combine_chunk_flag, combine_sums):
         """Wait for every rank's partials, then reduce them per token in rank order.
 
         MODE_REDUCE: out [T, W] words = bf16(epilogue(sum over ranks r that token t went to, in ascending r,
@@ -160,9 +160,11 @@ def make_combine_wait(threads: int, word: str, f32_partials: bool, pdl: bool, ep
 
         Hierarchical (``node_size`` > 0): the partial of a token from another node is its proxy r's sum, in
         ``combine_partials[g, r, relay_slot[g, t, x]]`` (x: ``other_index`` of r's node; the packed row
-        dispatch_async noted; row ``N + x`` where kept by sender), flagged for the token's whole chunk
-        (``combine_chunk_flag[r, t // chunk_tokens(T)]``); relay_slot [G, Tmax, X] int32, combine_chunk_flag
-        [R, C] uint64 ([N + X, C] by sender) (empty stand-ins otherwise).
+        dispatch_async noted), or kept by sender ``combine_sums[g, relay_slot[g, t, x]]`` ([G, Tmax min(K,
+        X), P W]: the proxies' sums as dispatch_async staged the chunks' rows; combine_partials then [G, N,
+        Tmax, P W]), flagged for the token's whole chunk (``combine_chunk_flag[r, t // chunk_tokens(T)]``);
+        relay_slot [G, Tmax, X] int32, combine_chunk_flag [R, C] uint64 ([N + X, C] by sender) (empty
+        stand-ins otherwise).
         """
         claim = cuda.shared.array(warps, int32)  # each warp's claimed part, then its flags' verdict
         acc = cuda.local.array(ACCW, float32)
@@ -241,11 +243,11 @@ def make_combine_wait(threads: int, word: str, f32_partials: bool, pdl: bool, ep
             if ok == 0:
                 break
             if mode == MODE_REDUCE:
-                reduce_part(out, own_rows, combine_partials, relay_slot, aux, g, me, t, Tmax, R, went, own, pairs, w0,
-                            w1, lane, acc, vals, lo, hi)
+                reduce_part(out, own_rows, combine_partials, combine_sums, relay_slot, aux, g, me, t, Tmax, R, went,
+                            own, pairs, w0, w1, lane, acc, vals, lo, hi)
             else:
-                copy_part(out_partials, own_rows, combine_partials, relay_slot, g, me, t, Tmax, R, went, own, w0, w1,
-                          lane)
+                copy_part(out_partials, own_rows, combine_partials, combine_sums, relay_slot, g, me, t, Tmax, R, went,
+                          own, w0, w1, lane)
         stamp_last(status, 22)
         pdl_wait()  # completes after combine_async (stream order for what follows)
 

@@ -87,6 +87,40 @@ def chunk_mask_listed(cmask, d_ids, g, s, c, CH, T, here, L, R, node_size):
     return mask
 
 
+@cuda.jit(device=True)
+def rows_before(count, d_ids, g, s, c, CH, T, here, L, R, node_size):
+    """Every thread of a block: the rows source s's chunk c of ``CH`` tokens staged for the nodes
+    before node ``here`` other than its own (dispatch_async's ``send_across`` stages a chunk's
+    rows node after node, ascending): a row per token and such node holding one of its experts.
+    ``count``: a shared uint32 [1], free on entry and on return."""
+    own = s // node_size
+    if cuda.threadIdx.x == 0:
+        count[0] = uint32(0)
+    cuda.syncthreads()
+    for j in range(cuda.threadIdx.x, CH, cuda.blockDim.x):
+        t = c * CH + j
+        if t < T:
+            ids = d_ids[g, s, t]
+            rows = uint32(0)
+            for k in range(ids.shape[0]):
+                x = ids[k]
+                if x >= 0 and x < R * L:
+                    node = (x // L) // node_size
+                    first = node < here and node != own  # ... and no earlier slot on the same node
+                    for k2 in range(k):
+                        y = ids[k2]
+                        if y >= 0 and y < R * L and (y // L) // node_size == node:
+                            first = False
+                    if first:
+                        rows += uint32(1)
+            if rows != uint32(0):
+                shared_atomic.add(count, 0, rows)
+    cuda.syncthreads()
+    b = count[0]
+    cuda.syncthreads()  # read by every thread before the next chunk reuses it
+    return b
+
+
 @functools.lru_cache(maxsize=None)
 def make_node_holders(node_size: int, dest_slots: int) -> SimpleNamespace:
     """The relays' view of a token's holders on their node: ``node_set(mine, node_size)`` (the
@@ -292,12 +326,14 @@ def make_combine_relay(v: CombineVariant):
 
     @kernel_jit(threads)
     def combine_relay(combine_partials, relay_partials, relay_flag, relay_sums, combine_chunk_flag, dispatch_topk_ids,
-                      dispatch_counts, dispatch_async_sync, status, timeout_ns):
+                      dispatch_counts, dispatch_async_sync, status, timeout_ns, combine_sums):
         """Sum this node's partials of each source's tokens and send them home, a chunk a put.
 
         Symmetric: combine_partials [G, R, Tmax, PW] partial words (a chunk's sums go to ``[g, me, c CH:]`` of
-        the source, packed; kept by sender, ``v.partial_slots``, [G, N + X, Tmax, PW] and ``[g, N + x', c
-        CH:]``, x' the index of this node among the source's other nodes), relay_partials [X N, Tmax, PW] (``[x
+        the source, packed), or kept by sender (``v.partial_slots``) combine_sums [G, Tmax min(K, X), PW]
+        (``[g, c CH KX + b:]``, KX = min(K, X), b the chunk's rows for the nodes before this one other
+        than the source's: ``rows_before``, where dispatch_async staged the chunk's rows and noted each
+        token's, relay_slot; combine_partials then unused), relay_partials [X N, Tmax, PW] (``[x
         node_size + j, t]``: the partial of PE j of this node for token t of source s, x the index of s's node
         among the other nodes), relay_flag [X N, Tmax, FLAG_PARTS] uint64, relay_sums [X, Tmax, PW] (the sums,
         packed and staged for their put), combine_chunk_flag [R, C] uint64 ([N + X, C] by sender;
@@ -310,7 +346,8 @@ def make_combine_relay(v: CombineVariant):
         relay flag of the part, then sums the holders' partial words in ascending PE order (float32 from 0)
         and rounds the sum to the partial format into ``relay_sums[x, c CH + j]`` (x: ``other_index`` of the
         source's node, j the token's packed row). Then the block puts the chunk's packed sums to the source in
-        one ``put_signal_nbi_block`` setting its ``combine_chunk_flag[me, c]`` (by sender ``[N + x', c]``) to
+        one ``put_signal_nbi_block`` setting its ``combine_chunk_flag[me, c]`` (by sender ``[N + x', c]``, x'
+        the index of this node among the source's other nodes) to
         n + 1; each block quiets its puts at the end (their source is reused by the next call). A flag's
         timeout records this kernel, the holder and the token, and the block stops before its put (the
         source's combine_wait then times out naming this PE).
@@ -327,6 +364,7 @@ def make_combine_relay(v: CombineVariant):
         me = shmem.my_pe()
         R = dispatch_counts.shape[1]
         L = dispatch_counts.shape[2] - 1
+        K = dispatch_topk_ids.shape[3]
         PW = combine_partials.shape[3]
         mine = me // NODE
         first = mine * NODE
@@ -389,9 +427,11 @@ def make_combine_relay(v: CombineVariant):
                         return  # no put: the source's combine_wait times out naming this PE
                     if packed > 0:
                         c0 = c * CH
-                        if BY_SENDER:  # this proxy's row of s's partials: N + the index of this node there
+                        if BY_SENDER:  # where s staged the chunk's rows for this node; flagged in this proxy's row
                             at = NODE + other_index(mine, node)
-                            shmem.put_signal_nbi_block(combine_partials[g, at, c0:c0 + packed],
+                            q0 = c * CH * min(K, R // NODE - 1) + rows_before(cmask, dispatch_topk_ids, g, s, c, CH,
+                                                                             T, mine, L, R, NODE)
+                            shmem.put_signal_nbi_block(combine_sums[g, q0:q0 + packed],
                                                        relay_sums[x, c0:c0 + packed], combine_chunk_flag[at, c:c + 1],
                                                        uint64(n + 1), shmem.SIGNAL_SET, s)
                         else:

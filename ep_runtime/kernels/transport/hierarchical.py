@@ -317,6 +317,9 @@ def make_row_chunks(threads: int, node_size: int, dest_slots: int, pack_row, hol
                 shared_atomic.or_(cmask, node, uint32(1) << uint32(j))
 
     mark_nodes = mark_by_list if dest_slots else mark_by_bits
+    # a constant the compiler prunes on: the list builds keep the home's partials by sender, the
+    # proxies' sums in combine_sums as this stage packs the rows (combine_relay's rows_before)
+    SUMS_PACKED = dest_slots > 0
 
     @inlined
     def send_across(tokens, token_scales, token_global_scale_u8, prequantized, ids_base, relay_stage, relay_rows,
@@ -329,7 +332,9 @@ def make_row_chunks(threads: int, node_size: int, dest_slots: int, pack_row, hol
         ``relay_stage[c CH KX + b:]`` (a warp a row; FP8: messages; ``KX = min(K, X)``, the most
         other nodes a token goes to, so a chunk's rows for all of them fit ``CH KX`` rows; b: the
         chunk's rows for the nodes before this one), notes each token's packed row in
-        ``relay_slot[g, t, x]`` (combine_wait finds the node's sum there), and puts the packed rows
+        ``relay_slot[g, t, x]`` (combine_wait finds the node's sum there: the chunk row ``c CH + j``, or
+        with destination lists the stage row, where combine_relay puts it in ``combine_sums``), and puts the
+        packed rows
         to its proxy there in one ``put_signal_nbi_block`` that sets the proxy's
         ``relay_chunk_flag[x', c]`` to n + 1 (x': this node among the proxy's other nodes). A chunk
         with no token bound to a node sends it nothing (the proxy ranks the chunk alike and waits
@@ -363,8 +368,8 @@ def make_row_chunks(threads: int, node_size: int, dest_slots: int, pack_row, hol
                         if (mask >> uint32(b)) & uint32(1):
                             j = popc32(mask & ((uint32(1) << uint32(b)) - uint32(1)))
                             if j % warps == wid:
-                                if lane == 0:
-                                    relay_slot[g, c0 + b, x] = c0 + j
+                                if lane == 0:  # where the node's sum comes back (combine_sums by sender)
+                                    relay_slot[g, c0 + b, x] = s0 + j if SUMS_PACKED else c0 + j
                                 pack_row(tokens, token_scales, token_global_scale_u8, prequantized, c0 + b,
                                          relay_stage[s0 + j], lane, mbuf, peer_bases, held, lo, hi)
                     cuda.syncthreads()  # the packed rows are written before the block's put reads them
