@@ -63,6 +63,30 @@ def chunk_mask(cmask, d_ids, g, s, c, CH, T, here, L, R):
 
 
 @cuda.jit(device=True)
+def slot_node(x, L, R, node_size):
+    """The node of the PE holding global expert ``x`` (``L`` experts a PE, ``R`` PEs, nodes of
+    ``node_size``), or -1 for a masked or out-of-range slot."""
+    if x >= 0 and x < R * L:
+        return (x // L) // node_size
+    return -1
+
+
+@cuda.jit(device=True)
+def block_count(count, value):
+    """Every thread of a block: the sum of ``value`` (uint32) over the block's threads, through
+    ``count`` (a shared uint32 [1], free on entry and on return; a barrier before and after)."""
+    if cuda.threadIdx.x == 0:
+        count[0] = uint32(0)
+    cuda.syncthreads()
+    if value != uint32(0):
+        shared_atomic.add(count, 0, value)
+    cuda.syncthreads()
+    total = count[0]
+    cuda.syncthreads()  # read by every thread before the next use clears it
+    return total
+
+
+@cuda.jit(device=True)
 def chunk_mask_listed(cmask, d_ids, g, s, c, CH, T, here, L, R, node_size):
     """:func:`chunk_mask` of a build with destination lists: ``here`` is the node's index, and a
     token is in the chunk's mask when one of its experts is on a PE d of it (``d // node_size ==
@@ -76,8 +100,7 @@ def chunk_mask_listed(cmask, d_ids, g, s, c, CH, T, here, L, R, node_size):
             ids = d_ids[g, s, t]
             on = False
             for k in range(ids.shape[0]):
-                x = ids[k]
-                if x >= 0 and x < R * L and (x // L) // node_size == here:
+                if slot_node(ids[k], L, R, node_size) == here:
                     on = True
             if on:
                 shared_atomic.or_(cmask, 0, uint32(1) << uint32(j))
@@ -92,33 +115,22 @@ def rows_before(count, d_ids, g, s, c, CH, T, here, L, R, node_size):
     """Every thread of a block: the rows source s's chunk c of ``CH`` tokens staged for the nodes
     before node ``here`` other than its own (dispatch_async's ``send_across`` stages a chunk's
     rows node after node, ascending): a row per token and such node holding one of its experts.
-    ``count``: a shared uint32 [1], free on entry and on return."""
+    ``count``: a shared uint32 [1] (:func:`block_count`)."""
     own = s // node_size
-    if cuda.threadIdx.x == 0:
-        count[0] = uint32(0)
-    cuda.syncthreads()
+    rows = uint32(0)
     for j in range(cuda.threadIdx.x, CH, cuda.blockDim.x):
         t = c * CH + j
         if t < T:
             ids = d_ids[g, s, t]
-            rows = uint32(0)
             for k in range(ids.shape[0]):
-                x = ids[k]
-                if x >= 0 and x < R * L:
-                    node = (x // L) // node_size
-                    first = node < here and node != own  # ... and no earlier slot on the same node
-                    for k2 in range(k):
-                        y = ids[k2]
-                        if y >= 0 and y < R * L and (y // L) // node_size == node:
-                            first = False
-                    if first:
-                        rows += uint32(1)
-            if rows != uint32(0):
-                shared_atomic.add(count, 0, rows)
-    cuda.syncthreads()
-    b = count[0]
-    cuda.syncthreads()  # read by every thread before the next chunk reuses it
-    return b
+                node = slot_node(ids[k], L, R, node_size)
+                first = node >= 0 and node < here and node != own
+                for k2 in range(k):  # a node counts once a token: at its first slot there
+                    if slot_node(ids[k2], L, R, node_size) == node:
+                        first = False
+                if first:
+                    rows += uint32(1)
+    return block_count(count, rows)
 
 
 @functools.lru_cache(maxsize=None)
