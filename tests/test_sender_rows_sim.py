@@ -140,15 +140,16 @@ def twice_pe(session, n_nodes: int, plan: dict, cfg: EPConfig) -> dict:
                 "shape": [rt.layout.region(name).shape[:2] for name in ("combine_partials", "combine_sums")]}
 
 
-#: (ranks, nodes, plan overrides, config changes); the default run keeps the first two (CI's time):
-#: 2 x 2, and 4 nodes of one PE, where a chunk's proxies find their rows after other nodes' in the
-#: source's stage (``relay.rows_before`` > 0; a token to up to 3 other nodes)
+#: (ranks, nodes, plan overrides, config changes); the default run keeps the first (CI's time): 4
+#: nodes of one PE, where a chunk's proxies find their rows after other nodes' in the source's stage
+#: (``relay.rows_before`` > 0; a token to up to 3 other nodes). test_wide_sim's 9 x 8 round trip
+#: (default too) runs the list builds with 8 PEs a node.
 ALL_RUNS = [
-    (4, 2, {}, {}), (4, 4, {}, {}), (4, 2, {"node_stores": False}, {}), (8, 2, {}, {}), (8, 2, {"node_stores": False}, {}),
+    (4, 4, {}, {}), (4, 2, {}, {}), (4, 2, {"node_stores": False}, {}), (8, 2, {}, {}), (8, 2, {"node_stores": False}, {}),
     (8, 4, {}, {"top_k": 1}), (8, 4, {"node_stores": False}, {"combine_dtype": "float32"}),
     (4, 2, {}, {"combine_dtype": "float32", "top_k": 4}),
 ]
-RUNS = ALL_RUNS[:2] + [pytest.param(*run, marks=pytest.mark.wide) for run in ALL_RUNS[2:]]
+RUNS = ALL_RUNS[:1] + [pytest.param(*run, marks=pytest.mark.wide) for run in ALL_RUNS[1:]]
 
 
 @pytest.mark.parametrize("R, n_nodes, plan, changes", RUNS,
