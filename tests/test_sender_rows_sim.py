@@ -3,18 +3,18 @@ list build keeps a token's partials on its home by sender, not a row a rank: a P
 node writes row ``combine_partials [G, N, T, H]`` of its local index, and the proxy of the x-th
 other node puts a chunk's sums, one put, where the home staged the chunk's rows for that node
 (``combine_sums [G, T min(K, X), H]``, a chunk's rows for every other node in turn: a token goes to
-at most ``min(K, X)`` other nodes); their flags are ``combine_row_flag [N + X, T, parts]`` and
-``combine_chunk_flag [N + X, C]``, the proxy's in row ``N + x`` (``nodes.sender_index``) (``N``
-PEs a node, ``X`` other nodes).
+at most ``min(K, X)`` other nodes); their flags are ``combine_row_flag [N, T, parts]`` (the node's
+PEs) and ``combine_chunk_flag [N + X, C]``, the proxy's in row ``N + x`` (``nodes.sender_index``)
+(``N`` PEs a node, ``X`` other nodes).
 
 The layout sizes the regions by the plan (senders for the hierarchical list builds, a row a rank
 for its mask builds); every home's senders take the rows ``[0, N + X)`` once each, and the proxy's
 row is the one the home reads. Through the real kernels on the simulator, the list forced as 2 x 2,
-2 x 4 and 4 x 2 logical nodes, stores and puts within a node: random routing, a rank without
+2 x 4, 4 x 2 and 4 x 1 logical nodes, stores and puts within a node: random routing, a rank without
 tokens, masked (-1) slots, every token to one expert (expanded and compact layouts), top-k 1 and
 float32 partials, each call twice, batches and combine bit for bit the reference's in the
-hierarchical order, and the traffic the model's. The default run keeps one case (2 x 2, stores);
-``pytest -m wide`` runs the rest.
+hierarchical order, and the traffic the model's. The default run keeps one case (4 x 1: a proxy's
+rows after other nodes' in the stage); ``pytest -m wide`` runs the rest.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def test_hierarchical_list_builds_size_the_partials_by_sender_the_mask_builds_by
             shapes = [layout.region(name).shape for name in ("combine_partials", "combine_sums", "combine_row_flag",
                                                              "combine_chunk_flag")]
             KX = min(cfg.top_k, X)
-            assert shapes == [(G, N, T, H), (G, T * KX, H), (N + X, T, F), (N + X, C)], (R, n_nodes, stores, shapes)
+            assert shapes == [(G, N, T, H), (G, T * KX, H), (N, T, F), (N + X, C)], (R, n_nodes, stores, shapes)
             if R > 64:
                 continue  # past 64 ranks every build takes the list
             mask = hierarchical_plan(cfg, n_nodes, {"node_stores": stores})

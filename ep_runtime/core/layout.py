@@ -524,8 +524,8 @@ def partial_rows(cfg: EPConfig, plan=None) -> tuple[int, str]:
     destination slots (``min(K, R)``, slot j holding the partial of the token's j-th destination
     rank, ascending: ``"j"``); on the hierarchical transport with destination lists, its senders
     (``N + X``: a PE of this node by its local index, the proxy of the x-th other node in row
-    ``N + x``: ``"i"``); else a row a source rank (``R``: ``"r"``; ``plan`` None sizes for every
-    plan: the most rows)."""
+    ``N + x`` of ``combine_chunk_flag``, its sums in ``combine_sums``: ``"i"``); else a row a
+    source rank (``R``: ``"r"``; ``plan`` None sizes for every plan: the most rows)."""
     rows = plan.partial_slots(cfg) if plan is not None else 0
     if not rows:
         return cfg.n_ranks, "r"
@@ -560,8 +560,8 @@ def combine_partials_region(cfg: EPConfig, plan=None) -> Region:
 def combine_row_flag_region(cfg: EPConfig, plan=None) -> Region:
     """``combine_row_flag``: monotonic (call numbers), no group axis: a row of call n + 1 cannot
     come before combine_wait of call n has finished (docs/protocol.md, "Combine rows as they
-    land"); by source rank or destination slot as ``combine_partials`` (:func:`partial_rows`),
-    or with ``combine_weights="home"`` by top-k slot."""
+    land"); by source rank, destination slot or (a PE of the home's node) sender as
+    ``combine_partials`` (:func:`partial_rows`), or with ``combine_weights="home"`` by top-k slot."""
     K, T, u64 = cfg.top_k, cfg.max_tokens_per_rank, np.dtype(np.uint64)
     if cfg.combine_weights == "home":
         return Region("combine_row_flag", (K, T, COMBINE_FLAG_PARTS), u64, 0, True,
@@ -569,8 +569,10 @@ def combine_row_flag_region(cfg: EPConfig, plan=None) -> Region:
                       "[k, t, p]: n + 1 once part p of the row slot k of my token t of call n went to has arrived "
                       "(combine_weights='home')")
     rows, index = partial_rows(cfg, plan)
-    whose = {"j": "my token t's j-th destination rank's partial", "i": "sender i's partial of my token t (i < N: "
-             "the PE of my node with local index i)", "r": "rank r's partial of my token t"}[index]
+    if index == "i":  # the node's PEs flag by row; the proxies flag a chunk (combine_chunk_flag)
+        rows = node_pes(plan)
+    whose = {"j": "my token t's j-th destination rank's partial", "i": "the partial of my token t from the PE of "
+             "my node with local index i", "r": "rank r's partial of my token t"}[index]
     return Region("combine_row_flag", (rows, T, COMBINE_FLAG_PARTS), u64, 0, True, "combine_async (peers, each "
                   "part's warp)", ("combine_wait",), f"[{index}, t, p]: n + 1 once part p of {whose} of call n has "
                   "arrived")
