@@ -248,8 +248,8 @@ class Plan:
         [G, min(K, R), T, H]``, a slot a destination rank); with destination lists on the
         hierarchical transport, its senders, ``N + X`` (a PE of the home's node by its local index
         in ``combine_partials [G, N, T, H]``, the proxy of the x-th other node by ``N + x`` in
-        ``combine_chunk_flag``, its chunk of sums one run of rows of ``combine_sums``); else 0, a row a source rank (the mask builds; the
-        weights at home, already by top-k slot)."""
+        ``combine_chunk_flag``, its chunk of sums one run of rows of ``combine_sums``); else 0, a
+        row a source rank (the mask builds; the weights at home, already by top-k slot)."""
         if not self.dest_slots(cfg) or cfg.combine_weights == "home":
             return 0
         if self.transport is Transport.HIERARCHICAL:

@@ -244,9 +244,8 @@ def make_dispatch_async(v: DispatchVariant):
         ``relay_counts[g, x]`` (x: this node among the proxy's other nodes) with ``relay_signal[g, me]`` (the
         dispatch signal's value) instead of any signal of this rank; its rows bound there in chunks (the
         transport's ``send_across``): relay_stage [Tmax min(K, X), W] and relay_rows [X, Tmax, W] (X other
-        nodes; token words or messages, symmetric), relay_chunk_flag [X, C] uint64 (symmetric, ``[x, c]``), relay_slot [G, Tmax, X]
-        int32
-        (local); empty stand-ins otherwise.
+        nodes; token words or messages, symmetric), relay_chunk_flag [X, C] uint64 (symmetric, ``[x, c]``),
+        relay_slot [G, Tmax, X] int32 (local); empty stand-ins otherwise.
 
         Block 0 first grants every peer this call (``grant_credits``), and no block stores a token row
         into a peer before that peer's credit of call n is seen (``await_credits``, bounded by timeout_ns; on
