@@ -26,7 +26,7 @@ from ep_runtime.kernels.protocol import (COMBINE_FLAG_PARTS, DISPATCH_FLAG_PARTS
                                          STATUS_KERNEL, STATUS_LEN, STATUS_OBSERVED, STATUS_PEER, STATUS_RANK,
                                          SYNC_CALLS, SYNC_LEN, SYNC_ROUTE_TICKET, SYNC_TICKET, TRACE_BASE, TRACE_LEN)
 from ep_runtime.kernels.protocol import signal_value as dispatch_signal_value  # noqa: F401
-from ep_runtime.kernels.protocol import RELAY_CHUNK_MIN
+from ep_runtime.kernels.protocol import RELAY_CHUNK_MIN, relay_stage_rows
 
 #: Byte alignment of every region (a multiple of every dtype and of 16-byte vector access).
 ALIGN = 256
@@ -431,7 +431,7 @@ def relay_regions(cfg: EPConfig, plan=None, symmetric: bool = True) -> list[Regi
                        "of combine_partials[g, proxy] (j: t's rank among the chunk's tokens bound there), or, kept "
                        "by sender, c CH KX + b + j of combine_sums[g] (hierarchical)")]
     return [
-        Region("relay_stage", (T * min(cfg.top_k, X), *row), tok.dtype, 0, True, "dispatch_async",
+        Region("relay_stage", (T * relay_stage_rows(cfg.top_k, X), *row), tok.dtype, 0, True, "dispatch_async",
                ("dispatch_async",), "[c CH KX + b + j], KX = min(K, X): this PE's j-th row of chunk c bound for "
                "an other node, b its chunk's rows for the nodes before that one, staged for the chunk's put "
                "(hierarchical; a token goes to at most KX other nodes)"),
@@ -448,7 +448,7 @@ def relay_regions(cfg: EPConfig, plan=None, symmetric: bool = True) -> list[Regi
                ("combine_wait",), f"[{index}, c]: n + 1 once proxy {index}'s sums of chunk c of my tokens of call n "
                f"have arrived ({'in combine_sums' if index == 'i' else f'in combine_partials[g, {index}, c CH:]'}; "
                f"hierarchical; monotonic; rows as combine_row_flag's)"),
-        Region("combine_sums", (G, T * min(cfg.top_k, X), H), pdt, 0, True, "combine_relay (peers: proxies)",
+        Region("combine_sums", (G, T * relay_stage_rows(cfg.top_k, X), H), pdt, 0, True, "combine_relay (peers: proxies)",
                ("combine_wait",), f"[g, relay_slot[g, t, x]]: the x-th other node's sum for my token t, at "
                f"c CH KX + b + j, KX = min(K, X) (the most other nodes a token goes to): chunk c's rows for the "
                f"nodes before that one (b), then t's rank j among the chunk's tokens bound there, as "

@@ -19,7 +19,7 @@ from ep_runtime.kernels.block import await_flag, await_part
 from ep_runtime.kernels.cuda_api import cuda, uint32, uint64
 from ep_runtime.kernels.destinations import insert_rank
 from ep_runtime.kernels.protocol import (COUNTER_COMBINE_CHUNK, COUNTER_COMBINE_ROW_FLAG, KERNEL_COMBINE_WAIT,
-                                         relay_chunk_tokens)
+                                         relay_chunk_tokens, relay_stage_rows)
 
 #: The nodes a block keeps a mask or count for in shared memory, at least: every build of 64
 #: ranks or fewer keeps this many; wider ones one per node (:func:`node_slots`).
@@ -126,6 +126,9 @@ def holders(ids, L, R):
 #: Tokens a chunk of a batch of T holds (``protocol.relay_chunk_tokens``, compiled: one rule for
 #: the kernels and the host's traffic model).
 chunk_tokens = cuda.jit(device=True)(relay_chunk_tokens)
+#: Stage rows a token can take: one per other node it goes to (``protocol.relay_stage_rows``,
+#: compiled: one rule for the stage's writer, the proxies and the layout).
+stage_rows = cuda.jit(device=True)(relay_stage_rows)
 
 
 @cuda.jit(device=True)

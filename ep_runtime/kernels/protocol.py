@@ -154,6 +154,15 @@ def relay_chunk_tokens(n_tokens):
     return size
 
 
+def relay_stage_rows(top_k, other_nodes):
+    """Stage rows a token can take under the hierarchical transport: one for each other node it
+    goes to, at most ``min(top_k, other_nodes)``. Chunk c of ``CH`` tokens stages its rows for the
+    other nodes, node after node, from row ``c CH relay_stage_rows(...)`` of ``relay_stage`` (and
+    the proxies' sums come home to the same rows of ``combine_sums``). The kernels compile this
+    function (``ep_runtime/kernels/nodes.stage_rows``); the layout sizes both regions by it."""
+    return min(top_k, other_nodes)
+
+
 def signal_value(call: int, n_tokens: int) -> int:
     """The value a source sets dispatch_signal (and dispatch_route_signal) to for (0-based)
     ``call`` with ``n_tokens`` tokens."""

@@ -31,7 +31,8 @@ from ep_runtime.kernels.block import (await_flag, last_block_ticket, part_bounds
                                       warp_geometry, warp_sync)
 from ep_runtime.kernels.cuda_api import cuda, float32, inlined, int32, int64, kernel_jit, shared_atomic, uint32, uint64
 from ep_runtime.kernels.destinations import insert_rank, list_words
-from ep_runtime.kernels.nodes import chunk_tokens, holders, node_bits, node_slots, nth_set_bit, other_index
+from ep_runtime.kernels.nodes import (chunk_tokens, holders, node_bits, node_slots, nth_set_bit, other_index,
+                                      stage_rows)
 from ep_runtime.kernels.partials import flagged_parts, partial_geometry
 from ep_runtime.kernels.protocol import (COUNTER_RELAY_CHUNK, COUNTER_RELAY_FLAG, COUNTER_RELAY_SIGNAL,
                                          COUNTER_TOKEN_CREDIT, ERR_TIMEOUT, KERNEL_COMBINE_RELAY, KERNEL_DISPATCH_RELAY,
@@ -441,8 +442,8 @@ def make_combine_relay(v: CombineVariant):
                         c0 = c * CH
                         if BY_SENDER:  # where s staged the chunk's rows for this node; flagged in this proxy's row
                             at = NODE + other_index(mine, node)
-                            q0 = c * CH * min(K, R // NODE - 1) + rows_before(cmask, dispatch_topk_ids, g, s, c, CH,
-                                                                             T, mine, L, R, NODE)
+                            q0 = c * CH * stage_rows(K, R // NODE - 1) + rows_before(
+                                cmask, dispatch_topk_ids, g, s, c, CH, T, mine, L, R, NODE)
                             shmem.put_signal_nbi_block(combine_sums[g, q0:q0 + packed],
                                                        relay_sums[x, c0:c0 + packed], combine_chunk_flag[at, c:c + 1],
                                                        uint64(n + 1), shmem.SIGNAL_SET, s)

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 from ep_runtime.kernels import shmem
 from ep_runtime.kernels.cuda_api import cuda, inlined, shared_atomic, uint32, uint64
 from ep_runtime.kernels.block import flag_one, flag_part, flag_stored, popc32, publish_fence, warp_geometry, warp_sync
-from ep_runtime.kernels.nodes import chunk_tokens, node_bits, other_index, reaches
+from ep_runtime.kernels.nodes import chunk_tokens, node_bits, other_index, reaches, stage_rows
 from ep_runtime.kernels.protocol import PEER_RELAY_PARTIALS
 from ep_runtime.kernels.transport import puts, stores
 from ep_runtime.kernels.vec import address_of, pairs_aligned
@@ -346,7 +346,7 @@ def make_row_chunks(threads: int, node_size: int, dest_slots: int, pack_row, hol
         nodes = R // NODE
         g = n % 2
         CH = chunk_tokens(T)
-        KX = min(K, nodes - 1)
+        KX = stage_rows(K, nodes - 1)
         c = cuda.blockIdx.x
         while cuda.blockIdx.x < token_blocks and c * CH < T:  # block-uniform
             for node in range(tid, nodes, threads):
